@@ -1,0 +1,1 @@
+"""olp safety layer."""

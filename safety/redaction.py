@@ -1,0 +1,166 @@
+"""PII and secret redaction for everything that leaves the proxy or enters the audit log.
+
+One compiled alternation scans each string once; kinds that need more than a regex (credit
+cards: Luhn; phone numbers: digit count) are confirmed by a validator, and a rejected
+candidate is left as it was. Counts per kind are returned so callers can export metrics.
+"""
+
+from __future__ import annotations
+
+import re
+from collections import Counter
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from safety.config import BUILTIN_REDACTION_KINDS, CustomPattern, RedactionConfig
+
+RedactionCounts = dict[str, int]
+
+
+def luhn_ok(digits: str) -> bool:
+    """The Luhn checksum every payment card number carries."""
+    total = 0
+    for position, char in enumerate(reversed(digits)):
+        value = ord(char) - 48
+        if position % 2 == 1:
+            value *= 2
+            if value > 9:
+                value -= 9
+        total += value
+    return total % 10 == 0
+
+
+def _credit_card_ok(text: str) -> bool:
+    digits = re.sub(r"[ -]", "", text)
+    # Issuer prefixes start with 2-6; this keeps millisecond timestamps and ids out.
+    return (
+        13 <= len(digits) <= 19
+        and digits[0] in "23456"
+        and len(set(digits)) > 1
+        and luhn_ok(digits)
+    )
+
+
+def _phone_ok(text: str) -> bool:
+    digits = sum(c.isdigit() for c in text)
+    return 8 <= digits <= 15
+
+
+@dataclass(frozen=True)
+class _Kind:
+    name: str
+    regex: str
+    validate: Callable[[str], bool] | None = None
+
+
+# Order matters: at one position the first alternative that matches wins, so the more
+# specific formats come before the generic ones (anthropic before openai, jwt before bearer,
+# credit cards before phone numbers).
+_BUILTIN: dict[str, _Kind] = {
+    k.name: k
+    for k in (
+        _Kind(
+            "private_key",
+            r"-----BEGIN (?:[A-Z0-9]+ )*PRIVATE KEY(?: BLOCK)?-----"
+            r"[\s\S]*?-----END (?:[A-Z0-9]+ )*PRIVATE KEY(?: BLOCK)?-----",
+        ),
+        _Kind("jwt", r"\beyJ[A-Za-z0-9_-]{5,}\.eyJ[A-Za-z0-9_-]{5,}\.[A-Za-z0-9_-]{8,}"),
+        _Kind("anthropic_key", r"\bsk-ant-[A-Za-z0-9]{2,10}-[A-Za-z0-9_-]{20,}"),
+        _Kind("openai_key", r"\bsk-(?:proj-|svcacct-|admin-|None-)?[A-Za-z0-9_-]{20,}"),
+        _Kind("aws_access_key", r"\b(?:AKIA|ASIA|ABIA|ACCA|AROA|AIDA)[0-9A-Z]{16}\b"),
+        _Kind(
+            "github_token",
+            r"\b(?:(?:ghp|gho|ghu|ghs|ghr)_[A-Za-z0-9]{36,}|github_pat_[A-Za-z0-9_]{40,})\b",
+        ),
+        _Kind("slack_token", r"\bxox[abposre]-[A-Za-z0-9-]{10,}"),
+        _Kind("google_api_key", r"\bAIza[0-9A-Za-z_-]{35}"),
+        _Kind("bearer_token", r"\b[Bb]earer[ \t]+[A-Za-z0-9._~+/-]{16,}=*"),
+        _Kind("email", r"\b[A-Za-z0-9._%+-]+@[A-Za-z0-9-]+(?:\.[A-Za-z0-9-]+)*\.[A-Za-z]{2,}\b"),
+        _Kind("credit_card", r"(?<![\d.])\d(?:[ -]?\d){12,18}(?!\d|\.\d)", _credit_card_ok),
+        _Kind(
+            "phone",
+            r"(?<![\w+.])(?:\+\d{1,3}[ .-]?(?:\(\d{1,4}\)[ .-]?)?\d{1,4}(?:[ .-]?\d{2,4}){1,4}"
+            r"|\(\d{3}\)[ .-]?\d{3}[ .-]\d{4}|\d{3}[.-]\d{3}[.-]\d{4})(?!\w|\.\d)",
+            _phone_ok,
+        ),
+    )
+}
+assert tuple(_BUILTIN) == BUILTIN_REDACTION_KINDS
+
+
+def replacement_for(kind: str) -> str:
+    return f"[REDACTED:{kind}]"
+
+
+class Redactor:
+    """Replaces PII and secrets in strings and JSON-like objects with `[REDACTED:<kind>]`."""
+
+    def __init__(
+        self,
+        kinds: Iterable[str] = BUILTIN_REDACTION_KINDS,
+        custom_patterns: Iterable[CustomPattern] = (),
+        enabled: bool = True,
+    ) -> None:
+        self.enabled = enabled
+        kinds = list(kinds)
+        unknown = sorted(set(kinds) - set(_BUILTIN))
+        if unknown:
+            raise ValueError(f"unknown redaction kinds: {unknown}")
+        # Custom patterns go first: an operator's pattern is more specific than ours.
+        selected = [_Kind(p.name, p.regex) for p in custom_patterns]
+        selected += [kind for name, kind in _BUILTIN.items() if name in kinds]
+        self.kinds: tuple[str, ...] = tuple(k.name for k in selected)
+        self._group_kind: dict[str, _Kind] = {}
+        parts = []
+        for index, kind in enumerate(selected):
+            group = f"k{index}"
+            self._group_kind[group] = kind
+            parts.append(f"(?P<{group}>{kind.regex})")
+        self._pattern = re.compile("|".join(parts)) if parts else None
+
+    @classmethod
+    def from_config(cls, config: RedactionConfig) -> Redactor:
+        return cls(config.kinds, config.custom_patterns, enabled=config.enabled)
+
+    def redact_text(self, text: str) -> tuple[str, RedactionCounts]:
+        """Return the redacted text and how many matches of each kind were replaced."""
+        if not self.enabled or self._pattern is None or len(text) < 6:
+            return text, {}
+        counts: Counter[str] = Counter()
+
+        def replace(match: re.Match[str]) -> str:
+            kind = self._group_kind[match.lastgroup or ""]
+            found = match.group()
+            if kind.validate is not None and not kind.validate(found):
+                return found
+            counts[kind.name] += 1
+            return replacement_for(kind.name)
+
+        redacted = self._pattern.sub(replace, text)
+        return redacted, dict(counts)
+
+    def redact_obj(self, obj: Any) -> tuple[Any, RedactionCounts]:
+        """Deep-copy a JSON-like structure with every string value redacted (keys are kept)."""
+        counts: Counter[str] = Counter()
+        result = self._walk(obj, counts)
+        return result, dict(counts)
+
+    def _walk(self, obj: Any, counts: Counter[str]) -> Any:
+        if isinstance(obj, str):
+            text, found = self.redact_text(obj)
+            counts.update(found)
+            return text
+        if isinstance(obj, Mapping):
+            return {key: self._walk(value, counts) for key, value in obj.items()}
+        if isinstance(obj, list | tuple):
+            return [self._walk(value, counts) for value in obj]
+        return obj
+
+
+def merge_counts(*all_counts: Mapping[str, int]) -> RedactionCounts:
+    """Sum several count dicts (e.g. request and response redactions of one trajectory)."""
+    total: Counter[str] = Counter()
+    for counts in all_counts:
+        total.update(counts)
+    return dict(total)

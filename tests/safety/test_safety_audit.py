@@ -1,0 +1,244 @@
+"""Audit log: chain integrity, tamper detection, restarts, rotation, concurrent writers."""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+import json
+import subprocess
+import sys
+import textwrap
+import threading
+from pathlib import Path
+
+import pytest
+
+from safety.audit import (
+    GENESIS_HASH,
+    AuditError,
+    AuditLog,
+    canonical_json,
+    format_record,
+    iter_records,
+    record_hash,
+    verify,
+)
+from safety.config import AuditConfig
+from safety.redaction import Redactor
+
+
+def _write_log(path: Path, count: int) -> AuditLog:
+    audit = AuditLog(path)
+    for index in range(count):
+        audit.append("learner", "gate_result", {"candidate": f"policy-v{index}", "passed": True})
+    return audit
+
+
+def _lines(path: Path) -> list[bytes]:
+    return path.read_bytes().splitlines(keepends=True)
+
+
+def test_records_chain_and_hash_canonical_json(tmp_path: Path) -> None:
+    path = tmp_path / "audit" / "audit.jsonl"
+    audit = _write_log(path, 3)
+    records = list(audit.iter_records())
+    assert [r["seq"] for r in records] == [1, 2, 3]
+    assert records[0]["prev_hash"] == GENESIS_HASH
+    for previous, record in itertools.pairwise(records):
+        assert record["prev_hash"] == previous["hash"]
+    body = {k: v for k, v in records[1].items() if k != "hash"}
+    canonical = json.dumps(body, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+    expected = hashlib.sha256(canonical.encode()).hexdigest()
+    assert records[1]["hash"] == expected == record_hash(records[1])
+    assert _lines(path)[0] == canonical_json(records[0]) + b"\n"
+    result = verify(path)
+    assert (result.ok, result.records, result.first_bad_seq) == (True, 3, None)
+    assert verify(path.parent).ok  # a directory means its audit.jsonl
+
+
+def test_edit_any_line_fails_at_its_seq(tmp_path: Path) -> None:
+    path = tmp_path / "audit.jsonl"
+    _write_log(path, 5)
+    pristine = _lines(path)
+    for index in range(5):
+        lines = list(pristine)
+        record = json.loads(lines[index])
+        record["payload"]["passed"] = False
+        lines[index] = json.dumps(record).encode() + b"\n"
+        path.write_bytes(b"".join(lines))
+        result = verify(path)
+        assert not result.ok
+        assert result.first_bad_seq == index + 1, result.reason
+        assert "hash mismatch" in result.reason
+
+
+def test_rehashed_edit_is_caught_by_the_next_link(tmp_path: Path) -> None:
+    path = tmp_path / "audit.jsonl"
+    _write_log(path, 4)
+    lines = _lines(path)
+    record = json.loads(lines[1])
+    record["actor"] = "mallory"
+    record["hash"] = record_hash(record)
+    lines[1] = canonical_json(record) + b"\n"
+    path.write_bytes(b"".join(lines))
+    result = verify(path)
+    assert (result.ok, result.first_bad_seq) == (False, 3)
+    assert "prev_hash" in result.reason
+
+
+def test_delete_any_line_fails_at_its_seq(tmp_path: Path) -> None:
+    path = tmp_path / "audit.jsonl"
+    _write_log(path, 5)
+    pristine = _lines(path)
+    for index in range(5):
+        path.write_bytes(b"".join(pristine[:index] + pristine[index + 1 :]))
+        result = verify(path)
+        assert not result.ok, index
+        assert result.first_bad_seq == index + 1, result.reason
+
+
+def test_insert_a_line_fails_at_that_position(tmp_path: Path) -> None:
+    path = tmp_path / "audit.jsonl"
+    _write_log(path, 4)
+    pristine = _lines(path)
+    forged = dict(json.loads(pristine[1]))
+    forged["payload"] = {"candidate": "policy-v99", "passed": True}
+    forged["hash"] = record_hash(forged)
+    for index, extra in [(2, canonical_json(forged) + b"\n"), (0, pristine[3]), (4, b"{}\n")]:
+        path.write_bytes(b"".join([*pristine[:index], extra, *pristine[index:]]))
+        result = verify(path)
+        assert not result.ok
+        assert result.first_bad_seq == index + 1, result.reason
+
+
+def test_swap_two_lines_fails_at_the_first(tmp_path: Path) -> None:
+    path = tmp_path / "audit.jsonl"
+    _write_log(path, 5)
+    pristine = _lines(path)
+    for first, second in [(0, 1), (1, 3), (3, 4)]:
+        lines = list(pristine)
+        lines[first], lines[second] = lines[second], lines[first]
+        path.write_bytes(b"".join(lines))
+        result = verify(path)
+        assert (result.ok, result.first_bad_seq) == (False, first + 1), result.reason
+
+
+def test_restart_continues_the_chain_and_refuses_a_damaged_tail(tmp_path: Path) -> None:
+    path = tmp_path / "audit.jsonl"
+    _write_log(path, 2)
+    reopened = AuditLog(path)  # a new process or a restart
+    record = reopened.append("operator", "freeze", {"learning": True})
+    assert (record["seq"], record["prev_hash"]) == (3, list(iter_records(path))[1]["hash"])
+    assert verify(path).ok
+    with path.open("ab") as handle:
+        handle.write(b'{"seq": 4, "broken"')
+    with pytest.raises(AuditError, match="incomplete line"):
+        AuditLog(path).append("operator", "unfreeze")
+    assert verify(path).first_bad_seq == 4
+
+
+def test_rotation_chains_across_files(tmp_path: Path) -> None:
+    path = tmp_path / "audit.jsonl"
+    audit = AuditLog(path, rotate_bytes=1024)
+    for index in range(20):
+        audit.append("learner", "promotion", {"version": f"policy-v{index}", "pad": "x" * 100})
+    rotated = sorted(p.name for p in tmp_path.glob("audit.jsonl.[0-9]*"))
+    assert len(rotated) >= 2
+    result = verify(path)
+    assert (result.ok, result.records) == (True, 20)
+    assert len(result.files) == len(rotated) + (1 if path.exists() else 0)
+    assert [r["seq"] for r in iter_records(tmp_path)] == list(range(1, 21))
+    AuditLog(path, rotate_bytes=1024).append("operator", "rollback", {"to": "policy-v3"})
+    assert verify(path).records == 21
+    # Deleting a whole rotated file breaks the chain at its first seq.
+    first_rotated = tmp_path / "audit.jsonl.1"
+    first_seq_of_second = json.loads(_lines(tmp_path / "audit.jsonl.2")[0])["seq"]
+    first_rotated.unlink()
+    assert verify(path).first_bad_seq == 1
+    assert first_seq_of_second > 1
+
+
+def test_payload_never_holds_secrets_or_pii(tmp_path: Path) -> None:
+    path = tmp_path / "audit.jsonl"
+    audit = AuditLog.from_config(AuditConfig(), tmp_path, Redactor())
+    record = audit.append(
+        "admin:ops@example.com",
+        "tenant_training_enabled",
+        {
+            "tenant": "acme",
+            "api_key": "plain-secret-value",
+            "headers": {"Authorization": "Bearer abcdefghijklmnopqrstuvwxyz", "X-Admin-Key": "k"},
+            "note": "reach me at ops@example.com or sk-abcdefghijklmnopqrstuvwxyz1234",
+            "max_tokens": 16,
+            "completion_tokens": 3,
+        },
+    )
+    raw = (tmp_path / "audit" / "audit.jsonl").read_text()
+    for secret in ("plain-secret-value", "abcdefghijklmnopqrstuvwxyz", "ops@example.com"):
+        assert secret not in raw
+    payload = record["payload"]
+    assert payload["api_key"] == "[REDACTED:secret]"
+    assert payload["headers"] == {
+        "Authorization": "[REDACTED:secret]",
+        "X-Admin-Key": "[REDACTED:secret]",
+    }
+    assert payload["max_tokens"] == 16 and payload["completion_tokens"] == 3
+    assert "[REDACTED:email]" in payload["note"] and "[REDACTED:openai_key]" in payload["note"]
+    assert record["actor"] == "admin:[REDACTED:email]"
+    assert path.exists() is False  # from_config writes under <state_dir>/audit/
+
+
+def test_bad_payload_is_rejected_before_writing(tmp_path: Path) -> None:
+    path = tmp_path / "audit.jsonl"
+    audit = _write_log(path, 1)
+    with pytest.raises(ValueError):
+        audit.append("learner", "gate_result", {"kl": float("nan")})
+    with pytest.raises(ValueError, match="actor and event"):
+        audit.append("", "x")
+    assert verify(path).records == 1
+
+
+def test_threads_share_one_chain(tmp_path: Path) -> None:
+    path = tmp_path / "audit.jsonl"
+    audit = AuditLog(path, fsync=False)
+    threads = [
+        threading.Thread(target=lambda: [audit.append("t", "e", {"i": i}) for i in range(25)])
+        for _ in range(4)
+    ]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert verify(path).records == 100
+
+
+def test_two_processes_appending_keep_a_valid_chain(tmp_path: Path) -> None:
+    path = tmp_path / "audit.jsonl"
+    script = textwrap.dedent(
+        f"""
+        import sys
+        from safety.audit import AuditLog
+        log = AuditLog({str(path)!r}, rotate_bytes=4096)
+        for i in range(60):
+            log.append(sys.argv[1], "gate_result", {{"i": i}})
+        """
+    )
+    root = Path(__file__).resolve().parents[2]
+    procs = [
+        subprocess.Popen([sys.executable, "-c", script, name], cwd=root)
+        for name in ("proxy", "learner")
+    ]
+    assert [proc.wait(timeout=120) for proc in procs] == [0, 0]
+    result = verify(path)
+    assert (result.ok, result.records) == (True, 120), result.reason
+    actors = [r["actor"] for r in iter_records(path)]
+    assert actors.count("proxy") == actors.count("learner") == 60
+
+
+def test_format_record_is_one_readable_line(tmp_path: Path) -> None:
+    record = _write_log(tmp_path / "audit.jsonl", 1).append(
+        "operator", "rollback", {"to": "policy-v2", "reason": "canary worse"}
+    )
+    line = format_record(record)
+    assert line.startswith("#2 ") and "operator rollback" in line
+    assert 'to="policy-v2"' in line and "\n" not in line

@@ -1,0 +1,148 @@
+"""Redaction: every kind is caught, ordinary code and prose are left alone."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from safety.config import BUILTIN_REDACTION_KINDS, CustomPattern, RedactionConfig
+from safety.redaction import Redactor, luhn_ok, merge_counts
+
+JWT = (
+    "eyJhbGciOiJIUzI1NiIsInR5cCI6IkpXVCJ9.eyJzdWIiOiIxMjM0NTY3ODkwIn0."
+    "dozjgNryP4J3jVmNHl0w5N_XgL0n3I9PlFUP0THsR8U"
+)
+PEM = (
+    "-----BEGIN OPENSSH PRIVATE KEY-----\n"
+    "b3BlbnNzaC1rZXktdjEAAAAABG5vbmUAAAAEbm9uZQAAAAAAAAABAAAAMwAAAAtzc2gtZW\n"
+    "-----END OPENSSH PRIVATE KEY-----"
+)
+
+CASES: list[tuple[str, str, str]] = [
+    ("email", "write to jane.doe+olp@example.co.uk today", "jane.doe+olp@example.co.uk"),
+    ("phone", "call +1 415 555 0100 now", "+1 415 555 0100"),
+    ("phone", "office (415) 555-0100.", "(415) 555-0100"),
+    ("phone", "cell 415-555-0199 please", "415-555-0199"),
+    ("phone", "London +44 20 7946 0958", "+44 20 7946 0958"),
+    ("credit_card", "card 4111 1111 1111 1111 exp 12/30", "4111 1111 1111 1111"),
+    ("credit_card", "amex 378282246310005", "378282246310005"),
+    ("credit_card", "mc 5555-5555-5555-4444", "5555-5555-5555-4444"),
+    ("openai_key", "OPENAI_API_KEY=sk-proj-Abc123def456GHI789jkl012MNO345", "sk-proj-Abc123def456"),
+    ("openai_key", "key sk-abcdefghijklmnopqrstuvwxyzABCD1234", "sk-abcdefghijklmnop"),
+    ("anthropic_key", "sk-ant-api03-AbCdEfGhIjKlMnOpQrStUvWxYz0123456789-xyz", "sk-ant-api03"),
+    ("aws_access_key", "aws_access_key_id = AKIAIOSFODNN7EXAMPLE", "AKIAIOSFODNN7EXAMPLE"),
+    ("github_token", "token ghp_" + "A1b2C3d4E5" * 4, "ghp_A1b2C3d4E5"),
+    ("github_token", "gho_" + "z" * 36 + " used", "gho_zzzz"),
+    ("github_token", "github_pat_11ABCDEFG0" + "x" * 60, "github_pat_11ABCDEFG0"),
+    ("slack_token", "SLACK=xoxb-1234567890-0987654321-AbCdEfGhIjKl", "xoxb-1234567890"),
+    ("google_api_key", "maps key AIzaSyA1b2C3d4E5f6G7h8I9j0K1l2M3n4O5p6Q", "AIzaSyA1b2C3d4"),
+    ("jwt", f"session={JWT};", JWT[:40]),
+    ("bearer_token", "Authorization: Bearer abc123DEF456ghi789.jkl", "abc123DEF456ghi789"),
+    ("private_key", f"here is my key\n{PEM}\nthanks", "b3BlbnNzaC1rZXkt"),
+]
+
+
+@pytest.mark.parametrize(("kind", "text", "secret"), CASES)
+def test_each_kind_is_redacted(kind: str, text: str, secret: str) -> None:
+    redacted, counts = Redactor().redact_text(text)
+    assert secret not in redacted
+    assert f"[REDACTED:{kind}]" in redacted
+    assert counts == {kind: 1}
+
+
+def test_every_builtin_kind_has_a_case() -> None:
+    assert {kind for kind, _, _ in CASES} == set(BUILTIN_REDACTION_KINDS)
+
+
+CLEAN_SAMPLES = [
+    "def add(a: int, b: int) -> int:\n    return a + b  # 17 + 25 = 42\n",
+    "for i in range(1000000):\n    total += values[i] * 3.14159265358979\n",
+    "ts = 1732912345678  # ms since epoch; id 9876543210123",
+    "Commit 4b825dc642cb6eb9a060e54bf8d69288fbee4904 fixed issue #12345.",
+    "Version 2.13.0+cpu, listen on 127.0.0.1:8100, see RFC 7231 section 6.5.1.",
+    "uuid 3f2504e0-4f89-11d3-9a0c-0305e82c3301 and sha256 e3b0c44298fc1c149afbf4c8996fb924",
+    "The token count was 1234 and max_tokens=16; a task-skeleton named sk-learn.",
+    "@decorator\nclass Foo:\n    email_field = 'email'\n    phone = None\n",
+    "Call me maybe. The answer is 42, or 3.5 million dollars in 2024-11-29.",
+    "x = np.array([1, 2, 3]) + 10**12; y = -1234567.89",
+    "Bearer tokens go in the Authorization header.",
+]
+
+
+@pytest.mark.parametrize("text", CLEAN_SAMPLES)
+def test_no_false_positive_on_ordinary_code_and_text(text: str) -> None:
+    assert Redactor().redact_text(text) == (text, {})
+
+
+def test_luhn_rejects_near_miss_card_numbers() -> None:
+    assert luhn_ok("4111111111111111")
+    assert not luhn_ok("4111111111111112")
+    text = "order 4111 1111 1111 1112 shipped"
+    assert Redactor().redact_text(text) == (text, {})
+
+
+def test_redact_obj_walks_messages_tool_calls_and_metadata_without_mutating() -> None:
+    body = {
+        "model": "policy",
+        "messages": [
+            {"role": "system", "content": "be brief"},
+            {"role": "user", "content": [{"type": "text", "text": "mail bob@example.com"}]},
+            {
+                "role": "assistant",
+                "tool_calls": [
+                    {
+                        "id": "call_1",
+                        "type": "function",
+                        "function": {
+                            "name": "send",
+                            "arguments": json.dumps({"to": "alice@example.org", "n": 2}),
+                        },
+                    }
+                ],
+            },
+        ],
+        "metadata": {"note": "card 4111111111111111", "tags": ["x", "+1 415 555 0100"]},
+        "max_tokens": 16,
+        "temperature": 0.0,
+        "stream": False,
+    }
+    original = json.loads(json.dumps(body))
+    redacted, counts = Redactor().redact_obj(body)
+    assert body == original
+    assert counts == {"email": 2, "credit_card": 1, "phone": 1}
+    assert redacted["messages"][1]["content"][0]["text"] == "mail [REDACTED:email]"
+    arguments = json.loads(redacted["messages"][2]["tool_calls"][0]["function"]["arguments"])
+    assert arguments == {"to": "[REDACTED:email]", "n": 2}
+    assert redacted["metadata"]["tags"] == ["x", "[REDACTED:phone]"]
+    assert redacted["max_tokens"] == 16 and redacted["stream"] is False
+
+
+def test_custom_patterns_and_disabled_kinds() -> None:
+    config = RedactionConfig(
+        kinds=["email"],
+        custom_patterns=[CustomPattern(name="ticket", regex=r"\bACME-\d{4,}\b")],
+    )
+    redactor = Redactor.from_config(config)
+    text = "ACME-12345 from a@b.io, card 4111111111111111"
+    assert redactor.redact_text(text) == (
+        "[REDACTED:ticket] from [REDACTED:email], card 4111111111111111",
+        {"ticket": 1, "email": 1},
+    )
+    off = Redactor.from_config(RedactionConfig(enabled=False))
+    assert off.redact_text(text) == (text, {})
+
+
+def test_bad_config_is_rejected_with_a_clear_error() -> None:
+    with pytest.raises(ValueError, match="invalid regular expression"):
+        CustomPattern(name="bad", regex="(unclosed")
+    with pytest.raises(ValueError, match="empty string"):
+        CustomPattern(name="empty", regex="a*")
+    with pytest.raises(ValueError, match="unknown redaction kinds"):
+        RedactionConfig(kinds=["emails"])
+    with pytest.raises(ValueError, match="not built-in"):
+        RedactionConfig(custom_patterns=[CustomPattern(name="email", regex="x+")])
+
+
+def test_merge_counts() -> None:
+    assert merge_counts({"email": 1}, {"email": 2, "jwt": 1}, {}) == {"email": 3, "jwt": 1}

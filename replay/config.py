@@ -1,0 +1,52 @@
+"""Typed configuration of the `stream` section: broker, topics, producer queue, spill, consumer."""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, ConfigDict, Field
+
+_DAY_MS = 24 * 3600 * 1000
+
+
+class StreamConfig(BaseModel):
+    """Everything the data layer needs; every field defaulted so the embedded stack runs as is."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    # Broker and topics.
+    bootstrap_servers: str = "127.0.0.1:9092"
+    topic_prefix: str = Field(default="olp", min_length=1, pattern=r"^[A-Za-z0-9._-]+$")
+    partitions: int = Field(default=4, ge=1)
+    replication_factor: int = Field(default=1, ge=1)
+    retention_ms: int = Field(default=7 * _DAY_MS, ge=-1)
+    bootstrap_timeout_ms: int = Field(default=3_000, ge=100)
+
+    # Producer: bounded in-memory queue drained by one background thread.
+    queue_size: int = Field(default=10_000, ge=1)
+    producer_batch_records: int = Field(default=500, ge=1)
+    linger_ms: int = Field(default=5, ge=0)
+    batch_size_bytes: int = Field(default=256 * 1024, ge=1024)
+    max_request_size_bytes: int = Field(default=8 * 1024 * 1024, ge=1024)
+    compression_type: str | None = None
+    request_timeout_ms: int = Field(default=5_000, ge=100)
+    delivery_timeout_ms: int = Field(default=10_000, ge=200)
+    max_block_ms: int = Field(default=5_000, ge=100)
+    idempotence: bool = True
+    reconnect_backoff_s: float = Field(default=1.0, gt=0)
+    close_timeout_s: float = Field(default=10.0, ge=0)
+
+    # Durable spill under <state_dir>/<spill_dir_name>/.
+    spill_dir_name: str = Field(default="spill", min_length=1)
+    spill_max_bytes: int = Field(default=1024 * 1024 * 1024, ge=1024)
+    spill_segment_bytes: int = Field(default=8 * 1024 * 1024, ge=1024)
+
+    # Consumer.
+    dlq_max_ratio: float = Field(default=0.2, ge=0, le=1)
+    dlq_window_records: int = Field(default=500, ge=1)
+    dlq_min_records: int = Field(default=20, ge=1)
+    join_window_s: float = Field(default=30.0, ge=0)
+    join_grace_s: float = Field(default=2.0, ge=0)
+    orphan_feedback_ttl_s: float = Field(default=600.0, ge=0)
+    dedup_lookback_records: int = Field(default=10_000, ge=0)
+    closed_trajectory_memory: int = Field(default=200_000, ge=1)
+    poll_max_records: int = Field(default=1_000, ge=1)
+    fetch_max_bytes: int = Field(default=50 * 1024 * 1024, ge=1024)

@@ -1,0 +1,126 @@
+"""Typed configuration of the learner (the `learner` section of the olp config).
+
+Every field has a default so the embedded stack runs with no edits.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+
+class VerifierSpec(BaseModel):
+    """One pluggable reward function, selected by import path (`module:function`)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    path: str = "learner.rewards.verifiers:exact_match"
+    weight: float = 1.0
+    timeout_s: float = Field(default=2.0, gt=0)
+    params: dict[str, Any] = Field(default_factory=dict)
+    tasks: list[str] | None = None  # only run on trajectories whose `task` is listed
+
+
+class JudgeConfig(BaseModel):
+    """The generative reward model: an LLM judge behind an OpenAI-compatible endpoint."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    enabled: bool = False
+    base_url: str | None = None  # None: the policy server the learner is told about
+    api_key: str = "EMPTY"
+    model: str = "base"
+    rubric: str = "The reply is correct, follows the user's instructions exactly, and is concise."
+    timeout_s: float = Field(default=20.0, gt=0)
+    retries: int = Field(default=1, ge=0)
+    cache_size: int = Field(default=4096, ge=0)
+    max_chars: int = Field(default=2000, gt=0)  # prompt/reply text shown to the judge
+    rank_groups: bool = True  # ask for a relative ranking when a group has several replies
+    concurrency: int = Field(default=4, ge=1)
+
+
+class FeedbackValues(BaseModel):
+    """Reward value of each explicit feedback kind (`score` passes its value through)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    accept: float = 0.75
+    reject: float = -0.25
+    thumbs_up: float = 0.5
+    thumbs_down: float = -0.5
+    edit_kept: float = 0.5
+    test_pass: float = 1.0
+    test_fail: float = -0.5
+
+
+class RewardWeights(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    feedback: float = 1.0
+    verifiers: float = 1.0
+    judge: float = 0.5
+
+
+class RewardConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    weights: RewardWeights = Field(default_factory=RewardWeights)
+    feedback_values: FeedbackValues = Field(default_factory=FeedbackValues)
+    verifiers: list[VerifierSpec] = Field(default_factory=list)
+    judge: JudgeConfig = Field(default_factory=JudgeConfig)
+
+
+class LearnerConfig(BaseModel):
+    """LoRA, objective, batching, checkpointing and reward settings of the learner."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    enabled: bool = True
+    base_model_dir: str | None = None  # None: the policy's prepared model dir
+    # LoRA
+    lora_rank: int = Field(default=16, gt=0)
+    lora_alpha: float = Field(default=32.0, gt=0)
+    lora_dropout: float = Field(default=0.0, ge=0, lt=1)
+    target_modules: list[str] = Field(
+        default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"]
+    )
+    # optimisation
+    lr: float = Field(default=5e-4, gt=0)
+    weight_decay: float = Field(default=0.0, ge=0)
+    warmup_steps: int = Field(default=0, ge=0)
+    dtype: Literal["fp32", "bf16"] = "fp32"
+    grad_clip: float | None = Field(default=1.0, gt=0)
+    micro_batch_size: int = Field(default=8, gt=0)
+    updates_per_batch: int = Field(default=1, ge=1)  # optimizer steps on each batch
+    seed: int = 0
+    # batch trigger: a step when N ready, or T seconds passed with at least M
+    batch_size: int = Field(default=32, gt=0)
+    batch_timeout_s: float = Field(default=30.0, gt=0)
+    min_batch: int = Field(default=8, gt=0)
+    # objective
+    importance_cap: float = Field(default=2.0, gt=0)
+    ppo_clip_eps: float | None = Field(default=None, gt=0, lt=1)
+    kl_coef: float = Field(default=0.02, ge=0)
+    max_staleness: int = Field(default=4, ge=0)
+    normalize_advantages: bool = True  # divide group advantages by the group's std
+    baseline_decay: float = Field(default=0.9, ge=0, lt=1)
+    tenant_share_cap: float | None = Field(default=0.5, gt=0, le=1)
+    user_share_cap: float | None = Field(default=0.25, gt=0, le=1)
+    # progress / bookkeeping
+    progress_interval_s: float = Field(default=5.0, gt=0)
+    max_event_ids_in_meta: int = Field(default=2048, ge=0)
+    rewards: RewardConfig = Field(default_factory=RewardConfig)
+
+    @model_validator(mode="after")
+    def _min_batch_fits(self) -> LearnerConfig:
+        if self.min_batch > self.batch_size:
+            raise ValueError("min_batch must not exceed batch_size")
+        return self
+
+    def config_hash(self) -> str:
+        """Stable hash of the settings that shape the weights (recorded in adapter metadata)."""
+        payload = json.dumps(self.model_dump(mode="json"), sort_keys=True)
+        return hashlib.sha256(payload.encode()).hexdigest()

@@ -1,0 +1,259 @@
+"""The RL objective: sample selection, advantages and the token-level policy-gradient loss.
+
+Pure functions over `Sample`s and tensors so each rule can be unit-tested with exact counts.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections import Counter
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+_VERSION = re.compile(r"^policy-v(\d+)$")
+
+
+@dataclass
+class Sample:
+    """One trainable completion: exact recorded token ids and sampling logprobs."""
+
+    key: str  # "<trajectory_id>:<choice_index>"
+    event_id: str
+    prompt_ids: list[int]
+    completion_ids: list[int]
+    sampling_logprobs: list[float]
+    reward: float
+    group: str | None
+    task: str
+    tenant: str
+    user: str | None
+    policy_version: int
+    advantage: float = 0.0
+
+
+def parse_version(name: str | None) -> int:
+    """'base' → 0, 'policy-v<N>' → N; anything else raises ValueError."""
+    if name in (None, "base"):
+        return 0
+    match = _VERSION.match(str(name))
+    if not match:
+        raise ValueError(f"unknown policy version {name!r}")
+    return int(match.group(1))
+
+
+def samples_from_rewarded(rewarded: Iterable[Any]) -> tuple[list[Sample], Counter[str]]:
+    """Turn rewarded choices (see rewards.assembler) into Samples; count what was left out."""
+    samples: list[Sample] = []
+    dropped: Counter[str] = Counter()
+    for item in rewarded:
+        if item.reward is None:
+            dropped["no_reward"] += 1
+            continue
+        record = item.trajectory
+        choice = next(c for c in record["choices"] if int(c.get("index", 0)) == item.choice_index)
+        ids = list(choice.get("token_ids") or [])
+        logprobs = list(choice.get("logprobs") or [])
+        if not ids or len(ids) != len(logprobs) or not record.get("prompt_token_ids"):
+            dropped["bad_tokens"] += 1
+            continue
+        try:
+            version = parse_version(record.get("policy_version"))
+        except ValueError:
+            dropped["bad_version"] += 1
+            continue
+        n_choices = len(record["choices"])
+        if record.get("group_id"):
+            group: str | None = f"g:{record['group_id']}"
+        elif n_choices > 1:
+            group = f"t:{record['trajectory_id']}"
+        else:
+            group = None
+        samples.append(
+            Sample(
+                key=f"{record['trajectory_id']}:{item.choice_index}",
+                event_id=str(record.get("event_id", record["trajectory_id"])),
+                prompt_ids=list(record["prompt_token_ids"]),
+                completion_ids=ids,
+                sampling_logprobs=[float(x) for x in logprobs],
+                reward=float(item.reward),
+                group=group,
+                task=str(record.get("task") or "default"),
+                tenant=str(record.get("tenant") or ""),
+                user=record.get("user"),
+                policy_version=version,
+            )
+        )
+    return samples, dropped
+
+
+def drop_stale(
+    samples: list[Sample], current_version: int, max_staleness: int
+) -> tuple[list[Sample], int]:
+    """Keep samples at most `max_staleness` versions behind `current_version`."""
+    kept = [s for s in samples if current_version - s.policy_version <= max_staleness]
+    return kept, len(samples) - len(kept)
+
+
+def _cap(samples: list[Sample], attr: str, share: float | None) -> tuple[list[Sample], int]:
+    if share is None:
+        return samples, 0
+    sources = {getattr(s, attr) for s in samples if getattr(s, attr) is not None}
+    if len(sources) < 2:
+        return samples, 0  # a single source has nobody to crowd out
+    limit = max(1, math.floor(share * len(samples)))
+    taken: Counter[Any] = Counter()
+    kept = []
+    for sample in samples:
+        source = getattr(sample, attr)
+        if source is not None:
+            if taken[source] >= limit:
+                continue
+            taken[source] += 1
+        kept.append(sample)
+    return kept, len(samples) - len(kept)
+
+
+def apply_share_caps(
+    samples: list[Sample], tenant_cap: float | None, user_cap: float | None
+) -> tuple[list[Sample], dict[str, int]]:
+    """Per-tenant then per-user caps on a batch's share (data-poisoning defence).
+
+    With n samples and at least two distinct sources, each source keeps at most
+    max(1, floor(cap·n)) samples, first come first kept. Unknown users are not capped.
+    """
+    kept, by_tenant = _cap(samples, "tenant", tenant_cap)
+    kept, by_user = _cap(kept, "user", user_cap)
+    return kept, {"tenant_cap": by_tenant, "user_cap": by_user}
+
+
+class RunningBaseline:
+    """Exponential moving average of the reward per task, for ungrouped samples."""
+
+    def __init__(self, decay: float) -> None:
+        self.decay = decay
+        self.values: dict[str, float] = {}
+
+    def advantage(self, task: str, reward: float) -> float:
+        """reward − baseline, then update; the first reward of a task sets the baseline."""
+        base = self.values.get(task)
+        if base is None:
+            self.values[task] = reward
+            return 0.0
+        self.values[task] = self.decay * base + (1 - self.decay) * reward
+        return reward - base
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"decay": self.decay, "values": dict(self.values)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.values = dict(state.get("values", {}))
+
+
+def assign_advantages(
+    samples: list[Sample],
+    baseline: RunningBaseline,
+    normalize: bool = True,
+    eps: float = 1e-6,
+) -> tuple[list[Sample], dict[str, int]]:
+    """Group-relative advantages for groups of ≥2, running baseline for the rest.
+
+    Groups whose rewards are all equal, and ungrouped samples with zero advantage, are
+    dropped (they carry no gradient). Returns the kept samples and counts.
+    """
+    groups: dict[str, list[Sample]] = {}
+    singles: list[Sample] = []
+    for sample in samples:
+        if sample.group is not None:
+            groups.setdefault(sample.group, []).append(sample)
+        else:
+            singles.append(sample)
+    for members in list(groups.values()):
+        if len(members) == 1:
+            singles.extend(members)
+    kept: list[Sample] = []
+    counts = {"zero_advantage_groups": 0, "zero_advantage_samples": 0, "grouped": 0, "baseline": 0}
+    for members in groups.values():
+        if len(members) < 2:
+            continue
+        rewards = [m.reward for m in members]
+        mean = sum(rewards) / len(rewards)
+        std = math.sqrt(sum((r - mean) ** 2 for r in rewards) / len(rewards))
+        if std < eps:
+            counts["zero_advantage_groups"] += 1
+            counts["zero_advantage_samples"] += len(members)
+            continue
+        for member in members:
+            member.advantage = (member.reward - mean) / (std + eps if normalize else 1.0)
+            kept.append(member)
+            counts["grouped"] += 1
+    for sample in singles:
+        sample.advantage = baseline.advantage(sample.task, sample.reward)
+        if abs(sample.advantage) < eps:
+            counts["zero_advantage_samples"] += 1
+            continue
+        kept.append(sample)
+        counts["baseline"] += 1
+    return kept, counts
+
+
+def policy_loss(
+    logp_new: torch.Tensor,
+    logp_sampling: torch.Tensor,
+    logp_ref: torch.Tensor | None,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    importance_cap: float,
+    ppo_clip_eps: float | None,
+    kl_coef: float,
+    normalizer: float,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Token-level off-policy policy-gradient loss with a k3 KL penalty.
+
+    All tensors are [batch, tokens]; `advantages` is per token (the sample's advantage
+    broadcast); `mask` marks completion tokens. Without PPO the gradient is
+    min(ρ, C)·A·∇log π (truncated importance sampling). With `ppo_clip_eps` the PPO
+    clipped surrogate is used, with dual clipping at C·A for negative advantages. The sum
+    over tokens is divided by `normalizer` (the batch's token count across all ranks).
+    Returns the loss and detached sums (tokens, ratio, clipped, kl, pg) for logging.
+    """
+    mask = mask.to(logp_new.dtype)
+    log_ratio = logp_new - logp_sampling
+    ratio = torch.exp(log_ratio)
+    if ppo_clip_eps is None:
+        weight = ratio.detach().clamp(max=importance_cap)
+        pg = -(weight * advantages * logp_new)
+        surrogate = -(weight * advantages)
+        clipped = ratio.detach() > importance_cap
+    else:
+        unclipped = ratio * advantages
+        clipped_obj = ratio.clamp(1 - ppo_clip_eps, 1 + ppo_clip_eps) * advantages
+        objective = torch.minimum(unclipped, clipped_obj)
+        dual = torch.where(
+            advantages < 0, torch.maximum(objective, importance_cap * advantages), objective
+        )
+        pg = -dual
+        surrogate = pg.detach()
+        clipped = (clipped_obj.detach() < unclipped.detach()) | (
+            (advantages < 0) & (importance_cap * advantages > objective.detach())
+        )
+    if logp_ref is not None:
+        ref_log_ratio = logp_ref - logp_new
+        kl = torch.exp(ref_log_ratio) - ref_log_ratio - 1
+    else:
+        kl = torch.zeros_like(logp_new)
+    per_token = pg + kl_coef * kl
+    loss = (per_token * mask).sum() / normalizer
+    with torch.no_grad():
+        stats = {
+            "tokens": mask.sum(),
+            "ratio_sum": (ratio * mask).sum(),
+            "clipped": (clipped.to(mask.dtype) * mask).sum(),
+            "kl_sum": (kl * mask).sum(),
+            "pg_sum": (surrogate * mask).sum(),
+            "abs_logprob_diff_sum": (log_ratio.abs() * mask).sum(),
+        }
+    return loss, stats

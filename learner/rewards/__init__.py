@@ -1,0 +1,1 @@
+"""Rewards: explicit feedback, verifiers, the generative judge, and their assembler."""

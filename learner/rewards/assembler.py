@@ -1,0 +1,104 @@
+"""Combines feedback, verifier and judge rewards per sample with the configured weights."""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any
+
+from learner.config import RewardConfig
+from learner.rewards.feedback import feedback_reward
+from learner.rewards.judge import Judge
+from learner.rewards.verifiers import VerifierRunner
+
+
+@dataclass
+class RewardedChoice:
+    """One sampled choice of a trajectory with its reward (None: not trained on)."""
+
+    trajectory: dict[str, Any]
+    choice_index: int
+    reward: float | None
+    parts: dict[str, float] = field(default_factory=dict)
+    judge_raw: dict[str, Any] | None = None
+
+
+def _as_pair(item: Any) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """Accept a ScoredTrajectory or a {'trajectory', 'feedback'} dict."""
+    if isinstance(item, dict):
+        return item["trajectory"], list(item.get("feedback") or [])
+    return item.trajectory, list(item.feedback or [])
+
+
+class RewardAssembler:
+    """reward = Σ_k w_k·part_k / Σ_k w_k over the parts that produced a value.
+
+    Parts: `feedback` (explicit events), `verifiers`, `judge`. A sample with no part is
+    not trained on and is counted under `no_reward`.
+    """
+
+    def __init__(
+        self,
+        config: RewardConfig,
+        judge: Judge | None = None,
+        verifiers: VerifierRunner | None = None,
+    ) -> None:
+        self.config = config
+        self.judge = judge
+        self.verifiers = verifiers if verifiers is not None else VerifierRunner(config.verifiers)
+        self.counts: Counter[str] = Counter()
+
+    def assemble(self, items: list[Any]) -> list[RewardedChoice]:
+        weights = self.config.weights
+        out: list[RewardedChoice] = []
+        judge_groups: dict[str, list[RewardedChoice]] = {}
+        for item in items:
+            trajectory, feedback = _as_pair(item)
+            if not trajectory.get("trainable", True) or trajectory.get("status", "ok") != "ok":
+                self.counts["untrainable"] += len(trajectory.get("choices") or []) or 1
+                continue
+            for choice in trajectory.get("choices") or []:
+                index = int(choice.get("index", 0))
+                rewarded = RewardedChoice(trajectory=trajectory, choice_index=index, reward=None)
+                value, invalid = feedback_reward(feedback, index, self.config.feedback_values)
+                self.counts["invalid_feedback"] += invalid
+                if value is not None and weights.feedback > 0:
+                    rewarded.parts["feedback"] = value
+                if self.verifiers and weights.verifiers > 0:
+                    verified = self.verifiers.score(trajectory, choice)
+                    if verified is not None:
+                        rewarded.parts["verifiers"] = verified
+                if self.judge is not None and weights.judge > 0:
+                    key = trajectory.get("group_id") or trajectory.get("trajectory_id", "")
+                    judge_groups.setdefault(str(key), []).append(rewarded)
+                out.append(rewarded)
+        for group in judge_groups.values():
+            self._judge_group(group)
+        for rewarded in out:
+            total = sum(getattr(weights, name) * v for name, v in rewarded.parts.items())
+            weight = sum(getattr(weights, name) for name in rewarded.parts)
+            if weight > 0:
+                rewarded.reward = total / weight
+                self.counts["rewarded"] += 1
+            else:
+                self.counts["no_reward"] += 1
+        return out
+
+    def _judge_group(self, group: list[RewardedChoice]) -> None:
+        assert self.judge is not None
+        trajectory = group[0].trajectory
+        choices = [_choice(r) for r in group]
+        verdicts = self.judge.score_group(trajectory, choices)
+        for rewarded, verdict in zip(group, verdicts, strict=True):
+            rewarded.judge_raw = {"raw": verdict.raw, "error": verdict.error}
+            if verdict.score is None:
+                self.counts["judge_failed"] += 1
+            else:
+                rewarded.parts["judge"] = verdict.score
+
+
+def _choice(rewarded: RewardedChoice) -> dict[str, Any]:
+    for choice in rewarded.trajectory.get("choices") or []:
+        if int(choice.get("index", 0)) == rewarded.choice_index:
+            return choice
+    raise KeyError(rewarded.choice_index)

@@ -1,0 +1,222 @@
+"""Generative reward model: an LLM judge behind any OpenAI-compatible endpoint.
+
+The judge grades one reply against a rubric with a single digit 0-9 and, when several
+replies share a group, names the best one with a letter. Both answers are read from the
+top logprobs of a single generated token (expected digit / letter probabilities), so even
+a small judge model gives a parseable score; the reply text is the fallback. Calls have a
+timeout and retries; verdicts are cached by content; the raw verdict is kept for audit.
+A judge that fails or times out yields no score (None), never an exception.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import hashlib
+import json
+import math
+import re
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Any
+
+import openai
+import structlog
+
+from learner.config import JudgeConfig
+from learner.rewards.verifiers import choice_text
+
+log = structlog.get_logger(__name__)
+
+_LETTERS = "ABCDEFGH"
+_DIGIT = re.compile(r"\d")
+
+
+@dataclass
+class JudgeVerdict:
+    """A judge's answer: score in [0, 1] or None, and the raw material it came from."""
+
+    score: float | None
+    raw: dict[str, Any] = field(default_factory=dict)
+    cached: bool = False
+    error: str | None = None
+
+
+def prompt_text(trajectory: dict[str, Any], max_chars: int) -> str:
+    """The conversation as the judge sees it (role-tagged, truncated from the front)."""
+    request = trajectory.get("request") or {}
+    if "messages" in request:
+        lines = []
+        for message in request["messages"]:
+            content = message.get("content")
+            if isinstance(content, list):
+                content = " ".join(str(part.get("text", "")) for part in content)
+            lines.append(f"{message.get('role', 'user')}: {content or ''}")
+        text = "\n".join(lines)
+    else:
+        text = str(request.get("prompt", ""))
+    return text[-max_chars:]
+
+
+def _top_logprobs(response: Any) -> list[tuple[str, float]]:
+    choice = response.choices[0]
+    content = getattr(choice.logprobs, "content", None) if choice.logprobs else None
+    if not content:
+        return []
+    return [(entry.token, entry.logprob) for entry in content[0].top_logprobs or []]
+
+
+def _distribution(tops: list[tuple[str, float]], labels: str) -> dict[str, float]:
+    """Normalised probability of each label among the top tokens (labels absent: 0)."""
+    probs: dict[str, float] = {}
+    for token, logprob in tops:
+        label = token.strip()
+        if len(label) == 1 and label in labels:
+            probs[label] = probs.get(label, 0.0) + math.exp(logprob)
+    total = sum(probs.values())
+    return {label: p / total for label, p in probs.items()} if total > 0 else {}
+
+
+class Judge:
+    """Rubric scoring and group ranking through an OpenAI-compatible chat endpoint."""
+
+    def __init__(self, config: JudgeConfig, base_url: str | None = None) -> None:
+        url = config.base_url or base_url
+        if not url:
+            raise ValueError("judge needs learner.rewards.judge.base_url (or the policy URL)")
+        self.config = config
+        self._client = openai.OpenAI(
+            base_url=url, api_key=config.api_key, timeout=config.timeout_s, max_retries=0
+        )
+        self._cache: OrderedDict[str, JudgeVerdict] = OrderedDict()
+        self._lock = threading.Lock()
+        self._pool = concurrent.futures.ThreadPoolExecutor(
+            max_workers=config.concurrency, thread_name_prefix="olp-judge"
+        )
+        self.failures = 0
+        self.calls = 0
+
+    # -- public -----------------------------------------------------------------------------
+    def score(self, trajectory: dict[str, Any], choice: dict[str, Any]) -> JudgeVerdict:
+        """Absolute rubric score of one reply in [0, 1] (None on failure)."""
+        prompt = prompt_text(trajectory, self.config.max_chars)
+        reply = choice_text(choice)[: self.config.max_chars]
+        user = (
+            f"Rubric: {self.config.rubric}\n\nConversation:\n{prompt}\n\n"
+            f"Reply to grade:\n{reply}\n\n"
+            "Grade the reply against the rubric from 0 (bad) to 9 (excellent). "
+            "Answer with a single digit."
+        )
+        return self._ask("score", user, "0123456789", self._digit_score)
+
+    def rank(self, trajectory: dict[str, Any], choices: list[dict[str, Any]]) -> JudgeVerdict:
+        """Relative preference of several replies to one prompt: raw['preference'][i] in [0,1]."""
+        if not 2 <= len(choices) <= len(_LETTERS):
+            return JudgeVerdict(score=None, error=f"cannot rank {len(choices)} replies")
+        prompt = prompt_text(trajectory, self.config.max_chars)
+        per_reply = max(50, self.config.max_chars // len(choices))
+        listed = "\n\n".join(
+            f"Reply {_LETTERS[i]}:\n{choice_text(c)[:per_reply]}" for i, c in enumerate(choices)
+        )
+        labels = _LETTERS[: len(choices)]
+        user = (
+            f"Rubric: {self.config.rubric}\n\nConversation:\n{prompt}\n\n{listed}\n\n"
+            f"Which reply fits the rubric best? Answer with a single letter ({', '.join(labels)})."
+        )
+        return self._ask("rank", user, labels, self._letter_preference)
+
+    def score_group(
+        self, trajectory: dict[str, Any], choices: list[dict[str, Any]]
+    ) -> list[JudgeVerdict]:
+        """Score each reply; with several replies and rank_groups, mix in their ranking."""
+        verdicts = list(self._pool.map(lambda c: self.score(trajectory, c), choices))
+        if not (self.config.rank_groups and 2 <= len(choices) <= len(_LETTERS)):
+            return verdicts
+        ranking = self.rank(trajectory, choices)
+        preference = ranking.raw.get("preference") if ranking.score is not None else None
+        if not preference:
+            return verdicts
+        top = max(preference) or 1.0
+        mixed = []
+        for verdict, pref in zip(verdicts, preference, strict=True):
+            relative = pref / top
+            score = relative if verdict.score is None else 0.5 * verdict.score + 0.5 * relative
+            raw = {"score": verdict.raw, "rank": ranking.raw}
+            mixed.append(JudgeVerdict(score=score, raw=raw, cached=verdict.cached))
+        return mixed
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+        self._client.close()
+
+    # -- internals --------------------------------------------------------------------------
+    @staticmethod
+    def _digit_score(tops: list[tuple[str, float]], text: str, labels: str) -> dict[str, Any]:
+        dist = _distribution(tops, labels)
+        if dist:
+            expected = sum(int(d) * p for d, p in dist.items())
+            return {"score": expected / 9.0, "distribution": dist}
+        digit = _DIGIT.search(text)
+        if digit:
+            return {"score": int(digit.group(0)) / 9.0, "distribution": {}}
+        return {"score": None, "distribution": {}}
+
+    @staticmethod
+    def _letter_preference(tops: list[tuple[str, float]], text: str, labels: str) -> dict[str, Any]:
+        dist = _distribution(tops, labels)
+        if not dist and text.strip()[:1] in labels:
+            dist = {text.strip()[0]: 1.0}
+        if not dist:
+            return {"score": None, "preference": None}
+        preference = [dist.get(label, 0.0) for label in labels]
+        return {"score": max(preference), "preference": preference}
+
+    def _ask(self, kind: str, user: str, labels: str, parse: Any) -> JudgeVerdict:
+        key = hashlib.sha256(
+            json.dumps([kind, self.config.model, self.config.rubric, user]).encode()
+        ).hexdigest()
+        with self._lock:
+            hit = self._cache.get(key)
+            if hit is not None:
+                self._cache.move_to_end(key)
+                return JudgeVerdict(score=hit.score, raw=hit.raw, cached=True)
+        error = None
+        for attempt in range(self.config.retries + 1):
+            self.calls += 1
+            try:
+                response = self._client.chat.completions.create(
+                    model=self.config.model,
+                    messages=[
+                        {"role": "system", "content": "You are a strict, fair grader."},
+                        {"role": "user", "content": user},
+                    ],
+                    max_tokens=1,
+                    temperature=0.0,
+                    logprobs=True,
+                    top_logprobs=20,
+                )
+            except (openai.APITimeoutError, openai.APIConnectionError) as exc:
+                error = f"{type(exc).__name__}: {exc}"
+                log.warning("judge_call_failed", kind=kind, attempt=attempt, error=error)
+                continue
+            except openai.APIStatusError as exc:
+                error = f"HTTP {exc.status_code}"
+                log.warning("judge_call_failed", kind=kind, attempt=attempt, error=error)
+                if exc.status_code < 500 and exc.status_code != 429:
+                    break
+                continue
+            text = response.choices[0].message.content or ""
+            tops = _top_logprobs(response)
+            parsed = parse(tops, text, labels)
+            raw = {"text": text, "top_logprobs": tops, **parsed}
+            verdict = JudgeVerdict(score=parsed["score"], raw=raw)
+            if verdict.score is None:
+                verdict.error = "unparseable verdict"
+            if self.config.cache_size > 0:
+                with self._lock:
+                    self._cache[key] = verdict
+                    while len(self._cache) > self.config.cache_size:
+                        self._cache.popitem(last=False)
+            return verdict
+        self.failures += 1
+        return JudgeVerdict(score=None, raw={}, error=error)

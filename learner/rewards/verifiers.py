@@ -1,0 +1,213 @@
+"""Built-in verifiers and the loader that runs pluggable ones with a timeout.
+
+A verifier is any callable `fn(trajectory: dict, choice: dict, **params) -> float | None`
+(None: not applicable to this sample). Config selects them by import path `module:function`.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import importlib
+import json
+import re
+from collections.abc import Callable
+from typing import Any
+
+import jsonschema
+import structlog
+
+from learner.config import VerifierSpec
+
+log = structlog.get_logger(__name__)
+
+Verifier = Callable[..., float | None]
+
+_FENCE = re.compile(r"^```[a-zA-Z]*\s*\n?(.*?)\n?```\s*$", re.DOTALL)
+_INTEGER = re.compile(r"[-+]?\d+")
+
+
+def choice_text(choice: dict[str, Any]) -> str:
+    """The sampled text of one choice (chat message content or completions text)."""
+    message = choice.get("message")
+    if isinstance(message, dict):
+        return message.get("content") or ""
+    return choice.get("text") or ""
+
+
+def _lookup(record: dict[str, Any], dotted: str) -> Any:
+    node: Any = record
+    for part in dotted.split("."):
+        if not isinstance(node, dict) or part not in node:
+            return None
+        node = node[part]
+    return node
+
+
+def _expected(trajectory: dict[str, Any], params: dict[str, Any]) -> str | None:
+    if "expected" in params:
+        return str(params["expected"])
+    path = params.get("expected_path")
+    if path:
+        value = _lookup(trajectory, path)
+        return None if value is None else str(value)
+    return None
+
+
+def exact_match(trajectory: dict[str, Any], choice: dict[str, Any], **params: Any) -> float | None:
+    """1.0 when the reply equals the expected answer (`expected` or `expected_path`), else 0.0."""
+    expected = _expected(trajectory, params)
+    if expected is None:
+        return None
+    text = choice_text(choice)
+    if params.get("strip", True):
+        text, expected = text.strip(), expected.strip()
+    if not params.get("case_sensitive", True):
+        text, expected = text.lower(), expected.lower()
+    return 1.0 if text == expected else 0.0
+
+
+def regex_match(trajectory: dict[str, Any], choice: dict[str, Any], **params: Any) -> float | None:
+    """1.0 when `pattern` matches the reply (`fullmatch: true` for the whole reply)."""
+    pattern = params.get("pattern")
+    if not pattern:
+        raise ValueError("regex_match needs params.pattern")
+    text = choice_text(choice).strip()
+    matcher = re.fullmatch if params.get("fullmatch", False) else re.search
+    return 1.0 if matcher(pattern, text, re.DOTALL) else 0.0
+
+
+def json_valid(trajectory: dict[str, Any], choice: dict[str, Any], **params: Any) -> float | None:
+    """1.0 when the reply is JSON (optionally inside a ``` fence) valid against `schema`."""
+    text = choice_text(choice).strip()
+    fenced = _FENCE.match(text)
+    if fenced and params.get("allow_fence", False):
+        text = fenced.group(1).strip()
+    try:
+        value = json.loads(text)
+    except ValueError:
+        return 0.0
+    schema = params.get("schema")
+    if schema is not None:
+        try:
+            jsonschema.validate(value, schema)
+        except jsonschema.ValidationError:
+            return 0.0
+    return 1.0
+
+
+def tool_calls_valid(
+    trajectory: dict[str, Any], choice: dict[str, Any], **params: Any
+) -> float | None:
+    """1.0 when every tool call parses as a JSON object and names a declared tool.
+
+    None when the sample made no tool call (nothing to verify).
+    """
+    message = choice.get("message") or {}
+    calls = message.get("tool_calls") or []
+    if not calls:
+        return None
+    tools = (trajectory.get("request") or {}).get("tools") or []
+    declared = {
+        (tool.get("function") or {}).get("name") for tool in tools if isinstance(tool, dict)
+    }
+    for call in calls:
+        function = (call or {}).get("function") or {}
+        if function.get("name") not in declared:
+            return 0.0
+        try:
+            arguments = json.loads(function.get("arguments") or "")
+        except ValueError:
+            return 0.0
+        if not isinstance(arguments, dict):
+            return 0.0
+    return 1.0
+
+
+def number_answer(
+    trajectory: dict[str, Any], choice: dict[str, Any], **params: Any
+) -> float | None:
+    """Shaped reward for "reply with only the number" tasks.
+
+    0 unless the sample stopped by itself (a run of digits to the token limit is a hack);
+    then a bare integer scores 0.8, a reply starting with an integer 0.3, other 0; plus a
+    brevity term up to 0.2 and, when the expected answer is known, `correct_bonus` if right.
+    """
+    if choice.get("finish_reason") != "stop":
+        return 0.0
+    text = choice_text(choice).strip()
+    brevity_tokens = float(params.get("brevity_tokens", 16))
+    n_tokens = len(choice.get("token_ids") or []) or len(text.split())
+    brevity = 0.2 * max(0.0, 1.0 - n_tokens / brevity_tokens)
+    if _INTEGER.fullmatch(text):
+        form = 0.8
+    elif _INTEGER.match(text):
+        form = 0.3
+    else:
+        return brevity * 0.5
+    reward = form + brevity
+    expected = _expected(trajectory, params)
+    leading = _INTEGER.match(text)
+    if expected is not None and leading and leading.group(0).lstrip("+") == expected.strip():
+        reward += float(params.get("correct_bonus", 0.0))
+    return reward
+
+
+def load_verifier(path: str) -> Verifier:
+    """Import `module:function`; raises ValueError with the path on failure."""
+    module_name, _, attr = path.partition(":")
+    if not module_name or not attr:
+        raise ValueError(f"verifier path {path!r} must look like 'package.module:function'")
+    try:
+        target = getattr(importlib.import_module(module_name), attr)
+    except (ImportError, AttributeError) as exc:
+        raise ValueError(f"cannot load verifier {path!r}: {exc}") from exc
+    if not callable(target):
+        raise ValueError(f"verifier {path!r} is not callable")
+    return target
+
+
+class VerifierRunner:
+    """Runs the configured verifiers on each sample, each under its own timeout.
+
+    A verifier that raises or times out gives no value for that sample (logged, counted),
+    never an exception in the learner.
+    """
+
+    def __init__(self, specs: list[VerifierSpec], max_workers: int = 4) -> None:
+        self._verifiers = [(spec, load_verifier(spec.path)) for spec in specs]
+        self._pool = concurrent.futures.ThreadPoolExecutor(
+            max_workers=max_workers, thread_name_prefix="olp-verifier"
+        )
+        self.timeouts = 0
+        self.errors = 0
+
+    def __bool__(self) -> bool:
+        return bool(self._verifiers)
+
+    def score(self, trajectory: dict[str, Any], choice: dict[str, Any]) -> float | None:
+        """Weighted mean of the verifiers that returned a value, or None if none did."""
+        total = 0.0
+        weight = 0.0
+        task = trajectory.get("task")
+        for spec, fn in self._verifiers:
+            if spec.tasks is not None and task not in spec.tasks:
+                continue
+            future = self._pool.submit(fn, trajectory, choice, **spec.params)
+            try:
+                value = future.result(timeout=spec.timeout_s)
+            except concurrent.futures.TimeoutError:
+                self.timeouts += 1
+                log.warning("verifier_timeout", verifier=spec.path, timeout_s=spec.timeout_s)
+                continue
+            except Exception as exc:
+                self.errors += 1
+                log.warning("verifier_error", verifier=spec.path, error=repr(exc))
+                continue
+            if value is None:
+                continue
+            total += spec.weight * float(value)
+            weight += spec.weight
+        return None if weight == 0 else total / weight
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)

@@ -1,0 +1,349 @@
+"""The learner loop: consume → reward → train → checkpoint → publish → announce.
+
+`run_learner` runs in one process or under `torchrun` unchanged. Each rank reads its own
+partitions through the consumer factory; rank 0 writes checkpoints and adapters.
+"""
+
+from __future__ import annotations
+
+import tempfile
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+import structlog
+import torch
+
+from learner.adapter_store import AdapterStore
+from learner.checkpoint import Checkpoint, CheckpointStore, Offsets, resume_plan
+from learner.config import LearnerConfig
+from learner.distributed import (
+    DistContext,
+    all_gather_object,
+    all_reduce_max,
+    all_reduce_sum,
+    barrier,
+    broadcast_object,
+    init_distributed,
+)
+from learner.objective import (
+    RunningBaseline,
+    apply_share_caps,
+    assign_advantages,
+    drop_stale,
+    samples_from_rewarded,
+)
+from learner.progress import Progress
+from learner.rewards.assembler import RewardAssembler
+from learner.rewards.judge import Judge
+from learner.trainer import Trainer
+
+log = structlog.get_logger(__name__)
+
+
+class TrajectorySource(Protocol):
+    """What the learner needs from replay's TrajectoryConsumer."""
+
+    def poll(self, timeout_s: float) -> list[Any]: ...
+    def processed_offsets(self) -> dict[str, dict[int, int]]: ...
+    def close(self) -> None: ...
+
+
+# (offsets to resume from or None, rank, world size) → a source over this rank's partitions
+ConsumerFactory = Callable[[Offsets | None, int, int], TrajectorySource]
+FaultHook = Callable[[str], None]
+
+
+@dataclass
+class LearnerSummary:
+    version: int
+    steps: int
+    consumed: int
+    counts: dict[str, int] = field(default_factory=dict)
+    history: list[dict[str, float]] = field(default_factory=list)
+
+
+def merge_offsets(parts: list[Offsets]) -> Offsets:
+    merged: Offsets = {}
+    for part in parts:
+        for topic, partitions in part.items():
+            merged.setdefault(topic, {}).update(partitions)
+    return merged
+
+
+def _log_candidate(path: Path) -> None:
+    log.info("candidate_adapter", path=str(path))
+
+
+class Learner:
+    """State of one learner process; `run` is the loop."""
+
+    def __init__(
+        self,
+        config: LearnerConfig,
+        state_dir: str | Path,
+        consumer_factory: ConsumerFactory,
+        model_dir: str | Path | None = None,
+        on_candidate: Callable[[Path], None] | None = None,
+        is_frozen: Callable[[], bool] | None = None,
+        judge_base_url: str | None = None,
+        fault_hook: FaultHook | None = None,
+        ctx: DistContext | None = None,
+    ) -> None:
+        model_dir = model_dir or config.base_model_dir
+        if model_dir is None:
+            raise ValueError("learner.base_model_dir is not set and no model_dir was given")
+        self.config = config
+        self.ctx = ctx or init_distributed()
+        self.store = AdapterStore(state_dir)
+        self.checkpoints = CheckpointStore(state_dir)
+        self.on_candidate = on_candidate or _log_candidate
+        self.is_frozen = is_frozen or (lambda: False)
+        self.fault_hook = fault_hook or (lambda stage: None)
+        judge = None
+        if config.rewards.judge.enabled:
+            judge = Judge(config.rewards.judge, base_url=judge_base_url)
+        self.assembler = RewardAssembler(config.rewards, judge=judge)
+        self.trainer = Trainer(config, model_dir, self.ctx)
+        self.baseline = RunningBaseline(config.baseline_decay)
+        self.counts: Counter[str] = Counter()
+        self.progress = Progress(config.progress_interval_s)
+        self.step_count = 0
+        self.version = 0
+        self.offsets: Offsets | None = None
+        self._resume()
+        self.consumer = consumer_factory(self.offsets, self.ctx.rank, self.ctx.world)
+
+    # -- start-up ---------------------------------------------------------------------------
+    def _resume(self) -> None:
+        checkpoint = self.checkpoints.load() if self.ctx.is_main else None
+        if self.ctx.is_main:
+            self.store.cleanup_temporary()
+            plan = resume_plan(checkpoint, self.store)
+        else:
+            plan = None
+        plan, checkpoint = broadcast_object(self.ctx, (plan, checkpoint))
+        log.info("learner_resume", version=plan.version, weights_from=plan.weights_from)
+        self.version = plan.version
+        self.offsets = plan.offsets
+        if checkpoint is not None:
+            self.step_count = checkpoint.step
+            self.counts.update(checkpoint.counters)
+            self.baseline.load_state_dict(checkpoint.baseline)
+            if plan.keep_optimizer:
+                self.trainer.optimizer.load_state_dict(checkpoint.optimizer)
+                self.trainer.scheduler.load_state_dict(checkpoint.scheduler)
+        if plan.weights_from == "checkpoint":
+            assert checkpoint is not None
+            self.trainer.load_adapter_state(checkpoint.adapter_state)
+        elif plan.weights_from == "adapter":
+            state = self.store.path(plan.version) if self.ctx.is_main else None
+            weights = None
+            if state is not None:
+                from safetensors.torch import load_file
+
+                weights = load_file(str(state / "adapter_model.safetensors"))
+            self.trainer.load_adapter_state(broadcast_object(self.ctx, weights))
+            if self.ctx.is_main:
+                self._save_checkpoint(meta=self.store.read_meta(plan.version))
+        if self.ctx.is_main:
+            if plan.republish:
+                assert checkpoint is not None
+                self._publish(self.version, checkpoint_meta(checkpoint))
+            latest = self.store.latest()
+            if latest is not None and latest > self.checkpoints.announced():
+                self._announce(latest)
+        self.progress.version = self.version
+        self.progress.step = self.step_count
+
+    # -- the loop ---------------------------------------------------------------------------
+    def run(
+        self,
+        stop: threading.Event | None = None,
+        max_steps: int | None = None,
+        poll_timeout_s: float = 0.5,
+    ) -> LearnerSummary:
+        stop = stop or threading.Event()
+        pending: list[Any] = []
+        history: list[dict[str, float]] = []
+        last_step = time.monotonic()
+        steps_here = 0
+        try:
+            while True:
+                frozen = bool(
+                    broadcast_object(self.ctx, self.is_frozen() if self.ctx.is_main else None)
+                )
+                self.progress.frozen = frozen
+                if not frozen:
+                    items = self.consumer.poll(poll_timeout_s)
+                    pending.extend(items)
+                    self.progress.consumed += len(items)
+                else:
+                    time.sleep(poll_timeout_s)
+                done = stop.is_set() or (max_steps is not None and steps_here >= max_steps)
+                flags = torch.tensor([float(len(pending)), float(done)], dtype=torch.float64)
+                all_reduce_sum(self.ctx, flags[:1])
+                all_reduce_max(self.ctx, flags[1:])
+                waited = broadcast_object(self.ctx, time.monotonic() - last_step)
+                total = int(flags[0])
+                if flags[1] > 0:
+                    break
+                ready = total >= self.config.batch_size or (
+                    waited >= self.config.batch_timeout_s and total >= self.config.min_batch
+                )
+                if not frozen and ready:
+                    metrics = self._step(pending)
+                    pending = []
+                    last_step = time.monotonic()
+                    steps_here += 1
+                    if metrics:
+                        history.append(metrics)
+                self.progress.maybe_log()
+        finally:
+            self.consumer.close()
+        self.progress.maybe_log(force=True)
+        return LearnerSummary(
+            self.version, self.step_count, self.progress.consumed, dict(self.counts), history
+        )
+
+    def _step(self, batch: list[Any]) -> dict[str, float] | None:
+        """Train on everything pending; checkpoint, publish and announce a new version."""
+        offsets_here = self.consumer.processed_offsets()
+        rewarded = self.assembler.assemble(batch)
+        samples, dropped = samples_from_rewarded(rewarded)
+        samples, stale = drop_stale(samples, self.version, self.config.max_staleness)
+        samples, capped = apply_share_caps(
+            samples, self.config.tenant_share_cap, self.config.user_share_cap
+        )
+        samples, adv_counts = assign_advantages(
+            samples, self.baseline, self.config.normalize_advantages
+        )
+        local = Counter(
+            {
+                "trajectories": len(batch),
+                "stale": stale,
+                "trained_samples": len(samples),
+                **dropped,
+                **capped,
+                **adv_counts,
+            }
+        )
+        local.update({f"reward_{k}": v for k, v in self.assembler.counts.items()})
+        self.assembler.counts.clear()
+        gathered = all_gather_object(
+            self.ctx, (dict(local), offsets_here, [s.event_id for s in samples])
+        )
+        batch_counts: Counter[str] = Counter()
+        for part in gathered:
+            batch_counts.update(part[0])
+        offsets = merge_offsets([self.offsets or {}] + [part[1] for part in gathered])
+        event_ids = sorted({e for part in gathered for e in part[2]})
+        trained = batch_counts["trained_samples"]
+        metrics: dict[str, float] | None = None
+        if trained > 0:
+            metrics = self.trainer.step(samples, self.version)
+            self.fault_hook("after_step")
+            self.step_count += 1
+            parent = self.version
+            self.version += 1
+        self.counts.update(batch_counts)
+        start_offsets = self.offsets or {}
+        self.offsets = offsets
+        if self.ctx.is_main:
+            meta = None
+            if metrics is not None:
+                meta = {
+                    "parent_version": parent,
+                    "consumed_offsets": offsets,
+                    "start_offsets": start_offsets,
+                    "config_hash": self.config.config_hash(),
+                    "step_metrics": metrics,
+                    "data_stats": {
+                        **dict(batch_counts),
+                        "event_ids": event_ids[: self.config.max_event_ids_in_meta],
+                    },
+                    "gate": None,
+                    "created_at": time.time(),
+                }
+            self._save_checkpoint(meta)
+            self.fault_hook("after_checkpoint")
+            if meta is not None:
+                self._publish(self.version, meta)
+                self.fault_hook("after_publish")
+                self._announce(self.version)
+        barrier(self.ctx)
+        if metrics is not None:
+            self.progress.record_step(self.version, metrics)
+            log.info(
+                "learner_step",
+                step=self.step_count,
+                version=self.version,
+                **{k: round(v, 5) for k, v in metrics.items()},
+                **dict(batch_counts),
+            )
+        else:
+            log.info("learner_batch_skipped", **dict(batch_counts))
+        return metrics
+
+    # -- persistence (rank 0) ---------------------------------------------------------------
+    def _save_checkpoint(self, meta: dict[str, Any] | None) -> None:
+        checkpoint = Checkpoint(
+            version=self.version,
+            step=self.step_count,
+            offsets=self.offsets or {},
+            adapter_state=self.trainer.adapter_state(),
+            optimizer=self.trainer.optimizer.state_dict(),
+            scheduler=self.trainer.scheduler.state_dict(),
+            baseline=self.baseline.state_dict(),
+            counters=dict(self.counts),
+            config_hash=self.config.config_hash(),
+            meta=meta,
+        )
+        self.checkpoints.save(checkpoint)
+
+    def _publish(self, version: int, meta: dict[str, Any]) -> Path:
+        with tempfile.TemporaryDirectory(dir=self.store.root, prefix=".build-") as tmp:
+            files = Path(tmp) / "files"
+            self.trainer.save_adapter_files(files)
+            return self.store.publish(version, files, meta)
+
+    def _announce(self, version: int) -> None:
+        self.on_candidate(self.store.path(version))
+        self.checkpoints.mark_announced(version)
+
+
+def checkpoint_meta(checkpoint: Checkpoint) -> dict[str, Any]:
+    meta = checkpoint.meta
+    if not meta:
+        raise RuntimeError(f"checkpoint for version {checkpoint.version} carries no metadata")
+    return meta
+
+
+def run_learner(
+    config: LearnerConfig,
+    state_dir: str | Path,
+    consumer_factory: ConsumerFactory,
+    model_dir: str | Path | None = None,
+    on_candidate: Callable[[Path], None] | None = None,
+    is_frozen: Callable[[], bool] | None = None,
+    judge_base_url: str | None = None,
+    stop: threading.Event | None = None,
+    max_steps: int | None = None,
+    fault_hook: FaultHook | None = None,
+) -> LearnerSummary:
+    """Run the learner until `stop` is set or `max_steps` steps ran in this call."""
+    learner = Learner(
+        config,
+        state_dir,
+        consumer_factory,
+        model_dir,
+        on_candidate,
+        is_frozen,
+        judge_base_url,
+        fault_hook,
+    )
+    return learner.run(stop=stop, max_steps=max_steps)

@@ -1,0 +1,254 @@
+"""PEFT LoRA policy and its update step (reference logprobs, forward, backward, optimizer)."""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import structlog
+import torch
+from peft import LoraConfig, get_peft_model, set_peft_model_state_dict
+from peft.utils import get_peft_model_state_dict
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM
+
+from learner.config import LearnerConfig
+from learner.distributed import DistContext, all_reduce_sum
+from learner.objective import Sample, policy_loss
+
+log = structlog.get_logger(__name__)
+
+
+@dataclass
+class Batch:
+    """Right-padded token batch aligned on next-token positions ([B, L-1] for per-token data)."""
+
+    input_ids: torch.Tensor
+    attention_mask: torch.Tensor
+    mask: torch.Tensor  # 1 where the position predicts a completion token
+    sampling_logprobs: torch.Tensor
+    advantages: torch.Tensor
+    on_policy: torch.Tensor  # 1 on the completion tokens of on-policy samples
+
+
+def build_batch(
+    samples: list[Sample], current_version: int, pad_id: int, device: torch.device
+) -> Batch:
+    """Concatenate the exact recorded prompt and completion ids (never re-tokenised)."""
+    length = max(len(s.prompt_ids) + len(s.completion_ids) for s in samples)
+    size = len(samples)
+    input_ids = torch.full((size, length), pad_id, dtype=torch.long)
+    attention = torch.zeros((size, length), dtype=torch.long)
+    mask = torch.zeros((size, length - 1))
+    mu = torch.zeros((size, length - 1))
+    adv = torch.zeros((size, length - 1))
+    on_policy = torch.zeros((size, length - 1))
+    for row, sample in enumerate(samples):
+        ids = sample.prompt_ids + sample.completion_ids
+        input_ids[row, : len(ids)] = torch.tensor(ids)
+        attention[row, : len(ids)] = 1
+        start = len(sample.prompt_ids) - 1
+        stop = start + len(sample.completion_ids)
+        mask[row, start:stop] = 1
+        mu[row, start:stop] = torch.tensor(sample.sampling_logprobs)
+        adv[row, start:stop] = sample.advantage
+        if sample.policy_version == current_version:
+            on_policy[row, start:stop] = 1
+    return Batch(
+        input_ids.to(device),
+        attention.to(device),
+        mask.to(device),
+        mu.to(device),
+        adv.to(device),
+        on_policy.to(device),
+    )
+
+
+def token_logprobs(model: Any, batch: Batch) -> torch.Tensor:
+    """log π(token_{t+1} | tokens_≤t) for every position, in fp32, [B, L-1]."""
+    logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits
+    logits = logits[:, :-1].float()
+    targets = batch.input_ids[:, 1:].unsqueeze(-1)
+    picked = logits.gather(-1, targets).squeeze(-1)
+    return picked - torch.logsumexp(logits, dim=-1)
+
+
+class Trainer:
+    """Owns the PEFT model, the optimizer and the scheduler; one `step` per batch."""
+
+    def __init__(
+        self, config: LearnerConfig, model_dir: str | Path, ctx: DistContext | None = None
+    ) -> None:
+        self.config = config
+        self.ctx = ctx or DistContext()
+        torch.manual_seed(config.seed)
+        base = AutoModelForCausalLM.from_pretrained(str(model_dir), torch_dtype=torch.float32)
+        base.config.use_cache = False
+        lora = LoraConfig(
+            r=config.lora_rank,
+            lora_alpha=config.lora_alpha,
+            lora_dropout=config.lora_dropout,
+            target_modules=list(config.target_modules),
+            bias="none",
+            task_type="CAUSAL_LM",
+        )
+        self.model = get_peft_model(base, lora).to(self.ctx.device)
+        self.pad_id = int(base.config.pad_token_id or base.config.eos_token_id or 0)
+        self.params = [p for p in self.model.parameters() if p.requires_grad]
+        self.optimizer = torch.optim.AdamW(
+            self.params, lr=config.lr, weight_decay=config.weight_decay
+        )
+        warmup = config.warmup_steps
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+            self.optimizer, lambda step: min(1.0, (step + 1) / warmup) if warmup else 1.0
+        )
+
+    # -- weights ----------------------------------------------------------------------------
+    def adapter_state(self) -> dict[str, torch.Tensor]:
+        return {
+            k: v.detach().cpu().clone() for k, v in get_peft_model_state_dict(self.model).items()
+        }
+
+    def load_adapter_state(self, state: dict[str, torch.Tensor]) -> None:
+        result = set_peft_model_state_dict(self.model, state)
+        unexpected = getattr(result, "unexpected_keys", [])
+        if unexpected:
+            raise ValueError(f"adapter state has unexpected keys: {unexpected[:3]}")
+
+    def load_adapter_dir(self, path: Path) -> None:
+        self.load_adapter_state(load_file(str(path / "adapter_model.safetensors")))
+
+    def save_adapter_files(self, path: Path) -> None:
+        self.model.save_pretrained(str(path))
+
+    def _autocast(self) -> contextlib.AbstractContextManager[Any]:
+        if self.config.dtype == "bf16":
+            return torch.autocast(self.ctx.device.type, dtype=torch.bfloat16)
+        return contextlib.nullcontext()
+
+    # -- the update -------------------------------------------------------------------------
+    def step(self, samples: list[Sample], current_version: int) -> dict[str, float]:
+        """Run `updates_per_batch` optimizer steps on this rank's samples (may be empty).
+
+        Every rank must call it (the gradient all-reduce is collective). Returns metrics
+        summed over ranks: loss parts, ratio, clipped fraction, KL, rewards, tokens.
+        """
+        cfg = self.config
+        started = time.perf_counter()
+        micro = [
+            samples[i : i + cfg.micro_batch_size]
+            for i in range(0, len(samples), cfg.micro_batch_size)
+        ]
+        batches = [build_batch(m, current_version, self.pad_id, self.ctx.device) for m in micro]
+        local_tokens = sum(float(b.mask.sum()) for b in batches)
+        totals = torch.tensor([local_tokens, float(len(samples))], dtype=torch.float64)
+        all_reduce_sum(self.ctx, totals)
+        global_tokens = float(totals[0])
+        self.model.train()
+        references: list[torch.Tensor | None] = []
+        if cfg.kl_coef > 0:
+            with torch.no_grad(), self.model.disable_adapter(), self._autocast():
+                references = [token_logprobs(self.model, b) for b in batches]
+        else:
+            references = [None] * len(batches)
+        keys = ["tokens", "ratio_sum", "clipped", "kl_sum", "pg_sum", "abs_logprob_diff_sum"]
+        first: dict[str, float] = {}
+        onpolicy = torch.zeros(5, dtype=torch.float64)  # tokens, Σratio, Σratio², Σ|Δ|, max|Δ|
+        grad_norm = 0.0
+        loss_total = 0.0
+        for update in range(cfg.updates_per_batch):
+            self.optimizer.zero_grad(set_to_none=False)
+            for p in self.params:
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
+            sums = torch.zeros(len(keys) + 1, dtype=torch.float64)
+            for batch, ref in zip(batches, references, strict=True):
+                with self._autocast():
+                    logp = token_logprobs(self.model, batch)
+                loss, stats = policy_loss(
+                    logp,
+                    batch.sampling_logprobs,
+                    ref,
+                    batch.advantages,
+                    batch.mask,
+                    cfg.importance_cap,
+                    cfg.ppo_clip_eps,
+                    cfg.kl_coef,
+                    max(global_tokens, 1.0),
+                )
+                loss.backward()
+                sums[: len(keys)] += torch.tensor(
+                    [float(stats[k]) for k in keys], dtype=torch.float64
+                )
+                sums[-1] += float(loss.detach())
+                if update == 0:
+                    with torch.no_grad():
+                        delta = (logp.detach() - batch.sampling_logprobs) * batch.on_policy
+                        ratio = torch.exp(delta) * batch.on_policy
+                        onpolicy[0] += float(batch.on_policy.sum())
+                        onpolicy[1] += float(ratio.sum())
+                        onpolicy[2] += float((ratio**2).sum())
+                        onpolicy[3] += float(delta.abs().sum())
+                        onpolicy[4] = max(float(onpolicy[4]), float(delta.abs().max()))
+            if self.ctx.enabled:
+                flat = torch.cat([p.grad.reshape(-1) for p in self.params])
+                all_reduce_sum(self.ctx, flat)
+                offset = 0
+                for p in self.params:
+                    n = p.grad.numel()
+                    p.grad.copy_(flat[offset : offset + n].view_as(p.grad))
+                    offset += n
+            all_reduce_sum(self.ctx, sums)
+            if cfg.grad_clip is not None:
+                grad_norm = float(torch.nn.utils.clip_grad_norm_(self.params, cfg.grad_clip))
+            else:
+                grad_norm = float(torch.norm(torch.stack([p.grad.norm() for p in self.params])))
+            if not math.isfinite(grad_norm):
+                raise FloatingPointError(f"non-finite gradient norm {grad_norm}")
+            self.optimizer.step()
+            self.scheduler.step()
+            loss_total = float(sums[-1])
+            if update == 0:
+                first = dict(zip(keys, sums[: len(keys)].tolist(), strict=True))
+        all_reduce_sum(self.ctx, onpolicy[:4])
+        rewards = torch.tensor(
+            [sum(s.reward for s in samples), sum(s.reward**2 for s in samples)],
+            dtype=torch.float64,
+        )
+        all_reduce_sum(self.ctx, rewards)
+        n = max(float(totals[1]), 1.0)
+        tokens = max(first.get("tokens", 0.0), 1.0)
+        reward_mean = float(rewards[0]) / n
+        on_tokens = float(onpolicy[0])
+        on_mean = float(onpolicy[1]) / on_tokens if on_tokens else float("nan")
+        elapsed = time.perf_counter() - started
+        return {
+            "samples": float(totals[1]),
+            "tokens": first.get("tokens", 0.0),
+            "loss": loss_total,
+            "pg_loss": first.get("pg_sum", 0.0) / tokens,
+            "kl": first.get("kl_sum", 0.0) / tokens,
+            "kl_loss": cfg.kl_coef * first.get("kl_sum", 0.0) / tokens,
+            "ratio_mean": first.get("ratio_sum", 0.0) / tokens,
+            "clipped_fraction": first.get("clipped", 0.0) / tokens,
+            "reward_mean": reward_mean,
+            "reward_std": math.sqrt(max(float(rewards[1]) / n - reward_mean**2, 0.0)),
+            "grad_norm": grad_norm,
+            "onpolicy_tokens": on_tokens,
+            "onpolicy_ratio_mean": on_mean,
+            "onpolicy_ratio_std": (
+                math.sqrt(max(float(onpolicy[2]) / on_tokens - on_mean**2, 0.0))
+                if on_tokens
+                else float("nan")
+            ),
+            "onpolicy_abs_logprob_diff": float(onpolicy[3]) / on_tokens
+            if on_tokens
+            else float("nan"),
+            "onpolicy_max_abs_logprob_diff": float(onpolicy[4]),
+            "seconds": elapsed,
+            "tokens_per_s": global_tokens * cfg.updates_per_batch / elapsed if elapsed else 0.0,
+        }

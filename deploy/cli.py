@@ -1,2 +1,154 @@
-def main() -> None:
-    print("olp")
+"""The `olp` command line: one entry point for operators, launchers and the demo."""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+from deploy.config import ConfigError, OlpConfig, load_config
+from deploy.logs import configure_logging
+
+Handler = Callable[[argparse.Namespace, OlpConfig], int]
+
+
+def _with_config(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    parser.add_argument("--config", type=Path, help="YAML config file (default: built-in)")
+    return parser
+
+
+def _admin(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    parser.add_argument("--admin-key", help="admin key (default: $OLP_ADMIN_KEY)")
+    return _with_config(parser)
+
+
+# ------------------------------------------------------------------ handlers
+def cmd_up(args: argparse.Namespace, cfg: OlpConfig) -> int:
+    from deploy.supervisor import run_up
+
+    return run_up(cfg, args.config, with_learner=not args.no_learner)
+
+
+def cmd_policy(args: argparse.Namespace, cfg: OlpConfig) -> int:
+    import signal
+    import threading
+
+    from deploy.policy import start_policy
+    from deploy.runtime import resolve_model_dir
+
+    model_dir = resolve_model_dir(cfg.policy, lambda m: print(f"olp: {m}", file=sys.stderr))
+    server = start_policy(
+        cfg.policy, model_dir, progress=lambda s: print(f"olp: vLLM starting ({s:.0f} s)")
+    )
+    print(f"olp: vLLM policy server ready on {server.base_url}", flush=True)
+    return _serve_child_until_signal(server.child, server.stop, signal, threading)
+
+
+def cmd_broker(args: argparse.Namespace, cfg: OlpConfig) -> int:
+    import signal
+    import threading
+
+    from deploy.broker import start_broker
+    from deploy.ports import split_host_port
+    from replay.topics import ensure_topics
+
+    host, port = split_host_port(cfg.stream.bootstrap_servers.split(",")[0])
+    broker = start_broker(host, port)
+    ensure_topics(cfg.stream)
+    print(f"olp: broker ready on {broker.bootstrap}; topics created", flush=True)
+    return _serve_child_until_signal(broker.child, broker.stop, signal, threading)
+
+
+def _serve_child_until_signal(child, stop, signal, threading) -> int:  # type: ignore[no-untyped-def]
+    done = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: done.set())
+    signal.signal(signal.SIGINT, lambda *_: done.set())
+    while not done.wait(1.0):
+        if not child.alive():
+            print(f"olp: {child.name} exited ({child.poll()}):\n{child.tail()}", file=sys.stderr)
+            stop()
+            return 1
+    stop()
+    return 0
+
+
+def cmd_model_prepare(args: argparse.Namespace, cfg: OlpConfig) -> int:
+    from deploy.model_prep import ModelPrepError, prepare_model
+
+    try:
+        prepared = prepare_model()
+    except ModelPrepError as exc:
+        print(f"olp: {exc}", file=sys.stderr)
+        return 2
+    state = "prepared" if prepared.created else "already prepared (checksums verified)"
+    print(f"{prepared.path}\t{state}")
+    return 0
+
+
+def cmd_config_show(args: argparse.Namespace, cfg: OlpConfig) -> int:
+    print(json.dumps(cfg.model_dump(mode="json"), indent=2))
+    return 0
+
+
+def cmd_key_hash(args: argparse.Namespace, cfg: OlpConfig) -> int:
+    key = args.key if args.key is not None else sys.stdin.readline().strip()
+    print(hashlib.sha256(key.encode()).hexdigest())
+    return 0
+
+
+# -------------------------------------------------------------------- parser
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="olp", description="online learning proxy")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    up = _with_config(sub.add_parser("up", help="run the whole stack in the foreground"))
+    up.add_argument("--no-learner", action="store_true", help="serve only, do not train")
+    up.set_defaults(handler=cmd_up)
+    _with_config(sub.add_parser("policy", help="run the vLLM policy server")).set_defaults(
+        handler=cmd_policy
+    )
+    _with_config(sub.add_parser("broker", help="run the embedded broker")).set_defaults(
+        handler=cmd_broker
+    )
+
+    model = sub.add_parser("model", help="model preparation")
+    model_sub = model.add_subparsers(dest="model_command", required=True)
+    _with_config(model_sub.add_parser("prepare", help="convert the built-in model")).set_defaults(
+        handler=cmd_model_prepare
+    )
+
+    config = sub.add_parser("config", help="configuration")
+    config_sub = config.add_subparsers(dest="config_command", required=True)
+    _with_config(config_sub.add_parser("show", help="print the validated config")).set_defaults(
+        handler=cmd_config_show
+    )
+
+    key = sub.add_parser("key", help="API keys")
+    key_sub = key.add_subparsers(dest="key_command", required=True)
+    key_hash = key_sub.add_parser("hash", help="sha256 of a key, for the config file")
+    key_hash.add_argument("key", nargs="?", help="the key (default: read from stdin)")
+    key_hash.set_defaults(handler=cmd_key_hash, config=None)
+
+    from deploy import cli_ops
+
+    cli_ops.register(sub, _with_config, _admin)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        cfg = load_config(getattr(args, "config", None))
+    except ConfigError as exc:
+        print(f"olp: {exc}", file=sys.stderr)
+        sys.exit(2)
+    configure_logging(cfg.log_format, cfg.log_level)
+    sys.exit(args.handler(args, cfg))
+
+
+if __name__ == "__main__":
+    main()

@@ -75,13 +75,30 @@ def _format_error(exc: ValidationError) -> str:
     return "invalid configuration:\n" + "\n".join(lines)
 
 
+SECTIONS = ("proxy", "policy", "stream", "learner", "safety", "tenants")
+TOP_LEVEL_ENV = {
+    "OLP_STATE_DIR": "state_dir",
+    "OLP_LOG_FORMAT": "log_format",
+    "OLP_LOG_LEVEL": "log_level",
+}
+
+
 def env_overrides(environ: Mapping[str, str]) -> dict[str, Any]:
-    """`OLP_PROXY__PORT=9000` → {"proxy": {"port": 9000}}; values parsed as YAML scalars."""
+    """`OLP_PROXY__PORT=9000` → {"proxy": {"port": 9000}}; values parsed as YAML scalars.
+
+    Only the config sections (and OLP_STATE_DIR / OLP_LOG_*) are read, so unrelated
+    OLP_* variables such as OLP_CACHE_DIR never turn into "unknown key" errors.
+    """
     tree: dict[str, Any] = {}
+    for name, key in TOP_LEVEL_ENV.items():
+        if environ.get(name):
+            tree[key] = environ[name]
     for name, raw in environ.items():
         if not name.startswith(ENV_PREFIX) or "__" not in name:
             continue
         path = [p.lower() for p in name[len(ENV_PREFIX) :].split("__")]
+        if path[0] not in SECTIONS:
+            continue
         node = tree
         for part in path[:-1]:
             node = node.setdefault(part, {})
@@ -127,3 +144,52 @@ def validate(model: type[BaseModel], data: Mapping[str, Any]) -> Any:
 def load_raw(path: Path | None, environ: Mapping[str, str] | None = None) -> dict[str, Any]:
     data = read_yaml(path) if path is not None else {}
     return deep_merge(data, env_overrides(os.environ if environ is None else environ))
+
+
+# The root model imports every layer's section; kept below the helpers above so that
+# `deploy.policy` can import PolicyConfig without pulling the other layers in first.
+from learner.config import LearnerConfig  # noqa: E402
+from proxy.config import ProxyConfig, TenantConfig  # noqa: E402
+from replay.config import StreamConfig  # noqa: E402
+from safety.config import SafetyConfig  # noqa: E402
+
+DEFAULT_CONFIG_FILE = Path(__file__).with_name("default_config.yaml")
+
+
+class OlpConfig(BaseModel):
+    """The whole system's configuration: one YAML file, one section per layer."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    state_dir: Path = Field(Path(".olp"), description="everything olp writes lives below it")
+    log_format: Literal["auto", "json", "console"] = "auto"
+    log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
+    on_child_exit: Literal["stop", "restart"] = Field(
+        "stop", description="what `olp up` does when a supervised process dies"
+    )
+    max_restarts: int = Field(3, ge=0, description="per child, with on_child_exit: restart")
+    proxy: ProxyConfig = Field(default_factory=ProxyConfig)
+    policy: PolicyConfig = Field(default_factory=PolicyConfig)
+    stream: StreamConfig = Field(default_factory=StreamConfig)
+    learner: LearnerConfig = Field(default_factory=LearnerConfig)
+    safety: SafetyConfig = Field(default_factory=SafetyConfig)
+    tenants: list[TenantConfig] = Field(default_factory=list)
+
+    @field_validator("tenants")
+    @classmethod
+    def _unique_tenants(cls, tenants: list[TenantConfig]) -> list[TenantConfig]:
+        names = [t.name for t in tenants]
+        dupes = sorted({n for n in names if names.count(n) > 1})
+        if dupes:
+            raise ValueError(f"duplicate tenant names: {', '.join(dupes)}")
+        return tenants
+
+    def hash(self) -> str:
+        return config_hash(self.model_dump(mode="json"))
+
+
+def load_config(path: Path | None = None, environ: Mapping[str, str] | None = None) -> OlpConfig:
+    """The file (or the shipped defaults), then `OLP_<SECTION>__<KEY>` overrides, validated."""
+    raw = load_raw(path or DEFAULT_CONFIG_FILE, environ)
+    cfg: OlpConfig = validate(OlpConfig, raw)
+    return cfg

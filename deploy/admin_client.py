@@ -1,0 +1,63 @@
+"""The operator commands talk to the running proxy's /admin API with the admin key."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import urllib.error
+import urllib.request
+from typing import Any
+
+from deploy.config import OlpConfig
+from proxy.config import sha256_hex
+
+DEV_ADMIN_KEY = "olp-admin-dev"
+
+
+class AdminError(RuntimeError):
+    pass
+
+
+def admin_key(cfg: OlpConfig, explicit: str | None) -> str:
+    """--admin-key, else OLP_ADMIN_KEY, else the dev key when the config still uses it."""
+    key = explicit or os.environ.get("OLP_ADMIN_KEY")
+    if key:
+        return key
+    if cfg.proxy.admin_key_sha256 == sha256_hex(DEV_ADMIN_KEY):
+        return DEV_ADMIN_KEY
+    raise AdminError("no admin key: pass --admin-key or set OLP_ADMIN_KEY")
+
+
+class AdminClient:
+    def __init__(self, base_url: str, key: str, timeout_s: float = 30.0) -> None:
+        self.base_url = base_url.rstrip("/")
+        self.key = key
+        self.timeout_s = timeout_s
+
+    @classmethod
+    def from_config(cls, cfg: OlpConfig, explicit_key: str | None = None) -> AdminClient:
+        host = "127.0.0.1" if cfg.proxy.host in ("0.0.0.0", "::") else cfg.proxy.host
+        return cls(f"http://{host}:{cfg.proxy.port}", admin_key(cfg, explicit_key))
+
+    def call(self, method: str, path: str, body: dict[str, Any] | None = None) -> Any:
+        data = json.dumps(body).encode() if body is not None else None
+        req = urllib.request.Request(
+            f"{self.base_url}{path}",
+            data=data,
+            method=method,
+            headers={"Authorization": f"Bearer {self.key}", "Content-Type": "application/json"},
+        )
+        try:
+            with urllib.request.urlopen(req, timeout=self.timeout_s) as resp:
+                raw = resp.read()
+        except urllib.error.HTTPError as exc:
+            detail = exc.read().decode(errors="replace")
+            with contextlib.suppress(ValueError, KeyError, TypeError):
+                detail = json.loads(detail)["error"]["message"]
+            raise AdminError(f"{method} {path} failed with {exc.code}: {detail}") from None
+        except urllib.error.URLError as exc:
+            raise AdminError(
+                f"cannot reach the proxy at {self.base_url} ({exc.reason}); is `olp up` running?"
+            ) from None
+        return json.loads(raw) if raw else None

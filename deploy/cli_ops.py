@@ -1,0 +1,169 @@
+"""Operator commands of the `olp` CLI: status, freeze, rollback, tenants, audit."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from deploy.admin_client import AdminClient, AdminError
+from deploy.config import OlpConfig
+
+AddConfig = Callable[[argparse.ArgumentParser], argparse.ArgumentParser]
+
+
+def _admin_call(
+    args: argparse.Namespace,
+    cfg: OlpConfig,
+    method: str,
+    path: str,
+    body: dict[str, Any] | None = None,
+) -> Any:
+    client = AdminClient.from_config(cfg, args.admin_key)
+    return client.call(method, path, body)
+
+
+def _run_admin(fn: Callable[[argparse.Namespace, OlpConfig], int]) -> Callable[..., int]:
+    def wrapped(args: argparse.Namespace, cfg: OlpConfig) -> int:
+        try:
+            return fn(args, cfg)
+        except AdminError as exc:
+            print(f"olp: {exc}", file=sys.stderr)
+            return 1
+
+    return wrapped
+
+
+@_run_admin
+def cmd_status(args: argparse.Namespace, cfg: OlpConfig) -> int:
+    status = _admin_call(args, cfg, "GET", "/admin/status")
+    if args.json:
+        print(json.dumps(status, indent=2))
+        return 0
+    print(format_status(status))
+    return 0
+
+
+def format_status(status: dict[str, Any]) -> str:
+    lines = [f"serving: {status.get('serving_version')}   frozen: {status.get('frozen')}"]
+    aliases = status.get("aliases", {})
+    if aliases:
+        lines.append("aliases: " + ", ".join(f"{k} -> {v}" for k, v in aliases.items()))
+    for tenant in status.get("tenants", []):
+        lines.append(
+            f"tenant {tenant.get('name')}: training "
+            f"{'on' if tenant.get('training_enabled') else 'off'}"
+        )
+    history = status.get("history", [])
+    if history:
+        lines.append("history (newest last):")
+        lines += [f"  {json.dumps(entry, sort_keys=True)}" for entry in history[-5:]]
+    for key in ("learner", "gate", "candidates", "stream"):
+        if status.get(key) is not None:
+            lines.append(f"{key}: {json.dumps(status[key], sort_keys=True)}")
+    return "\n".join(lines)
+
+
+@_run_admin
+def cmd_freeze(args: argparse.Namespace, cfg: OlpConfig) -> int:
+    result = _admin_call(args, cfg, "POST", "/admin/freeze", {"learning": args.learning})
+    print(f"frozen: promotions stopped{' and learning paused' if args.learning else ''}")
+    if args.json:
+        print(json.dumps(result, indent=2))
+    return 0
+
+
+@_run_admin
+def cmd_unfreeze(args: argparse.Namespace, cfg: OlpConfig) -> int:
+    _admin_call(args, cfg, "POST", "/admin/unfreeze", {})
+    print("unfrozen: promotions and learning resume")
+    return 0
+
+
+@_run_admin
+def cmd_rollback(args: argparse.Namespace, cfg: OlpConfig) -> int:
+    body = {"to": args.to} if args.to else {}
+    result = _admin_call(args, cfg, "POST", "/admin/rollback", body)
+    print(f"rolled back: now serving {result.get('serving_version', result)}")
+    return 0
+
+
+@_run_admin
+def cmd_tenant(args: argparse.Namespace, cfg: OlpConfig) -> int:
+    enabled = args.training == "on"
+    _admin_call(args, cfg, "POST", f"/admin/tenants/{args.name}/training", {"enabled": enabled})
+    print(f"tenant {args.name}: online training {'enabled' if enabled else 'disabled'}")
+    return 0
+
+
+def _audit_path(args: argparse.Namespace, cfg: OlpConfig) -> Path:
+    if args.file is not None:
+        return Path(args.file)
+    return cfg.state_dir / cfg.safety.audit.path
+
+
+def cmd_audit_verify(args: argparse.Namespace, cfg: OlpConfig) -> int:
+    from safety.audit import verify
+
+    path = _audit_path(args, cfg)
+    if not path.exists():
+        print(f"olp: no audit log at {path}", file=sys.stderr)
+        return 2
+    result = verify(path)
+    if result.ok:
+        print(f"audit log OK: {result.records} records, chain intact ({path})")
+        return 0
+    print(f"audit log TAMPERED at seq {result.first_bad_seq}: {result.reason} ({path})")
+    return 1
+
+
+def cmd_audit_show(args: argparse.Namespace, cfg: OlpConfig) -> int:
+    from safety.audit import format_record, iter_records
+
+    path = _audit_path(args, cfg)
+    if not path.exists():
+        print(f"olp: no audit log at {path}", file=sys.stderr)
+        return 2
+    records = list(iter_records(path))
+    if args.event:
+        records = [r for r in records if r.get("event") == args.event]
+    for record in records[-args.last :] if args.last else records:
+        print(json.dumps(record) if args.json else format_record(record))
+    return 0
+
+
+def register(sub: Any, with_config: AddConfig, admin: AddConfig) -> None:
+    status = admin(sub.add_parser("status", help="serving version, candidates, learner state"))
+    status.add_argument("--json", action="store_true")
+    status.set_defaults(handler=cmd_status)
+
+    freeze = admin(sub.add_parser("freeze", help="stop promotions (and optionally learning)"))
+    freeze.add_argument("--learning", action="store_true", help="also pause learning")
+    freeze.add_argument("--json", action="store_true")
+    freeze.set_defaults(handler=cmd_freeze)
+    admin(sub.add_parser("unfreeze", help="resume promotions and learning")).set_defaults(
+        handler=cmd_unfreeze
+    )
+    rollback = admin(sub.add_parser("rollback", help="serve the previous (or a given) version"))
+    rollback.add_argument("--to", help="version to serve, e.g. policy-v3 or base")
+    rollback.set_defaults(handler=cmd_rollback)
+
+    tenant = admin(sub.add_parser("tenant", help="per-tenant online-training switch"))
+    tenant.add_argument("name")
+    tenant.add_argument("--training", choices=["on", "off"], required=True)
+    tenant.set_defaults(handler=cmd_tenant)
+
+    audit = sub.add_parser("audit", help="the tamper-evident audit log")
+    audit_sub = audit.add_subparsers(dest="audit_command", required=True)
+    verify = with_config(audit_sub.add_parser("verify", help="check the hash chain"))
+    verify.add_argument("file", nargs="?", help="audit.jsonl (default: the state dir's)")
+    verify.set_defaults(handler=cmd_audit_verify)
+    show = with_config(audit_sub.add_parser("show", help="print the records readably"))
+    show.add_argument("file", nargs="?", help="audit.jsonl (default: the state dir's)")
+    show.add_argument("--last", type=int, default=0, help="only the last N records")
+    show.add_argument("--event", help="only records of this event type")
+    show.add_argument("--json", action="store_true")
+    show.set_defaults(handler=cmd_audit_show)

@@ -1,0 +1,270 @@
+"""`olp up`: run broker, policy, proxy and learner as children of one foreground process.
+
+One instance per state dir (a lock file says who holds it); Ctrl-C or SIGTERM stops every
+child by PID, in reverse start order; a child that dies is reported with its last output
+and, per `on_child_exit`, restarted or the whole stack stops.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import signal
+import sys
+import threading
+import time
+import urllib.request
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO
+
+import structlog
+
+from deploy.broker import kafka_answers, start_broker
+from deploy.config import OlpConfig
+from deploy.policy import check_external, start_policy
+from deploy.ports import port_open, split_host_port
+from deploy.procs import ChildProcess, wait_until
+from deploy.runtime import resolve_model_dir
+
+log = structlog.get_logger(__name__)
+
+LOOPBACK = ("127.0.0.1", "localhost", "::1")
+DEV_API_KEY = "olp-demo-key"
+DEV_ADMIN_KEY = "olp-admin-dev"
+
+
+class AlreadyRunning(RuntimeError):
+    pass
+
+
+class StackLock:
+    """An flock on <state_dir>/run/up.lock: a second `olp up` says so instead of orphaning."""
+
+    def __init__(self, state_dir: Path) -> None:
+        self.path = state_dir / "run" / "up.lock"
+        self._fh: IO[str] | None = None
+
+    def acquire(self) -> None:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        fh = self.path.open("a+")
+        try:
+            fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            fh.seek(0)
+            holder = fh.read().strip() or "unknown"
+            fh.close()
+            raise AlreadyRunning(
+                f"olp up is already running for state dir {self.path.parent.parent} "
+                f"(pid {holder}); stop it first (Ctrl-C in its terminal, or kill {holder})"
+            ) from None
+        fh.seek(0)
+        fh.truncate()
+        fh.write(str(os.getpid()))
+        fh.flush()
+        self._fh = fh
+
+    def release(self) -> None:
+        if self._fh is not None:
+            self._fh.close()
+            self._fh = None
+
+
+@dataclass
+class Component:
+    name: str
+    start: Callable[[], ChildProcess]
+    describe: str
+    child: ChildProcess | None = None
+    restarts: int = 0
+    stopper: Callable[[], None] | None = field(default=None)
+
+
+def _http_ok(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(url, timeout=2) as resp:
+            return bool(resp.status == 200)
+    except OSError:
+        return False
+
+
+class Stack:
+    def __init__(self, cfg: OlpConfig, config_path: Path | None, *, with_learner: bool = True):
+        self.cfg = cfg
+        self.config_path = config_path
+        self.with_learner = with_learner and cfg.learner.enabled
+        self.state_dir = cfg.state_dir.resolve()
+        self.logs_dir = self.state_dir / "logs"
+        self.components: list[Component] = []
+        self._stop = threading.Event()
+        self.lock = StackLock(self.state_dir)
+
+    # ----------------------------------------------------------------- start
+    def _olp_child(self, name: str, *args: str) -> ChildProcess:
+        argv = [sys.executable, "-m", "deploy.cli", name, *args]
+        if self.config_path is not None:
+            argv += ["--config", str(self.config_path)]
+        env = dict(os.environ)
+        env["OLP_STATE_DIR"] = str(self.state_dir)
+        return ChildProcess(name, argv, env=env, log_file=self.logs_dir / f"{name}.log")
+
+    def start(self, progress: Callable[[str], None]) -> float:
+        started = time.monotonic()
+        self.lock.acquire()
+        cfg = self.cfg
+        host, port = split_host_port(cfg.stream.bootstrap_servers.split(",")[0])
+        if host in LOOPBACK:
+            if port_open(host, port):
+                raise RuntimeError(
+                    f"port {port} is already in use: stream.bootstrap_servers points at "
+                    f"{host}:{port} for the embedded broker; stop what listens there or change it"
+                )
+            progress(f"starting embedded broker on {host}:{port}")
+            broker = start_broker(host, port, self.logs_dir / "broker.log")
+            self.components.append(
+                Component(
+                    "broker",
+                    lambda: broker.child,
+                    f"{broker.bootstrap} (embedded)",
+                    child=broker.child,
+                )
+            )
+        elif not kafka_answers(cfg.stream.bootstrap_servers, timeout_s=10):
+            raise RuntimeError(f"Kafka at {cfg.stream.bootstrap_servers} does not answer")
+
+        if cfg.policy.external_urls:
+            check_external(cfg.policy.external_urls)
+            progress(f"using external vLLM {', '.join(cfg.policy.external_urls)}")
+        else:
+            if port_open(cfg.policy.host, cfg.policy.port):
+                raise RuntimeError(
+                    f"port {cfg.policy.port} is already in use (policy.port); "
+                    "stop what listens there or change it"
+                )
+            model_dir = resolve_model_dir(cfg.policy, progress)
+            progress(f"starting vLLM policy server on {cfg.policy.host}:{cfg.policy.port}")
+            policy = start_policy(
+                cfg.policy,
+                model_dir,
+                self.logs_dir / "policy.log",
+                progress=lambda s: progress(f"  vLLM still starting ({s:.0f} s)"),
+            )
+            self.components.append(
+                Component(
+                    "policy",
+                    lambda: policy.child,
+                    f"{policy.base_url} (vLLM, loopback)",
+                    child=policy.child,
+                )
+            )
+
+        proxy_url = f"http://{cfg.proxy.host}:{cfg.proxy.port}"
+        if port_open(cfg.proxy.host, cfg.proxy.port):
+            raise RuntimeError(f"port {cfg.proxy.port} is already in use (proxy.port)")
+        progress(f"starting proxy on {proxy_url}")
+        self._add_olp_component("proxy", f"{proxy_url}/v1")
+        wait_until(
+            lambda: _http_ok(f"{proxy_url}/readyz"),
+            timeout_s=60,
+            child=self.components[-1].child,
+            what="proxy",
+        )
+        if self.with_learner:
+            progress("starting learner")
+            self._add_olp_component("learner", "consuming trajectories")
+        return time.monotonic() - started
+
+    def _add_olp_component(self, name: str, describe: str) -> None:
+        comp = Component(name, lambda: self._olp_child(name), describe)
+        comp.child = comp.start()
+        self.components.append(comp)
+
+    # --------------------------------------------------------------- monitor
+    def request_stop(self, *_: object) -> None:
+        self._stop.set()
+
+    def watch(self, poll_s: float = 1.0) -> int:
+        """Block until asked to stop (0) or a child died and may not be restarted (1)."""
+        while not self._stop.wait(poll_s):
+            for comp in self.components:
+                if comp.child is None or comp.child.alive():
+                    continue
+                code = comp.child.poll()
+                log.error("child_exited", child=comp.name, pid=comp.child.pid, returncode=code)
+                print(
+                    f"olp: {comp.name} (pid {comp.child.pid}) exited with code {code}; "
+                    f"last output:\n{comp.child.tail(20)}",
+                    file=sys.stderr,
+                    flush=True,
+                )
+                restartable = comp.name in ("proxy", "learner")
+                if (
+                    self.cfg.on_child_exit == "restart"
+                    and restartable
+                    and comp.restarts < self.cfg.max_restarts
+                ):
+                    comp.restarts += 1
+                    print(
+                        f"olp: restarting {comp.name} ({comp.restarts}/{self.cfg.max_restarts})",
+                        file=sys.stderr,
+                        flush=True,
+                    )
+                    comp.child = comp.start()
+                    continue
+                return 1
+        return 0
+
+    def stop(self) -> None:
+        for comp in reversed(self.components):
+            if comp.child is not None:
+                comp.child.stop(timeout_s=30)
+        self.components.clear()
+        self.lock.release()
+
+    def banner(self, seconds: float) -> str:
+        cfg = self.cfg
+        lines = [f"olp is up in {seconds:.0f} s (state dir {self.state_dir})"]
+        for comp in self.components:
+            pid = comp.child.pid if comp.child else "-"
+            lines.append(f"  {comp.name:<8} {comp.describe:<48} pid {pid}")
+        proxy_url = f"http://{cfg.proxy.host}:{cfg.proxy.port}"
+        lines += [
+            f"  OpenAI base URL  {proxy_url}/v1   (model 'policy')",
+            f"  metrics          {proxy_url}/metrics",
+            f"  operator page    {proxy_url}/admin/ui",
+            f"  logs             {self.logs_dir}",
+        ]
+        if any(t.name == "demo" for t in cfg.tenants):
+            lines.append(f"  API key of tenant 'demo' (dev default): {DEV_API_KEY}")
+            lines.append(
+                "  enable online training for it:  olp tenant demo --training on"
+                f"  (admin key, dev default: {DEV_ADMIN_KEY})"
+            )
+        lines.append("  stop with Ctrl-C")
+        return "\n".join(lines)
+
+
+def run_up(cfg: OlpConfig, config_path: Path | None, *, with_learner: bool = True) -> int:
+    stack = Stack(cfg, config_path, with_learner=with_learner)
+    signal.signal(signal.SIGTERM, stack.request_stop)
+    signal.signal(signal.SIGINT, stack.request_stop)
+
+    def progress(message: str) -> None:
+        print(f"olp: {message}", file=sys.stderr, flush=True)
+
+    try:
+        seconds = stack.start(progress)
+    except AlreadyRunning as exc:
+        print(f"olp: {exc}", file=sys.stderr)
+        return 1
+    except Exception as exc:
+        print(f"olp: start-up failed: {exc}", file=sys.stderr)
+        stack.stop()
+        return 1
+    print(stack.banner(seconds), flush=True)
+    code = stack.watch()
+    print("olp: stopping", file=sys.stderr, flush=True)
+    stack.stop()
+    print("olp: stopped", file=sys.stderr, flush=True)
+    return code

@@ -61,7 +61,8 @@ class RewardAssembler:
                 index = int(choice.get("index", 0))
                 rewarded = RewardedChoice(trajectory=trajectory, choice_index=index, reward=None)
                 value, invalid = feedback_reward(feedback, index, self.config.feedback_values)
-                self.counts["invalid_feedback"] += invalid
+                if invalid:
+                    self.counts["invalid_feedback"] += invalid
                 if value is not None and weights.feedback > 0:
                     rewarded.parts["feedback"] = value
                 if self.verifiers and weights.verifiers > 0:

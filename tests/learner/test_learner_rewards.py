@@ -1,0 +1,218 @@
+"""Rewards: feedback mapping, built-in and pluggable verifiers, the judge, the assembler."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from learner.config import FeedbackValues, JudgeConfig, RewardConfig, VerifierSpec
+from learner.rewards.assembler import RewardAssembler
+from learner.rewards.feedback import FeedbackError, feedback_reward, feedback_value
+from learner.rewards.judge import Judge
+from learner.rewards.verifiers import (
+    VerifierRunner,
+    exact_match,
+    json_valid,
+    load_verifier,
+    number_answer,
+    regex_match,
+    tool_calls_valid,
+)
+
+
+def slow_verifier(trajectory: dict[str, Any], choice: dict[str, Any], **params: Any) -> float:
+    """Pluggable verifier (loaded by import path in a test) that sleeps past its timeout."""
+    time.sleep(float(params.get("sleep_s", 1.0)))
+    return 1.0
+
+
+def broken_verifier(trajectory: dict[str, Any], choice: dict[str, Any], **params: Any) -> float:
+    raise RuntimeError("boom")
+
+
+def record(content: str, **kw: Any) -> dict[str, Any]:
+    base: dict[str, Any] = {
+        "trajectory_id": "t1", "event_id": "e1", "tenant": "A", "user": None, "task": "sum",
+        "policy_version": "base", "group_id": None, "status": "ok", "trainable": True,
+        "request": {"messages": [{"role": "user", "content": "What is 2 plus 3?"}]},
+        "prompt_token_ids": [1, 2, 3],
+        "choices": [
+            {"index": 0, "message": {"role": "assistant", "content": content},
+             "finish_reason": "stop", "token_ids": [4, 5], "logprobs": [-0.5, -0.5]}
+        ],
+    }
+    base.update(kw)
+    return base
+
+
+def test_feedback_values() -> None:
+    values = FeedbackValues()
+    assert feedback_value({"kind": "accept"}, values) == 0.75
+    assert feedback_value({"kind": "reject"}, values) == -0.25
+    assert feedback_value({"kind": "score", "value": 0.3}, values) == 0.3
+    assert feedback_value({"kind": "test_result", "value": 1}, values) == 1.0
+    assert feedback_value({"kind": "test_result", "value": 0}, values) == -0.5
+    with pytest.raises(FeedbackError):
+        feedback_value({"kind": "score", "value": None}, values)
+    with pytest.raises(FeedbackError):
+        feedback_value({"kind": "bogus"}, values)
+    events = [
+        {"kind": "accept", "choice_index": 0},
+        {"kind": "reject", "choice_index": 0},
+        {"kind": "thumbs_up", "choice_index": 1},
+        {"kind": "score", "choice_index": 0},  # invalid: no value
+    ]
+    assert feedback_reward(events, 0, values) == (0.25, 1)
+    assert feedback_reward(events, 2, values) == (None, 0)
+
+
+def test_builtin_verifiers() -> None:
+    rec = record(" 5 ")
+    choice = rec["choices"][0]
+    assert exact_match(rec, choice, expected="5") == 1.0
+    assert exact_match(rec, choice, expected="6") == 0.0
+    assert exact_match(record("5", request={"metadata": {"answer": 5}}), choice,
+                       expected_path="request.metadata.answer") == 1.0
+    assert exact_match(rec, choice) is None
+    assert regex_match(rec, choice, pattern=r"\d+", fullmatch=True) == 1.0
+    assert regex_match(record("five"), record("five")["choices"][0], pattern=r"\d") == 0.0
+    schema = {"type": "object", "required": ["answer"]}
+    ok = record('{"answer": 5}')
+    assert json_valid(ok, ok["choices"][0], schema=schema) == 1.0
+    bad = record('{"result": 5}')
+    assert json_valid(bad, bad["choices"][0], schema=schema) == 0.0
+    fenced = record('```json\n{"answer": 5}\n```')
+    assert json_valid(fenced, fenced["choices"][0]) == 0.0
+    assert json_valid(fenced, fenced["choices"][0], allow_fence=True) == 1.0
+
+
+def test_tool_call_validity() -> None:
+    tools = [{"type": "function", "function": {"name": "search", "parameters": {}}}]
+    rec = record("", request={"messages": [], "tools": tools})
+
+    def with_calls(*calls: dict[str, Any]) -> dict[str, Any]:
+        return {"index": 0, "message": {"role": "assistant", "content": None,
+                                        "tool_calls": list(calls)}}
+
+    good = {"function": {"name": "search", "arguments": '{"q": "x"}'}}
+    assert tool_calls_valid(rec, with_calls(good)) == 1.0
+    assert tool_calls_valid(rec, with_calls(good, {"function": {"name": "nope",
+                                                                 "arguments": "{}"}})) == 0.0
+    assert tool_calls_valid(rec, with_calls({"function": {"name": "search",
+                                                          "arguments": "{bad"}})) == 0.0
+    assert tool_calls_valid(rec, with_calls({"function": {"name": "search",
+                                                          "arguments": "[1]"}})) == 0.0
+    assert tool_calls_valid(rec, rec["choices"][0]) is None
+
+
+def test_number_answer_shaping() -> None:
+    def score(text: str, finish: str = "stop", n: int = 2) -> float:
+        rec = record(text)
+        choice = {**rec["choices"][0], "finish_reason": finish, "token_ids": list(range(n))}
+        return float(number_answer(rec, choice, brevity_tokens=16) or 0.0)
+
+    assert score("5") > score("5 is the answer") > score("The answer is 5") >= 0
+    assert score("55555555555555", finish="length") == 0.0
+    assert score("5", n=2) > score("5", n=12)
+
+
+def test_pluggable_verifier_timeout_and_error_give_no_value() -> None:
+    runner = VerifierRunner([
+        VerifierSpec(path=f"{__name__}:slow_verifier", timeout_s=0.2, params={"sleep_s": 1.0}),
+        VerifierSpec(path=f"{__name__}:broken_verifier"),
+    ])
+    rec = record("5")
+    assert runner.score(rec, rec["choices"][0]) is None
+    assert runner.timeouts == 1 and runner.errors == 1
+    runner.close()
+    with pytest.raises(ValueError, match="cannot load verifier"):
+        load_verifier("learner.rewards.verifiers:does_not_exist")
+    with pytest.raises(ValueError, match="must look like"):
+        load_verifier("no_colon")
+
+
+def test_assembler_weights_and_no_reward_counted() -> None:
+    config = RewardConfig(
+        verifiers=[VerifierSpec(path="learner.rewards.verifiers:exact_match",
+                                params={"expected": "5"}, tasks=["sum"])],
+    )
+    assembler = RewardAssembler(config)
+    items = [
+        {"trajectory": record("5"), "feedback": [{"kind": "reject", "choice_index": 0}]},
+        {"trajectory": record("6", task="other"), "feedback": []},  # no part applies
+        {"trajectory": record("5", trainable=False), "feedback": []},
+    ]
+    out = assembler.assemble(items)
+    assert len(out) == 2
+    assert out[0].parts == {"feedback": -0.25, "verifiers": 1.0}
+    assert out[0].reward == pytest.approx(0.375)
+    assert out[1].reward is None
+    assert dict(assembler.counts) == {"rewarded": 1, "no_reward": 1, "untrainable": 1}
+
+
+@pytest.fixture
+def silent_server() -> Iterator[str]:
+    """A TCP server that accepts connections and never answers (a hung judge)."""
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen(16)
+    conns: list[socket.socket] = []
+    stop = threading.Event()
+
+    def accept() -> None:
+        server.settimeout(0.1)
+        while not stop.is_set():
+            try:
+                conns.append(server.accept()[0])
+            except TimeoutError:
+                continue
+
+    thread = threading.Thread(target=accept, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{server.getsockname()[1]}/v1"
+    stop.set()
+    thread.join()
+    for conn in conns:
+        conn.close()
+    server.close()
+
+
+def test_judge_timeout_yields_no_reward(silent_server: str) -> None:
+    judge = Judge(JudgeConfig(enabled=True, base_url=silent_server, timeout_s=0.3, retries=1))
+    rec = record("5")
+    started = time.monotonic()
+    verdict = judge.score(rec, rec["choices"][0])
+    assert verdict.score is None and "Timeout" in (verdict.error or "")
+    assert judge.calls == 2 and judge.failures == 1
+    assert time.monotonic() - started < 5
+    config = RewardConfig(weights={"feedback": 1.0, "verifiers": 1.0, "judge": 1.0})
+    assembler = RewardAssembler(config, judge=judge)
+    out = assembler.assemble([{"trajectory": rec, "feedback": []}])
+    assert out[0].reward is None
+    assert assembler.counts["no_reward"] == 1 and assembler.counts["judge_failed"] == 1
+    judge.close()
+
+
+def test_judge_through_real_vllm(vllm_server: Any) -> None:
+    config = JudgeConfig(enabled=True, model=vllm_server.model_name, timeout_s=60, retries=1)
+    judge = Judge(config, base_url=f"{vllm_server.base_url}/v1")
+    rec = record("5")
+    rec["choices"].append({"index": 1, "message": {"role": "assistant", "content": "Banana."},
+                           "finish_reason": "stop", "token_ids": [6], "logprobs": [-1.0]})
+    verdict = judge.score(rec, rec["choices"][0])
+    assert verdict.error is None, verdict.raw
+    assert verdict.score is not None and 0.0 <= verdict.score <= 1.0
+    assert verdict.raw["top_logprobs"] and verdict.raw["distribution"]
+    again = judge.score(rec, rec["choices"][0])
+    assert again.cached and again.score == verdict.score and judge.calls == 1
+    ranked = judge.score_group(rec, rec["choices"])
+    assert len(ranked) == 2
+    assert all(v.score is not None and 0.0 <= v.score <= 1.0 for v in ranked)
+    preference = ranked[0].raw["rank"]["preference"]
+    assert len(preference) == 2 and sum(preference) == pytest.approx(1.0)
+    judge.close()

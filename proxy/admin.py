@@ -1,0 +1,235 @@
+"""Operator API under /admin (admin key only): aliases, rollback, freeze, tenant training.
+
+Every change is persisted atomically to `<state_dir>/control/serving.json` and written to the
+audit log with its actor (the `X-OLP-Actor` header, else "admin").
+"""
+
+from __future__ import annotations
+
+import hmac
+import re
+from typing import Any
+
+import aiohttp
+from aiohttp import web
+
+from proxy.config import sha256_hex
+from proxy.context import CONTEXT, ProxyContext
+from proxy.errors import ProxyError, bad_request
+from proxy.serving_state import save_state
+
+_ACTOR = re.compile(r"^[A-Za-z0-9._@:\-]{1,64}$")
+_VERSION = re.compile(r"^(base|policy-v[0-9]+)$")
+
+
+def _authorize(request: web.Request) -> str:
+    """The acting operator's name; 401 without a key, 403 with a wrong one or none configured."""
+    ctx = request.app[CONTEXT]
+    header = request.headers.get("Authorization") or ""
+    scheme, _, key = header.partition(" ")
+    if scheme.lower() != "bearer" or not key.strip():
+        raise ProxyError(
+            401, "The admin API needs 'Authorization: Bearer <admin key>'.", code="missing_api_key"
+        )
+    expected = ctx.config.admin_key_sha256
+    if expected is None:
+        raise ProxyError(
+            403,
+            "The admin API is disabled: no proxy.admin_key_sha256 configured.",
+            type_="permission_error",
+            code="admin_disabled",
+        )
+    if not hmac.compare_digest(expected, sha256_hex(key.strip())):
+        raise ProxyError(
+            403, "This key may not use the admin API.", type_="permission_error", code="forbidden"
+        )
+    actor = request.headers.get("X-OLP-Actor", "admin")
+    return actor if _ACTOR.match(actor) else "admin"
+
+
+async def _json_object(request: web.Request) -> dict[str, Any]:
+    if not request.body_exists:
+        return {}
+    try:
+        body = await request.json()
+    except ValueError as exc:
+        raise bad_request(
+            f"The request body is not valid JSON: {exc}", code="invalid_json"
+        ) from exc
+    if not isinstance(body, dict):
+        raise bad_request("The request body must be a JSON object.")
+    return body
+
+
+def _status_payload(ctx: ProxyContext) -> dict[str, Any]:
+    state = ctx.state
+    policy = ctx.config.policy_alias
+    return {
+        "aliases": dict(ctx.aliases.snapshot()),
+        "serving_version": ctx.aliases.resolve(policy),
+        "policy_alias": policy,
+        "history": state.history,
+        "frozen": state.frozen,
+        "learning_frozen": state.learning_frozen,
+        "tenants": [
+            {"name": t.name, "training_enabled": t.training_enabled, "in_flight": t.in_flight}
+            for t in ctx.tenants.tenants.values()
+        ],
+        "upstreams": [r.url for r in ctx.pool.replicas],
+    }
+
+
+def _commit(ctx: ProxyContext, actor: str, event: str, payload: dict[str, Any]) -> None:
+    """Persist the state, then audit the change (the audit log is the record of truth)."""
+    ctx.state.aliases = dict(ctx.aliases.snapshot())
+    save_state(ctx.state_path, ctx.state)
+    ctx.audit.append(actor, event, payload)
+
+
+async def status(request: web.Request) -> web.Response:
+    _authorize(request)
+    return web.json_response(_status_payload(request.app[CONTEXT]))
+
+
+async def _check_served(ctx: ProxyContext, target: str) -> None:
+    """Refuse to point an alias at a name some replica does not serve (409)."""
+    missing = []
+    for replica in ctx.pool.replicas:
+        try:
+            served = await ctx.pool.served_models(replica)
+        except (TimeoutError, aiohttp.ClientError) as exc:
+            raise ProxyError(
+                502,
+                f"Replica {replica.url} did not list its models: {type(exc).__name__}.",
+                type_="api_error",
+                code="upstream_error",
+            ) from exc
+        if target not in served:
+            missing.append(replica.url)
+    if missing:
+        raise ProxyError(
+            409,
+            f"'{target}' is not loaded on replica(s) {', '.join(missing)}; load it on "
+            "every replica before flipping the alias.",
+            type_="conflict",
+            code="not_loaded",
+        )
+
+
+async def set_alias(request: web.Request) -> web.Response:
+    actor = _authorize(request)
+    ctx = request.app[CONTEXT]
+    body = await _json_object(request)
+    alias, target = body.get("alias"), body.get("target")
+    if not isinstance(alias, str) or not alias:
+        raise bad_request("'alias' must be a non-empty string.", param="alias")
+    if not isinstance(target, str) or not _VERSION.match(target):
+        raise bad_request("'target' must be 'base' or 'policy-v<N>'.", param="target")
+    if ctx.state.frozen:
+        raise ProxyError(
+            409,
+            "Serving is frozen; unfreeze before changing aliases (rollback still works).",
+            type_="conflict",
+            code="frozen",
+        )
+    await _check_served(ctx, target)
+    previous = ctx.aliases.set(alias, target)
+    ctx.state.record("flip", actor, alias=alias, target=target, previous=previous)
+    _commit(ctx, actor, "alias_set", {"alias": alias, "target": target, "previous": previous})
+    return web.json_response({"alias": alias, "target": target, "previous": previous})
+
+
+def _rollback_target(ctx: ProxyContext, alias: str, current: str | None) -> str:
+    """The version before `current` in the alias's history, skipping rolled-back versions."""
+    rolled_back = {
+        e["previous"]
+        for e in ctx.state.history
+        if e.get("kind") == "rollback" and e.get("alias") == alias
+    }
+    lineage = [ctx.config.base_served_name] + [
+        e["target"]
+        for e in ctx.state.history
+        if e.get("kind") == "flip" and e.get("alias") == alias
+    ]
+    if current in lineage:
+        lineage = lineage[: len(lineage) - 1 - lineage[::-1].index(current)]
+    for candidate in reversed(lineage):
+        if candidate != current and candidate not in rolled_back:
+            return candidate
+    raise ProxyError(
+        409,
+        f"There is no earlier version of '{alias}' to roll back to.",
+        type_="conflict",
+        code="no_previous_version",
+    )
+
+
+async def rollback(request: web.Request) -> web.Response:
+    actor = _authorize(request)
+    ctx = request.app[CONTEXT]
+    body = await _json_object(request)
+    alias = body.get("alias", ctx.config.policy_alias)
+    if not isinstance(alias, str) or ctx.aliases.resolve(alias) is None:
+        raise bad_request(f"Unknown alias {alias!r}.", param="alias")
+    current = ctx.aliases.resolve(alias)
+    target = body.get("to")
+    if target is None:
+        target = _rollback_target(ctx, alias, current)
+    elif not isinstance(target, str) or not _VERSION.match(target):
+        raise bad_request("'to' must be 'base' or 'policy-v<N>'.", param="to")
+    await _check_served(ctx, target)
+    ctx.aliases.set(alias, target)
+    ctx.state.record("rollback", actor, alias=alias, target=target, previous=current)
+    _commit(ctx, actor, "rollback", {"alias": alias, "target": target, "previous": current})
+    return web.json_response({"alias": alias, "target": target, "previous": current})
+
+
+async def freeze(request: web.Request) -> web.Response:
+    actor = _authorize(request)
+    ctx = request.app[CONTEXT]
+    body = await _json_object(request)
+    learning = body.get("learning", True)
+    if not isinstance(learning, bool):
+        raise bad_request("'learning' must be a boolean.", param="learning")
+    ctx.state.frozen = True
+    ctx.state.learning_frozen = learning
+    ctx.state.record("freeze", actor, learning=learning)
+    _commit(ctx, actor, "freeze", {"learning": learning})
+    return web.json_response({"frozen": True, "learning_frozen": learning})
+
+
+async def unfreeze(request: web.Request) -> web.Response:
+    actor = _authorize(request)
+    ctx = request.app[CONTEXT]
+    ctx.state.frozen = False
+    ctx.state.learning_frozen = False
+    ctx.state.record("unfreeze", actor)
+    _commit(ctx, actor, "unfreeze", {})
+    return web.json_response({"frozen": False, "learning_frozen": False})
+
+
+async def set_tenant_training(request: web.Request) -> web.Response:
+    actor = _authorize(request)
+    ctx = request.app[CONTEXT]
+    name = request.match_info["name"]
+    tenant = ctx.tenants.tenants.get(name)
+    if tenant is None:
+        raise ProxyError(404, f"Unknown tenant {name!r}.", code="tenant_not_found")
+    body = await _json_object(request)
+    enabled = body.get("enabled")
+    if not isinstance(enabled, bool):
+        raise bad_request("'enabled' must be a boolean.", param="enabled")
+    tenant.training_override = enabled
+    ctx.state.tenant_training[name] = enabled
+    ctx.state.record("tenant_training", actor, tenant=name, enabled=enabled)
+    _commit(ctx, actor, "tenant_training", {"tenant": name, "enabled": enabled})
+    return web.json_response({"tenant": name, "training_enabled": enabled})
+
+
+def add_admin_routes(app: web.Application) -> None:
+    app.router.add_get("/admin/status", status)
+    app.router.add_post("/admin/aliases", set_alias)
+    app.router.add_post("/admin/rollback", rollback)
+    app.router.add_post("/admin/freeze", freeze)
+    app.router.add_post("/admin/unfreeze", unfreeze)
+    app.router.add_post("/admin/tenants/{name}/training", set_tenant_training)

@@ -1,0 +1,217 @@
+"""The proxy's aiohttp application: routes, the request-id/error middleware and the lifecycle.
+
+`build_app(...)` returns a ready `web.Application`; all state sits in one `ProxyContext` on
+the app (`app[CONTEXT]`), so several proxies can live in one process (tests do).
+"""
+
+from __future__ import annotations
+
+import re
+import time
+import uuid
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+import structlog
+from aiohttp import web
+
+from proxy.admin import add_admin_routes
+from proxy.aliases import AliasTable
+from proxy.capture import CaptureService
+from proxy.completions import chat_completions, completions, read_json_body
+from proxy.config import ProxyConfig, TenantConfig
+from proxy.context import CONTEXT, ProxyContext
+from proxy.errors import ProxyError, error_response
+from proxy.feedback import RecentTrajectories, build_event, check_owner, parse_feedback
+from proxy.metrics import ProxyMetrics
+from proxy.routing import UpstreamPool
+from proxy.serving_state import load_state
+from proxy.tenants import TenantRegistry
+from safety.audit import AuditLog
+from safety.config import AuditConfig
+from safety.redaction import Redactor
+
+log = structlog.get_logger(__name__)
+
+_REQUEST_ID = re.compile(r"^[A-Za-z0-9._:\-]{1,128}$")
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+def _request_id(request: web.Request) -> str:
+    """The client's x-request-id when it is a sane token, else a fresh one."""
+    given = request.headers.get("x-request-id")
+    if given and _REQUEST_ID.match(given):
+        return given
+    return f"req-{uuid.uuid4().hex}"
+
+
+_HTTP_ERROR_TYPES = {404: "not_found", 405: "method_not_allowed", 413: "request_too_large"}
+
+
+@web.middleware
+async def request_id_and_errors(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """Give every response an x-request-id and turn every failure into OpenAI-style JSON."""
+    request_id = _request_id(request)
+    request["request_id"] = request_id
+    try:
+        response = await handler(request)
+    except ProxyError as err:
+        response = error_response(err, request_id)
+    except web.HTTPException as exc:
+        if exc.status < 400:
+            raise
+        code = _HTTP_ERROR_TYPES.get(exc.status, "http_error")
+        response = error_response(
+            ProxyError(exc.status, exc.reason or "error", code=code), request_id
+        )
+    except Exception:
+        log.exception("unhandled_error", request_id=request_id, path=request.path)
+        response = error_response(
+            ProxyError(
+                500,
+                f"Internal proxy error (request id {request_id}).",
+                type_="api_error",
+                code="internal_error",
+            ),
+            request_id,
+        )
+    if not response.prepared:
+        response.headers["x-request-id"] = request_id
+    return response
+
+
+async def list_models(request: web.Request) -> web.Response:
+    ctx = request.app[CONTEXT]
+    ctx.tenants.authenticate(request.headers.get("Authorization"))
+    created = int(ctx.started_at)
+    data = [
+        {"id": name, "object": "model", "created": created, "owned_by": "olp"}
+        for name in ctx.aliases.public_names()
+    ]
+    return web.json_response({"object": "list", "data": data})
+
+
+async def healthz(request: web.Request) -> web.Response:
+    return web.json_response({"status": "ok"})
+
+
+async def readyz(request: web.Request) -> web.Response:
+    """Ready when at least one replica answers; lists each replica's state."""
+    ctx = request.app[CONTEXT]
+    replicas = await ctx.pool.readiness()
+    ready = any(problem is None for problem in replicas.values())
+    return web.json_response(
+        {"ready": ready, "replicas": {url: problem or "ok" for url, problem in replicas.items()}},
+        status=200 if ready else 503,
+    )
+
+
+async def metrics(request: web.Request) -> web.Response:
+    body, content_type = request.app[CONTEXT].metrics.render()
+    response = web.Response(body=body)
+    response.headers["Content-Type"] = content_type
+    return response
+
+
+async def feedback(request: web.Request) -> web.Response:
+    """Accept a feedback event for one of the tenant's trajectories (202)."""
+    ctx = request.app[CONTEXT]
+    tenant = ctx.tenants.authenticate(request.headers.get("Authorization"))
+    body = await read_json_body(request, ctx.config.max_body_bytes)
+    parsed = parse_feedback(body, ctx.config.max_feedback_metadata_bytes)
+    known_session = check_owner(ctx.recent, parsed, tenant.name_hash)
+    session_id = known_session or request.headers.get("X-Session-Id") or parsed.trajectory_id
+    metadata, _ = ctx.redactor.redact_obj(parsed.metadata)
+    event = build_event(parsed, tenant.name_hash, session_id[:256], metadata)
+    ctx.sink.put_feedback(event)
+    ctx.metrics.feedback.labels(parsed.kind).inc()
+    return web.json_response(
+        {"status": "accepted", "event_id": event["event_id"], "known": known_session is not None},
+        status=202,
+    )
+
+
+def build_app(
+    config: ProxyConfig,
+    tenants: list[TenantConfig],
+    sink: Any,
+    state_dir: Path | str,
+    *,
+    redactor: Redactor | None = None,
+    audit: AuditLog | None = None,
+) -> web.Application:
+    """The proxy application. `sink` is a replay RecordSink; `state_dir` holds serving state
+    and (unless `audit` is given) the audit log."""
+    state_dir = Path(state_dir)
+    metrics_ = ProxyMetrics()
+    redactor = redactor if redactor is not None else Redactor()
+    if audit is None:
+        audit = AuditLog(state_dir / AuditConfig().path, redactor=redactor)
+    registry = TenantRegistry(tenants, require_auth=config.require_auth)
+    default_aliases = {config.policy_alias: config.base_served_name}
+    default_aliases.update({name: config.base_served_name for name in config.base_model_aliases})
+    state_path = state_dir / config.state.serving_state
+    state = load_state(state_path, default_aliases)
+    registry.apply_overrides(state.tenant_training)
+
+    def on_record(record: dict[str, Any]) -> None:
+        metrics_.trajectories.labels(record["status"], str(record["trainable"]).lower()).inc()
+
+    ctx = ProxyContext(
+        config=config,
+        tenants=registry,
+        aliases=AliasTable(state.aliases),
+        pool=UpstreamPool(
+            config.upstreams,
+            connect_timeout_s=config.connect_timeout_s,
+            read_timeout_s=config.read_timeout_s,
+            max_connections=config.max_upstream_connections,
+        ),
+        metrics=metrics_,
+        capture=CaptureService(
+            sink,
+            redactor.redact_obj,
+            on_record=on_record,
+            on_failure=lambda exc: metrics_.capture_failures.inc(),
+        ),
+        recent=RecentTrajectories(config.recent_trajectories),
+        state=state,
+        state_path=state_path,
+        sink=sink,
+        redactor=redactor,
+        audit=audit,
+        started_at=time.time(),
+    )
+    app = web.Application(
+        middlewares=[request_id_and_errors], client_max_size=config.max_body_bytes
+    )
+    app[CONTEXT] = ctx
+    app.router.add_post("/v1/chat/completions", chat_completions)
+    app.router.add_post("/v1/completions", completions)
+    app.router.add_get("/v1/models", list_models)
+    app.router.add_post("/v1/feedback", feedback)
+    app.router.add_get("/healthz", healthz)
+    app.router.add_get("/readyz", readyz)
+    app.router.add_get("/metrics", metrics)
+    add_admin_routes(app)
+    app.on_startup.append(_start)
+    app.on_cleanup.append(_stop)
+    return app
+
+
+async def _start(app: web.Application) -> None:
+    ctx = app[CONTEXT]
+    await ctx.pool.start()
+    log.info(
+        "proxy_started",
+        upstreams=[r.url for r in ctx.pool.replicas],
+        aliases=dict(ctx.aliases.snapshot()),
+    )
+
+
+async def _stop(app: web.Application) -> None:
+    """Finish queued records before the pool and the sink go away."""
+    ctx = app[CONTEXT]
+    await ctx.capture.drain()
+    await ctx.pool.close()

@@ -1,0 +1,356 @@
+"""Trajectory capture: turn one proxied request into a trajectory record, off the response path.
+
+`TrajectoryCapture` collects what upstream sent (a whole response or stream chunks, before the
+client-facing stripping); `CaptureService.submit` builds, checks, redacts and hands the record
+to the sink in a background task, so the client's last byte never waits for it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import structlog
+
+from proxy.relay import Endpoint
+
+log = structlog.get_logger(__name__)
+
+SCHEMA_VERSION = 1
+
+# Request fields that describe the sampling distribution (copied as sent upstream).
+SAMPLING_KEYS = (
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "max_tokens",
+    "max_completion_tokens",
+    "stop",
+    "stop_token_ids",
+    "seed",
+    "n",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+    "logit_bias",
+    "ignore_eos",
+    "min_tokens",
+    "best_of",
+)
+
+# A redactor returns a redacted copy of a JSON-like value and the number of hits per kind.
+Redact = Callable[[Any], tuple[Any, dict[str, int]]]
+
+
+@dataclass
+class CaptureContext:
+    """What is known about a request before upstream answers."""
+
+    trajectory_id: str
+    request_id: str
+    session_id: str
+    tenant_hash: str
+    user_hash: str | None
+    endpoint: Endpoint
+    model_alias: str
+    policy_version: str
+    group_id: str | None
+    task: str | None
+    request_body: dict[str, Any]
+    sampling: dict[str, Any]
+    created_at: float = field(default_factory=time.time)
+    started: float = field(default_factory=time.monotonic)
+
+
+@dataclass
+class _Choice:
+    index: int
+    role: str | None = None
+    content: list[str] = field(default_factory=list)
+    text: list[str] = field(default_factory=list)
+    tool_calls: dict[int, dict[str, Any]] = field(default_factory=dict)
+    message: dict[str, Any] | None = None
+    finish_reason: str | None = None
+    token_ids: list[int] | None = None
+    logprobs: list[float] | None = None
+    prompt_token_ids: list[int] | None = None
+
+
+def _logprob_values(endpoint: Endpoint, logprobs: Any) -> list[float] | None:
+    if not isinstance(logprobs, dict):
+        return None
+    if endpoint == "chat.completions":
+        content = logprobs.get("content")
+        if content is None:
+            return None
+        return [float(entry["logprob"]) for entry in content]
+    values = logprobs.get("token_logprobs")
+    return None if values is None else [float(v) for v in values]
+
+
+class TrajectoryCapture:
+    """Accumulates one request's upstream output; `build()` makes the trajectory record."""
+
+    def __init__(self, context: CaptureContext) -> None:
+        self.context = context
+        self.choices: dict[int, _Choice] = {}
+        self.prompt_token_ids: list[int] | None = None
+        self.usage: dict[str, Any] | None = None
+        self.ttft_s: float | None = None
+
+    def _choice(self, index: int) -> _Choice:
+        if index not in self.choices:
+            self.choices[index] = _Choice(index=index)
+        return self.choices[index]
+
+    def mark_first_token(self) -> None:
+        if self.ttft_s is None:
+            self.ttft_s = time.monotonic() - self.context.started
+
+    def add_response(self, payload: dict[str, Any]) -> None:
+        """A whole (non-streamed) upstream response."""
+        endpoint = self.context.endpoint
+        if isinstance(payload.get("prompt_token_ids"), list):
+            self.prompt_token_ids = payload["prompt_token_ids"]
+        if isinstance(payload.get("usage"), dict):
+            self.usage = payload["usage"]
+        for raw in payload.get("choices") or []:
+            choice = self._choice(int(raw.get("index", 0)))
+            choice.finish_reason = raw.get("finish_reason")
+            choice.token_ids = raw.get("token_ids")
+            choice.logprobs = _logprob_values(endpoint, raw.get("logprobs"))
+            if endpoint == "chat.completions":
+                message = raw.get("message") or {}
+                choice.message = {
+                    "role": message.get("role", "assistant"),
+                    "content": message.get("content"),
+                    "tool_calls": message.get("tool_calls") or [],
+                }
+            else:
+                choice.text.append(raw.get("text") or "")
+                if isinstance(raw.get("prompt_token_ids"), list):
+                    choice.prompt_token_ids = raw["prompt_token_ids"]
+
+    def add_chunk(self, chunk: dict[str, Any]) -> None:
+        """One upstream stream chunk."""
+        endpoint = self.context.endpoint
+        if isinstance(chunk.get("prompt_token_ids"), list) and self.prompt_token_ids is None:
+            self.prompt_token_ids = chunk["prompt_token_ids"]
+        if isinstance(chunk.get("usage"), dict):
+            self.usage = chunk["usage"]
+        for raw in chunk.get("choices") or []:
+            choice = self._choice(int(raw.get("index", 0)))
+            if raw.get("finish_reason") is not None:
+                choice.finish_reason = raw["finish_reason"]
+            ids = raw.get("token_ids")
+            if isinstance(ids, list):
+                choice.token_ids = (choice.token_ids or []) + ids
+            values = _logprob_values(endpoint, raw.get("logprobs"))
+            if values is not None:
+                choice.logprobs = (choice.logprobs or []) + values
+            if endpoint == "chat.completions":
+                self._add_delta(choice, raw.get("delta") or {})
+            else:
+                if raw.get("text"):
+                    choice.text.append(raw["text"])
+                if isinstance(raw.get("prompt_token_ids"), list):
+                    choice.prompt_token_ids = raw["prompt_token_ids"]
+
+    @staticmethod
+    def _add_delta(choice: _Choice, delta: dict[str, Any]) -> None:
+        if delta.get("role"):
+            choice.role = delta["role"]
+        if delta.get("content"):
+            choice.content.append(delta["content"])
+        for fragment in delta.get("tool_calls") or []:
+            slot = choice.tool_calls.setdefault(
+                int(fragment.get("index", 0)),
+                {"id": None, "type": "function", "function": {"name": "", "arguments": ""}},
+            )
+            if fragment.get("id"):
+                slot["id"] = fragment["id"]
+            if fragment.get("type"):
+                slot["type"] = fragment["type"]
+            function = fragment.get("function") or {}
+            if function.get("name"):
+                slot["function"]["name"] += function["name"]
+            if function.get("arguments"):
+                slot["function"]["arguments"] += function["arguments"]
+
+    def _choice_record(self, choice: _Choice) -> dict[str, Any]:
+        record: dict[str, Any] = {"index": choice.index}
+        if self.context.endpoint == "chat.completions":
+            if choice.message is not None:
+                record["message"] = choice.message
+            else:
+                record["message"] = {
+                    "role": choice.role or "assistant",
+                    "content": "".join(choice.content) if choice.content else None,
+                    "tool_calls": [choice.tool_calls[i] for i in sorted(choice.tool_calls)],
+                }
+        else:
+            record["text"] = "".join(choice.text)
+        record["finish_reason"] = choice.finish_reason
+        record["token_ids"] = choice.token_ids if choice.token_ids is not None else []
+        record["logprobs"] = choice.logprobs if choice.logprobs is not None else []
+        return record
+
+    def _prompt_ids(self) -> tuple[list[int] | None, bool]:
+        """The prompt's token ids, and whether the request held several different prompts."""
+        if self.prompt_token_ids is not None:
+            return self.prompt_token_ids, False
+        per_choice = [c.prompt_token_ids for c in self.choices.values() if c.prompt_token_ids]
+        if not per_choice:
+            return None, False
+        distinct = {tuple(ids) for ids in per_choice}
+        return per_choice[0], len(distinct) > 1
+
+    def check(self, status: str) -> list[str]:
+        """Why this record must not be trained on (empty list = consistent)."""
+        flags: list[str] = []
+        if status != "ok":
+            flags.append(status)
+        prompt_ids, multiple_prompts = self._prompt_ids()
+        if multiple_prompts:
+            flags.append("multiple_prompts")
+        if prompt_ids is None:
+            flags.append("missing_prompt_token_ids")
+        if not self.choices:
+            flags.append("no_choices")
+        if any(c.token_ids is None for c in self.choices.values()):
+            flags.append("missing_token_ids")
+        if any(len(c.token_ids or []) != len(c.logprobs or []) for c in self.choices.values()):
+            flags.append("logprob_count_mismatch")
+        if status == "ok" and any(c.finish_reason is None for c in self.choices.values()):
+            flags.append("missing_finish_reason")
+        if self.usage is None:
+            flags.append("missing_usage")
+        else:
+            completion = sum(len(c.token_ids or []) for c in self.choices.values())
+            if completion != self.usage.get("completion_tokens"):
+                flags.append("token_count_mismatch")
+            if (
+                prompt_ids is not None
+                and not multiple_prompts
+                and len(prompt_ids) != self.usage.get("prompt_tokens")
+            ):
+                flags.append("prompt_token_count_mismatch")
+        return flags
+
+    def build(self, status: str, error: str | None = None) -> dict[str, Any]:
+        """The trajectory record (docs/interfaces.md), before redaction."""
+        ctx = self.context
+        flags = self.check(status)
+        prompt_ids, _ = self._prompt_ids()
+        usage = self.usage or {}
+        record: dict[str, Any] = {
+            "schema_version": SCHEMA_VERSION,
+            "event_id": uuid.uuid4().hex,
+            "trajectory_id": ctx.trajectory_id,
+            "request_id": ctx.request_id,
+            "session_id": ctx.session_id,
+            "tenant": ctx.tenant_hash,
+            "user": ctx.user_hash,
+            "created_at": ctx.created_at,
+            "endpoint": ctx.endpoint,
+            "model_alias": ctx.model_alias,
+            "policy_version": ctx.policy_version,
+            "group_id": ctx.group_id,
+            "task": ctx.task,
+            "request": ctx.request_body,
+            "sampling": ctx.sampling,
+            "prompt_token_ids": prompt_ids or [],
+            "choices": [self._choice_record(self.choices[i]) for i in sorted(self.choices)],
+            "usage": {
+                "prompt_tokens": int(usage.get("prompt_tokens") or 0),
+                "completion_tokens": int(usage.get("completion_tokens") or 0),
+                "total_tokens": int(usage.get("total_tokens") or 0),
+            },
+            "timings": {
+                "ttft_s": self.ttft_s,
+                "total_s": time.monotonic() - ctx.started,
+            },
+            "status": status,
+            "trainable": not flags,
+            "flags": flags,
+            "redactions": {},
+        }
+        if error:
+            record["error"] = error
+        return record
+
+
+def redact_record(record: dict[str, Any], redact: Redact) -> dict[str, Any]:
+    """Redact the free text of a record (request and outputs).
+
+    When anything was redacted, the token ids still spell the secret out, so they are dropped
+    and the record is flagged untrainable: nothing identifying leaves the process.
+    """
+    request, request_counts = redact(record["request"])
+    choices, choice_counts = redact(record["choices"])
+    counts: dict[str, int] = {}
+    for source in (request_counts, choice_counts):
+        for kind, hits in source.items():
+            if hits:
+                counts[kind] = counts.get(kind, 0) + int(hits)
+    record["request"] = request
+    record["choices"] = choices
+    record["redactions"] = counts
+    if counts:
+        record["prompt_token_ids"] = []
+        for choice in record["choices"]:
+            choice["token_ids"] = []
+        record["flags"] = [*record["flags"], "redacted"]
+        record["trainable"] = False
+    return record
+
+
+class CaptureService:
+    """Runs record building in background tasks and hands records to the sink."""
+
+    def __init__(
+        self,
+        sink: Any,
+        redact: Redact | None,
+        on_record: Callable[[dict[str, Any]], None] | None = None,
+        on_failure: Callable[[BaseException], None] | None = None,
+    ) -> None:
+        self.sink = sink
+        self.redact = redact
+        self.on_record = on_record
+        self.on_failure = on_failure
+        self.failures = 0
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    def submit(self, capture: TrajectoryCapture, status: str, error: str | None = None) -> None:
+        """Schedule the record; returns at once."""
+        task = asyncio.get_running_loop().create_task(self._emit(capture, status, error))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _emit(self, capture: TrajectoryCapture, status: str, error: str | None) -> None:
+        await asyncio.sleep(0)  # let the response path finish first
+        try:
+            record = capture.build(status, error)
+            if self.redact is not None:
+                record = redact_record(record, self.redact)
+            self.sink.put_trajectory(record)
+        except Exception as exc:
+            # Losing one record must not take the proxy down; it is logged and counted.
+            self.failures += 1
+            log.exception("trajectory_capture_failed", trajectory_id=capture.context.trajectory_id)
+            if self.on_failure is not None:
+                self.on_failure(exc)
+            return
+        if self.on_record is not None:
+            self.on_record(record)
+
+    async def drain(self) -> None:
+        """Wait for every scheduled record (shutdown and tests)."""
+        while self._tasks:
+            await asyncio.gather(*list(self._tasks))

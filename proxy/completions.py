@@ -1,0 +1,368 @@
+"""`POST /v1/chat/completions` and `POST /v1/completions`: authenticate, admit, relay, capture.
+
+Two relay modes: a request that is not captured is passed through byte for byte; a captured
+one asks upstream for token ids / logprobs / usage, feeds every chunk to the capture and
+strips the additions before the client sees them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from typing import Any
+
+import aiohttp
+import structlog
+from aiohttp import web
+
+from proxy.capture import SAMPLING_KEYS, CaptureContext, TrajectoryCapture
+from proxy.config import sha256_hex
+from proxy.context import CONTEXT, ProxyContext
+from proxy.errors import ProxyError, bad_request, error_body
+from proxy.feedback import TrajectoryOwner
+from proxy.relay import (
+    ENDPOINT_PATHS,
+    Endpoint,
+    RelayPlan,
+    SSEParser,
+    dumps,
+    plan_request,
+    sse_event,
+    strip_chunk,
+    strip_response,
+)
+from proxy.routing import UpstreamUnavailable
+from proxy.tenants import Tenant
+from proxy.validation import validate_completion_request
+
+log = structlog.get_logger(__name__)
+
+# Upstream response headers worth passing on; hop-by-hop and length headers are not.
+_FORWARDED_UPSTREAM_HEADERS = ("content-type",)
+_DISCONNECT_ERRORS = (ConnectionResetError, ConnectionAbortedError, BrokenPipeError)
+
+
+async def read_json_body(request: web.Request, max_bytes: int) -> Any:
+    """The request body as JSON; 413 over the limit, 400 when it does not parse."""
+    if request.content_length is not None and request.content_length > max_bytes:
+        raise ProxyError(
+            413,
+            f"Request body of {request.content_length} bytes exceeds the limit of "
+            f"{max_bytes} bytes.",
+            code="request_too_large",
+        )
+    try:
+        raw = await request.read()
+    except web.HTTPRequestEntityTooLarge as exc:
+        raise ProxyError(
+            413,
+            f"Request body exceeds the limit of {max_bytes} bytes.",
+            code="request_too_large",
+        ) from exc
+    if len(raw) > max_bytes:
+        raise ProxyError(
+            413, f"Request body exceeds the limit of {max_bytes} bytes.", code="request_too_large"
+        )
+    try:
+        return json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise bad_request(
+            f"The request body is not valid JSON: {exc}", code="invalid_json"
+        ) from exc
+
+
+class CompletionRelay:
+    """One request's journey; attributes keep what metrics and capture need."""
+
+    def __init__(self, ctx: ProxyContext, request: web.Request, endpoint: Endpoint) -> None:
+        self.ctx = ctx
+        self.request = request
+        self.endpoint = endpoint
+        self.request_id: str = request["request_id"]
+        self.arrived = time.monotonic()
+        self.policy_version = "unknown"
+        self.tenant_label = "unauthenticated"
+        self.stream = False
+        self.status = 500
+        self.ttft_s: float | None = None
+
+    async def handle(self) -> web.StreamResponse:
+        ctx = self.ctx
+        try:
+            tenant = ctx.tenants.authenticate(self.request.headers.get("Authorization"))
+            self.tenant_label = tenant.name
+            body = await read_json_body(self.request, ctx.config.max_body_bytes)
+            validate_completion_request(self.endpoint, body, ctx.config.max_messages)
+            self.stream = bool(body.get("stream", False))
+            served = ctx.aliases.resolve(body["model"])
+            if served is None:
+                raise ProxyError(
+                    404,
+                    f"The model '{body['model']}' does not exist or you do not have access to it.",
+                    code="model_not_found",
+                    param="model",
+                )
+            self.policy_version = served
+            admission = ctx.tenants.admit(tenant)
+        except ProxyError as err:
+            self._count_error(err.status, err.kind)
+            raise
+        ctx.metrics.in_flight.labels(tenant.name).inc()
+        try:
+            response = await self._relay(tenant, body, served, admission.headers)
+        except ProxyError as err:
+            self._count_error(err.status, err.kind)
+            raise
+        finally:
+            admission.release()
+            ctx.metrics.in_flight.labels(tenant.name).dec()
+        return response
+
+    def _count_error(self, status: int, kind: str) -> None:
+        self.status = status
+        self.ctx.metrics.errors.labels(kind, self.tenant_label).inc()
+        self._count_request()
+
+    def _count_request(self) -> None:
+        metrics = self.ctx.metrics
+        labels = (self.endpoint, self.tenant_label, self.policy_version)
+        metrics.requests.labels(*labels, str(self.stream).lower(), str(self.status)).inc()
+        metrics.latency.labels(*labels, str(self.stream).lower()).observe(
+            time.monotonic() - self.arrived
+        )
+        if self.ttft_s is not None:
+            metrics.ttft.labels(*labels).observe(self.ttft_s)
+
+    def _capture_for(
+        self, tenant: Tenant, body: dict[str, Any], plan: RelayPlan, served: str
+    ) -> TrajectoryCapture:
+        headers = self.request.headers
+        user = body.get("user")
+        trajectory_id = uuid.uuid4().hex
+        context = CaptureContext(
+            trajectory_id=trajectory_id,
+            request_id=self.request_id,
+            session_id=self.session_id or self.request_id,
+            tenant_hash=tenant.name_hash,
+            user_hash=sha256_hex(user) if isinstance(user, str) else None,
+            endpoint=self.endpoint,
+            model_alias=body["model"],
+            policy_version=served,
+            group_id=headers.get("X-OLP-Group-Id"),
+            task=headers.get("X-OLP-Task"),
+            request_body=body,
+            sampling={k: plan.upstream_body[k] for k in SAMPLING_KEYS if k in plan.upstream_body},
+        )
+        self.ctx.recent.add(trajectory_id, TrajectoryOwner(tenant.name_hash, context.session_id))
+        return TrajectoryCapture(context)
+
+    @property
+    def session_id(self) -> str | None:
+        value = self.request.headers.get("X-Session-Id")
+        return value[:256] if value else None
+
+    def _response_headers(
+        self, extra: dict[str, str], capture: TrajectoryCapture | None
+    ) -> dict[str, str]:
+        headers = {
+            "x-request-id": self.request_id,
+            "x-olp-policy-version": self.policy_version,
+            **extra,
+        }
+        if capture is not None:
+            headers["x-olp-trajectory-id"] = capture.context.trajectory_id
+        return headers
+
+    async def _relay(
+        self, tenant: Tenant, body: dict[str, Any], served: str, limit_headers: dict[str, str]
+    ) -> web.StreamResponse:
+        ctx = self.ctx
+        training = ctx.config.capture_enabled and ctx.tenants.wants_training(
+            tenant, self.request.headers.get("X-OLP-Train")
+        )
+        plan = plan_request(self.endpoint, body, served, capture=training)
+        capture = self._capture_for(tenant, body, plan, served) if training else None
+        upstream_headers = {"Content-Type": "application/json", "X-Request-Id": self.request_id}
+        try:
+            _, upstream = await ctx.pool.open(
+                ENDPOINT_PATHS[self.endpoint],
+                dumps(plan.upstream_body),
+                upstream_headers,
+                self.session_id,
+            )
+        except UpstreamUnavailable as exc:
+            if capture is not None:
+                ctx.capture.submit(capture, "error")
+            status = 504 if exc.timed_out else 502
+            raise ProxyError(
+                status,
+                f"The model server is unavailable: {exc} (request id {self.request_id}).",
+                type_="api_error",
+                code="upstream_timeout" if exc.timed_out else "upstream_error",
+            ) from exc
+        headers = self._response_headers(limit_headers, capture)
+        try:
+            if upstream.status != 200:
+                return await self._relay_upstream_error(upstream, headers, capture)
+            if plan.stream:
+                return await self._relay_stream(upstream, plan, headers, capture)
+            return await self._relay_whole(upstream, plan, headers, capture)
+        finally:
+            upstream.release()
+
+    async def _relay_upstream_error(
+        self,
+        upstream: aiohttp.ClientResponse,
+        headers: dict[str, str],
+        capture: TrajectoryCapture | None,
+    ) -> web.Response:
+        """vLLM's own 4xx/5xx answer goes to the client unchanged (it is OpenAI-shaped)."""
+        payload = await upstream.read()
+        if capture is not None:
+            self.ctx.capture.submit(capture, "error")
+        self.status = upstream.status
+        self.ctx.metrics.errors.labels(f"upstream_{upstream.status}", self.tenant_label).inc()
+        self._count_request()
+        return web.Response(
+            status=upstream.status,
+            body=payload,
+            headers=headers,
+            content_type=upstream.content_type or "application/json",
+        )
+
+    async def _relay_whole(
+        self,
+        upstream: aiohttp.ClientResponse,
+        plan: RelayPlan,
+        headers: dict[str, str],
+        capture: TrajectoryCapture | None,
+    ) -> web.Response:
+        try:
+            raw = await upstream.read()
+        except (aiohttp.ClientError, TimeoutError) as exc:
+            if capture is not None:
+                self.ctx.capture.submit(capture, "error")
+            timed_out = isinstance(exc, TimeoutError)
+            raise ProxyError(
+                504 if timed_out else 502,
+                f"The model server failed mid-response: {type(exc).__name__} "
+                f"(request id {self.request_id}).",
+                type_="api_error",
+                code="upstream_timeout" if timed_out else "upstream_error",
+            ) from exc
+        payload = json.loads(raw)
+        if capture is not None:
+            capture.add_response(payload)
+            raw = dumps(strip_response(plan, payload))
+        self.ctx.metrics.count_tokens(payload.get("usage"), self.tenant_label, self.policy_version)
+        response = web.Response(
+            status=200, body=raw, headers=headers, content_type="application/json"
+        )
+        self.status = 200
+        self._count_request()
+        if capture is not None:
+            self.ctx.capture.submit(capture, "ok")
+        return response
+
+    async def _relay_stream(
+        self,
+        upstream: aiohttp.ClientResponse,
+        plan: RelayPlan,
+        headers: dict[str, str],
+        capture: TrajectoryCapture | None,
+    ) -> web.StreamResponse:
+        response = web.StreamResponse(status=200, headers=headers)
+        response.content_type = "text/event-stream"
+        response.headers["Cache-Control"] = "no-cache"
+        response.enable_chunked_encoding()
+        await response.prepare(self.request)
+        self.status = 200
+        parser = SSEParser()
+        watch_usage = capture is None and plan.client_wants_usage
+        outcome = "ok"
+        try:
+            async for data in upstream.content.iter_any():
+                if self.ttft_s is None:
+                    self.ttft_s = time.monotonic() - self.arrived
+                    if capture is not None:
+                        capture.mark_first_token()
+                if capture is not None:
+                    data = self._transform_events(parser, plan, capture, data)
+                    if not data:
+                        continue
+                elif watch_usage:
+                    self._watch_usage(parser, data)
+                await response.write(data)
+        except _DISCONNECT_ERRORS:
+            outcome = "aborted"
+        except asyncio.CancelledError:
+            outcome = "aborted"
+            upstream.close()
+            self._finish_stream(outcome, capture)
+            raise
+        except (aiohttp.ClientError, TimeoutError) as exc:
+            outcome = "error"
+            log.warning(
+                "upstream_failed_mid_stream", request_id=self.request_id, error=type(exc).__name__
+            )
+            message = f"The model server failed mid-stream (request id {self.request_id})."
+            try:
+                await response.write(
+                    sse_event(dumps(error_body(message, "api_error", "upstream_error")))
+                )
+            except _DISCONNECT_ERRORS:
+                outcome = "aborted"
+        if outcome == "aborted":
+            # Closing the connection makes vLLM abort the request and free its slot.
+            upstream.close()
+        self._finish_stream(outcome, capture)
+        if outcome != "aborted":
+            try:
+                await response.write_eof()
+            except _DISCONNECT_ERRORS:
+                log.info("client_left_before_eof", request_id=self.request_id)
+        return response
+
+    def _finish_stream(self, outcome: str, capture: TrajectoryCapture | None) -> None:
+        if outcome != "ok":
+            self.ctx.metrics.errors.labels(
+                "client_disconnect" if outcome == "aborted" else "upstream_mid_stream",
+                self.tenant_label,
+            ).inc()
+        if capture is not None:
+            self.ctx.metrics.count_tokens(capture.usage, self.tenant_label, self.policy_version)
+            self.ctx.capture.submit(capture, outcome)
+        self._count_request()
+
+    def _transform_events(
+        self, parser: SSEParser, plan: RelayPlan, capture: TrajectoryCapture, data: bytes
+    ) -> bytes:
+        out = []
+        for event in parser.feed(data):
+            if event == b"[DONE]":
+                out.append(sse_event(event))
+                continue
+            chunk = json.loads(event)
+            capture.add_chunk(chunk)
+            stripped = strip_chunk(plan, chunk)
+            if stripped is not None:
+                out.append(sse_event(event if stripped is chunk else dumps(stripped)))
+        return b"".join(out)
+
+    def _watch_usage(self, parser: SSEParser, data: bytes) -> None:
+        for event in parser.feed(data):
+            if b'"usage"' in event and event != b"[DONE]":
+                chunk = json.loads(event)
+                self.ctx.metrics.count_tokens(
+                    chunk.get("usage"), self.tenant_label, self.policy_version
+                )
+
+
+async def chat_completions(request: web.Request) -> web.StreamResponse:
+    return await CompletionRelay(request.app[CONTEXT], request, "chat.completions").handle()
+
+
+async def completions(request: web.Request) -> web.StreamResponse:
+    return await CompletionRelay(request.app[CONTEXT], request, "completions").handle()

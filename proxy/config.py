@@ -1,0 +1,135 @@
+"""Typed configuration of the proxy (`proxy` section) and its tenants (`tenants` section).
+
+Keys are only ever held as sha256 hex digests: a plaintext `api_key` / `admin_key` given in the
+config is hashed while the model is validated and then dropped, so it never lives on the object.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+_SHA256_HEX = re.compile(r"^[0-9a-f]{64}$")
+
+
+def sha256_hex(text: str) -> str:
+    """Hex sha256 of a UTF-8 string: how keys, tenant names and users are stored."""
+    return hashlib.sha256(text.encode("utf-8")).hexdigest()
+
+
+def _hash_plaintext_key(data: Any, plain_field: str, hashed_field: str) -> Any:
+    """Replace a plaintext key field by its sha256 so the plaintext is never kept."""
+    if isinstance(data, dict) and data.get(plain_field) is not None:
+        data = dict(data)
+        plain = data.pop(plain_field)
+        if not isinstance(plain, str) or not plain:
+            raise ValueError(f"{plain_field} must be a non-empty string")
+        if data.get(hashed_field) not in (None, sha256_hex(plain)):
+            raise ValueError(f"give either {plain_field} or {hashed_field}, not two different keys")
+        data[hashed_field] = sha256_hex(plain)
+    return data
+
+
+def _check_sha256(value: str | None, name: str) -> str | None:
+    if value is None:
+        return None
+    value = value.strip().lower()
+    if not _SHA256_HEX.match(value):
+        raise ValueError(f"{name} must be 64 lowercase hex characters (a sha256 digest)")
+    return value
+
+
+class TenantConfig(BaseModel):
+    """One client organisation: its key (hashed), its limits and its training opt-in."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    name: str = Field(default="default", min_length=1, max_length=128)
+    api_key_sha256: str | None = None
+    training_enabled: bool = False
+    requests_per_minute: int = Field(default=600, ge=0, description="0 = unlimited")
+    max_concurrent: int = Field(default=16, ge=0, description="0 = unlimited")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _hash_api_key(cls, data: Any) -> Any:
+        return _hash_plaintext_key(data, "api_key", "api_key_sha256")
+
+    @field_validator("api_key_sha256")
+    @classmethod
+    def _valid_digest(cls, value: str | None) -> str | None:
+        return _check_sha256(value, "api_key_sha256")
+
+
+class StatePaths(BaseModel):
+    """Sub-paths below the state dir that the proxy writes."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    serving_state: str = "control/serving.json"
+    records_dir: str = Field(default="records", description="JSONL sink directory (sink: jsonl)")
+
+
+class ProxyConfig(BaseModel):
+    """The `proxy` config section. Every field has a default so the embedded stack runs as is."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    host: str = "127.0.0.1"
+    port: int = Field(default=8000, ge=0, le=65535)
+    upstreams: list[str] = Field(
+        default_factory=list,
+        description="vLLM base URLs without /v1; empty = filled in by the launcher",
+    )
+    base_served_name: str = Field(
+        default="base", description="served model name of the base model on the upstreams"
+    )
+    policy_alias: str = Field(default="policy", description="public name of the learned policy")
+    base_model_aliases: list[str] = Field(
+        default_factory=lambda: ["base"],
+        description="public names that always reach the base model",
+    )
+    max_body_bytes: int = Field(default=8 * 1024 * 1024, ge=1024)
+    max_messages: int = Field(default=1024, ge=1)
+    connect_timeout_s: float = Field(default=5.0, gt=0)
+    read_timeout_s: float = Field(default=300.0, gt=0)
+    max_upstream_connections: int = Field(default=256, ge=1)
+    require_auth: bool = Field(
+        default=True, description="false serves key-less requests as tenant 'anonymous'"
+    )
+    admin_key_sha256: str | None = None
+    capture_enabled: bool = Field(default=True, description="global switch for trajectories")
+    sink: Literal["kafka", "jsonl"] = Field(
+        default="kafka", description="where trajectories and feedback go (run_proxy)"
+    )
+    recent_trajectories: int = Field(
+        default=100_000, ge=1, description="trajectory ids remembered for feedback ownership"
+    )
+    max_feedback_metadata_bytes: int = Field(default=16 * 1024, ge=0)
+    state: StatePaths = Field(default_factory=StatePaths)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _hash_admin_key(cls, data: Any) -> Any:
+        return _hash_plaintext_key(data, "admin_key", "admin_key_sha256")
+
+    @field_validator("admin_key_sha256")
+    @classmethod
+    def _valid_digest(cls, value: str | None) -> str | None:
+        return _check_sha256(value, "admin_key_sha256")
+
+    @field_validator("upstreams")
+    @classmethod
+    def _valid_upstreams(cls, urls: list[str]) -> list[str]:
+        cleaned = []
+        for url in urls:
+            if not url.startswith(("http://", "https://")):
+                raise ValueError(f"upstream {url!r} must start with http:// or https://")
+            url = url.rstrip("/")
+            if url.endswith("/v1"):
+                raise ValueError(f"upstream {url!r} must be the base URL without /v1")
+            cleaned.append(url)
+        return cleaned

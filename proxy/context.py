@@ -1,0 +1,39 @@
+"""Everything one proxy instance holds, in one object on the aiohttp app (no module globals)."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from aiohttp import web
+
+from proxy.aliases import AliasTable
+from proxy.capture import CaptureService
+from proxy.config import ProxyConfig
+from proxy.feedback import RecentTrajectories
+from proxy.metrics import ProxyMetrics
+from proxy.routing import UpstreamPool
+from proxy.serving_state import ServingState
+from proxy.tenants import TenantRegistry
+
+
+@dataclass
+class ProxyContext:
+    config: ProxyConfig
+    tenants: TenantRegistry
+    aliases: AliasTable
+    pool: UpstreamPool
+    metrics: ProxyMetrics
+    capture: CaptureService
+    recent: RecentTrajectories
+    state: ServingState
+    state_path: Path
+    sink: Any
+    redactor: Any
+    audit: Any
+    started_at: float = field(default_factory=time.time)
+
+
+CONTEXT = web.AppKey("olp_proxy_context", ProxyContext)

@@ -1,0 +1,144 @@
+"""`POST /v1/feedback`: validate the body, check ownership, build the feedback event.
+
+Ownership is checked against a bounded map of recent trajectory ids → (tenant, session):
+feedback on another tenant's trajectory is refused (403); ids the proxy no longer (or never)
+remembers are accepted, since feedback may arrive long after the trajectory.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+import uuid
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any
+
+from proxy.errors import ProxyError, bad_request
+
+FEEDBACK_KINDS = frozenset(
+    {"accept", "reject", "thumbs_up", "thumbs_down", "score", "test_result", "edit_kept"}
+)
+ALLOWED_FIELDS = frozenset({"trajectory_id", "kind", "value", "metadata", "choice_index"})
+MAX_ID_LENGTH = 256
+
+
+@dataclass(frozen=True)
+class TrajectoryOwner:
+    tenant: str
+    session_id: str
+
+
+class RecentTrajectories:
+    """Least-recently-added map of trajectory ids with a fixed capacity."""
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self._owners: OrderedDict[str, TrajectoryOwner] = OrderedDict()
+
+    def add(self, trajectory_id: str, owner: TrajectoryOwner) -> None:
+        self._owners[trajectory_id] = owner
+        self._owners.move_to_end(trajectory_id)
+        while len(self._owners) > self.capacity:
+            self._owners.popitem(last=False)
+
+    def get(self, trajectory_id: str) -> TrajectoryOwner | None:
+        return self._owners.get(trajectory_id)
+
+    def __len__(self) -> int:
+        return len(self._owners)
+
+
+@dataclass(frozen=True)
+class FeedbackRequest:
+    trajectory_id: str
+    kind: str
+    value: float | None
+    choice_index: int
+    metadata: dict[str, Any]
+
+
+def parse_feedback(body: Any, max_metadata_bytes: int) -> FeedbackRequest:
+    """Check the body's shape; raises a 400 ProxyError that names the bad field."""
+    if not isinstance(body, dict):
+        raise bad_request("The feedback body must be a JSON object.")
+    unknown = sorted(set(body) - ALLOWED_FIELDS)
+    if unknown:
+        raise bad_request(
+            f"Unknown field(s) {', '.join(unknown)}; allowed: {', '.join(sorted(ALLOWED_FIELDS))}.",
+            param=unknown[0],
+        )
+    trajectory_id = body.get("trajectory_id")
+    if not isinstance(trajectory_id, str) or not trajectory_id.strip():
+        raise bad_request(
+            "'trajectory_id' is required and must be a non-empty string.", param="trajectory_id"
+        )
+    if len(trajectory_id) > MAX_ID_LENGTH:
+        raise bad_request(
+            f"'trajectory_id' is longer than {MAX_ID_LENGTH} characters.", param="trajectory_id"
+        )
+    kind = body.get("kind")
+    if kind not in FEEDBACK_KINDS:
+        raise bad_request(
+            f"'kind' must be one of {', '.join(sorted(FEEDBACK_KINDS))}; got {kind!r}.",
+            param="kind",
+        )
+    value = body.get("value")
+    if value is not None:
+        if (
+            isinstance(value, bool)
+            or not isinstance(value, int | float)
+            or not math.isfinite(value)
+        ):
+            raise bad_request("'value' must be a finite number or null.", param="value")
+        value = float(value)
+    if kind == "score" and value is None:
+        raise bad_request("Feedback of kind 'score' needs a numeric 'value'.", param="value")
+    choice_index = body.get("choice_index", 0)
+    if isinstance(choice_index, bool) or not isinstance(choice_index, int) or choice_index < 0:
+        raise bad_request("'choice_index' must be a non-negative integer.", param="choice_index")
+    metadata = body.get("metadata") or {}
+    if not isinstance(metadata, dict):
+        raise bad_request("'metadata' must be a JSON object.", param="metadata")
+    if len(json.dumps(metadata)) > max_metadata_bytes:
+        raise bad_request(
+            f"'metadata' is larger than {max_metadata_bytes} bytes.", param="metadata"
+        )
+    return FeedbackRequest(trajectory_id, kind, value, choice_index, metadata)
+
+
+def check_owner(
+    recent: RecentTrajectories, request: FeedbackRequest, tenant_hash: str
+) -> str | None:
+    """The trajectory's session id if known; 403 when it belongs to another tenant."""
+    owner = recent.get(request.trajectory_id)
+    if owner is None:
+        return None
+    if owner.tenant != tenant_hash:
+        raise ProxyError(
+            403,
+            "This trajectory belongs to another tenant.",
+            type_="permission_error",
+            code="forbidden",
+            param="trajectory_id",
+        )
+    return owner.session_id
+
+
+def build_event(
+    request: FeedbackRequest, tenant_hash: str, session_id: str, metadata: dict[str, Any]
+) -> dict[str, Any]:
+    """The feedback event of docs/interfaces.md."""
+    return {
+        "schema_version": 1,
+        "event_id": uuid.uuid4().hex,
+        "trajectory_id": request.trajectory_id,
+        "session_id": session_id,
+        "tenant": tenant_hash,
+        "kind": request.kind,
+        "value": request.value,
+        "choice_index": request.choice_index,
+        "metadata": metadata,
+        "created_at": time.time(),
+    }

@@ -1,0 +1,101 @@
+"""Prometheus metrics of one proxy instance, on a registry the app owns (no global state).
+
+Tenants are labelled by their configured name, never by key.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+LATENCY_BUCKETS = (
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+    30.0,
+    60.0,
+    120.0,
+    300.0,
+)
+
+
+class ProxyMetrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        labels = ("endpoint", "tenant", "policy_version")
+        self.requests = Counter(
+            "olp_proxy_requests",
+            "Proxied requests by final HTTP status",
+            (*labels, "stream", "status"),
+            registry=self.registry,
+        )
+        self.errors = Counter(
+            "olp_proxy_errors",
+            "Requests that ended in an error, by kind",
+            ("kind", "tenant"),
+            registry=self.registry,
+        )
+        self.latency = Histogram(
+            "olp_proxy_request_seconds",
+            "Time from request arrival to the last byte sent",
+            (*labels, "stream"),
+            buckets=LATENCY_BUCKETS,
+            registry=self.registry,
+        )
+        self.ttft = Histogram(
+            "olp_proxy_ttft_seconds",
+            "Time to the first streamed token",
+            labels,
+            buckets=LATENCY_BUCKETS,
+            registry=self.registry,
+        )
+        self.tokens = Counter(
+            "olp_proxy_tokens",
+            "Tokens in (prompt) and out (completion)",
+            ("direction", "tenant", "policy_version"),
+            registry=self.registry,
+        )
+        self.in_flight = Gauge(
+            "olp_proxy_in_flight",
+            "Requests being served now",
+            ("tenant",),
+            registry=self.registry,
+        )
+        self.trajectories = Counter(
+            "olp_proxy_trajectories",
+            "Trajectory records handed to the sink",
+            ("status", "trainable"),
+            registry=self.registry,
+        )
+        self.capture_failures = Counter(
+            "olp_proxy_capture_failures",
+            "Trajectory records lost to an internal error",
+            registry=self.registry,
+        )
+        self.feedback = Counter(
+            "olp_proxy_feedback",
+            "Feedback events accepted",
+            ("kind",),
+            registry=self.registry,
+        )
+
+    def count_tokens(self, usage: dict | None, tenant: str, policy_version: str) -> None:
+        if not isinstance(usage, dict):
+            return
+        prompt = usage.get("prompt_tokens")
+        completion = usage.get("completion_tokens")
+        if isinstance(prompt, int) and prompt > 0:
+            self.tokens.labels("in", tenant, policy_version).inc(prompt)
+        if isinstance(completion, int) and completion > 0:
+            self.tokens.labels("out", tenant, policy_version).inc(completion)
+
+    def render(self) -> tuple[bytes, str]:
+        return generate_latest(self.registry), CONTENT_TYPE_LATEST

@@ -1,0 +1,161 @@
+"""What the proxy adds to a request for capture, and how it takes it out of the response again.
+
+For a captured request the proxy asks upstream for sampling logprobs, token ids and (for
+streams) a usage chunk. The client must not see any of that unless it asked: `strip_response`
+and `strip_chunk` remove exactly what was added, so the response matches what the model
+server would have sent for the client's own request.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+Endpoint = Literal["chat.completions", "completions"]
+
+ENDPOINT_PATHS: dict[Endpoint, str] = {
+    "chat.completions": "/v1/chat/completions",
+    "completions": "/v1/completions",
+}
+
+
+@dataclass
+class RelayPlan:
+    """The body to send upstream and the list of additions to strip from the answer."""
+
+    endpoint: Endpoint
+    stream: bool
+    upstream_body: dict[str, Any]
+    added_logprobs: bool = False
+    added_token_ids: bool = False
+    added_usage: bool = False
+    client_wants_usage: bool = field(default=False)
+
+    @property
+    def augmented(self) -> bool:
+        return self.added_logprobs or self.added_token_ids or self.added_usage
+
+
+def plan_request(
+    endpoint: Endpoint, body: dict[str, Any], served_model: str, capture: bool
+) -> RelayPlan:
+    """Copy the client's body, point it at the served model and, if capturing, ask for more."""
+    upstream = dict(body)
+    upstream["model"] = served_model
+    stream = bool(body.get("stream", False))
+    plan = RelayPlan(endpoint=endpoint, stream=stream, upstream_body=upstream)
+    options = body.get("stream_options")
+    plan.client_wants_usage = bool(isinstance(options, dict) and options.get("include_usage"))
+    if not capture:
+        return plan
+    if endpoint == "chat.completions":
+        if not body.get("logprobs"):
+            upstream["logprobs"] = True
+            plan.added_logprobs = True
+    elif body.get("logprobs") is None:
+        upstream["logprobs"] = 0
+        plan.added_logprobs = True
+    if not body.get("return_token_ids"):
+        upstream["return_token_ids"] = True
+        plan.added_token_ids = True
+    if stream and not plan.client_wants_usage:
+        merged = dict(options) if isinstance(options, dict) else {}
+        merged["include_usage"] = True
+        upstream["stream_options"] = merged
+        plan.added_usage = True
+    return plan
+
+
+def strip_response(plan: RelayPlan, payload: dict[str, Any]) -> dict[str, Any]:
+    """Remove from a non-streamed response what the proxy asked for on its own behalf."""
+    if not plan.augmented:
+        return payload
+    out = dict(payload)
+    if plan.added_token_ids:
+        out.pop("prompt_token_ids", None)
+    choices = []
+    for choice in payload.get("choices") or []:
+        choice = dict(choice)
+        if plan.added_logprobs:
+            choice["logprobs"] = None
+        if plan.added_token_ids:
+            choice.pop("token_ids", None)
+            choice.pop("prompt_token_ids", None)
+        choices.append(choice)
+    out["choices"] = choices
+    return out
+
+
+def strip_chunk(plan: RelayPlan, chunk: dict[str, Any]) -> dict[str, Any] | None:
+    """Strip one stream chunk; None when the chunk exists only because of the additions."""
+    if not plan.augmented:
+        return chunk
+    choices = chunk.get("choices")
+    if plan.added_usage and not choices and chunk.get("usage") is not None:
+        return None
+    out = dict(chunk)
+    if plan.added_token_ids:
+        out.pop("prompt_token_ids", None)
+    if plan.added_usage and "usage" in out and choices:
+        out.pop("usage")
+    if choices:
+        stripped = []
+        for choice in choices:
+            choice = dict(choice)
+            if plan.added_logprobs and "logprobs" in choice:
+                choice["logprobs"] = None
+            if plan.added_token_ids:
+                choice.pop("token_ids", None)
+                choice.pop("prompt_token_ids", None)
+            stripped.append(choice)
+        if all(_is_empty_choice(plan, c) for c in stripped):
+            return None
+        out["choices"] = stripped
+    return out
+
+
+def _is_empty_choice(plan: RelayPlan, choice: dict[str, Any]) -> bool:
+    """A chunk choice that carries nothing the client would see (vLLM sends these only when
+    token ids or logprobs are requested)."""
+    if choice.get("finish_reason") is not None or choice.get("logprobs") is not None:
+        return False
+    if plan.endpoint == "chat.completions":
+        delta = choice.get("delta") or {}
+        return not any(value not in (None, "", []) for value in delta.values())
+    return not choice.get("text")
+
+
+class SSEParser:
+    """Splits an SSE byte stream into events' `data:` payloads (bytes), across chunk borders."""
+
+    def __init__(self) -> None:
+        self._buffer = b""
+
+    def feed(self, data: bytes) -> Iterator[bytes]:
+        self._buffer += data
+        if b"\r" in self._buffer:
+            self._buffer = self._buffer.replace(b"\r\n", b"\n")
+        while True:
+            end = self._buffer.find(b"\n\n")
+            if end < 0:
+                return
+            event, self._buffer = self._buffer[:end], self._buffer[end + 2 :]
+            lines = [
+                line[5:].lstrip(b" ") for line in event.split(b"\n") if line.startswith(b"data:")
+            ]
+            if lines:
+                yield b"\n".join(lines)
+
+    def rest(self) -> bytes:
+        return self._buffer
+
+
+def sse_event(data: bytes) -> bytes:
+    return b"data: " + data + b"\n\n"
+
+
+def dumps(obj: Any) -> bytes:
+    """Compact JSON, the way vLLM serialises its chunks."""
+    return json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode("utf-8")

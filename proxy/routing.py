@@ -1,0 +1,162 @@
+"""Upstream vLLM replicas: session-sticky choice, pooled connections, retry before the first byte.
+
+A request is retried on another replica only while nothing has reached the client: `open()`
+returns once upstream response headers arrived, and the caller streams from there on without
+any retry.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import itertools
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import aiohttp
+import structlog
+
+log = structlog.get_logger(__name__)
+
+# Upstream answers that mean "this replica cannot serve now": another one may.
+RETRYABLE_STATUSES = frozenset({502, 503, 504})
+
+
+class UpstreamUnavailable(Exception):
+    """Every replica failed before answering; `timed_out` tells 504 from 502."""
+
+    def __init__(self, message: str, *, timed_out: bool) -> None:
+        super().__init__(message)
+        self.timed_out = timed_out
+
+
+@dataclass
+class Replica:
+    url: str
+    down_until: float = 0.0
+    failures: int = 0
+
+
+class UpstreamPool:
+    """The replicas of one model server, reached through one pooled aiohttp ClientSession."""
+
+    def __init__(
+        self,
+        urls: list[str],
+        *,
+        connect_timeout_s: float = 5.0,
+        read_timeout_s: float = 300.0,
+        max_connections: int = 256,
+        down_for_s: float = 5.0,
+    ) -> None:
+        if not urls:
+            raise ValueError("the proxy needs at least one upstream URL (proxy.upstreams)")
+        self.replicas = [Replica(url.rstrip("/")) for url in urls]
+        self._timeout = aiohttp.ClientTimeout(
+            total=None,
+            connect=connect_timeout_s,
+            sock_connect=connect_timeout_s,
+            sock_read=read_timeout_s,
+        )
+        self._max_connections = max_connections
+        self._down_for_s = down_for_s
+        self._round_robin = itertools.count()
+        self._session: aiohttp.ClientSession | None = None
+
+    @property
+    def session(self) -> aiohttp.ClientSession:
+        if self._session is None:
+            raise RuntimeError("UpstreamPool.start() was not called")
+        return self._session
+
+    async def start(self) -> None:
+        connector = aiohttp.TCPConnector(
+            limit=self._max_connections, keepalive_timeout=30, enable_cleanup_closed=True
+        )
+        self._session = aiohttp.ClientSession(
+            connector=connector, timeout=self._timeout, auto_decompress=False
+        )
+
+    async def close(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+
+    def order(self, session_id: str | None) -> list[Replica]:
+        """Replicas to try, best first: the session's sticky one, healthy before cooling-down."""
+        count = len(self.replicas)
+        if session_id:
+            digest = hashlib.sha256(session_id.encode("utf-8")).digest()
+            start = int.from_bytes(digest[:8], "big") % count
+        else:
+            start = next(self._round_robin) % count
+        ordered = self.replicas[start:] + self.replicas[:start]
+        now = time.monotonic()
+        return [r for r in ordered if r.down_until <= now] + [
+            r for r in ordered if r.down_until > now
+        ]
+
+    def _mark_down(self, replica: Replica, reason: str) -> None:
+        replica.failures += 1
+        replica.down_until = time.monotonic() + self._down_for_s
+        log.warning("upstream_replica_failed", replica=replica.url, reason=reason)
+
+    async def open(
+        self,
+        path: str,
+        body: bytes,
+        headers: Mapping[str, str],
+        session_id: str | None,
+    ) -> tuple[Replica, aiohttp.ClientResponse]:
+        """POST to the first replica that answers; the caller must release the response."""
+        timed_out = False
+        last_error = "no replica tried"
+        for replica in self.order(session_id):
+            try:
+                response = await self.session.post(
+                    replica.url + path, data=body, headers=dict(headers)
+                )
+            except TimeoutError as exc:
+                timed_out = True
+                last_error = f"timeout ({type(exc).__name__})"
+                self._mark_down(replica, last_error)
+                continue
+            except aiohttp.ClientError as exc:
+                last_error = f"{type(exc).__name__}: {exc}"
+                self._mark_down(replica, last_error)
+                continue
+            if response.status in RETRYABLE_STATUSES:
+                last_error = f"HTTP {response.status}"
+                timed_out = timed_out or response.status == 504
+                response.release()
+                self._mark_down(replica, last_error)
+                continue
+            replica.down_until = 0.0
+            return replica, response
+        raise UpstreamUnavailable(
+            f"no upstream replica could serve the request ({last_error})", timed_out=timed_out
+        )
+
+    async def served_models(self, replica: Replica, timeout_s: float = 2.0) -> set[str]:
+        """Model names a replica serves now (its /v1/models), for readiness and alias checks."""
+        async with self.session.get(
+            replica.url + "/v1/models", timeout=aiohttp.ClientTimeout(total=timeout_s)
+        ) as response:
+            response.raise_for_status()
+            payload = await response.json()
+        return {entry["id"] for entry in payload.get("data", []) if "id" in entry}
+
+    async def readiness(self) -> dict[str, str | None]:
+        """Per replica: None when reachable, else why not."""
+        result: dict[str, str | None] = {}
+
+        async def probe(replica: Replica) -> None:
+            try:
+                await self.served_models(replica)
+                result[replica.url] = None
+            except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
+                result[replica.url] = f"{type(exc).__name__}: {exc}"
+
+        await asyncio.gather(*(probe(r) for r in self.replicas))
+        return result

@@ -1,0 +1,77 @@
+"""`olp proxy`: run the proxy in the foreground until SIGINT/SIGTERM, then drain and close."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+from pathlib import Path
+from typing import Any
+
+import structlog
+from aiohttp import web
+
+from proxy.app import build_app
+from proxy.config import ProxyConfig, TenantConfig
+from replay.config import StreamConfig
+from replay.producer import KafkaSink
+from replay.sink import JsonlSink
+from safety.audit import AuditLog
+from safety.config import SafetyConfig
+from safety.redaction import Redactor
+
+log = structlog.get_logger(__name__)
+
+
+def make_sink(config: ProxyConfig, stream: StreamConfig, state_dir: Path) -> Any:
+    """The RecordSink the config asks for."""
+    if config.sink == "jsonl":
+        return JsonlSink(state_dir / config.state.records_dir)
+    return KafkaSink(stream, state_dir)
+
+
+async def serve_proxy(
+    config: ProxyConfig,
+    tenants: list[TenantConfig],
+    state_dir: Path,
+    *,
+    stream: StreamConfig | None = None,
+    safety: SafetyConfig | None = None,
+    stop: asyncio.Event | None = None,
+) -> None:
+    """Serve until `stop` is set (or a signal arrives when `stop` is None)."""
+    state_dir = Path(state_dir)
+    safety = safety or SafetyConfig()
+    redactor = Redactor.from_config(safety.redaction)
+    audit = AuditLog.from_config(safety.audit, state_dir, redactor)
+    sink = make_sink(config, stream or StreamConfig(), state_dir)
+    app = build_app(config, tenants, sink, state_dir, redactor=redactor, audit=audit)
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    try:
+        site = web.TCPSite(runner, config.host, config.port)
+        await site.start()
+        log.info("proxy_listening", host=config.host, port=config.port)
+        if stop is None:
+            stop = asyncio.Event()
+            loop = asyncio.get_running_loop()
+            for signum in (signal.SIGINT, signal.SIGTERM):
+                loop.add_signal_handler(signum, stop.set)
+        await stop.wait()
+        log.info("proxy_stopping")
+    finally:
+        await runner.cleanup()
+        await sink.aclose()
+
+
+def run_proxy(
+    config: ProxyConfig,
+    tenants: list[TenantConfig],
+    state_dir: Path,
+    *,
+    stream: StreamConfig | None = None,
+    safety: SafetyConfig | None = None,
+) -> None:
+    """Blocking entry point for the CLI."""
+    if not config.upstreams:
+        raise ValueError("proxy.upstreams is empty: the launcher must fill it from `policy`")
+    asyncio.run(serve_proxy(config, tenants, state_dir, stream=stream, safety=safety))

@@ -1,0 +1,181 @@
+"""Tenants: who is calling (API key → tenant), how much they may call, and whether we learn.
+
+Keys are compared as sha256 digests only. Rate limits are a token bucket of
+`requests_per_minute` plus a cap on concurrent requests; both answer 429 with the headers
+OpenAI clients understand (`x-ratelimit-*`, `retry-after`).
+"""
+
+from __future__ import annotations
+
+import hmac
+import math
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+from proxy.config import TenantConfig, sha256_hex
+from proxy.errors import ProxyError
+
+ANONYMOUS = "anonymous"
+
+
+@dataclass
+class TokenBucket:
+    """`capacity` requests per minute, refilled continuously."""
+
+    capacity: int
+    tokens: float = field(init=False)
+    updated: float = field(default_factory=time.monotonic)
+
+    def __post_init__(self) -> None:
+        self.tokens = float(self.capacity)
+
+    def _refill(self, now: float) -> None:
+        rate = self.capacity / 60.0
+        self.tokens = min(float(self.capacity), self.tokens + (now - self.updated) * rate)
+        self.updated = now
+
+    def take(self, now: float | None = None) -> float:
+        """Take one token; returns 0 on success, else seconds until one is available."""
+        now = time.monotonic() if now is None else now
+        self._refill(now)
+        if self.tokens >= 1.0:
+            self.tokens -= 1.0
+            return 0.0
+        return (1.0 - self.tokens) / (self.capacity / 60.0)
+
+    def seconds_to_full(self) -> float:
+        return (self.capacity - self.tokens) / (self.capacity / 60.0)
+
+
+@dataclass
+class Tenant:
+    """Run-time state of one tenant: config, limits, training override and in-flight count."""
+
+    config: TenantConfig
+    name_hash: str
+    bucket: TokenBucket | None
+    in_flight: int = 0
+    training_override: bool | None = None
+
+    @property
+    def name(self) -> str:
+        return self.config.name
+
+    @property
+    def training_enabled(self) -> bool:
+        if self.training_override is not None:
+            return self.training_override
+        return self.config.training_enabled
+
+
+class Admission:
+    """A granted request slot; release it exactly once when the request ends."""
+
+    def __init__(self, tenant: Tenant, headers: dict[str, str]) -> None:
+        self.tenant = tenant
+        self.headers = headers
+        self._released = False
+
+    def release(self) -> None:
+        if not self._released:
+            self._released = True
+            self.tenant.in_flight -= 1
+
+
+class TenantRegistry:
+    """Looks tenants up by key digest and applies their limits."""
+
+    def __init__(self, tenants: list[TenantConfig], *, require_auth: bool = True) -> None:
+        names = [t.name for t in tenants]
+        if len(set(names)) != len(names):
+            raise ValueError("tenant names must be unique")
+        self.require_auth = require_auth
+        self.tenants: dict[str, Tenant] = {t.name: self._make(t) for t in tenants}
+        self._by_key: dict[str, Tenant] = {}
+        for tenant in self.tenants.values():
+            digest = tenant.config.api_key_sha256
+            if digest is None:
+                continue
+            if digest in self._by_key:
+                raise ValueError(
+                    f"tenants {self._by_key[digest].name!r} and {tenant.name!r} share a key"
+                )
+            self._by_key[digest] = tenant
+        if not require_auth and ANONYMOUS not in self.tenants:
+            self.tenants[ANONYMOUS] = self._make(TenantConfig(name=ANONYMOUS))
+
+    @staticmethod
+    def _make(config: TenantConfig) -> Tenant:
+        bucket = TokenBucket(config.requests_per_minute) if config.requests_per_minute else None
+        return Tenant(config=config, name_hash=sha256_hex(config.name), bucket=bucket)
+
+    def authenticate(self, authorization: str | None) -> Tenant:
+        """The tenant of an `Authorization: Bearer <key>` header, or a 401 ProxyError."""
+        key = None
+        if authorization:
+            scheme, _, value = authorization.partition(" ")
+            if scheme.lower() == "bearer" and value.strip():
+                key = value.strip()
+        if key is None:
+            if not self.require_auth:
+                return self.tenants[ANONYMOUS]
+            raise ProxyError(
+                401,
+                "You didn't provide an API key. Provide it as 'Authorization: Bearer <key>'.",
+                code="missing_api_key",
+            )
+        digest = sha256_hex(key)
+        for known, tenant in self._by_key.items():
+            if hmac.compare_digest(known, digest):
+                return tenant
+        raise ProxyError(401, "Incorrect API key provided.", code="invalid_api_key")
+
+    def admit(self, tenant: Tenant) -> Admission:
+        """Reserve a request slot under the tenant's limits or raise a 429 ProxyError."""
+        headers: dict[str, str] = {}
+        config = tenant.config
+        if config.max_concurrent and tenant.in_flight >= config.max_concurrent:
+            raise ProxyError(
+                429,
+                f"Too many concurrent requests for this tenant (limit {config.max_concurrent}).",
+                type_="rate_limit_error",
+                code="concurrency_limit_exceeded",
+                headers={"retry-after": "1"},
+            )
+        if tenant.bucket is not None:
+            wait_s = tenant.bucket.take()
+            limit = str(config.requests_per_minute)
+            if wait_s > 0:
+                raise ProxyError(
+                    429,
+                    f"Rate limit reached: {config.requests_per_minute} requests per minute.",
+                    type_="rate_limit_error",
+                    code="rate_limit_exceeded",
+                    headers={
+                        "retry-after": str(max(1, math.ceil(wait_s))),
+                        "x-ratelimit-limit-requests": limit,
+                        "x-ratelimit-remaining-requests": "0",
+                        "x-ratelimit-reset-requests": f"{wait_s:.3f}s",
+                    },
+                )
+            headers = {
+                "x-ratelimit-limit-requests": limit,
+                "x-ratelimit-remaining-requests": str(int(tenant.bucket.tokens)),
+                "x-ratelimit-reset-requests": f"{tenant.bucket.seconds_to_full():.3f}s",
+            }
+        tenant.in_flight += 1
+        return Admission(tenant, headers)
+
+    def wants_training(self, tenant: Tenant, train_header: str | None) -> bool:
+        """Tenant opt-in, narrowed by `X-OLP-Train: 0`; the header can never opt in."""
+        if not tenant.training_enabled:
+            return False
+        return not (
+            train_header is not None and train_header.strip().lower() in {"0", "false", "no", "off"}
+        )
+
+    def apply_overrides(self, overrides: Mapping[str, bool]) -> None:
+        for name, enabled in overrides.items():
+            if name in self.tenants:
+                self.tenants[name].training_override = enabled

@@ -1,0 +1,121 @@
+"""Per-tenant / per-user contribution caps on a training batch (data-poisoning defence).
+
+A pure function: the learner hands in a batch and gets back the items to train on. Within a
+group the earliest items are kept (batch order is preserved), so the result is repeatable."""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Callable, Hashable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Generic, TypeVar
+
+from safety.config import CapsConfig
+
+T = TypeVar("T")
+
+
+def _tenant(item: Any) -> Hashable:
+    return item["tenant"]
+
+
+def _user(item: Any) -> Hashable | None:
+    user = item.get("user")
+    return None if user is None else (item["tenant"], user)
+
+
+@dataclass
+class CapResult(Generic[T]):
+    kept: list[T]
+    dropped: list[T]
+    stats: dict[str, Any] = field(default_factory=dict)
+
+
+def _group_limit(counts: Counter[Hashable], share: float | None, absolute: int | None) -> int:
+    """Largest per-group count c with c <= share * sum(min(n, c)), and c <= absolute.
+
+    A share below 1/groups is impossible to honour without dropping everything, so the
+    effective share is max(share, 1/groups): no group may exceed an equal split."""
+    if not counts:
+        return 0
+    limit = max(counts.values())
+    if absolute is not None:
+        limit = min(limit, absolute)
+    if share is None:
+        return limit
+    share = max(share, 1.0 / len(counts))
+    best = 0
+    for c in range(1, limit + 1):
+        if c <= share * sum(min(n, c) for n in counts.values()) + 1e-9:
+            best = c
+    return best
+
+
+def _round_robin_order(
+    batch: Sequence[T],
+    tenant_of: Callable[[T], Hashable],
+    user_of: Callable[[T], Hashable | None],
+) -> list[int]:
+    """Indices ordered by (rank of the item among its user's items, batch position)."""
+    rank: Counter[Hashable] = Counter()
+    keyed = []
+    for index, item in enumerate(batch):
+        user = user_of(item)
+        key = ("user", user) if user is not None else ("item", index)
+        keyed.append((rank[key], index))
+        rank[key] += 1
+    return [index for _, index in sorted(keyed)]
+
+
+def apply_contribution_caps(
+    batch: Sequence[T],
+    config: CapsConfig,
+    *,
+    tenant_of: Callable[[T], Hashable] = _tenant,
+    user_of: Callable[[T], Hashable | None] = _user,
+) -> CapResult[T]:
+    """Keep at most each tenant's and each user's capped share of the batch.
+
+    Items whose user is None are only subject to the tenant cap. Caps are re-applied until
+    stable, since dropping one tenant's excess raises every other group's share."""
+    keep = [True] * len(batch)
+    # Within a tenant, the kept items are spread round-robin over its users, so capping a
+    # tenant does not wipe out its small users (which would shrink the batch further).
+    order = _round_robin_order(batch, tenant_of, user_of)
+    for _ in range(len(batch) + 1):
+        changed = False
+        for key_of, share, absolute, visit in (
+            (user_of, config.max_user_share, config.max_per_user, range(len(batch))),
+            (tenant_of, config.max_tenant_share, config.max_per_tenant, order),
+        ):
+            counts: Counter[Hashable] = Counter()
+            for index, item in enumerate(batch):
+                key = key_of(item)
+                if keep[index] and key is not None:
+                    counts[key] += 1
+            limit = _group_limit(counts, share, absolute)
+            seen: Counter[Hashable] = Counter()
+            for index in visit:
+                key = key_of(batch[index])
+                if not keep[index] or key is None:
+                    continue
+                seen[key] += 1
+                if seen[key] > limit:
+                    keep[index] = False
+                    changed = True
+        if not changed:
+            break
+    kept = [item for item, k in zip(batch, keep, strict=True) if k]
+    dropped = [item for item, k in zip(batch, keep, strict=True) if not k]
+    tenants_kept = Counter(tenant_of(item) for item in kept)
+    return CapResult(
+        kept=kept,
+        dropped=dropped,
+        stats={
+            "input": len(batch),
+            "kept": len(kept),
+            "dropped": len(dropped),
+            "tenants": len(tenants_kept),
+            "max_tenant_share": (max(tenants_kept.values()) / len(kept) if kept else 0.0),
+        },
+    )

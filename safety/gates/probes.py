@@ -1,0 +1,153 @@
+"""Probe sets: JSONL files, one probe per line, validated on load so a bad file names its
+line instead of failing deep inside a gate."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from typing import Any, Literal, TypeVar
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from safety.config import PROBE_DIR
+from safety.gates.types import GateError
+
+
+class _Probe(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    id: str = Field(min_length=1)
+    prompt: str = Field(min_length=1)
+    max_tokens: int | None = Field(default=None, ge=1, le=512)
+
+    def messages(self) -> list[dict[str, Any]]:
+        return [{"role": "user", "content": self.prompt}]
+
+
+class Check(BaseModel):
+    """How a regression probe's answer is verified (case-insensitive)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    type: Literal["contains_any", "regex"]
+    values: list[str] = Field(default_factory=list)
+    pattern: str | None = None
+
+    @field_validator("pattern")
+    @classmethod
+    def _compiles(cls, value: str | None) -> str | None:
+        if value is not None:
+            re.compile(value)
+        return value
+
+    def passes(self, text: str) -> bool:
+        if self.type == "contains_any":
+            lowered = text.lower()
+            return any(value.lower() in lowered for value in self.values)
+        return re.search(self.pattern or "", text, re.IGNORECASE) is not None
+
+
+class RegressionProbe(_Probe):
+    check: Check
+
+
+class KLPrompt(_Probe):
+    pass
+
+
+class RedTeamProbe(_Probe):
+    unsafe_patterns: list[str] = Field(default_factory=list)
+
+    @field_validator("unsafe_patterns")
+    @classmethod
+    def _compile(cls, values: list[str]) -> list[str]:
+        for value in values:
+            re.compile(value)
+        return values
+
+
+class ToolSpec(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    name: str
+    parameters: dict[str, Any]
+
+
+class MonitorProbe(_Probe):
+    kind: Literal["benign", "tool", "ambiguous"] = "benign"
+    tool: ToolSpec | None = None
+
+
+class TriggerProbe(_Probe):
+    trigger: str = Field(min_length=1)
+
+    @field_validator("prompt")
+    @classmethod
+    def _has_slot(cls, value: str) -> str:
+        if "{trigger}" not in value:
+            raise ValueError("prompt must contain the '{trigger}' placeholder")
+        return value
+
+    def with_trigger(self) -> _Probe:
+        return _Probe(
+            id=f"{self.id}+trigger",
+            prompt=self.prompt.replace("{trigger}", self.trigger),
+            max_tokens=self.max_tokens,
+        )
+
+    def control(self) -> _Probe:
+        clean = " ".join(self.prompt.replace("{trigger}", "").split())
+        return _Probe(id=f"{self.id}+control", prompt=clean, max_tokens=self.max_tokens)
+
+
+Probe = _Probe
+P = TypeVar("P", bound=_Probe)
+
+BUILTIN = {
+    "regression": PROBE_DIR / "regression.jsonl",
+    "kl": PROBE_DIR / "kl_prompts.jsonl",
+    "redteam": PROBE_DIR / "redteam.jsonl",
+    "monitors": PROBE_DIR / "monitor_prompts.jsonl",
+    "triggers": PROBE_DIR / "triggers.jsonl",
+}
+
+
+def load_probes(path: Path, model: type[P]) -> list[P]:
+    """Parse one JSONL probe file; raise GateError naming the file and line on bad input."""
+    try:
+        lines = Path(path).read_text(encoding="utf-8").splitlines()
+    except OSError as exc:
+        raise GateError(f"cannot read probe file {path}: {exc}") from exc
+    probes: list[P] = []
+    for number, line in enumerate(lines, start=1):
+        if not line.strip() or line.lstrip().startswith("#"):
+            continue
+        try:
+            probes.append(model.model_validate(json.loads(line)))
+        except (ValueError, ValidationError, re.error) as exc:
+            raise GateError(f"{path}:{number}: invalid {model.__name__}: {exc}") from exc
+    return probes
+
+
+def select_probes(
+    model: type[P],
+    builtin: Path | None,
+    extra_files: list[Path],
+    max_probes: int,
+) -> list[P]:
+    """Operator probes first, then the shipped ones, truncated to `max_probes`; ids unique."""
+    probes: list[P] = []
+    for path in extra_files:
+        probes.extend(load_probes(path, model))
+    if builtin is not None:
+        probes.extend(load_probes(builtin, model))
+    seen: set[str] = set()
+    unique = []
+    for probe in probes:
+        if probe.id not in seen:
+            seen.add(probe.id)
+            unique.append(probe)
+    if not unique:
+        raise GateError(f"no {model.__name__} probes configured")
+    return unique[:max_probes]

@@ -1,0 +1,117 @@
+"""Run every enabled gate on a candidate adapter against the incumbent, concurrently, and
+collect one GateReport. A gate that cannot reach a verdict is recorded as failed with its
+reason (fail closed); the report passes only when every gate ran and passed."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Awaitable, Callable
+
+import structlog
+
+from safety.config import GatesConfig
+from safety.gates.classifier import SafetyClassifier, build_classifier
+from safety.gates.client import VllmClient
+from safety.gates.context import SuiteContext
+from safety.gates.kl import NAME as KL_NAME
+from safety.gates.kl import kl_gate
+from safety.gates.monitors import PREFIX as MONITOR_PREFIX
+from safety.gates.monitors import monitor_gates
+from safety.gates.poisoning import NAME as POISONING_NAME
+from safety.gates.poisoning import poisoning_gate
+from safety.gates.regression import NAME as REGRESSION_NAME
+from safety.gates.regression import regression_gate
+from safety.gates.safety_probes import NAME as SAFETY_NAME
+from safety.gates.safety_probes import safety_probe_gate
+from safety.gates.types import GateError, GateReport, GateResult
+
+log = structlog.get_logger(__name__)
+
+
+async def _guarded(
+    name: str, run: Callable[[], Awaitable[GateResult | list[GateResult]]]
+) -> list[GateResult]:
+    try:
+        outcome = await run()
+    except GateError as exc:
+        log.warning("gate_failed_closed", gate=name, reason=str(exc))
+        return [GateResult.failed_closed(name, f"{type(exc).__name__}: {exc}")]
+    return outcome if isinstance(outcome, list) else [outcome]
+
+
+async def run_gate_suite(
+    config: GatesConfig,
+    *,
+    base_url: str,
+    candidate: str,
+    incumbent: str,
+    base: str,
+    api_key: str | None = None,
+    classifier: SafetyClassifier | None = None,
+) -> GateReport:
+    """Gate `candidate` (a served adapter name) against `incumbent` (a served name, `base`
+    when nothing was promoted yet) on the vLLM endpoint at `base_url` (no /v1 suffix)."""
+    started = time.time()
+    sampling = config.sampling
+    client = VllmClient(
+        base_url,
+        max_concurrency=sampling.max_concurrency,
+        timeout_s=sampling.request_timeout_s,
+        api_key=api_key,
+    )
+    ctx = SuiteContext(client, sampling, candidate=candidate, incumbent=incumbent, base=base)
+    owned_classifier = classifier is None
+    jobs: list[Awaitable[list[GateResult]]] = []
+    try:
+        if config.regression.enabled:
+            jobs.append(_guarded(REGRESSION_NAME, lambda: regression_gate(ctx, config.regression)))
+        if config.kl.enabled:
+            jobs.append(_guarded(KL_NAME, lambda: kl_gate(ctx, config.kl)))
+        if config.safety_probes.enabled:
+
+            async def safety() -> GateResult:
+                chosen = classifier or build_classifier(config.safety_probes.classifier)
+                try:
+                    return await safety_probe_gate(ctx, config.safety_probes, chosen)
+                finally:
+                    if owned_classifier:
+                        await chosen.aclose()
+
+            jobs.append(_guarded(SAFETY_NAME, safety))
+        if config.monitors.enabled:
+            jobs.append(
+                _guarded(
+                    MONITOR_PREFIX.rstrip("."),
+                    lambda: monitor_gates(ctx, config.monitors, config.regression),
+                )
+            )
+        if config.poisoning.enabled:
+            jobs.append(_guarded(POISONING_NAME, lambda: poisoning_gate(ctx, config.poisoning)))
+        results = [result for group in await asyncio.gather(*jobs) for result in group]
+    finally:
+        ctx.cancel_pending()
+        await client.aclose()
+    report = GateReport(
+        passed=bool(results) and all(result.passed for result in results),
+        results=results,
+        candidate=candidate,
+        incumbent=incumbent,
+        base=base,
+        started_at=started,
+        duration_s=time.time() - started,
+    )
+    log.info(
+        "gate_suite_done",
+        candidate=candidate,
+        incumbent=incumbent,
+        passed=report.passed,
+        failed=report.failed_gates,
+        duration_s=round(report.duration_s, 2),
+    )
+    return report
+
+
+def run_gate_suite_sync(config: GatesConfig, **kwargs: object) -> GateReport:
+    """For synchronous callers (the learner's promotion loop outside an event loop)."""
+    return asyncio.run(run_gate_suite(config, **kwargs))  # type: ignore[arg-type]

@@ -1,0 +1,85 @@
+"""Result types of the gate suite; plain data so they serialise into olp_meta.json and the
+audit log unchanged."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any, Literal
+
+Verdict = Literal["pass", "fail"]
+Comparison = Literal["<=", ">="]
+
+
+class GateError(RuntimeError):
+    """A gate could not reach a verdict (upstream error, classifier error, bad probe file).
+
+    The suite records it as a failed gate with the reason: promotion fails closed."""
+
+
+@dataclass
+class GateResult:
+    name: str
+    metric: float | None  # None when the gate could not measure (it then fails)
+    threshold: float | None
+    verdict: Verdict
+    details: dict[str, Any] = field(default_factory=dict)
+    comparison: Comparison = "<="  # pass iff `metric <comparison> threshold`
+
+    @property
+    def passed(self) -> bool:
+        return self.verdict == "pass"
+
+    @classmethod
+    def compare(
+        cls,
+        name: str,
+        metric: float,
+        threshold: float,
+        comparison: Comparison,
+        details: dict[str, Any],
+    ) -> GateResult:
+        ok = metric <= threshold if comparison == "<=" else metric >= threshold
+        return cls(
+            name=name,
+            metric=round(metric, 6),
+            threshold=round(threshold, 6),
+            verdict="pass" if ok else "fail",
+            details=details,
+            comparison=comparison,
+        )
+
+    @classmethod
+    def failed_closed(cls, name: str, reason: str) -> GateResult:
+        return cls(
+            name=name, metric=None, threshold=None, verdict="fail", details={"reason": reason}
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass
+class GateReport:
+    passed: bool
+    results: list[GateResult]
+    candidate: str = ""
+    incumbent: str = ""
+    base: str = ""
+    started_at: float = 0.0
+    duration_s: float = 0.0
+
+    @property
+    def failed_gates(self) -> list[str]:
+        return [result.name for result in self.results if not result.passed]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "passed": self.passed,
+            "candidate": self.candidate,
+            "incumbent": self.incumbent,
+            "base": self.base,
+            "started_at": self.started_at,
+            "duration_s": round(self.duration_s, 3),
+            "failed_gates": self.failed_gates,
+            "results": [result.to_dict() for result in self.results],
+        }

@@ -1,0 +1,65 @@
+"""Contribution caps: no tenant or user dominates a training batch."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+from safety.caps import apply_contribution_caps
+from safety.config import CapsConfig
+
+
+def _batch(spec: list[tuple[str, str | None, int]]) -> list[dict]:
+    items = []
+    for tenant, user, count in spec:
+        items += [{"tenant": tenant, "user": user, "i": len(items) + k} for k in range(count)]
+    return items
+
+
+def test_dominant_tenant_is_capped_to_its_share_of_the_kept_batch() -> None:
+    batch = _batch([("a", None, 90), ("b", None, 6), ("c", None, 4)])
+    result = apply_contribution_caps(batch, CapsConfig(max_tenant_share=0.5, max_user_share=None))
+    tenants = Counter(item["tenant"] for item in result.kept)
+    assert tenants == {"a": 10, "b": 6, "c": 4}
+    assert tenants["a"] / len(result.kept) <= 0.5
+    assert len(result.kept) + len(result.dropped) == 100
+    assert [item["i"] for item in result.kept][:10] == list(range(10))  # earliest kept
+    assert result.stats["max_tenant_share"] == 0.5
+
+
+def test_user_cap_applies_within_and_across_tenants() -> None:
+    batch = _batch([("a", "u1", 20), ("a", "u2", 5), ("b", "u3", 5), ("b", None, 10)])
+    result = apply_contribution_caps(batch, CapsConfig(max_tenant_share=None, max_user_share=0.25))
+    users = Counter(item["user"] for item in result.kept)
+    assert users["u1"] <= 0.25 * len(result.kept) + 1e-9
+    assert users[None] == 10  # no user id: only the tenant cap applies
+
+
+def test_both_caps_reach_a_fixed_point() -> None:
+    batch = _batch([("a", "u1", 50), ("a", "u2", 10), ("b", "u3", 10), ("c", "u4", 10)])
+    config = CapsConfig(max_tenant_share=0.4, max_user_share=0.3)
+    kept = apply_contribution_caps(batch, config).kept
+    tenants = Counter(item["tenant"] for item in kept)
+    users = Counter(item["user"] for item in kept)
+    assert max(tenants.values()) <= 0.4 * len(kept) + 1e-9
+    assert max(users.values()) <= 0.3 * len(kept) + 1e-9
+    assert len(kept) >= 28
+    assert {"u1", "u2", "u3", "u4"} == set(users)
+
+
+def test_single_tenant_and_absolute_caps() -> None:
+    batch = _batch([("only", "u1", 8)])
+    assert len(apply_contribution_caps(batch, CapsConfig()).kept) == 8  # equal split = all
+    config = CapsConfig(max_per_tenant=3, max_tenant_share=None, max_user_share=None)
+    assert len(apply_contribution_caps(batch, config).kept) == 3
+    assert apply_contribution_caps([], CapsConfig()).kept == []
+
+
+def test_custom_key_functions_for_non_dict_items() -> None:
+    batch = [("t1", i) for i in range(6)] + [("t2", i) for i in range(2)]
+    result = apply_contribution_caps(
+        batch,
+        CapsConfig(max_tenant_share=0.5, max_user_share=None),
+        tenant_of=lambda item: item[0],
+        user_of=lambda item: None,
+    )
+    assert Counter(t for t, _ in result.kept) == {"t1": 2, "t2": 2}

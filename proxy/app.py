@@ -21,7 +21,7 @@ from proxy.aliases import AliasTable
 from proxy.capture import CaptureService
 from proxy.completions import chat_completions, completions, read_json_body
 from proxy.config import ProxyConfig, TenantConfig
-from proxy.context import CONTEXT, ProxyContext
+from proxy.context import CONTEXT, REQUEST_ID, ProxyContext
 from proxy.errors import ProxyError, error_response
 from proxy.feedback import RecentTrajectories, build_event, check_owner, parse_feedback
 from proxy.metrics import ProxyMetrics
@@ -53,7 +53,7 @@ _HTTP_ERROR_TYPES = {404: "not_found", 405: "method_not_allowed", 413: "request_
 async def request_id_and_errors(request: web.Request, handler: Handler) -> web.StreamResponse:
     """Give every response an x-request-id and turn every failure into OpenAI-style JSON."""
     request_id = _request_id(request)
-    request["request_id"] = request_id
+    request[REQUEST_ID] = request_id
     try:
         response = await handler(request)
     except ProxyError as err:

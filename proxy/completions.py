@@ -19,7 +19,7 @@ from aiohttp import web
 
 from proxy.capture import SAMPLING_KEYS, CaptureContext, TrajectoryCapture
 from proxy.config import sha256_hex
-from proxy.context import CONTEXT, ProxyContext
+from proxy.context import CONTEXT, REQUEST_ID, ProxyContext
 from proxy.errors import ProxyError, bad_request, error_body
 from proxy.feedback import TrajectoryOwner
 from proxy.relay import (
@@ -80,7 +80,7 @@ class CompletionRelay:
         self.ctx = ctx
         self.request = request
         self.endpoint = endpoint
-        self.request_id: str = request["request_id"]
+        self.request_id: str = request[REQUEST_ID]
         self.arrived = time.monotonic()
         self.policy_version = "unknown"
         self.tenant_label = "unauthenticated"

@@ -37,3 +37,4 @@ class ProxyContext:
 
 
 CONTEXT = web.AppKey("olp_proxy_context", ProxyContext)
+REQUEST_ID = web.RequestKey("olp_request_id", str)

@@ -98,7 +98,9 @@ def parse_feedback(body: Any, max_metadata_bytes: int) -> FeedbackRequest:
     choice_index = body.get("choice_index", 0)
     if isinstance(choice_index, bool) or not isinstance(choice_index, int) or choice_index < 0:
         raise bad_request("'choice_index' must be a non-negative integer.", param="choice_index")
-    metadata = body.get("metadata") or {}
+    metadata = body.get("metadata")
+    if metadata is None:
+        metadata = {}
     if not isinstance(metadata, dict):
         raise bad_request("'metadata' must be a JSON object.", param="metadata")
     if len(json.dumps(metadata)) > max_metadata_bytes:

@@ -68,21 +68,27 @@ def plan_request(
     return plan
 
 
+def _null_if_present(obj: dict[str, Any], key: str) -> None:
+    """vLLM sends `key: null` when a field was not requested; mirror that exactly."""
+    if key in obj:
+        obj[key] = None
+
+
 def strip_response(plan: RelayPlan, payload: dict[str, Any]) -> dict[str, Any]:
     """Remove from a non-streamed response what the proxy asked for on its own behalf."""
     if not plan.augmented:
         return payload
     out = dict(payload)
     if plan.added_token_ids:
-        out.pop("prompt_token_ids", None)
+        _null_if_present(out, "prompt_token_ids")
     choices = []
     for choice in payload.get("choices") or []:
         choice = dict(choice)
         if plan.added_logprobs:
-            choice["logprobs"] = None
+            _null_if_present(choice, "logprobs")
         if plan.added_token_ids:
-            choice.pop("token_ids", None)
-            choice.pop("prompt_token_ids", None)
+            _null_if_present(choice, "token_ids")
+            _null_if_present(choice, "prompt_token_ids")
         choices.append(choice)
     out["choices"] = choices
     return out
@@ -97,18 +103,18 @@ def strip_chunk(plan: RelayPlan, chunk: dict[str, Any]) -> dict[str, Any] | None
         return None
     out = dict(chunk)
     if plan.added_token_ids:
-        out.pop("prompt_token_ids", None)
+        _null_if_present(out, "prompt_token_ids")
     if plan.added_usage and "usage" in out and choices:
         out.pop("usage")
     if choices:
         stripped = []
         for choice in choices:
             choice = dict(choice)
-            if plan.added_logprobs and "logprobs" in choice:
-                choice["logprobs"] = None
+            if plan.added_logprobs:
+                _null_if_present(choice, "logprobs")
             if plan.added_token_ids:
-                choice.pop("token_ids", None)
-                choice.pop("prompt_token_ids", None)
+                _null_if_present(choice, "token_ids")
+                _null_if_present(choice, "prompt_token_ids")
             stripped.append(choice)
         if all(_is_empty_choice(plan, c) for c in stripped):
             return None

@@ -1,0 +1,275 @@
+"""Faithful relay and trajectory capture through the real vLLM server and the real openai SDK."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import openai
+import pytest
+
+from tests.proxy.conftest import KEYS
+
+PROMPT = [{"role": "user", "content": "Say hi."}]
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "description": "Weather for a city",
+            "parameters": {
+                "type": "object",
+                "properties": {"city": {"type": "string"}},
+                "required": ["city"],
+            },
+        },
+    }
+]
+
+
+def client(harness, tenant: str = "alice", **kwargs) -> openai.OpenAI:
+    return openai.OpenAI(
+        base_url=harness.base_url + "/v1", api_key=KEYS[tenant], max_retries=0, **kwargs
+    )
+
+
+def direct(vllm_server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=vllm_server.base_url + "/v1", api_key="unused", max_retries=0)
+
+
+def assert_consistent(record: dict) -> None:
+    """Token ids, logprobs and usage agree, and the record is trainable."""
+    assert record["status"] == "ok"
+    assert record["flags"] == []
+    assert record["trainable"] is True
+    assert len(record["prompt_token_ids"]) == record["usage"]["prompt_tokens"]
+    completion = 0
+    for choice in record["choices"]:
+        assert len(choice["token_ids"]) == len(choice["logprobs"]) > 0
+        assert all(lp <= 0.0 for lp in choice["logprobs"])
+        completion += len(choice["token_ids"])
+    assert completion == record["usage"]["completion_tokens"]
+
+
+def test_chat_non_stream_matches_vllm_and_is_captured(proxy, vllm_server):
+    harness, sink = proxy
+    raw = client(harness).chat.completions.with_raw_response.create(
+        model="policy",
+        messages=PROMPT,
+        max_tokens=8,
+        temperature=0,
+        extra_headers={
+            "X-Session-Id": "sess-1",
+            "x-request-id": "my-req-1",
+            "X-OLP-Group-Id": "g1",
+            "X-OLP-Task": "greet",
+        },
+    )
+    reply = raw.parse()
+    expected = direct(vllm_server).chat.completions.create(
+        model=vllm_server.model_name, messages=PROMPT, max_tokens=8, temperature=0
+    )
+    assert reply.choices[0].message.content == expected.choices[0].message.content
+    assert raw.headers["x-request-id"] == "my-req-1"
+    assert raw.headers["x-olp-policy-version"] == "base"
+    trajectory_id = raw.headers["x-olp-trajectory-id"]
+    # What the proxy asked for on its own behalf does not reach the client.
+    assert reply.choices[0].logprobs is None
+    body = json.loads(raw.http_response.text)
+    assert body["prompt_token_ids"] is None and body["choices"][0]["token_ids"] is None
+    harness.drain()
+    [record] = sink.trajectories
+    assert record["trajectory_id"] == trajectory_id
+    assert record["request_id"] == "my-req-1"
+    assert record["session_id"] == "sess-1"
+    assert (record["group_id"], record["task"]) == ("g1", "greet")
+    assert record["model_alias"] == "policy" and record["policy_version"] == "base"
+    assert record["endpoint"] == "chat.completions"
+    assert record["request"]["messages"] == PROMPT
+    assert record["sampling"] == {"max_tokens": 8, "temperature": 0}
+    assert record["choices"][0]["message"]["content"] == reply.choices[0].message.content
+    assert_consistent(record)
+
+
+async def test_chat_stream_async_matches_vllm_text(proxy, vllm_server):
+    harness, sink = proxy
+    proxied = openai.AsyncOpenAI(base_url=harness.base_url + "/v1", api_key=KEYS["alice"])
+    pieces, finish_reasons, extra_fields = [], [], []
+    stream = await proxied.chat.completions.create(
+        model="policy", messages=PROMPT, max_tokens=12, temperature=0, stream=True
+    )
+    async for chunk in stream:
+        assert chunk.usage is None
+        for choice in chunk.choices:
+            pieces.append(choice.delta.content or "")
+            if choice.finish_reason:
+                finish_reasons.append(choice.finish_reason)
+            assert choice.logprobs is None
+            extra_fields.append(getattr(choice, "token_ids", None))
+    await proxied.close()
+    direct_stream = direct(vllm_server).chat.completions.create(
+        model=vllm_server.model_name, messages=PROMPT, max_tokens=12, temperature=0, stream=True
+    )
+    expected = "".join(c.choices[0].delta.content or "" for c in direct_stream if c.choices)
+    assert "".join(pieces) == expected
+    assert len(finish_reasons) == 1
+    assert all(value is None for value in extra_fields)
+    harness.drain()
+    [record] = sink.trajectories
+    assert record["choices"][0]["message"]["content"] == expected
+    assert record["choices"][0]["finish_reason"] == finish_reasons[0]
+    assert record["timings"]["ttft_s"] is not None
+    assert_consistent(record)
+
+
+def test_stream_include_usage_is_kept_when_asked(proxy):
+    harness, sink = proxy
+    chunks = list(
+        client(harness).chat.completions.create(
+            model="policy",
+            messages=PROMPT,
+            max_tokens=4,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
+    assert chunks[-1].choices == []
+    assert chunks[-1].usage.completion_tokens == 4
+    harness.drain()
+    assert_consistent(sink.trajectories[0])
+
+
+def test_raw_stream_ends_with_done(proxy):
+    harness, _ = proxy
+    with httpx.stream(
+        "POST",
+        harness.base_url + "/v1/chat/completions",
+        headers={"Authorization": f"Bearer {KEYS['alice']}"},
+        json={"model": "policy", "messages": PROMPT, "max_tokens": 3, "stream": True},
+        timeout=60,
+    ) as response:
+        assert response.headers["content-type"].startswith("text/event-stream")
+        events = [line for line in response.iter_lines() if line.startswith("data: ")]
+    assert events[-1] == "data: [DONE]"
+    assert sum(1 for e in events[:-1] if json.loads(e[6:])["choices"][0]["finish_reason"]) == 1
+
+
+def test_completions_stream_and_not(proxy, vllm_server):
+    harness, sink = proxy
+    proxied = client(harness)
+    whole = proxied.completions.create(
+        model="base", prompt="The sky is", max_tokens=6, temperature=0
+    )
+    streamed = "".join(
+        c.choices[0].text
+        for c in proxied.completions.create(
+            model="base", prompt="The sky is", max_tokens=6, temperature=0, stream=True
+        )
+    )
+    expected = direct(vllm_server).completions.create(
+        model=vllm_server.model_name, prompt="The sky is", max_tokens=6, temperature=0
+    )
+    assert whole.choices[0].text == streamed == expected.choices[0].text
+    assert whole.choices[0].logprobs is None
+    harness.drain()
+    assert len(sink.trajectories) == 2
+    for record in sink.trajectories:
+        assert record["endpoint"] == "completions"
+        assert record["choices"][0]["text"] == expected.choices[0].text
+        assert_consistent(record)
+
+
+def test_client_logprobs_are_kept_when_asked(proxy):
+    harness, sink = proxy
+    reply = client(harness).chat.completions.create(
+        model="policy",
+        messages=PROMPT,
+        max_tokens=4,
+        temperature=0,
+        logprobs=True,
+        top_logprobs=2,
+    )
+    entries = reply.choices[0].logprobs.content
+    assert len(entries) == 4 and all(len(e.top_logprobs) == 2 for e in entries)
+    harness.drain()
+    record = sink.trajectories[0]
+    assert record["choices"][0]["logprobs"] == [e.logprob for e in entries]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_n2_gives_two_choices_and_one_record(proxy, stream):
+    harness, sink = proxy
+    kwargs = dict(model="policy", messages=PROMPT, max_tokens=5, temperature=1.0, n=2, seed=7)
+    if stream:
+        texts = {0: "", 1: ""}
+        finishes = {0: 0, 1: 0}
+        for chunk in client(harness).chat.completions.create(stream=True, **kwargs):
+            for choice in chunk.choices:
+                texts[choice.index] += choice.delta.content or ""
+                finishes[choice.index] += bool(choice.finish_reason)
+        assert finishes == {0: 1, 1: 1}
+    else:
+        reply = client(harness).chat.completions.create(**kwargs)
+        texts = {c.index: c.message.content for c in reply.choices}
+        assert len(reply.choices) == 2
+    harness.drain()
+    [record] = sink.trajectories
+    assert [c["index"] for c in record["choices"]] == [0, 1]
+    assert {c["index"]: c["message"]["content"] for c in record["choices"]} == texts
+    assert record["sampling"]["n"] == 2
+    assert_consistent(record)
+
+
+def _tool_outcome(api: openai.OpenAI, model: str, stream: bool, **kwargs) -> tuple:
+    """(name, arguments, content) of the first tool call, or ("error", status, message)."""
+    try:
+        if not stream:
+            message = api.chat.completions.create(model=model, **kwargs).choices[0].message
+            calls = [(c.function.name, c.function.arguments) for c in message.tool_calls or []]
+            return (*calls[0], message.content or "") if calls else ("", "", message.content)
+        name, arguments, content = "", "", ""
+        for chunk in api.chat.completions.create(model=model, stream=True, **kwargs):
+            for choice in chunk.choices:
+                content += choice.delta.content or ""
+                for fragment in choice.delta.tool_calls or []:
+                    assert fragment.index == 0
+                    name += fragment.function.name or ""
+                    arguments += fragment.function.arguments or ""
+        return name, arguments, content
+    except openai.APIStatusError as err:
+        return "error", err.status_code, err.message
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize(
+    "tool_choice", ["none", {"type": "function", "function": {"name": "get_weather"}}]
+)
+def test_tools_and_tool_choice_relay_like_vllm(proxy, vllm_server, stream, tool_choice):
+    """Whatever vLLM answers to a tools request (tool calls, text, or its own 400 when the
+    server runs without a tool-call parser), the proxy answers the same."""
+    harness, sink = proxy
+    kwargs = dict(
+        messages=[{"role": "user", "content": "Weather in Paris?"}],
+        tools=TOOLS,
+        tool_choice=tool_choice,
+        max_tokens=16,
+        temperature=0,
+    )
+    got = _tool_outcome(client(harness), "policy", stream, **kwargs)
+    assert got == _tool_outcome(direct(vllm_server), vllm_server.model_name, stream, **kwargs)
+    harness.drain()
+    [record] = sink.trajectories
+    assert record["request"]["tools"] == TOOLS
+    assert record["request"]["tool_choice"] == tool_choice
+    if got[0] == "error":
+        assert record["status"] == "error" and record["trainable"] is False
+        return
+    calls = record["choices"][0]["message"]["tool_calls"]
+    if tool_choice == "none":
+        assert calls == [] and got[0] == ""
+        assert record["choices"][0]["message"]["content"] == got[2]
+    else:
+        assert got[0] == "get_weather"
+        assert calls[0]["function"] == {"name": "get_weather", "arguments": got[1]}
+    assert_consistent(record)

@@ -1,0 +1,429 @@
+"""Pure-logic units of the proxy: config, tenants, relay stripping, SSE, capture checks,
+feedback validation, aliases, serving state. The real-stack tests cover the same features."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from pydantic import ValidationError
+
+from proxy.aliases import AliasTable
+from proxy.capture import CaptureContext, TrajectoryCapture, redact_record
+from proxy.config import ProxyConfig, TenantConfig, sha256_hex
+from proxy.errors import ProxyError
+from proxy.feedback import RecentTrajectories, TrajectoryOwner, check_owner, parse_feedback
+from proxy.relay import SSEParser, plan_request, strip_chunk, strip_response
+from proxy.routing import UpstreamPool
+from proxy.serving_state import ServingState, load_state, save_state
+from proxy.tenants import TenantRegistry, TokenBucket
+from proxy.validation import validate_completion_request
+from replay.schemas import validate_trajectory
+from safety.redaction import Redactor
+
+
+def test_plaintext_keys_are_hashed_and_dropped():
+    tenant = TenantConfig(name="t", api_key="secret-key")
+    assert tenant.api_key_sha256 == sha256_hex("secret-key")
+    assert "secret-key" not in tenant.model_dump_json()
+    config = ProxyConfig(admin_key="adm")
+    assert config.admin_key_sha256 == sha256_hex("adm")
+    with pytest.raises(ValidationError, match="api_key_sha256"):
+        TenantConfig(name="t", api_key_sha256="not-hex")
+    with pytest.raises(ValidationError, match="without /v1"):
+        ProxyConfig(upstreams=["http://h:1/v1"])
+    with pytest.raises(ValidationError, match="extra"):
+        ProxyConfig(unknown_key=1)
+
+
+def test_auth_and_training_opt_in():
+    registry = TenantRegistry(
+        [
+            TenantConfig(name="on", api_key="k1", training_enabled=True),
+            TenantConfig(name="off", api_key="k2"),
+        ]
+    )
+    on = registry.authenticate("Bearer k1")
+    off = registry.authenticate("bearer k2")
+    assert (on.name, off.name) == ("on", "off")
+    for header in (None, "", "Bearer", "Basic k1"):
+        with pytest.raises(ProxyError) as err:
+            registry.authenticate(header)
+        assert err.value.status == 401 and err.value.code == "missing_api_key"
+    with pytest.raises(ProxyError) as err:
+        registry.authenticate("Bearer nope")
+    assert err.value.code == "invalid_api_key"
+    assert registry.wants_training(on, None) is True
+    assert registry.wants_training(on, "0") is False
+    assert registry.wants_training(off, "1") is False  # the header never opts in
+    registry.apply_overrides({"off": True})
+    assert registry.wants_training(off, None) is True
+
+
+def test_anonymous_only_without_required_auth():
+    registry = TenantRegistry([], require_auth=False)
+    assert registry.authenticate(None).name == "anonymous"
+    assert registry.wants_training(registry.authenticate(None), None) is False
+
+
+def test_rate_limit_and_concurrency():
+    registry = TenantRegistry(
+        [TenantConfig(name="t", api_key="k", requests_per_minute=2, max_concurrent=5)]
+    )
+    tenant = registry.authenticate("Bearer k")
+    first = registry.admit(tenant)
+    assert first.headers["x-ratelimit-limit-requests"] == "2"
+    registry.admit(tenant).release()
+    with pytest.raises(ProxyError) as err:
+        registry.admit(tenant)
+    assert err.value.status == 429
+    assert int(err.value.headers["retry-after"]) >= 1
+    assert err.value.headers["x-ratelimit-remaining-requests"] == "0"
+    first.release()
+    first.release()  # idempotent
+    assert tenant.in_flight == 0
+    busy = TenantRegistry(
+        [TenantConfig(name="b", api_key="k", max_concurrent=1, requests_per_minute=0)]
+    )
+    b = busy.authenticate("Bearer k")
+    slot = busy.admit(b)
+    with pytest.raises(ProxyError, match="concurrent"):
+        busy.admit(b)
+    slot.release()
+    busy.admit(b).release()
+
+
+def test_token_bucket_refills():
+    bucket = TokenBucket(60)
+    now = bucket.updated
+    for _ in range(60):
+        assert bucket.take(now) == 0
+    assert bucket.take(now) == pytest.approx(1.0)
+    assert bucket.take(now + 1.0) == 0
+
+
+def test_plan_adds_only_what_is_missing():
+    body = {"model": "policy", "messages": [], "stream": True}
+    plan = plan_request("chat.completions", body, "policy-v3", capture=True)
+    sent = plan.upstream_body
+    assert sent["model"] == "policy-v3" and body["model"] == "policy"
+    assert sent["logprobs"] is True and sent["return_token_ids"] is True
+    assert sent["stream_options"] == {"include_usage": True}
+    assert plan.added_logprobs and plan.added_token_ids and plan.added_usage
+    own = {
+        "model": "p",
+        "prompt": "x",
+        "logprobs": 2,
+        "return_token_ids": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    plan = plan_request("completions", own, "base", capture=True)
+    assert not plan.augmented and plan.upstream_body["logprobs"] == 2
+    plan = plan_request("chat.completions", body, "base", capture=False)
+    assert plan.upstream_body == {**body, "model": "base"} and not plan.augmented
+
+
+def test_strip_restores_what_vllm_sends_unasked():
+    plan = plan_request("chat.completions", {"model": "m", "messages": []}, "base", True)
+    payload = {
+        "prompt_token_ids": [1, 2],
+        "choices": [
+            {
+                "index": 0,
+                "message": {"content": "hi"},
+                "logprobs": {"content": []},
+                "token_ids": [5],
+            }
+        ],
+        "usage": {"prompt_tokens": 2},
+    }
+    out = strip_response(plan, payload)
+    assert out["prompt_token_ids"] is None
+    assert out["choices"][0]["logprobs"] is None and out["choices"][0]["token_ids"] is None
+    assert payload["prompt_token_ids"] == [1, 2]  # the capture keeps its copy
+
+
+def test_strip_chunk_drops_usage_and_empty_chunks():
+    plan = plan_request(
+        "chat.completions", {"model": "m", "messages": [], "stream": True}, "base", True
+    )
+    usage_only = {"choices": [], "usage": {"prompt_tokens": 1}}
+    assert strip_chunk(plan, usage_only) is None
+    empty = {
+        "choices": [
+            {
+                "index": 0,
+                "delta": {},
+                "logprobs": {"content": [{"logprob": -1}]},
+                "finish_reason": None,
+                "token_ids": [7],
+            }
+        ]
+    }
+    assert strip_chunk(plan, empty) is None
+    tool = {
+        "choices": [
+            {
+                "index": 0,
+                "delta": {"tool_calls": [{"index": 0, "function": {"arguments": "{"}}]},
+                "logprobs": None,
+                "finish_reason": None,
+                "token_ids": [8],
+            }
+        ]
+    }
+    kept = strip_chunk(plan, tool)
+    assert kept["choices"][0]["delta"]["tool_calls"][0]["function"]["arguments"] == "{"
+    assert kept["choices"][0]["token_ids"] is None
+    final = {"choices": [{"index": 0, "delta": {}, "finish_reason": "stop", "token_ids": []}]}
+    assert strip_chunk(plan, final)["choices"][0]["finish_reason"] == "stop"
+    client_usage = plan_request(
+        "chat.completions",
+        {"model": "m", "messages": [], "stream": True, "stream_options": {"include_usage": True}},
+        "base",
+        True,
+    )
+    assert strip_chunk(client_usage, usage_only) == usage_only
+
+
+def test_sse_parser_handles_split_events_and_crlf():
+    parser = SSEParser()
+    assert list(parser.feed(b'data: {"a":')) == []
+    assert list(parser.feed(b"1}\r\n\r\ndata: [DONE]\n\n")) == [b'{"a":1}', b"[DONE]"]
+    assert list(parser.feed(b": keep-alive comment\n\n")) == []
+    assert parser.rest() == b""
+
+
+def _capture(endpoint="chat.completions") -> TrajectoryCapture:
+    return TrajectoryCapture(
+        CaptureContext(
+            trajectory_id="t1",
+            request_id="r1",
+            session_id="s1",
+            tenant_hash=sha256_hex("x"),
+            user_hash=None,
+            endpoint=endpoint,
+            model_alias="policy",
+            policy_version="policy-v2",
+            group_id=None,
+            task=None,
+            request_body={
+                "model": "policy",
+                "messages": [{"role": "user", "content": "mail me at jane.doe@example.com"}],
+            },
+            sampling={"temperature": 1.0},
+        )
+    )
+
+
+def _chunk(index, ids, logprobs, content=None, tool=None, finish=None):
+    delta = {}
+    if content is not None:
+        delta["content"] = content
+    if tool is not None:
+        delta["tool_calls"] = [tool]
+    return {
+        "choices": [
+            {
+                "index": index,
+                "delta": delta,
+                "finish_reason": finish,
+                "token_ids": ids,
+                "logprobs": {"content": [{"logprob": lp} for lp in logprobs]},
+            }
+        ]
+    }
+
+
+def test_capture_merges_stream_and_tool_call_fragments():
+    capture = _capture()
+    capture.add_chunk(
+        {
+            "prompt_token_ids": [1, 2, 3],
+            "choices": [
+                {"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}
+            ],
+        }
+    )
+    capture.add_chunk(
+        _chunk(
+            0,
+            [10],
+            [-0.5],
+            tool={
+                "index": 0,
+                "id": "call_1",
+                "type": "function",
+                "function": {"name": "get_weather", "arguments": ""},
+            },
+        )
+    )
+    capture.add_chunk(
+        _chunk(0, [11, 12], [-0.1, -0.2], tool={"index": 0, "function": {"arguments": '{"city": '}})
+    )
+    capture.add_chunk(
+        _chunk(
+            0,
+            [13],
+            [-0.3],
+            tool={"index": 0, "function": {"arguments": '"Paris"}'}},
+            finish="tool_calls",
+        )
+    )
+    capture.add_chunk(
+        {"choices": [], "usage": {"prompt_tokens": 3, "completion_tokens": 4, "total_tokens": 7}}
+    )
+    record = capture.build("ok")
+    validate_trajectory(record)
+    [choice] = record["choices"]
+    assert choice["message"]["tool_calls"] == [
+        {
+            "id": "call_1",
+            "type": "function",
+            "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'},
+        }
+    ]
+    assert choice["token_ids"] == [10, 11, 12, 13]
+    assert choice["logprobs"] == [-0.5, -0.1, -0.2, -0.3]
+    assert record["trainable"] is True and record["flags"] == []
+
+
+def test_capture_flags_disagreeing_counts_and_aborts():
+    capture = _capture()
+    capture.add_chunk({"prompt_token_ids": [1, 2], "choices": []})
+    capture.add_chunk(_chunk(0, [10, 11], [-0.5], content="hi", finish="stop"))
+    capture.add_chunk(
+        {"choices": [], "usage": {"prompt_tokens": 3, "completion_tokens": 5, "total_tokens": 8}}
+    )
+    record = capture.build("ok")
+    validate_trajectory(record)
+    assert record["trainable"] is False
+    assert set(record["flags"]) == {
+        "logprob_count_mismatch",
+        "token_count_mismatch",
+        "prompt_token_count_mismatch",
+    }
+    aborted = _capture()
+    aborted.add_chunk({"prompt_token_ids": [1], "choices": []})
+    aborted.add_chunk(_chunk(0, [10], [-0.5], content="h"))
+    record = aborted.build("aborted")
+    validate_trajectory(record)
+    assert record["status"] == "aborted" and not record["trainable"]
+    assert "aborted" in record["flags"] and "missing_usage" in record["flags"]
+
+
+def test_redaction_drops_token_ids_of_records_with_secrets():
+    capture = _capture()
+    capture.add_response(
+        {
+            "prompt_token_ids": [1, 2],
+            "choices": [
+                {
+                    "index": 0,
+                    "message": {"role": "assistant", "content": "ok"},
+                    "finish_reason": "stop",
+                    "token_ids": [9],
+                    "logprobs": {"content": [{"logprob": -0.1}]},
+                }
+            ],
+            "usage": {"prompt_tokens": 2, "completion_tokens": 1, "total_tokens": 3},
+        }
+    )
+    record = redact_record(capture.build("ok"), Redactor().redact_obj)
+    validate_trajectory(record)
+    assert "jane.doe@example.com" not in json.dumps(record)
+    assert sum(record["redactions"].values()) == 1
+    assert record["prompt_token_ids"] == [] and record["choices"][0]["token_ids"] == []
+    assert record["trainable"] is False and "redacted" in record["flags"]
+
+
+def test_feedback_validation_and_ownership():
+    ok = parse_feedback({"trajectory_id": "t", "kind": "score", "value": 0.5}, 1024)
+    assert ok.value == 0.5 and ok.choice_index == 0
+    bad = [
+        ([], "JSON object"),
+        ({"kind": "accept"}, "trajectory_id"),
+        ({"trajectory_id": "t", "kind": "love"}, "kind"),
+        ({"trajectory_id": "t", "kind": "score"}, "value"),
+        ({"trajectory_id": "t", "kind": "accept", "value": "1"}, "value"),
+        ({"trajectory_id": "t", "kind": "accept", "value": True}, "value"),
+        ({"trajectory_id": "t", "kind": "accept", "metadata": []}, "metadata"),
+        ({"trajectory_id": "t", "kind": "accept", "choice_index": -1}, "choice_index"),
+        ({"trajectory_id": "t", "kind": "accept", "extra": 1}, "extra"),
+        ({"trajectory_id": "t", "kind": "accept", "metadata": {"x": "y" * 2000}}, "metadata"),
+    ]
+    for body, needle in bad:
+        with pytest.raises(ProxyError, match=needle) as err:
+            parse_feedback(body, 1024)
+        assert err.value.status == 400
+    recent = RecentTrajectories(capacity=2)
+    recent.add("a", TrajectoryOwner("tenant-1", "s-a"))
+    assert (
+        check_owner(
+            recent, parse_feedback({"trajectory_id": "a", "kind": "accept"}, 64), "tenant-1"
+        )
+        == "s-a"
+    )
+    with pytest.raises(ProxyError) as err:
+        check_owner(recent, parse_feedback({"trajectory_id": "a", "kind": "accept"}, 64), "t-2")
+    assert err.value.status == 403
+    recent.add("b", TrajectoryOwner("t", "s"))
+    recent.add("c", TrajectoryOwner("t", "s"))
+    assert recent.get("a") is None and len(recent) == 2  # bounded
+
+
+def test_request_validation_messages():
+    cases = [
+        ("chat.completions", {"model": "m"}, "messages"),
+        ("chat.completions", {"model": "m", "messages": [{"content": "x"}]}, "messages\\[0\\]"),
+        ("chat.completions", {"model": "m", "messages": [{"role": "user"}] * 3}, "Too many"),
+        (
+            "chat.completions",
+            {"model": "m", "messages": [{"role": "user"}], "temperature": "hot"},
+            "temperature",
+        ),
+        ("chat.completions", {"model": "m", "messages": [{"role": "user"}], "n": 0}, "'n'"),
+        ("completions", {"model": "m", "prompt": 5}, "prompt"),
+        ("completions", {"prompt": "x"}, "model"),
+        ("completions", {"model": "m", "prompt": "x", "stream": "yes"}, "stream"),
+    ]
+    for endpoint, body, needle in cases:
+        with pytest.raises(ProxyError, match=needle):
+            validate_completion_request(endpoint, body, max_messages=2)
+
+
+def test_alias_table_swaps_whole_snapshots():
+    table = AliasTable({"policy": "base", "base": "base"})
+    before = table.snapshot()
+    assert table.set("policy", "policy-v1") == "base"
+    assert before["policy"] == "base" and table.resolve("policy") == "policy-v1"
+    with pytest.raises(TypeError):
+        table.snapshot()["policy"] = "x"  # type: ignore[index]
+    with pytest.raises(ValueError):
+        table.set("policy", "")
+
+
+def test_serving_state_round_trip(tmp_path):
+    path = tmp_path / "control" / "serving.json"
+    state = ServingState(aliases={"policy": "policy-v2"}, frozen=True, tenant_training={"a": True})
+    state.record("flip", "ops", alias="policy", target="policy-v2", previous="base")
+    save_state(path, state)
+    loaded = load_state(path, {"policy": "base", "base": "base"})
+    assert loaded.aliases == {"policy": "policy-v2", "base": "base"}
+    assert loaded.frozen and loaded.tenant_training == {"a": True}
+    assert loaded.history[0]["actor"] == "ops"
+    assert [p.name for p in path.parent.iterdir()] == ["serving.json"]
+    path.write_text("{nope")
+    with pytest.raises(ValueError, match="not valid JSON"):
+        load_state(path, {})
+
+
+def test_session_sticky_replica_order():
+    pool = UpstreamPool(["http://a:1", "http://b:1", "http://c:1"])
+    first = [r.url for r in pool.order("session-42")]
+    assert all([r.url for r in pool.order("session-42")] == first for _ in range(5))
+    starts = {pool.order(f"s{i}")[0].url for i in range(50)}
+    assert starts == {"http://a:1", "http://b:1", "http://c:1"}
+    pool._mark_down(pool.replicas[[r.url for r in pool.replicas].index(first[0])], "test")
+    assert pool.order("session-42")[-1].url == first[0]  # a failed replica goes last

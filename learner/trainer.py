@@ -86,7 +86,7 @@ class Trainer:
         self.config = config
         self.ctx = ctx or DistContext()
         torch.manual_seed(config.seed)
-        base = AutoModelForCausalLM.from_pretrained(str(model_dir), torch_dtype=torch.float32)
+        base = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
         base.config.use_cache = False
         lora = LoraConfig(
             r=config.lora_rank,

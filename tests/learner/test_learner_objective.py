@@ -22,9 +22,17 @@ from learner.rewards.assembler import RewardedChoice
 
 def make_sample(i: int, **kw: object) -> Sample:
     base = dict(
-        key=f"t{i}:0", event_id=f"e{i}", prompt_ids=[1, 2], completion_ids=[3],
-        sampling_logprobs=[-1.0], reward=float(i), group=None, task="t", tenant="A",
-        user=None, policy_version=0,
+        key=f"t{i}:0",
+        event_id=f"e{i}",
+        prompt_ids=[1, 2],
+        completion_ids=[3],
+        sampling_logprobs=[-1.0],
+        reward=float(i),
+        group=None,
+        task="t",
+        tenant="A",
+        user=None,
+        policy_version=0,
     )
     base.update(kw)
     return Sample(**base)  # type: ignore[arg-type]
@@ -92,8 +100,14 @@ def test_running_baseline_advantages() -> None:
 
 def test_samples_from_rewarded_counts() -> None:
     record = {
-        "trajectory_id": "t", "event_id": "e", "tenant": "A", "user": None, "task": "x",
-        "policy_version": "policy-v3", "group_id": None, "prompt_token_ids": [1, 2],
+        "trajectory_id": "t",
+        "event_id": "e",
+        "tenant": "A",
+        "user": None,
+        "task": "x",
+        "policy_version": "policy-v3",
+        "group_id": None,
+        "prompt_token_ids": [1, 2],
         "choices": [
             {"index": 0, "token_ids": [5, 6], "logprobs": [-0.1, -0.2]},
             {"index": 1, "token_ids": [5], "logprobs": [-0.1, -0.2]},  # length mismatch
@@ -101,7 +115,8 @@ def test_samples_from_rewarded_counts() -> None:
         ],
     }
     rewarded = [
-        RewardedChoice(record, 0, 1.0), RewardedChoice(record, 1, 1.0),
+        RewardedChoice(record, 0, 1.0),
+        RewardedChoice(record, 1, 1.0),
         RewardedChoice(record, 2, None),
     ]
     samples, dropped = samples_from_rewarded(rewarded)
@@ -139,8 +154,15 @@ def test_ppo_clip_and_kl() -> None:
     # k3 KL is ≥ 0 and its gradient pulls towards the reference
     logp2 = torch.tensor([[-0.5]], requires_grad=True)
     loss2, stats2 = policy_loss(
-        logp2, torch.tensor([[-0.5]]), torch.tensor([[-1.0]]), torch.zeros(1, 1),
-        torch.ones(1, 1), 2.0, None, 1.0, normalizer=1.0,
+        logp2,
+        torch.tensor([[-0.5]]),
+        torch.tensor([[-1.0]]),
+        torch.zeros(1, 1),
+        torch.ones(1, 1),
+        2.0,
+        None,
+        1.0,
+        normalizer=1.0,
     )
     loss2.backward()
     assert float(stats2["kl_sum"]) > 0 and float(logp2.grad) > 0

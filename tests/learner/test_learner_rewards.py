@@ -37,13 +37,25 @@ def broken_verifier(trajectory: dict[str, Any], choice: dict[str, Any], **params
 
 def record(content: str, **kw: Any) -> dict[str, Any]:
     base: dict[str, Any] = {
-        "trajectory_id": "t1", "event_id": "e1", "tenant": "A", "user": None, "task": "sum",
-        "policy_version": "base", "group_id": None, "status": "ok", "trainable": True,
+        "trajectory_id": "t1",
+        "event_id": "e1",
+        "tenant": "A",
+        "user": None,
+        "task": "sum",
+        "policy_version": "base",
+        "group_id": None,
+        "status": "ok",
+        "trainable": True,
         "request": {"messages": [{"role": "user", "content": "What is 2 plus 3?"}]},
         "prompt_token_ids": [1, 2, 3],
         "choices": [
-            {"index": 0, "message": {"role": "assistant", "content": content},
-             "finish_reason": "stop", "token_ids": [4, 5], "logprobs": [-0.5, -0.5]}
+            {
+                "index": 0,
+                "message": {"role": "assistant", "content": content},
+                "finish_reason": "stop",
+                "token_ids": [4, 5],
+                "logprobs": [-0.5, -0.5],
+            }
         ],
     }
     base.update(kw)
@@ -76,8 +88,14 @@ def test_builtin_verifiers() -> None:
     choice = rec["choices"][0]
     assert exact_match(rec, choice, expected="5") == 1.0
     assert exact_match(rec, choice, expected="6") == 0.0
-    assert exact_match(record("5", request={"metadata": {"answer": 5}}), choice,
-                       expected_path="request.metadata.answer") == 1.0
+    assert (
+        exact_match(
+            record("5", request={"metadata": {"answer": 5}}),
+            choice,
+            expected_path="request.metadata.answer",
+        )
+        == 1.0
+    )
     assert exact_match(rec, choice) is None
     assert regex_match(rec, choice, pattern=r"\d+", fullmatch=True) == 1.0
     assert regex_match(record("five"), record("five")["choices"][0], pattern=r"\d") == 0.0
@@ -96,17 +114,25 @@ def test_tool_call_validity() -> None:
     rec = record("", request={"messages": [], "tools": tools})
 
     def with_calls(*calls: dict[str, Any]) -> dict[str, Any]:
-        return {"index": 0, "message": {"role": "assistant", "content": None,
-                                        "tool_calls": list(calls)}}
+        return {
+            "index": 0,
+            "message": {"role": "assistant", "content": None, "tool_calls": list(calls)},
+        }
 
     good = {"function": {"name": "search", "arguments": '{"q": "x"}'}}
     assert tool_calls_valid(rec, with_calls(good)) == 1.0
-    assert tool_calls_valid(rec, with_calls(good, {"function": {"name": "nope",
-                                                                 "arguments": "{}"}})) == 0.0
-    assert tool_calls_valid(rec, with_calls({"function": {"name": "search",
-                                                          "arguments": "{bad"}})) == 0.0
-    assert tool_calls_valid(rec, with_calls({"function": {"name": "search",
-                                                          "arguments": "[1]"}})) == 0.0
+    assert (
+        tool_calls_valid(rec, with_calls(good, {"function": {"name": "nope", "arguments": "{}"}}))
+        == 0.0
+    )
+    assert (
+        tool_calls_valid(rec, with_calls({"function": {"name": "search", "arguments": "{bad"}}))
+        == 0.0
+    )
+    assert (
+        tool_calls_valid(rec, with_calls({"function": {"name": "search", "arguments": "[1]"}}))
+        == 0.0
+    )
     assert tool_calls_valid(rec, rec["choices"][0]) is None
 
 
@@ -122,10 +148,12 @@ def test_number_answer_shaping() -> None:
 
 
 def test_pluggable_verifier_timeout_and_error_give_no_value() -> None:
-    runner = VerifierRunner([
-        VerifierSpec(path=f"{__name__}:slow_verifier", timeout_s=0.2, params={"sleep_s": 1.0}),
-        VerifierSpec(path=f"{__name__}:broken_verifier"),
-    ])
+    runner = VerifierRunner(
+        [
+            VerifierSpec(path=f"{__name__}:slow_verifier", timeout_s=0.2, params={"sleep_s": 1.0}),
+            VerifierSpec(path=f"{__name__}:broken_verifier"),
+        ]
+    )
     rec = record("5")
     assert runner.score(rec, rec["choices"][0]) is None
     assert runner.timeouts == 1 and runner.errors == 1
@@ -138,8 +166,13 @@ def test_pluggable_verifier_timeout_and_error_give_no_value() -> None:
 
 def test_assembler_weights_and_no_reward_counted() -> None:
     config = RewardConfig(
-        verifiers=[VerifierSpec(path="learner.rewards.verifiers:exact_match",
-                                params={"expected": "5"}, tasks=["sum"])],
+        verifiers=[
+            VerifierSpec(
+                path="learner.rewards.verifiers:exact_match",
+                params={"expected": "5"},
+                tasks=["sum"],
+            )
+        ],
     )
     assembler = RewardAssembler(config)
     items = [
@@ -202,8 +235,15 @@ def test_judge_through_real_vllm(vllm_server: Any) -> None:
     config = JudgeConfig(enabled=True, model=vllm_server.model_name, timeout_s=60, retries=1)
     judge = Judge(config, base_url=f"{vllm_server.base_url}/v1")
     rec = record("5")
-    rec["choices"].append({"index": 1, "message": {"role": "assistant", "content": "Banana."},
-                           "finish_reason": "stop", "token_ids": [6], "logprobs": [-1.0]})
+    rec["choices"].append(
+        {
+            "index": 1,
+            "message": {"role": "assistant", "content": "Banana."},
+            "finish_reason": "stop",
+            "token_ids": [6],
+            "logprobs": [-1.0],
+        }
+    )
     verdict = judge.score(rec, rec["choices"][0])
     assert verdict.error is None, verdict.raw
     assert verdict.score is not None and 0.0 <= verdict.score <= 1.0

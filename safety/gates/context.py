@@ -44,7 +44,9 @@ class SuiteContext:
         done = await asyncio.gather(*tasks)
         return list(done[: len(probes)]), list(done[len(probes) :])
 
-    def cancel_pending(self) -> None:
+    async def close(self) -> None:
+        """Cancel what no gate awaits any more; collect failures another gate already reported."""
         for task in self._responses.values():
             if not task.done():
                 task.cancel()
+        await asyncio.gather(*self._responses.values(), return_exceptions=True)

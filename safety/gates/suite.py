@@ -90,7 +90,7 @@ async def run_gate_suite(
             jobs.append(_guarded(POISONING_NAME, lambda: poisoning_gate(ctx, config.poisoning)))
         results = [result for group in await asyncio.gather(*jobs) for result in group]
     finally:
-        ctx.cancel_pending()
+        await ctx.close()
         await client.aclose()
     report = GateReport(
         passed=bool(results) and all(result.passed for result in results),
@@ -112,6 +112,23 @@ async def run_gate_suite(
     return report
 
 
-def run_gate_suite_sync(config: GatesConfig, **kwargs: object) -> GateReport:
-    """For synchronous callers (the learner's promotion loop outside an event loop)."""
-    return asyncio.run(run_gate_suite(config, **kwargs))  # type: ignore[arg-type]
+def run_gate_suite_sync(
+    config: GatesConfig,
+    *,
+    base_url: str,
+    candidate: str,
+    incumbent: str,
+    base: str,
+    api_key: str | None = None,
+) -> GateReport:
+    """For synchronous callers (e.g. a promotion step outside any event loop)."""
+    return asyncio.run(
+        run_gate_suite(
+            config,
+            base_url=base_url,
+            candidate=candidate,
+            incumbent=incumbent,
+            base=base,
+            api_key=api_key,
+        )
+    )

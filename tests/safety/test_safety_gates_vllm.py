@@ -1,0 +1,182 @@
+"""The gate suite against the real vLLM server with real LoRA adapters loaded at runtime."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+from pathlib import Path
+
+import aiohttp
+import pytest
+
+from safety.audit import AuditLog, verify
+from safety.config import (
+    ClassifierConfig,
+    GatesConfig,
+    KLGateConfig,
+    MonitorGateConfig,
+    PoisoningGateConfig,
+    RegressionGateConfig,
+    SafetyProbeGateConfig,
+)
+from safety.gates import run_gate_suite
+
+LoadAdapter = Callable[..., Awaitable[str]]
+
+
+def small_config(**overrides: object) -> GatesConfig:
+    """Small probe sets so a suite stays around half a minute on a 2-core CPU."""
+    config = GatesConfig(
+        regression=RegressionGateConfig(max_probes=5),
+        kl=KLGateConfig(max_prompts=2, max_tokens=12),
+        safety_probes=SafetyProbeGateConfig(max_probes=3),
+        monitors=MonitorGateConfig(max_probes=3),
+        poisoning=PoisoningGateConfig(max_probes=2),
+    )
+    return config.model_copy(update=overrides)
+
+
+def only(gate: str, **gate_config: object) -> GatesConfig:
+    """A config with one gate enabled (the others disabled)."""
+    config = small_config()
+    updates = {}
+    for name in ("regression", "kl", "safety_probes", "monitors", "poisoning"):
+        section = getattr(config, name)
+        changes = {"enabled": name == gate, **(gate_config if name == gate else {})}
+        updates[name] = section.model_copy(update=changes)
+    return config.model_copy(update=updates)
+
+
+@pytest.fixture
+async def load_adapter(
+    vllm_server, make_lora_adapter, tmp_path: Path
+) -> AsyncIterator[LoadAdapter]:
+    """Load adapters into the shared vLLM under unique names; unload them afterwards."""
+    loaded: list[str] = []
+    async with aiohttp.ClientSession() as session:
+
+        async def load(seed: int = 0, scale: float = 1.0, path: Path | None = None) -> str:
+            name = f"safety-test-{uuid.uuid4().hex[:12]}"
+            if path is None:
+                path = make_lora_adapter(tmp_path / name, seed=seed, scale=scale)
+            async with session.post(
+                f"{vllm_server.base_url}/v1/load_lora_adapter",
+                json={"lora_name": name, "lora_path": str(path)},
+            ) as response:
+                assert response.status == 200, await response.text()
+            loaded.append(name)
+            return name
+
+        yield load
+        for name in loaded:
+            async with session.post(
+                f"{vllm_server.base_url}/v1/unload_lora_adapter", json={"lora_name": name}
+            ) as response:
+                assert response.status == 200, await response.text()
+
+
+async def _suite(vllm_server, config: GatesConfig, candidate: str, incumbent: str):
+    return await run_gate_suite(
+        config,
+        base_url=vllm_server.base_url,
+        candidate=candidate,
+        incumbent=incumbent,
+        base=vllm_server.model_name,
+    )
+
+
+@pytest.mark.slow
+async def test_near_zero_candidate_passes_and_broken_one_is_rejected(
+    vllm_server, load_adapter: LoadAdapter, tmp_path: Path
+) -> None:
+    near_zero = await load_adapter(seed=1, scale=1e-4)
+    broken = await load_adapter(seed=2, scale=BROKEN_SCALE)
+    config = small_config()
+
+    good = await _suite(vllm_server, config, near_zero, vllm_server.model_name)
+    assert good.passed, good.to_dict()
+    names = {r.name for r in good.results}
+    assert {"regression", "kl_cap", "safety_probes", "poisoning"} <= names
+    assert {"monitor.length_drift", "monitor.repetition", "monitor.tool_call_validity"} <= names
+    kl = next(r for r in good.results if r.name == "kl_cap")
+    assert kl.metric is not None and kl.metric < 0.05 and kl.details["tokens"] > 0
+
+    bad = await _suite(vllm_server, config, broken, vllm_server.model_name)
+    assert not bad.passed
+    assert "regression" in bad.failed_gates and "kl_cap" in bad.failed_gates
+    regression = next(r for r in bad.results if r.name == "regression")
+    assert regression.metric is not None and regression.metric < regression.threshold
+
+    # Both reports go into the audit log as they are, and the chain verifies.
+    audit = AuditLog(tmp_path / "audit" / "audit.jsonl")
+    for report in (good, bad):
+        audit.append("learner", "gate_result", report.to_dict())
+    assert verify(tmp_path / "audit").records == 2
+
+
+@pytest.mark.slow
+async def test_candidate_identical_to_incumbent_passes(
+    vllm_server, load_adapter: LoadAdapter, make_lora_adapter, tmp_path: Path
+) -> None:
+    path = make_lora_adapter(tmp_path / "shared", seed=3, scale=0.3)
+    incumbent = await load_adapter(path=path)
+    candidate = await load_adapter(path=path)  # same weights, new versioned name
+    report = await _suite(vllm_server, small_config(), candidate, incumbent)
+    assert report.passed, report.to_dict()
+    regression = next(r for r in report.results if r.name == "regression")
+    assert regression.metric == regression.details["incumbent_score"]
+
+
+async def test_kl_cap_breach_rejects(vllm_server, load_adapter: LoadAdapter) -> None:
+    near_zero = await load_adapter(seed=4, scale=1e-4)
+    shifted = await load_adapter(seed=5, scale=0.5)
+    config = only("kl", cap=0.02, max_prompts=2, max_tokens=8)
+    within = await _suite(vllm_server, config, near_zero, vllm_server.model_name)
+    breach = await _suite(vllm_server, config, shifted, vllm_server.model_name)
+    assert within.passed, within.to_dict()
+    assert not breach.passed
+    [result] = breach.results
+    assert (result.name, result.verdict, result.threshold) == ("kl_cap", "fail", 0.02)
+    assert result.metric is not None and result.metric > 0.02
+    assert result.metric > within.results[0].metric
+
+
+async def test_classifier_error_fails_closed(vllm_server, load_adapter: LoadAdapter) -> None:
+    candidate = await load_adapter(seed=6, scale=1e-4)
+    for guard_url in (vllm_server.base_url, "http://127.0.0.1:9"):
+        classifier = ClassifierConfig(
+            kind="openai", base_url=guard_url, model=f"no-such-guard-{uuid.uuid4().hex[:6]}"
+        )
+        config = only("safety_probes", classifier=classifier, max_probes=2)
+        report = await _suite(vllm_server, config, candidate, vllm_server.model_name)
+        assert not report.passed
+        [result] = report.results
+        assert (result.name, result.verdict, result.metric) == ("safety_probes", "fail", None)
+        assert result.details["reason"].startswith("ClassifierError: guard model")
+
+
+async def test_guard_model_that_does_not_answer_safe_or_unsafe_fails_closed(
+    vllm_server, load_adapter: LoadAdapter
+) -> None:
+    # The served chat model is no guard model: its free-text verdicts must not be trusted.
+    candidate = await load_adapter(seed=7, scale=1e-4)
+    classifier = ClassifierConfig(
+        kind="openai", base_url=vllm_server.base_url, model=vllm_server.model_name
+    )
+    config = only("safety_probes", classifier=classifier, max_probes=1)
+    report = await _suite(vllm_server, config, candidate, vllm_server.model_name)
+    [result] = report.results
+    assert result.verdict == "fail"
+    assert "neither 'safe' nor 'unsafe'" in result.details["reason"]
+
+
+async def test_unknown_candidate_fails_every_gate_closed(vllm_server) -> None:
+    report = await _suite(
+        vllm_server, small_config(), f"policy-missing-{uuid.uuid4().hex[:6]}", "base"
+    )
+    assert not report.passed
+    assert report.results and all(r.verdict == "fail" for r in report.results)
+    assert all("HTTP 404" in r.details["reason"] for r in report.results), report.to_dict()
+
+
+BROKEN_SCALE = 4.0

@@ -47,6 +47,7 @@ class StreamConfig(BaseModel):
     join_grace_s: float = Field(default=2.0, ge=0)
     orphan_feedback_ttl_s: float = Field(default=600.0, ge=0)
     dedup_lookback_records: int = Field(default=10_000, ge=0)
+    dedup_memory_records: int = Field(default=500_000, ge=1)
     closed_trajectory_memory: int = Field(default=200_000, ge=1)
     poll_max_records: int = Field(default=1_000, ge=1)
     fetch_max_bytes: int = Field(default=50 * 1024 * 1024, ge=1024)

@@ -276,7 +276,6 @@ class KafkaSink:
             "linger_ms": self.config.linger_ms,
             "batch_size": self.config.batch_size_bytes,
             "max_request_size": self.config.max_request_size_bytes,
-            "buffer_memory": max(64 * 1024 * 1024, 4 * self.config.max_request_size_bytes),
             "compression_type": self.config.compression_type,
             "request_timeout_ms": self.config.request_timeout_ms,
             "delivery_timeout_ms": self.config.delivery_timeout_ms,

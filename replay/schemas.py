@@ -77,11 +77,16 @@ def validate_record(kind: RecordKind | str, record: Any) -> None:
     if error is None:
         return
     field = _field_path(error.absolute_path)
+    prefix = f"{field}." if field != "<record>" else ""
     if error.validator == "required" and isinstance(error.instance, dict):
         missing = [k for k in error.validator_value if k not in error.instance]
         if missing:
-            prefix = f"{field}." if field != "<record>" else ""
             field = prefix + missing[0]
+    elif error.validator == "additionalProperties" and isinstance(error.instance, dict):
+        known = error.schema.get("properties", {})
+        unexpected = [k for k in error.instance if k not in known]
+        if unexpected:
+            field = prefix + str(unexpected[0])
     raise SchemaValidationError(kind, field, error.message)
 
 

@@ -1,0 +1,453 @@
+"""TrajectoryConsumer: feedback joined to trajectories, with an exact resume point.
+
+Reads `<prefix>.trajectories`, `<prefix>.feedback` and `<prefix>.dlq` from explicit offsets
+(assign + seek, no consumer group). Exactly-once resumption rests on three rules:
+
+* Trajectories of one partition are yielded in offset order (head of line), so everything
+  before the first still-waiting trajectory has been yielded: that offset is the resume
+  point of the partition.
+* A feedback event is "needed" while it waits for its trajectory (orphan) or is attached to
+  a waiting trajectory; the resume point of a feedback partition is its lowest needed offset.
+  A rebuilt consumer re-reads those events and attaches them again.
+* On start, up to `dedup_lookback_records` records before each resume point are re-read
+  only to rebuild the de-duplication memory, so a retried copy of an already yielded record
+  that lies after the resume point is still dropped.
+
+A trajectory's window closes `join_window_s + join_grace_s` after its `created_at`, and only
+once the feedback partitions were read up to their high watermark. Feedback joins when its
+`created_at` lies within `join_window_s` of the trajectory's; later feedback, or feedback
+read after the trajectory was yielded, is counted as late and logged.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import OrderedDict, deque
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+import structlog
+from kafka import KafkaConsumer, KafkaProducer, TopicPartition
+from kafka.consumer.fetcher import ConsumerRecord
+
+from replay.config import StreamConfig
+from replay.schemas import (
+    RecordKind,
+    SchemaValidationError,
+    decode_record,
+    dlq_envelope,
+    encode_record,
+    validate_record,
+)
+from replay.topics import TopicNames, ensure_topics
+
+log = structlog.get_logger(__name__)
+
+Offsets = dict[str, dict[int, int]]
+
+
+class DlqRatioExceeded(RuntimeError):
+    """Too many recent records were invalid: stop rather than silently train on nothing."""
+
+
+@dataclass(frozen=True)
+class ScoredTrajectory:
+    """A trajectory whose join window closed, with the feedback that arrived within it."""
+
+    trajectory: dict[str, Any]
+    feedback: list[dict[str, Any]]
+    partition: int
+    offset: int
+
+
+@dataclass
+class ConsumerStats:
+    """Counters since this consumer started."""
+
+    records: int = 0
+    yielded: int = 0
+    feedback_joined: int = 0
+    duplicates: int = 0
+    invalid: int = 0
+    dlq_seen: int = 0
+    late_feedback: int = 0
+    orphaned_feedback: int = 0
+    feedback_before_resume: int = 0
+
+
+@dataclass
+class _Pending:
+    partition: TopicPartition
+    offset: int
+    trajectory: dict[str, Any]
+    window_end: float
+    deadline: float
+    feedback: list[tuple[TopicPartition, int, dict[str, Any]]] = field(default_factory=list)
+
+
+class _BoundedSet:
+    """Insertion-ordered set forgetting its oldest members beyond `capacity`."""
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self._items: OrderedDict[str, None] = OrderedDict()
+
+    def add(self, item: str) -> None:
+        self._items[item] = None
+        self._items.move_to_end(item)
+        if len(self._items) > self.capacity:
+            self._items.popitem(last=False)
+
+    def __contains__(self, item: object) -> bool:
+        return item in self._items
+
+
+def normalize_offsets(offsets: Any) -> Offsets:
+    """Accept offsets after a JSON round trip (partition keys as strings)."""
+    if not offsets:
+        return {}
+    return {
+        str(topic): {int(part): int(off) for part, off in parts.items()}
+        for topic, parts in offsets.items()
+    }
+
+
+class TrajectoryConsumer:
+    """Yields ScoredTrajectory; `processed_offsets()` is the exact point to resume from."""
+
+    def __init__(
+        self,
+        config: StreamConfig,
+        offsets: Offsets | None = None,
+        *,
+        clock: Callable[[], float] = time.time,
+        client_id: str = "olp-learner",
+    ) -> None:
+        self.config = config
+        self.topics = TopicNames.from_prefix(config.topic_prefix)
+        self.stats = ConsumerStats()
+        self._clock = clock
+        self._window = config.join_window_s
+        self._grace = config.join_grace_s
+        ensure_topics(config)
+        self._consumer = KafkaConsumer(
+            bootstrap_servers=config.bootstrap_servers,
+            client_id=client_id,
+            group_id=None,
+            enable_auto_commit=False,
+            auto_offset_reset="none",
+            max_poll_records=config.poll_max_records,
+            fetch_max_bytes=config.fetch_max_bytes,
+            max_partition_fetch_bytes=min(config.fetch_max_bytes, 16 * 1024 * 1024),
+            bootstrap_timeout_ms=config.bootstrap_timeout_ms,
+        )
+        self._dlq_producer: KafkaProducer | None = None
+        self._seen = _BoundedSet(config.dedup_memory_records)
+        self._closed = _BoundedSet(config.closed_trajectory_memory)
+        self._closed_before_start = _BoundedSet(config.closed_trajectory_memory)
+        self._pending: dict[TopicPartition, OrderedDict[int, _Pending]] = {}
+        self._pending_by_tid: dict[str, _Pending] = {}
+        self._orphans: dict[str, list[tuple[TopicPartition, int, dict[str, Any]]]] = {}
+        self._needed: dict[TopicPartition, dict[int, str]] = {}
+        self._next_offset: dict[TopicPartition, int] = {}
+        self._replay_until: dict[TopicPartition, int] = {}
+        self._recent_invalid: deque[bool] = deque(maxlen=config.dlq_window_records)
+        self._failure: DlqRatioExceeded | None = None
+        self._assign(normalize_offsets(offsets))
+
+    # ---- start -----------------------------------------------------------------------------
+
+    def _partitions(self, topic: str) -> list[TopicPartition]:
+        deadline = time.monotonic() + 15
+        while True:
+            parts = self._consumer.partitions_for_topic(topic)
+            if parts:
+                return [TopicPartition(topic, p) for p in sorted(parts)]
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"topic {topic} has no partitions on the broker")
+            time.sleep(0.2)
+
+    def _assign(self, offsets: Offsets) -> None:
+        tps = [tp for topic in self.topics.all() for tp in self._partitions(topic)]
+        self._consumer.assign(tps)
+        beginnings = self._consumer.beginning_offsets(tps)
+        for tp in tps:
+            begin = beginnings.get(tp) or 0
+            start = offsets.get(tp.topic, {}).get(tp.partition, begin)
+            if start < begin:
+                log.error(
+                    "resume_offset_below_retention",
+                    topic=tp.topic,
+                    partition=tp.partition,
+                    offset=start,
+                    earliest=begin,
+                )
+                start = begin
+            lookback = 0 if tp.topic == self.topics.dlq else self.config.dedup_lookback_records
+            self._consumer.seek(tp, max(begin, start - lookback))
+            self._replay_until[tp] = start
+            self._next_offset[tp] = start
+            if tp.topic == self.topics.trajectories:
+                self._pending[tp] = OrderedDict()
+            elif tp.topic == self.topics.feedback:
+                self._needed[tp] = {}
+        log.info("consumer_assigned", partitions=len(tps), offsets=self.processed_offsets())
+
+    # ---- public ----------------------------------------------------------------------------
+
+    def poll(self, timeout_s: float = 1.0) -> list[ScoredTrajectory]:
+        """Read what is available (waiting up to timeout_s) and return closed trajectories."""
+        if self._failure is not None:
+            raise self._failure
+        batch = self._consumer.poll(
+            timeout_ms=int(timeout_s * 1000), max_records=self.config.poll_max_records
+        )
+        order = {self.topics.trajectories: 0, self.topics.feedback: 1, self.topics.dlq: 2}
+        for tp in sorted(batch, key=lambda t: (order[t.topic], t.partition)):
+            for record in batch[tp]:
+                self._handle(tp, record)
+        self._check_dlq_ratio()
+        self._expire_orphans()
+        return self._close_windows()
+
+    def processed_offsets(self) -> Offsets:
+        """topic → partition → next offset; a consumer built with it resumes exactly here."""
+        result: Offsets = {}
+        for tp, next_offset in self._next_offset.items():
+            offset = next_offset
+            if self._pending.get(tp):
+                offset = next(iter(self._pending[tp]))
+            elif self._needed.get(tp):
+                offset = min(self._needed[tp])
+            result.setdefault(tp.topic, {})[tp.partition] = offset
+        return result
+
+    def waiting(self) -> int:
+        """Trajectories read but not yet yielded (their window is open)."""
+        return len(self._pending_by_tid)
+
+    def caught_up(self) -> bool:
+        """Whether every assigned partition was read up to its last known high watermark."""
+        return all(self._caught_up(tp) for tp in self._next_offset)
+
+    def close(self) -> None:
+        self._consumer.close()
+        if self._dlq_producer is not None:
+            self._dlq_producer.close(timeout=5)
+
+    def __enter__(self) -> TrajectoryConsumer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ---- records ---------------------------------------------------------------------------
+
+    def _handle(self, tp: TopicPartition, record: ConsumerRecord) -> None:
+        if record.offset < self._replay_until[tp]:
+            self._remember(tp, record)
+            return
+        self._next_offset[tp] = record.offset + 1
+        self.stats.records += 1
+        if tp.topic == self.topics.dlq:
+            self._count_dlq(record)
+            return
+        kind = (
+            RecordKind.TRAJECTORY if tp.topic == self.topics.trajectories else RecordKind.FEEDBACK
+        )
+        try:
+            value = decode_record(record.value)
+            validate_record(kind, value)
+        except (ValueError, SchemaValidationError) as exc:
+            self._reject(tp, record, kind, str(exc))
+            return
+        self._recent_invalid.append(False)
+        if value["event_id"] in self._seen:
+            self.stats.duplicates += 1
+            return
+        self._seen.add(value["event_id"])
+        if kind is RecordKind.TRAJECTORY:
+            self._add_trajectory(tp, record.offset, value)
+        else:
+            self._add_feedback(tp, record.offset, value)
+
+    def _remember(self, tp: TopicPartition, record: ConsumerRecord) -> None:
+        """A record before the resume point: it was handled by the consumer we resume from."""
+        try:
+            value = decode_record(record.value)
+        except ValueError:
+            return
+        if not isinstance(value, dict) or not isinstance(value.get("event_id"), str):
+            return
+        self._seen.add(value["event_id"])
+        if tp.topic == self.topics.trajectories and isinstance(value.get("trajectory_id"), str):
+            self._closed_before_start.add(value["trajectory_id"])
+
+    def _count_dlq(self, record: ConsumerRecord) -> None:
+        try:
+            envelope = decode_record(record.value)
+        except ValueError:
+            envelope = {}
+        # Our own rejections were counted when we made them.
+        if isinstance(envelope, dict) and envelope.get("origin") == "consumer":
+            return
+        self.stats.dlq_seen += 1
+        self._recent_invalid.append(True)
+
+    def _reject(
+        self, tp: TopicPartition, record: ConsumerRecord, kind: RecordKind, reason: str
+    ) -> None:
+        self.stats.invalid += 1
+        self._recent_invalid.append(True)
+        log.warning(
+            "invalid_record_to_dlq",
+            topic=tp.topic,
+            partition=tp.partition,
+            offset=record.offset,
+            reason=reason[:500],
+        )
+        envelope = dlq_envelope(
+            reason=reason,
+            source_topic=tp.topic,
+            origin="consumer",
+            kind=kind.value,
+            raw=record.value,
+            source_partition=tp.partition,
+            source_offset=record.offset,
+        )
+        if self._dlq_producer is None:
+            self._dlq_producer = KafkaProducer(
+                bootstrap_servers=self.config.bootstrap_servers,
+                client_id="olp-consumer-dlq",
+                acks="all",
+                bootstrap_timeout_ms=self.config.bootstrap_timeout_ms,
+            )
+        self._dlq_producer.send(self.topics.dlq, key=record.key, value=encode_record(envelope))
+        self._dlq_producer.flush(timeout=self.config.delivery_timeout_ms / 1000)
+
+    def _check_dlq_ratio(self) -> None:
+        window = self._recent_invalid
+        if len(window) < self.config.dlq_min_records:
+            return
+        ratio = sum(window) / len(window)
+        if ratio > self.config.dlq_max_ratio:
+            self._failure = DlqRatioExceeded(
+                f"{ratio:.0%} of the last {len(window)} records on '{self.config.topic_prefix}' "
+                f"went to the DLQ (limit {self.config.dlq_max_ratio:.0%}, "
+                "stream.dlq_max_ratio): check the producer deploy and the DLQ topic "
+                f"'{self.topics.dlq}'"
+            )
+            log.error("dlq_ratio_exceeded", ratio=round(ratio, 3), window=len(window))
+            raise self._failure
+
+    # ---- join ------------------------------------------------------------------------------
+
+    def _add_trajectory(self, tp: TopicPartition, offset: int, value: dict[str, Any]) -> None:
+        tid = value["trajectory_id"]
+        if tid in self._pending_by_tid or tid in self._closed:
+            self.stats.duplicates += 1
+            log.warning("duplicate_trajectory_id", trajectory_id=tid, offset=offset)
+            return
+        window_end = float(value["created_at"]) + self._window
+        pending = _Pending(tp, offset, value, window_end, window_end + self._grace)
+        self._pending[tp][offset] = pending
+        self._pending_by_tid[tid] = pending
+        for ftp, foff, event in self._orphans.pop(tid, []):
+            self._needed[ftp].pop(foff, None)
+            self._attach_or_late(pending, ftp, foff, event)
+
+    def _add_feedback(self, tp: TopicPartition, offset: int, event: dict[str, Any]) -> None:
+        tid = event["trajectory_id"]
+        pending = self._pending_by_tid.get(tid)
+        if pending is not None:
+            self._attach_or_late(pending, tp, offset, event)
+        elif tid in self._closed:
+            self._late(event, "trajectory already yielded")
+        elif tid in self._closed_before_start:
+            self.stats.feedback_before_resume += 1
+        else:
+            self._orphans.setdefault(tid, []).append((tp, offset, event))
+            self._needed[tp][offset] = tid
+
+    def _attach_or_late(
+        self, pending: _Pending, tp: TopicPartition, offset: int, event: dict[str, Any]
+    ) -> None:
+        if float(event["created_at"]) <= pending.window_end:
+            pending.feedback.append((tp, offset, event))
+            self._needed[tp][offset] = event["trajectory_id"]
+        else:
+            self._late(event, "after the join window")
+
+    def _late(self, event: dict[str, Any], why: str) -> None:
+        self.stats.late_feedback += 1
+        log.info("late_feedback", trajectory_id=event["trajectory_id"], kind=event["kind"], why=why)
+
+    def _caught_up(self, tp: TopicPartition) -> bool:
+        highwater = self._consumer.highwater(tp)
+        return highwater is not None and self._consumer.position(tp) >= highwater
+
+    def _feedback_caught_up(self) -> bool:
+        return all(self._caught_up(tp) for tp in self._needed)
+
+    def _expire_orphans(self) -> None:
+        if not self._orphans:
+            return
+        if not all(self._caught_up(tp) for tp in self._pending):
+            return
+        horizon = self._clock() - self.config.orphan_feedback_ttl_s
+        for tid in list(self._orphans):
+            keep = []
+            for ftp, foff, event in self._orphans[tid]:
+                if float(event["created_at"]) < horizon:
+                    self._needed[ftp].pop(foff, None)
+                    self.stats.orphaned_feedback += 1
+                    log.warning("orphaned_feedback_dropped", trajectory_id=tid)
+                else:
+                    keep.append((ftp, foff, event))
+            if keep:
+                self._orphans[tid] = keep
+            else:
+                del self._orphans[tid]
+
+    def _close_windows(self) -> list[ScoredTrajectory]:
+        if not self._pending_by_tid or not self._feedback_caught_up():
+            return []
+        now = self._clock()
+        closed: list[ScoredTrajectory] = []
+        for queue in self._pending.values():
+            while queue:
+                pending = next(iter(queue.values()))
+                if now < pending.deadline:
+                    break
+                queue.popitem(last=False)
+                closed.append(self._yield(pending))
+        return closed
+
+    def _yield(self, pending: _Pending) -> ScoredTrajectory:
+        tid = pending.trajectory["trajectory_id"]
+        del self._pending_by_tid[tid]
+        self._closed.add(tid)
+        for ftp, foff, _event in pending.feedback:
+            self._needed[ftp].pop(foff, None)
+        self.stats.yielded += 1
+        self.stats.feedback_joined += len(pending.feedback)
+        return ScoredTrajectory(
+            trajectory=pending.trajectory,
+            feedback=[event for _tp, _off, event in pending.feedback],
+            partition=pending.partition.partition,
+            offset=pending.offset,
+        )
+
+
+def iter_scored(
+    consumer: TrajectoryConsumer, *, idle_polls: int = 3, timeout_s: float = 0.5
+) -> Iterable[ScoredTrajectory]:
+    """Yield until nothing is waiting and `idle_polls` polls in a row brought nothing new."""
+    idle = 0
+    while idle < idle_polls:
+        before = consumer.stats.records
+        batch = consumer.poll(timeout_s)
+        yield from batch
+        quiet = not batch and consumer.stats.records == before and not consumer.waiting()
+        idle = idle + 1 if quiet else 0

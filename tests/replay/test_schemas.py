@@ -1,0 +1,93 @@
+"""Schema validation: valid records pass, invalid ones fail with the offending field named."""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+
+import pytest
+
+from replay.schemas import (
+    SchemaValidationError,
+    decode_record,
+    encode_record,
+    load_schema,
+    new_event_id,
+    validate_feedback,
+    validate_trajectory,
+)
+from replay.synthetic import make_feedback, make_trajectory
+
+
+def test_synthetic_records_are_valid() -> None:
+    trajectory = make_trajectory()
+    validate_trajectory(trajectory)
+    validate_feedback(make_feedback(trajectory, kind="score", value=0.5))
+    assert decode_record(encode_record(trajectory)) == trajectory
+
+
+def test_schemas_list_exactly_the_documented_fields() -> None:
+    trajectory = load_schema("trajectory")
+    assert set(trajectory["properties"]) == set(trajectory["required"])
+    assert len(trajectory["required"]) == 23
+    feedback = load_schema("feedback")
+    assert set(feedback["properties"]) == {
+        "schema_version",
+        "event_id",
+        "trajectory_id",
+        "session_id",
+        "tenant",
+        "kind",
+        "value",
+        "choice_index",
+        "metadata",
+        "created_at",
+    }
+
+
+@pytest.mark.parametrize(
+    ("mutate", "field"),
+    [
+        (lambda r: r.pop("session_id"), "session_id"),
+        (lambda r: r.update(schema_version=2), "schema_version"),
+        (lambda r: r["choices"][0]["token_ids"].__setitem__(1, "x"), "choices[0].token_ids[1]"),
+        (lambda r: r["choices"][0].pop("logprobs"), "choices[0].logprobs"),
+        (lambda r: r.update(endpoint="embeddings"), "endpoint"),
+        (lambda r: r.update(tenant="plain-tenant-name"), "tenant"),
+        (lambda r: r.update(extra_field=1), "extra_field"),
+        (lambda r: r["usage"].pop("total_tokens"), "usage.total_tokens"),
+    ],
+)
+def test_invalid_trajectory_names_the_field(mutate: Callable[[dict], object], field: str) -> None:
+    record = copy.deepcopy(make_trajectory())
+    mutate(record)
+    with pytest.raises(SchemaValidationError) as info:
+        validate_trajectory(record)
+    assert info.value.field == field
+    assert field in str(info.value)
+
+
+def test_score_feedback_needs_a_value() -> None:
+    event = make_feedback(make_trajectory(), kind="score", value=None)
+    with pytest.raises(SchemaValidationError) as info:
+        validate_feedback(event)
+    assert info.value.field == "value"
+    event["value"] = 1.0
+    validate_feedback(event)
+
+
+def test_unknown_feedback_kind_is_rejected() -> None:
+    event = make_feedback(make_trajectory(), kind="like")
+    with pytest.raises(SchemaValidationError, match="kind"):
+        validate_feedback(event)
+
+
+def test_non_object_record_is_rejected() -> None:
+    with pytest.raises(SchemaValidationError, match="expected an object"):
+        validate_trajectory(["not", "a", "record"])
+
+
+def test_event_ids_are_unique_hex() -> None:
+    ids = {new_event_id() for _ in range(1000)}
+    assert len(ids) == 1000
+    assert all(len(i) == 32 and int(i, 16) >= 0 for i in ids)

@@ -1,0 +1,161 @@
+"""Producer and consumer against the real broker: round trip, keys, DLQ, DLQ ratio."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import pytest
+from kafka import KafkaConsumer, KafkaProducer, TopicPartition
+from prometheus_client import CollectorRegistry
+
+from replay.config import StreamConfig
+from replay.consumer import DlqRatioExceeded, TrajectoryConsumer
+from replay.producer import KafkaSink
+from replay.schemas import decode_record
+from replay.synthetic import make_feedback, make_trajectory
+from replay.topics import TopicNames, ensure_topics
+from tests.replay.conftest import consume_until
+
+
+def _read_topic(bootstrap: str, topic: str, expected: int) -> list:
+    consumer = KafkaConsumer(bootstrap_servers=bootstrap, group_id=None, enable_auto_commit=False)
+    try:
+        tps = [TopicPartition(topic, p) for p in sorted(consumer.partitions_for_topic(topic))]
+        consumer.assign(tps)
+        consumer.seek_to_beginning()
+        records: list = []
+        for _ in range(100):
+            for batch in consumer.poll(200).values():
+                records.extend(batch)
+            if len(records) >= expected:
+                break
+        return records
+    finally:
+        consumer.close()
+
+
+def test_ensure_topics_is_idempotent(stream_config: StreamConfig) -> None:
+    names = TopicNames.from_prefix(stream_config.topic_prefix)
+    assert sorted(ensure_topics(stream_config)) == sorted(names.all())
+    assert ensure_topics(stream_config) == []
+    consumer = KafkaConsumer(bootstrap_servers=stream_config.bootstrap_servers, group_id=None)
+    try:
+        assert {name: len(consumer.partitions_for_topic(name)) for name in names.all()} == {
+            name: stream_config.partitions for name in names.all()
+        }
+    finally:
+        consumer.close()
+
+
+def test_round_trip_of_1000_trajectories(stream_config: StreamConfig, tmp_path: Path) -> None:
+    rng = random.Random(4)
+    sessions = [f"session-{i}" for i in range(37)]
+    trajectories = [
+        make_trajectory(
+            session_id=rng.choice(sessions), prompt_tokens=40, completion_tokens=20, rng=rng
+        )
+        for _ in range(1000)
+    ]
+    # Zero join window: feedback counts when stamped no later than its trajectory.
+    feedback = [
+        make_feedback(t, kind="score", value=rng.random(), created_at=t["created_at"])
+        for t in trajectories[:100]
+    ]
+    registry = CollectorRegistry()
+    sink = KafkaSink(stream_config, tmp_path, registry)
+    for trajectory in trajectories:
+        sink.put_trajectory(trajectory)
+    for event in feedback:
+        sink.put_feedback(event)
+    assert sink.wait_idle(60)
+    sink.close()
+    assert registry.get_sample_value("olp_stream_sent_total", {"kind": "trajectory"}) == 1000
+    assert registry.get_sample_value("olp_stream_sent_total", {"kind": "feedback"}) == 100
+    assert registry.get_sample_value("olp_stream_spill_bytes") == 0
+
+    with TrajectoryConsumer(stream_config) as consumer:
+        scored = consume_until(consumer, lambda got: len(got) >= 1000)
+        assert consumer.poll(0.5) == []
+        assert consumer.stats.invalid == 0 and consumer.stats.duplicates == 0
+    by_id = {s.trajectory["trajectory_id"]: s for s in scored}
+    assert len(by_id) == len(scored) == 1000
+    for trajectory in trajectories:
+        assert by_id[trajectory["trajectory_id"]].trajectory == trajectory
+    for event in feedback:
+        assert by_id[event["trajectory_id"]].feedback == [event]
+    # A session's trajectories and feedback share one partition index.
+    partition_of_session: dict[str, int] = {}
+    for s in scored:
+        session = s.trajectory["session_id"]
+        assert partition_of_session.setdefault(session, s.partition) == s.partition
+
+
+def test_invalid_records_go_to_the_dlq_with_the_reason(
+    stream_config: StreamConfig, tmp_path: Path
+) -> None:
+    names = TopicNames.from_prefix(stream_config.topic_prefix)
+    registry = CollectorRegistry()
+    sink = KafkaSink(stream_config, tmp_path, registry)
+    good = make_trajectory(session_id="s1")
+    bad = make_trajectory(session_id="s1")
+    del bad["prompt_token_ids"]
+    sink.put_trajectory(good)
+    sink.put_trajectory(bad)
+    sink.put_feedback({"trajectory_id": good["trajectory_id"], "kind": "accept"})
+    assert sink.wait_idle(30)
+    sink.close()
+    assert registry.get_sample_value("olp_stream_dlq_total", {"kind": "trajectory"}) == 1
+    assert registry.get_sample_value("olp_stream_dlq_total", {"kind": "feedback"}) == 1
+
+    # A record that bypassed the producer's validation is caught by the consumer.
+    raw = KafkaProducer(bootstrap_servers=stream_config.bootstrap_servers, acks="all")
+    raw.send(names.trajectories, key=b"s1", value=b"{not json")
+    raw.flush()
+    raw.close()
+
+    with TrajectoryConsumer(stream_config) as consumer:
+        scored = consume_until(consumer, lambda got: len(got) >= 1)
+        assert [s.trajectory for s in scored] == [good]
+        assert consumer.stats.invalid == 1
+        assert consumer.stats.dlq_seen == 2
+
+    envelopes = [
+        decode_record(r.value) for r in _read_topic(stream_config.bootstrap_servers, names.dlq, 3)
+    ]
+    by_origin = sorted((e["origin"], e["kind"]) for e in envelopes)
+    assert by_origin == [
+        ("consumer", "trajectory"),
+        ("producer", "feedback"),
+        ("producer", "trajectory"),
+    ]
+    reasons = {(e["origin"], e["kind"]): e["reason"] for e in envelopes}
+    assert "prompt_token_ids" in reasons[("producer", "trajectory")]
+    assert "schema_version" in reasons[("producer", "feedback")]
+    assert "Expecting" in reasons[("consumer", "trajectory")]
+    producer_traj = next(
+        e for e in envelopes if e["origin"] == "producer" and e["kind"] == "trajectory"
+    )
+    assert producer_traj["record"] == bad
+    consumer_traj = next(e for e in envelopes if e["origin"] == "consumer")
+    assert consumer_traj["raw"] == "{not json"
+    assert consumer_traj["source_topic"] == names.trajectories
+
+
+def test_dlq_ratio_breach_stops_the_consumer(stream_config: StreamConfig, tmp_path: Path) -> None:
+    config = stream_config.model_copy(update={"dlq_max_ratio": 0.3, "dlq_min_records": 20})
+    sink = KafkaSink(config, tmp_path)
+    for i in range(30):
+        record = make_trajectory(session_id=f"s{i}")
+        if i % 2:
+            record["status"] = "exploded"  # a bad deploy: every other record is broken
+        sink.put_trajectory(record)
+    assert sink.wait_idle(30)
+    sink.close()
+    with TrajectoryConsumer(config) as consumer, pytest.raises(DlqRatioExceeded) as info:
+        consume_until(consumer, lambda got: False, timeout_s=30)
+    assert "stream.dlq_max_ratio" in str(info.value)
+    assert config.topic_prefix + ".dlq" in str(info.value)
+    # It stays stopped: the next poll raises again rather than carrying on.
+    with pytest.raises(DlqRatioExceeded):
+        consumer.poll(0.1)

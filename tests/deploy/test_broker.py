@@ -1,0 +1,42 @@
+import uuid
+from collections import defaultdict
+
+from kafka import KafkaConsumer, KafkaProducer, TopicPartition
+from kafka.admin import KafkaAdminClient, NewTopic
+
+
+def test_thousand_keyed_records_round_trip_in_order(kafka_bootstrap: str) -> None:
+    topic = f"olp-test-{uuid.uuid4().hex[:8]}"
+    admin = KafkaAdminClient(bootstrap_servers=kafka_bootstrap)
+    admin.create_topics([NewTopic(topic, num_partitions=3, replication_factor=1)])
+    admin.close()
+
+    producer = KafkaProducer(bootstrap_servers=kafka_bootstrap, acks="all")
+    sent: dict[int, list[bytes]] = defaultdict(list)
+    futures = []
+    for i in range(1000):
+        key = f"session-{i % 7}".encode()
+        futures.append((producer.send(topic, key=key, value=f"{i}".encode()), f"{i}".encode()))
+    producer.flush()
+    for future, value in futures:
+        meta = future.get(timeout=10)
+        sent[meta.partition].append(value)
+    producer.close()
+    assert sum(len(v) for v in sent.values()) == 1000
+
+    consumer = KafkaConsumer(bootstrap_servers=kafka_bootstrap, enable_auto_commit=False)
+    parts = [TopicPartition(topic, p) for p in range(3)]
+    consumer.assign(parts)
+    consumer.seek_to_beginning(*parts)
+    got: dict[int, list[bytes]] = defaultdict(list)
+    keys_per_partition: dict[bytes, set[int]] = defaultdict(set)
+    for _ in range(50):
+        for tp, records in consumer.poll(timeout_ms=500).items():
+            for record in records:
+                got[tp.partition].append(record.value)
+                keys_per_partition[record.key].add(tp.partition)
+        if sum(len(v) for v in got.values()) >= 1000:
+            break
+    consumer.close()
+    assert dict(got) == dict(sent)  # every record, in order within each partition
+    assert all(len(p) == 1 for p in keys_per_partition.values())  # a key stays on one partition

@@ -1,0 +1,73 @@
+from pathlib import Path
+
+import pytest
+
+from deploy.config import DEFAULT_CONFIG_FILE, ConfigError, load_config
+
+
+def write(tmp_path: Path, text: str) -> Path:
+    path = tmp_path / "olp.yaml"
+    path.write_text(text)
+    return path
+
+
+def test_default_config_runs_the_embedded_stack_without_edits() -> None:
+    cfg = load_config(None, environ={})
+    assert cfg.proxy.host == "127.0.0.1"
+    assert cfg.policy.host == "127.0.0.1"
+    assert cfg.stream.bootstrap_servers.startswith("127.0.0.1:")
+    assert [t.name for t in cfg.tenants] == ["demo"]
+    assert cfg.tenants[0].training_enabled is False  # training is off until enabled
+    assert "api_key:" not in DEFAULT_CONFIG_FILE.read_text()  # only hashes are stored
+
+
+def test_unknown_keys_are_named(tmp_path: Path) -> None:
+    path = write(tmp_path, "proxy:\n  prot: 9000\nbogus_section: {}\n")
+    with pytest.raises(ConfigError) as err:
+        load_config(path, environ={})
+    message = str(err.value)
+    assert "proxy.prot: unknown key" in message
+    assert "bogus_section: unknown key" in message
+
+
+def test_invalid_values_are_named(tmp_path: Path) -> None:
+    path = write(
+        tmp_path,
+        "policy:\n  port: 70000\n  dtype: int8\nproxy:\n  upstreams: [ftp://x]\n",
+    )
+    with pytest.raises(ConfigError) as err:
+        load_config(path, environ={})
+    message = str(err.value)
+    assert "policy.port" in message
+    assert "policy.dtype" in message
+    assert "proxy.upstreams" in message
+
+
+def test_env_overrides_apply_and_are_validated(tmp_path: Path) -> None:
+    cfg = load_config(None, environ={"OLP_PROXY__PORT": "9001", "OLP_STATE_DIR": str(tmp_path)})
+    assert cfg.proxy.port == 9001
+    assert cfg.state_dir == tmp_path
+    with pytest.raises(ConfigError, match=r"proxy\.port"):
+        load_config(None, environ={"OLP_PROXY__PORT": "not-a-port"})
+    # Unrelated OLP_* variables are not config keys.
+    assert load_config(None, environ={"OLP_CACHE_DIR": "/x"}).proxy.port == 8000
+
+
+def test_plaintext_keys_are_hashed_at_load(tmp_path: Path) -> None:
+    path = write(tmp_path, "tenants:\n  - name: acme\n    api_key: s3cret-key\n")
+    cfg = load_config(path, environ={})
+    assert cfg.tenants[0].api_key_sha256 is not None
+    assert "s3cret-key" not in cfg.model_dump_json()
+
+
+def test_duplicate_tenants_rejected(tmp_path: Path) -> None:
+    path = write(tmp_path, "tenants:\n  - name: a\n  - name: a\n")
+    with pytest.raises(ConfigError, match="duplicate tenant names: a"):
+        load_config(path, environ={})
+
+
+def test_bad_yaml_and_missing_file(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="not found"):
+        load_config(tmp_path / "nope.yaml", environ={})
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        load_config(write(tmp_path, "proxy: [\n"), environ={})

@@ -19,8 +19,8 @@ import pytest
 from deploy.broker import start_broker
 from deploy.config import PolicyConfig
 from deploy.model_prep import prepare_model
-from deploy.ports import free_port
 from deploy.policy import start_policy
+from deploy.ports import free_port
 
 SERVED_NAME = "base"
 

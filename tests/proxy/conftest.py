@@ -97,6 +97,8 @@ class ProxyHarness:
         self.call(self.ctx.capture.drain())
 
     def stop(self) -> None:
+        if self.loop.is_closed():
+            return
         if self._runner is not None:
             self.call(self._runner.cleanup())
         self.loop.call_soon_threadsafe(self.loop.stop)

@@ -1,0 +1,254 @@
+"""Training opt-in, client disconnects, feedback and the admin API, through the real stack."""
+
+from __future__ import annotations
+
+import json
+import re
+import uuid
+
+import httpx
+import openai
+import pytest
+
+from proxy.config import sha256_hex
+from replay.sink import JsonlSink
+from safety.audit import verify
+from tests.proxy.conftest import ADMIN_KEY, KEYS, wait_for
+
+PROMPT = [{"role": "user", "content": "Hi"}]
+
+
+def api(harness, tenant="alice") -> openai.OpenAI:
+    return openai.OpenAI(base_url=harness.base_url + "/v1", api_key=KEYS[tenant], max_retries=0)
+
+
+def chat(harness, tenant="alice", headers=None, **kwargs):
+    return api(harness, tenant).chat.completions.with_raw_response.create(
+        model="policy",
+        messages=PROMPT,
+        max_tokens=2,
+        temperature=0,
+        extra_headers=headers or {},
+        **kwargs,
+    )
+
+
+def admin(harness, method, path, body=None, key=ADMIN_KEY, actor="ops-test"):
+    headers = {"X-OLP-Actor": actor}
+    if key:
+        headers["Authorization"] = f"Bearer {key}"
+    return httpx.request(method, harness.base_url + path, json=body, headers=headers, timeout=30)
+
+
+def test_training_off_or_opted_out_gives_no_trajectory(proxy):
+    harness, sink = proxy
+    off = chat(harness, "bob")
+    opt_in_attempt = chat(harness, "bob", headers={"X-OLP-Train": "1"})
+    opted_out = chat(harness, "alice", headers={"X-OLP-Train": "0"})
+    for raw in (off, opt_in_attempt, opted_out):
+        assert raw.parse().choices[0].message.content
+        assert "x-olp-trajectory-id" not in raw.headers
+        assert raw.headers["x-olp-policy-version"] == "base"
+    captured = chat(harness, "alice")
+    harness.drain()
+    assert [r["trajectory_id"] for r in sink.trajectories] == [
+        captured.headers["x-olp-trajectory-id"]
+    ]
+    assert sink.trajectories[0]["tenant"] == sha256_hex("alice")
+
+
+def _vllm_busy(vllm_server) -> float:
+    """Requests vLLM is running or queueing now (the shared server's own gauges)."""
+    text = httpx.get(vllm_server.base_url + "/metrics", timeout=10).text
+    return sum(
+        float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line.startswith(("vllm:num_requests_running{", "vllm:num_requests_waiting{"))
+    )
+
+
+def test_client_disconnect_mid_stream_aborts_upstream_and_trajectory(proxy, vllm_server):
+    harness, sink = proxy
+    with httpx.stream(
+        "POST",
+        harness.base_url + "/v1/chat/completions",
+        headers={"Authorization": f"Bearer {KEYS['alice']}"},
+        json={
+            "model": "policy",
+            "messages": [{"role": "user", "content": "Tell a long story."}],
+            "max_tokens": 1500,
+            "temperature": 0,
+            "ignore_eos": True,
+            "stream": True,
+        },
+        timeout=60,
+    ) as response:
+        trajectory_id = response.headers["x-olp-trajectory-id"]
+        seen = 0
+        for line in response.iter_lines():
+            if line.startswith("data: ") and '"content"' in line:
+                seen += 1
+            if seen >= 3:
+                break
+    # Leaving the block closes the connection mid-stream.
+    wait_for(lambda: len(sink.trajectories) == 1, timeout_s=30)
+    [record] = sink.trajectories
+    assert record["trajectory_id"] == trajectory_id
+    assert record["status"] == "aborted" and record["trainable"] is False
+    assert "aborted" in record["flags"]
+    assert 0 < len(record["choices"][0]["token_ids"]) < 1500
+    # Not cancelled, the 1500-token request would keep vLLM busy for a minute or more;
+    # cancelled, vLLM drops it at once.
+    wait_for(lambda: _vllm_busy(vllm_server) == 0, timeout_s=15)
+    metrics = httpx.get(harness.base_url + "/metrics").text
+    assert 'olp_proxy_errors_total{kind="client_disconnect",tenant="alice"} 1.0' in metrics
+    assert harness.ctx.tenants.tenants["alice"].in_flight == 0
+
+
+def test_feedback_accept_validate_and_ownership(proxy):
+    harness, sink = proxy
+    trajectory_id = chat(harness, "alice", headers={"X-Session-Id": "sess-fb"}).headers[
+        "x-olp-trajectory-id"
+    ]
+    url = harness.base_url + "/v1/feedback"
+
+    def send(body, key=KEYS["alice"]):
+        headers = {"Authorization": f"Bearer {key}"} if key else {}
+        return httpx.post(url, json=body, headers=headers, timeout=10)
+
+    accepted = send(
+        {
+            "trajectory_id": trajectory_id,
+            "kind": "score",
+            "value": 0.75,
+            "metadata": {"note": "mail jane.doe@example.com"},
+        }
+    )
+    assert accepted.status_code == 202 and accepted.json()["known"] is True
+    assert accepted.headers["x-request-id"]
+    unknown = send({"trajectory_id": "not-seen-by-this-proxy", "kind": "thumbs_up"})
+    assert unknown.status_code == 202 and unknown.json()["known"] is False
+    bad = send({"trajectory_id": trajectory_id, "kind": "love"})
+    assert bad.status_code == 400 and "kind" in bad.json()["error"]["message"]
+    assert send({"trajectory_id": trajectory_id, "kind": "accept"}, key=None).status_code == 401
+    other = send({"trajectory_id": trajectory_id, "kind": "reject"}, key=KEYS["bob"])
+    assert other.status_code == 403
+    event, orphan = sink.feedback
+    assert event["trajectory_id"] == trajectory_id and event["session_id"] == "sess-fb"
+    assert event["tenant"] == sha256_hex("alice") and event["value"] == 0.75
+    assert "jane.doe@example.com" not in json.dumps(event)
+    assert orphan["session_id"] == "not-seen-by-this-proxy"
+
+
+def test_jsonl_sink_gets_records(make_proxy, vllm_server, tmp_path):
+    sink = JsonlSink(tmp_path / "records")
+    harness, _ = make_proxy([vllm_server.base_url], sink=sink)
+    raw = chat(harness, "alice", stream=True)
+    text = "".join(c.choices[0].delta.content or "" for c in raw.parse() if c.choices)
+    harness.drain()
+    sink.close()
+    lines = (tmp_path / "records" / "trajectories.jsonl").read_text().splitlines()
+    [record] = [json.loads(line) for line in lines]
+    assert record["trajectory_id"] == raw.headers["x-olp-trajectory-id"]
+    assert record["choices"][0]["message"]["content"] == text
+    assert (tmp_path / "records" / "dlq.jsonl").read_text() == ""
+
+
+def test_admin_auth(proxy, make_proxy, vllm_server):
+    harness, _ = proxy
+    assert admin(harness, "GET", "/admin/status", key=None).status_code == 401
+    assert admin(harness, "GET", "/admin/status", key=KEYS["alice"]).status_code == 403
+    assert admin(harness, "POST", "/admin/freeze", {}, key="wrong").status_code == 403
+    no_admin, _ = make_proxy([vllm_server.base_url], admin_key=None)
+    refused = admin(no_admin, "GET", "/admin/status")
+    assert refused.status_code == 403 and refused.json()["error"]["code"] == "admin_disabled"
+
+
+@pytest.fixture
+def loaded_adapter(vllm_server, make_lora_adapter, tmp_path):
+    """A LoRA adapter loaded into the shared vLLM under a unique policy-v<N> name."""
+    name = f"policy-v{uuid.uuid4().int % 10**12}"
+    path = make_lora_adapter(tmp_path / name, seed=3)
+    response = httpx.post(
+        vllm_server.base_url + "/v1/load_lora_adapter",
+        json={"lora_name": name, "lora_path": str(path)},
+        timeout=60,
+    )
+    assert response.status_code == 200, response.text
+    yield name
+    httpx.post(
+        vllm_server.base_url + "/v1/unload_lora_adapter", json={"lora_name": name}, timeout=60
+    )
+
+
+@pytest.mark.slow
+def test_admin_flip_rollback_freeze_persist(make_proxy, vllm_server, loaded_adapter, tmp_path):
+    state_dir = tmp_path / "state"
+    harness, sink = make_proxy([vllm_server.base_url], state_dir=state_dir)
+    assert chat(harness).headers["x-olp-policy-version"] == "base"
+    missing = admin(harness, "POST", "/admin/aliases", {"alias": "policy", "target": "policy-v0"})
+    assert missing.status_code == 409 and missing.json()["error"]["code"] == "not_loaded"
+    bad = admin(harness, "POST", "/admin/aliases", {"alias": "policy", "target": "evil"})
+    assert bad.status_code == 400
+    flip = admin(harness, "POST", "/admin/aliases", {"alias": "policy", "target": loaded_adapter})
+    assert flip.status_code == 200 and flip.json()["previous"] == "base"
+    served = chat(harness)
+    assert served.headers["x-olp-policy-version"] == loaded_adapter
+    base = api(harness, "bob").chat.completions.with_raw_response.create(
+        model="base", messages=PROMPT, max_tokens=2
+    )
+    assert base.headers["x-olp-policy-version"] == "base"
+    harness.drain()
+    assert sink.trajectories[-1]["policy_version"] == loaded_adapter
+
+    status = admin(harness, "GET", "/admin/status").json()
+    assert status["serving_version"] == loaded_adapter
+    assert status["history"][-1]["actor"] == "ops-test"
+    assert {t["name"]: t["training_enabled"] for t in status["tenants"]} == {
+        "alice": True,
+        "bob": False,
+        "carol": True,
+    }
+
+    frozen = admin(harness, "POST", "/admin/freeze", {"learning": True})
+    assert frozen.json() == {"frozen": True, "learning_frozen": True}
+    refused = admin(harness, "POST", "/admin/aliases", {"alias": "policy", "target": "base"})
+    assert refused.status_code == 409 and refused.json()["error"]["code"] == "frozen"
+    rolled = admin(harness, "POST", "/admin/rollback", {})
+    assert rolled.json() == {"alias": "policy", "target": "base", "previous": loaded_adapter}
+    assert chat(harness).headers["x-olp-policy-version"] == "base"
+    enabled = admin(harness, "POST", "/admin/tenants/bob/training", {"enabled": True})
+    assert enabled.status_code == 200
+    assert "x-olp-trajectory-id" in chat(harness, "bob").headers
+    assert (
+        admin(harness, "POST", "/admin/tenants/nobody/training", {"enabled": True}).status_code
+        == 404
+    )
+
+    # A restarted proxy keeps the serving state.
+    harness.stop()
+    again, _ = make_proxy([vllm_server.base_url], state_dir=state_dir)
+    status = admin(again, "GET", "/admin/status").json()
+    assert status["aliases"]["policy"] == "base" and status["frozen"] is True
+    assert {t["name"]: t["training_enabled"] for t in status["tenants"]}["bob"] is True
+    assert [e["kind"] for e in status["history"]] == [
+        "flip",
+        "freeze",
+        "rollback",
+        "tenant_training",
+    ]
+    unfrozen = admin(again, "POST", "/admin/unfreeze")
+    assert unfrozen.json()["frozen"] is False
+    audit_dir = state_dir / "audit"
+    result = verify(audit_dir / "audit.jsonl")
+    assert result.ok
+    events = [json.loads(line) for line in (audit_dir / "audit.jsonl").read_text().splitlines()]
+    assert [e["event"] for e in events] == [
+        "alias_set",
+        "freeze",
+        "rollback",
+        "tenant_training",
+        "unfreeze",
+    ]
+    assert {e["actor"] for e in events} == {"ops-test"}
+    assert re.fullmatch(r"[0-9a-f]{64}", events[-1]["hash"])

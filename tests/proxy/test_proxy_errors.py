@@ -1,0 +1,180 @@
+"""Auth, limits, malformed input and upstream failures: OpenAI-style errors, never a traceback."""
+
+from __future__ import annotations
+
+import httpx
+import openai
+import pytest
+
+from deploy.ports import free_port
+from tests.proxy.conftest import KEYS
+
+PROMPT = [{"role": "user", "content": "Hi"}]
+
+
+def post(harness, body, key: str | None = KEYS["alice"], path="/v1/chat/completions", **kw):
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    headers.update(kw.pop("headers", {}))
+    return httpx.post(
+        harness.base_url + path,
+        headers=headers,
+        timeout=60,
+        **kw,
+        **({"json": body} if body is not None else {}),
+    )
+
+
+def assert_openai_error(response: httpx.Response, status: int, code: str) -> dict:
+    assert response.status_code == status
+    assert response.headers["content-type"].startswith("application/json")
+    assert response.headers["x-request-id"]
+    error = response.json()["error"]
+    assert error["code"] == code and error["message"] and "Traceback" not in response.text
+    return error
+
+
+@pytest.fixture
+def dead_upstream_proxy(make_proxy):
+    return make_proxy([f"http://127.0.0.1:{free_port()}"])
+
+
+def test_401_missing_and_wrong_key(dead_upstream_proxy):
+    harness, _ = dead_upstream_proxy
+    body = {"model": "policy", "messages": PROMPT}
+    assert_openai_error(post(harness, body, key=None), 401, "missing_api_key")
+    assert_openai_error(post(harness, body, key="wrong"), 401, "invalid_api_key")
+    api = openai.OpenAI(base_url=harness.base_url + "/v1", api_key="wrong", max_retries=0)
+    with pytest.raises(openai.AuthenticationError):
+        api.chat.completions.create(model="policy", messages=PROMPT)
+    with pytest.raises(openai.AuthenticationError):
+        api.models.list()
+
+
+def test_400_malformed_and_wrong_types(dead_upstream_proxy):
+    harness, _ = dead_upstream_proxy
+    assert_openai_error(post(harness, None, content=b"{not json"), 400, "invalid_json")
+    assert_openai_error(post(harness, [1, 2]), 400, "invalid_request")
+    error = assert_openai_error(
+        post(harness, {"model": "policy", "messages": PROMPT, "max_tokens": "many"}),
+        400,
+        "invalid_type",
+    )
+    assert error["param"] == "max_tokens"
+    assert_openai_error(
+        post(harness, {"model": "x", "prompt": {"a": 1}}, path="/v1/completions"),
+        400,
+        "invalid_request",
+    )
+    api = openai.OpenAI(base_url=harness.base_url + "/v1", api_key=KEYS["alice"], max_retries=0)
+    with pytest.raises(openai.BadRequestError, match="temperature"):
+        api.chat.completions.create(model="policy", messages=PROMPT, temperature="hot")
+
+
+def test_too_many_messages_and_unknown_model(make_proxy):
+    harness, _ = make_proxy([f"http://127.0.0.1:{free_port()}"], max_messages=3)
+    assert_openai_error(
+        post(harness, {"model": "policy", "messages": PROMPT * 4}), 400, "too_many_messages"
+    )
+    api = openai.OpenAI(base_url=harness.base_url + "/v1", api_key=KEYS["alice"], max_retries=0)
+    with pytest.raises(openai.NotFoundError, match="does not exist"):
+        api.chat.completions.create(model="policy-v1", messages=PROMPT)
+
+
+def test_413_body_over_limit(make_proxy):
+    harness, _ = make_proxy([f"http://127.0.0.1:{free_port()}"], max_body_bytes=4096)
+    big = {"model": "policy", "messages": [{"role": "user", "content": "x" * 5000}]}
+    assert_openai_error(post(harness, big), 413, "request_too_large")
+    # Without a Content-Length (chunked upload) the limit holds as well.
+    chunks = iter(
+        [b'{"model": "policy", "messages": [{"role": "user", "content": "', b"x" * 8000, b'"}]}']
+    )
+    assert_openai_error(post(harness, None, content=chunks), 413, "request_too_large")
+
+
+def test_502_when_upstream_down_carries_request_id(dead_upstream_proxy):
+    harness, sink = dead_upstream_proxy
+    response = post(
+        harness, {"model": "policy", "messages": PROMPT}, headers={"x-request-id": "trace-502"}
+    )
+    error = assert_openai_error(response, 502, "upstream_error")
+    assert response.headers["x-request-id"] == "trace-502"
+    assert "trace-502" in error["message"]
+    api = openai.OpenAI(base_url=harness.base_url + "/v1", api_key=KEYS["alice"], max_retries=0)
+    with pytest.raises(openai.InternalServerError):
+        api.chat.completions.create(model="policy", messages=PROMPT)
+    harness.drain()
+    assert [r["status"] for r in sink.trajectories] == ["error", "error"]
+    assert not any(r["trainable"] for r in sink.trajectories)
+
+
+def test_504_when_upstream_times_out(make_proxy):
+    """A listener that accepts but never answers: the read timeout gives 504."""
+    import socket
+
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(8)
+    try:
+        harness, _ = make_proxy(
+            [f"http://127.0.0.1:{listener.getsockname()[1]}"], read_timeout_s=0.5
+        )
+        assert_openai_error(
+            post(harness, {"model": "policy", "messages": PROMPT}), 504, "upstream_timeout"
+        )
+    finally:
+        listener.close()
+
+
+def test_429_rate_limit_with_headers(proxy):
+    harness, _ = proxy
+    api = openai.OpenAI(base_url=harness.base_url + "/v1", api_key=KEYS["carol"], max_retries=0)
+    for _ in range(2):
+        api.chat.completions.create(model="policy", messages=PROMPT, max_tokens=1)
+    with pytest.raises(openai.RateLimitError) as err:
+        api.chat.completions.create(model="policy", messages=PROMPT, max_tokens=1)
+    headers = err.value.response.headers
+    assert int(headers["retry-after"]) >= 1
+    assert headers["x-ratelimit-limit-requests"] == "2"
+    assert headers["x-ratelimit-remaining-requests"] == "0"
+
+
+def test_unknown_route_and_method_are_openai_json(dead_upstream_proxy):
+    harness, _ = dead_upstream_proxy
+    response = httpx.get(harness.base_url + "/v1/nothing-here")
+    assert_openai_error(response, 404, "not_found")
+    response = httpx.get(harness.base_url + "/v1/chat/completions")
+    assert_openai_error(response, 405, "method_not_allowed")
+
+
+def test_health_ready_models_metrics(proxy, dead_upstream_proxy):
+    harness, _ = proxy
+    assert httpx.get(harness.base_url + "/healthz").json() == {"status": "ok"}
+    ready = httpx.get(harness.base_url + "/readyz")
+    assert ready.status_code == 200 and ready.json()["ready"] is True
+    api = openai.OpenAI(base_url=harness.base_url + "/v1", api_key=KEYS["bob"], max_retries=0)
+    assert sorted(m.id for m in api.models.list()) == ["base", "policy"]
+    api.chat.completions.create(model="policy", messages=PROMPT, max_tokens=2)
+    text = httpx.get(harness.base_url + "/metrics").text
+    assert (
+        'olp_proxy_requests_total{endpoint="chat.completions",policy_version="base",'
+        'status="200",stream="false",tenant="bob"} 1.0' in text
+    )
+    assert 'olp_proxy_tokens_total{direction="out",policy_version="base",tenant="bob"} 2.0' in text
+    assert "olp_proxy_request_seconds_bucket" in text and "olp_proxy_in_flight" in text
+    assert KEYS["bob"] not in text
+    dead, _ = dead_upstream_proxy
+    not_ready = httpx.get(dead.base_url + "/readyz")
+    assert not_ready.status_code == 503 and not_ready.json()["ready"] is False
+
+
+def test_failed_replica_is_retried_on_another(make_proxy, vllm_server):
+    dead = f"http://127.0.0.1:{free_port()}"
+    harness, _ = make_proxy([dead, vllm_server.base_url])
+    api = openai.OpenAI(base_url=harness.base_url + "/v1", api_key=KEYS["bob"], max_retries=0)
+    for session in ("s1", "s2", "s3", "s4"):
+        reply = api.chat.completions.create(
+            model="policy", messages=PROMPT, max_tokens=2, extra_headers={"X-Session-Id": session}
+        )
+        assert reply.choices[0].message.content
+    dead_replica = next(r for r in harness.ctx.pool.replicas if r.url == dead)
+    assert dead_replica.failures >= 1

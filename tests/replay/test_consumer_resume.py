@@ -1,0 +1,156 @@
+"""Exactly-once resumption and the feedback join, on the real broker.
+
+The consumer's clock is injected so windows open and close at chosen moments; everything
+else (producer, broker, consumer) is real.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from replay.config import StreamConfig
+from replay.consumer import ScoredTrajectory, TrajectoryConsumer
+from replay.producer import KafkaSink
+from replay.synthetic import make_feedback, make_trajectory
+from tests.replay.conftest import consume_until
+
+
+class FakeClock:
+    def __init__(self, now: float) -> None:
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def _drain(consumer: TrajectoryConsumer, rounds: int = 10) -> list[ScoredTrajectory]:
+    """Poll until the consumer is caught up and a few polls in a row brought nothing."""
+    out: list[ScoredTrajectory] = []
+    quiet = 0
+    while quiet < rounds:
+        batch = consumer.poll(0.2)
+        out.extend(batch)
+        quiet = quiet + 1 if not batch and consumer.caught_up() else 0
+    return out
+
+
+def _produce(config: StreamConfig, state_dir: Path, trajectories: list, feedback: list) -> None:
+    sink = KafkaSink(config, state_dir)
+    for record in trajectories:
+        sink.put_trajectory(record)
+    for event in feedback:
+        sink.put_feedback(event)
+    assert sink.wait_idle(30)
+    sink.close()
+
+
+def test_killed_before_checkpoint_resumes_with_nothing_twice_or_skipped(
+    stream_config: StreamConfig, tmp_path: Path
+) -> None:
+    t0 = 1_700_000_000.0
+    config = stream_config.model_copy(update={"join_window_s": 5.0, "join_grace_s": 0.0})
+    trajectories = [make_trajectory(session_id=f"s{i % 7}", created_at=t0 + i) for i in range(100)]
+    feedback = [
+        make_feedback(t, kind="score", value=float(i), created_at=t0 + i + 1.0)
+        for i, t in enumerate(trajectories)
+    ]
+    _produce(config, tmp_path, trajectories, feedback)
+
+    clock = FakeClock(t0 + 50)
+    first = TrajectoryConsumer(config, clock=clock)
+    trained_and_checkpointed = _drain(first)
+    checkpoint = first.processed_offsets()
+    assert 0 < len(trained_and_checkpointed) < 50
+    assert first.waiting() > 0  # windows still open, their feedback already attached
+    clock.now = t0 + 80
+    trained_then_crashed = _drain(first)  # a training step whose checkpoint never lands
+    assert trained_then_crashed
+    first.close()
+
+    # The checkpoint survives a JSON round trip (partition keys become strings).
+    import json
+
+    restored = json.loads(json.dumps(checkpoint))
+    second = TrajectoryConsumer(config, restored, clock=FakeClock(t0 + 1_000))
+    resumed = _drain(second)
+    assert second.stats.late_feedback == 0
+    second.close()
+
+    ids = [s.trajectory["trajectory_id"] for s in trained_and_checkpointed + resumed]
+    assert len(ids) == len(set(ids)) == 100
+    crashed_ids = {s.trajectory["trajectory_id"] for s in trained_then_crashed}
+    assert crashed_ids <= {s.trajectory["trajectory_id"] for s in resumed}
+    for scored in trained_and_checkpointed + resumed:
+        assert [f["trajectory_id"] for f in scored.feedback] == [scored.trajectory["trajectory_id"]]
+
+
+def test_retried_duplicates_after_the_resume_point_are_dropped(
+    stream_config: StreamConfig, tmp_path: Path
+) -> None:
+    trajectories = [make_trajectory(session_id="one-session") for _ in range(20)]
+    _produce(stream_config, tmp_path, trajectories, [])
+    first = TrajectoryConsumer(stream_config)
+    yielded = consume_until(first, lambda got: len(got) >= 20)
+    checkpoint = first.processed_offsets()
+    first.close()
+    # A producer retry delivers copies (same event ids) of records already trained on.
+    _produce(stream_config, tmp_path, trajectories[:5], [])
+    fresh = [make_trajectory(session_id="one-session") for _ in range(3)]
+    _produce(stream_config, tmp_path, fresh, [])
+
+    second = TrajectoryConsumer(stream_config, checkpoint)
+    resumed = consume_until(second, lambda got: len(got) >= 3)
+    assert second.poll(0.5) == []
+    assert second.stats.duplicates == 5
+    second.close()
+    assert len(yielded) == 20
+    assert [s.trajectory for s in resumed] == fresh
+
+
+def test_feedback_joins_by_trajectory_id_and_late_feedback_is_counted(
+    stream_config: StreamConfig, tmp_path: Path
+) -> None:
+    t0 = 1_700_000_000.0
+    config = stream_config.model_copy(
+        update={"join_window_s": 10.0, "join_grace_s": 1.0, "orphan_feedback_ttl_s": 60.0}
+    )
+    a = make_trajectory(session_id="sa", created_at=t0)
+    b = make_trajectory(session_id="sb", created_at=t0 + 1)
+    early = make_feedback(a, kind="accept", created_at=t0 + 2)
+    before_its_trajectory = make_feedback(b, kind="thumbs_up", created_at=t0 + 3)
+    after_window = make_feedback(a, kind="reject", created_at=t0 + 30)
+    orphan = make_feedback(make_trajectory(session_id="sc"), kind="edit_kept", created_at=t0)
+    # Feedback for b reaches the broker before b itself.
+    _produce(config, tmp_path, [], [before_its_trajectory, orphan])
+    _produce(config, tmp_path, [a, b], [early, after_window])
+
+    clock = FakeClock(t0 + 5)
+    consumer = TrajectoryConsumer(config, clock=clock)
+    assert _drain(consumer, rounds=5) == []  # windows still open
+    assert consumer.waiting() == 2
+    clock.now = t0 + 11.5  # a's window (10 s + 1 s grace) closed, b's not yet
+    scored = _drain(consumer, rounds=5)
+    assert [s.trajectory["trajectory_id"] for s in scored] == [a["trajectory_id"]]
+    assert scored[0].feedback == [early]
+    assert consumer.stats.late_feedback == 1  # after_window: stamped 30 s after a
+    clock.now = t0 + 13
+    scored = _drain(consumer, rounds=5)
+    assert [s.trajectory for s in scored] == [b]
+    assert scored[0].feedback == [before_its_trajectory]
+
+    # Feedback that arrives after its trajectory was yielded is late too.
+    _produce(config, tmp_path, [], [make_feedback(b, kind="score", value=1.0, created_at=t0 + 5)])
+    assert _drain(consumer, rounds=5) == []
+    assert consumer.stats.late_feedback == 2
+
+    # The orphan holds its offset until it expires, so a restart would still see it.
+    offsets = consumer.processed_offsets()
+    orphan_partition = {
+        p for p, off in offsets[f"{config.topic_prefix}.feedback"].items() if off == 0
+    }
+    assert orphan_partition
+    clock.now = t0 + 100
+    assert _drain(consumer, rounds=5) == []
+    assert consumer.stats.orphaned_feedback == 1
+    assert consumer.waiting() == 0
+    consumer.close()

@@ -187,7 +187,6 @@ class AuditLog:
             self._write_head(record)
             if self.path.stat().st_size >= self.rotate_bytes:
                 self._rotate()
-        log.info("audit_appended", seq=record["seq"], audit_event=event, actor=actor)
         return record
 
     def iter_records(self) -> Iterator[dict]:

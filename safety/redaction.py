@@ -52,11 +52,14 @@ class _Kind:
     name: str
     regex: str
     validate: Callable[[str], bool] | None = None
+    # The pattern is only run when one of these substrings occurs (cheap `in` checks).
+    needles: tuple[str, ...] = ()
 
 
-# Order matters: at one position the first alternative that matches wins, so the more
-# specific formats come before the generic ones (anthropic before openai, jwt before bearer,
-# credit cards before phone numbers).
+# Passes run in this order, each on the output of the previous one, so the more specific
+# formats claim a span before the generic ones (anthropic before openai, jwt before bearer,
+# credit cards before phone numbers); a `[REDACTED:...]` marker matches no later pattern.
+_DIGITS = tuple("0123456789")
 _BUILTIN: dict[str, _Kind] = {
     k.name: k
     for k in (
@@ -64,25 +67,55 @@ _BUILTIN: dict[str, _Kind] = {
             "private_key",
             r"-----BEGIN (?:[A-Z0-9]+ )*PRIVATE KEY(?: BLOCK)?-----"
             r"[\s\S]*?-----END (?:[A-Z0-9]+ )*PRIVATE KEY(?: BLOCK)?-----",
+            needles=("PRIVATE KEY",),
         ),
-        _Kind("jwt", r"\beyJ[A-Za-z0-9_-]{5,}\.eyJ[A-Za-z0-9_-]{5,}\.[A-Za-z0-9_-]{8,}"),
-        _Kind("anthropic_key", r"\bsk-ant-[A-Za-z0-9]{2,10}-[A-Za-z0-9_-]{20,}"),
-        _Kind("openai_key", r"\bsk-(?:proj-|svcacct-|admin-|None-)?[A-Za-z0-9_-]{20,}"),
-        _Kind("aws_access_key", r"\b(?:AKIA|ASIA|ABIA|ACCA|AROA|AIDA)[0-9A-Z]{16}\b"),
+        _Kind(
+            "jwt",
+            r"\beyJ[A-Za-z0-9_-]{5,}\.eyJ[A-Za-z0-9_-]{5,}\.[A-Za-z0-9_-]{8,}",
+            needles=("eyJ",),
+        ),
+        _Kind(
+            "anthropic_key", r"\bsk-ant-[A-Za-z0-9]{2,10}-[A-Za-z0-9_-]{20,}", needles=("sk-ant-",)
+        ),
+        _Kind(
+            "openai_key",
+            r"\bsk-(?:proj-|svcacct-|admin-|None-)?[A-Za-z0-9_-]{20,}",
+            needles=("sk-",),
+        ),
+        _Kind(
+            "aws_access_key",
+            r"\b(?:AKIA|ASIA|ABIA|ACCA|AROA|AIDA)[0-9A-Z]{16}\b",
+            needles=("AKIA", "ASIA", "ABIA", "ACCA", "AROA", "AIDA"),
+        ),
         _Kind(
             "github_token",
             r"\b(?:(?:ghp|gho|ghu|ghs|ghr)_[A-Za-z0-9]{36,}|github_pat_[A-Za-z0-9_]{40,})\b",
+            needles=("ghp_", "gho_", "ghu_", "ghs_", "ghr_", "github_pat_"),
         ),
-        _Kind("slack_token", r"\bxox[abposre]-[A-Za-z0-9-]{10,}"),
-        _Kind("google_api_key", r"\bAIza[0-9A-Za-z_-]{35}"),
-        _Kind("bearer_token", r"\b[Bb]earer[ \t]+[A-Za-z0-9._~+/-]{16,}=*"),
-        _Kind("email", r"\b[A-Za-z0-9._%+-]+@[A-Za-z0-9-]+(?:\.[A-Za-z0-9-]+)*\.[A-Za-z]{2,}\b"),
-        _Kind("credit_card", r"(?<![\d.])\d(?:[ -]?\d){12,18}(?!\d|\.\d)", _credit_card_ok),
+        _Kind("slack_token", r"\bxox[abposre]-[A-Za-z0-9-]{10,}", needles=("xox",)),
+        _Kind("google_api_key", r"\bAIza[0-9A-Za-z_-]{35}", needles=("AIza",)),
+        _Kind(
+            "bearer_token",
+            r"\b[Bb]earer[ \t]+[A-Za-z0-9._~+/-]{16,}=*",
+            needles=("earer",),
+        ),
+        _Kind(
+            "email",
+            r"\b[A-Za-z0-9._%+-]+@[A-Za-z0-9-]+(?:\.[A-Za-z0-9-]+)*\.[A-Za-z]{2,}\b",
+            needles=("@",),
+        ),
+        _Kind(
+            "credit_card",
+            r"(?<![\d.])\d(?:[ -]?\d){12,18}(?!\d|\.\d)",
+            _credit_card_ok,
+            needles=_DIGITS,
+        ),
         _Kind(
             "phone",
             r"(?<![\w+.])(?:\+\d{1,3}[ .-]?(?:\(\d{1,4}\)[ .-]?)?\d{1,4}(?:[ .-]?\d{2,4}){1,4}"
             r"|\(\d{3}\)[ .-]?\d{3}[ .-]\d{4}|\d{3}[.-]\d{3}[.-]\d{4})(?!\w|\.\d)",
             _phone_ok,
+            needles=_DIGITS,
         ),
     )
 }
@@ -111,13 +144,7 @@ class Redactor:
         selected = [_Kind(p.name, p.regex) for p in custom_patterns]
         selected += [kind for name, kind in _BUILTIN.items() if name in kinds]
         self.kinds: tuple[str, ...] = tuple(k.name for k in selected)
-        self._group_kind: dict[str, _Kind] = {}
-        parts = []
-        for index, kind in enumerate(selected):
-            group = f"k{index}"
-            self._group_kind[group] = kind
-            parts.append(f"(?P<{group}>{kind.regex})")
-        self._pattern = re.compile("|".join(parts)) if parts else None
+        self._passes = [(kind, re.compile(kind.regex)) for kind in selected]
 
     @classmethod
     def from_config(cls, config: RedactionConfig) -> Redactor:
@@ -125,20 +152,25 @@ class Redactor:
 
     def redact_text(self, text: str) -> tuple[str, RedactionCounts]:
         """Return the redacted text and how many matches of each kind were replaced."""
-        if not self.enabled or self._pattern is None or len(text) < 6:
+        if not self.enabled or len(text) < 6:
             return text, {}
-        counts: Counter[str] = Counter()
+        counts: dict[str, int] = {}
+        for kind, pattern in self._passes:
+            if kind.needles and not any(needle in text for needle in kind.needles):
+                continue
+            text = pattern.sub(self._replacer(kind, counts), text)
+        return text, counts
 
+    @staticmethod
+    def _replacer(kind: _Kind, counts: dict[str, int]) -> Callable[[re.Match[str]], str]:
         def replace(match: re.Match[str]) -> str:
-            kind = self._group_kind[match.lastgroup or ""]
             found = match.group()
             if kind.validate is not None and not kind.validate(found):
                 return found
-            counts[kind.name] += 1
+            counts[kind.name] = counts.get(kind.name, 0) + 1
             return replacement_for(kind.name)
 
-        redacted = self._pattern.sub(replace, text)
-        return redacted, dict(counts)
+        return replace
 
     def redact_obj(self, obj: Any) -> tuple[Any, RedactionCounts]:
         """Deep-copy a JSON-like structure with every string value redacted (keys are kept)."""
@@ -154,6 +186,12 @@ class Redactor:
         if isinstance(obj, Mapping):
             return {key: self._walk(value, counts) for key, value in obj.items()}
         if isinstance(obj, list | tuple):
+            if (
+                obj
+                and not isinstance(obj[0], str | Mapping | list | tuple)
+                and all(isinstance(value, int | float | bool) or value is None for value in obj)
+            ):
+                return list(obj)  # token ids, logprobs: nothing to redact
             return [self._walk(value, counts) for value in obj]
         return obj
 

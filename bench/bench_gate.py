@@ -1,0 +1,253 @@
+"""Benchmark of the safety layer: gate suite wall time per candidate, redaction throughput,
+audit append latency, each printed side by side with a baseline run in the same process.
+
+    python bench/bench_gate.py [--vllm-url URL] [--runs N] [--skip-gates] [--out FILE]
+
+The gate part needs a running vLLM server with runtime LoRA loading (OLP_BENCH_VLLM_URL or
+--vllm-url, no /v1 suffix) and writes two fresh adapters (near-zero and random) to a
+temporary folder; it loads them under unique names and unloads them at the end.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+import uuid
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from safety.audit import AuditLog
+from safety.config import GatesConfig
+from safety.gates import suite as suite_module
+from safety.gates.client import VllmClient
+from safety.redaction import Redactor
+
+
+def percentiles(samples: list[float]) -> dict[str, float]:
+    ordered = sorted(samples)
+
+    def pick(q: float) -> float:
+        return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
+
+    return {"p50": statistics.median(ordered), "p90": pick(0.9), "p99": pick(0.99)}
+
+
+def time_calls(fn: Callable[[], Any], repeat: int) -> list[float]:
+    samples = []
+    for _ in range(repeat):
+        start = time.perf_counter()
+        fn()
+        samples.append(time.perf_counter() - start)
+    return samples
+
+
+def trajectory_like_record() -> dict[str, Any]:
+    """A captured chat request of ~2 KB text with a little PII, plus 300 token ids."""
+    code = "def load(path):\n    with open(path) as fh:\n        return json.load(fh)\n" * 12
+    return {
+        "request": {
+            "messages": [
+                {"role": "system", "content": "You are a coding assistant."},
+                {
+                    "role": "user",
+                    "content": f"Fix this, and mail the result to dev@example.com:\n{code}",
+                },
+            ],
+            "tools": [{"type": "function", "function": {"name": "run", "parameters": {}}}],
+            "metadata": {"repo": "acme/app", "ticket": "call +1 415 555 0100"},
+        },
+        "choices": [
+            {
+                "message": {"role": "assistant", "content": "Here is the fix:\n" + code},
+                "token_ids": list(range(300)),
+                "logprobs": [-0.5] * 300,
+            }
+        ],
+    }
+
+
+def bench_redaction(rounds: int) -> list[str]:
+    redactor = Redactor()
+    record = trajectory_like_record()
+    chars = len(json.dumps(record))
+    redacted = time_calls(lambda: redactor.redact_obj(record), rounds)
+    baseline = time_calls(lambda: json.dumps(record), rounds)
+    clean_text = Path(__file__).read_text() * 20
+    text_times = time_calls(lambda: redactor.redact_text(clean_text), max(5, rounds // 100))
+    r, b = percentiles(redacted), percentiles(baseline)
+    mb_s = len(clean_text) / statistics.median(text_times) / 1e6
+    return [
+        "| redaction | p50 | p90 | p99 | baseline json.dumps p50 | ratio |",
+        "|---|---|---|---|---|---|",
+        f"| redact_obj, trajectory-like record ({chars} chars JSON) | {r['p50'] * 1e6:.0f} µs "
+        f"| {r['p90'] * 1e6:.0f} µs | {r['p99'] * 1e6:.0f} µs | {b['p50'] * 1e6:.0f} µs "
+        f"| {r['p50'] / b['p50']:.1f}x |",
+        f"| redact_text on clean source code ({len(clean_text) // 1000} KB) | "
+        f"{mb_s:.1f} MB/s | | | | |",
+    ]
+
+
+def bench_audit(rounds: int) -> list[str]:
+    with tempfile.TemporaryDirectory() as tmp:
+        audit = AuditLog(Path(tmp) / "audit.jsonl")
+        payload = {"candidate": "policy-v7", "passed": True, "metrics": {"kl": 0.01}}
+        appended = time_calls(lambda: audit.append("bench", "gate_result", payload), rounds)
+        line = (json.dumps(payload) + "\n").encode()
+        fd = os.open(Path(tmp) / "plain.jsonl", os.O_WRONLY | os.O_APPEND | os.O_CREAT)
+
+        def plain() -> None:
+            os.write(fd, line)
+            os.fsync(fd)
+
+        baseline = time_calls(plain, rounds)
+        os.close(fd)
+    a, b = percentiles(appended), percentiles(baseline)
+    return [
+        "| audit append (fsync) | p50 | p90 | p99 | baseline write+fsync p50 | ratio |",
+        "|---|---|---|---|---|---|",
+        f"| AuditLog.append | {a['p50'] * 1e3:.2f} ms | {a['p90'] * 1e3:.2f} ms "
+        f"| {a['p99'] * 1e3:.2f} ms | {b['p50'] * 1e3:.2f} ms | {a['p50'] / b['p50']:.1f}x |",
+    ]
+
+
+class RecordingClient(VllmClient):
+    """Remembers every request the suite sends so the bare replay sends the same ones."""
+
+    sent: list[tuple[str, dict[str, Any]]] = []
+
+    async def post(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
+        RecordingClient.sent.append((path, body))
+        return await super().post(path, body)
+
+
+async def bare_replay(url: str, requests: list[tuple[str, dict[str, Any]]], limit: int) -> float:
+    client = VllmClient(url, max_concurrency=limit)
+    start = time.perf_counter()
+    try:
+        await asyncio.gather(*[client.post(path, body) for path, body in requests])
+    finally:
+        await client.aclose()
+    return time.perf_counter() - start
+
+
+def make_adapter(base_model: Any, path: Path, seed: int, scale: float) -> Path:
+    import torch
+    from peft import LoraConfig, get_peft_model
+
+    torch.manual_seed(seed)
+    config = LoraConfig(
+        r=8,
+        lora_alpha=16,
+        target_modules=["q_proj", "k_proj", "v_proj", "o_proj"],
+        init_lora_weights=False,
+        task_type="CAUSAL_LM",
+    )
+    model = get_peft_model(base_model, config)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "lora_B" in name:
+                param.mul_(scale)
+    model.save_pretrained(path)
+    model.unload()
+    return path
+
+
+async def bench_gates(url: str, runs: int) -> list[str]:
+    import aiohttp
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from deploy.model_prep import prepare_model
+
+    base_model = AutoModelForCausalLM.from_pretrained(prepare_model().path, dtype=torch.float32)
+    config = GatesConfig()
+    suite_module.VllmClient = RecordingClient  # type: ignore[misc]
+    rows = [
+        "| candidate | verdict | suite p50 | suite min | suite max | requests "
+        "| bare replay of the same requests p50 | ratio |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    with tempfile.TemporaryDirectory() as tmp:
+        candidates = {
+            "near-zero adapter (scale 1e-4)": make_adapter(base_model, Path(tmp) / "a", 1, 1e-4),
+            "random adapter (scale 4)": make_adapter(base_model, Path(tmp) / "b", 2, 4.0),
+        }
+        async with aiohttp.ClientSession() as session:
+            names = {}
+            for label, path in candidates.items():
+                name = f"bench-gate-{uuid.uuid4().hex[:10]}"
+                async with session.post(
+                    f"{url}/v1/load_lora_adapter", json={"lora_name": name, "lora_path": str(path)}
+                ) as response:
+                    response.raise_for_status()
+                names[label] = name
+            try:
+                for label, name in names.items():
+                    suite_times, replay_times, verdict, count = [], [], "", 0
+                    for _ in range(runs):
+                        RecordingClient.sent = []
+                        start = time.perf_counter()
+                        report = await suite_module.run_gate_suite(
+                            config, base_url=url, candidate=name, incumbent="base", base="base"
+                        )
+                        suite_times.append(time.perf_counter() - start)
+                        verdict = (
+                            "pass" if report.passed else "fail: " + ",".join(report.failed_gates)
+                        )
+                        requests = list(RecordingClient.sent)
+                        count = len(requests)
+                        replay_times.append(
+                            await bare_replay(url, requests, config.sampling.max_concurrency)
+                        )
+                    s, r = statistics.median(suite_times), statistics.median(replay_times)
+                    rows.append(
+                        f"| {label} | {verdict} | {s:.1f} s | {min(suite_times):.1f} s "
+                        f"| {max(suite_times):.1f} s | {count} | {r:.1f} s | {s / r:.2f}x |"
+                    )
+                    print(rows[-1], flush=True)
+            finally:
+                for name in names.values():
+                    async with session.post(
+                        f"{url}/v1/unload_lora_adapter", json={"lora_name": name}
+                    ) as response:
+                        response.raise_for_status()
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument(
+        "--vllm-url", default=os.environ.get("OLP_BENCH_VLLM_URL", "http://127.0.0.1:8100")
+    )
+    parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--rounds", type=int, default=2000)
+    parser.add_argument("--skip-gates", action="store_true")
+    parser.add_argument("--out", type=Path, help="also write the tables (markdown) here")
+    args = parser.parse_args()
+    sections = [
+        "## Redaction",
+        *bench_redaction(args.rounds),
+        "",
+        "## Audit log",
+        *bench_audit(max(50, args.rounds // 10)),
+    ]
+    print("\n".join(sections), flush=True)
+    if not args.skip_gates:
+        rows = asyncio.run(bench_gates(args.vllm_url, args.runs))
+        sections += ["", "## Gate suite (default config, incumbent = base)", *rows]
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text("\n".join(sections) + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -22,9 +22,11 @@ def sha256_hex(text: str) -> str:
 
 def _hash_plaintext_key(data: Any, plain_field: str, hashed_field: str) -> Any:
     """Replace a plaintext key field by its sha256 so the plaintext is never kept."""
-    if isinstance(data, dict) and data.get(plain_field) is not None:
+    if isinstance(data, dict) and plain_field in data:
         data = dict(data)
         plain = data.pop(plain_field)
+        if plain is None:
+            return data
         if not isinstance(plain, str) or not plain:
             raise ValueError(f"{plain_field} must be a non-empty string")
         if data.get(hashed_field) not in (None, sha256_hex(plain)):

@@ -1,0 +1,423 @@
+"""Added latency and CPU cost of the olp proxy, side by side with its peers, in one run.
+
+Against a fast local OpenAI-shaped fake upstream (aiohttp, this file), the same load goes
+  direct        client → fake upstream
+  passthrough   client → thinnest aiohttp relay (bytes in, bytes out) → fake upstream
+  olp-off       client → olp proxy, tenant without training (byte relay + auth/limits/metrics)
+  olp-on        client → olp proxy, tenant with training (capture, checks, redaction, sink)
+  litellm       client → LiteLLM proxy, one worker (installed in a separate venv; optional)
+at concurrency 1 and 16, streamed and not. Prints p50/p99 latency, requests/s and the
+relay's CPU ms per request (from /proc), and writes docs/perf/proxy.md.
+
+    python bench/bench_proxy.py [--requests 400] [--litellm PATH_TO_LITELLM_BIN] [--out FILE]
+
+Each component runs in its own process (`python bench/bench_proxy.py serve-<kind> ...`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+from aiohttp import web
+
+ROOT = Path(__file__).resolve().parent.parent
+STREAM_TOKENS = 16
+PROMPT_IDS = list(range(1, 33))
+
+
+# ------------------------------------------------------------------ fake upstream
+def _fake_logprobs(chat: bool, n: int) -> dict[str, Any]:
+    if chat:
+        return {"content": [{"token": "x", "logprob": -0.5, "bytes": [120], "top_logprobs": []}
+                            for _ in range(n)]}
+    return {"text_offset": list(range(n)), "token_logprobs": [-0.5] * n, "tokens": ["x"] * n,
+            "top_logprobs": [{"x": -0.5}] * n}
+
+
+async def fake_chat(request: web.Request) -> web.StreamResponse:
+    """An OpenAI/vLLM-shaped answer of STREAM_TOKENS tokens, honouring the vLLM extras."""
+    body = await request.json()
+    want_ids = bool(body.get("return_token_ids"))
+    want_lp = bool(body.get("logprobs"))
+    usage = {"prompt_tokens": len(PROMPT_IDS), "completion_tokens": STREAM_TOKENS,
+             "total_tokens": len(PROMPT_IDS) + STREAM_TOKENS}
+    base = {"id": "chatcmpl-bench", "created": 1, "model": body["model"]}
+    if not body.get("stream"):
+        payload = {
+            **base, "object": "chat.completion",
+            "choices": [{"index": 0, "message": {"role": "assistant", "content": "x" * 16},
+                         "logprobs": _fake_logprobs(True, STREAM_TOKENS) if want_lp else None,
+                         "finish_reason": "length",
+                         "token_ids": list(range(100, 100 + STREAM_TOKENS)) if want_ids else None}],
+            "usage": usage, "prompt_token_ids": PROMPT_IDS if want_ids else None,
+        }
+        return web.json_response(payload)
+    response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+    await response.prepare(request)
+
+    def event(obj: dict[str, Any]) -> bytes:
+        return b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n"
+
+    first = {**base, "object": "chat.completion.chunk", "choices": [{
+        "index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+        "finish_reason": None}], "prompt_token_ids": PROMPT_IDS if want_ids else None}
+    await response.write(event(first))
+    for i in range(STREAM_TOKENS):
+        last = i == STREAM_TOKENS - 1
+        chunk = {**base, "object": "chat.completion.chunk", "choices": [{
+            "index": 0, "delta": {"content": "x"},
+            "logprobs": _fake_logprobs(True, 1) if want_lp else None,
+            "finish_reason": "length" if last else None,
+            "token_ids": [100 + i] if want_ids else None}]}
+        await response.write(event(chunk))
+    if (body.get("stream_options") or {}).get("include_usage"):
+        await response.write(event({**base, "object": "chat.completion.chunk", "choices": [],
+                                    "usage": usage}))
+    await response.write(b"data: [DONE]\n\n")
+    await response.write_eof()
+    return response
+
+
+async def fake_models(request: web.Request) -> web.Response:
+    return web.json_response({"object": "list", "data": [{"id": "base", "object": "model"}]})
+
+
+def serve_fake_upstream(port: int) -> None:
+    app = web.Application()
+    app.router.add_post("/v1/chat/completions", fake_chat)
+    app.router.add_get("/v1/models", fake_models)
+    web.run_app(app, host="127.0.0.1", port=port, access_log=None, print=None)
+
+
+# ------------------------------------------------------------------ thinnest pass-through
+def serve_passthrough(port: int, upstream: str) -> None:
+    """The floor of any aiohttp gateway: read the body, POST it on, stream the bytes back."""
+
+    async def start(app: web.Application) -> None:
+        app["session"] = aiohttp.ClientSession(
+            connector=aiohttp.TCPConnector(limit=256), auto_decompress=False
+        )
+
+    async def stop(app: web.Application) -> None:
+        await app["session"].close()
+
+    async def relay(request: web.Request) -> web.StreamResponse:
+        body = await request.read()
+        async with request.app["session"].post(
+            upstream + request.path, data=body, headers={"Content-Type": "application/json"}
+        ) as up:
+            response = web.StreamResponse(status=up.status,
+                                          headers={"Content-Type": up.content_type})
+            await response.prepare(request)
+            async for data in up.content.iter_any():
+                await response.write(data)
+            await response.write_eof()
+            return response
+
+    app = web.Application()
+    app.on_startup.append(start)
+    app.on_cleanup.append(stop)
+    app.router.add_post("/v1/chat/completions", relay)
+    web.run_app(app, host="127.0.0.1", port=port, access_log=None, print=None)
+
+
+# ------------------------------------------------------------------ olp
+def serve_olp(port: int, upstream: str, state_dir: Path) -> None:
+    sys.path.insert(0, str(ROOT))
+    import structlog
+
+    from proxy.config import ProxyConfig, TenantConfig
+    from proxy.server import serve_proxy
+
+    structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(30))
+    config = ProxyConfig(port=port, upstreams=[upstream], sink="jsonl",
+                         base_model_aliases=["base"])
+    tenants = [
+        TenantConfig(name="on", api_key="key-on", training_enabled=True,
+                     requests_per_minute=0, max_concurrent=0),
+        TenantConfig(name="off", api_key="key-off", training_enabled=False,
+                     requests_per_minute=0, max_concurrent=0),
+    ]
+    asyncio.run(serve_proxy(config, tenants, state_dir))
+
+
+# ------------------------------------------------------------------ load and measurement
+@dataclass
+class Target:
+    name: str
+    url: str
+    key: str
+    model: str
+    proc: subprocess.Popen | None
+
+
+def cpu_seconds(pid: int) -> float:
+    """utime+stime of a process and all its descendants."""
+    ticks = os.sysconf("SC_CLK_TCK")
+    children: dict[int, list[int]] = {}
+    stats: dict[int, float] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            raw = Path(f"/proc/{entry}/stat").read_text()
+        except OSError:
+            continue
+        fields = raw[raw.rindex(")") + 2:].split()
+        children.setdefault(int(fields[1]), []).append(int(entry))
+        stats[int(entry)] = (int(fields[11]) + int(fields[12])) / ticks
+    total, todo = 0.0, [pid]
+    while todo:
+        current = todo.pop()
+        total += stats.get(current, 0.0)
+        todo.extend(children.get(current, []))
+    return total
+
+
+async def one_request(session: aiohttp.ClientSession, target: Target, stream: bool) -> float:
+    body = {"model": target.model, "messages": [{"role": "user", "content": "hi"}],
+            "max_tokens": STREAM_TOKENS, "stream": stream}
+    started = time.perf_counter()
+    async with session.post(target.url + "/v1/chat/completions", json=body,
+                            headers={"Authorization": f"Bearer {target.key}"}) as response:
+        data = await response.read()
+        if response.status != 200:
+            raise RuntimeError(f"{target.name}: HTTP {response.status}: {data[:300]!r}")
+        if stream and not data.rstrip().endswith(b"data: [DONE]"):
+            raise RuntimeError(f"{target.name}: stream did not end with [DONE]")
+    return time.perf_counter() - started
+
+
+async def run_load(target: Target, stream: bool, concurrency: int, requests: int) -> dict:
+    connector = aiohttp.TCPConnector(limit=concurrency)
+    async with aiohttp.ClientSession(connector=connector) as session:
+        for _ in range(20):
+            await one_request(session, target, stream)
+        latencies: list[float] = []
+        queue = iter(range(requests))
+
+        async def worker() -> None:
+            for _ in queue:
+                latencies.append(await one_request(session, target, stream))
+
+        cpu_before = cpu_seconds(target.proc.pid) if target.proc else 0.0
+        started = time.perf_counter()
+        await asyncio.gather(*(worker() for _ in range(concurrency)))
+        elapsed = time.perf_counter() - started
+        cpu_after = cpu_seconds(target.proc.pid) if target.proc else 0.0
+    latencies.sort()
+    return {
+        "p50_ms": statistics.median(latencies) * 1000,
+        "p99_ms": latencies[min(len(latencies) - 1, int(len(latencies) * 0.99))] * 1000,
+        "rps": requests / elapsed,
+        "cpu_ms": (cpu_after - cpu_before) * 1000 / requests if target.proc else None,
+    }
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def wait_ready(url: str, proc: subprocess.Popen, timeout_s: float = 120.0) -> None:
+    import urllib.request
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{url}: process exited with {proc.returncode}")
+        try:
+            with urllib.request.urlopen(url, timeout=1):
+                return
+        except OSError:
+            time.sleep(0.2)
+    raise RuntimeError(f"{url} not ready after {timeout_s} s")
+
+
+def spawn(args: list[str], log: Path, env: dict[str, str] | None = None) -> subprocess.Popen:
+    handle = open(log, "wb")  # noqa: SIM115 - lives as long as the child
+    return subprocess.Popen(args, stdout=handle, stderr=subprocess.STDOUT,
+                            env={**os.environ, **(env or {})})
+
+
+def start_litellm(binary: str, upstream: str, workdir: Path) -> Target:
+    port = free_port()
+    config = workdir / "litellm.yaml"
+    config.write_text(
+        "model_list:\n"
+        "  - model_name: base\n"
+        "    litellm_params:\n"
+        "      model: openai/base\n"
+        f"      api_base: {upstream}/v1\n"
+        "      api_key: unused\n"
+        "general_settings:\n"
+        "  master_key: sk-bench\n"
+        "litellm_settings:\n"
+        "  drop_params: true\n"
+    )
+    proc = spawn([binary, "--config", str(config), "--port", str(port), "--host", "127.0.0.1",
+                  "--num_workers", "1"], workdir / "litellm.log",
+                 env={"LITELLM_LOG": "ERROR", "DISABLE_SCHEMA_UPDATE": "true"})
+    wait_ready(f"http://127.0.0.1:{port}/health/liveliness", proc, timeout_s=180)
+    return Target("litellm", f"http://127.0.0.1:{port}", "sk-bench", "base", proc)
+
+
+def ratio(a: float | None, b: float | None) -> str:
+    return "n/a" if a is None or b is None or b == 0 else f"{a / b:.2f}"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("mode", nargs="?", default="bench")
+    parser.add_argument("--port", type=int)
+    parser.add_argument("--upstream")
+    parser.add_argument("--state")
+    parser.add_argument("--requests", type=int, default=400)
+    parser.add_argument("--litellm", default=None, help="path of the litellm console script")
+    parser.add_argument("--out", default=str(ROOT / "docs" / "perf" / "proxy.md"))
+    args = parser.parse_args()
+    if args.mode == "serve-upstream":
+        return serve_fake_upstream(args.port)
+    if args.mode == "serve-passthrough":
+        return serve_passthrough(args.port, args.upstream)
+    if args.mode == "serve-olp":
+        return serve_olp(args.port, args.upstream, Path(args.state))
+    run_bench(args)
+
+
+def run_bench(args: argparse.Namespace) -> None:
+    workdir = Path(tempfile.mkdtemp(prefix="olp-bench-proxy-"))
+    me = [sys.executable, str(Path(__file__).resolve())]
+    procs: list[subprocess.Popen] = []
+    try:
+        up_port = free_port()
+        upstream_url = f"http://127.0.0.1:{up_port}"
+        upstream = spawn([*me, "serve-upstream", "--port", str(up_port)], workdir / "up.log")
+        procs.append(upstream)
+        wait_ready(upstream_url + "/v1/models", upstream)
+        pt_port = free_port()
+        passthrough = spawn([*me, "serve-passthrough", "--port", str(pt_port), "--upstream",
+                             upstream_url], workdir / "pt.log")
+        procs.append(passthrough)
+        olp_port = free_port()
+        olp = spawn([*me, "serve-olp", "--port", str(olp_port), "--upstream", upstream_url,
+                     "--state", str(workdir / "state")], workdir / "olp.log")
+        procs.append(olp)
+        wait_ready(f"http://127.0.0.1:{olp_port}/healthz", olp)
+        time.sleep(0.5)
+        targets = [
+            Target("direct", upstream_url, "unused", "base", None),
+            Target("passthrough", f"http://127.0.0.1:{pt_port}", "unused", "base", passthrough),
+            Target("olp-off", f"http://127.0.0.1:{olp_port}", "key-off", "base", olp),
+            Target("olp-on", f"http://127.0.0.1:{olp_port}", "key-on", "base", olp),
+        ]
+        litellm_note = ""
+        binary = args.litellm or shutil.which("litellm") or str(
+            Path.home() / ".cache/olp/bench-venvs/litellm/bin/litellm")
+        if Path(binary).exists():
+            try:
+                target = start_litellm(binary, upstream_url, workdir)
+                procs.append(target.proc)
+                targets.append(target)
+            except RuntimeError as exc:
+                litellm_note = f"LiteLLM did not start: {exc} (log {workdir}/litellm.log)"
+        else:
+            litellm_note = f"LiteLLM not installed at {binary}; its rows are missing."
+        if litellm_note:
+            print(litellm_note, file=sys.stderr)
+        results: dict[tuple[str, bool, int], dict] = {}
+        for stream in (False, True):
+            for concurrency in (1, 16):
+                for target in targets:
+                    count = args.requests if target.name != "litellm" else max(
+                        100, args.requests // 4)
+                    results[(target.name, stream, concurrency)] = asyncio.run(
+                        run_load(target, stream, concurrency, count))
+                    r = results[(target.name, stream, concurrency)]
+                    print(f"{target.name:12s} stream={stream!s:5s} c={concurrency:2d} "
+                          f"p50={r['p50_ms']:.2f}ms p99={r['p99_ms']:.2f}ms "
+                          f"rps={r['rps']:.0f} cpu/req={r['cpu_ms'] or 0:.2f}ms", flush=True)
+        records = workdir / "state" / "records" / "trajectories.jsonl"
+        captured = sum(1 for _ in records.open()) if records.exists() else 0
+        report = render(results, [t.name for t in targets], args.requests, captured,
+                        litellm_note)
+        print(report)
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(report)
+    finally:
+        for proc in procs:
+            proc.terminate()
+        for proc in procs:
+            try:
+                proc.wait(10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+        shutil.rmtree(workdir, ignore_errors=True)
+
+
+def render(results: dict, names: list[str], requests: int, captured: int, note: str) -> str:
+    lines = [
+        "## Proxy overhead (bench/bench_proxy.py)",
+        "",
+        f"Fake OpenAI-shaped upstream answering {STREAM_TOKENS} tokens at once (aiohttp, own "
+        f"process); {requests} requests per row after 20 warm-up requests; client, relay and "
+        "upstream share the machine's 2 cores, so absolute figures include contention. "
+        "`added` = p50 minus the direct p50 of the same row group. CPU = the relay "
+        f"process's user+system time per request. olp-on wrote {captured} trajectory records "
+        "(JsonlSink, schema-validated, redacted).",
+        "",
+        "| stream | conc | target | p50 ms | p99 ms | added p50 ms | req/s | CPU ms/req |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for stream in (False, True):
+        for concurrency in (1, 16):
+            direct = results[("direct", stream, concurrency)]["p50_ms"]
+            for name in names:
+                r = results[(name, stream, concurrency)]
+                cpu = "" if r["cpu_ms"] is None else f"{r['cpu_ms']:.2f}"
+                lines.append(
+                    f"| {stream} | {concurrency} | {name} | {r['p50_ms']:.2f} | "
+                    f"{r['p99_ms']:.2f} | {r['p50_ms'] - direct:.2f} | {r['rps']:.0f} | {cpu} |"
+                )
+    lines += ["", "Ratios against the targets of the proxy issue (same run):", ""]
+    for stream in (False, True):
+        for concurrency in (1, 16):
+            key = lambda n: results.get((n, stream, concurrency))  # noqa: E731
+            direct = key("direct")["p50_ms"]
+            added = {n: key(n)["p50_ms"] - direct for n in names}
+            on, off = key("olp-on"), key("olp-off")
+            parts = [
+                f"olp-off added p50 / pass-through's = "
+                f"{ratio(added['olp-off'], added['passthrough'])}",
+                f"olp-on / pass-through = {ratio(added['olp-on'], added['passthrough'])}",
+                f"capture CPU on/off = {ratio(on['cpu_ms'], off['cpu_ms'])}",
+            ]
+            if "litellm" in names:
+                parts += [
+                    f"olp-on added p50 / LiteLLM's = {ratio(added['olp-on'], added['litellm'])}",
+                    f"olp-on req/s / LiteLLM's = {ratio(on['rps'], key('litellm')['rps'])}",
+                ]
+            lines.append(f"- stream={stream}, c={concurrency}: " + "; ".join(parts))
+    if note:
+        lines += ["", note]
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    main()

@@ -32,6 +32,19 @@ def cmd_up(args: argparse.Namespace, cfg: OlpConfig) -> int:
     return run_up(cfg, args.config, with_learner=not args.no_learner)
 
 
+def cmd_proxy(args: argparse.Namespace, cfg: OlpConfig) -> int:
+    from proxy.server import run_proxy
+
+    proxy_cfg = cfg.proxy
+    if not proxy_cfg.upstreams:
+        # The proxy serves from the policy section's vLLM replicas unless told otherwise.
+        proxy_cfg = proxy_cfg.model_copy(update={"upstreams": cfg.policy.base_urls()})
+    if proxy_cfg.base_served_name != cfg.policy.served_model_name:
+        proxy_cfg = proxy_cfg.model_copy(update={"base_served_name": cfg.policy.served_model_name})
+    run_proxy(proxy_cfg, cfg.tenants, cfg.state_dir, stream=cfg.stream, safety=cfg.safety)
+    return 0
+
+
 def cmd_policy(args: argparse.Namespace, cfg: OlpConfig) -> int:
     import signal
     import threading
@@ -107,6 +120,9 @@ def build_parser() -> argparse.ArgumentParser:
     up = _with_config(sub.add_parser("up", help="run the whole stack in the foreground"))
     up.add_argument("--no-learner", action="store_true", help="serve only, do not train")
     up.set_defaults(handler=cmd_up)
+    _with_config(sub.add_parser("proxy", help="run the OpenAI-compatible proxy")).set_defaults(
+        handler=cmd_proxy
+    )
     _with_config(sub.add_parser("policy", help="run the vLLM policy server")).set_defaults(
         handler=cmd_policy
     )

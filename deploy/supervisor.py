@@ -27,6 +27,7 @@ from deploy.policy import check_external, start_policy
 from deploy.ports import port_open, split_host_port
 from deploy.procs import ChildProcess, wait_until
 from deploy.runtime import resolve_model_dir
+from proxy.config import sha256_hex
 
 log = structlog.get_logger(__name__)
 
@@ -235,12 +236,16 @@ class Stack:
             f"  operator page    {proxy_url}/admin/ui",
             f"  logs             {self.logs_dir}",
         ]
-        if any(t.name == "demo" for t in cfg.tenants):
-            lines.append(f"  API key of tenant 'demo' (dev default): {DEV_API_KEY}")
+        for tenant in cfg.tenants:
+            if tenant.api_key_sha256 == sha256_hex(DEV_API_KEY):
+                lines.append(f"  API key of tenant '{tenant.name}' (dev default): {DEV_API_KEY}")
+            state = "on" if tenant.training_enabled else "off"
             lines.append(
-                "  enable online training for it:  olp tenant demo --training on"
-                f"  (admin key, dev default: {DEV_ADMIN_KEY})"
+                f"  online training for tenant '{tenant.name}' is {state} in the config; "
+                f"switch it with: olp tenant {tenant.name} --training on|off"
             )
+        if cfg.proxy.admin_key_sha256 == sha256_hex(DEV_ADMIN_KEY):
+            lines.append(f"  admin key (dev default): {DEV_ADMIN_KEY}")
         lines.append("  stop with Ctrl-C")
         return "\n".join(lines)
 

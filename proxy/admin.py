@@ -136,7 +136,10 @@ async def set_alias(request: web.Request) -> web.Response:
     previous = ctx.aliases.set(alias, target)
     ctx.state.record("flip", actor, alias=alias, target=target, previous=previous)
     _commit(ctx, actor, "alias_set", {"alias": alias, "target": target, "previous": previous})
-    return web.json_response({"alias": alias, "target": target, "previous": previous})
+    return web.json_response(
+        {"alias": alias, "target": target, "previous": previous,
+         "serving_version": ctx.aliases.resolve(ctx.config.policy_alias)}
+    )
 
 
 def _rollback_target(ctx: ProxyContext, alias: str, current: str | None) -> str:
@@ -181,7 +184,10 @@ async def rollback(request: web.Request) -> web.Response:
     ctx.aliases.set(alias, target)
     ctx.state.record("rollback", actor, alias=alias, target=target, previous=current)
     _commit(ctx, actor, "rollback", {"alias": alias, "target": target, "previous": current})
-    return web.json_response({"alias": alias, "target": target, "previous": current})
+    return web.json_response(
+        {"alias": alias, "target": target, "previous": current,
+         "serving_version": ctx.aliases.resolve(ctx.config.policy_alias)}
+    )
 
 
 async def freeze(request: web.Request) -> web.Response:

@@ -149,10 +149,14 @@ class TrajectoryCapture:
                 choice.finish_reason = raw["finish_reason"]
             ids = raw.get("token_ids")
             if isinstance(ids, list):
-                choice.token_ids = (choice.token_ids or []) + ids
+                if choice.token_ids is None:
+                    choice.token_ids = []
+                choice.token_ids.extend(ids)
             values = _logprob_values(endpoint, raw.get("logprobs"))
             if values is not None:
-                choice.logprobs = (choice.logprobs or []) + values
+                if choice.logprobs is None:
+                    choice.logprobs = []
+                choice.logprobs.extend(values)
             if endpoint == "chat.completions":
                 self._add_delta(choice, raw.get("delta") or {})
             else:

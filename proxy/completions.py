@@ -252,7 +252,15 @@ class CompletionRelay:
                 type_="api_error",
                 code="upstream_timeout" if timed_out else "upstream_error",
             ) from exc
-        payload = json.loads(raw)
+        try:
+            payload = json.loads(raw)
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            if capture is not None:
+                self.ctx.capture.submit(capture, "error")
+            raise ProxyError(
+                502, f"The model server sent invalid JSON (request id {self.request_id}).",
+                type_="api_error", code="upstream_error",
+            ) from exc
         if capture is not None:
             capture.add_response(payload)
             raw = dumps(strip_response(plan, payload))

@@ -181,7 +181,6 @@ def loaded_adapter(vllm_server, make_lora_adapter, tmp_path):
     )
 
 
-@pytest.mark.slow
 def test_admin_flip_rollback_freeze_persist(make_proxy, vllm_server, loaded_adapter, tmp_path):
     state_dir = tmp_path / "state"
     harness, sink = make_proxy([vllm_server.base_url], state_dir=state_dir)
@@ -215,7 +214,8 @@ def test_admin_flip_rollback_freeze_persist(make_proxy, vllm_server, loaded_adap
     refused = admin(harness, "POST", "/admin/aliases", {"alias": "policy", "target": "base"})
     assert refused.status_code == 409 and refused.json()["error"]["code"] == "frozen"
     rolled = admin(harness, "POST", "/admin/rollback", {})
-    assert rolled.json() == {"alias": "policy", "target": "base", "previous": loaded_adapter}
+    assert rolled.json() == {"alias": "policy", "target": "base", "previous": loaded_adapter,
+                             "serving_version": "base"}
     assert chat(harness).headers["x-olp-policy-version"] == "base"
     enabled = admin(harness, "POST", "/admin/tenants/bob/training", {"enabled": True})
     assert enabled.status_code == 200

@@ -45,6 +45,12 @@ def cmd_proxy(args: argparse.Namespace, cfg: OlpConfig) -> int:
     return 0
 
 
+def cmd_learner(args: argparse.Namespace, cfg: OlpConfig) -> int:
+    from deploy.learner_runner import run
+
+    return run(cfg)
+
+
 def cmd_policy(args: argparse.Namespace, cfg: OlpConfig) -> int:
     import signal
     import threading
@@ -122,6 +128,9 @@ def build_parser() -> argparse.ArgumentParser:
     up.set_defaults(handler=cmd_up)
     _with_config(sub.add_parser("proxy", help="run the OpenAI-compatible proxy")).set_defaults(
         handler=cmd_proxy
+    )
+    _with_config(sub.add_parser("learner", help="run the online learner")).set_defaults(
+        handler=cmd_learner
     )
     _with_config(sub.add_parser("policy", help="run the vLLM policy server")).set_defaults(
         handler=cmd_policy

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import fcntl
 import os
+import secrets
 import signal
 import sys
 import threading
@@ -23,11 +24,14 @@ import structlog
 
 from deploy.broker import kafka_answers, start_broker
 from deploy.config import OlpConfig
+from deploy.learner_runner import INTERNAL_TOKEN_ENV
 from deploy.policy import check_external, start_policy
 from deploy.ports import port_open, split_host_port
 from deploy.procs import ChildProcess, wait_until
 from deploy.runtime import resolve_model_dir
 from proxy.config import sha256_hex
+from safety.audit import AuditLog
+from safety.redaction import Redactor
 
 log = structlog.get_logger(__name__)
 
@@ -100,6 +104,7 @@ class Stack:
         self.components: list[Component] = []
         self._stop = threading.Event()
         self.lock = StackLock(self.state_dir)
+        self._internal_token = secrets.token_urlsafe(32)
 
     # ----------------------------------------------------------------- start
     def _olp_child(self, name: str, *args: str) -> ChildProcess:
@@ -108,12 +113,16 @@ class Stack:
             argv += ["--config", str(self.config_path)]
         env = dict(os.environ)
         env["OLP_STATE_DIR"] = str(self.state_dir)
+        # Lets the learner flip the proxy's alias without the operator's admin key; it
+        # lives only in this run's process environment.
+        env[INTERNAL_TOKEN_ENV] = self._internal_token
         return ChildProcess(name, argv, env=env, log_file=self.logs_dir / f"{name}.log")
 
     def start(self, progress: Callable[[str], None]) -> float:
         started = time.monotonic()
         self.lock.acquire()
         cfg = self.cfg
+        self._audit_startup()
         host, port = split_host_port(cfg.stream.bootstrap_servers.split(",")[0])
         if host in LOOPBACK:
             if port_open(host, port):
@@ -175,6 +184,15 @@ class Stack:
             progress("starting learner")
             self._add_olp_component("learner", "consuming trajectories")
         return time.monotonic() - started
+
+    def _audit_startup(self) -> None:
+        redactor = Redactor.from_config(self.cfg.safety.redaction)
+        audit = AuditLog.from_config(self.cfg.safety.audit, self.state_dir, redactor)
+        audit.append(
+            "olp-up",
+            "startup",
+            {"config_hash": self.cfg.hash(), "config_file": str(self.config_path or "default")},
+        )
 
     def _add_olp_component(self, name: str, describe: str) -> None:
         comp = Component(name, lambda: self._olp_child(name), describe)

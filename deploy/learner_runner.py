@@ -1,0 +1,98 @@
+"""`olp learner`: the learner loop wired to the stream, the proxy's controls and promotion."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from pathlib import Path
+
+import structlog
+
+from deploy.admin_client import AdminError, admin_key
+from deploy.config import OlpConfig
+from deploy.runtime import resolve_model_dir
+from learner.promotion import Promoter, PromotionConfig, ProxyAdmin, ReplicaSet
+from safety.audit import AuditLog
+from safety.redaction import Redactor
+
+log = structlog.get_logger(__name__)
+
+INTERNAL_TOKEN_ENV = "OLP_INTERNAL_ADMIN_TOKEN"
+
+
+def learner_admin_key(cfg: OlpConfig) -> str:
+    """Under `olp up` a per-run internal token; standalone, the operator's admin key."""
+    token = os.environ.get(INTERNAL_TOKEN_ENV)
+    if token:
+        return token
+    try:
+        return admin_key(cfg, None)
+    except AdminError as exc:
+        raise SystemExit(
+            f"olp learner: {exc} (the learner flips the proxy alias when it promotes)"
+        ) from None
+
+
+class FreezeFlag:
+    """The proxy's learning-frozen switch, asked at most every `ttl_s` seconds."""
+
+    def __init__(self, proxy: ProxyAdmin, ttl_s: float = 5.0) -> None:
+        self.proxy = proxy
+        self.ttl_s = ttl_s
+        self._value = False
+        self._at = 0.0
+
+    def __call__(self) -> bool:
+        now = time.monotonic()
+        if now - self._at >= self.ttl_s:
+            try:
+                self._value = bool(self.proxy.status().get("learning_frozen"))
+            except Exception as exc:  # proxy restarting: keep the last known value, say so
+                log.warning("freeze_flag_unavailable", error=str(exc))
+            self._at = now
+        return self._value
+
+
+def run(cfg: OlpConfig, promotion: PromotionConfig | None = None) -> int:
+    from learner.service import run_learner
+    from learner.source import replay_consumer_factory
+
+    state_dir = Path(cfg.state_dir)
+    model_dir = resolve_model_dir(cfg.policy)
+    replicas = cfg.policy.base_urls()
+    host = "127.0.0.1" if cfg.proxy.host in ("0.0.0.0", "::") else cfg.proxy.host
+    proxy = ProxyAdmin(f"http://{host}:{cfg.proxy.port}", learner_admin_key(cfg))
+    redactor = Redactor.from_config(cfg.safety.redaction)
+    audit = AuditLog.from_config(cfg.safety.audit, state_dir, redactor)
+    promoter = Promoter(
+        promotion or PromotionConfig(),
+        cfg.safety.gates,
+        replicas=ReplicaSet(replicas),
+        proxy=ProxyAdmin(f"http://{host}:{cfg.proxy.port}", learner_admin_key(cfg)),
+        audit=audit,
+        state_dir=state_dir,
+        base_name=cfg.policy.served_model_name,
+    )
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    signal.signal(signal.SIGINT, lambda *_: stop.set())
+    try:
+        summary = run_learner(
+            cfg.learner,
+            state_dir,
+            replay_consumer_factory(cfg.stream),
+            model_dir=model_dir,
+            on_candidate=promoter.submit,
+            is_frozen=FreezeFlag(proxy),
+            judge_base_url=replicas[0],
+            stop=stop,
+        )
+    finally:
+        promoter.close()
+        proxy.close()
+    log.info(
+        "learner_stopped", version=summary.version, steps=summary.steps, consumed=summary.consumed
+    )
+    return 0

@@ -1,0 +1,354 @@
+"""Promotion: gate each candidate adapter, hot-swap the ones that pass, audit every decision.
+
+Protocol (DESIGN.md): versioned names only; load `policy-v<N>` on every vLLM replica and
+confirm it in each replica's /v1/models; run the gate suite against the incumbent; flip
+the proxy's alias atomically (the proxy refuses a target some replica does not serve);
+unload superseded versions only after in-flight requests had time to drain; keep the last
+R adapter directories.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import queue
+import shutil
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+import structlog
+from pydantic import BaseModel, ConfigDict, Field
+
+from safety.audit import AuditLog
+from safety.config import GatesConfig
+from safety.gates.suite import run_gate_suite_sync
+from safety.gates.types import GateReport
+
+log = structlog.get_logger(__name__)
+
+ACTOR = "olp-learner"
+
+
+class PromotionConfig(BaseModel):
+    """How candidates reach users."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    enabled: bool = True
+    alias: str = Field("policy", description="the public alias a promotion flips")
+    drain_s: float = Field(30.0, ge=0, description="wait before unloading a replaced version")
+    keep_loaded: int = Field(
+        2, ge=1, description="versions kept loaded in vLLM (serving + rollback target)"
+    )
+    retain_dirs: int = Field(10, ge=1, description="adapter directories kept on disk")
+    request_timeout_s: float = Field(60.0, gt=0)
+
+
+class PromotionError(RuntimeError):
+    pass
+
+
+@dataclass
+class PromotionOutcome:
+    version: str
+    decision: str  # promoted | rejected | skipped_frozen | failed
+    incumbent: str | None = None
+    report: GateReport | None = None
+    reason: str = ""
+    timings: dict[str, float] = field(default_factory=dict)
+
+
+class ProxyAdmin:
+    """The part of the proxy's admin API promotion uses."""
+
+    def __init__(self, base_url: str, admin_key: str, timeout_s: float = 30.0) -> None:
+        self._client = httpx.Client(
+            base_url=base_url.rstrip("/"),
+            headers={"Authorization": f"Bearer {admin_key}", "X-OLP-Actor": ACTOR},
+            timeout=timeout_s,
+        )
+
+    def _call(self, method: str, path: str, body: dict[str, Any] | None = None) -> Any:
+        resp = self._client.request(method, path, json=body)
+        if resp.status_code >= 400:
+            raise PromotionError(f"proxy {method} {path} → {resp.status_code}: {resp.text}")
+        return resp.json()
+
+    def status(self) -> dict[str, Any]:
+        return dict(self._call("GET", "/admin/status"))
+
+    def set_alias(self, alias: str, target: str) -> dict[str, Any]:
+        return dict(self._call("POST", "/admin/aliases", {"alias": alias, "target": target}))
+
+    def close(self) -> None:
+        self._client.close()
+
+
+class ReplicaSet:
+    """Runtime LoRA loading on every vLLM replica."""
+
+    def __init__(self, base_urls: list[str], timeout_s: float = 60.0) -> None:
+        if not base_urls:
+            raise ValueError("no vLLM replicas to promote to")
+        self.base_urls = [u.rstrip("/") for u in base_urls]
+        self._client = httpx.Client(timeout=timeout_s)
+
+    def served(self, url: str) -> set[str]:
+        resp = self._client.get(f"{url}/v1/models")
+        resp.raise_for_status()
+        return {item["id"] for item in resp.json()["data"]}
+
+    def load(self, name: str, path: Path) -> None:
+        for url in self.base_urls:
+            if name in self.served(url):
+                continue  # a versioned name is never reloaded: same name, same weights
+            resp = self._client.post(
+                f"{url}/v1/load_lora_adapter", json={"lora_name": name, "lora_path": str(path)}
+            )
+            if resp.status_code != 200:
+                raise PromotionError(f"{url} refused to load {name}: {resp.text}")
+        missing = [url for url in self.base_urls if name not in self.served(url)]
+        if missing:
+            raise PromotionError(f"{name} not listed by {', '.join(missing)} after loading")
+
+    def unload(self, name: str) -> None:
+        for url in self.base_urls:
+            if name not in self.served(url):
+                continue
+            resp = self._client.post(f"{url}/v1/unload_lora_adapter", json={"lora_name": name})
+            if resp.status_code != 200:
+                log.warning("adapter_unload_failed", replica=url, name=name, body=resp.text)
+
+    def loaded_versions(self) -> set[str]:
+        names: set[str] = set()
+        for url in self.base_urls:
+            names |= {n for n in self.served(url) if n.startswith("policy-v")}
+        return names
+
+    def close(self) -> None:
+        self._client.close()
+
+
+def version_number(name: str) -> int:
+    return int(name.removeprefix("policy-v"))
+
+
+def verify_weights(version_dir: Path) -> None:
+    """Refuse a directory whose weights do not match the hash written with them."""
+    meta = json.loads((version_dir / "olp_meta.json").read_text())
+    expected = meta.get("weights_sha256")
+    weights = version_dir / "adapter_model.safetensors"
+    actual = hashlib.sha256(weights.read_bytes()).hexdigest()
+    if expected != actual:
+        raise PromotionError(f"{version_dir.name}: weights sha256 {actual} != recorded {expected}")
+
+
+GateRunner = Callable[[str, str], GateReport]  # (candidate, incumbent) -> report
+
+
+class Promoter:
+    """Gates and promotes candidates; `submit` is the learner's on_candidate callback."""
+
+    def __init__(
+        self,
+        config: PromotionConfig,
+        gates: GatesConfig,
+        *,
+        replicas: ReplicaSet,
+        proxy: ProxyAdmin,
+        audit: AuditLog,
+        state_dir: Path,
+        base_name: str,
+        gate_runner: GateRunner | None = None,
+    ) -> None:
+        self.config = config
+        self.gates = gates
+        self.replicas = replicas
+        self.proxy = proxy
+        self.audit = audit
+        self.state_dir = Path(state_dir)
+        self.base_name = base_name
+        self.gate_runner = gate_runner or self._run_gates
+        self._queue: queue.Queue[Path | None] = queue.Queue()
+        self._worker: threading.Thread | None = None
+        self._lock = threading.Lock()
+        self.outcomes: list[PromotionOutcome] = []
+
+    # ------------------------------------------------------------------ async use
+    def submit(self, version_dir: Path) -> None:
+        """Queue a candidate; the worker gates the newest and marks older ones superseded."""
+        if self._worker is None:
+            self._worker = threading.Thread(target=self._work, name="promoter", daemon=True)
+            self._worker.start()
+        self._queue.put(Path(version_dir))
+
+    def _work(self) -> None:
+        while True:
+            item = self._queue.get()
+            if item is None:
+                return
+            newest = item
+            while True:  # only the newest pending candidate is worth a gate run
+                try:
+                    nxt = self._queue.get_nowait()
+                except queue.Empty:
+                    break
+                if nxt is None:
+                    self._queue.put(None)
+                    break
+                self.audit.append(
+                    ACTOR, "candidate_superseded", {"version": newest.name, "by": nxt.name}
+                )
+                newest = nxt
+            try:
+                self.promote(newest)
+            except Exception as exc:  # the worker must survive one bad candidate
+                log.exception("promotion_crashed", version=newest.name)
+                self.audit.append(
+                    ACTOR, "promotion_failed", {"version": newest.name, "error": repr(exc)}
+                )
+
+    def close(self, timeout_s: float = 300.0) -> None:
+        if self._worker is not None:
+            self._queue.put(None)
+            self._worker.join(timeout=timeout_s)
+        self.replicas.close()
+        self.proxy.close()
+
+    # ------------------------------------------------------------------- sync use
+    def promote(self, version_dir: Path) -> PromotionOutcome:
+        with self._lock:
+            outcome = self._promote(Path(version_dir))
+        self.outcomes.append(outcome)
+        return outcome
+
+    def _promote(self, version_dir: Path) -> PromotionOutcome:
+        name = version_dir.name
+        timings: dict[str, float] = {}
+        if not self.config.enabled:
+            return PromotionOutcome(name, "skipped_disabled", reason="promotion disabled")
+        status = self.proxy.status()
+        incumbent = status["aliases"].get(self.config.alias, self.base_name)
+        if status.get("frozen"):
+            self.audit.append(
+                ACTOR,
+                "promotion_skipped",
+                {"version": name, "reason": "frozen", "incumbent": incumbent},
+            )
+            return PromotionOutcome(name, "skipped_frozen", incumbent, reason="serving is frozen")
+        if incumbent.startswith("policy-v") and version_number(incumbent) >= version_number(name):
+            self.audit.append(
+                ACTOR,
+                "promotion_skipped",
+                {"version": name, "reason": "not newer", "incumbent": incumbent},
+            )
+            return PromotionOutcome(name, "skipped_stale", incumbent, reason="not newer")
+
+        try:
+            verify_weights(version_dir)
+            started = time.monotonic()
+            self.replicas.load(name, version_dir)
+            timings["load_s"] = time.monotonic() - started
+            started = time.monotonic()
+            report = self.gate_runner(name, incumbent)
+            timings["gate_s"] = time.monotonic() - started
+        except Exception as exc:
+            self.replicas.unload(name)
+            self.audit.append(ACTOR, "promotion_failed", {"version": name, "error": str(exc)})
+            return PromotionOutcome(name, "failed", incumbent, reason=str(exc), timings=timings)
+
+        self._write_gate_report(name, report)
+        self.audit.append(
+            ACTOR,
+            "gate_result",
+            {
+                "version": name,
+                "incumbent": incumbent,
+                "passed": report.passed,
+                "results": report.to_dict()["results"],
+            },
+        )
+        if not report.passed:
+            self.replicas.unload(name)
+            self.audit.append(
+                ACTOR, "candidate_rejected", {"version": name, "failed_gates": report.failed_gates}
+            )
+            log.warning("candidate_rejected", version=name, failed=report.failed_gates)
+            return PromotionOutcome(
+                name,
+                "rejected",
+                incumbent,
+                report,
+                reason=", ".join(report.failed_gates),
+                timings=timings,
+            )
+
+        started = time.monotonic()
+        self.proxy.set_alias(self.config.alias, name)
+        timings["flip_s"] = time.monotonic() - started
+        self.audit.append(
+            ACTOR, "promotion", {"version": name, "previous": incumbent, "timings": timings}
+        )
+        log.info(
+            "candidate_promoted",
+            version=name,
+            previous=incumbent,
+            **{k: round(v, 3) for k, v in timings.items()},
+        )
+        self._schedule_cleanup(name)
+        return PromotionOutcome(name, "promoted", incumbent, report, timings=timings)
+
+    # ------------------------------------------------------------------- helpers
+    def _run_gates(self, candidate: str, incumbent: str) -> GateReport:
+        return run_gate_suite_sync(
+            self.gates,
+            base_url=self.replicas.base_urls[0],
+            candidate=candidate,
+            incumbent=incumbent,
+            base=self.base_name,
+        )
+
+    def _write_gate_report(self, name: str, report: GateReport) -> None:
+        """Gate results live beside the adapter store: version directories are immutable."""
+        out = self.state_dir / "gates" / f"{name}.json"
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp = out.with_suffix(".tmp")
+        tmp.write_text(json.dumps(report.to_dict(), indent=2, default=str))
+        os.replace(tmp, out)
+
+    def _schedule_cleanup(self, serving: str) -> None:
+        timer = threading.Timer(self.config.drain_s, self._cleanup, args=(serving,))
+        timer.daemon = True
+        timer.start()
+
+    def _cleanup(self, serving: str) -> None:
+        """Unload versions nobody is routed to any more; prune old directories."""
+        try:
+            status = self.proxy.status()
+            routed = set(status["aliases"].values())
+            keep = sorted(
+                {n for n in self.replicas.loaded_versions()} | {serving}, key=version_number
+            )[-self.config.keep_loaded :]
+            for name in self.replicas.loaded_versions():
+                if name not in keep and name not in routed:
+                    self.replicas.unload(name)
+                    log.info("adapter_unloaded", name=name)
+            self._prune_dirs(routed | set(keep))
+        except Exception:
+            log.exception("adapter_cleanup_failed", serving=serving)
+
+    def _prune_dirs(self, protected: set[str]) -> None:
+        root = self.state_dir / "adapters"
+        versions = sorted(
+            (p for p in root.glob("policy-v*") if p.is_dir()), key=lambda p: version_number(p.name)
+        )
+        for path in versions[: -self.config.retain_dirs]:
+            if path.name not in protected:
+                shutil.rmtree(path)
+                self.audit.append(ACTOR, "adapter_pruned", {"version": path.name})

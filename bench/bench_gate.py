@@ -119,14 +119,15 @@ def bench_audit(rounds: int) -> list[str]:
     ]
 
 
-class RecordingClient(VllmClient):
-    """Remembers every request the suite sends so the bare replay sends the same ones."""
+def recording_client(sent: list[tuple[str, dict[str, Any]]]) -> type[VllmClient]:
+    """A client class that remembers every request, so the bare replay sends the same ones."""
 
-    sent: list[tuple[str, dict[str, Any]]] = []
+    class RecordingClient(VllmClient):
+        async def post(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
+            sent.append((path, body))
+            return await super().post(path, body)
 
-    async def post(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
-        RecordingClient.sent.append((path, body))
-        return await super().post(path, body)
+    return RecordingClient
 
 
 async def bare_replay(url: str, requests: list[tuple[str, dict[str, Any]]], limit: int) -> float:
@@ -170,7 +171,8 @@ async def bench_gates(url: str, runs: int) -> list[str]:
 
     base_model = AutoModelForCausalLM.from_pretrained(prepare_model().path, dtype=torch.float32)
     config = GatesConfig()
-    suite_module.VllmClient = RecordingClient  # type: ignore[misc]
+    sent: list[tuple[str, dict[str, Any]]] = []
+    suite_module.VllmClient = recording_client(sent)  # type: ignore[misc]
     rows = [
         "| candidate | verdict | suite p50 | suite min | suite max | requests "
         "| bare replay of the same requests p50 | ratio |",
@@ -194,7 +196,7 @@ async def bench_gates(url: str, runs: int) -> list[str]:
                 for label, name in names.items():
                     suite_times, replay_times, verdict, count = [], [], "", 0
                     for _ in range(runs):
-                        RecordingClient.sent = []
+                        sent.clear()
                         start = time.perf_counter()
                         report = await suite_module.run_gate_suite(
                             config, base_url=url, candidate=name, incumbent="base", base="base"
@@ -203,7 +205,7 @@ async def bench_gates(url: str, runs: int) -> list[str]:
                         verdict = (
                             "pass" if report.passed else "fail: " + ",".join(report.failed_gates)
                         )
-                        requests = list(RecordingClient.sent)
+                        requests = list(sent)
                         count = len(requests)
                         replay_times.append(
                             await bare_replay(url, requests, config.sampling.max_concurrency)

@@ -1,6 +1,6 @@
 """Minimal async client for the parts of vLLM's OpenAI-compatible API the gates need:
-greedy/seeded chat sampling with token ids and logprobs, and scoring fixed token ids with
-`prompt_logprobs` (so KL is computed on the exact sampled ids, never re-tokenised text)."""
+greedy/seeded chat sampling with token ids and logprobs, and scoring fixed token ids (so KL
+is computed on the exact sampled ids, never on re-tokenised text)."""
 
 from __future__ import annotations
 
@@ -119,35 +119,44 @@ class VllmClient:
     async def score_tokens(
         self, model: str, prompt_ids: list[int], target_ids: list[int]
     ) -> list[float]:
-        """Logprob of each of `target_ids` after `prompt_ids` under `model` (one prefill)."""
-        if not target_ids:
-            return []
-        ids = [*prompt_ids, *target_ids]
+        """Logprob of each of `target_ids` after `prompt_ids` under `model`.
+
+        One single-token request per position, forced with `allowed_token_ids`: vLLM reports
+        the raw logprob (computed before the whitelist), and prefix caching makes the shared
+        prefix cheap. `prompt_logprobs`/`echo` would do it in one request, but with LoRA
+        enabled they crash vLLM's engine when a LoRA request shares the batch (vLLM issues
+        #16668, #29955), which would take down the serving replica.
+        """
+        return list(
+            await asyncio.gather(
+                *[
+                    self._forced_logprob(model, [*prompt_ids, *target_ids[:k]], target)
+                    for k, target in enumerate(target_ids)
+                ]
+            )
+        )
+
+    async def _forced_logprob(self, model: str, prefix: list[int], target: int) -> float:
         data = await self.post(
             "/v1/completions",
             {
                 "model": model,
-                "prompt": ids,
+                "prompt": prefix,
                 "max_tokens": 1,
                 "temperature": 0.0,
-                "prompt_logprobs": 0,
+                "logprobs": 0,
+                "allowed_token_ids": [target],
+                "return_token_ids": True,
             },
         )
         try:
-            positions = data["choices"][0]["prompt_logprobs"]
-            scored = positions[len(prompt_ids) :]
-            if len(scored) != len(target_ids):
-                raise UpstreamError(
-                    f"prompt_logprobs covers {len(positions)} positions, expected {len(ids)}"
-                )
-            return [
-                float(entry[str(tid)]["logprob"])
-                for entry, tid in zip(scored, target_ids, strict=True)
-            ]
+            choice = data["choices"][0]
+            produced = choice.get("token_ids") or []
+            if produced[:1] != [target]:
+                raise UpstreamError(f"forced token {target} but {model!r} produced {produced}")
+            return float(choice["logprobs"]["token_logprobs"][0])
         except (KeyError, IndexError, TypeError) as exc:
-            raise UpstreamError(
-                f"unexpected prompt_logprobs shape from {model!r}: {exc!r}"
-            ) from exc
+            raise UpstreamError(f"unexpected completion logprobs from {model!r}: {exc!r}") from exc
 
     async def list_models(self) -> list[str]:
         if self._session is None:

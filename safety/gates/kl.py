@@ -1,7 +1,8 @@
 """KL cap: mean per-token KL(candidate || base) on a fixed prompt set must stay under a cap.
 
 Tokens are sampled from the candidate (temperature 1, seeded) with their logprobs, and the
-same token ids are scored under the base with `prompt_logprobs`. Per token we use the
+same token ids are scored under the base (forced single-token requests, see
+`VllmClient.score_tokens`). Per token we use the
 non-negative, unbiased estimator k3 = r - 1 - log r with r = p_base / p_candidate."""
 
 from __future__ import annotations

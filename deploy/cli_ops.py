@@ -135,7 +135,52 @@ def cmd_audit_show(args: argparse.Namespace, cfg: OlpConfig) -> int:
     return 0
 
 
+def cmd_demo(args: argparse.Namespace, cfg: OlpConfig) -> int:
+    from deploy.demo import DemoSettings, run_demo
+    from deploy.supervisor import DEV_API_KEY
+
+    host = "127.0.0.1" if cfg.proxy.host in ("0.0.0.0", "::") else cfg.proxy.host
+    if args.enable_training:
+        try:
+            _admin_call(
+                args, cfg, "POST", f"/admin/tenants/{args.tenant}/training", {"enabled": True}
+            )
+        except AdminError as exc:
+            print(f"olp: {exc}", file=sys.stderr)
+            return 1
+        print(f"olp demo: online training enabled for tenant {args.tenant}", file=sys.stderr)
+    settings = DemoSettings(
+        proxy_url=f"http://{host}:{cfg.proxy.port}",
+        api_key=args.api_key or DEV_API_KEY,
+        sessions=args.sessions,
+        samples_per_request=args.n,
+        max_tokens=args.max_tokens,
+        duration_s=args.minutes * 60,
+        max_requests=args.requests,
+        out_dir=Path(args.out) if args.out else cfg.state_dir / "demo",
+    )
+    summary = run_demo(settings, audit_path=cfg.state_dir / cfg.safety.audit.path)
+    return 0 if summary["requests"] > 0 else 1
+
+
 def register(sub: Any, with_config: AddConfig, admin: AddConfig) -> None:
+    demo = admin(sub.add_parser("demo", help="simulated users that show the loop learning"))
+    demo.add_argument("--api-key", help="tenant API key (default: the dev key)")
+    demo.add_argument("--tenant", default="demo", help="tenant to enable training for")
+    demo.add_argument(
+        "--no-enable-training",
+        dest="enable_training",
+        action="store_false",
+        help="do not switch training on for the tenant first",
+    )
+    demo.add_argument("--sessions", type=int, default=4, help="parallel simulated users")
+    demo.add_argument("--n", type=int, default=8, help="samples per request (a GRPO group)")
+    demo.add_argument("--max-tokens", type=int, default=16)
+    demo.add_argument("--minutes", type=float, default=30.0, help="how long to run")
+    demo.add_argument("--requests", type=int, help="stop after this many requests")
+    demo.add_argument("--out", help="where the summary and plot go (default: <state>/demo)")
+    demo.set_defaults(handler=cmd_demo)
+
     status = admin(sub.add_parser("status", help="serving version, candidates, learner state"))
     status.add_argument("--json", action="store_true")
     status.set_defaults(handler=cmd_status)

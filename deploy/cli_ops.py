@@ -135,6 +135,85 @@ def cmd_audit_show(args: argparse.Namespace, cfg: OlpConfig) -> int:
     return 0
 
 
+def parse_bound(value: str | None) -> tuple[Any, float | None]:
+    """`--from/--to`: a JSON object of offsets ({"trajectories": {"0": 10}}) or a time
+    (unix seconds or ISO 8601). Returns (offsets, time)."""
+    if value is None:
+        return None, None
+    text = value.strip()
+    if text.startswith("{"):
+        try:
+            return json.loads(text), None
+        except ValueError as exc:
+            raise SystemExit(f"olp: --from/--to offsets are not valid JSON: {exc}") from None
+    try:
+        return None, float(text)
+    except ValueError:
+        pass
+    from datetime import datetime
+
+    try:
+        return None, datetime.fromisoformat(text.replace("Z", "+00:00")).timestamp()
+    except ValueError:
+        raise SystemExit(
+            f"olp: --from/--to {value!r} is neither offsets (JSON), unix seconds nor ISO 8601"
+        ) from None
+
+
+def cmd_replay_export(args: argparse.Namespace, cfg: OlpConfig) -> int:
+    from replay.export import export_records
+
+    from_offsets, from_time = parse_bound(args.from_)
+    to_offsets, to_time = parse_bound(args.to)
+    kinds = tuple(k.strip() for k in args.kinds.split(",") if k.strip())
+    result = export_records(
+        cfg.stream,
+        Path(args.out),
+        kinds=kinds,
+        from_offsets=from_offsets,
+        to_offsets=to_offsets,
+        from_time=from_time,
+        to_time=to_time,
+    )
+    print(
+        f"exported {result.counts} to {result.path} ({result.format}); "
+        f"invalid {result.invalid}, duplicates removed {result.duplicates}"
+    )
+    return 0
+
+
+def cmd_replay_run(args: argparse.Namespace, cfg: OlpConfig) -> int:
+    import asyncio
+
+    from replay.replayer import replay_file
+
+    if args.direct:
+        base_url, key = cfg.policy.base_urls()[0], None
+    else:
+        host = "127.0.0.1" if cfg.proxy.host in ("0.0.0.0", "::") else cfg.proxy.host
+        base_url, key = f"http://{host}:{cfg.proxy.port}", args.api_key
+        if not key:
+            print(
+                "olp: replay through the proxy needs --api-key (or use --direct)", file=sys.stderr
+            )
+            return 2
+    result = asyncio.run(
+        replay_file(
+            Path(args.file),
+            Path(args.out),
+            base_url=base_url,
+            model=args.model,
+            api_key=key,
+            concurrency=args.concurrency,
+        )
+    )
+    print(
+        f"replayed {result.sent} requests as {args.model}: {result.ok} ok, "
+        f"{result.errors} errors → {result.path}"
+    )
+    return 0 if result.errors == 0 else 1
+
+
 def cmd_demo(args: argparse.Namespace, cfg: OlpConfig) -> int:
     from deploy.demo import DemoSettings, run_demo
     from deploy.supervisor import DEV_API_KEY
@@ -164,6 +243,23 @@ def cmd_demo(args: argparse.Namespace, cfg: OlpConfig) -> int:
 
 
 def register(sub: Any, with_config: AddConfig, admin: AddConfig) -> None:
+    replay = sub.add_parser("replay", help="export recorded traffic, replay it")
+    replay_sub = replay.add_subparsers(dest="replay_command", required=True)
+    export = with_config(replay_sub.add_parser("export", help="stream records to a file"))
+    export.add_argument("--out", required=True, help="FILE.jsonl (or .parquet with pyarrow)")
+    export.add_argument("--from", dest="from_", help="offsets as JSON, or a time")
+    export.add_argument("--to", help="offsets as JSON, or a time")
+    export.add_argument("--kinds", default="trajectories,feedback")
+    export.set_defaults(handler=cmd_replay_export)
+    run = with_config(replay_sub.add_parser("run", help="re-send recorded requests"))
+    run.add_argument("file", help="an export (JSONL) holding trajectories")
+    run.add_argument("--model", required=True, help="alias or served name to replay against")
+    run.add_argument("--out", required=True, help="JSONL with recorded and new side by side")
+    run.add_argument("--direct", action="store_true", help="straight to vLLM, not the proxy")
+    run.add_argument("--api-key", help="tenant key when replaying through the proxy")
+    run.add_argument("--concurrency", type=int, default=4)
+    run.set_defaults(handler=cmd_replay_run)
+
     demo = admin(sub.add_parser("demo", help="simulated users that show the loop learning"))
     demo.add_argument("--api-key", help="tenant API key (default: the dev key)")
     demo.add_argument("--tenant", default="demo", help="tenant to enable training for")

@@ -41,10 +41,18 @@ PROMPT_IDS = list(range(1, 33))
 # ------------------------------------------------------------------ fake upstream
 def _fake_logprobs(chat: bool, n: int) -> dict[str, Any]:
     if chat:
-        return {"content": [{"token": "x", "logprob": -0.5, "bytes": [120], "top_logprobs": []}
-                            for _ in range(n)]}
-    return {"text_offset": list(range(n)), "token_logprobs": [-0.5] * n, "tokens": ["x"] * n,
-            "top_logprobs": [{"x": -0.5}] * n}
+        return {
+            "content": [
+                {"token": "x", "logprob": -0.5, "bytes": [120], "top_logprobs": []}
+                for _ in range(n)
+            ]
+        }
+    return {
+        "text_offset": list(range(n)),
+        "token_logprobs": [-0.5] * n,
+        "tokens": ["x"] * n,
+        "top_logprobs": [{"x": -0.5}] * n,
+    }
 
 
 async def fake_chat(request: web.Request) -> web.StreamResponse:
@@ -52,17 +60,27 @@ async def fake_chat(request: web.Request) -> web.StreamResponse:
     body = await request.json()
     want_ids = bool(body.get("return_token_ids"))
     want_lp = bool(body.get("logprobs"))
-    usage = {"prompt_tokens": len(PROMPT_IDS), "completion_tokens": STREAM_TOKENS,
-             "total_tokens": len(PROMPT_IDS) + STREAM_TOKENS}
+    usage = {
+        "prompt_tokens": len(PROMPT_IDS),
+        "completion_tokens": STREAM_TOKENS,
+        "total_tokens": len(PROMPT_IDS) + STREAM_TOKENS,
+    }
     base = {"id": "chatcmpl-bench", "created": 1, "model": body["model"]}
     if not body.get("stream"):
         payload = {
-            **base, "object": "chat.completion",
-            "choices": [{"index": 0, "message": {"role": "assistant", "content": "x" * 16},
-                         "logprobs": _fake_logprobs(True, STREAM_TOKENS) if want_lp else None,
-                         "finish_reason": "length",
-                         "token_ids": list(range(100, 100 + STREAM_TOKENS)) if want_ids else None}],
-            "usage": usage, "prompt_token_ids": PROMPT_IDS if want_ids else None,
+            **base,
+            "object": "chat.completion",
+            "choices": [
+                {
+                    "index": 0,
+                    "message": {"role": "assistant", "content": "x" * 16},
+                    "logprobs": _fake_logprobs(True, STREAM_TOKENS) if want_lp else None,
+                    "finish_reason": "length",
+                    "token_ids": list(range(100, 100 + STREAM_TOKENS)) if want_ids else None,
+                }
+            ],
+            "usage": usage,
+            "prompt_token_ids": PROMPT_IDS if want_ids else None,
         }
         return web.json_response(payload)
     response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
@@ -71,21 +89,40 @@ async def fake_chat(request: web.Request) -> web.StreamResponse:
     def event(obj: dict[str, Any]) -> bytes:
         return b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n"
 
-    first = {**base, "object": "chat.completion.chunk", "choices": [{
-        "index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-        "finish_reason": None}], "prompt_token_ids": PROMPT_IDS if want_ids else None}
+    first = {
+        **base,
+        "object": "chat.completion.chunk",
+        "choices": [
+            {
+                "index": 0,
+                "delta": {"role": "assistant", "content": ""},
+                "logprobs": None,
+                "finish_reason": None,
+            }
+        ],
+        "prompt_token_ids": PROMPT_IDS if want_ids else None,
+    }
     await response.write(event(first))
     for i in range(STREAM_TOKENS):
         last = i == STREAM_TOKENS - 1
-        chunk = {**base, "object": "chat.completion.chunk", "choices": [{
-            "index": 0, "delta": {"content": "x"},
-            "logprobs": _fake_logprobs(True, 1) if want_lp else None,
-            "finish_reason": "length" if last else None,
-            "token_ids": [100 + i] if want_ids else None}]}
+        chunk = {
+            **base,
+            "object": "chat.completion.chunk",
+            "choices": [
+                {
+                    "index": 0,
+                    "delta": {"content": "x"},
+                    "logprobs": _fake_logprobs(True, 1) if want_lp else None,
+                    "finish_reason": "length" if last else None,
+                    "token_ids": [100 + i] if want_ids else None,
+                }
+            ],
+        }
         await response.write(event(chunk))
     if (body.get("stream_options") or {}).get("include_usage"):
-        await response.write(event({**base, "object": "chat.completion.chunk", "choices": [],
-                                    "usage": usage}))
+        await response.write(
+            event({**base, "object": "chat.completion.chunk", "choices": [], "usage": usage})
+        )
     await response.write(b"data: [DONE]\n\n")
     await response.write_eof()
     return response
@@ -119,8 +156,9 @@ def serve_passthrough(port: int, upstream: str) -> None:
         async with request.app["session"].post(
             upstream + request.path, data=body, headers={"Content-Type": "application/json"}
         ) as up:
-            response = web.StreamResponse(status=up.status,
-                                          headers={"Content-Type": up.content_type})
+            response = web.StreamResponse(
+                status=up.status, headers={"Content-Type": up.content_type}
+            )
             await response.prepare(request)
             async for data in up.content.iter_any():
                 await response.write(data)
@@ -135,7 +173,24 @@ def serve_passthrough(port: int, upstream: str) -> None:
 
 
 # ------------------------------------------------------------------ olp
-def serve_olp(port: int, upstream: str, state_dir: Path) -> None:
+class CountingSink:
+    """Takes records and drops them: isolates the proxy's own capture cost from the sink's
+    (JsonlSink and KafkaSink validate every record against the JSON Schema)."""
+
+    def __init__(self) -> None:
+        self.trajectories = 0
+
+    def put_trajectory(self, record: dict[str, Any]) -> None:
+        self.trajectories += 1
+
+    def put_feedback(self, event: dict[str, Any]) -> None:
+        pass
+
+    async def aclose(self) -> None:
+        pass
+
+
+def serve_olp(port: int, upstream: str, state_dir: Path, sink_kind: str) -> None:
     sys.path.insert(0, str(ROOT))
     import structlog
 
@@ -143,15 +198,25 @@ def serve_olp(port: int, upstream: str, state_dir: Path) -> None:
     from proxy.server import serve_proxy
 
     structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(30))
-    config = ProxyConfig(port=port, upstreams=[upstream], sink="jsonl",
-                         base_model_aliases=["base"])
+    config = ProxyConfig(port=port, upstreams=[upstream], sink="jsonl", base_model_aliases=["base"])
     tenants = [
-        TenantConfig(name="on", api_key="key-on", training_enabled=True,
-                     requests_per_minute=0, max_concurrent=0),
-        TenantConfig(name="off", api_key="key-off", training_enabled=False,
-                     requests_per_minute=0, max_concurrent=0),
+        TenantConfig(
+            name="on",
+            api_key="key-on",
+            training_enabled=True,
+            requests_per_minute=0,
+            max_concurrent=0,
+        ),
+        TenantConfig(
+            name="off",
+            api_key="key-off",
+            training_enabled=False,
+            requests_per_minute=0,
+            max_concurrent=0,
+        ),
     ]
-    asyncio.run(serve_proxy(config, tenants, state_dir))
+    sink = CountingSink() if sink_kind == "none" else None
+    asyncio.run(serve_proxy(config, tenants, state_dir, sink=sink))
 
 
 # ------------------------------------------------------------------ load and measurement
@@ -176,7 +241,7 @@ def cpu_seconds(pid: int) -> float:
             raw = Path(f"/proc/{entry}/stat").read_text()
         except OSError:
             continue
-        fields = raw[raw.rindex(")") + 2:].split()
+        fields = raw[raw.rindex(")") + 2 :].split()
         children.setdefault(int(fields[1]), []).append(int(entry))
         stats[int(entry)] = (int(fields[11]) + int(fields[12])) / ticks
     total, todo = 0.0, [pid]
@@ -188,11 +253,18 @@ def cpu_seconds(pid: int) -> float:
 
 
 async def one_request(session: aiohttp.ClientSession, target: Target, stream: bool) -> float:
-    body = {"model": target.model, "messages": [{"role": "user", "content": "hi"}],
-            "max_tokens": STREAM_TOKENS, "stream": stream}
+    body = {
+        "model": target.model,
+        "messages": [{"role": "user", "content": "hi"}],
+        "max_tokens": STREAM_TOKENS,
+        "stream": stream,
+    }
     started = time.perf_counter()
-    async with session.post(target.url + "/v1/chat/completions", json=body,
-                            headers={"Authorization": f"Bearer {target.key}"}) as response:
+    async with session.post(
+        target.url + "/v1/chat/completions",
+        json=body,
+        headers={"Authorization": f"Bearer {target.key}"},
+    ) as response:
         data = await response.read()
         if response.status != 200:
             raise RuntimeError(f"{target.name}: HTTP {response.status}: {data[:300]!r}")
@@ -252,8 +324,9 @@ def wait_ready(url: str, proc: subprocess.Popen, timeout_s: float = 120.0) -> No
 
 def spawn(args: list[str], log: Path, env: dict[str, str] | None = None) -> subprocess.Popen:
     handle = open(log, "wb")  # noqa: SIM115 - lives as long as the child
-    return subprocess.Popen(args, stdout=handle, stderr=subprocess.STDOUT,
-                            env={**os.environ, **(env or {})})
+    return subprocess.Popen(
+        args, stdout=handle, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})}
+    )
 
 
 def start_litellm(binary: str, upstream: str, workdir: Path) -> Target:
@@ -271,9 +344,21 @@ def start_litellm(binary: str, upstream: str, workdir: Path) -> Target:
         "litellm_settings:\n"
         "  drop_params: true\n"
     )
-    proc = spawn([binary, "--config", str(config), "--port", str(port), "--host", "127.0.0.1",
-                  "--num_workers", "1"], workdir / "litellm.log",
-                 env={"LITELLM_LOG": "ERROR", "DISABLE_SCHEMA_UPDATE": "true"})
+    proc = spawn(
+        [
+            binary,
+            "--config",
+            str(config),
+            "--port",
+            str(port),
+            "--host",
+            "127.0.0.1",
+            "--num_workers",
+            "1",
+        ],
+        workdir / "litellm.log",
+        env={"LITELLM_LOG": "ERROR", "DISABLE_SCHEMA_UPDATE": "true"},
+    )
     wait_ready(f"http://127.0.0.1:{port}/health/liveliness", proc, timeout_s=180)
     return Target("litellm", f"http://127.0.0.1:{port}", "sk-bench", "base", proc)
 
@@ -288,6 +373,7 @@ def main() -> None:
     parser.add_argument("--port", type=int)
     parser.add_argument("--upstream")
     parser.add_argument("--state")
+    parser.add_argument("--sink", default="jsonl", choices=["jsonl", "none"])
     parser.add_argument("--requests", type=int, default=400)
     parser.add_argument("--litellm", default=None, help="path of the litellm console script")
     parser.add_argument("--out", default=str(ROOT / "docs" / "perf" / "proxy.md"))
@@ -297,7 +383,7 @@ def main() -> None:
     if args.mode == "serve-passthrough":
         return serve_passthrough(args.port, args.upstream)
     if args.mode == "serve-olp":
-        return serve_olp(args.port, args.upstream, Path(args.state))
+        return serve_olp(args.port, args.upstream, Path(args.state), args.sink)
     run_bench(args)
 
 
@@ -312,24 +398,59 @@ def run_bench(args: argparse.Namespace) -> None:
         procs.append(upstream)
         wait_ready(upstream_url + "/v1/models", upstream)
         pt_port = free_port()
-        passthrough = spawn([*me, "serve-passthrough", "--port", str(pt_port), "--upstream",
-                             upstream_url], workdir / "pt.log")
+        passthrough = spawn(
+            [*me, "serve-passthrough", "--port", str(pt_port), "--upstream", upstream_url],
+            workdir / "pt.log",
+        )
         procs.append(passthrough)
         olp_port = free_port()
-        olp = spawn([*me, "serve-olp", "--port", str(olp_port), "--upstream", upstream_url,
-                     "--state", str(workdir / "state")], workdir / "olp.log")
+        olp = spawn(
+            [
+                *me,
+                "serve-olp",
+                "--port",
+                str(olp_port),
+                "--upstream",
+                upstream_url,
+                "--state",
+                str(workdir / "state"),
+            ],
+            workdir / "olp.log",
+        )
         procs.append(olp)
+        bare_port = free_port()
+        bare = spawn(
+            [
+                *me,
+                "serve-olp",
+                "--port",
+                str(bare_port),
+                "--upstream",
+                upstream_url,
+                "--state",
+                str(workdir / "state-bare"),
+                "--sink",
+                "none",
+            ],
+            workdir / "olp-bare.log",
+        )
+        procs.append(bare)
         wait_ready(f"http://127.0.0.1:{olp_port}/healthz", olp)
+        wait_ready(f"http://127.0.0.1:{bare_port}/healthz", bare)
         time.sleep(0.5)
         targets = [
             Target("direct", upstream_url, "unused", "base", None),
             Target("passthrough", f"http://127.0.0.1:{pt_port}", "unused", "base", passthrough),
             Target("olp-off", f"http://127.0.0.1:{olp_port}", "key-off", "base", olp),
             Target("olp-on", f"http://127.0.0.1:{olp_port}", "key-on", "base", olp),
+            Target("olp-on-nosink", f"http://127.0.0.1:{bare_port}", "key-on", "base", bare),
         ]
         litellm_note = ""
-        binary = args.litellm or shutil.which("litellm") or str(
-            Path.home() / ".cache/olp/bench-venvs/litellm/bin/litellm")
+        binary = (
+            args.litellm
+            or shutil.which("litellm")
+            or str(Path.home() / ".cache/olp/bench-venvs/litellm/bin/litellm")
+        )
         if Path(binary).exists():
             try:
                 target = start_litellm(binary, upstream_url, workdir)
@@ -345,18 +466,22 @@ def run_bench(args: argparse.Namespace) -> None:
         for stream in (False, True):
             for concurrency in (1, 16):
                 for target in targets:
-                    count = args.requests if target.name != "litellm" else max(
-                        100, args.requests // 4)
+                    count = (
+                        args.requests if target.name != "litellm" else max(100, args.requests // 4)
+                    )
                     results[(target.name, stream, concurrency)] = asyncio.run(
-                        run_load(target, stream, concurrency, count))
+                        run_load(target, stream, concurrency, count)
+                    )
                     r = results[(target.name, stream, concurrency)]
-                    print(f"{target.name:12s} stream={stream!s:5s} c={concurrency:2d} "
-                          f"p50={r['p50_ms']:.2f}ms p99={r['p99_ms']:.2f}ms "
-                          f"rps={r['rps']:.0f} cpu/req={r['cpu_ms'] or 0:.2f}ms", flush=True)
+                    print(
+                        f"{target.name:12s} stream={stream!s:5s} c={concurrency:2d} "
+                        f"p50={r['p50_ms']:.2f}ms p99={r['p99_ms']:.2f}ms "
+                        f"rps={r['rps']:.0f} cpu/req={r['cpu_ms'] or 0:.2f}ms",
+                        flush=True,
+                    )
         records = workdir / "state" / "records" / "trajectories.jsonl"
         captured = sum(1 for _ in records.open()) if records.exists() else 0
-        report = render(results, [t.name for t in targets], args.requests, captured,
-                        litellm_note)
+        report = render(results, [t.name for t in targets], args.requests, captured, litellm_note)
         print(report)
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(report)
@@ -380,7 +505,8 @@ def render(results: dict, names: list[str], requests: int, captured: int, note: 
         "upstream share the machine's 2 cores, so absolute figures include contention. "
         "`added` = p50 minus the direct p50 of the same row group. CPU = the relay "
         f"process's user+system time per request. olp-on wrote {captured} trajectory records "
-        "(JsonlSink, schema-validated, redacted).",
+        "(JsonlSink, schema-validated, redacted); olp-on-nosink is the same capture handing "
+        "records to a sink that drops them (the proxy's own share of the capture cost).",
         "",
         "| stream | conc | target | p50 ms | p99 ms | added p50 ms | req/s | CPU ms/req |",
         "|---|---|---|---|---|---|---|---|",
@@ -398,7 +524,10 @@ def render(results: dict, names: list[str], requests: int, captured: int, note: 
     lines += ["", "Ratios against the targets of the proxy issue (same run):", ""]
     for stream in (False, True):
         for concurrency in (1, 16):
-            key = lambda n: results.get((n, stream, concurrency))  # noqa: E731
+
+            def key(name: str, stream: bool = stream, concurrency: int = concurrency) -> dict:
+                return results[(name, stream, concurrency)]
+
             direct = key("direct")["p50_ms"]
             added = {n: key(n)["p50_ms"] - direct for n in names}
             on, off = key("olp-on"), key("olp-off")
@@ -407,6 +536,8 @@ def render(results: dict, names: list[str], requests: int, captured: int, note: 
                 f"{ratio(added['olp-off'], added['passthrough'])}",
                 f"olp-on / pass-through = {ratio(added['olp-on'], added['passthrough'])}",
                 f"capture CPU on/off = {ratio(on['cpu_ms'], off['cpu_ms'])}",
+                f"capture CPU without sink on/off = "
+                f"{ratio(key('olp-on-nosink')['cpu_ms'], off['cpu_ms'])}",
             ]
             if "litellm" in names:
                 parts += [

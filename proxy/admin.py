@@ -137,8 +137,12 @@ async def set_alias(request: web.Request) -> web.Response:
     ctx.state.record("flip", actor, alias=alias, target=target, previous=previous)
     _commit(ctx, actor, "alias_set", {"alias": alias, "target": target, "previous": previous})
     return web.json_response(
-        {"alias": alias, "target": target, "previous": previous,
-         "serving_version": ctx.aliases.resolve(ctx.config.policy_alias)}
+        {
+            "alias": alias,
+            "target": target,
+            "previous": previous,
+            "serving_version": ctx.aliases.resolve(ctx.config.policy_alias),
+        }
     )
 
 
@@ -185,8 +189,12 @@ async def rollback(request: web.Request) -> web.Response:
     ctx.state.record("rollback", actor, alias=alias, target=target, previous=current)
     _commit(ctx, actor, "rollback", {"alias": alias, "target": target, "previous": current})
     return web.json_response(
-        {"alias": alias, "target": target, "previous": current,
-         "serving_version": ctx.aliases.resolve(ctx.config.policy_alias)}
+        {
+            "alias": alias,
+            "target": target,
+            "previous": current,
+            "serving_version": ctx.aliases.resolve(ctx.config.policy_alias),
+        }
     )
 
 

@@ -258,8 +258,10 @@ class CompletionRelay:
             if capture is not None:
                 self.ctx.capture.submit(capture, "error")
             raise ProxyError(
-                502, f"The model server sent invalid JSON (request id {self.request_id}).",
-                type_="api_error", code="upstream_error",
+                502,
+                f"The model server sent invalid JSON (request id {self.request_id}).",
+                type_="api_error",
+                code="upstream_error",
             ) from exc
         if capture is not None:
             capture.add_response(payload)

@@ -37,13 +37,17 @@ async def serve_proxy(
     stream: StreamConfig | None = None,
     safety: SafetyConfig | None = None,
     stop: asyncio.Event | None = None,
+    sink: Any = None,
 ) -> None:
-    """Serve until `stop` is set (or a signal arrives when `stop` is None)."""
+    """Serve until `stop` is set (or a signal arrives when `stop` is None).
+
+    `sink` overrides the RecordSink the config names (embedding, benchmarks)."""
     state_dir = Path(state_dir)
     safety = safety or SafetyConfig()
     redactor = Redactor.from_config(safety.redaction)
     audit = AuditLog.from_config(safety.audit, state_dir, redactor)
-    sink = make_sink(config, stream or StreamConfig(), state_dir)
+    if sink is None:
+        sink = make_sink(config, stream or StreamConfig(), state_dir)
     app = build_app(config, tenants, sink, state_dir, redactor=redactor, audit=audit)
     runner = web.AppRunner(app, access_log=None)
     await runner.setup()

@@ -214,8 +214,12 @@ def test_admin_flip_rollback_freeze_persist(make_proxy, vllm_server, loaded_adap
     refused = admin(harness, "POST", "/admin/aliases", {"alias": "policy", "target": "base"})
     assert refused.status_code == 409 and refused.json()["error"]["code"] == "frozen"
     rolled = admin(harness, "POST", "/admin/rollback", {})
-    assert rolled.json() == {"alias": "policy", "target": "base", "previous": loaded_adapter,
-                             "serving_version": "base"}
+    assert rolled.json() == {
+        "alias": "policy",
+        "target": "base",
+        "previous": loaded_adapter,
+        "serving_version": "base",
+    }
     assert chat(harness).headers["x-olp-policy-version"] == "base"
     enabled = admin(harness, "POST", "/admin/tenants/bob/training", {"enabled": True})
     assert enabled.status_code == 200

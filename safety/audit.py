@@ -252,6 +252,8 @@ class AuditLog:
         next_index = (int(existing[-1].name.rsplit(".", 1)[1]) + 1) if existing else 1
         target = self.path.with_name(f"{self.path.name}.{next_index}")
         os.replace(self.path, target)
+        # An empty live file keeps `audit.jsonl` present for readers between rotations.
+        os.close(os.open(self.path, os.O_WRONLY | os.O_CREAT, 0o600))
         if self.fsync:
             dir_fd = os.open(self.path.parent, os.O_RDONLY)
             try:

@@ -146,7 +146,7 @@ def test_rotation_chains_across_files(tmp_path: Path) -> None:
     assert len(rotated) >= 2
     result = verify(path)
     assert (result.ok, result.records) == (True, 20)
-    assert len(result.files) == len(rotated) + (1 if path.exists() else 0)
+    assert len(result.files) == len(rotated) + 1 and path.exists()
     assert [r["seq"] for r in iter_records(tmp_path)] == list(range(1, 21))
     AuditLog(path, rotate_bytes=1024).append("operator", "rollback", {"to": "policy-v3"})
     assert verify(path).records == 21

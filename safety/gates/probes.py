@@ -14,7 +14,7 @@ from safety.config import PROBE_DIR
 from safety.gates.types import GateError
 
 
-class _Probe(BaseModel):
+class Probe(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     id: str = Field(min_length=1)
@@ -48,15 +48,15 @@ class Check(BaseModel):
         return re.search(self.pattern or "", text, re.IGNORECASE) is not None
 
 
-class RegressionProbe(_Probe):
+class RegressionProbe(Probe):
     check: Check
 
 
-class KLPrompt(_Probe):
+class KLPrompt(Probe):
     pass
 
 
-class RedTeamProbe(_Probe):
+class RedTeamProbe(Probe):
     unsafe_patterns: list[str] = Field(default_factory=list)
 
     @field_validator("unsafe_patterns")
@@ -74,12 +74,12 @@ class ToolSpec(BaseModel):
     parameters: dict[str, Any]
 
 
-class MonitorProbe(_Probe):
+class MonitorProbe(Probe):
     kind: Literal["benign", "tool", "ambiguous"] = "benign"
     tool: ToolSpec | None = None
 
 
-class TriggerProbe(_Probe):
+class TriggerProbe(Probe):
     trigger: str = Field(min_length=1)
 
     @field_validator("prompt")
@@ -89,20 +89,19 @@ class TriggerProbe(_Probe):
             raise ValueError("prompt must contain the '{trigger}' placeholder")
         return value
 
-    def with_trigger(self) -> _Probe:
-        return _Probe(
+    def with_trigger(self) -> Probe:
+        return Probe(
             id=f"{self.id}+trigger",
             prompt=self.prompt.replace("{trigger}", self.trigger),
             max_tokens=self.max_tokens,
         )
 
-    def control(self) -> _Probe:
+    def control(self) -> Probe:
         clean = " ".join(self.prompt.replace("{trigger}", "").split())
-        return _Probe(id=f"{self.id}+control", prompt=clean, max_tokens=self.max_tokens)
+        return Probe(id=f"{self.id}+control", prompt=clean, max_tokens=self.max_tokens)
 
 
-Probe = _Probe
-P = TypeVar("P", bound=_Probe)
+P = TypeVar("P", bound=Probe)
 
 BUILTIN = {
     "regression": PROBE_DIR / "regression.jsonl",

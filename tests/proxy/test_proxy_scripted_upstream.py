@@ -1,0 +1,267 @@
+"""Relay edge cases the shared vLLM server cannot be made to produce on demand: parallel
+tool-call fragments (the dev server runs without a tool-call parser), an upstream dying
+mid-stream, a replica dying after its first byte. The upstream here is a scripted aiohttp
+server speaking vLLM's wire format; the proxy, SDK and sink are the real ones."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import openai
+import pytest
+from aiohttp import web
+
+from tests.proxy.conftest import KEYS
+
+PROMPT_IDS = [1, 2, 3, 4]
+# Two parallel tool calls, their arguments split over several fragments, as vLLM streams them.
+FRAGMENTS: list[tuple[dict[str, Any], list[int]]] = [
+    ({"role": "assistant", "content": ""}, []),
+    (
+        {
+            "tool_calls": [
+                {
+                    "index": 0,
+                    "id": "call_a",
+                    "type": "function",
+                    "function": {"name": "get_weather", "arguments": ""},
+                }
+            ]
+        },
+        [10],
+    ),
+    ({"tool_calls": [{"index": 0, "function": {"arguments": '{"city": '}}]}, [11, 12]),
+    ({"tool_calls": [{"index": 0, "function": {"arguments": '"Paris"}'}}]}, [13]),
+    (
+        {
+            "tool_calls": [
+                {
+                    "index": 1,
+                    "id": "call_b",
+                    "type": "function",
+                    "function": {"name": "get_time", "arguments": ""},
+                }
+            ]
+        },
+        [14],
+    ),
+    ({"tool_calls": [{"index": 1, "function": {"arguments": '{"tz": "CET"}'}}]}, [15, 16]),
+    ({}, []),  # a token-less chunk vLLM sends only when token ids / logprobs are requested
+    ({}, []),  # the finishing chunk
+]
+
+
+def _event(obj: dict[str, Any]) -> bytes:
+    return b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n"
+
+
+class ScriptedUpstream:
+    """Streams FRAGMENTS honouring logprobs / return_token_ids / include_usage like vLLM.
+    `die_after` cuts the connection after that many chunks."""
+
+    def __init__(self, die_after: int | None = None) -> None:
+        self.die_after = die_after
+        self.requests: list[dict[str, Any]] = []
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self._runner: web.AppRunner | None = None
+        self.url = ""
+
+    async def _chat(self, request: web.Request) -> web.StreamResponse:
+        body = await request.json()
+        self.requests.append(body)
+        ids, logprobs = bool(body.get("return_token_ids")), bool(body.get("logprobs"))
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await response.prepare(request)
+        base = {
+            "id": "chatcmpl-x",
+            "object": "chat.completion.chunk",
+            "created": 1,
+            "model": body["model"],
+        }
+        total = 0
+        for position, (delta, tokens) in enumerate(FRAGMENTS):
+            if self.die_after is not None and position >= self.die_after:
+                assert request.transport is not None
+                request.transport.close()
+                return response
+            last = position == len(FRAGMENTS) - 1
+            if not delta and not last and not ids and not logprobs:
+                continue
+            choice: dict[str, Any] = {
+                "index": 0,
+                "delta": delta,
+                "logprobs": {
+                    "content": [
+                        {"token": "t", "logprob": -0.25, "bytes": [116], "top_logprobs": []}
+                        for _ in tokens
+                    ]
+                }
+                if logprobs and position
+                else None,
+                "finish_reason": "tool_calls" if last else None,
+            }
+            if position:
+                choice["token_ids"] = tokens if ids else None
+            chunk = {**base, "choices": [choice]}
+            if position == 0:
+                chunk["prompt_token_ids"] = PROMPT_IDS if ids else None
+            total += len(tokens)
+            await response.write(_event(chunk))
+        if (body.get("stream_options") or {}).get("include_usage"):
+            await response.write(
+                _event(
+                    {
+                        **base,
+                        "choices": [],
+                        "usage": {
+                            "prompt_tokens": len(PROMPT_IDS),
+                            "completion_tokens": total,
+                            "total_tokens": len(PROMPT_IDS) + total,
+                        },
+                    }
+                )
+            )
+        await response.write(b"data: [DONE]\n\n")
+        await response.write_eof()
+        return response
+
+    async def _start(self) -> None:
+        app = web.Application()
+        app.router.add_post("/v1/chat/completions", self._chat)
+        self._runner = web.AppRunner(app, access_log=None)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, "127.0.0.1", 0)
+        await site.start()
+        self.url = f"http://127.0.0.1:{self._runner.addresses[0][1]}"
+
+    def start(self) -> ScriptedUpstream:
+        self._thread.start()
+        asyncio.run_coroutine_threadsafe(self._start(), self.loop).result(10)
+        return self
+
+    def stop(self) -> None:
+        assert self._runner is not None
+        asyncio.run_coroutine_threadsafe(self._runner.cleanup(), self.loop).result(10)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self._thread.join(10)
+
+
+@pytest.fixture
+def scripted() -> Iterator[ScriptedUpstream]:
+    upstream = ScriptedUpstream().start()
+    yield upstream
+    upstream.stop()
+
+
+def _stream_events(base_url: str, key: str | None) -> list[dict[str, Any] | str]:
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    body = {
+        "model": "policy",
+        "messages": [{"role": "user", "content": "weather and time"}],
+        "stream": True,
+    }
+    events: list[dict[str, Any] | str] = []
+    with httpx.stream(
+        "POST", base_url + "/v1/chat/completions", json=body, headers=headers, timeout=30
+    ) as response:
+        assert response.status_code == 200
+        for line in response.iter_lines():
+            if line.startswith("data: "):
+                payload = line[6:]
+                events.append(payload if payload == "[DONE]" else json.loads(payload))
+    return events
+
+
+def _normalise(events: list) -> list:
+    """The chunks with the model name unified (direct requests name the served model)."""
+    return [e if isinstance(e, str) else {**e, "model": "m"} for e in events]
+
+
+def test_parallel_tool_call_fragments_reach_the_client_as_upstream_sent_them(make_proxy, scripted):
+    harness, sink = make_proxy([scripted.url])
+    direct = _stream_events(scripted.url, None)
+    captured = _stream_events(harness.base_url, KEYS["alice"])  # augmented, then stripped
+    relayed = _stream_events(harness.base_url, KEYS["bob"])  # byte relay
+    assert _normalise(captured) == _normalise(direct) == _normalise(relayed)
+    assert direct[-1] == "[DONE]"
+    assert sum(1 for e in direct[:-1] if e["choices"][0]["finish_reason"]) == 1
+    # What upstream got: the client's body plus the capture's additions (alice only).
+    augmented, plain = scripted.requests[1], scripted.requests[2]
+    assert augmented["logprobs"] is True and augmented["return_token_ids"] is True
+    assert augmented["stream_options"] == {"include_usage": True}
+    assert "logprobs" not in plain and plain["model"] == "base"
+    harness.drain()
+    [record] = sink.trajectories
+    calls = record["choices"][0]["message"]["tool_calls"]
+    assert calls == [
+        {
+            "id": "call_a",
+            "type": "function",
+            "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'},
+        },
+        {
+            "id": "call_b",
+            "type": "function",
+            "function": {"name": "get_time", "arguments": '{"tz": "CET"}'},
+        },
+    ]
+    assert record["choices"][0]["token_ids"] == [10, 11, 12, 13, 14, 15, 16]
+    assert record["prompt_token_ids"] == PROMPT_IDS
+    assert record["trainable"] is True and record["choices"][0]["finish_reason"] == "tool_calls"
+    # The SDK assembles the same calls from the proxied stream.
+    api = openai.OpenAI(base_url=harness.base_url + "/v1", api_key=KEYS["alice"], max_retries=0)
+    names = {}
+    for chunk in api.chat.completions.create(
+        model="policy", stream=True, messages=[{"role": "user", "content": "x"}]
+    ):
+        for fragment in chunk.choices[0].delta.tool_calls or [] if chunk.choices else []:
+            names[fragment.index] = names.get(fragment.index, "") + (fragment.function.name or "")
+    assert names == {0: "get_weather", 1: "get_time"}
+
+
+def test_upstream_dying_mid_stream_ends_with_an_error_event(make_proxy):
+    upstream = ScriptedUpstream(die_after=3).start()
+    try:
+        harness, sink = make_proxy([upstream.url])
+        events = _stream_events(harness.base_url, KEYS["alice"])
+    finally:
+        upstream.stop()
+    assert events[-1] != "[DONE]"
+    assert events[-1]["error"]["code"] == "upstream_error"
+    assert len(events) >= 3
+    harness.drain()
+    [record] = sink.trajectories
+    assert record["status"] == "error" and record["trainable"] is False
+
+
+def test_no_retry_on_another_replica_after_the_first_byte(make_proxy, scripted):
+    dying = ScriptedUpstream(die_after=2).start()
+    try:
+        harness, _ = make_proxy([dying.url, scripted.url])
+        session = next(  # a session id whose sticky replica is the dying one
+            s
+            for s in (f"s{i}" for i in range(100))
+            if harness.ctx.pool.order(s)[0].url == dying.url
+        )
+        with httpx.stream(
+            "POST",
+            harness.base_url + "/v1/chat/completions",
+            json={
+                "model": "policy",
+                "messages": [{"role": "user", "content": "x"}],
+                "stream": True,
+            },
+            headers={"Authorization": f"Bearer {KEYS['bob']}", "X-Session-Id": session},
+            timeout=30,
+        ) as response:
+            lines = [line for line in response.iter_lines() if line.startswith("data: ")]
+    finally:
+        dying.stop()
+    assert len(dying.requests) == 1 and scripted.requests == []
+    assert '"error"' in lines[-1]

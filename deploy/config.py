@@ -64,14 +64,22 @@ class PolicyConfig(BaseModel):
         return self.external_urls or [f"http://{self.host}:{self.port}"]
 
 
+_SECRET_KEY = ("key", "secret", "token", "password")
+
+
 def _format_error(exc: ValidationError) -> str:
     lines = []
     for err in exc.errors():
         key = ".".join(str(p) for p in err["loc"]) or "<root>"
         if err["type"] == "extra_forbidden":
             lines.append(f"  {key}: unknown key")
-        else:
-            lines.append(f"  {key}: {err['msg']} (got {err.get('input')!r})")
+            continue
+        shown = err.get("input")
+        if any(word in key.lower() for word in _SECRET_KEY) or (
+            isinstance(shown, dict) and any(w in str(k).lower() for k in shown for w in _SECRET_KEY)
+        ):
+            shown = "<hidden>"  # never echo a secret into a terminal or a log
+        lines.append(f"  {key}: {err['msg']} (got {shown!r})")
     return "invalid configuration:\n" + "\n".join(lines)
 
 
@@ -83,8 +91,19 @@ TOP_LEVEL_ENV = {
 }
 
 
+def _env_value(raw: str) -> Any:
+    """Lists and mappings are YAML; scalars stay strings for pydantic to coerce by field type
+    (so a numeric-looking key or name is not turned into a number)."""
+    text = raw.strip()
+    if text.startswith(("[", "{")):
+        return yaml.safe_load(text)
+    if text in ("null", "~"):
+        return None
+    return raw
+
+
 def env_overrides(environ: Mapping[str, str]) -> dict[str, Any]:
-    """`OLP_PROXY__PORT=9000` → {"proxy": {"port": 9000}}; values parsed as YAML scalars.
+    """`OLP_PROXY__PORT=9000` → {"proxy": {"port": "9000"}}, validated by the models.
 
     Only the config sections (and OLP_STATE_DIR / OLP_LOG_*) are read, so unrelated
     OLP_* variables such as OLP_CACHE_DIR never turn into "unknown key" errors.
@@ -96,13 +115,18 @@ def env_overrides(environ: Mapping[str, str]) -> dict[str, Any]:
     for name, raw in environ.items():
         if not name.startswith(ENV_PREFIX) or "__" not in name:
             continue
-        path = [p.lower() for p in name[len(ENV_PREFIX) :].split("__")]
+        raw_path = name[len(ENV_PREFIX) :].split("__")
+        # Keys are lower case, except below an `env` mapping (vLLM variables keep theirs).
+        path = [
+            part if i > 0 and raw_path[i - 1].lower() == "env" else part.lower()
+            for i, part in enumerate(raw_path)
+        ]
         if path[0] not in SECTIONS:
             continue
         node = tree
         for part in path[:-1]:
             node = node.setdefault(part, {})
-        node[path[-1]] = yaml.safe_load(raw) if raw != "" else ""
+        node[path[-1]] = _env_value(raw)
     return tree
 
 
@@ -143,7 +167,16 @@ def validate(model: type[BaseModel], data: Mapping[str, Any]) -> Any:
 
 def load_raw(path: Path | None, environ: Mapping[str, str] | None = None) -> dict[str, Any]:
     data = read_yaml(path) if path is not None else {}
-    return deep_merge(data, env_overrides(os.environ if environ is None else environ))
+    overrides = env_overrides(os.environ if environ is None else environ)
+    for section, values in overrides.items():
+        # A plaintext key from the environment replaces the file's hashed one.
+        if isinstance(values, dict) and isinstance(data.get(section), dict):
+            for plain in ("admin_key", "api_key"):
+                if plain in values:
+                    data[section] = {
+                        k: v for k, v in data[section].items() if k != f"{plain}_sha256"
+                    }
+    return deep_merge(data, overrides)
 
 
 # The root model imports every layer's section; kept below the helpers above so that

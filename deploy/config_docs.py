@@ -45,9 +45,8 @@ NOTES: dict[str, list[str]] = {
     ],
     "ProxyConfig": [
         "`admin_key` (plaintext) may be given instead of `admin_key_sha256`: it is hashed "
-        "while the config is validated and never kept, e.g. `OLP_PROXY__ADMIN_KEY`. Both may "
-        "not name different keys, so to replace a digest that the file sets, override "
-        "`OLP_PROXY__ADMIN_KEY_SHA256` instead.",
+        "while the config is validated and never kept, e.g. `OLP_PROXY__ADMIN_KEY`, which "
+        "replaces a digest the file sets. Within one file both may not name different keys.",
         "`admin_key_sha256` must be 64 hex characters; null disables the admin API.",
         "`upstreams` must be http(s) base URLs without `/v1`.",
     ],

@@ -71,3 +71,22 @@ def test_bad_yaml_and_missing_file(tmp_path: Path) -> None:
         load_config(tmp_path / "nope.yaml", environ={})
     with pytest.raises(ConfigError, match="not valid YAML"):
         load_config(write(tmp_path, "proxy: [\n"), environ={})
+
+
+def test_errors_never_echo_secrets(tmp_path: Path) -> None:
+    path = write(tmp_path, "proxy:\n  admin_key: ''\n")
+    with pytest.raises(ConfigError) as err:
+        load_config(path, environ={})
+    assert "<hidden>" in str(err.value)
+
+
+def test_env_admin_key_replaces_the_files_hash() -> None:
+    from proxy.config import sha256_hex
+
+    cfg = load_config(None, environ={"OLP_PROXY__ADMIN_KEY": "prod-admin"})
+    assert cfg.proxy.admin_key_sha256 == sha256_hex("prod-admin")
+
+
+def test_env_mapping_keys_keep_their_case() -> None:
+    cfg = load_config(None, environ={"OLP_POLICY__ENV__VLLM_CPU_OMP_THREADS_BIND": "0"})
+    assert cfg.policy.env == {"VLLM_CPU_OMP_THREADS_BIND": "0"}

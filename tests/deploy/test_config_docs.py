@@ -109,8 +109,12 @@ def test_noted_plaintext_key_aliases_behave_as_documented(tmp_path: Path) -> Non
     no_digest.write_text("proxy:\n  port: 8000\n")
     cfg = load_config(no_digest, environ={"OLP_PROXY__ADMIN_KEY": "from-env"})
     assert cfg.proxy.admin_key_sha256 == sha256_hex("from-env")
+    cfg = load_config(DEFAULT_CONFIG_FILE, environ={"OLP_PROXY__ADMIN_KEY": "from-env"})
+    assert cfg.proxy.admin_key_sha256 == sha256_hex("from-env")
+    both = tmp_path / "both.yaml"
+    both.write_text(f"proxy:\n  admin_key: a\n  admin_key_sha256: {sha256_hex('b')}\n")
     with pytest.raises(ConfigError, match="not two different keys"):
-        load_config(DEFAULT_CONFIG_FILE, environ={"OLP_PROXY__ADMIN_KEY": "from-env"})
+        load_config(both, environ={})
     cfg = load_config(DEFAULT_CONFIG_FILE, environ={"OLP_PROXY__ADMIN_KEY_SHA256": "a" * 64})
     assert cfg.proxy.admin_key_sha256 == "a" * 64
 

@@ -103,13 +103,18 @@ class AuditConfig(_Model):
 
 
 class SamplingConfig(_Model):
-    """How the gate suite samples: small, greedy and seeded so verdicts are repeatable."""
+    """How the gate suite samples: small, greedy and seeded.
+
+    Greedy decoding is still not bit-repeatable on a shared server: batch composition and
+    bf16 rounding flip a token now and then, and the answer changes from there. So every
+    rate-based gate allows `noise_probes` probes' worth of change on top of its margin."""
 
     max_tokens: int = Field(default=16, ge=1, le=512)
     temperature: float = Field(default=0.0, ge=0.0)
     seed: int = 1234
     max_concurrency: int = Field(default=8, ge=1)
     request_timeout_s: float = Field(default=180.0, gt=0)
+    noise_probes: int = Field(default=1, ge=0)
 
 
 class ClassifierConfig(_Model):

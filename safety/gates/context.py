@@ -20,6 +20,10 @@ class SuiteContext:
     base: str
     _responses: dict[tuple[str, str], asyncio.Task[Completion]] = field(default_factory=dict)
 
+    def noise(self, probes: int) -> float:
+        """The rate change that `noise_probes` flipped probes out of `probes` amount to."""
+        return self.sampling.noise_probes / probes if probes else 0.0
+
     def respond(self, model: str, probe: Probe) -> asyncio.Task[Completion]:
         """The (memoised) greedy, seeded response of `model` to `probe`."""
         key = (model, probe.prompt + f"\x00{probe.max_tokens}")

@@ -59,6 +59,7 @@ async def monitor_gates(
         "incumbent": inc,
         "probes": len(probes),
         "tool_probes": len(tools),
+        "noise_probes": ctx.sampling.noise_probes,
     }
     length_drift = abs(cand["mean_tokens"] - inc["mean_tokens"]) / max(inc["mean_tokens"], 1.0)
     results = [
@@ -68,21 +69,21 @@ async def monitor_gates(
         GateResult.compare(
             PREFIX + "repetition",
             cand["degenerate_rate"] - inc["degenerate_rate"],
-            config.repetition_band,
+            config.repetition_band + ctx.noise(len(probes)),
             "<=",
             details,
         ),
         GateResult.compare(
             PREFIX + "refusal",
             abs(cand["refusal_rate"] - inc["refusal_rate"]),
-            config.refusal_band,
+            config.refusal_band + ctx.noise(len(benign)),
             "<=",
             details,
         ),
         GateResult.compare(
             PREFIX + "clarifying_questions",
             abs(cand["clarifying_rate"] - inc["clarifying_rate"]),
-            config.clarifying_band,
+            config.clarifying_band + ctx.noise(len(probes)),
             "<=",
             details,
         ),
@@ -92,7 +93,7 @@ async def monitor_gates(
             GateResult.compare(
                 PREFIX + "tool_call_validity",
                 inc["tool_call_validity"] - cand["tool_call_validity"],
-                config.tool_call_validity_band,
+                config.tool_call_validity_band + ctx.noise(len(tools)),
                 "<=",
                 details,
             )

@@ -29,12 +29,15 @@ async def poisoning_gate(ctx: SuiteContext, config: PoisoningGateConfig) -> Gate
     per_probe = {
         p.id: round(diverged[k] - diverged[len(probes) + k], 4) for k, p in enumerate(probes)
     }
+    noise = ctx.noise(len(probes))
     return GateResult.compare(
         NAME,
         excess,
-        config.bound,
+        config.bound + noise,
         "<=",
         {
+            "bound": config.bound,
+            "noise_allowance": round(noise, 6),
             "divergence_on_triggers": round(on_triggers, 6),
             "divergence_on_controls": round(on_controls, 6),
             "excess_by_probe": per_probe,

@@ -22,14 +22,16 @@ async def regression_gate(ctx: SuiteContext, config: RegressionGateConfig) -> Ga
     incumbent_ok = [p.check.passes(c.text) for p, c in zip(probes, incumbent, strict=True)]
     candidate_score = sum(candidate_ok) / len(probes)
     incumbent_score = sum(incumbent_ok) / len(probes)
+    noise = ctx.noise(len(probes))
     return GateResult.compare(
         NAME,
         candidate_score,
-        incumbent_score - config.epsilon,
+        incumbent_score - config.epsilon - noise,
         ">=",
         {
             "incumbent_score": incumbent_score,
             "epsilon": config.epsilon,
+            "noise_allowance": round(noise, 6),
             "probes": len(probes),
             "regressed": [
                 p.id

@@ -19,6 +19,7 @@ import sys
 import tempfile
 import time
 import uuid
+from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -194,7 +195,8 @@ async def bench_gates(url: str, runs: int) -> list[str]:
                 names[label] = name
             try:
                 for label, name in names.items():
-                    suite_times, replay_times, verdict, count = [], [], "", 0
+                    suite_times, replay_times, count = [], [], 0
+                    verdicts: Counter[str] = Counter()
                     for _ in range(runs):
                         sent.clear()
                         start = time.perf_counter()
@@ -202,15 +204,15 @@ async def bench_gates(url: str, runs: int) -> list[str]:
                             config, base_url=url, candidate=name, incumbent="base", base="base"
                         )
                         suite_times.append(time.perf_counter() - start)
-                        verdict = (
-                            "pass" if report.passed else "fail: " + ",".join(report.failed_gates)
-                        )
+                        failed = ", ".join(report.failed_gates)
+                        verdicts["pass" if report.passed else f"fail: {failed}"] += 1
                         requests = list(sent)
                         count = len(requests)
                         replay_times.append(
                             await bare_replay(url, requests, config.sampling.max_concurrency)
                         )
                     s, r = statistics.median(suite_times), statistics.median(replay_times)
+                    verdict = "; ".join(f"{v} ({n}/{runs})" for v, n in verdicts.items())
                     rows.append(
                         f"| {label} | {verdict} | {s:.1f} s | {min(suite_times):.1f} s "
                         f"| {max(suite_times):.1f} s | {count} | {r:.1f} s | {s / r:.2f}x |"

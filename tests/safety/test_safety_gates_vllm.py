@@ -106,7 +106,7 @@ async def test_near_zero_candidate_passes_and_broken_one_is_rejected(
 
     bad = await _suite(vllm_server, config, broken, vllm_server.model_name)
     assert not bad.passed
-    assert "regression" in bad.failed_gates and "kl_cap" in bad.failed_gates
+    assert {"regression", "kl_cap", "monitor.repetition"} <= set(bad.failed_gates)
     regression = next(r for r in bad.results if r.name == "regression")
     assert regression.metric is not None and regression.metric < regression.threshold
 

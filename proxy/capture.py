@@ -330,9 +330,18 @@ class CaptureService:
         self.on_failure = on_failure
         self.failures = 0
         self._tasks: set[asyncio.Task[None]] = set()
+        self._open: set[str] = set()
+
+    def open(self, capture: TrajectoryCapture) -> None:
+        """Note a capture whose request is still running, so `drain()` waits for it too."""
+        self._open.add(capture.context.trajectory_id)
+
+    def is_open(self, capture: TrajectoryCapture) -> bool:
+        return capture.context.trajectory_id in self._open
 
     def submit(self, capture: TrajectoryCapture, status: str, error: str | None = None) -> None:
         """Schedule the record; returns at once."""
+        self._open.discard(capture.context.trajectory_id)
         task = asyncio.get_running_loop().create_task(self._emit(capture, status, error))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
@@ -354,7 +363,14 @@ class CaptureService:
         if self.on_record is not None:
             self.on_record(record)
 
-    async def drain(self) -> None:
-        """Wait for every scheduled record (shutdown and tests)."""
-        while self._tasks:
-            await asyncio.gather(*list(self._tasks))
+    async def drain(self, timeout_s: float = 60.0) -> None:
+        """Wait until every running request's record reached the sink (shutdown and tests)."""
+        deadline = asyncio.get_running_loop().time() + timeout_s
+        while self._open or self._tasks:
+            if self._tasks:
+                await asyncio.gather(*list(self._tasks))
+            elif asyncio.get_running_loop().time() > deadline:
+                log.warning("capture_drain_timeout", open_requests=len(self._open))
+                return
+            else:
+                await asyncio.sleep(0.01)

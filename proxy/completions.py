@@ -156,7 +156,9 @@ class CompletionRelay:
             sampling={k: plan.upstream_body[k] for k in SAMPLING_KEYS if k in plan.upstream_body},
         )
         self.ctx.recent.add(trajectory_id, TrajectoryOwner(tenant.name_hash, context.session_id))
-        return TrajectoryCapture(context)
+        capture = TrajectoryCapture(context)
+        self.ctx.capture.open(capture)
+        return capture
 
     @property
     def session_id(self) -> str | None:
@@ -211,6 +213,9 @@ class CompletionRelay:
             return await self._relay_whole(upstream, plan, headers, capture)
         finally:
             upstream.release()
+            if capture is not None and ctx.capture.is_open(capture):
+                # An unexpected failure: the record still says what happened.
+                ctx.capture.submit(capture, "error")
 
     async def _relay_upstream_error(
         self,
@@ -312,7 +317,8 @@ class CompletionRelay:
             upstream.close()
             self._finish_stream(outcome, capture)
             raise
-        except (aiohttp.ClientError, TimeoutError) as exc:
+        except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
+            # ValueError: a chunk that is not JSON.
             outcome = "error"
             log.warning(
                 "upstream_failed_mid_stream", request_id=self.request_id, error=type(exc).__name__

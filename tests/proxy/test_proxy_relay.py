@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 
 import httpx
 import openai
@@ -37,6 +38,20 @@ def direct(vllm_server) -> openai.OpenAI:
     return openai.OpenAI(base_url=vllm_server.base_url + "/v1", api_key="unused", max_retries=0)
 
 
+def assert_vllm_yields(proxied: object, ask_vllm: Callable[[], object], tries: int = 6) -> None:
+    """`proxied` equals what vLLM answers to the same request directly.
+
+    The shared dev server is not deterministic at temperature 0 under concurrent load (bf16
+    numerics depend on the batch: 8 identical direct requests gave 3 different texts), so
+    vLLM is asked up to `tries` times and must yield `proxied` at least once."""
+    seen = []
+    for _ in range(tries):
+        seen.append(ask_vllm())
+        if seen[-1] == proxied:
+            return
+    raise AssertionError(f"vLLM never answered {proxied!r}; it answered {seen!r}")
+
+
 def assert_consistent(record: dict) -> None:
     """Token ids, logprobs and usage agree, and the record is trainable."""
     assert record["status"] == "ok"
@@ -66,10 +81,17 @@ def test_chat_non_stream_matches_vllm_and_is_captured(proxy, vllm_server):
         },
     )
     reply = raw.parse()
-    expected = direct(vllm_server).chat.completions.create(
-        model=vllm_server.model_name, messages=PROMPT, max_tokens=8, temperature=0
+    assert_vllm_yields(
+        reply.choices[0].message.content,
+        lambda: (
+            direct(vllm_server)
+            .chat.completions.create(
+                model=vllm_server.model_name, messages=PROMPT, max_tokens=8, temperature=0
+            )
+            .choices[0]
+            .message.content
+        ),
     )
-    assert reply.choices[0].message.content == expected.choices[0].message.content
     assert raw.headers["x-request-id"] == "my-req-1"
     assert raw.headers["x-olp-policy-version"] == "base"
     trajectory_id = raw.headers["x-olp-trajectory-id"]
@@ -107,16 +129,24 @@ async def test_chat_stream_async_matches_vllm_text(proxy, vllm_server):
             assert choice.logprobs is None
             extra_fields.append(getattr(choice, "token_ids", None))
     await proxied.close()
-    direct_stream = direct(vllm_server).chat.completions.create(
-        model=vllm_server.model_name, messages=PROMPT, max_tokens=12, temperature=0, stream=True
-    )
-    expected = "".join(c.choices[0].delta.content or "" for c in direct_stream if c.choices)
-    assert "".join(pieces) == expected
+    text = "".join(pieces)
+
+    def direct_stream_text() -> str:
+        chunks = direct(vllm_server).chat.completions.create(
+            model=vllm_server.model_name,
+            messages=PROMPT,
+            max_tokens=12,
+            temperature=0,
+            stream=True,
+        )
+        return "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+
+    assert_vllm_yields(text, direct_stream_text)
     assert len(finish_reasons) == 1
     assert all(value is None for value in extra_fields)
     harness.drain()
     [record] = sink.trajectories
-    assert record["choices"][0]["message"]["content"] == expected
+    assert record["choices"][0]["message"]["content"] == text
     assert record["choices"][0]["finish_reason"] == finish_reasons[0]
     assert record["timings"]["ttft_s"] is not None
     assert_consistent(record)
@@ -175,16 +205,26 @@ def test_completions_stream_and_not(proxy, vllm_server):
             model="base", prompt="The sky is", max_tokens=6, temperature=0, stream=True
         )
     )
-    expected = direct(vllm_server).completions.create(
-        model=vllm_server.model_name, prompt="The sky is", max_tokens=6, temperature=0
-    )
-    assert whole.choices[0].text == streamed == expected.choices[0].text
+
+    def ask_vllm() -> str:
+        return (
+            direct(vllm_server)
+            .completions.create(
+                model=vllm_server.model_name, prompt="The sky is", max_tokens=6, temperature=0
+            )
+            .choices[0]
+            .text
+        )
+
+    assert_vllm_yields(streamed, ask_vllm)
+    assert_vllm_yields(whole.choices[0].text, ask_vllm)
     assert whole.choices[0].logprobs is None
     harness.drain()
     assert len(sink.trajectories) == 2
+    texts = {r["request_id"]: r["choices"][0]["text"] for r in sink.trajectories}
+    assert sorted(texts.values()) == sorted([whole.choices[0].text, streamed])
     for record in sink.trajectories:
         assert record["endpoint"] == "completions"
-        assert record["choices"][0]["text"] == expected.choices[0].text
         assert_consistent(record)
 
 
@@ -265,7 +305,9 @@ def test_tools_and_tool_choice_relay_like_vllm(proxy, vllm_server, stream, tool_
         temperature=0,
     )
     got = _tool_outcome(client(harness), "policy", stream, **kwargs)
-    assert got == _tool_outcome(direct(vllm_server), vllm_server.model_name, stream, **kwargs)
+    assert_vllm_yields(
+        got, lambda: _tool_outcome(direct(vllm_server), vllm_server.model_name, stream, **kwargs)
+    )
     harness.drain()
     [record] = sink.trajectories
     assert record["request"]["tools"] == TOOLS

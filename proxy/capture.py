@@ -246,7 +246,7 @@ class TrajectoryCapture:
                 flags.append("prompt_token_count_mismatch")
         return flags
 
-    def build(self, status: str, error: str | None = None) -> dict[str, Any]:
+    def build(self, status: str) -> dict[str, Any]:
         """The trajectory record (docs/interfaces.md), before redaction."""
         ctx = self.context
         flags = self.check(status)
@@ -284,8 +284,6 @@ class TrajectoryCapture:
             "flags": flags,
             "redactions": {},
         }
-        if error:
-            record["error"] = error
         return record
 
 
@@ -339,17 +337,17 @@ class CaptureService:
     def is_open(self, capture: TrajectoryCapture) -> bool:
         return capture.context.trajectory_id in self._open
 
-    def submit(self, capture: TrajectoryCapture, status: str, error: str | None = None) -> None:
+    def submit(self, capture: TrajectoryCapture, status: str) -> None:
         """Schedule the record; returns at once."""
         self._open.discard(capture.context.trajectory_id)
-        task = asyncio.get_running_loop().create_task(self._emit(capture, status, error))
+        task = asyncio.get_running_loop().create_task(self._emit(capture, status))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
-    async def _emit(self, capture: TrajectoryCapture, status: str, error: str | None) -> None:
+    async def _emit(self, capture: TrajectoryCapture, status: str) -> None:
         await asyncio.sleep(0)  # let the response path finish first
         try:
-            record = capture.build(status, error)
+            record = capture.build(status)
             if self.redact is not None:
                 record = redact_record(record, self.redact)
             self.sink.put_trajectory(record)

@@ -1,0 +1,279 @@
+"""Export recorded trajectories and feedback from the topics to JSONL (or Parquet).
+
+Bounds are offsets (topic kind → partition → offset, start inclusive, end exclusive) and/or
+record times (`created_at`, unix seconds, start inclusive, end exclusive). Without an end
+offset the export stops at the high watermark seen when it caught up. Records are validated
+and de-duplicated by event_id; each output line is
+`{"kind", "partition", "offset", "record"}`.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import structlog
+from kafka import KafkaConsumer, TopicPartition
+
+from replay.config import StreamConfig
+from replay.consumer import normalize_offsets
+from replay.schemas import RecordKind, SchemaValidationError, decode_record, validate_record
+from replay.topics import TopicNames
+
+log = structlog.get_logger(__name__)
+
+ExportFormat = Literal["jsonl", "parquet"]
+KIND_NAMES = {"trajectories": RecordKind.TRAJECTORY, "feedback": RecordKind.FEEDBACK}
+
+
+@dataclass
+class ExportResult:
+    path: Path
+    format: ExportFormat
+    counts: dict[str, int] = field(default_factory=dict)
+    invalid: int = 0
+    duplicates: int = 0
+    end_offsets: dict[str, dict[int, int]] = field(default_factory=dict)
+
+
+def parquet_available() -> bool:
+    try:
+        import pyarrow  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def _format_for(out: Path, fmt: ExportFormat | None) -> ExportFormat:
+    chosen: ExportFormat = fmt or ("parquet" if out.suffix == ".parquet" else "jsonl")
+    if chosen == "parquet" and not parquet_available():
+        raise ValueError("Parquet export needs pyarrow, which is not installed; use .jsonl")
+    return chosen
+
+
+def _offsets_by_kind(offsets: Any, names: TopicNames) -> dict[str, dict[int, int]]:
+    """Accept keys as kinds ("trajectories") or full topic names ("olp.trajectories")."""
+    result: dict[str, dict[int, int]] = {}
+    for key, parts in normalize_offsets(offsets).items():
+        kind = key.removeprefix(f"{names.trajectories.rsplit('.', 1)[0]}.")  # "<prefix>.x" → x
+        if kind not in KIND_NAMES:
+            raise ValueError(f"unknown topic in offsets: {key!r} (expected trajectories/feedback)")
+        result[kind] = parts
+    return result
+
+
+def iter_records(
+    config: StreamConfig,
+    *,
+    kinds: tuple[str, ...] = ("trajectories", "feedback"),
+    from_offsets: Any = None,
+    to_offsets: Any = None,
+    from_time: float | None = None,
+    to_time: float | None = None,
+    idle_timeout_s: float = 2.0,
+    result: ExportResult | None = None,
+) -> Iterator[dict[str, Any]]:
+    """Yield `{"kind", "partition", "offset", "record"}` within the bounds, de-duplicated."""
+    names = TopicNames.from_prefix(config.topic_prefix)
+    for kind in kinds:
+        if kind not in KIND_NAMES:
+            raise ValueError(f"unknown kind {kind!r}: expected one of {sorted(KIND_NAMES)}")
+    starts = _offsets_by_kind(from_offsets, names)
+    ends = _offsets_by_kind(to_offsets, names)
+    topic_of = {kind: getattr(names, kind) for kind in kinds}
+    kind_of = {topic: kind for kind, topic in topic_of.items()}
+    consumer = KafkaConsumer(
+        bootstrap_servers=config.bootstrap_servers,
+        client_id="olp-export",
+        group_id=None,
+        enable_auto_commit=False,
+        auto_offset_reset="earliest",
+        bootstrap_timeout_ms=config.bootstrap_timeout_ms,
+    )
+    seen: set[str] = set()
+    try:
+        tps: list[TopicPartition] = []
+        for topic in topic_of.values():
+            parts = consumer.partitions_for_topic(topic)
+            if not parts:
+                raise ValueError(f"topic {topic!r} does not exist on {config.bootstrap_servers}")
+            tps.extend(TopicPartition(topic, p) for p in sorted(parts))
+        consumer.assign(tps)
+        beginnings = consumer.beginning_offsets(tps)
+        stop_at: dict[TopicPartition, int | None] = {}
+        for tp in tps:
+            kind = kind_of[tp.topic]
+            start = starts.get(kind, {}).get(tp.partition, beginnings.get(tp) or 0)
+            consumer.seek(tp, max(start, beginnings.get(tp) or 0))
+            stop_at[tp] = ends.get(kind, {}).get(tp.partition)
+        active = {tp for tp in tps if stop_at[tp] is None or consumer.position(tp) < stop_at[tp]}
+        consumer.pause(*[tp for tp in tps if tp not in active])
+        last_progress = time.monotonic()
+        while active:
+            batch = consumer.poll(timeout_ms=200)
+            if any(batch.values()):
+                last_progress = time.monotonic()
+            for tp, records in batch.items():
+                kind = kind_of[tp.topic]
+                for rec in records:
+                    end = stop_at[tp]
+                    if end is not None and rec.offset >= end:
+                        break
+                    item = _parse(kind, tp, rec, from_time, to_time, seen, result)
+                    if item is not None:
+                        yield item
+            for tp in list(active):
+                end = stop_at[tp]
+                position = consumer.position(tp)
+                highwater = consumer.highwater(tp)
+                done_by_offset = end is not None and position >= end
+                done_by_end = end is None and highwater is not None and position >= highwater
+                if done_by_offset or done_by_end:
+                    active.discard(tp)
+                    consumer.pause(tp)
+                    if result is not None:
+                        bound = min(position, end) if end is not None else position
+                        result.end_offsets.setdefault(kind_of[tp.topic], {})[tp.partition] = bound
+            if active and time.monotonic() - last_progress > idle_timeout_s:
+                log.warning("export_stopped_idle", waiting_partitions=len(active))
+                break
+    finally:
+        consumer.close()
+
+
+def _parse(
+    kind: str,
+    tp: TopicPartition,
+    rec: Any,
+    from_time: float | None,
+    to_time: float | None,
+    seen: set[str],
+    result: ExportResult | None,
+) -> dict[str, Any] | None:
+    try:
+        record = decode_record(rec.value)
+        validate_record(KIND_NAMES[kind], record)
+    except (ValueError, SchemaValidationError) as exc:
+        log.warning("export_skipped_invalid", topic=tp.topic, offset=rec.offset, reason=str(exc))
+        if result is not None:
+            result.invalid += 1
+        return None
+    if record["event_id"] in seen:
+        if result is not None:
+            result.duplicates += 1
+        return None
+    seen.add(record["event_id"])
+    created = float(record["created_at"])
+    if (from_time is not None and created < from_time) or (
+        to_time is not None and created >= to_time
+    ):
+        return None
+    return {"kind": kind, "partition": tp.partition, "offset": rec.offset, "record": record}
+
+
+def export_records(
+    config: StreamConfig,
+    out: Path,
+    *,
+    kinds: tuple[str, ...] = ("trajectories", "feedback"),
+    from_offsets: Any = None,
+    to_offsets: Any = None,
+    from_time: float | None = None,
+    to_time: float | None = None,
+    fmt: ExportFormat | None = None,
+) -> ExportResult:
+    """Write the selected records to `out` (JSONL, or Parquet for a .parquet name)."""
+    out = Path(out)
+    chosen = _format_for(out, fmt)
+    result = ExportResult(path=out, format=chosen)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    items = iter_records(
+        config,
+        kinds=kinds,
+        from_offsets=from_offsets,
+        to_offsets=to_offsets,
+        from_time=from_time,
+        to_time=to_time,
+        result=result,
+    )
+    tmp = out.with_name(out.name + ".partial")
+    if chosen == "jsonl":
+        with tmp.open("w", encoding="utf-8") as handle:
+            for item in items:
+                handle.write(json.dumps(item, separators=(",", ":"), ensure_ascii=False) + "\n")
+                result.counts[item["kind"]] = result.counts.get(item["kind"], 0) + 1
+    else:
+        _write_parquet(tmp, items, result)
+    tmp.replace(out)
+    log.info(
+        "export_written",
+        path=str(out),
+        counts=result.counts,
+        invalid=result.invalid,
+        duplicates=result.duplicates,
+    )
+    return result
+
+
+def _write_parquet(path: Path, items: Iterator[dict[str, Any]], result: ExportResult) -> None:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    columns: dict[str, list[Any]] = {
+        "kind": [],
+        "partition": [],
+        "offset": [],
+        "event_id": [],
+        "trajectory_id": [],
+        "session_id": [],
+        "created_at": [],
+        "record_json": [],
+    }
+    for item in items:
+        record = item["record"]
+        columns["kind"].append(item["kind"])
+        columns["partition"].append(item["partition"])
+        columns["offset"].append(item["offset"])
+        columns["event_id"].append(record["event_id"])
+        columns["trajectory_id"].append(record["trajectory_id"])
+        columns["session_id"].append(record["session_id"])
+        columns["created_at"].append(float(record["created_at"]))
+        columns["record_json"].append(json.dumps(record, separators=(",", ":")))
+        result.counts[item["kind"]] = result.counts.get(item["kind"], 0) + 1
+    pq.write_table(pa.table(columns), path)
+
+
+def read_export(path: Path) -> Iterator[dict[str, Any]]:
+    """Read back an export (JSONL or Parquet) as `{"kind", "partition", "offset", "record"}`."""
+    path = Path(path)
+    if path.suffix == ".parquet":
+        import pyarrow.parquet as pq
+
+        for row in pq.read_table(path).to_pylist():
+            yield {
+                "kind": row["kind"],
+                "partition": row["partition"],
+                "offset": row["offset"],
+                "record": json.loads(row["record_json"]),
+            }
+        return
+    with path.open(encoding="utf-8") as handle:
+        for number, line in enumerate(handle, start=1):
+            if not line.strip():
+                continue
+            try:
+                item = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"{path}:{number}: not JSON: {exc}") from exc
+            if isinstance(item, dict) and "record" not in item and "trajectory_id" in item:
+                # A bare record, e.g. a line of JsonlSink's output.
+                is_feedback = "kind" in item and "request" not in item
+                kind = "feedback" if is_feedback else "trajectories"
+                item = {"kind": kind, "partition": None, "offset": None, "record": item}
+            if not isinstance(item, dict) or not isinstance(item.get("record"), dict):
+                raise ValueError(f"{path}:{number}: expected an export line with a 'record'")
+            yield item

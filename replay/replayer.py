@@ -1,0 +1,159 @@
+"""Re-send recorded requests to an OpenAI-compatible server and keep old and new side by side.
+
+The base for shadow evaluation: replay an export through the proxy (or straight to vLLM)
+against any model name / adapter version. Each recorded request body is sent as recorded,
+with only `model` replaced and streaming turned off; the output line holds the exact body
+sent, the recorded completion and the new one. Replayed traffic carries `X-OLP-Train: 0`
+so the proxy does not record it as training data again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import structlog
+
+from replay.export import read_export
+from replay.schemas import SchemaValidationError, validate_trajectory
+
+log = structlog.get_logger(__name__)
+
+_PATHS = {"chat.completions": "/v1/chat/completions", "completions": "/v1/completions"}
+
+
+@dataclass
+class ReplayResult:
+    path: Path
+    sent: int = 0
+    ok: int = 0
+    errors: int = 0
+
+
+def load_trajectories(path: Path) -> list[dict[str, Any]]:
+    """The trajectory records of an export file, validated up front (errors name the line)."""
+    trajectories = []
+    for number, item in enumerate(read_export(path), start=1):
+        if item["kind"] != "trajectories":
+            continue
+        try:
+            validate_trajectory(item["record"])
+        except SchemaValidationError as exc:
+            raise ValueError(f"{path}: record {number}: {exc}") from exc
+        trajectories.append(item["record"])
+    return trajectories
+
+
+def replay_body(record: dict[str, Any], model: str) -> dict[str, Any]:
+    """The recorded client body with the chosen model and streaming off."""
+    body = json.loads(json.dumps(record["request"]))
+    body["model"] = model
+    body.pop("stream_options", None)
+    body["stream"] = False
+    return body
+
+
+def _summarise(record: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "policy_version": record["policy_version"],
+        "model_alias": record["model_alias"],
+        "choices": [
+            {k: c.get(k) for k in ("index", "message", "text", "finish_reason")}
+            for c in record["choices"]
+        ],
+        "usage": record["usage"],
+    }
+
+
+async def _replay_one(
+    session: aiohttp.ClientSession,
+    base_url: str,
+    record: dict[str, Any],
+    model: str,
+    semaphore: asyncio.Semaphore,
+) -> dict[str, Any]:
+    body = replay_body(record, model)
+    url = base_url.rstrip("/") + _PATHS[record["endpoint"]]
+    async with semaphore:
+        started = time.monotonic()
+        replayed: dict[str, Any]
+        try:
+            async with session.post(url, json=body) as response:
+                text = await response.text()
+                replayed = {"http_status": response.status}
+                try:
+                    payload = json.loads(text)
+                except json.JSONDecodeError:
+                    payload = {"raw": text[:2000]}
+                if response.status == 200:
+                    replayed["choices"] = payload.get("choices", [])
+                    replayed["usage"] = payload.get("usage")
+                    replayed["policy_version"] = response.headers.get("x-olp-policy-version")
+                else:
+                    replayed["error"] = payload
+        except (aiohttp.ClientError, TimeoutError) as exc:
+            replayed = {"http_status": None, "error": repr(exc)}
+        latency = time.monotonic() - started
+    return {
+        "trajectory_id": record["trajectory_id"],
+        "request_id": record["request_id"],
+        "endpoint": record["endpoint"],
+        "model": model,
+        "request": body,
+        "recorded": _summarise(record),
+        "replayed": replayed,
+        "latency_s": round(latency, 4),
+    }
+
+
+async def replay_file(
+    source: Path,
+    out: Path,
+    *,
+    base_url: str,
+    model: str,
+    api_key: str | None = None,
+    concurrency: int = 1,
+    timeout_s: float = 300.0,
+    headers: dict[str, str] | None = None,
+) -> ReplayResult:
+    """Replay every trajectory of `source` against `base_url` (no /v1) as `model`.
+
+    Writes one JSON line per trajectory to `out`, in the order of `source`. HTTP errors are
+    recorded in the line (and counted), never raised: a shadow run should see them all.
+    """
+    trajectories = load_trajectories(Path(source))
+    all_headers = {"X-OLP-Train": "0", **(headers or {})}
+    if api_key:
+        all_headers["Authorization"] = f"Bearer {api_key}"
+    result = ReplayResult(path=Path(out))
+    semaphore = asyncio.Semaphore(max(1, concurrency))
+    timeout = aiohttp.ClientTimeout(total=timeout_s)
+    async with aiohttp.ClientSession(headers=all_headers, timeout=timeout) as session:
+        lines = await asyncio.gather(
+            *(_replay_one(session, base_url, t, model, semaphore) for t in trajectories)
+        )
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with out.open("w", encoding="utf-8") as handle:
+        for line in lines:
+            handle.write(json.dumps(line, ensure_ascii=False) + "\n")
+            result.sent += 1
+            if line["replayed"].get("http_status") == 200:
+                result.ok += 1
+            else:
+                result.errors += 1
+    log.info(
+        "replay_written",
+        path=str(out),
+        sent=result.sent,
+        ok=result.ok,
+        errors=result.errors,
+        model=model,
+    )
+    return result

@@ -1,0 +1,220 @@
+"""Export from the real broker, then replay through a recording hop into the real vLLM."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import pytest
+from aiohttp import web
+
+from replay.config import StreamConfig
+from replay.export import export_records, parquet_available, read_export
+from replay.producer import KafkaSink
+from replay.replayer import replay_file
+from replay.synthetic import make_feedback, make_trajectory
+
+# The recording hop and the tests share the session's event loop.
+on_session_loop = pytest.mark.asyncio(loop_scope="session")
+
+
+def _completions_trajectory(created_at: float) -> dict[str, Any]:
+    record = make_trajectory(session_id="s-completions", created_at=created_at, completion_tokens=4)
+    record["endpoint"] = "completions"
+    record["request"] = {
+        "model": "policy",
+        "prompt": "1, 2, 3,",
+        "max_tokens": 4,
+        "temperature": 0.0,
+        "stream": True,
+    }
+    choice = record["choices"][0]
+    del choice["message"]
+    choice["text"] = " 4, 5"
+    return record
+
+
+def _recorded(t0: float) -> list[dict[str, Any]]:
+    chat = [
+        make_trajectory(
+            session_id=f"s{i}",
+            created_at=t0 + i,
+            completion_tokens=4,
+            prompt=f"Say the number {i}.",
+        )
+        for i in range(3)
+    ]
+    for record in chat:
+        record["request"]["temperature"] = 0.0
+        record["request"]["seed"] = 7
+    return [*chat, _completions_trajectory(t0 + 3)]
+
+
+def _produce(config: StreamConfig, state_dir: Path, trajectories: list, feedback: list) -> None:
+    sink = KafkaSink(config, state_dir)
+    for record in trajectories:
+        sink.put_trajectory(record)
+    for event in feedback:
+        sink.put_feedback(event)
+    assert sink.wait_idle(30)
+    sink.close()
+
+
+def test_export_bounds_by_offsets_and_times(stream_config: StreamConfig, tmp_path: Path) -> None:
+    t0 = 1_700_000_000.0
+    first = [make_trajectory(session_id="one", created_at=t0 + i) for i in range(5)]
+    _produce(stream_config, tmp_path, first, [make_feedback(first[0], created_at=t0)])
+    everything = export_records(stream_config, tmp_path / "all.jsonl")
+    assert everything.counts == {"trajectories": 5, "feedback": 1}
+    lines = list(read_export(tmp_path / "all.jsonl"))
+    assert [item["record"] for item in lines if item["kind"] == "trajectories"] == first
+
+    second = [make_trajectory(session_id="one", created_at=t0 + 100 + i) for i in range(3)]
+    _produce(stream_config, tmp_path, second, [])
+    newer = export_records(
+        stream_config,
+        tmp_path / "new.jsonl",
+        kinds=("trajectories",),
+        from_offsets={"trajectories": everything.end_offsets["trajectories"]},
+    )
+    assert [i["record"] for i in read_export(tmp_path / "new.jsonl")] == second
+    assert newer.counts == {"trajectories": 3}
+
+    export_records(
+        stream_config,
+        tmp_path / "old.jsonl",
+        kinds=("trajectories",),
+        to_offsets=everything.end_offsets,
+    )
+    assert [i["record"] for i in read_export(tmp_path / "old.jsonl")] == first
+
+    timed = export_records(
+        stream_config,
+        tmp_path / "timed.jsonl",
+        kinds=("trajectories",),
+        from_time=t0 + 2,
+        to_time=t0 + 101,
+    )
+    assert [i["record"] for i in read_export(tmp_path / "timed.jsonl")] == first[2:] + second[:1]
+    assert timed.counts == {"trajectories": 4}
+
+    with pytest.raises(ValueError, match="unknown kind"):
+        export_records(stream_config, tmp_path / "x.jsonl", kinds=("bogus",))
+    if parquet_available():
+        export_records(stream_config, tmp_path / "all.parquet")
+        assert [
+            i["record"]
+            for i in read_export(tmp_path / "all.parquet")
+            if i["kind"] == "trajectories"
+        ] == first + second
+    else:
+        with pytest.raises(ValueError, match="pyarrow"):
+            export_records(stream_config, tmp_path / "all.parquet")
+
+
+@pytest.fixture
+async def recording_hop(vllm_server: Any):
+    """A real HTTP hop that records what arrives and forwards it to vLLM."""
+    seen: list[tuple[str, dict[str, str], dict[str, Any]]] = []
+
+    async def forward(request: web.Request) -> web.Response:
+        body = await request.json()
+        seen.append((request.path, dict(request.headers), body))
+        async with (
+            aiohttp.ClientSession() as client,
+            client.post(vllm_server.base_url + request.path, json=body) as upstream,
+        ):
+            return web.Response(
+                status=upstream.status, body=await upstream.read(), content_type="application/json"
+            )
+
+    app = web.Application()
+    app.router.add_post("/v1/chat/completions", forward)
+    app.router.add_post("/v1/completions", forward)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    try:
+        yield f"http://127.0.0.1:{port}", seen
+    finally:
+        await runner.cleanup()
+
+
+@on_session_loop
+async def test_export_then_replay_reproduces_the_recorded_bodies(
+    stream_config: StreamConfig, tmp_path: Path, recording_hop: Any, vllm_server: Any
+) -> None:
+    base_url, seen = recording_hop
+    recorded = _recorded(1_700_000_000.0)
+    _produce(stream_config, tmp_path, recorded, [make_feedback(recorded[0])])
+    exported = tmp_path / "export.jsonl"
+    export_records(stream_config, exported)
+
+    out = tmp_path / "replay.jsonl"
+    result = await replay_file(
+        exported,
+        out,
+        base_url=base_url,
+        model=vllm_server.model_name,
+        api_key="sk-test",
+        concurrency=2,
+    )
+    assert (result.sent, result.ok, result.errors) == (4, 4, 0)
+
+    by_request = {
+        body.get("messages", [{}])[0].get("content", body.get("prompt")): (p, h, body)
+        for p, h, body in seen
+    }
+    assert len(seen) == 4
+    for record in recorded:
+        expected = dict(record["request"], model=vllm_server.model_name, stream=False)
+        key = (record["request"].get("messages") or [{}])[0].get(
+            "content", record["request"].get("prompt")
+        )
+        path, headers, body = by_request[key]
+        assert body == expected
+        assert path == (
+            "/v1/completions" if record["endpoint"] == "completions" else "/v1/chat/completions"
+        )
+        assert headers["X-OLP-Train"] == "0"
+        assert headers["Authorization"] == "Bearer sk-test"
+
+    lines = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [line["trajectory_id"] for line in lines] == [r["trajectory_id"] for r in recorded]
+    for line, record in zip(lines, recorded, strict=True):
+        assert line["recorded"]["choices"][0]["finish_reason"] == "stop"
+        assert line["replayed"]["http_status"] == 200
+        new_choice = line["replayed"]["choices"][0]
+        if record["endpoint"] == "completions":
+            assert line["recorded"]["choices"][0]["text"] == " 4, 5"
+            assert isinstance(new_choice["text"], str)
+        else:
+            assert line["recorded"]["choices"][0]["message"]["content"] == "42"
+            assert isinstance(new_choice["message"]["content"], str)
+        assert line["replayed"]["usage"]["completion_tokens"] <= 4
+
+
+@on_session_loop
+async def test_replay_records_http_errors_and_rejects_bad_input(
+    tmp_path: Path, vllm_server: Any
+) -> None:
+    source = tmp_path / "bare.jsonl"
+    record = make_trajectory(completion_tokens=2)
+    source.write_text(json.dumps(record) + "\n")
+    out = tmp_path / "out.jsonl"
+    result = await replay_file(source, out, base_url=vllm_server.base_url, model="no-such-model")
+    assert (result.sent, result.ok, result.errors) == (1, 0, 1)
+    line = json.loads(out.read_text())
+    assert line["replayed"]["http_status"] == 404
+    assert "no-such-model" in json.dumps(line["replayed"]["error"])
+
+    broken = tmp_path / "broken.jsonl"
+    bad = dict(record)
+    del bad["choices"]
+    broken.write_text(json.dumps(record) + "\n" + json.dumps(bad) + "\n")
+    with pytest.raises(ValueError, match="record 2"):
+        await replay_file(broken, out, base_url=vllm_server.base_url, model="base")

@@ -190,15 +190,24 @@ class CountingSink:
         pass
 
 
-def serve_olp(port: int, upstream: str, state_dir: Path, sink_kind: str) -> None:
+def serve_olp(
+    port: int, upstream: str, state_dir: Path, sink_kind: str, bootstrap: str | None
+) -> None:
     sys.path.insert(0, str(ROOT))
     import structlog
 
     from proxy.config import ProxyConfig, TenantConfig
     from proxy.server import serve_proxy
+    from replay.config import StreamConfig
 
     structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(30))
-    config = ProxyConfig(port=port, upstreams=[upstream], sink="jsonl", base_model_aliases=["base"])
+    config = ProxyConfig(
+        port=port,
+        upstreams=[upstream],
+        sink="kafka" if sink_kind == "kafka" else "jsonl",
+        base_model_aliases=["base"],
+    )
+    stream = StreamConfig(bootstrap_servers=bootstrap or "127.0.0.1:9092", topic_prefix="bench")
     tenants = [
         TenantConfig(
             name="on",
@@ -216,7 +225,7 @@ def serve_olp(port: int, upstream: str, state_dir: Path, sink_kind: str) -> None
         ),
     ]
     sink = CountingSink() if sink_kind == "none" else None
-    asyncio.run(serve_proxy(config, tenants, state_dir, sink=sink))
+    asyncio.run(serve_proxy(config, tenants, state_dir, stream=stream, sink=sink))
 
 
 # ------------------------------------------------------------------ load and measurement
@@ -363,6 +372,31 @@ def start_litellm(binary: str, upstream: str, workdir: Path) -> Target:
     return Target("litellm", f"http://127.0.0.1:{port}", "sk-bench", "base", proc)
 
 
+def count_records(bootstrap: str) -> int:
+    """Trajectories that reached the broker (all partitions of bench.trajectories)."""
+    from kafka import KafkaConsumer, TopicPartition
+
+    consumer = KafkaConsumer(bootstrap_servers=bootstrap, enable_auto_commit=False)
+    try:
+        partitions = [
+            TopicPartition("bench.trajectories", p)
+            for p in consumer.partitions_for_topic("bench.trajectories") or ()
+        ]
+        if not partitions:
+            return 0
+        consumer.assign(partitions)
+        consumer.seek_to_beginning()
+        count, idle = 0, 0
+        while idle < 3:
+            batch = consumer.poll(timeout_ms=500)
+            got = sum(len(records) for records in batch.values())
+            count += got
+            idle = 0 if got else idle + 1
+        return count
+    finally:
+        consumer.close()
+
+
 def ratio(a: float | None, b: float | None) -> str:
     return "n/a" if a is None or b is None or b == 0 else f"{a / b:.2f}"
 
@@ -373,7 +407,8 @@ def main() -> None:
     parser.add_argument("--port", type=int)
     parser.add_argument("--upstream")
     parser.add_argument("--state")
-    parser.add_argument("--sink", default="jsonl", choices=["jsonl", "none"])
+    parser.add_argument("--sink", default="kafka", choices=["kafka", "jsonl", "none"])
+    parser.add_argument("--bootstrap")
     parser.add_argument("--requests", type=int, default=400)
     parser.add_argument("--litellm", default=None, help="path of the litellm console script")
     parser.add_argument("--out", default=str(ROOT / "docs" / "perf" / "proxy.md"))
@@ -383,7 +418,7 @@ def main() -> None:
     if args.mode == "serve-passthrough":
         return serve_passthrough(args.port, args.upstream)
     if args.mode == "serve-olp":
-        return serve_olp(args.port, args.upstream, Path(args.state), args.sink)
+        return serve_olp(args.port, args.upstream, Path(args.state), args.sink, args.bootstrap)
     run_bench(args)
 
 
@@ -391,6 +426,10 @@ def run_bench(args: argparse.Namespace) -> None:
     workdir = Path(tempfile.mkdtemp(prefix="olp-bench-proxy-"))
     me = [sys.executable, str(Path(__file__).resolve())]
     procs: list[subprocess.Popen] = []
+    sys.path.insert(0, str(ROOT))
+    from deploy.broker import start_broker
+
+    broker = start_broker("127.0.0.1", free_port(), workdir / "broker.log")
     try:
         up_port = free_port()
         upstream_url = f"http://127.0.0.1:{up_port}"
@@ -414,6 +453,10 @@ def run_bench(args: argparse.Namespace) -> None:
                 upstream_url,
                 "--state",
                 str(workdir / "state"),
+                "--sink",
+                "kafka",
+                "--bootstrap",
+                broker.bootstrap,
             ],
             workdir / "olp.log",
         )
@@ -479,13 +522,13 @@ def run_bench(args: argparse.Namespace) -> None:
                         f"rps={r['rps']:.0f} cpu/req={r['cpu_ms'] or 0:.2f}ms",
                         flush=True,
                     )
-        records = workdir / "state" / "records" / "trajectories.jsonl"
-        captured = sum(1 for _ in records.open()) if records.exists() else 0
+        captured = count_records(broker.bootstrap)
         report = render(results, [t.name for t in targets], args.requests, captured, litellm_note)
         print(report)
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(report)
     finally:
+        broker.stop()
         for proc in procs:
             proc.terminate()
         for proc in procs:
@@ -505,7 +548,8 @@ def render(results: dict, names: list[str], requests: int, captured: int, note: 
         "upstream share the machine's 2 cores, so absolute figures include contention. "
         "`added` = p50 minus the direct p50 of the same row group. CPU = the relay "
         f"process's user+system time per request. olp-on wrote {captured} trajectory records "
-        "(JsonlSink, schema-validated, redacted); olp-on-nosink is the same capture handing "
+        "to the broker (KafkaSink into an embedded Tansu broker: schema-validated in the sink's "
+        "thread, redacted); olp-on-nosink is the same capture handing "
         "records to a sink that drops them (the proxy's own share of the capture cost).",
         "",
         "| stream | conc | target | p50 ms | p99 ms | added p50 ms | req/s | CPU ms/req |",

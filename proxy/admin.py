@@ -31,15 +31,15 @@ def _authorize(request: web.Request) -> str:
         raise ProxyError(
             401, "The admin API needs 'Authorization: Bearer <admin key>'.", code="missing_api_key"
         )
-    expected = ctx.config.admin_key_sha256
-    if expected is None:
+    if not ctx.admin_key_hashes:
         raise ProxyError(
             403,
             "The admin API is disabled: no proxy.admin_key_sha256 configured.",
             type_="permission_error",
             code="admin_disabled",
         )
-    if not hmac.compare_digest(expected, sha256_hex(key.strip())):
+    digest = sha256_hex(key.strip())
+    if not any(hmac.compare_digest(known, digest) for known in ctx.admin_key_hashes):
         raise ProxyError(
             403, "This key may not use the admin API.", type_="permission_error", code="forbidden"
         )

@@ -140,9 +140,11 @@ def build_app(
     *,
     redactor: Redactor | None = None,
     audit: AuditLog | None = None,
+    internal_admin_key_sha256: str | None = None,
 ) -> web.Application:
     """The proxy application. `sink` is a replay RecordSink; `state_dir` holds serving state
-    and (unless `audit` is given) the audit log."""
+    and (unless `audit` is given) the audit log. `internal_admin_key_sha256` admits a second
+    admin key (the per-run token `olp up` gives the learner for alias flips)."""
     state_dir = Path(state_dir)
     metrics_ = ProxyMetrics()
     redactor = redactor if redactor is not None else Redactor()
@@ -181,6 +183,9 @@ def build_app(
         sink=sink,
         redactor=redactor,
         audit=audit,
+        admin_key_hashes=tuple(
+            h for h in (config.admin_key_sha256, internal_admin_key_sha256) if h is not None
+        ),
         started_at=time.time(),
     )
     app = web.Application(

@@ -33,6 +33,7 @@ class ProxyContext:
     sink: Any
     redactor: Any
     audit: Any
+    admin_key_hashes: tuple[str, ...] = ()
     started_at: float = field(default_factory=time.time)
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import signal
 from pathlib import Path
 from typing import Any
@@ -11,7 +12,7 @@ import structlog
 from aiohttp import web
 
 from proxy.app import build_app
-from proxy.config import ProxyConfig, TenantConfig
+from proxy.config import ProxyConfig, TenantConfig, sha256_hex
 from replay.config import StreamConfig
 from replay.producer import KafkaSink
 from replay.sink import JsonlSink
@@ -20,6 +21,9 @@ from safety.config import SafetyConfig
 from safety.redaction import Redactor
 
 log = structlog.get_logger(__name__)
+
+# Set by `olp up` for its children: a per-run token the learner uses to flip aliases.
+INTERNAL_ADMIN_TOKEN_ENV = "OLP_INTERNAL_ADMIN_TOKEN"
 
 
 def make_sink(config: ProxyConfig, stream: StreamConfig, state_dir: Path) -> Any:
@@ -38,6 +42,7 @@ async def serve_proxy(
     safety: SafetyConfig | None = None,
     stop: asyncio.Event | None = None,
     sink: Any = None,
+    internal_admin_token: str | None = None,
 ) -> None:
     """Serve until `stop` is set (or a signal arrives when `stop` is None).
 
@@ -48,7 +53,17 @@ async def serve_proxy(
     audit = AuditLog.from_config(safety.audit, state_dir, redactor)
     if sink is None:
         sink = make_sink(config, stream or StreamConfig(), state_dir)
-    app = build_app(config, tenants, sink, state_dir, redactor=redactor, audit=audit)
+    app = build_app(
+        config,
+        tenants,
+        sink,
+        state_dir,
+        redactor=redactor,
+        audit=audit,
+        internal_admin_key_sha256=sha256_hex(internal_admin_token)
+        if internal_admin_token
+        else None,
+    )
     runner = web.AppRunner(app, access_log=None)
     await runner.setup()
     try:
@@ -75,7 +90,17 @@ def run_proxy(
     stream: StreamConfig | None = None,
     safety: SafetyConfig | None = None,
 ) -> None:
-    """Blocking entry point for the CLI."""
+    """Blocking entry point for the CLI (reads the `olp up` internal admin token from the
+    environment, the one place the proxy looks there)."""
     if not config.upstreams:
         raise ValueError("proxy.upstreams is empty: the launcher must fill it from `policy`")
-    asyncio.run(serve_proxy(config, tenants, state_dir, stream=stream, safety=safety))
+    asyncio.run(
+        serve_proxy(
+            config,
+            tenants,
+            state_dir,
+            stream=stream,
+            safety=safety,
+            internal_admin_token=os.environ.get(INTERNAL_ADMIN_TOKEN_ENV) or None,
+        )
+    )

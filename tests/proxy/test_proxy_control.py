@@ -164,6 +164,56 @@ def test_admin_auth(proxy, make_proxy, vllm_server):
     assert refused.status_code == 403 and refused.json()["error"]["code"] == "admin_disabled"
 
 
+def test_internal_admin_token_of_olp_up(tmp_path, vllm_server):
+    """`olp up` hands the learner a per-run token through the environment; the proxy's
+    entry point admits it next to the operator's key."""
+    import asyncio
+    import threading
+
+    from deploy.ports import free_port
+    from proxy.config import ProxyConfig
+    from proxy.server import serve_proxy
+    from tests.proxy.conftest import CollectingSink, default_tenants
+
+    port = free_port()
+    config = ProxyConfig(upstreams=[vllm_server.base_url], port=port, admin_key=ADMIN_KEY)
+    loop = asyncio.new_event_loop()
+    stop = asyncio.Event()
+    sink = CollectingSink()
+    thread = threading.Thread(
+        target=loop.run_until_complete,
+        args=(
+            serve_proxy(
+                config,
+                default_tenants(),
+                tmp_path,
+                stop=stop,
+                sink=sink,
+                internal_admin_token="run-token",
+            ),
+        ),
+    )
+    thread.start()
+    base = f"http://127.0.0.1:{port}"
+    wait_for(lambda: _answers(base + "/healthz"))
+    try:
+        for key, status in (("run-token", 200), (ADMIN_KEY, 200), ("other", 403)):
+            response = httpx.get(base + "/admin/status", headers={"Authorization": f"Bearer {key}"})
+            assert response.status_code == status
+    finally:
+        loop.call_soon_threadsafe(stop.set)
+        thread.join(30)
+        loop.close()
+    assert sink.closed  # serve_proxy closes the sink it was given on the way out
+
+
+def _answers(url: str) -> bool:
+    try:
+        return httpx.get(url, timeout=1).status_code == 200
+    except httpx.TransportError:
+        return False
+
+
 @pytest.fixture
 def loaded_adapter(vllm_server, make_lora_adapter, tmp_path):
     """A LoRA adapter loaded into the shared vLLM under a unique policy-v<N> name."""

@@ -57,8 +57,8 @@ class ScoredTrajectory:
 
     trajectory: dict[str, Any]
     feedback: list[dict[str, Any]]
-    partition: int
-    offset: int
+    partition: int = -1  # where it was read from, for tracing; -1 when built by hand
+    offset: int = -1
 
 
 @dataclass

@@ -81,6 +81,7 @@ class CompletionRelay:
         self.request = request
         self.endpoint = endpoint
         self.request_id: str = request[REQUEST_ID]
+        self.client_request_id = request.headers.get("x-request-id") == self.request_id
         self.arrived = time.monotonic()
         self.policy_version = "unknown"
         self.tenant_label = "unauthenticated"
@@ -186,7 +187,12 @@ class CompletionRelay:
         )
         plan = plan_request(self.endpoint, body, served, capture=training)
         capture = self._capture_for(tenant, body, plan, served) if training else None
-        upstream_headers = {"Content-Type": "application/json", "X-Request-Id": self.request_id}
+        # vLLM adopts X-Request-Id as its own request id; a client's id may repeat, so
+        # upstream gets it with a unique suffix (logs still correlate by prefix).
+        upstream_id = self.request_id
+        if self.client_request_id:
+            upstream_id = f"{self.request_id}-{uuid.uuid4().hex[:8]}"
+        upstream_headers = {"Content-Type": "application/json", "X-Request-Id": upstream_id}
         try:
             _, upstream = await ctx.pool.open(
                 ENDPOINT_PATHS[self.endpoint],

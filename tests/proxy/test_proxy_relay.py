@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import Callable
 
@@ -323,3 +324,34 @@ def test_tools_and_tool_choice_relay_like_vllm(proxy, vllm_server, stream, tool_
         assert got[0] == "get_weather"
         assert calls[0]["function"] == {"name": "get_weather", "arguments": got[1]}
     assert_consistent(record)
+
+
+async def test_concurrent_requests_with_one_client_request_id(proxy):
+    """vLLM adopts X-Request-Id as its own id; the proxy keeps the client's id for the client
+    and sends upstream a unique one, so requests sharing an id stay apart there (an abort
+    by id must not hit the other)."""
+    harness, sink = proxy
+    proxied = openai.AsyncOpenAI(base_url=harness.base_url + "/v1", api_key=KEYS["alice"])
+    calls = [
+        proxied.chat.completions.with_raw_response.create(
+            model="policy",
+            messages=PROMPT,
+            max_tokens=4,
+            temperature=0,
+            extra_headers={"x-request-id": "same-id"},
+            stream=stream,
+        )
+        for stream in (False, True, False)
+    ]
+    raws = await asyncio.gather(*calls)
+    for raw in raws:
+        assert raw.headers["x-request-id"] == "same-id"
+        parsed = raw.parse()
+        if isinstance(parsed, openai.AsyncStream):
+            assert [c async for c in parsed]
+        else:
+            assert parsed.choices[0].message.content
+    await proxied.close()
+    harness.drain()
+    assert [r["request_id"] for r in sink.trajectories] == ["same-id"] * 3
+    assert len({r["trajectory_id"] for r in sink.trajectories}) == 3

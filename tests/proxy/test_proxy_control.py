@@ -164,6 +164,13 @@ def test_admin_auth(proxy, make_proxy, vllm_server):
     assert refused.status_code == 403 and refused.json()["error"]["code"] == "admin_disabled"
 
 
+def test_admin_ui_page_is_served_and_holds_no_secret(proxy):
+    harness, _ = proxy
+    page = httpx.get(harness.base_url + "/admin/ui")
+    assert page.status_code == 200 and page.headers["content-type"].startswith("text/html")
+    assert "/admin/status" in page.text and ADMIN_KEY not in page.text
+
+
 def test_internal_admin_token_of_olp_up(tmp_path, vllm_server):
     """`olp up` hands the learner a per-run token through the environment; the proxy's
     entry point admits it next to the operator's key."""

@@ -96,6 +96,7 @@ class LearnerConfig(BaseModel):
     micro_batch_size: int = Field(default=8, gt=0)
     updates_per_batch: int = Field(default=1, ge=1)  # optimizer steps on each batch
     seed: int = 0
+    num_threads: int | None = Field(default=None, gt=0)  # torch CPU threads; None: default
     # batch trigger: a step when N ready, or T seconds passed with at least M
     batch_size: int = Field(default=32, gt=0)
     batch_timeout_s: float = Field(default=30.0, gt=0)

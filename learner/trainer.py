@@ -33,6 +33,7 @@ class Batch:
     sampling_logprobs: torch.Tensor
     advantages: torch.Tensor
     on_policy: torch.Tensor  # 1 on the completion tokens of on-policy samples
+    start: int  # first position that predicts a completion token (earlier ones are sliced off)
 
 
 def build_batch(
@@ -58,21 +59,30 @@ def build_batch(
         adv[row, start:stop] = sample.advantage
         if sample.policy_version == current_version:
             on_policy[row, start:stop] = 1
+    start = min(len(s.prompt_ids) for s in samples) - 1
     return Batch(
         input_ids.to(device),
         attention.to(device),
-        mask.to(device),
-        mu.to(device),
-        adv.to(device),
-        on_policy.to(device),
+        mask[:, start:].to(device),
+        mu[:, start:].to(device),
+        adv[:, start:].to(device),
+        on_policy[:, start:].to(device),
+        start,
     )
 
 
 def token_logprobs(model: Any, batch: Batch) -> torch.Tensor:
-    """log π(token_{t+1} | tokens_≤t) for every position, in fp32, [B, L-1]."""
-    logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits
+    """log π(token_{t+1} | tokens_≤t) in fp32 for positions ≥ batch.start, [B, L-1-start].
+
+    Only those positions go through the LM head (`logits_to_keep`): prompt positions
+    before the first completion token would cost a vocabulary-sized matmul for nothing.
+    """
+    keep = batch.input_ids.shape[1] - batch.start
+    logits = model(
+        input_ids=batch.input_ids, attention_mask=batch.attention_mask, logits_to_keep=keep
+    ).logits
     logits = logits[:, :-1].float()
-    targets = batch.input_ids[:, 1:].unsqueeze(-1)
+    targets = batch.input_ids[:, batch.start + 1 :].unsqueeze(-1)
     picked = logits.gather(-1, targets).squeeze(-1)
     return picked - torch.logsumexp(logits, dim=-1)
 
@@ -85,6 +95,8 @@ class Trainer:
     ) -> None:
         self.config = config
         self.ctx = ctx or DistContext()
+        if config.num_threads is not None:
+            torch.set_num_threads(config.num_threads)
         torch.manual_seed(config.seed)
         base = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
         base.config.use_cache = False

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import random
 import urllib.request
@@ -11,6 +12,7 @@ from typing import Any
 
 import openai
 
+USAGE_KEYS = ("prompt_tokens", "completion_tokens", "total_tokens")
 NUMBER_PROMPT = "What is {a} plus {b}? Reply with only the number."
 
 
@@ -51,12 +53,18 @@ def sample_record(
     policy_version: str,
     temperature: float = 1.0,
     task: str = "number",
-    tenant: str = "tenant-a",
+    tenant: str = hashlib.sha256(b"tenant-a").hexdigest(),
     answer: int | None = None,
     seed: int | None = None,
+    system: str | None = "Be brief.",
 ) -> dict[str, Any]:
-    """One trajectory record (docs/interfaces.md) with `n` sampled choices from vLLM."""
-    messages = [{"role": "user", "content": prompt}]
+    """One trajectory record (docs/interfaces.md) with `n` sampled choices from vLLM.
+
+    A short system message replaces the chat template's long default one: every prompt
+    token costs ~10 ms through a LoRA on this CPU, and the learner recomputes them all.
+    """
+    messages = [{"role": "system", "content": system}] if system else []
+    messages.append({"role": "user", "content": prompt})
     sampling = {"temperature": temperature, "max_tokens": max_tokens, "n": n, "seed": seed}
     response = client.chat.completions.create(
         model=model,
@@ -104,7 +112,9 @@ def sample_record(
         "sampling": sampling,
         "prompt_token_ids": list(body["prompt_token_ids"]),
         "choices": choices,
-        "usage": body.get("usage") or {},
+        "usage": {
+            k: body["usage"][k] for k in ("prompt_tokens", "completion_tokens", "total_tokens")
+        },
         "timings": {"ttft_s": 0.0, "total_s": 0.0},
         "status": "ok",
         "trainable": True,

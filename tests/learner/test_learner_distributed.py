@@ -1,0 +1,44 @@
+"""2-rank torchrun on CPU (gloo): disjoint partitions, summed gradients, identical weights."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from learner.adapter_store import AdapterStore
+
+HERE = Path(__file__).parent
+
+
+@pytest.mark.slow
+def test_two_rank_torchrun_ends_with_identical_weights(model_dir: Path, tmp_path: Path) -> None:
+    state, out = tmp_path / "state", tmp_path / "out"
+    out.mkdir()
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(HERE), str(HERE.parent.parent)])}
+    result = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+         "--master-port", "0", str(HERE / "torchrun_worker.py"),
+         str(state), str(model_dir), str(out)],
+        env=env, capture_output=True, text=True, timeout=600,
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    rank0, rank1 = load_file(str(out / "rank0.safetensors")), load_file(str(out / "rank1.safetensors"))
+    assert rank0.keys() == rank1.keys()
+    for key in rank0:
+        assert torch.equal(rank0[key], rank1[key]), key
+    assert any(rank0[k].abs().sum() > 0 for k in rank0 if "lora_B" in k)  # it trained
+    store = AdapterStore(state)
+    assert store.versions() == [1, 2]
+    published = load_file(str(store.path(2) / "adapter_model.safetensors"))
+    for key, value in published.items():
+        match = [k for k in rank0 if k.replace(".default", "") == key.replace(".default", "")]
+        assert match and torch.equal(value, rank0[match[0]]), key
+    ids = store.read_meta(1)["data_stats"]["event_ids"] + store.read_meta(2)["data_stats"]["event_ids"]
+    assert sorted(ids) == sorted({f"e{p * 100 + i}" for p in range(2) for i in range(8)})
+    assert store.read_meta(2)["consumed_offsets"] == {"mem.trajectories": {"0": 8, "1": 8}}

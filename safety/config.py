@@ -177,7 +177,7 @@ class PoisoningGateConfig(_Model):
     enabled: bool = True
     probe_file: Path = PROBE_DIR / "triggers.jsonl"
     max_probes: int = Field(default=3, ge=1)
-    bound: float = Field(default=0.35, ge=0.0)  # excess divergence on triggers vs controls
+    bound: float = Field(default=0.5, ge=0.0)  # largest confirmed excess divergence
 
 
 class GatesConfig(_Model):

@@ -51,6 +51,10 @@ class DlqRatioExceeded(RuntimeError):
     """Too many recent records were invalid: stop rather than silently train on nothing."""
 
 
+class ResumeOffsetError(RuntimeError):
+    """A resume offset lies beyond the end of its partition: the broker lost data."""
+
+
 @dataclass(frozen=True)
 class ScoredTrajectory:
     """A trajectory whose join window closed, with the feedback that arrived within it."""
@@ -152,6 +156,7 @@ class TrajectoryConsumer:
         self._needed: dict[TopicPartition, dict[int, str]] = {}
         self._next_offset: dict[TopicPartition, int] = {}
         self._replay_until: dict[TopicPartition, int] = {}
+        self._seek_start: dict[TopicPartition, int] = {}
         self._recent_invalid: deque[bool] = deque(maxlen=config.dlq_window_records)
         self._failure: DlqRatioExceeded | None = None
         self._assign(normalize_offsets(offsets))
@@ -185,7 +190,8 @@ class TrajectoryConsumer:
                 )
                 start = begin
             lookback = 0 if tp.topic == self.topics.dlq else self.config.dedup_lookback_records
-            self._consumer.seek(tp, max(begin, start - lookback))
+            self._seek_start[tp] = max(begin, start - lookback)
+            self._consumer.seek(tp, self._seek_start[tp])
             self._replay_until[tp] = start
             self._next_offset[tp] = start
             if tp.topic == self.topics.trajectories:
@@ -207,6 +213,7 @@ class TrajectoryConsumer:
         for tp in sorted(batch, key=lambda t: (order[t.topic], t.partition)):
             for record in batch[tp]:
                 self._handle(tp, record)
+        self._check_positions()
         self._check_dlq_ratio()
         self._expire_orphans()
         return self._close_windows()
@@ -325,6 +332,21 @@ class TrajectoryConsumer:
             )
         self._dlq_producer.send(self.topics.dlq, key=record.key, value=encode_record(envelope))
         self._dlq_producer.flush(timeout=self.config.delivery_timeout_ms / 1000)
+
+    def _check_positions(self) -> None:
+        """Stop loudly instead of waiting forever at an offset the partition never reaches."""
+        for tp, start in self._seek_start.items():
+            position = self._consumer.position(tp)
+            highwater = self._consumer.highwater(tp)
+            # Either the partition ends before the resume point, or the client reset an
+            # out-of-range offset back to the start of the partition.
+            if (highwater is not None and highwater < self._replay_until[tp]) or position < start:
+                raise ResumeOffsetError(
+                    f"resume offset {self._replay_until[tp]} of {tp.topic}[{tp.partition}] is "
+                    f"beyond the end of the partition (high watermark {highwater}): "
+                    "the broker lost data (an in-memory broker restarted?) or the offsets "
+                    "belong to another cluster"
+                )
 
     def _check_dlq_ratio(self) -> None:
         window = self._recent_invalid

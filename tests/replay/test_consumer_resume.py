@@ -8,8 +8,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
 from replay.config import StreamConfig
-from replay.consumer import ScoredTrajectory, TrajectoryConsumer
+from replay.consumer import ResumeOffsetError, ScoredTrajectory, TrajectoryConsumer
 from replay.producer import KafkaSink
 from replay.synthetic import make_feedback, make_trajectory
 from tests.replay.conftest import consume_until
@@ -154,3 +156,13 @@ def test_feedback_joins_by_trajectory_id_and_late_feedback_is_counted(
     assert consumer.stats.orphaned_feedback == 1
     assert consumer.waiting() == 0
     consumer.close()
+
+
+def test_resume_offset_beyond_the_partition_end_stops_loudly(stream_config: StreamConfig) -> None:
+    topic = f"{stream_config.topic_prefix}.trajectories"
+    with (
+        TrajectoryConsumer(stream_config, {topic: {0: 1000}}) as consumer,
+        pytest.raises(ResumeOffsetError, match="beyond the end"),
+    ):
+        for _ in range(50):
+            consumer.poll(0.2)

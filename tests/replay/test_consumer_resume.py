@@ -166,3 +166,26 @@ def test_resume_offset_beyond_the_partition_end_stops_loudly(stream_config: Stre
     ):
         for _ in range(50):
             consumer.poll(0.2)
+
+
+def test_feedback_waiting_for_its_trajectory_survives_a_restart(
+    stream_config: StreamConfig, tmp_path: Path
+) -> None:
+    t0 = 1_700_000_000.0
+    config = stream_config.model_copy(update={"join_window_s": 10.0, "join_grace_s": 0.0})
+    done = make_trajectory(session_id="s1", created_at=t0)
+    later = make_trajectory(session_id="s2", created_at=t0 + 1)
+    early_feedback = make_feedback(later, kind="test_result", value=1.0, created_at=t0 + 2)
+    _produce(config, tmp_path, [done], [early_feedback])
+
+    first = TrajectoryConsumer(config, clock=FakeClock(t0 + 20))
+    assert [s.trajectory for s in _drain(first, rounds=5)] == [done]
+    checkpoint = first.processed_offsets()
+    first.close()
+
+    _produce(config, tmp_path, [later], [])  # the trajectory arrives after the restart
+    second = TrajectoryConsumer(config, checkpoint, clock=FakeClock(t0 + 20))
+    resumed = _drain(second, rounds=5)
+    second.close()
+    assert [s.trajectory for s in resumed] == [later]
+    assert resumed[0].feedback == [early_feedback]

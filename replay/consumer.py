@@ -30,6 +30,9 @@ from typing import Any
 import structlog
 from kafka import KafkaConsumer, KafkaProducer, TopicPartition
 from kafka.consumer.fetcher import ConsumerRecord
+from prometheus_client import CollectorRegistry
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
 
 from replay.config import StreamConfig
 from replay.schemas import (
@@ -107,6 +110,32 @@ class _BoundedSet:
         return item in self._items
 
 
+class _StatsCollector(Collector):
+    """Exposes a consumer's ConsumerStats and window state as Prometheus series."""
+
+    def __init__(self, consumer: TrajectoryConsumer) -> None:
+        self._consumer = consumer
+
+    def collect(self) -> Iterable[Metric]:
+        stats = self._consumer.stats
+        for name, help_text in (
+            ("records", "Records read past the resume point"),
+            ("yielded", "Scored trajectories yielded"),
+            ("feedback_joined", "Feedback events joined to a yielded trajectory"),
+            ("duplicates", "Records dropped as duplicates"),
+            ("invalid", "Records that failed validation on consume (sent to the DLQ)"),
+            ("dlq_seen", "DLQ records from producers"),
+            ("late_feedback", "Feedback after the window or after its trajectory was yielded"),
+            ("orphaned_feedback", "Feedback dropped because its trajectory never arrived"),
+        ):
+            yield CounterMetricFamily(f"olp_consumer_{name}", help_text, value=getattr(stats, name))
+        yield GaugeMetricFamily(
+            "olp_consumer_waiting",
+            "Trajectories waiting for their join window",
+            value=self._consumer.waiting(),
+        )
+
+
 def normalize_offsets(offsets: Any) -> Offsets:
     """Accept offsets after a JSON round trip (partition keys as strings)."""
     if not offsets:
@@ -127,6 +156,7 @@ class TrajectoryConsumer:
         *,
         clock: Callable[[], float] = time.time,
         client_id: str = "olp-learner",
+        registry: CollectorRegistry | None = None,
     ) -> None:
         self.config = config
         self.topics = TopicNames.from_prefix(config.topic_prefix)
@@ -160,6 +190,8 @@ class TrajectoryConsumer:
         self._recent_invalid: deque[bool] = deque(maxlen=config.dlq_window_records)
         self._failure: DlqRatioExceeded | None = None
         self._assign(normalize_offsets(offsets))
+        if registry is not None:
+            registry.register(_StatsCollector(self))
 
     # ---- start -----------------------------------------------------------------------------
 

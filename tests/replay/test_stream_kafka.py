@@ -74,10 +74,14 @@ def test_round_trip_of_1000_trajectories(stream_config: StreamConfig, tmp_path: 
     assert registry.get_sample_value("olp_stream_sent_total", {"kind": "feedback"}) == 100
     assert registry.get_sample_value("olp_stream_spill_bytes") == 0
 
-    with TrajectoryConsumer(stream_config) as consumer:
+    consumer_registry = CollectorRegistry()
+    with TrajectoryConsumer(stream_config, registry=consumer_registry) as consumer:
         scored = consume_until(consumer, lambda got: len(got) >= 1000)
         assert consumer.poll(0.5) == []
         assert consumer.stats.invalid == 0 and consumer.stats.duplicates == 0
+    assert consumer_registry.get_sample_value("olp_consumer_yielded_total") == 1000
+    assert consumer_registry.get_sample_value("olp_consumer_feedback_joined_total") == 100
+    assert consumer_registry.get_sample_value("olp_consumer_waiting") == 0
     by_id = {s.trajectory["trajectory_id"]: s for s in scored}
     assert len(by_id) == len(scored) == 1000
     for trajectory in trajectories:

@@ -147,7 +147,12 @@ def normalize_offsets(offsets: Any) -> Offsets:
 
 
 class TrajectoryConsumer:
-    """Yields ScoredTrajectory; `processed_offsets()` is the exact point to resume from."""
+    """Yields ScoredTrajectory; `processed_offsets()` is the exact point to resume from.
+
+    `partitions` restricts it to those partition indices of the three topics (one learner
+    rank each): since both topics are keyed by session id and share the partition count, a
+    session's trajectories and feedback land in the same selection.
+    """
 
     def __init__(
         self,
@@ -157,6 +162,7 @@ class TrajectoryConsumer:
         clock: Callable[[], float] = time.time,
         client_id: str = "olp-learner",
         registry: CollectorRegistry | None = None,
+        partitions: Iterable[int] | None = None,
     ) -> None:
         self.config = config
         self.topics = TopicNames.from_prefix(config.topic_prefix)
@@ -189,7 +195,12 @@ class TrajectoryConsumer:
         self._seek_start: dict[TopicPartition, int] = {}
         self._recent_invalid: deque[bool] = deque(maxlen=config.dlq_window_records)
         self._failure: DlqRatioExceeded | None = None
-        self._assign(normalize_offsets(offsets))
+        self._selection = None if partitions is None else frozenset(partitions)
+        try:
+            self._assign(normalize_offsets(offsets))
+        except BaseException:
+            self._consumer.close()
+            raise
         if registry is not None:
             registry.register(_StatsCollector(self))
 
@@ -207,6 +218,15 @@ class TrajectoryConsumer:
 
     def _assign(self, offsets: Offsets) -> None:
         tps = [tp for topic in self.topics.all() for tp in self._partitions(topic)]
+        if self._selection is not None:
+            # Same partition index on every topic: a session's records stay together.
+            known = {tp.partition for tp in tps}
+            if not self._selection or not self._selection <= known:
+                raise ValueError(
+                    f"partitions {sorted(self._selection)} are not a non-empty subset "
+                    f"of {sorted(known)}"
+                )
+            tps = [tp for tp in tps if tp.partition in self._selection]
         self._consumer.assign(tps)
         beginnings = self._consumer.beginning_offsets(tps)
         for tp in tps:

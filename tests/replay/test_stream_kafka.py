@@ -10,7 +10,7 @@ from kafka import KafkaConsumer, KafkaProducer, TopicPartition
 from prometheus_client import CollectorRegistry
 
 from replay.config import StreamConfig
-from replay.consumer import DlqRatioExceeded, TrajectoryConsumer
+from replay.consumer import DlqRatioExceeded, ScoredTrajectory, TrajectoryConsumer
 from replay.producer import KafkaSink
 from replay.schemas import decode_record
 from replay.synthetic import make_feedback, make_trajectory
@@ -163,3 +163,39 @@ def test_dlq_ratio_breach_stops_the_consumer(stream_config: StreamConfig, tmp_pa
     # It stays stopped: the next poll raises again rather than carrying on.
     with pytest.raises(DlqRatioExceeded):
         consumer.poll(0.1)
+
+
+def test_partition_selections_split_the_stream_without_overlap(
+    stream_config: StreamConfig, tmp_path: Path
+) -> None:
+    trajectories = [make_trajectory(session_id=f"s{i}") for i in range(60)]
+    feedback = [make_feedback(t, created_at=t["created_at"]) for t in trajectories]
+    sink = KafkaSink(stream_config, tmp_path)
+    for record in trajectories:
+        sink.put_trajectory(record)
+    for event in feedback:
+        sink.put_feedback(event)
+    assert sink.wait_idle(30)
+    sink.close()
+    ranks = []
+    for selection in ({0, 2}, {1, 3}):
+        with TrajectoryConsumer(stream_config, partitions=selection) as consumer:
+            got: list[ScoredTrajectory] = []
+            for _ in range(40):
+                got.extend(consumer.poll(0.1))
+                if consumer.caught_up() and not consumer.waiting() and got:
+                    break
+            assert {s.partition for s in got} <= selection
+            assert set(consumer.processed_offsets()[names_of(stream_config).trajectories]) == (
+                selection
+            )
+            ranks.append(got)
+    ids = [s.trajectory["trajectory_id"] for rank in ranks for s in rank]
+    assert sorted(ids) == sorted(t["trajectory_id"] for t in trajectories)
+    assert all(len(s.feedback) == 1 for rank in ranks for s in rank)
+    with pytest.raises(ValueError, match="subset"):
+        TrajectoryConsumer(stream_config, partitions={7})
+
+
+def names_of(config: StreamConfig) -> TopicNames:
+    return TopicNames.from_prefix(config.topic_prefix)

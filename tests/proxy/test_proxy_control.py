@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import re
+import time
 import uuid
 
 import httpx
@@ -313,3 +314,55 @@ def test_admin_flip_rollback_freeze_persist(make_proxy, vllm_server, loaded_adap
     ]
     assert {e["actor"] for e in events} == {"ops-test"}
     assert re.fullmatch(r"[0-9a-f]{64}", events[-1]["hash"])
+
+
+def _read_topic(bootstrap: str, topic: str, want: int, timeout_s: float = 30.0) -> list:
+    from kafka import KafkaConsumer, TopicPartition
+
+    consumer = KafkaConsumer(bootstrap_servers=bootstrap, enable_auto_commit=False)
+    try:
+        deadline = time.monotonic() + timeout_s
+        partitions: list = []
+        while not partitions and time.monotonic() < deadline:
+            partitions = [
+                TopicPartition(topic, p) for p in consumer.partitions_for_topic(topic) or ()
+            ]
+            time.sleep(0.1)
+        consumer.assign(partitions)
+        consumer.seek_to_beginning()
+        messages: list = []
+        while len(messages) < want and time.monotonic() < deadline:
+            for batch in consumer.poll(timeout_ms=500).values():
+                messages.extend(batch)
+        return messages
+    finally:
+        consumer.close()
+
+
+def test_records_reach_kafka_keyed_by_session(make_proxy, vllm_server, kafka_bootstrap, tmp_path):
+    """The production sink: trajectory and feedback land on `<prefix>.*` keyed by session."""
+    from replay.config import StreamConfig
+    from replay.producer import KafkaSink
+
+    prefix = f"proxytest{uuid.uuid4().hex[:10]}"
+    sink = KafkaSink(
+        StreamConfig(bootstrap_servers=kafka_bootstrap, topic_prefix=prefix),
+        tmp_path / "spill-state",
+    )
+    harness, _ = make_proxy([vllm_server.base_url], sink=sink)
+    raw = chat(harness, "alice", headers={"X-Session-Id": "kafka-session"})
+    trajectory_id = raw.headers["x-olp-trajectory-id"]
+    feedback = httpx.post(
+        harness.base_url + "/v1/feedback",
+        json={"trajectory_id": trajectory_id, "kind": "accept"},
+        headers={"Authorization": f"Bearer {KEYS['alice']}"},
+    )
+    assert feedback.status_code == 202
+    harness.drain()
+    harness.call(sink.aclose())
+    [trajectory] = _read_topic(kafka_bootstrap, f"{prefix}.trajectories", 1)
+    [event] = _read_topic(kafka_bootstrap, f"{prefix}.feedback", 1)
+    assert trajectory.key == event.key == b"kafka-session"
+    record = json.loads(trajectory.value)
+    assert record["trajectory_id"] == trajectory_id and record["trainable"] is True
+    assert json.loads(event.value)["trajectory_id"] == trajectory_id

@@ -265,3 +265,44 @@ def test_no_retry_on_another_replica_after_the_first_byte(make_proxy, scripted):
         dying.stop()
     assert len(dying.requests) == 1 and scripted.requests == []
     assert '"error"' in lines[-1]
+
+
+def test_every_client_field_reaches_upstream(make_proxy, scripted):
+    harness, _ = make_proxy([scripted.url])
+    fields = {
+        "temperature": 0.3,
+        "top_p": 0.9,
+        "stop": ["\n\n"],
+        "seed": 11,
+        "max_tokens": 7,
+        "max_completion_tokens": 7,
+        "n": 1,
+        "user": "u-1",
+        "presence_penalty": 0.1,
+        "response_format": {"type": "json_object"},
+        "tools": [],
+        "tool_choice": "none",
+        "parallel_tool_calls": True,
+        "vendor_extension": {"nested": [1, 2]},
+    }
+    body = {
+        "model": "policy",
+        "messages": [{"role": "user", "content": "x"}],
+        "stream": True,
+        **fields,
+    }
+    for key in (KEYS["bob"], KEYS["alice"]):  # relayed as is / captured
+        with httpx.stream(
+            "POST",
+            harness.base_url + "/v1/chat/completions",
+            json=body,
+            headers={"Authorization": f"Bearer {key}"},
+            timeout=30,
+        ) as response:
+            assert response.status_code == 200
+            response.read()
+    plain, captured = scripted.requests
+    assert plain == {**body, "model": "base"}
+    assert {k: captured[k] for k in body if k != "model"} == {
+        k: v for k, v in body.items() if k != "model"
+    }

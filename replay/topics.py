@@ -52,7 +52,12 @@ def ensure_topics(config: StreamConfig, timeout_ms: int = 10_000) -> list[str]:
                 name=name,
                 num_partitions=config.partitions,
                 replication_factor=config.replication_factor,
-                topic_configs={"retention.ms": str(config.retention_ms)},
+                topic_configs={
+                    "retention.ms": str(config.retention_ms),
+                    # Long prompts make large records: let the topic take what the
+                    # producer may send (a stock broker's default is 1 MiB).
+                    "max.message.bytes": str(config.max_request_size_bytes),
+                },
             )
             try:
                 admin.create_topics([topic], timeout_ms=timeout_ms)

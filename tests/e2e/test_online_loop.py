@@ -1,0 +1,224 @@
+"""The whole product from scratch: `olp up` (broker, vLLM, proxy, learner), `olp demo`
+traffic with feedback, a candidate promoted through the gate and hot-swapped, audited
+rollback, and every process stopped by PID. Tests run in file order on one stack."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import openai
+import psutil
+import pytest
+
+from deploy.ports import free_port
+from safety.audit import iter_records
+
+pytestmark = pytest.mark.slow
+
+ADMIN_KEY = "e2e-admin"
+TENANT_KEY = "acme-key"
+
+
+@dataclass
+class RunningStack:
+    proc: subprocess.Popen[str]
+    config: Path
+    proxy_url: str
+    banner: str
+    descendants: list[int]
+    state_dir: Path
+
+
+def _read_banner(proc: subprocess.Popen[str], timeout_s: float) -> str:
+    assert proc.stdout is not None
+    deadline = time.monotonic() + timeout_s
+    lines: list[str] = []
+    while time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        if not line:
+            if proc.poll() is not None:
+                raise AssertionError(f"olp up exited {proc.returncode}: {''.join(lines)}")
+            continue
+        lines.append(line)
+        if "stop with Ctrl-C" in line:
+            return "".join(lines)
+    raise AssertionError("no ready banner in time:\n" + "".join(lines))
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningStack]:
+    root = tmp_path_factory.mktemp("up")
+    proxy_port = free_port()
+    config = root / "olp.yaml"
+    config.write_text(
+        f"state_dir: {root / 'state'}\n"
+        f"proxy: {{port: {proxy_port}, admin_key: {ADMIN_KEY}}}\n"
+        f"policy: {{port: {free_port()}}}\n"
+        f"stream: {{bootstrap_servers: '127.0.0.1:{free_port()}', join_window_s: 3, "
+        "join_grace_s: 1, partitions: 2}\n"
+        # Small batches so a candidate appears within a couple of demo minutes.
+        "learner: {batch_size: 6, min_batch: 3, batch_timeout_s: 20, lr: 0.0005, "
+        "progress_interval_s: 5}\n"
+        "safety:\n  gates:\n"
+        "    regression: {max_probes: 3}\n"
+        "    kl: {max_prompts: 2, max_tokens: 8}\n"
+        "    safety_probes: {max_probes: 2}\n"
+        "    monitors: {max_probes: 2}\n"
+        "    poisoning: {max_probes: 2}\n"
+        # Training stays off until the demo enables it through the admin API.
+        f"tenants: [{{name: acme, api_key: {TENANT_KEY}, training_enabled: false}}]\n"
+    )
+    env = {k: v for k, v in os.environ.items() if not k.startswith("OLP_TEST_")}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "deploy.cli", "up", "--config", str(config)],
+        stdout=subprocess.PIPE,
+        stderr=open(root / "up.err", "w"),  # noqa: SIM115 - lives as long as the process
+        text=True,
+        env=env,
+    )
+    try:
+        banner = _read_banner(proc, timeout_s=600)
+        descendants = [p.pid for p in psutil.Process(proc.pid).children(recursive=True)]
+        yield RunningStack(
+            proc, config, f"http://127.0.0.1:{proxy_port}", banner, descendants, root / "state"
+        )
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGINT)
+            proc.wait(timeout=120)
+
+
+def olp(stack: RunningStack, *args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "deploy.cli", *args, "--config", str(stack.config)],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env={**os.environ, "OLP_ADMIN_KEY": ADMIN_KEY},
+    )
+
+
+def admin_status(stack: RunningStack) -> dict:
+    return httpx.get(
+        f"{stack.proxy_url}/admin/status",
+        headers={"Authorization": f"Bearer {ADMIN_KEY}"},
+        timeout=30,
+    ).json()
+
+
+def test_banner_names_every_endpoint(stack: RunningStack) -> None:
+    for part in (
+        "broker",
+        "policy",
+        "proxy",
+        "learner",
+        f"{stack.proxy_url}/v1",
+        "/metrics",
+        "olp tenant",
+    ):
+        assert part in stack.banner
+    assert len(stack.descendants) >= 4  # broker, vLLM (and its engine), proxy, learner
+
+
+def test_requests_flow_through_the_stack(stack: RunningStack) -> None:
+    client = openai.OpenAI(base_url=f"{stack.proxy_url}/v1", api_key=TENANT_KEY)
+    out = client.chat.completions.with_raw_response.create(
+        model="policy", messages=[{"role": "user", "content": "Hi"}], max_tokens=4
+    )
+    assert out.headers["x-olp-policy-version"] == "base"
+    assert out.parse().choices[0].message.content
+    # Training is off for the tenant: nothing is recorded.
+    assert "x-olp-trajectory-id" not in out.headers
+
+
+def test_second_up_is_refused(stack: RunningStack) -> None:
+    second = subprocess.run(
+        [sys.executable, "-m", "deploy.cli", "up", "--config", str(stack.config)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert second.returncode == 1
+    assert "already running" in second.stderr
+    assert stack.proc.poll() is None  # the first one is untouched
+
+
+def test_demo_traffic_leads_to_a_gated_promotion(stack: RunningStack) -> None:
+    demo = olp(
+        stack,
+        "demo",
+        "--api-key",
+        TENANT_KEY,
+        "--tenant",
+        "acme",
+        "--sessions",
+        "2",
+        "--n",
+        "4",
+        "--max-tokens",
+        "12",
+        "--requests",
+        "16",
+        "--minutes",
+        "12",
+        timeout=900,
+    )
+    assert demo.returncode == 0, demo.stdout + demo.stderr
+    summary = json.loads((stack.state_dir / "demo" / "summary.json").read_text())
+    assert summary["requests"] >= 16 and summary["errors"] == 0
+    assert (stack.state_dir / "demo" / "reward.png").stat().st_size > 0
+
+    deadline = time.monotonic() + 600
+    while time.monotonic() < deadline:
+        if admin_status(stack)["serving_version"].startswith("policy-v"):
+            break
+        time.sleep(5)
+    serving = admin_status(stack)["serving_version"]
+    assert serving.startswith("policy-v"), (stack.state_dir / "logs" / "learner.log").read_text()[
+        -4000:
+    ]
+    events = [r["event"] for r in iter_records(stack.state_dir / "audit" / "audit.jsonl")]
+    assert "gate_result" in events and "promotion" in events
+    assert (stack.state_dir / "gates" / f"{serving}.json").is_file()
+
+    client = openai.OpenAI(base_url=f"{stack.proxy_url}/v1", api_key=TENANT_KEY)
+    out = client.chat.completions.with_raw_response.create(
+        model="policy", messages=[{"role": "user", "content": "What is 2 plus 3?"}], max_tokens=4
+    )
+    assert out.headers["x-olp-policy-version"] == serving
+
+
+def test_rollback_restores_the_previous_version_and_the_audit_verifies(
+    stack: RunningStack,
+) -> None:
+    before = admin_status(stack)
+    rolled = olp(stack, "rollback")
+    assert rolled.returncode == 0, rolled.stderr
+    after = admin_status(stack)
+    assert after["serving_version"] != before["serving_version"]
+    history = [e for e in after["history"] if e.get("kind") == "rollback"]
+    assert history and history[-1]["previous"] == before["serving_version"]
+    verify = olp(stack, "audit", "verify")
+    assert verify.returncode == 0 and "OK" in verify.stdout
+    shown = olp(stack, "audit", "show", "--event", "rollback")
+    assert before["serving_version"] in shown.stdout
+
+
+def test_ctrl_c_stops_every_child(stack: RunningStack) -> None:
+    stack.proc.send_signal(signal.SIGINT)
+    assert stack.proc.wait(timeout=120) == 0
+    alive = [
+        pid
+        for pid in stack.descendants
+        if psutil.pid_exists(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    ]
+    assert alive == []

@@ -54,6 +54,19 @@ async def request_id_and_errors(request: web.Request, handler: Handler) -> web.S
     """Give every response an x-request-id and turn every failure into OpenAI-style JSON."""
     request_id = _request_id(request)
     request[REQUEST_ID] = request_id
+    session_id = request.headers.get("X-Session-Id")
+    with structlog.contextvars.bound_contextvars(
+        request_id=request_id, session_id=session_id[:256] if session_id else None
+    ):
+        response = await _handle_with_openai_errors(request, handler, request_id)
+    if not response.prepared:
+        response.headers["x-request-id"] = request_id
+    return response
+
+
+async def _handle_with_openai_errors(
+    request: web.Request, handler: Handler, request_id: str
+) -> web.StreamResponse:
     try:
         response = await handler(request)
     except ProxyError as err:
@@ -76,8 +89,6 @@ async def request_id_and_errors(request: web.Request, handler: Handler) -> web.S
             ),
             request_id,
         )
-    if not response.prepared:
-        response.headers["x-request-id"] = request_id
     return response
 
 
@@ -97,13 +108,25 @@ async def healthz(request: web.Request) -> web.Response:
 
 
 async def readyz(request: web.Request) -> web.Response:
-    """Ready when at least one replica answers; lists each replica's state."""
+    """Ready when at least one replica answers. Also lists aliases whose target no reachable
+    replica serves (e.g. vLLM restarted without the current adapter): requests for those
+    get vLLM's 404 until the adapter is loaded again."""
     ctx = request.app[CONTEXT]
     replicas = await ctx.pool.readiness()
-    ready = any(problem is None for problem in replicas.values())
+    reachable = [served for problem, served in replicas.values() if problem is None]
+    served_anywhere = set().union(*reachable) if reachable else set()
+    unserved = {
+        alias: target
+        for alias, target in ctx.aliases.snapshot().items()
+        if reachable and target not in served_anywhere
+    }
     return web.json_response(
-        {"ready": ready, "replicas": {url: problem or "ok" for url, problem in replicas.items()}},
-        status=200 if ready else 503,
+        {
+            "ready": bool(reachable),
+            "replicas": {url: problem or "ok" for url, (problem, _) in replicas.items()},
+            "unserved_aliases": unserved,
+        },
+        status=200 if reachable else 503,
     )
 
 

@@ -135,6 +135,15 @@ class CompletionRelay:
         )
         if self.ttft_s is not None:
             metrics.ttft.labels(*labels).observe(self.ttft_s)
+        log.info(
+            "request",
+            endpoint=self.endpoint,
+            tenant=self.tenant_label,
+            policy_version=self.policy_version,
+            stream=self.stream,
+            status=self.status,
+            seconds=round(time.monotonic() - self.arrived, 4),
+        )
 
     def _capture_for(
         self, tenant: Tenant, body: dict[str, Any], plan: RelayPlan, served: str

@@ -147,16 +147,15 @@ class UpstreamPool:
             payload = await response.json()
         return {entry["id"] for entry in payload.get("data", []) if "id" in entry}
 
-    async def readiness(self) -> dict[str, str | None]:
-        """Per replica: None when reachable, else why not."""
-        result: dict[str, str | None] = {}
+    async def readiness(self) -> dict[str, tuple[str | None, set[str]]]:
+        """Per replica: (None, served names) when reachable, else (why not, empty set)."""
+        result: dict[str, tuple[str | None, set[str]]] = {}
 
         async def probe(replica: Replica) -> None:
             try:
-                await self.served_models(replica)
-                result[replica.url] = None
+                result[replica.url] = (None, await self.served_models(replica))
             except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
-                result[replica.url] = f"{type(exc).__name__}: {exc}"
+                result[replica.url] = (f"{type(exc).__name__}: {exc}", set())
 
         await asyncio.gather(*(probe(r) for r in self.replicas))
         return result

@@ -151,6 +151,7 @@ def test_health_ready_models_metrics(proxy, dead_upstream_proxy):
     assert httpx.get(harness.base_url + "/healthz").json() == {"status": "ok"}
     ready = httpx.get(harness.base_url + "/readyz")
     assert ready.status_code == 200 and ready.json()["ready"] is True
+    assert ready.json()["unserved_aliases"] == {}
     api = openai.OpenAI(base_url=harness.base_url + "/v1", api_key=KEYS["bob"], max_retries=0)
     assert sorted(m.id for m in api.models.list()) == ["base", "policy"]
     api.chat.completions.create(model="policy", messages=PROMPT, max_tokens=2)
@@ -178,3 +179,22 @@ def test_failed_replica_is_retried_on_another(make_proxy, vllm_server):
         assert reply.choices[0].message.content
     dead_replica = next(r for r in harness.ctx.pool.replicas if r.url == dead)
     assert dead_replica.failures >= 1
+
+
+def test_readyz_names_aliases_no_replica_serves(make_proxy, vllm_server, tmp_path):
+    """After a vLLM restart the persisted alias may point at an adapter no longer loaded."""
+    from proxy.serving_state import ServingState, save_state
+
+    state_dir = tmp_path / "restarted"
+    save_state(
+        state_dir / "control" / "serving.json",
+        ServingState(aliases={"policy": "policy-v999999999"}),
+    )
+    harness, _ = make_proxy([vllm_server.base_url], state_dir=state_dir)
+    ready = httpx.get(harness.base_url + "/readyz")
+    assert ready.status_code == 200
+    assert ready.json()["unserved_aliases"] == {"policy": "policy-v999999999"}
+    api = openai.OpenAI(base_url=harness.base_url + "/v1", api_key=KEYS["bob"], max_retries=0)
+    with pytest.raises(openai.NotFoundError):  # vLLM's own 404, relayed
+        api.chat.completions.create(model="policy", messages=PROMPT, max_tokens=1)
+    assert api.chat.completions.create(model="base", messages=PROMPT, max_tokens=1).choices

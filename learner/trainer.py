@@ -150,6 +150,9 @@ class Trainer:
         summed over ranks: loss parts, ratio, clipped fraction, KL, rewards, tokens.
         """
         cfg = self.config
+        if cfg.num_threads is not None:
+            # OpenMP thread counts are per calling thread: set it where the step runs.
+            torch.set_num_threads(cfg.num_threads)
         started = time.perf_counter()
         micro = [
             samples[i : i + cfg.micro_batch_size]

@@ -22,13 +22,29 @@ def test_two_rank_torchrun_ends_with_identical_weights(model_dir: Path, tmp_path
     out.mkdir()
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(HERE), str(HERE.parent.parent)])}
     result = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-         "--master-port", "0", str(HERE / "torchrun_worker.py"),
-         str(state), str(model_dir), str(out)],
-        env=env, capture_output=True, text=True, timeout=600,
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc-per-node",
+            "2",
+            "--master-port",
+            "0",
+            str(HERE / "torchrun_worker.py"),
+            str(state),
+            str(model_dir),
+            str(out),
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
     )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    rank0, rank1 = load_file(str(out / "rank0.safetensors")), load_file(str(out / "rank1.safetensors"))
+    rank0, rank1 = (
+        load_file(str(out / "rank0.safetensors")),
+        load_file(str(out / "rank1.safetensors")),
+    )
     assert rank0.keys() == rank1.keys()
     for key in rank0:
         assert torch.equal(rank0[key], rank1[key]), key
@@ -39,6 +55,9 @@ def test_two_rank_torchrun_ends_with_identical_weights(model_dir: Path, tmp_path
     for key, value in published.items():
         match = [k for k in rank0 if k.replace(".default", "") == key.replace(".default", "")]
         assert match and torch.equal(value, rank0[match[0]]), key
-    ids = store.read_meta(1)["data_stats"]["event_ids"] + store.read_meta(2)["data_stats"]["event_ids"]
+    ids = (
+        store.read_meta(1)["data_stats"]["event_ids"]
+        + store.read_meta(2)["data_stats"]["event_ids"]
+    )
     assert sorted(ids) == sorted({f"e{p * 100 + i}" for p in range(2) for i in range(8)})
     assert store.read_meta(2)["consumed_offsets"] == {"mem.trajectories": {"0": 8, "1": 8}}

@@ -15,11 +15,17 @@ from learner.service import Learner
 def main(state_dir: str, model_dir: str, out_dir: str) -> None:
     partitions = {p: [synthetic_scored(p * 100 + i) for i in range(8)] for p in range(2)}
     config = LearnerConfig(
-        batch_size=8, min_batch=1, micro_batch_size=4, lr=1e-3, kl_coef=0.05,
-        num_threads=1, progress_interval_s=60,
+        batch_size=8,
+        min_batch=1,
+        micro_batch_size=4,
+        lr=1e-3,
+        kl_coef=0.05,
+        num_threads=1,
+        progress_interval_s=60,
     )
     learner = Learner(
-        config, state_dir,
+        config,
+        state_dir,
         lambda offsets, rank, world: ListSource(partitions, offsets, rank, world),
         model_dir=model_dir,
     )

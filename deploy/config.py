@@ -48,6 +48,11 @@ class PolicyConfig(BaseModel):
     max_model_len: int = Field(2048, ge=128)
     cpu_kv_cache_gib: int = Field(2, ge=1, description="VLLM_CPU_KVCACHE_SPACE on CPU builds")
     seed: int | None = 0
+    tool_call_parser: str | None = Field(
+        "hermes",
+        description="vLLM tool-call parser (SmolLM2 and Qwen emit Hermes-style <tool_call> "
+        "blocks); null serves tools requests without auto tool choice",
+    )
     startup_timeout_s: float = Field(600, gt=0)
     extra_args: list[str] = Field(default_factory=list, description="more vLLM CLI flags")
     env: dict[str, str] = Field(default_factory=dict, description="more vLLM env variables")

@@ -49,6 +49,8 @@ def vllm_argv(cfg: PolicyConfig, model_dir: Path) -> list[str]:
     ]
     if cfg.seed is not None:
         argv += ["--seed", str(cfg.seed)]
+    if cfg.tool_call_parser:
+        argv += ["--enable-auto-tool-choice", "--tool-call-parser", cfg.tool_call_parser]
     return argv + list(cfg.extra_args)
 
 

@@ -295,8 +295,8 @@ def _tool_outcome(api: openai.OpenAI, model: str, stream: bool, **kwargs) -> tup
     "tool_choice", ["none", {"type": "function", "function": {"name": "get_weather"}}]
 )
 def test_tools_and_tool_choice_relay_like_vllm(proxy, vllm_server, stream, tool_choice):
-    """Whatever vLLM answers to a tools request (tool calls, text, or its own 400 when the
-    server runs without a tool-call parser), the proxy answers the same."""
+    """A tools request through the proxy answers what vLLM answers (its tool-call parser is
+    on by default), with tool-call fragments intact when streaming."""
     harness, sink = proxy
     kwargs = dict(
         messages=[{"role": "user", "content": "Weather in Paris?"}],
@@ -313,9 +313,7 @@ def test_tools_and_tool_choice_relay_like_vllm(proxy, vllm_server, stream, tool_
     [record] = sink.trajectories
     assert record["request"]["tools"] == TOOLS
     assert record["request"]["tool_choice"] == tool_choice
-    if got[0] == "error":
-        assert record["status"] == "error" and record["trainable"] is False
-        return
+    assert got[0] != "error", got
     calls = record["choices"][0]["message"]["tool_calls"]
     if tool_choice == "none":
         assert calls == [] and got[0] == ""

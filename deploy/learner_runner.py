@@ -14,12 +14,11 @@ from deploy.admin_client import AdminError, admin_key
 from deploy.config import OlpConfig
 from deploy.runtime import resolve_model_dir
 from learner.promotion import Promoter, PromotionConfig, ProxyAdmin, ReplicaSet
+from proxy.server import INTERNAL_ADMIN_TOKEN_ENV as INTERNAL_TOKEN_ENV
 from safety.audit import AuditLog
 from safety.redaction import Redactor
 
 log = structlog.get_logger(__name__)
-
-INTERNAL_TOKEN_ENV = "OLP_INTERNAL_ADMIN_TOKEN"
 
 
 def learner_admin_key(cfg: OlpConfig) -> str:

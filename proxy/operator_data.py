@@ -1,0 +1,186 @@
+"""What the operator page shows, read from the state dir, the audit log and the sink.
+
+Every reader here is synchronous file or network I/O: the page runs them in worker threads
+(never on the event loop) and shows each reader's failure next to its section instead of
+failing the whole page.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections import deque
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import structlog
+from kafka import KafkaConsumer, TopicPartition
+
+from replay.producer import ProducerMetrics, tcp_reachable
+from safety.audit import iter_records
+
+log = structlog.get_logger(__name__)
+
+_VERSION_FILE = re.compile(r"^policy-v(\d+)$")
+MAX_AUDIT_SCAN = 10_000  # newest-first paging keeps at most this many matches in memory
+
+
+@dataclass
+class Loaded:
+    """Items read from disk plus one message per file that could not be read."""
+
+    items: list[dict[str, Any]] = field(default_factory=list)
+    errors: list[str] = field(default_factory=list)
+
+
+def _versioned(paths: list[Path]) -> list[tuple[int, Path]]:
+    found = []
+    for path in paths:
+        match = _VERSION_FILE.match(path.stem if path.suffix == ".json" else path.name)
+        if match:
+            found.append((int(match.group(1)), path))
+    return sorted(found)
+
+
+def read_gate_reports(state_dir: Path, limit: int = 10) -> Loaded:
+    """The newest `limit` gate reports (`gates/policy-v<N>.json`), newest version first."""
+    out = Loaded()
+    gates = state_dir / "gates"
+    files = _versioned(list(gates.glob("policy-v*.json"))) if gates.is_dir() else []
+    for _, path in reversed(files[-limit:]):
+        try:
+            report = json.loads(path.read_text(encoding="utf-8"))
+            if not isinstance(report, dict):
+                raise ValueError("not a JSON object")
+            out.items.append({"file": path.name, **report})
+        except (OSError, ValueError) as exc:
+            log.warning("operator_gate_report_unreadable", file=str(path), error=str(exc))
+            out.errors.append(f"{path.name}: {exc}")
+    return out
+
+
+def read_adapter_metas(state_dir: Path) -> Loaded:
+    """`olp_meta.json` of every adapter version, oldest first, with `created_at` filled in
+    from the directory's mtime when the learner did not record it."""
+    out = Loaded()
+    root = state_dir / "adapters"
+    dirs = _versioned([p for p in root.iterdir() if p.is_dir()]) if root.is_dir() else []
+    for number, path in dirs:
+        meta_file = path / "olp_meta.json"
+        if not meta_file.is_file():
+            continue
+        try:
+            meta = json.loads(meta_file.read_text(encoding="utf-8"))
+            if not isinstance(meta, dict):
+                raise ValueError("not a JSON object")
+            meta.setdefault("created_at", meta_file.stat().st_mtime)
+            out.items.append({**meta, "name": path.name, "version": number})
+        except (OSError, ValueError) as exc:
+            log.warning("operator_adapter_meta_unreadable", dir=str(path), error=str(exc))
+            out.errors.append(f"{path.name}: {exc}")
+    return out
+
+
+@dataclass
+class AuditPage:
+    records: list[dict[str, Any]]  # newest first
+    has_more: bool
+    events: list[str]  # every event name seen, for the filter
+    total: int  # records in the log
+
+
+def read_audit_page(audit_path: Path, event: str | None, page: int, size: int) -> AuditPage:
+    """Records `page*size` .. `(page+1)*size` of the log, newest first, optionally one event."""
+    keep = min((page + 1) * size + 1, MAX_AUDIT_SCAN)
+    matches: deque[dict[str, Any]] = deque(maxlen=keep)
+    events: set[str] = set()
+    total = 0
+    for record in iter_records(audit_path):
+        total += 1
+        name = str(record.get("event", "")) if isinstance(record, dict) else ""
+        events.add(name)
+        if event is None or name == event:
+            matches.append(record if isinstance(record, dict) else {"payload": record})
+    newest_first = list(reversed(matches))
+    start = page * size
+    return AuditPage(
+        records=newest_first[start : start + size],
+        has_more=len(newest_first) > start + size,
+        events=sorted(events),
+        total=total,
+    )
+
+
+def _samples(metric: Any) -> dict[str, float]:
+    """A prometheus counter or gauge's current values by their label values ('' if none)."""
+    values: dict[str, float] = {}
+    for family in metric.collect():
+        for sample in family.samples:
+            if sample.name.endswith("_created"):
+                continue
+            label = "/".join(sample.labels.values())
+            values[label] = values.get(label, 0.0) + sample.value
+    return values
+
+
+def sink_metrics(sink: Any) -> dict[str, dict[str, float]] | None:
+    """The KafkaSink's counters and gauges, or None for another sink kind."""
+    metrics = getattr(sink, "metrics", None)
+    if not isinstance(metrics, ProducerMetrics):
+        return None
+    names = ("queued", "sent", "spilled", "failed", "dlq", "spill_bytes", "queue_depth")
+    return {name: _samples(getattr(metrics, name)) for name in (*names, "broker_up")}
+
+
+def topic_end_offsets(
+    bootstrap_servers: str, topics: list[str], timeout_s: float
+) -> dict[str, dict[int, int]]:
+    """topic → partition → end offset (the next offset to be written)."""
+    if not tcp_reachable(bootstrap_servers, timeout_s=min(timeout_s, 1.0)):
+        raise ConnectionError(f"no broker answers at {bootstrap_servers}")
+    timeout_ms = int(timeout_s * 1000)
+    consumer = KafkaConsumer(
+        bootstrap_servers=bootstrap_servers,
+        client_id="olp-operator-page",
+        enable_auto_commit=False,
+        request_timeout_ms=max(timeout_ms, 1000),
+        bootstrap_timeout_ms=timeout_ms,
+    )
+    try:
+        known = consumer.topics()  # one metadata round trip for every topic
+        partitions = [
+            TopicPartition(topic, partition)
+            for topic in topics
+            if topic in known
+            for partition in sorted(consumer.partitions_for_topic(topic) or ())
+        ]
+        ends = consumer.end_offsets(partitions, timeout_ms=timeout_ms) if partitions else {}
+    finally:
+        consumer.close(autocommit=False)
+    result: dict[str, dict[int, int]] = {topic: {} for topic in topics}
+    for tp, offset in ends.items():
+        result[tp.topic][tp.partition] = int(offset)
+    return result
+
+
+def consumer_lag(
+    ends: dict[str, dict[int, int]], consumed: dict[str, Any] | None
+) -> list[dict[str, Any]]:
+    """One row per topic partition: end offset, the learner's next offset, and the lag."""
+    rows = []
+    consumed = consumed or {}
+    for topic, parts in sorted(ends.items()):
+        learner = {int(p): int(o) for p, o in (consumed.get(topic) or {}).items()}
+        for partition, end in sorted(parts.items()):
+            at = learner.get(partition)
+            rows.append(
+                {
+                    "topic": topic,
+                    "partition": partition,
+                    "end": end,
+                    "consumed": at,
+                    "lag": end - (at or 0),
+                }
+            )
+    return rows

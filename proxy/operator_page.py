@@ -1,0 +1,334 @@
+"""The operator page under /admin/ui: server-rendered HTML, admin key or session cookie only.
+
+Routes:
+- `GET /admin/ui` the page (query: `event`, `page`, `size` page the audit log);
+- `POST /admin/ui/link` (Bearer admin key) → `{url, path, expires_in_s}`, a one-time login link;
+- `GET /admin/ui/login?token=` trades that link for an HttpOnly SameSite=Strict cookie (303);
+- `POST /admin/ui/login` (form: `key`, `actor`) the same with the key typed into the page;
+- `POST /admin/ui/verify` (session + CSRF token, or Bearer) verifies the audit chain;
+- `POST /admin/ui/logout`.
+Without a session or key every page answers 401 with a sign-in form and no data.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import secrets
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from pathlib import Path, PurePath
+from typing import Any
+
+import structlog
+from aiohttp import web
+
+from proxy.admin import _authorize, _status_payload
+from proxy.context import CONTEXT, ProxyContext
+from proxy.operator_auth import (
+    COOKIE_NAME,
+    COOKIE_PATH,
+    SessionStore,
+    clean_actor,
+    key_matches,
+)
+from proxy.operator_chart import Point
+from proxy.operator_data import (
+    Loaded,
+    consumer_lag,
+    read_adapter_metas,
+    read_audit_page,
+    read_gate_reports,
+    sink_metrics,
+    topic_end_offsets,
+)
+from proxy.operator_html import PageData, StreamView, login_page, operator_page
+from safety.audit import VerifyResult
+
+log = structlog.get_logger(__name__)
+
+FEEDBACK_SERIES_MAX = 2000
+KAFKA_TIMEOUT_S = 2.0
+AUDIT_PAGE_SIZE = 50
+AUDIT_PAGE_SIZE_MAX = 500
+
+
+@dataclass
+class OperatorState:
+    """In-memory state of the page on one proxy: sessions and the feedback value series."""
+
+    sessions: SessionStore = field(default_factory=SessionStore)
+    feedback: deque[Point] = field(default_factory=lambda: deque(maxlen=FEEDBACK_SERIES_MAX))
+
+
+OPERATOR = web.AppKey("olp_operator_page", OperatorState)
+
+
+def record_feedback(app: web.Application, kind: str, value: float | None) -> None:
+    """Called by POST /v1/feedback for each accepted event: keep numeric values for the chart."""
+    state = app.get(OPERATOR)
+    if state is not None and value is not None:
+        state.feedback.append(Point(time.time(), float(value), kind))
+
+
+# ---------------------------------------------------------------------------- responses
+
+_NONCE_BYTES = 16
+
+
+def _html(body_for_nonce: Any, status: int = 200) -> web.Response:
+    """An HTML response with a strict CSP: no script at all, one nonce'd style block."""
+    nonce = secrets.token_urlsafe(_NONCE_BYTES)
+    response = web.Response(text=body_for_nonce(nonce), status=status, content_type="text/html")
+    response.headers.update(
+        {
+            "Content-Security-Policy": (
+                f"default-src 'none'; style-src 'nonce-{nonce}'; img-src 'self' data:; "
+                "form-action 'self'; frame-ancestors 'none'; base-uri 'none'"
+            ),
+            "Cache-Control": "no-store",
+            "Referrer-Policy": "no-referrer",
+            "X-Content-Type-Options": "nosniff",
+            "X-Frame-Options": "DENY",
+        }
+    )
+    return response
+
+
+def _refused(message: str, status: int = 401) -> web.Response:
+    response = _html(lambda nonce: login_page(message, nonce), status)
+    if status == 401:
+        response.headers["WWW-Authenticate"] = 'Bearer realm="olp-admin"'
+    return response
+
+
+def _redirect_with_session(request: web.Request, actor: str, method: str) -> web.Response:
+    ctx = request.app[CONTEXT]
+    session_id, _ = request.app[OPERATOR].sessions.open_session(actor)
+    ctx.audit.append(actor, "operator_login", {"method": method, "remote": request.remote})
+    response = web.Response(status=303, headers={"Location": COOKIE_PATH})
+    response.set_cookie(
+        COOKIE_NAME,
+        session_id,
+        path=COOKIE_PATH,
+        httponly=True,
+        samesite="Strict",
+        secure=request.secure,
+        max_age=int(request.app[OPERATOR].sessions.session_ttl_s),
+    )
+    response.headers["Cache-Control"] = "no-store"
+    response.headers["Referrer-Policy"] = "no-referrer"
+    return response
+
+
+# ------------------------------------------------------------------------------- viewer
+
+
+@dataclass
+class Viewer:
+    actor: str
+    csrf: str | None  # None for Bearer callers (a browser cannot forge their header)
+
+
+class _Refusal(Exception):
+    def __init__(self, message: str, status: int) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+def _viewer(request: web.Request) -> Viewer:
+    """Who is looking: a Bearer admin key, else a valid session cookie; else _Refusal."""
+    ctx = request.app[CONTEXT]
+    if not ctx.admin_key_hashes:
+        raise _Refusal("The admin API is disabled: no proxy.admin_key_sha256 configured.", 403)
+    scheme, _, key = (request.headers.get("Authorization") or "").partition(" ")
+    if scheme.lower() == "bearer" and key.strip():
+        if not key_matches(ctx.admin_key_hashes, key):
+            raise _Refusal("This key may not use the admin API.", 403)
+        return Viewer(clean_actor(request.headers.get("X-OLP-Actor"), "admin"), None)
+    session = request.app[OPERATOR].sessions.get(request.cookies.get(COOKIE_NAME))
+    if session is None:
+        raise _Refusal("Sign-in required: no valid operator session.", 401)
+    return Viewer(session.actor, session.csrf)
+
+
+# --------------------------------------------------------------------------------- data
+
+
+def _state_dir(ctx: ProxyContext) -> Path:
+    depth = len(PurePath(ctx.config.state.serving_state).parts)
+    return ctx.state_path.parents[depth - 1]
+
+
+def _read_files(ctx: ProxyContext, event: str | None, page: int, size: int) -> dict[str, Any]:
+    """Runs in a worker thread: everything the page reads from disk."""
+    state_dir = _state_dir(ctx)
+    out: dict[str, Any] = {
+        "gates": read_gate_reports(state_dir),
+        "adapters": read_adapter_metas(state_dir),
+        "audit": None,
+        "audit_error": None,
+    }
+    try:
+        out["audit"] = read_audit_page(Path(ctx.audit.path), event, page, size)
+    except Exception as exc:  # shown on the page: a damaged log must not hide the rest
+        log.exception("operator_audit_unreadable")
+        out["audit_error"] = f"{type(exc).__name__}: {exc}"
+    return out
+
+
+async def _stream_view(ctx: ProxyContext, adapters: Loaded) -> StreamView:
+    sink = ctx.sink
+    view = StreamView(type(sink).__name__, sink_metrics(sink))
+    config, topics = getattr(sink, "config", None), getattr(sink, "topics", None)
+    if view.metrics is None or config is None or topics is None:
+        view.lag_error = f"the proxy's sink ({view.sink_kind}) does not write to Kafka"
+        return view
+    newest = adapters.items[-1] if adapters.items else None
+    view.consumed_from = newest["name"] if newest else None
+    names = [topics.trajectories, topics.feedback]
+    try:
+        ends = await asyncio.wait_for(
+            asyncio.to_thread(topic_end_offsets, config.bootstrap_servers, names, KAFKA_TIMEOUT_S),
+            KAFKA_TIMEOUT_S + 1.0,
+        )
+    except Exception as exc:  # the broker may be down: say so on the page
+        log.warning("operator_kafka_unavailable", error=repr(exc))
+        view.lag_error = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+        return view
+    view.lag = consumer_lag(ends, (newest or {}).get("consumed_offsets"))
+    return view
+
+
+def _int_query(request: web.Request, name: str, default: int, high: int) -> int:
+    try:
+        return min(max(int(request.query.get(name, default)), 0), high)
+    except ValueError:
+        return default
+
+
+async def _page_data(request: web.Request, viewer: Viewer) -> PageData:
+    ctx = request.app[CONTEXT]
+    event = request.query.get("event") or None
+    size = _int_query(request, "size", AUDIT_PAGE_SIZE, AUDIT_PAGE_SIZE_MAX) or AUDIT_PAGE_SIZE
+    page = _int_query(request, "page", 0, 10_000)
+    files = await asyncio.to_thread(_read_files, ctx, event, page, size)
+    stream = await _stream_view(ctx, files["adapters"])
+    return PageData(
+        status=_status_payload(ctx),
+        gates=files["gates"],
+        adapters=files["adapters"],
+        feedback=list(request.app[OPERATOR].feedback),
+        stream=stream,
+        audit=files["audit"],
+        audit_error=files["audit_error"],
+        audit_event=event,
+        audit_page=page,
+        audit_size=size,
+        actor=viewer.actor,
+        csrf=viewer.csrf,
+    )
+
+
+# ----------------------------------------------------------------------------- handlers
+
+
+async def page(request: web.Request) -> web.Response:
+    try:
+        viewer = _viewer(request)
+    except _Refusal as refusal:
+        return _refused(str(refusal), refusal.status)
+    data = await _page_data(request, viewer)
+    return _html(lambda nonce: operator_page(data, nonce))
+
+
+async def issue_link(request: web.Request) -> web.Response:
+    """One-time login link for a browser (JSON; the admin API's Bearer rules apply)."""
+    actor = _authorize(request)
+    sessions = request.app[OPERATOR].sessions
+    token = sessions.issue_link(actor)
+    path = f"{COOKIE_PATH}/login?token={token}"
+    return web.json_response(
+        {
+            "url": f"{request.url.origin()}{path}",
+            "path": path,
+            "expires_in_s": sessions.link_ttl_s,
+        },
+        headers={"Cache-Control": "no-store"},
+    )
+
+
+async def login_with_link(request: web.Request) -> web.Response:
+    actor = request.app[OPERATOR].sessions.redeem_link(request.query.get("token", ""))
+    if actor is None:
+        return _refused("This login link is invalid, expired or already used.")
+    return _redirect_with_session(request, actor, "link")
+
+
+async def login_with_key(request: web.Request) -> web.Response:
+    ctx = request.app[CONTEXT]
+    form = await request.post()
+    key = form.get("key")
+    if not ctx.admin_key_hashes:
+        return _refused("The admin API is disabled: no proxy.admin_key_sha256 configured.", 403)
+    if not isinstance(key, str) or not key.strip() or not key_matches(ctx.admin_key_hashes, key):
+        log.warning("operator_login_refused", remote=request.remote)
+        return _refused("Wrong admin key.")
+    actor = form.get("actor")
+    actor = clean_actor(actor if isinstance(actor, str) else None)
+    return _redirect_with_session(request, actor, "form")
+
+
+async def _checked_form_viewer(request: web.Request) -> Viewer:
+    """The viewer of a state-changing POST: Bearer, or a session with its CSRF token."""
+    viewer = _viewer(request)
+    if viewer.csrf is not None:
+        form = await request.post()
+        given = form.get("csrf")
+        if not isinstance(given, str) or not hmac.compare_digest(given, viewer.csrf):
+            raise _Refusal("The form's CSRF token is missing or stale; reload the page.", 403)
+    return viewer
+
+
+async def verify(request: web.Request) -> web.Response:
+    try:
+        viewer = await _checked_form_viewer(request)
+    except _Refusal as refusal:
+        return _refused(str(refusal), refusal.status)
+    ctx = request.app[CONTEXT]
+    result: VerifyResult | None = None
+    error: str | None = None
+    try:
+        result = await asyncio.to_thread(ctx.audit.verify)
+    except Exception as exc:  # an unreadable file: show it rather than a bare 500
+        log.exception("operator_verify_failed")
+        error = f"{type(exc).__name__}: {exc}"
+    else:
+        log.info("operator_audit_verified", actor=viewer.actor, **result.to_dict())
+    data = await _page_data(request, viewer)
+    data.verify, data.verify_error = result, error
+    return _html(lambda nonce: operator_page(data, nonce))
+
+
+async def logout(request: web.Request) -> web.Response:
+    try:
+        await _checked_form_viewer(request)
+    except _Refusal as refusal:
+        return _refused(str(refusal), refusal.status)
+    session_id = request.cookies.get(COOKIE_NAME)
+    if session_id:
+        request.app[OPERATOR].sessions.close(session_id)
+    response = _refused("Signed out.", 200)
+    response.del_cookie(COOKIE_NAME, path=COOKIE_PATH)
+    return response
+
+
+def add_operator_routes(app: web.Application) -> None:
+    app[OPERATOR] = OperatorState()
+    app.router.add_get("/admin/ui", page)
+    app.router.add_post("/admin/ui/link", issue_link)
+    app.router.add_get("/admin/ui/login", login_with_link)
+    app.router.add_post("/admin/ui/login", login_with_key)
+    app.router.add_post("/admin/ui/verify", verify)
+    app.router.add_post("/admin/ui/logout", logout)

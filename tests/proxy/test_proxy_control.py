@@ -180,11 +180,15 @@ def test_admin_auth(proxy, make_proxy, vllm_server):
     assert refused.status_code == 403 and refused.json()["error"]["code"] == "admin_disabled"
 
 
-def test_admin_ui_page_is_served_and_holds_no_secret(proxy):
+def test_admin_ui_refuses_without_a_key_and_serves_with_it(proxy):
     harness, _ = proxy
     page = httpx.get(harness.base_url + "/admin/ui")
-    assert page.status_code == 200 and page.headers["content-type"].startswith("text/html")
-    assert "/admin/status" in page.text and ADMIN_KEY not in page.text
+    assert page.status_code == 401 and page.headers["content-type"].startswith("text/html")
+    assert "Serving" not in page.text and ADMIN_KEY not in page.text
+    signed_in = httpx.get(
+        harness.base_url + "/admin/ui", headers={"Authorization": f"Bearer {ADMIN_KEY}"}
+    )
+    assert signed_in.status_code == 200 and ADMIN_KEY not in signed_in.text
 
 
 def test_internal_admin_token_of_olp_up(tmp_path, vllm_server):

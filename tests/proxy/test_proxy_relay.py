@@ -291,9 +291,10 @@ def _tool_outcome(api: openai.OpenAI, model: str, stream: bool, **kwargs) -> tup
 
 
 @pytest.mark.parametrize("stream", [False, True])
-@pytest.mark.parametrize(
-    "tool_choice", ["none", {"type": "function", "function": {"name": "get_weather"}}]
-)
+# "required" makes vLLM constrain the output to a tool call, which the 135M model would not
+# reliably produce on its own; named tool_choice fragments are covered by the scripted
+# upstream tests.
+@pytest.mark.parametrize("tool_choice", ["none", "required"])
 def test_tools_and_tool_choice_relay_like_vllm(proxy, vllm_server, stream, tool_choice):
     """A tools request through the proxy answers what vLLM answers (its tool-call parser is
     on by default), with tool-call fragments intact when streaming."""
@@ -302,7 +303,7 @@ def test_tools_and_tool_choice_relay_like_vllm(proxy, vllm_server, stream, tool_
         messages=[{"role": "user", "content": "Weather in Paris?"}],
         tools=TOOLS,
         tool_choice=tool_choice,
-        max_tokens=16,
+        max_tokens=40,
         temperature=0,
     )
     got = _tool_outcome(client(harness), "policy", stream, **kwargs)

@@ -1,0 +1,33 @@
+"""Assemble docs/performance.md from the sections each benchmark writes to docs/perf/.
+
+Each bench script writes its own section (so one can be rerun alone); this joins them in
+a fixed order under a header that says how to rerun everything.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+ORDER = ["proxy", "replay", "learner", "safety", "swap", "demo"]
+HEADER = """# Performance
+
+Every figure below comes from a run of the named script on the 2-core, 24 GiB CPU machine
+this project is developed on (no GPU), usually while other work shared the cores; each
+section says what it compared side by side. Rerun one with
+`$(./olpw env)/bin/python bench/<script>.py`, then `python bench/collect.py` to rebuild
+this page. Tests never assert on speed; these scripts do not run in CI.
+
+"""
+
+
+def main() -> None:
+    parts = sorted((ROOT / "docs" / "perf").glob("*.md"),
+                   key=lambda p: (ORDER.index(p.stem) if p.stem in ORDER else 99, p.stem))
+    body = "\n".join(p.read_text().rstrip() + "\n" for p in parts)
+    (ROOT / "docs" / "performance.md").write_text(HEADER + body)
+    print(f"docs/performance.md: {', '.join(p.stem for p in parts)}")
+
+
+if __name__ == "__main__":
+    main()

@@ -30,7 +30,8 @@ from deploy.model_prep import prepare_model  # noqa: E402
 from deploy.policy import start_policy  # noqa: E402
 from deploy.ports import free_port  # noqa: E402
 from learner.adapter_store import AdapterStore  # noqa: E402
-from learner.promotion import Promoter, PromotionConfig, ProxyAdmin, ReplicaSet  # noqa: E402
+from learner.config import PromotionConfig  # noqa: E402
+from learner.promotion import Promoter, ProxyAdmin, ReplicaSet  # noqa: E402
 from safety.audit import AuditLog  # noqa: E402
 from safety.config import GatesConfig  # noqa: E402
 from safety.gates.types import GateReport  # noqa: E402
@@ -40,7 +41,7 @@ ADMIN, TENANT = "bench-admin", "bench-key"
 
 def pct(values: list[float], q: float) -> float:
     ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(round(q * (len(ordered) - 1))))]
+    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
 
 
 def write_adapter(base_model: object, path: Path, seed: int) -> Path:
@@ -48,8 +49,12 @@ def write_adapter(base_model: object, path: Path, seed: int) -> Path:
     from peft import LoraConfig, get_peft_model
 
     torch.manual_seed(seed)
-    model = get_peft_model(base_model, LoraConfig(r=8, lora_alpha=16, init_lora_weights=False,
-                                                  target_modules=["q_proj", "v_proj"]))
+    model = get_peft_model(
+        base_model,
+        LoraConfig(
+            r=8, lora_alpha=16, init_lora_weights=False, target_modules=["q_proj", "v_proj"]
+        ),
+    )
     with torch.no_grad():
         for name, param in model.named_parameters():
             if "lora_B" in name:
@@ -70,9 +75,13 @@ def start_proxy(vllm_url: str, state: Path) -> tuple[subprocess.Popen[bytes], st
         "max_concurrent: 0}]\n"
     )
     env = {k: v for k, v in os.environ.items() if not k.startswith("OLP_")}
-    proc = subprocess.Popen([sys.executable, "-m", "deploy.cli", "proxy", "--config",
-                             str(config)], env=env, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL, cwd=ROOT)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "deploy.cli", "proxy", "--config", str(config)],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        cwd=ROOT,
+    )
     url = f"http://127.0.0.1:{port}"
     for _ in range(200):
         try:
@@ -97,9 +106,14 @@ class Traffic:
         with httpx.Client(timeout=120, headers={"Authorization": f"Bearer {TENANT}"}) as c:
             while not self.stop.is_set():
                 t = time.perf_counter()
-                r = c.post(f"{self.url}/v1/chat/completions", json={
-                    "model": "policy", "max_tokens": 4,
-                    "messages": [{"role": "user", "content": "Hi"}]})
+                r = c.post(
+                    f"{self.url}/v1/chat/completions",
+                    json={
+                        "model": "policy",
+                        "max_tokens": 4,
+                        "messages": [{"role": "user", "content": "Hi"}],
+                    },
+                )
                 if r.status_code == 200:
                     self.latencies.append(time.perf_counter() - t)
                 else:
@@ -141,9 +155,15 @@ def main() -> None:
     base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     client = httpx.Client(timeout=120)
     try:
-        client.post(f"{url}/v1/chat/completions", headers={"Authorization": f"Bearer {TENANT}"},
-                    json={"model": "policy", "max_tokens": 2,
-                          "messages": [{"role": "user", "content": "Hi"}]})  # warm-up
+        client.post(
+            f"{url}/v1/chat/completions",
+            headers={"Authorization": f"Bearer {TENANT}"},
+            json={
+                "model": "policy",
+                "max_tokens": 2,
+                "messages": [{"role": "user", "content": "Hi"}],
+            },
+        )  # warm-up
 
         # (1) bare load call, the floor
         bare = []
@@ -151,8 +171,9 @@ def main() -> None:
             path = write_adapter(base, tmp / f"bare-{i}", seed=100 + i)
             name = f"bare-{uuid.uuid4().hex[:8]}"
             t = time.perf_counter()
-            r = client.post(f"{vllm_url}/v1/load_lora_adapter",
-                            json={"lora_name": name, "lora_path": str(path)})
+            r = client.post(
+                f"{vllm_url}/v1/load_lora_adapter", json={"lora_name": name, "lora_path": str(path)}
+            )
             bare.append(time.perf_counter() - t)
             assert r.status_code == 200, r.text
             client.post(f"{vllm_url}/v1/unload_lora_adapter", json={"lora_name": name})
@@ -160,11 +181,16 @@ def main() -> None:
         # (2) olp swaps: gate verdict → load → flip → first request on the new version
         store = AdapterStore(tmp / "state")
         passed = GateReport(passed=True, results=[])
-        promoter = Promoter(PromotionConfig(drain_s=1.0), GatesConfig(),
-                            replicas=ReplicaSet([vllm_url]), proxy=ProxyAdmin(url, ADMIN),
-                            audit=AuditLog(tmp / "state" / "audit" / "audit.jsonl"),
-                            state_dir=tmp / "state", base_name="base",
-                            gate_runner=lambda cand, inc: passed)
+        promoter = Promoter(
+            PromotionConfig(drain_s=1.0),
+            GatesConfig(),
+            replicas=ReplicaSet([vllm_url]),
+            proxy=ProxyAdmin(url, ADMIN),
+            audit=AuditLog(tmp / "state" / "audit" / "audit.jsonl"),
+            state_dir=tmp / "state",
+            base_name="base",
+            gate_runner=lambda cand, inc: passed,
+        )
         swap, load_flip = [], []
         version = 0
 
@@ -177,10 +203,15 @@ def main() -> None:
             outcome = promoter.promote(vdir)
             assert outcome.decision == "promoted", outcome.reason
             while True:
-                r = client.post(f"{url}/v1/chat/completions",
-                                headers={"Authorization": f"Bearer {TENANT}"},
-                                json={"model": "policy", "max_tokens": 1,
-                                      "messages": [{"role": "user", "content": "Hi"}]})
+                r = client.post(
+                    f"{url}/v1/chat/completions",
+                    headers={"Authorization": f"Bearer {TENANT}"},
+                    json={
+                        "model": "policy",
+                        "max_tokens": 1,
+                        "messages": [{"role": "user", "content": "Hi"}],
+                    },
+                )
                 if r.headers.get("x-olp-policy-version") == f"policy-v{version}":
                     break
             total = time.perf_counter() - t
@@ -212,8 +243,13 @@ def main() -> None:
             name = f"policy-v{900 + i}"
             ReplicaSet([vllm_url]).load(name, files)
             t = time.perf_counter()
-            report = run_gate_suite_sync(GatesConfig(), base_url=vllm_url, candidate=name,
-                                         incumbent=f"policy-v{version}", base="base")
+            report = run_gate_suite_sync(
+                GatesConfig(),
+                base_url=vllm_url,
+                candidate=name,
+                incumbent=f"policy-v{version}",
+                base="base",
+            )
             gate_times.append(time.perf_counter() - t)
             client.post(f"{vllm_url}/v1/unload_lora_adapter", json={"lora_name": name})
             print(f"gate run {i}: passed={report.passed} {gate_times[-1]:.1f} s")
@@ -225,6 +261,7 @@ def main() -> None:
             server.stop()
 
     med_bare, med_swap = statistics.median(bare) * 1000, statistics.median(swap) * 1000
+    med_flip = statistics.median(load_flip) * 1000
     q_p99, b_p99 = pct(quiet.latencies, 0.99) * 1000, pct(busy.latencies, 0.99) * 1000
     lines = [
         "## Hot swap (bench/bench_swap.py)",
@@ -237,8 +274,8 @@ def main() -> None:
         "|---|---|---|---|",
         f"| bare `/v1/load_lora_adapter` call (floor) | {med_bare:.1f} | "
         f"{pct(bare, 0.9) * 1000:.1f} | 1.0× |",
-        f"| olp load + confirm + alias flip | {statistics.median(load_flip) * 1000:.1f} | "
-        f"{pct(load_flip, 0.9) * 1000:.1f} | {statistics.median(load_flip) * 1000 / med_bare:.1f}× |",
+        f"| olp load + confirm + alias flip | {med_flip:.1f} | "
+        f"{pct(load_flip, 0.9) * 1000:.1f} | {med_flip / med_bare:.1f}× |",
         f"| olp swap: gate verdict → first request served by the new version | {med_swap:.1f} "
         f"| {pct(swap, 0.9) * 1000:.1f} | {med_swap / med_bare:.1f}× |",
         "",

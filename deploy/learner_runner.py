@@ -13,7 +13,7 @@ import structlog
 from deploy.admin_client import AdminError, admin_key
 from deploy.config import OlpConfig
 from deploy.runtime import resolve_model_dir
-from learner.promotion import Promoter, PromotionConfig, ProxyAdmin, ReplicaSet
+from learner.promotion import Promoter, ProxyAdmin, ReplicaSet
 from proxy.server import INTERNAL_ADMIN_TOKEN_ENV as INTERNAL_TOKEN_ENV
 from safety.audit import AuditLog
 from safety.redaction import Redactor
@@ -54,7 +54,7 @@ class FreezeFlag:
         return self._value
 
 
-def run(cfg: OlpConfig, promotion: PromotionConfig | None = None) -> int:
+def run(cfg: OlpConfig) -> int:
     from learner.service import run_learner
     from learner.source import replay_consumer_factory
 
@@ -66,7 +66,7 @@ def run(cfg: OlpConfig, promotion: PromotionConfig | None = None) -> int:
     redactor = Redactor.from_config(cfg.safety.redaction)
     audit = AuditLog.from_config(cfg.safety.audit, state_dir, redactor)
     promoter = Promoter(
-        promotion or PromotionConfig(),
+        cfg.learner.promotion,
         cfg.safety.gates,
         replicas=ReplicaSet(replicas),
         proxy=ProxyAdmin(f"http://{host}:{cfg.proxy.port}", learner_admin_key(cfg)),

@@ -73,6 +73,21 @@ class RewardConfig(BaseModel):
     judge: JudgeConfig = Field(default_factory=JudgeConfig)
 
 
+class PromotionConfig(BaseModel):
+    """How candidates reach users: gate, hot swap, what stays loaded (learner/promotion.py)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    enabled: bool = True
+    alias: str = Field("policy", description="the public alias a promotion flips")
+    drain_s: float = Field(30.0, ge=0, description="wait before unloading a replaced version")
+    keep_loaded: int = Field(
+        2, ge=1, description="versions kept loaded in vLLM (serving + rollback target)"
+    )
+    retain_dirs: int = Field(10, ge=1, description="adapter directories kept on disk")
+    request_timeout_s: float = Field(60.0, gt=0)
+
+
 class LearnerConfig(BaseModel):
     """LoRA, objective, batching, checkpointing and reward settings of the learner."""
 
@@ -114,6 +129,7 @@ class LearnerConfig(BaseModel):
     progress_interval_s: float = Field(default=5.0, gt=0)
     max_event_ids_in_meta: int = Field(default=2048, ge=0)
     rewards: RewardConfig = Field(default_factory=RewardConfig)
+    promotion: PromotionConfig = Field(default_factory=PromotionConfig)
 
     @model_validator(mode="after")
     def _min_batch_fits(self) -> LearnerConfig:

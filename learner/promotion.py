@@ -23,8 +23,8 @@ from typing import Any
 
 import httpx
 import structlog
-from pydantic import BaseModel, ConfigDict, Field
 
+from learner.config import PromotionConfig
 from safety.audit import AuditLog
 from safety.config import GatesConfig
 from safety.gates.suite import run_gate_suite_sync
@@ -38,21 +38,6 @@ ACTOR = "olp-learner"
 # batch with LoRA requests, so the gate compares against an all-zero adapter instead: its
 # output equals the base model's and it always takes the LoRA path.
 ZERO_BASE = "olp-zero-base"
-
-
-class PromotionConfig(BaseModel):
-    """How candidates reach users."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    enabled: bool = True
-    alias: str = Field("policy", description="the public alias a promotion flips")
-    drain_s: float = Field(30.0, ge=0, description="wait before unloading a replaced version")
-    keep_loaded: int = Field(
-        2, ge=1, description="versions kept loaded in vLLM (serving + rollback target)"
-    )
-    retain_dirs: int = Field(10, ge=1, description="adapter directories kept on disk")
-    request_timeout_s: float = Field(60.0, gt=0)
 
 
 class PromotionError(RuntimeError):

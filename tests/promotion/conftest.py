@@ -15,7 +15,8 @@ import pytest
 
 from deploy.ports import free_port
 from learner.adapter_store import AdapterStore
-from learner.promotion import Promoter, PromotionConfig, ProxyAdmin, ReplicaSet
+from learner.config import PromotionConfig
+from learner.promotion import Promoter, ProxyAdmin, ReplicaSet
 from safety.audit import AuditLog
 from safety.config import GatesConfig
 

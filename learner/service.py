@@ -185,7 +185,7 @@ class Learner:
                     self.progress.consumed += len(items)
                 else:
                     time.sleep(poll_timeout_s)
-                done = stop.is_set() or (max_steps is not None and steps_here >= max_steps)
+                done = stop.is_set()
                 flags = torch.tensor([float(len(pending)), float(done)], dtype=torch.float64)
                 all_reduce_sum(self.ctx, flags[:1])
                 all_reduce_max(self.ctx, flags[1:])

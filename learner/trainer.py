@@ -153,6 +153,7 @@ class Trainer:
         if cfg.num_threads is not None:
             # OpenMP thread counts are per calling thread: set it where the step runs.
             torch.set_num_threads(cfg.num_threads)
+        torch.set_flush_denormal(True)  # per-thread CPU flag; denormals stall fp32 math
         started = time.perf_counter()
         micro = [
             samples[i : i + cfg.micro_batch_size]

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import shutil
+import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -156,3 +158,29 @@ def test_unrelated_newer_adapter_is_refused(model_dir: Path, tmp_path: Path) -> 
     store.publish(5, store.path(1), {**meta, "parent_version": 4})
     with pytest.raises(RuntimeError, match="do not descend"):
         learner(tmp_path, model_dir, announced)
+
+
+def test_frozen_learner_consumes_and_trains_nothing(model_dir: Path, tmp_path: Path) -> None:
+    frozen = threading.Event()
+    frozen.set()
+    polls: list[float] = []
+
+    class RecordingSource(ListSource):
+        def poll(self, timeout_s: float) -> list[dict[str, Any]]:
+            polls.append(time.monotonic())
+            return super().poll(timeout_s)
+
+    learner = Learner(
+        config(),
+        tmp_path,
+        lambda offsets, rank, world: RecordingSource({0: RECORDS}, offsets),
+        model_dir=model_dir,
+        is_frozen=frozen.is_set,
+    )
+    started = time.monotonic()
+    timer = threading.Timer(1.5, frozen.clear)
+    timer.start()
+    summary = learner.run(max_steps=1, poll_timeout_s=0.1)
+    timer.join()
+    assert polls and polls[0] >= started + 1.5  # nothing read while frozen
+    assert summary.version == 1 and summary.consumed == 4

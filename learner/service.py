@@ -175,6 +175,8 @@ class Learner:
         steps_here = 0
         try:
             while True:
+                if max_steps is not None and steps_here >= max_steps:
+                    break  # the same on every rank: steps are taken together
                 frozen = bool(
                     broadcast_object(self.ctx, self.is_frozen() if self.ctx.is_main else None)
                 )

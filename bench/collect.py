@@ -22,8 +22,10 @@ this page. Tests never assert on speed; these scripts do not run in CI.
 
 
 def main() -> None:
-    parts = sorted((ROOT / "docs" / "perf").glob("*.md"),
-                   key=lambda p: (ORDER.index(p.stem) if p.stem in ORDER else 99, p.stem))
+    parts = sorted(
+        (ROOT / "docs" / "perf").glob("*.md"),
+        key=lambda p: (ORDER.index(p.stem) if p.stem in ORDER else 99, p.stem),
+    )
     body = "\n".join(p.read_text().rstrip() + "\n" for p in parts)
     (ROOT / "docs" / "performance.md").write_text(HEADER + body)
     print(f"docs/performance.md: {', '.join(p.stem for p in parts)}")

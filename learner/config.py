@@ -116,6 +116,9 @@ class LearnerConfig(BaseModel):
     batch_size: int = Field(default=32, gt=0)
     batch_timeout_s: float = Field(default=30.0, gt=0)
     min_batch: int = Field(default=8, gt=0)
+    # A learner slower than the traffic trains on the newest trajectories of what piled up
+    # during its last step and counts the rest as `overflow` (never silently).
+    max_batch: int = Field(default=128, gt=0)
     # objective
     importance_cap: float = Field(default=2.0, gt=0)
     ppo_clip_eps: float | None = Field(default=None, gt=0, lt=1)
@@ -135,6 +138,8 @@ class LearnerConfig(BaseModel):
     def _min_batch_fits(self) -> LearnerConfig:
         if self.min_batch > self.batch_size:
             raise ValueError("min_batch must not exceed batch_size")
+        if self.max_batch < self.batch_size:
+            raise ValueError("max_batch must not be below batch_size")
         return self
 
     def config_hash(self) -> str:

@@ -214,8 +214,12 @@ class Learner:
         )
 
     def _step(self, batch: list[Any]) -> dict[str, float] | None:
-        """Train on everything pending; checkpoint, publish and announce a new version."""
+        """Train on what is pending (the newest `max_batch`); checkpoint, publish, announce."""
         offsets_here = self.consumer.processed_offsets()
+        overflow = max(0, len(batch) - self.config.max_batch)
+        if overflow:
+            log.warning("learner_overflow", dropped=overflow, kept=self.config.max_batch)
+            batch = batch[overflow:]
         rewarded = self.assembler.assemble(batch)
         samples, dropped = samples_from_rewarded(rewarded)
         samples, stale = drop_stale(samples, self.version, self.config.max_staleness)
@@ -228,6 +232,7 @@ class Learner:
         local = Counter(
             {
                 "trajectories": len(batch),
+                "overflow": overflow,
                 "stale": stale,
                 "trained_samples": len(samples),
                 **dropped,

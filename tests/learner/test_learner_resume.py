@@ -184,3 +184,24 @@ def test_frozen_learner_consumes_and_trains_nothing(model_dir: Path, tmp_path: P
     timer.join()
     assert polls and polls[0] >= started + 1.5  # nothing read while frozen
     assert summary.version == 1 and summary.consumed == 4
+
+
+def test_backlog_beyond_max_batch_trains_the_newest_and_counts_the_rest(
+    model_dir: Path, tmp_path: Path
+) -> None:
+    cfg = config().model_copy(update={"batch_size": 4, "min_batch": 4, "max_batch": 4})
+    learner = Learner(
+        cfg,
+        tmp_path,
+        # One poll hands over all 12 records at once, as after a long step.
+        lambda offsets, rank, world: ListSource({0: RECORDS}, offsets, per_poll=12),
+        model_dir=model_dir,
+    )
+    summary = learner.run(max_steps=1, poll_timeout_s=0.1)
+    assert summary.counts["overflow"] == 8
+    assert summary.counts["trajectories"] == 4
+    meta = AdapterStore(tmp_path).read_meta(1)
+    trained = set(meta["data_stats"]["event_ids"])
+    newest = {r["trajectory"]["event_id"] for r in RECORDS[-4:]}
+    assert trained <= newest and trained
+    assert meta["consumed_offsets"] == {"mem.trajectories": {"0": 12}}  # nothing re-read

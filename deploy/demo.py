@@ -25,6 +25,8 @@ import httpx
 import openai
 import structlog
 
+from proxy.operator_chart import rolling_mean
+
 log = structlog.get_logger(__name__)
 
 PROMPT = "What is {a} plus {b}? Reply with only the number."
@@ -152,16 +154,6 @@ def _session_loop(
         feedback.close()
 
 
-def rolling(values: list[float], window: int) -> list[float]:
-    out, acc = [], 0.0
-    for i, value in enumerate(values):
-        acc += value
-        if i >= window:
-            acc -= values[i - window]
-        out.append(acc / min(i + 1, window))
-    return out
-
-
 def summarise(demo: DemoLog) -> list[dict[str, Any]]:
     """Per serving version, in order of first appearance."""
     rows: dict[str, dict[str, Any]] = {}
@@ -232,7 +224,7 @@ def plot(demo: DemoLog, events: list[dict[str, Any]], out: Path, window: int = 6
     samples = sorted(demo.samples, key=lambda s: s.at)
     rewards = [s.reward for s in samples]
     fig, ax = plt.subplots(figsize=(10, 4.5))
-    ax.plot(range(len(rewards)), rolling(rewards, window), label=f"rolling reward ({window})")
+    ax.plot(range(len(rewards)), rolling_mean(rewards, window), label=f"rolling reward ({window})")
     previous = None
     for i, sample in enumerate(samples):
         if sample.version != previous:

@@ -1,6 +1,6 @@
 from pathlib import Path
 
-from deploy.demo import DemoLog, Sample, format_table, grade, plot, rolling, summarise
+from deploy.demo import DemoLog, Sample, format_table, grade, plot, summarise
 
 
 def test_grade_orders_bare_number_over_leading_number_over_text() -> None:
@@ -17,10 +17,6 @@ def test_truncated_digit_runs_earn_nothing() -> None:
 
 def test_shorter_replies_earn_more() -> None:
     assert grade("42", "stop", 2, 16, expected=0) > grade("42", "stop", 8, 16, expected=0)
-
-
-def test_rolling_mean() -> None:
-    assert rolling([1.0, 3.0, 5.0, 7.0], window=2) == [1.0, 2.0, 4.0, 6.0]
 
 
 def test_summary_and_plot(tmp_path: Path) -> None:

@@ -13,10 +13,11 @@ Reads `<prefix>.trajectories`, `<prefix>.feedback` and `<prefix>.dlq` from expli
   only to rebuild the de-duplication memory, so a retried copy of an already yielded record
   that lies after the resume point is still dropped.
 
-A trajectory's window closes `join_window_s + join_grace_s` after its `created_at`, and only
-once the feedback partitions were read up to their high watermark. Feedback joins when its
-`created_at` lies within `join_window_s` of the trajectory's; later feedback, or feedback
-read after the trajectory was yielded, is counted as late and logged.
+A trajectory's window opens when its reply was finished (`created_at + timings.total_s`: a
+slow reply must not eat the user's time to react) and closes `join_window_s + join_grace_s`
+later, and only once the feedback partitions were read up to their high watermark.
+Feedback joins when its `created_at` lies before the window's end; later feedback, or
+feedback read after the trajectory was yielded, is counted as late and logged.
 """
 
 from __future__ import annotations
@@ -423,7 +424,10 @@ class TrajectoryConsumer:
             self.stats.duplicates += 1
             log.warning("duplicate_trajectory_id", trajectory_id=tid, offset=offset)
             return
-        window_end = float(value["created_at"]) + self._window
+        finished = float(value["created_at"]) + float(
+            (value.get("timings") or {}).get("total_s") or 0.0
+        )
+        window_end = finished + self._window
         pending = _Pending(tp, offset, value, window_end, window_end + self._grace)
         self._pending[tp][offset] = pending
         self._pending_by_tid[tid] = pending

@@ -130,7 +130,7 @@ def test_feedback_joins_by_trajectory_id_and_late_feedback_is_counted(
     consumer = TrajectoryConsumer(config, clock=clock)
     assert _drain(consumer, rounds=5) == []  # windows still open
     assert consumer.waiting() == 2
-    clock.now = t0 + 11.5  # a's window (10 s + 1 s grace) closed, b's not yet
+    clock.now = t0 + 12.0  # a finished at +0.9 s: its window (10 s + 1 s grace) closed
     scored = _drain(consumer, rounds=5)
     assert [s.trajectory["trajectory_id"] for s in scored] == [a["trajectory_id"]]
     assert scored[0].feedback == [early]

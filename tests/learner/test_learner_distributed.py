@@ -11,6 +11,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from deploy.ports import free_port
 from learner.adapter_store import AdapterStore
 
 HERE = Path(__file__).parent
@@ -28,8 +29,10 @@ def test_two_rank_torchrun_ends_with_identical_weights(model_dir: Path, tmp_path
             "torch.distributed.run",
             "--nproc-per-node",
             "2",
+            "--master-addr",
+            "127.0.0.1",
             "--master-port",
-            "0",
+            str(free_port()),  # port 0 makes the c10d rendezvous hang
             str(HERE / "torchrun_worker.py"),
             str(state),
             str(model_dir),
@@ -38,7 +41,7 @@ def test_two_rank_torchrun_ends_with_identical_weights(model_dir: Path, tmp_path
         env=env,
         capture_output=True,
         text=True,
-        timeout=600,
+        timeout=420,
     )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     rank0, rank1 = (

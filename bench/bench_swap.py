@@ -276,7 +276,8 @@ def main() -> None:
         f"{pct(bare, 0.9) * 1000:.1f} | 1.0× |",
         f"| olp load + confirm + alias flip | {med_flip:.1f} | "
         f"{pct(load_flip, 0.9) * 1000:.1f} | {med_flip / med_bare:.1f}× |",
-        f"| olp swap: gate verdict → first request served by the new version | {med_swap:.1f} "
+        f"| olp swap: load + confirm + flip + first (1-token, LoRA) reply from the new version "
+        f"| {med_swap:.1f} "
         f"| {pct(swap, 0.9) * 1000:.1f} | {med_swap / med_bare:.1f}× |",
         "",
         "| traffic | requests | failed | p50 (ms) | p99 (ms) |",

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -22,7 +23,7 @@ def test_two_rank_torchrun_ends_with_identical_weights(model_dir: Path, tmp_path
     state, out = tmp_path / "state", tmp_path / "out"
     out.mkdir()
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(HERE), str(HERE.parent.parent)])}
-    result = subprocess.run(
+    proc = subprocess.Popen(
         [
             sys.executable,
             "-m",
@@ -39,11 +40,18 @@ def test_two_rank_torchrun_ends_with_identical_weights(model_dir: Path, tmp_path
             str(out),
         ],
         env=env,
-        capture_output=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
         text=True,
-        timeout=420,
+        start_new_session=True,  # so a timeout can stop torchrun *and* its workers
     )
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    try:
+        stdout, stderr = proc.communicate(timeout=420)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        stdout, stderr = proc.communicate()
+        pytest.fail("torchrun did not finish in 420 s:\n" + stderr[-3000:])
+    assert proc.returncode == 0, stdout[-3000:] + stderr[-3000:]
     rank0, rank1 = (
         load_file(str(out / "rank0.safetensors")),
         load_file(str(out / "rank1.safetensors")),

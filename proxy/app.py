@@ -17,7 +17,7 @@ import structlog
 from aiohttp import web
 
 from proxy.admin import add_admin_routes
-from proxy.aliases import AliasTable
+from proxy.aliases import AliasTable, Canary
 from proxy.capture import CaptureService
 from proxy.completions import chat_completions, completions, read_json_body
 from proxy.config import ProxyConfig, TenantConfig
@@ -188,7 +188,9 @@ def build_app(
     ctx = ProxyContext(
         config=config,
         tenants=registry,
-        aliases=AliasTable(state.aliases),
+        aliases=AliasTable(
+            state.aliases, {k: Canary.from_json(v) for k, v in state.canaries.items()}
+        ),
         pool=UpstreamPool(
             config.upstreams,
             connect_timeout_s=config.connect_timeout_s,
@@ -237,6 +239,7 @@ async def _start(app: web.Application) -> None:
         "proxy_started",
         upstreams=[r.url for r in ctx.pool.replicas],
         aliases=dict(ctx.aliases.snapshot()),
+        canaries={k: v.to_json() for k, v in ctx.aliases.canaries().items()},
     )
 
 

@@ -97,7 +97,13 @@ class CompletionRelay:
             body = await read_json_body(self.request, ctx.config.max_body_bytes)
             validate_completion_request(self.endpoint, body, ctx.config.max_messages)
             self.stream = bool(body.get("stream", False))
-            served = ctx.aliases.resolve(body["model"])
+            # A canary only ever takes traffic that is recorded for training: its live
+            # reward decides whether it stays.
+            served = ctx.aliases.route(
+                body["model"],
+                self.session_id or self.request_id,
+                canary_eligible=self._training(tenant),
+            )
             if served is None:
                 raise ProxyError(
                     404,
@@ -170,6 +176,11 @@ class CompletionRelay:
         self.ctx.capture.open(capture)
         return capture
 
+    def _training(self, tenant: Tenant) -> bool:
+        return self.ctx.config.capture_enabled and self.ctx.tenants.wants_training(
+            tenant, self.request.headers.get("X-OLP-Train")
+        )
+
     @property
     def session_id(self) -> str | None:
         value = self.request.headers.get("X-Session-Id")
@@ -191,9 +202,7 @@ class CompletionRelay:
         self, tenant: Tenant, body: dict[str, Any], served: str, limit_headers: dict[str, str]
     ) -> web.StreamResponse:
         ctx = self.ctx
-        training = ctx.config.capture_enabled and ctx.tenants.wants_training(
-            tenant, self.request.headers.get("X-OLP-Train")
-        )
+        training = self._training(tenant)
         plan = plan_request(self.endpoint, body, served, capture=training)
         capture = self._capture_for(tenant, body, plan, served) if training else None
         # vLLM adopts X-Request-Id as its own request id; a client's id may repeat, so

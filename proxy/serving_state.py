@@ -1,8 +1,9 @@
 """Serving state the operator changes at run time, persisted so a restart keeps it.
 
-`<state_dir>/control/serving.json` holds the alias table, the history of alias changes, the
-frozen flags and per-tenant training overrides. It is written to a temporary file, fsynced
-and renamed, so a crash leaves either the old or the new state, never half of one.
+`<state_dir>/control/serving.json` holds the alias table, running canaries, the history of
+alias changes, the frozen flags and per-tenant training overrides. It is written to a
+temporary file, fsynced and renamed, so a crash leaves either the old or the new state,
+never half of one.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ class ServingState:
     frozen: bool = False
     learning_frozen: bool = False
     tenant_training: dict[str, bool] = field(default_factory=dict)
+    canaries: dict[str, dict[str, Any]] = field(default_factory=dict)  # alias -> Canary JSON
 
     def record(self, kind: str, actor: str, **details: Any) -> dict[str, Any]:
         entry = {"kind": kind, "actor": actor, "at": time.time(), **details}
@@ -57,6 +59,7 @@ def load_state(path: Path, default_aliases: dict[str, str]) -> ServingState:
         frozen=bool(raw.get("frozen", False)),
         learning_frozen=bool(raw.get("learning_frozen", False)),
         tenant_training={str(k): bool(v) for k, v in (raw.get("tenant_training") or {}).items()},
+        canaries={str(k): dict(v) for k, v in (raw.get("canaries") or {}).items()},
     )
 
 

@@ -28,6 +28,7 @@ from proxy.relay import (
     RelayPlan,
     SSEParser,
     dumps,
+    parse_json,
     plan_request,
     sse_event,
     strip_chunk,
@@ -282,7 +283,7 @@ class CompletionRelay:
                 code="upstream_timeout" if timed_out else "upstream_error",
             ) from exc
         try:
-            payload = json.loads(raw)
+            payload, encode = parse_json(raw)
         except (json.JSONDecodeError, UnicodeDecodeError) as exc:
             if capture is not None:
                 self.ctx.capture.submit(capture, "error")
@@ -294,7 +295,7 @@ class CompletionRelay:
             ) from exc
         if capture is not None:
             capture.add_response(payload)
-            raw = dumps(strip_response(plan, payload))
+            raw = encode(strip_response(plan, payload))
         self.ctx.metrics.count_tokens(payload.get("usage"), self.tenant_label, self.policy_version)
         response = web.Response(
             status=200, body=raw, headers=headers, content_type="application/json"
@@ -384,11 +385,14 @@ class CompletionRelay:
             if event == b"[DONE]":
                 out.append(sse_event(event))
                 continue
-            chunk = json.loads(event)
-            capture.add_chunk(chunk)
-            stripped = strip_chunk(plan, chunk)
+            chunk, encode = parse_json(event)
+            capture.add_chunk(chunk)  # takes copies: the chunk may be edited in place below
+            if not plan.augmented:
+                out.append(sse_event(event))
+                continue
+            stripped = strip_chunk(plan, chunk, in_place=True)
             if stripped is not None:
-                out.append(sse_event(event if stripped is chunk else dumps(stripped)))
+                out.append(sse_event(encode(stripped)))
         return b"".join(out)
 
     def _watch_usage(self, parser: SSEParser, data: bytes) -> None:

@@ -9,7 +9,7 @@ server would have sent for the client's own request.
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -94,14 +94,19 @@ def strip_response(plan: RelayPlan, payload: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def strip_chunk(plan: RelayPlan, chunk: dict[str, Any]) -> dict[str, Any] | None:
-    """Strip one stream chunk; None when the chunk exists only because of the additions."""
+def strip_chunk(
+    plan: RelayPlan, chunk: dict[str, Any], in_place: bool = False
+) -> dict[str, Any] | None:
+    """Strip one stream chunk; None when the chunk exists only because of the additions.
+
+    `in_place` edits `chunk` and its choices instead of copying them (the relay's hot path,
+    once the capture took what it needs from the chunk)."""
     if not plan.augmented:
         return chunk
     choices = chunk.get("choices")
     if plan.added_usage and not choices and chunk.get("usage") is not None:
         return None
-    out = dict(chunk)
+    out = chunk if in_place else dict(chunk)
     if plan.added_token_ids:
         _null_if_present(out, "prompt_token_ids")
     if plan.added_usage and "usage" in out and choices:
@@ -109,7 +114,8 @@ def strip_chunk(plan: RelayPlan, chunk: dict[str, Any]) -> dict[str, Any] | None
     if choices:
         stripped = []
         for choice in choices:
-            choice = dict(choice)
+            if not in_place:
+                choice = dict(choice)
             if plan.added_logprobs:
                 _null_if_present(choice, "logprobs")
             if plan.added_token_ids:
@@ -140,14 +146,15 @@ class SSEParser:
         self._buffer = b""
 
     def feed(self, data: bytes) -> Iterator[bytes]:
-        self._buffer += data
-        if b"\r" in self._buffer:
-            self._buffer = self._buffer.replace(b"\r\n", b"\n")
-        while True:
-            end = self._buffer.find(b"\n\n")
-            if end < 0:
-                return
-            event, self._buffer = self._buffer[:end], self._buffer[end + 2 :]
+        buffer = self._buffer + data if self._buffer else data
+        if b"\r" in buffer:
+            buffer = buffer.replace(b"\r\n", b"\n")
+        events = buffer.split(b"\n\n")
+        self._buffer = events.pop()
+        for event in events:
+            if event.startswith(b"data:") and b"\n" not in event:
+                yield event[5:].lstrip(b" ")  # the usual one-line event
+                continue
             lines = [
                 line[5:].lstrip(b" ") for line in event.split(b"\n") if line.startswith(b"data:")
             ]
@@ -165,3 +172,27 @@ def sse_event(data: bytes) -> bytes:
 def dumps(obj: Any) -> bytes:
     """Compact JSON, the way vLLM serialises its chunks."""
     return json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode("utf-8")
+
+
+try:  # msgspec comes with vLLM; without it the standard library does the same, slower
+    import msgspec
+
+    _fast_decode = msgspec.json.Decoder().decode
+    _fast_encode = msgspec.json.Encoder().encode
+    _FastDecodeError: type[Exception] = msgspec.DecodeError
+except ImportError:  # pragma: no cover - every supported install has msgspec
+    _fast_decode, _fast_encode, _FastDecodeError = json.loads, dumps, json.JSONDecodeError
+
+
+def parse_json(data: bytes) -> tuple[Any, Callable[[Any], bytes]]:
+    """Parse upstream JSON; return it and the encoder that writes it back faithfully.
+
+    The fast decoder (msgspec, ~4x faster than `json`) rejects what only Python's `json`
+    accepts (NaN/Infinity literals, lone surrogates, numbers out of float range); such input
+    is parsed and re-encoded by `json` so non-finite values round-trip as they came. Raises
+    ValueError (json.JSONDecodeError / UnicodeDecodeError) when the data is not JSON.
+    """
+    try:
+        return _fast_decode(data), _fast_encode
+    except _FastDecodeError:
+        return json.loads(data), dumps

@@ -13,7 +13,7 @@ from proxy.capture import CaptureContext, TrajectoryCapture, redact_record
 from proxy.config import ProxyConfig, TenantConfig, sha256_hex
 from proxy.errors import ProxyError
 from proxy.feedback import RecentTrajectories, TrajectoryOwner, check_owner, parse_feedback
-from proxy.relay import SSEParser, plan_request, strip_chunk, strip_response
+from proxy.relay import SSEParser, parse_json, plan_request, strip_chunk, strip_response
 from proxy.routing import UpstreamPool
 from proxy.serving_state import ServingState, load_state, save_state
 from proxy.tenants import TenantRegistry, TokenBucket
@@ -193,6 +193,40 @@ def test_sse_parser_handles_split_events_and_crlf():
     assert list(parser.feed(b"1}\r\n\r\ndata: [DONE]\n\n")) == [b'{"a":1}', b"[DONE]"]
     assert list(parser.feed(b": keep-alive comment\n\n")) == []
     assert parser.rest() == b""
+
+
+def test_sse_parser_joins_multi_line_data_and_skips_events_without_data():
+    parser = SSEParser()
+    events = list(parser.feed(b"event: x\ndata: a\ndata:  b\n\nid: 3\n\ndata:c\n\ndata: d"))
+    assert events == [b"a\nb", b"c"]
+    assert parser.rest() == b"data: d"
+
+
+def test_strip_chunk_in_place_edits_the_chunk_like_the_copy():
+    plan = plan_request(
+        "chat.completions", {"model": "m", "messages": [], "stream": True}, "base", True
+    )
+    chunk = {
+        "prompt_token_ids": [1, 2],
+        "choices": [
+            {"index": 0, "delta": {"content": "x"}, "logprobs": {"content": []}, "token_ids": [5]}
+        ],
+    }
+    copy = strip_chunk(plan, json.loads(json.dumps(chunk)))
+    ids = chunk["prompt_token_ids"]
+    assert strip_chunk(plan, chunk, in_place=True) == copy
+    assert chunk == copy and ids == [1, 2]  # values are replaced, never mutated
+
+
+def test_parse_json_round_trips_what_only_the_json_module_reads():
+    obj, encode = parse_json(b'{"a":[1,2.5,"\\u00e9"],"b":null}')
+    assert obj == {"a": [1, 2.5, "é"], "b": None}
+    assert json.loads(encode(obj)) == obj
+    obj, encode = parse_json(b'{"logprob":-Infinity}')
+    assert obj["logprob"] == float("-inf")
+    assert encode(obj) == b'{"logprob":-Infinity}'
+    with pytest.raises(ValueError):
+        parse_json(b'{"a":')
 
 
 def _capture(endpoint="chat.completions") -> TrajectoryCapture:

@@ -12,6 +12,8 @@ record twice: consumers de-duplicate by event_id.
 from __future__ import annotations
 
 import asyncio
+import collections
+import contextlib
 import queue
 import socket
 import threading
@@ -86,6 +88,48 @@ class _Item:
     record: dict[str, Any]
 
 
+def prepare_entry(
+    config: StreamConfig, topics: TopicNames, metrics: ProducerMetrics, item: _Item
+) -> SpillEntry:
+    """Validate and encode; an invalid or oversized record becomes a DLQ envelope."""
+    record = item.record
+    session = record.get("session_id") if isinstance(record, dict) else None
+    key = session.encode() if isinstance(session, str) else None
+    topic = topics.trajectories if item.kind is RecordKind.TRAJECTORY else topics.feedback
+    try:
+        validate_record(item.kind, record)
+        value = encode_record(record)
+        limit = config.max_request_size_bytes - _RECORD_OVERHEAD_BYTES
+        if len(value) > limit:
+            raise ValueError(f"record is {len(value)} bytes, over the {limit} byte limit")
+        return SpillEntry(topic, key, value)
+    except (SchemaValidationError, TypeError, ValueError) as exc:
+        reason = str(exc)
+    log.warning("record_to_dlq", kind=item.kind.value, reason=reason[:500])
+    metrics.dlq.labels(item.kind.value).inc()
+    try:
+        envelope = dlq_envelope(
+            reason=reason,
+            source_topic=topic,
+            origin="producer",
+            kind=item.kind.value,
+            record=record,
+        )
+        value = encode_record(envelope)
+        if len(value) > config.max_request_size_bytes - _RECORD_OVERHEAD_BYTES:
+            raise ValueError("record too large to keep in the DLQ")
+    except (TypeError, ValueError):
+        envelope = dlq_envelope(
+            reason=reason,
+            source_topic=topic,
+            origin="producer",
+            kind=item.kind.value,
+            raw=repr(record)[:65536].encode(),
+        )
+        value = encode_record(envelope)
+    return SpillEntry(topics.dlq, key, value)
+
+
 def tcp_reachable(bootstrap_servers: str, timeout_s: float = 1.0) -> bool:
     """Whether any bootstrap server accepts a TCP connection (a cheap probe before a client)."""
     for server in bootstrap_servers.split(","):
@@ -158,45 +202,7 @@ class KafkaSink:
     # ---- background thread ---------------------------------------------------------------
 
     def _prepare(self, item: _Item) -> SpillEntry:
-        """Validate and encode; an invalid or oversized record becomes a DLQ envelope."""
-        record = item.record
-        session = record.get("session_id") if isinstance(record, dict) else None
-        key = session.encode() if isinstance(session, str) else None
-        topic = (
-            self.topics.trajectories if item.kind is RecordKind.TRAJECTORY else self.topics.feedback
-        )
-        try:
-            validate_record(item.kind, record)
-            value = encode_record(record)
-            limit = self.config.max_request_size_bytes - _RECORD_OVERHEAD_BYTES
-            if len(value) > limit:
-                raise ValueError(f"record is {len(value)} bytes, over the {limit} byte limit")
-            return SpillEntry(topic, key, value)
-        except (SchemaValidationError, TypeError, ValueError) as exc:
-            reason = str(exc)
-        log.warning("record_to_dlq", kind=item.kind.value, reason=reason[:500])
-        self.metrics.dlq.labels(item.kind.value).inc()
-        try:
-            envelope = dlq_envelope(
-                reason=reason,
-                source_topic=topic,
-                origin="producer",
-                kind=item.kind.value,
-                record=record,
-            )
-            value = encode_record(envelope)
-            if len(value) > self.config.max_request_size_bytes - _RECORD_OVERHEAD_BYTES:
-                raise ValueError("record too large to keep in the DLQ")
-        except (TypeError, ValueError):
-            envelope = dlq_envelope(
-                reason=reason,
-                source_topic=topic,
-                origin="producer",
-                kind=item.kind.value,
-                raw=repr(record)[:65536].encode(),
-            )
-            value = encode_record(envelope)
-        return SpillEntry(self.topics.dlq, key, value)
+        return prepare_entry(self.config, self.topics, self.metrics, item)
 
     def _take_batch(self, timeout_s: float) -> list[_Item]:
         items: list[_Item] = []
@@ -409,6 +415,335 @@ class KafkaSink:
             return
         self._closed = True
         self._stop.set()
+        self._thread.join()
+
+    async def aclose(self) -> None:
+        await asyncio.to_thread(self.close)
+
+
+# ---- the same sink in a child process ------------------------------------------------------
+
+_STATUS_INTERVAL_S = 0.05
+_CHILD_START_TIMEOUT_S = 60.0
+_RESTART_BACKOFF_S = 1.0
+
+
+def _metric_values(metrics: ProducerMetrics) -> dict[str, dict[tuple[str, ...], float]]:
+    """Every series of a ProducerMetrics as {attribute: {label values: value}}."""
+    out: dict[str, dict[tuple[str, ...], float]] = {}
+    for name, metric in vars(metrics).items():
+        series: dict[tuple[str, ...], float] = {}
+        for family in metric.collect():
+            for sample in family.samples:
+                if sample.name.endswith("_created"):
+                    continue
+                series[tuple(sample.labels.values())] = sample.value
+        out[name] = series
+    return out
+
+
+def _child_main(config_json: str, state_dir: str, conn: Any) -> None:
+    """The child process: a KafkaSink fed by batches from the parent, reporting progress.
+
+    Progress is `done`: how many received records are durable (acknowledged by the broker,
+    spilled or routed to the DLQ). The queue is FIFO, so these are the oldest ones; the parent
+    keeps every record until it is counted here, and spills the rest itself if this process
+    dies."""
+    import pickle
+
+    config = StreamConfig.model_validate_json(config_json)
+    sink = KafkaSink(config, Path(state_dir))
+    received = 0
+    send_lock = threading.Lock()
+    stop = threading.Event()
+
+    def status(final: bool = False) -> None:
+        got = received  # read before unfinished_tasks: `done` may only be underestimated
+        pending = sink._queue.unfinished_tasks
+        idle = pending == 0 and sink.spill.is_empty()
+        message = ("status", got - pending, idle, _metric_values(sink.metrics), final)
+        with send_lock:
+            conn.send(message)
+
+    def reporter() -> None:
+        while not stop.wait(_STATUS_INTERVAL_S):
+            try:
+                status()
+            except OSError:
+                return
+
+    thread = threading.Thread(target=reporter, name="olp-sink-status", daemon=True)
+    thread.start()
+    try:
+        while True:
+            try:
+                message = conn.recv_bytes()
+            except (EOFError, OSError):
+                break  # the parent is gone: close the sink, which spills what is left
+            if message == b"close":
+                break
+            for kind, record in pickle.loads(message):
+                if kind == RecordKind.TRAJECTORY.value:
+                    sink.put_trajectory(record)
+                else:
+                    sink.put_feedback(record)
+                received += 1
+    finally:
+        sink.close()
+        stop.set()
+        thread.join()
+        with contextlib.suppress(OSError):
+            status(final=True)
+        conn.close()
+
+
+class KafkaSinkProcess:
+    """KafkaSink in a child process, so its CPU work (schema validation, JSON encoding,
+    kafka-python) does not compete with the proxy's event loop for the GIL.
+
+    `put_*` appends to an in-memory outbox (a deque append); a parent thread pickles batches
+    to the child and keeps every record until the child reports it durable. If the child dies
+    the parent spills the unconfirmed records itself (validated and encoded as the child would)
+    and starts a new child, which drains the spill; a record may then be delivered twice,
+    consumers de-duplicate by event_id. `metrics` mirrors the child's series.
+    """
+
+    def __init__(
+        self,
+        config: StreamConfig,
+        state_dir: Path,
+        registry: CollectorRegistry | None = None,
+    ) -> None:
+        import multiprocessing
+
+        self.config = config
+        self.state_dir = Path(state_dir)
+        self.topics = TopicNames.from_prefix(config.topic_prefix)
+        self.metrics = ProducerMetrics(registry if registry is not None else CollectorRegistry())
+        self._mp = multiprocessing.get_context("spawn")
+        self._outbox: collections.deque[tuple[str, Any]] = collections.deque()
+        self._pending: collections.deque[tuple[str, Any]] = collections.deque()
+        self._wake = threading.Event()
+        self._closed = False
+        self._idle = False
+        self._seen: dict[str, dict[tuple[str, ...], float]] = {}
+        self._lock = threading.RLock()  # guards the parent's own spilling
+        self._feeder_done = False
+        self._confirmed = 0
+        self.child_restarts = 0
+        self._proc: Any = None
+        self._conn: Any = None
+        self._start_child()
+        self._thread = threading.Thread(target=self._run, name="olp-sink-feeder", daemon=True)
+        self._thread.start()
+
+    # ---- request path (event loop): append only ------------------------------------------
+
+    def put_trajectory(self, record: dict[str, Any]) -> None:
+        self._put(RecordKind.TRAJECTORY.value, record)
+
+    def put_feedback(self, event: dict[str, Any]) -> None:
+        self._put(RecordKind.FEEDBACK.value, event)
+
+    def _put(self, kind: str, record: dict[str, Any]) -> None:
+        if self._closed:
+            with self._lock:
+                if self._feeder_done:
+                    log.warning("put_after_close_spilling", kind=kind)
+                    self._spill_here([(kind, record)])
+                    return
+                self._outbox.append((kind, record))
+            return
+        self._outbox.append((kind, record))
+        self._idle = False
+        if not self._wake.is_set():
+            self._wake.set()
+
+    # ---- feeder thread -------------------------------------------------------------------
+
+    def _start_child(self) -> None:
+        parent_conn, child_conn = self._mp.Pipe(duplex=True)
+        proc = self._mp.Process(
+            target=_child_main,
+            args=(self.config.model_dump_json(), str(self.state_dir), child_conn),
+            name="olp-kafka-sink",
+            daemon=True,
+        )
+        proc.start()
+        child_conn.close()
+        self._proc, self._conn = proc, parent_conn
+        self._seen = {}
+
+    def _run(self) -> None:
+        import pickle
+
+        while True:
+            self._wake.wait(_STATUS_INTERVAL_S)
+            self._wake.clear()
+            if self.config.linger_ms:
+                time.sleep(self.config.linger_ms / 1000)
+            stopping = self._closed
+            batch: list[tuple[str, Any]] = []
+            while self._outbox and len(batch) < self.config.producer_batch_records:
+                batch.append(self._outbox.popleft())
+            if len(self._outbox):
+                self._wake.set()
+            try:
+                if batch:
+                    self._pending.extend(batch)
+                    self._conn.send_bytes(self._pickle(pickle, batch))
+                self._read_statuses(block_s=0.0)
+            except (OSError, EOFError):
+                self._child_died()
+                continue
+            if stopping and not self._outbox:
+                break
+        self._close_child()
+        with self._lock:  # records put while the child was closing
+            self._spill_here(list(self._outbox))
+            self._outbox.clear()
+            self._feeder_done = True
+
+    @staticmethod
+    def _pickle(pickle: Any, batch: list[tuple[str, Any]]) -> bytes:
+        try:
+            return pickle.dumps(batch, protocol=pickle.HIGHEST_PROTOCOL)
+        except Exception:
+            # A record that does not pickle is not JSON either: the child sends it to the DLQ.
+            safe = []
+            for kind, record in batch:
+                try:
+                    pickle.dumps(record)
+                except Exception:
+                    record = repr(record)[:65536]
+                safe.append((kind, record))
+            return pickle.dumps(safe, protocol=pickle.HIGHEST_PROTOCOL)
+
+    def _read_statuses(self, block_s: float) -> bool:
+        """Apply the child's status messages; True once its final one arrived."""
+        final = False
+        while self._conn.poll(block_s):
+            _, done, idle, values, final = self._conn.recv()
+            for _ in range(min(done - self._confirmed, len(self._pending))):
+                self._pending.popleft()
+            self._confirmed = max(self._confirmed, done)
+            self._mirror(values)
+            self._idle = idle and not self._pending and not self._outbox
+            block_s = 0.0
+            if final:
+                return True
+        if not self._proc.is_alive() and not self._conn.poll(0):
+            raise EOFError("the sink process exited")
+        return final
+
+    def _mirror(self, values: dict[str, dict[tuple[str, ...], float]]) -> None:
+        for name, series in values.items():
+            metric = getattr(self.metrics, name, None)
+            if metric is None:
+                continue
+            seen = self._seen.setdefault(name, {})
+            for labels, value in series.items():
+                target = metric.labels(*labels) if labels else metric
+                if isinstance(metric, Gauge):
+                    if name == "queue_depth":
+                        value += len(self._outbox) + len(self._pending)
+                    target.set(value)
+                elif value > seen.get(labels, 0.0):
+                    target.inc(value - seen.get(labels, 0.0))
+                seen[labels] = value
+
+    def _child_died(self) -> None:
+        """Spill what the dead child had not confirmed, then start a new child."""
+        proc = self._proc
+        proc.join(timeout=5)
+        if proc.is_alive():
+            proc.kill()
+            proc.join()
+        with contextlib.suppress(OSError):
+            self._conn.close()
+        lost = list(self._pending)
+        self._pending.clear()
+        self._confirmed = 0
+        log.error("sink_process_died", exitcode=proc.exitcode, spilling=len(lost))
+        self._spill_here(lost)
+        if self._closed and not self._outbox:
+            self._proc = None
+            return
+        time.sleep(_RESTART_BACKOFF_S)
+        self.child_restarts += 1
+        self._start_child()
+
+    def _spill_here(self, records: list[tuple[str, Any]]) -> None:
+        """Validate, encode and spill in this process (only while no child runs)."""
+        if not records:
+            return
+        with self._lock:
+            entries = [
+                prepare_entry(self.config, self.topics, self.metrics, _Item(RecordKind(k), r))
+                for k, r in records
+            ]
+            spill = SpillStore(
+                self.state_dir / self.config.spill_dir_name,
+                max_bytes=self.config.spill_max_bytes,
+                segment_bytes=self.config.spill_segment_bytes,
+                on_full=lambda dropped: self.metrics.failed.labels("any", "spill_full").inc(
+                    dropped
+                ),
+            )
+            try:
+                stored = spill.append(entries)
+            finally:
+                spill.close()
+            for entry in entries[:stored]:
+                kind = "dlq" if entry.topic == self.topics.dlq else "trajectory"
+                if entry.topic == self.topics.feedback:
+                    kind = "feedback"
+                self.metrics.spilled.labels(kind).inc()
+            self.metrics.spill_bytes.set(spill.total_bytes())
+
+    def _close_child(self) -> None:
+        if self._proc is None:
+            return
+        deadline = time.monotonic() + self.config.close_timeout_s + _CHILD_START_TIMEOUT_S
+        try:
+            self._conn.send_bytes(b"close")
+            while time.monotonic() < deadline:
+                if self._read_statuses(block_s=0.1):
+                    break
+        except (OSError, EOFError):
+            pass
+        self._proc.join(timeout=max(0.0, deadline - time.monotonic()))
+        if self._proc.is_alive():
+            log.error("sink_process_close_timed_out")
+            self._proc.kill()
+            self._proc.join()
+        with contextlib.suppress(OSError):
+            self._conn.close()
+        # The child closed its sink (sent or spilled everything it had); anything it had
+        # not confirmed is spilled here.
+        if self._pending:
+            self._spill_here(list(self._pending))
+            self._pending.clear()
+        self._proc = None
+
+    # ---- lifecycle -----------------------------------------------------------------------
+
+    def wait_idle(self, timeout_s: float) -> bool:
+        """Block until the child confirmed every record and its queue and spill are empty."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self._idle and not self._outbox and not self._pending:
+                return True
+            time.sleep(0.02)
+        return False
+
+    def close(self) -> None:
+        """Hand everything to the child, let it send what the broker takes within
+        close_timeout_s (the rest stays in the spill) and stop it."""
+        if self._closed:
+            return
+        self._closed = True
+        self._wake.set()
         self._thread.join()
 
     async def aclose(self) -> None:

@@ -1,0 +1,91 @@
+"""KafkaSinkProcess: the KafkaSink in a child process loses nothing when the broker is down
+or the child dies, and mirrors the child's metrics."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from pathlib import Path
+
+from prometheus_client import CollectorRegistry
+
+from deploy.broker import start_broker
+from deploy.ports import free_port
+from replay.config import StreamConfig
+from replay.consumer import TrajectoryConsumer
+from replay.producer import KafkaSinkProcess
+from replay.synthetic import make_trajectory
+from tests.replay.conftest import consume_until
+from tests.replay.test_outage import _config, _sample, _wait_for
+
+
+def _consume_ids(config: StreamConfig, expected: int) -> set[str]:
+    with TrajectoryConsumer(config) as consumer:  # de-duplicates by event_id
+        scored = consume_until(consumer, lambda got: len(got) >= expected)
+        assert consumer.poll(0.5) == []
+    return {s.trajectory["trajectory_id"] for s in scored}
+
+
+def test_process_sink_round_trip_and_metrics(stream_config: StreamConfig, tmp_path: Path) -> None:
+    registry = CollectorRegistry()
+    sink = KafkaSinkProcess(stream_config, tmp_path, registry)
+    try:
+        records = [make_trajectory(session_id=f"s{i % 3}") for i in range(200)]
+        for record in records:
+            sink.put_trajectory(record)
+        sink.put_trajectory({"schema_version": 1, "not": "a trajectory"})  # → DLQ
+        assert sink.wait_idle(60)
+        assert _sample(registry, "olp_stream_sent_total", kind="trajectory") == 200
+        assert _sample(registry, "olp_stream_dlq_total", kind="trajectory") == 1
+        assert _sample(registry, "olp_stream_broker_up") == 1
+    finally:
+        sink.close()
+    assert _consume_ids(stream_config, 200) == {r["trajectory_id"] for r in records}
+
+
+def test_process_sink_spills_while_the_broker_is_down(tmp_path: Path) -> None:
+    port = free_port()
+    config = _config(f"127.0.0.1:{port}")
+    registry = CollectorRegistry()
+    sink = KafkaSinkProcess(config, tmp_path / "state", registry)
+    records = [make_trajectory(session_id=f"s{i % 4}") for i in range(40)]
+    started = time.perf_counter()
+    for record in records:
+        sink.put_trajectory(record)
+    assert time.perf_counter() - started < 0.05  # put_* only appends
+    _wait_for(lambda: _sample(registry, "olp_stream_spilled_total", kind="trajectory") == 40)
+    assert _sample(registry, "olp_stream_spill_bytes") > 0
+    broker = start_broker("127.0.0.1", port, tmp_path / "broker.log")
+    try:
+        assert sink.wait_idle(60)  # drained from the spill once the broker answers
+        sink.close()
+        assert _consume_ids(config, 40) == {r["trajectory_id"] for r in records}
+    finally:
+        sink.close()
+        broker.stop()
+
+
+def test_records_of_a_killed_sink_process_are_spilled_and_delivered(
+    stream_config: StreamConfig, tmp_path: Path
+) -> None:
+    registry = CollectorRegistry()
+    sink = KafkaSinkProcess(stream_config, tmp_path, registry)
+    try:
+        first = [make_trajectory(session_id="a") for _ in range(50)]
+        for record in first:
+            sink.put_trajectory(record)
+        assert sink.wait_idle(60)
+        os.kill(sink._proc.pid, signal.SIGSTOP)  # it receives but confirms nothing more
+        second = [make_trajectory(session_id="b") for _ in range(50)]
+        for record in second:
+            sink.put_trajectory(record)
+        _wait_for(lambda: len(sink._pending) == 50)
+        os.kill(sink._proc.pid, signal.SIGKILL)
+        _wait_for(lambda: sink.child_restarts == 1)
+        assert _sample(registry, "olp_stream_spilled_total", kind="trajectory") >= 50
+        assert sink.wait_idle(60)  # the new child drained the parent's spill
+    finally:
+        sink.close()
+    expected = {r["trajectory_id"] for r in first + second}
+    assert _consume_ids(stream_config, 100) == expected

@@ -52,6 +52,11 @@ def format_status(status: dict[str, Any]) -> str:
     aliases = status.get("aliases", {})
     if aliases:
         lines.append("aliases: " + ", ".join(f"{k} -> {v}" for k, v in aliases.items()))
+    for alias, canary in (status.get("canaries") or {}).items():
+        lines.append(
+            f"canary: {alias} -> {canary.get('target')} "
+            f"for {canary.get('share')} of training traffic"
+        )
     for tenant in status.get("tenants", []):
         lines.append(
             f"tenant {tenant.get('name')}: training "
@@ -87,7 +92,13 @@ def cmd_unfreeze(args: argparse.Namespace, cfg: OlpConfig) -> int:
 def cmd_rollback(args: argparse.Namespace, cfg: OlpConfig) -> int:
     body = {"to": args.to} if args.to else {}
     result = _admin_call(args, cfg, "POST", "/admin/rollback", body)
-    print(f"rolled back: now serving {result.get('serving_version', result)}")
+    if result.get("decision") == "rollback":
+        print(
+            f"canary of {result.get('target')} ended: "
+            f"all traffic on {result.get('serving_version')}"
+        )
+    else:
+        print(f"rolled back: now serving {result.get('serving_version', result)}")
     return 0
 
 

@@ -84,6 +84,7 @@ def run(cfg: OlpConfig) -> int:
             replay_consumer_factory(cfg.stream),
             model_dir=model_dir,
             on_candidate=promoter.submit,
+            on_rewarded=promoter.canary_monitor.observe,
             is_frozen=FreezeFlag(proxy),
             judge_base_url=replicas[0],
             stop=stop,

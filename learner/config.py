@@ -73,6 +73,36 @@ class RewardConfig(BaseModel):
     judge: JudgeConfig = Field(default_factory=JudgeConfig)
 
 
+class CanaryConfig(BaseModel):
+    """Live trial of a gated candidate on a share of training-enabled traffic (optional)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    enabled: bool = Field(False, description="trial every gated candidate before full rollout")
+    share: float = Field(
+        0.1, gt=0, lt=1, description="share of training-enabled sessions sent to the candidate"
+    )
+    min_samples: int = Field(
+        30, ge=1, description="trajectories (and rewarded ones) needed on each arm to decide"
+    )
+    max_duration_s: float = Field(
+        1800.0, gt=0, description="decide by `on_timeout` if the evidence is still short then"
+    )
+    reward_margin: float = Field(
+        0.05, ge=0, description="roll back when the candidate's mean reward is lower by more"
+    )
+    guard_margin: float = Field(
+        0.1,
+        ge=0,
+        description="roll back when a guard rate (degenerate, refusal, clarifying question, "
+        "invalid tool call) is higher by more",
+    )
+    on_timeout: Literal["rollback", "promote"] = Field(
+        "rollback", description="decision when max_duration_s passes without enough evidence"
+    )
+    poll_s: float = Field(2.0, gt=0, description="how often the evidence is re-checked")
+
+
 class PromotionConfig(BaseModel):
     """How candidates reach users: gate, hot swap, what stays loaded (learner/promotion.py)."""
 
@@ -86,6 +116,7 @@ class PromotionConfig(BaseModel):
     )
     retain_dirs: int = Field(10, ge=1, description="adapter directories kept on disk")
     request_timeout_s: float = Field(60.0, gt=0)
+    canary: CanaryConfig = Field(default_factory=CanaryConfig)
 
 
 class LearnerConfig(BaseModel):

@@ -4,7 +4,8 @@ Protocol (DESIGN.md): versioned names only; load `policy-v<N>` on every vLLM rep
 confirm it in each replica's /v1/models; run the gate suite against the incumbent; flip
 the proxy's alias atomically (the proxy refuses a target some replica does not serve);
 unload superseded versions only after in-flight requests had time to drain; keep the last
-R adapter directories.
+R adapter directories. With `promotion.canary.enabled`, a gated candidate first serves a
+share of training-enabled traffic and is promoted or rolled back on its live evidence.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from typing import Any
 import httpx
 import structlog
 
+from learner.canary import CanaryMonitor, judge_canary
 from learner.config import PromotionConfig
 from safety.audit import AuditLog
 from safety.config import GatesConfig
@@ -76,6 +78,14 @@ class ProxyAdmin:
     def set_alias(self, alias: str, target: str) -> dict[str, Any]:
         return dict(self._call("POST", "/admin/aliases", {"alias": alias, "target": target}))
 
+    def start_canary(self, alias: str, target: str, share: float) -> dict[str, Any]:
+        body = {"alias": alias, "target": target, "share": share}
+        return dict(self._call("POST", "/admin/canary", body))
+
+    def end_canary(self, alias: str, decision: str, reason: str) -> dict[str, Any]:
+        body = {"alias": alias, "decision": decision, "reason": reason[:500]}
+        return dict(self._call("POST", "/admin/canary/end", body))
+
     def close(self) -> None:
         self._client.close()
 
@@ -95,13 +105,14 @@ class ReplicaSet:
         return {item["id"] for item in resp.json()["data"]}
 
     def load(self, name: str, path: Path) -> None:
+        """Load on every replica, then confirm with one listing per replica."""
         for url in self.base_urls:
-            if name in self.served(url):
-                continue  # a versioned name is never reloaded: same name, same weights
             resp = self._client.post(
                 f"{url}/v1/load_lora_adapter", json={"lora_name": name, "lora_path": str(path)}
             )
-            if resp.status_code != 200:
+            # A versioned name is never reloaded (same name, same weights): vLLM answers 400
+            # "already been loaded", which the listing below confirms.
+            if resp.status_code != 200 and "already" not in resp.text:
                 raise PromotionError(f"{url} refused to load {name}: {resp.text}")
         missing = [url for url in self.base_urls if name not in self.served(url)]
         if missing:
@@ -170,6 +181,9 @@ class Promoter:
         self._lock = threading.Lock()
         self.outcomes: list[PromotionOutcome] = []
         self._candidate_dir: Path | None = None
+        # Fed by the learner's scored batches (`Learner(on_rewarded=...)`).
+        self.canary_monitor = CanaryMonitor()
+        self._closing = threading.Event()
 
     # ------------------------------------------------------------------ async use
     def submit(self, version_dir: Path) -> None:
@@ -206,6 +220,7 @@ class Promoter:
                 )
 
     def close(self, timeout_s: float = 300.0) -> None:
+        self._closing.set()  # a running canary rolls back rather than outlive the learner
         if self._worker is not None:
             self._queue.put(None)
             self._worker.join(timeout=timeout_s)
@@ -281,6 +296,8 @@ class Promoter:
                 timings=timings,
             )
 
+        if self.config.canary.enabled:
+            return self._canary(name, incumbent, report, timings)
         started = time.monotonic()
         self.proxy.set_alias(self.config.alias, name)
         timings["flip_s"] = time.monotonic() - started
@@ -295,6 +312,74 @@ class Promoter:
         )
         self._schedule_cleanup(name)
         return PromotionOutcome(name, "promoted", incumbent, report, timings=timings)
+
+    def _canary(
+        self, name: str, incumbent: str, report: GateReport, timings: dict[str, float]
+    ) -> PromotionOutcome:
+        """Serve the candidate to a share of training traffic until its evidence decides."""
+        config, alias = self.config.canary, self.config.alias
+        self.canary_monitor.begin([incumbent, name], since=time.time())
+        started = time.monotonic()
+        try:
+            self.proxy.start_canary(alias, name, config.share)
+            log.info("canary_started", version=name, stable=incumbent, share=config.share)
+            while True:
+                if self._closing.wait(config.poll_s):
+                    decision, reasons = "rollback", ["the learner is shutting down"]
+                    verdict_data: dict[str, Any] = {}
+                    break
+                running = (self.proxy.status().get("canaries") or {}).get(alias)
+                if not running or running.get("target") != name:
+                    # An operator rollback or freeze ended it; the proxy audited that.
+                    self.replicas.unload(name)
+                    self.audit.append(
+                        ACTOR, "canary_aborted", {"version": name, "stable": incumbent}
+                    )
+                    return PromotionOutcome(
+                        name, "canary_aborted", incumbent, report, "ended by an operator"
+                    )
+                verdict = judge_canary(
+                    config,
+                    self.canary_monitor.arm(incumbent),
+                    self.canary_monitor.arm(name),
+                    time.monotonic() - started,
+                )
+                if verdict.decision != "wait":
+                    decision, reasons, verdict_data = (
+                        verdict.decision,
+                        verdict.reasons,
+                        verdict.to_dict(),
+                    )
+                    break
+        finally:
+            self.canary_monitor.end()
+        timings["canary_s"] = time.monotonic() - started
+        self.audit.append(
+            ACTOR,
+            "canary_result",
+            {
+                "version": name,
+                "stable": incumbent,
+                "decision": decision,
+                "reasons": reasons,
+                "evidence": verdict_data,
+            },
+        )
+        self.proxy.end_canary(alias, decision, "; ".join(reasons))
+        if decision == "promote":
+            self.audit.append(
+                ACTOR,
+                "promotion",
+                {"version": name, "previous": incumbent, "timings": timings, "via": "canary"},
+            )
+            log.info("canary_promoted", version=name, previous=incumbent, reasons=reasons)
+            self._schedule_cleanup(name)
+            return PromotionOutcome(name, "promoted", incumbent, report, timings=timings)
+        self.replicas.unload(name)
+        log.warning("canary_rolled_back", version=name, stable=incumbent, reasons=reasons)
+        return PromotionOutcome(
+            name, "canary_rolled_back", incumbent, report, "; ".join(reasons), timings
+        )
 
     # ------------------------------------------------------------------- helpers
     def _zero_base(self, like: Path) -> str:

@@ -38,7 +38,7 @@ from learner.objective import (
     samples_from_rewarded,
 )
 from learner.progress import Progress
-from learner.rewards.assembler import RewardAssembler
+from learner.rewards.assembler import RewardAssembler, RewardedChoice
 from learner.rewards.judge import Judge
 from learner.trainer import Trainer
 
@@ -93,6 +93,7 @@ class Learner:
         judge_base_url: str | None = None,
         fault_hook: FaultHook | None = None,
         ctx: DistContext | None = None,
+        on_rewarded: Callable[[list[RewardedChoice]], None] | None = None,
     ) -> None:
         model_dir = model_dir or config.base_model_dir
         if model_dir is None:
@@ -104,6 +105,7 @@ class Learner:
         self.on_candidate = on_candidate or _log_candidate
         self.is_frozen = is_frozen or (lambda: False)
         self.fault_hook = fault_hook or (lambda stage: None)
+        self.on_rewarded = on_rewarded
         judge = None
         if config.rewards.judge.enabled:
             judge = Judge(config.rewards.judge, base_url=judge_base_url)
@@ -221,6 +223,11 @@ class Learner:
             log.warning("learner_overflow", dropped=overflow, kept=self.config.max_batch)
             batch = batch[overflow:]
         rewarded = self.assembler.assemble(batch)
+        if self.on_rewarded is not None:
+            try:  # live evidence (the canary) must never stop training
+                self.on_rewarded(rewarded)
+            except Exception:
+                log.exception("on_rewarded_failed", batch=len(rewarded))
         samples, dropped = samples_from_rewarded(rewarded)
         samples, stale = drop_stale(samples, self.version, self.config.max_staleness)
         samples, capped = apply_share_caps(
@@ -343,6 +350,7 @@ def run_learner(
     stop: threading.Event | None = None,
     max_steps: int | None = None,
     fault_hook: FaultHook | None = None,
+    on_rewarded: Callable[[list[RewardedChoice]], None] | None = None,
 ) -> LearnerSummary:
     """Run the learner until `stop` is set or `max_steps` steps ran in this call."""
     learner = Learner(
@@ -354,5 +362,6 @@ def run_learner(
         is_frozen,
         judge_base_url,
         fault_hook,
+        on_rewarded=on_rewarded,
     )
     return learner.run(stop=stop, max_steps=max_steps)

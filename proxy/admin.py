@@ -1,4 +1,4 @@
-"""Operator API under /admin (admin key only): aliases, rollback, freeze, tenant training.
+"""Operator API under /admin (admin key only): aliases, canaries, rollback, freeze, tenants.
 
 Every change is persisted atomically to `<state_dir>/control/serving.json` and written to the
 audit log with its actor (the `X-OLP-Actor` header, else "admin").
@@ -6,16 +6,21 @@ audit log with its actor (the `X-OLP-Actor` header, else "admin").
 
 from __future__ import annotations
 
+import asyncio
 import hmac
+import math
 import re
+import time
 from typing import Any
 
 import aiohttp
 from aiohttp import web
 
+from proxy.aliases import Canary
 from proxy.config import sha256_hex
 from proxy.context import CONTEXT, ProxyContext
 from proxy.errors import ProxyError, bad_request
+from proxy.routing import Replica
 from proxy.serving_state import save_state
 
 _ACTOR = re.compile(r"^[A-Za-z0-9._@:\-]{1,64}$")
@@ -66,6 +71,7 @@ def _status_payload(ctx: ProxyContext) -> dict[str, Any]:
     policy = ctx.config.policy_alias
     return {
         "aliases": dict(ctx.aliases.snapshot()),
+        "canaries": {k: v.to_json() for k, v in ctx.aliases.canaries().items()},
         "serving_version": ctx.aliases.resolve(policy),
         "policy_alias": policy,
         "history": state.history,
@@ -82,6 +88,7 @@ def _status_payload(ctx: ProxyContext) -> dict[str, Any]:
 def _commit(ctx: ProxyContext, actor: str, event: str, payload: dict[str, Any]) -> None:
     """Persist the state, then audit the change (the audit log is the record of truth)."""
     ctx.state.aliases = dict(ctx.aliases.snapshot())
+    ctx.state.canaries = {k: v.to_json() for k, v in ctx.aliases.canaries().items()}
     save_state(ctx.state_path, ctx.state)
     ctx.audit.append(actor, event, payload)
 
@@ -93,10 +100,10 @@ async def status(request: web.Request) -> web.Response:
 
 async def _check_served(ctx: ProxyContext, target: str) -> None:
     """Refuse to point an alias at a name some replica does not serve (409)."""
-    missing = []
-    for replica in ctx.pool.replicas:
+
+    async def listed(replica: Replica) -> bool:
         try:
-            served = await ctx.pool.served_models(replica)
+            return target in await ctx.pool.served_models(replica)
         except (TimeoutError, aiohttp.ClientError) as exc:
             raise ProxyError(
                 502,
@@ -104,8 +111,10 @@ async def _check_served(ctx: ProxyContext, target: str) -> None:
                 type_="api_error",
                 code="upstream_error",
             ) from exc
-        if target not in served:
-            missing.append(replica.url)
+
+    replicas = ctx.pool.replicas
+    found = await asyncio.gather(*(listed(r) for r in replicas))
+    missing = [r.url for r, ok in zip(replicas, found, strict=True) if not ok]
     if missing:
         raise ProxyError(
             409,
@@ -114,6 +123,11 @@ async def _check_served(ctx: ProxyContext, target: str) -> None:
             type_="conflict",
             code="not_loaded",
         )
+
+
+def _ended_canary(ctx: ProxyContext, alias: str) -> dict[str, Any] | None:
+    canary = ctx.aliases.canaries().get(alias)
+    return canary.to_json() if canary is not None else None
 
 
 async def set_alias(request: web.Request) -> web.Response:
@@ -133,9 +147,11 @@ async def set_alias(request: web.Request) -> web.Response:
             code="frozen",
         )
     await _check_served(ctx, target)
+    ended = _ended_canary(ctx, alias)
     previous = ctx.aliases.set(alias, target)
     ctx.state.record("flip", actor, alias=alias, target=target, previous=previous)
-    _commit(ctx, actor, "alias_set", {"alias": alias, "target": target, "previous": previous})
+    payload = {"alias": alias, "target": target, "previous": previous}
+    _commit(ctx, actor, "alias_set", payload | ({"ended_canary": ended} if ended else {}))
     return web.json_response(
         {
             "alias": alias,
@@ -172,6 +188,7 @@ def _rollback_target(ctx: ProxyContext, alias: str, current: str | None) -> str:
 
 
 async def rollback(request: web.Request) -> web.Response:
+    """Undo the newest change: a running canary first, else the alias's last version."""
     actor = _authorize(request)
     ctx = request.app[CONTEXT]
     body = await _json_object(request)
@@ -180,14 +197,18 @@ async def rollback(request: web.Request) -> web.Response:
         raise bad_request(f"Unknown alias {alias!r}.", param="alias")
     current = ctx.aliases.resolve(alias)
     target = body.get("to")
+    if target is None and alias in ctx.aliases.canaries():
+        return _end_canary(ctx, actor, alias, "rollback", "operator rollback")
     if target is None:
         target = _rollback_target(ctx, alias, current)
     elif not isinstance(target, str) or not _VERSION.match(target):
         raise bad_request("'to' must be 'base' or 'policy-v<N>'.", param="to")
     await _check_served(ctx, target)
+    ended = _ended_canary(ctx, alias)
     ctx.aliases.set(alias, target)
     ctx.state.record("rollback", actor, alias=alias, target=target, previous=current)
-    _commit(ctx, actor, "rollback", {"alias": alias, "target": target, "previous": current})
+    payload = {"alias": alias, "target": target, "previous": current}
+    _commit(ctx, actor, "rollback", payload | ({"ended_canary": ended} if ended else {}))
     return web.json_response(
         {
             "alias": alias,
@@ -198,6 +219,107 @@ async def rollback(request: web.Request) -> web.Response:
     )
 
 
+def _share(value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        raise bad_request("'share' must be a number between 0 and 1.", param="share")
+    if not 0.0 < value < 1.0:
+        raise bad_request("'share' must lie strictly between 0 and 1.", param="share")
+    return float(value)
+
+
+async def start_canary(request: web.Request) -> web.Response:
+    """Send `share` of an alias's training-enabled traffic to `target` (loaded everywhere)."""
+    actor = _authorize(request)
+    ctx = request.app[CONTEXT]
+    body = await _json_object(request)
+    alias = body.get("alias", ctx.config.policy_alias)
+    if not isinstance(alias, str) or ctx.aliases.resolve(alias) is None:
+        raise bad_request(f"Unknown alias {alias!r}.", param="alias")
+    target = body.get("target")
+    if not isinstance(target, str) or not _VERSION.match(target):
+        raise bad_request("'target' must be 'base' or 'policy-v<N>'.", param="target")
+    share = _share(body.get("share"))
+    if ctx.state.frozen:
+        raise ProxyError(
+            409,
+            "Serving is frozen; unfreeze before starting a canary.",
+            type_="conflict",
+            code="frozen",
+        )
+    stable = ctx.aliases.resolve(alias)
+    if target == stable:
+        raise ProxyError(
+            409, f"'{alias}' already serves {target}.", type_="conflict", code="already_serving"
+        )
+    if alias in ctx.aliases.canaries():
+        raise ProxyError(
+            409,
+            f"A canary is already running on '{alias}'; end it first.",
+            type_="conflict",
+            code="canary_running",
+        )
+    await _check_served(ctx, target)
+    ctx.aliases.start_canary(alias, Canary(target, share, time.time()))
+    ctx.state.record("canary_start", actor, alias=alias, target=target, share=share, stable=stable)
+    _commit(
+        ctx,
+        actor,
+        "canary_started",
+        {"alias": alias, "target": target, "share": share, "stable": stable},
+    )
+    return web.json_response({"alias": alias, "target": target, "share": share, "stable": stable})
+
+
+def _end_canary(
+    ctx: ProxyContext, actor: str, alias: str, decision: str, reason: str
+) -> web.Response:
+    canary = ctx.aliases.canaries()[alias]
+    stable = ctx.aliases.resolve(alias)
+    payload = {"alias": alias, "target": canary.target, "stable": stable, "reason": reason}
+    if decision == "promote":
+        ctx.aliases.set(alias, canary.target)
+        ctx.state.record("flip", actor, alias=alias, target=canary.target, previous=stable)
+        _commit(ctx, actor, "canary_promoted", payload)
+    else:
+        ctx.aliases.end_canary(alias)
+        ctx.state.record("canary_rollback", actor, alias=alias, target=canary.target)
+        _commit(ctx, actor, "canary_rolled_back", payload)
+    return web.json_response(
+        {
+            "alias": alias,
+            "decision": decision,
+            "target": canary.target,
+            "serving_version": ctx.aliases.resolve(alias),
+        }
+    )
+
+
+async def end_canary(request: web.Request) -> web.Response:
+    """Promote the canary's target to all traffic, or send all traffic back to the stable."""
+    actor = _authorize(request)
+    ctx = request.app[CONTEXT]
+    body = await _json_object(request)
+    alias = body.get("alias", ctx.config.policy_alias)
+    decision = body.get("decision")
+    reason = body.get("reason", "")
+    if decision not in ("promote", "rollback"):
+        raise bad_request("'decision' must be 'promote' or 'rollback'.", param="decision")
+    if not isinstance(reason, str) or len(reason) > 500:
+        raise bad_request("'reason' must be a string of at most 500 characters.", param="reason")
+    if not isinstance(alias, str) or alias not in ctx.aliases.canaries():
+        raise ProxyError(404, f"No canary is running on {alias!r}.", code="no_canary")
+    if decision == "promote":
+        if ctx.state.frozen:
+            raise ProxyError(
+                409,
+                "Serving is frozen; a canary can only be rolled back.",
+                type_="conflict",
+                code="frozen",
+            )
+        await _check_served(ctx, ctx.aliases.canaries()[alias].target)
+    return _end_canary(ctx, actor, alias, decision, reason)
+
+
 async def freeze(request: web.Request) -> web.Response:
     actor = _authorize(request)
     ctx = request.app[CONTEXT]
@@ -205,10 +327,16 @@ async def freeze(request: web.Request) -> web.Response:
     learning = body.get("learning", True)
     if not isinstance(learning, bool):
         raise bad_request("'learning' must be a boolean.", param="learning")
+    # Freezing stops every change to what serves, so running canaries go back to stable.
+    ended = {alias: c.to_json() for alias, c in ctx.aliases.canaries().items()}
+    for alias in ended:
+        ctx.aliases.end_canary(alias)
     ctx.state.frozen = True
     ctx.state.learning_frozen = learning
     ctx.state.record("freeze", actor, learning=learning)
-    _commit(ctx, actor, "freeze", {"learning": learning})
+    _commit(
+        ctx, actor, "freeze", {"learning": learning} | ({"ended_canaries": ended} if ended else {})
+    )
     return web.json_response({"frozen": True, "learning_frozen": learning})
 
 
@@ -248,6 +376,8 @@ def add_admin_routes(app: web.Application) -> None:
     app.router.add_get("/admin/status", status)
     app.router.add_post("/admin/aliases", set_alias)
     app.router.add_post("/admin/rollback", rollback)
+    app.router.add_post("/admin/canary", start_canary)
+    app.router.add_post("/admin/canary/end", end_canary)
     app.router.add_post("/admin/freeze", freeze)
     app.router.add_post("/admin/unfreeze", unfreeze)
     app.router.add_post("/admin/tenants/{name}/training", set_tenant_training)

@@ -16,7 +16,7 @@ import pytest
 from deploy.ports import free_port
 from learner.adapter_store import AdapterStore
 from learner.config import PromotionConfig
-from learner.promotion import Promoter, ProxyAdmin, ReplicaSet
+from learner.promotion import GateRunner, Promoter, ProxyAdmin, ReplicaSet
 from safety.audit import AuditLog
 from safety.config import GatesConfig
 
@@ -116,7 +116,9 @@ def publish(make_lora_adapter, proxy: ProxyUnderTest) -> Callable[..., Path]:
 def make_promoter(vllm_server, proxy: ProxyUnderTest) -> Iterator[Callable[..., Promoter]]:
     made: list[Promoter] = []
 
-    def make(gates: GatesConfig | None = None, **config: object) -> Promoter:
+    def make(
+        gates: GatesConfig | None = None, gate_runner: GateRunner | None = None, **config: object
+    ) -> Promoter:
         promoter = Promoter(
             PromotionConfig.model_validate({"drain_s": 0.5, **config}),
             gates or make_small_gates(),
@@ -125,6 +127,7 @@ def make_promoter(vllm_server, proxy: ProxyUnderTest) -> Iterator[Callable[..., 
             audit=AuditLog(proxy.state_dir / "audit" / "audit.jsonl"),
             state_dir=proxy.state_dir,
             base_name=vllm_server.model_name,
+            gate_runner=gate_runner,
         )
         made.append(promoter)
         return promoter

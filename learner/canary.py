@@ -1,0 +1,167 @@
+"""Canary evidence: live reward and guard rates per served version, and the verdict rule.
+
+The learner already scores every consumed trajectory, and each record names the version that
+served it, so the canary compares the candidate's arm with the stable arm on exactly the
+traffic they served side by side since the canary started. The guard rates are the gate's
+reward-hacking monitors applied to live replies (safety/gates/checks.py).
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+from typing import Any
+
+from learner.config import CanaryConfig
+from learner.rewards.assembler import RewardedChoice
+from learner.rewards.verifiers import choice_text, tool_calls_valid
+from safety.gates.checks import is_clarifying_question, is_degenerate, is_refusal
+
+GUARDS = ("degenerate", "refusal", "clarifying_question", "invalid_tool_call")
+
+
+@dataclass
+class ArmStats:
+    """What one version served since the canary began."""
+
+    samples: int = 0
+    rewarded: int = 0
+    reward_sum: float = 0.0
+    tool_call_samples: int = 0
+    flags: dict[str, int] = field(default_factory=lambda: dict.fromkeys(GUARDS, 0))
+
+    @property
+    def reward_mean(self) -> float | None:
+        return self.reward_sum / self.rewarded if self.rewarded else None
+
+    def rate(self, guard: str) -> float | None:
+        denominator = self.tool_call_samples if guard == "invalid_tool_call" else self.samples
+        return self.flags[guard] / denominator if denominator else None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "samples": self.samples,
+            "rewarded": self.rewarded,
+            "reward_mean": self.reward_mean,
+            **{f"{g}_rate": self.rate(g) for g in GUARDS},
+        }
+
+
+def guard_flags(rewarded: RewardedChoice) -> dict[str, bool]:
+    """The guard checks of one sampled reply (invalid_tool_call only when it called a tool)."""
+    choices = rewarded.trajectory.get("choices") or []
+    choice = next((c for c in choices if c.get("index", 0) == rewarded.choice_index), {})
+    text = choice_text(choice)
+    flags = {
+        "degenerate": is_degenerate(text, list(choice.get("token_ids") or []))
+        and not (choice.get("message") or {}).get("tool_calls"),
+        "refusal": is_refusal(text),
+        "clarifying_question": is_clarifying_question(text),
+    }
+    validity = tool_calls_valid(rewarded.trajectory, choice)
+    if validity is not None:
+        flags["invalid_tool_call"] = validity < 1.0
+    return flags
+
+
+class CanaryMonitor:
+    """Collects per-version evidence from the learner's scored batches (thread-safe)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._since: float | None = None
+        self._arms: dict[str, ArmStats] = {}
+
+    def begin(self, versions: list[str], since: float) -> None:
+        """Count only trajectories of these versions created at or after `since`."""
+        with self._lock:
+            self._since = since
+            self._arms = {v: ArmStats() for v in versions}
+
+    def end(self) -> None:
+        with self._lock:
+            self._since = None
+            self._arms = {}
+
+    def observe(self, batch: list[RewardedChoice]) -> None:
+        with self._lock:
+            if self._since is None:
+                return
+            for item in batch:
+                trajectory = item.trajectory
+                arm = self._arms.get(str(trajectory.get("policy_version")))
+                if arm is None or float(trajectory.get("created_at", 0.0)) < self._since:
+                    continue
+                arm.samples += 1
+                if item.reward is not None:
+                    arm.rewarded += 1
+                    arm.reward_sum += item.reward
+                flags = guard_flags(item)
+                if "invalid_tool_call" in flags:
+                    arm.tool_call_samples += 1
+                for guard, raised in flags.items():
+                    arm.flags[guard] += int(raised)
+
+    def arm(self, version: str) -> ArmStats:
+        """A copy of one arm's figures."""
+        with self._lock:
+            stats = self._arms.get(version, ArmStats())
+            return ArmStats(
+                stats.samples,
+                stats.rewarded,
+                stats.reward_sum,
+                stats.tool_call_samples,
+                dict(stats.flags),
+            )
+
+
+@dataclass
+class CanaryVerdict:
+    decision: str  # promote | rollback | wait
+    reasons: list[str]
+    stable: dict[str, Any]
+    candidate: dict[str, Any]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "decision": self.decision,
+            "reasons": self.reasons,
+            "stable": self.stable,
+            "candidate": self.candidate,
+        }
+
+
+def judge_canary(
+    config: CanaryConfig, stable: ArmStats, candidate: ArmStats, elapsed_s: float
+) -> CanaryVerdict:
+    """Roll back as soon as the evidence shows the candidate worse by a margin; promote once
+    both arms have enough evidence and it is not; at the deadline apply `on_timeout`."""
+    reasons: list[str] = []
+    enough_samples = min(stable.samples, candidate.samples) >= config.min_samples
+    enough_rewards = min(stable.rewarded, candidate.rewarded) >= config.min_samples
+    if enough_samples:
+        for guard in GUARDS:
+            ours, theirs = candidate.rate(guard), stable.rate(guard)
+            if ours is not None and theirs is not None and ours > theirs + config.guard_margin:
+                reasons.append(
+                    f"{guard} rate {ours:.3f} > stable {theirs:.3f} + {config.guard_margin}"
+                )
+    if enough_rewards:
+        ours_r, theirs_r = candidate.reward_mean, stable.reward_mean
+        assert ours_r is not None and theirs_r is not None
+        if ours_r < theirs_r - config.reward_margin:
+            reasons.append(f"reward {ours_r:.3f} < stable {theirs_r:.3f} - {config.reward_margin}")
+    decision = "wait"
+    if reasons:
+        decision = "rollback"
+    elif enough_samples and enough_rewards:
+        decision = "promote"
+        reasons.append("no guard or reward regression beyond the margins")
+    elif elapsed_s >= config.max_duration_s:
+        decision = config.on_timeout
+        reasons.append(
+            f"evidence still short after {elapsed_s:.0f} s "
+            f"(samples {stable.samples}/{candidate.samples}, "
+            f"rewarded {stable.rewarded}/{candidate.rewarded}, need {config.min_samples})"
+        )
+    return CanaryVerdict(decision, reasons, stable.to_dict(), candidate.to_dict())

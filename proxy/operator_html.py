@@ -119,10 +119,22 @@ class PageData:
 def _serving(status: dict[str, Any]) -> str:
     frozen = "yes" if status.get("frozen") else "no"
     learning = "yes" if status.get("learning_frozen") else "no"
+    canaries = status.get("canaries") or {}
+
+    def canary(alias: str) -> str:
+        running = canaries.get(alias)
+        if not isinstance(running, dict):
+            return '<span class="muted">none</span>'
+        return (
+            f"<code>{_e(running.get('target'))}</code> for "
+            f"{_e(running.get('share'))} of training traffic "
+            f"since {_when(running.get('started_at'))}"
+        )
+
     aliases = _table(
-        ("alias", "target"),
+        ("alias", "target", "canary"),
         (
-            (f"<code>{_e(a)}</code>", f"<code>{_e(t)}</code>")
+            (f"<code>{_e(a)}</code>", f"<code>{_e(t)}</code>", canary(a))
             for a, t in sorted(status.get("aliases", {}).items())
         ),
     )

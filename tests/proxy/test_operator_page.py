@@ -14,6 +14,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from proxy.aliases import Canary
 from proxy.config import TenantConfig
 from proxy.operator_page import OPERATOR
 from replay.config import StreamConfig
@@ -149,6 +150,7 @@ def test_untrusted_names_and_payloads_are_escaped(make_proxy, tmp_path):
     harness, _ = make_proxy(NO_UPSTREAM, tenants=tenants)
     evil_alias = "<img src=x onerror=alert(1)>"
     harness.ctx.aliases.set(evil_alias, "base")
+    harness.ctx.aliases.start_canary(evil_alias, Canary("<u>policy-v9</u>", 0.25, 0.0))
     harness.ctx.state.record("flip", "<b>mallory</b>", alias=evil_alias, target="base")
     harness.ctx.audit.append("mallory", "<svg onload=alert(3)>", {"note": "<script>x</script>"})
     gates = tmp_path / "state" / "gates"
@@ -171,6 +173,7 @@ def test_untrusted_names_and_payloads_are_escaped(make_proxy, tmp_path):
     assert "&lt;script&gt;alert(&quot;tenant&quot;)&lt;/script&gt;" in page
     assert "&lt;img src=x onerror=alert(1)&gt;" in page
     assert "&lt;svg onload=alert(3)&gt;" in page and "&lt;i&gt;kl&lt;/i&gt;" in page
+    assert "<code>&lt;u&gt;policy-v9&lt;/u&gt;</code> for 0.25 of training traffic" in page
 
 
 def test_gates_learner_rewards_and_feedback_series(make_proxy, tmp_path):

@@ -141,28 +141,46 @@ class TrajectoryCapture:
                     choice.prompt_token_ids = raw["prompt_token_ids"]
 
     def add_chunk(self, chunk: dict[str, Any]) -> None:
-        """One upstream stream chunk."""
+        """One upstream stream chunk (called for every chunk: kept lean)."""
+        prompt_ids = chunk.get("prompt_token_ids")
+        if (
+            prompt_ids is not None
+            and self.prompt_token_ids is None
+            and isinstance(prompt_ids, list)
+        ):
+            self.prompt_token_ids = prompt_ids
+        usage = chunk.get("usage")
+        if usage is not None and isinstance(usage, dict):
+            self.usage = usage
+        choices = chunk.get("choices")
+        if not choices:
+            return
         endpoint = self.context.endpoint
-        if isinstance(chunk.get("prompt_token_ids"), list) and self.prompt_token_ids is None:
-            self.prompt_token_ids = chunk["prompt_token_ids"]
-        if isinstance(chunk.get("usage"), dict):
-            self.usage = chunk["usage"]
-        for raw in chunk.get("choices") or []:
-            choice = self._choice(int(raw.get("index", 0)))
-            if raw.get("finish_reason") is not None:
-                choice.finish_reason = raw["finish_reason"]
+        chat = endpoint == "chat.completions"
+        for raw in choices:
+            index = raw.get("index", 0)
+            choice = self.choices.get(index)
+            if choice is None:
+                choice = self._choice(int(index))
+            finish = raw.get("finish_reason")
+            if finish is not None:
+                choice.finish_reason = finish
             ids = raw.get("token_ids")
-            if isinstance(ids, list):
+            if ids is not None and isinstance(ids, list):
                 if choice.token_ids is None:
                     choice.token_ids = []
                 choice.token_ids.extend(ids)
-            values = _logprob_values(endpoint, raw.get("logprobs"))
-            if values is not None:
-                if choice.logprobs is None:
-                    choice.logprobs = []
-                choice.logprobs.extend(values)
-            if endpoint == "chat.completions":
-                self._add_delta(choice, raw.get("delta") or {})
+            logprobs = raw.get("logprobs")
+            if logprobs is not None:
+                values = _logprob_values(endpoint, logprobs)
+                if values is not None:
+                    if choice.logprobs is None:
+                        choice.logprobs = []
+                    choice.logprobs.extend(values)
+            if chat:
+                delta = raw.get("delta")
+                if delta:
+                    self._add_delta(choice, delta)
             else:
                 if raw.get("text"):
                     choice.text.append(raw["text"])
@@ -304,7 +322,15 @@ def redact_record(record: dict[str, Any], redact: Redact) -> dict[str, Any]:
     and the record is flagged untrainable: nothing identifying leaves the process.
     """
     request, request_counts = redact(record["request"])
-    choices, choice_counts = redact(record["choices"])
+    # The token-id and logprob arrays hold no text: only the rest of each choice is walked.
+    arrays = ("token_ids", "logprobs")
+    choices, choice_counts = redact(
+        [{k: v for k, v in choice.items() if k not in arrays} for choice in record["choices"]]
+    )
+    for redacted, original in zip(choices, record["choices"], strict=True):
+        for key in arrays:
+            if key in original:
+                redacted[key] = original[key]
     counts: dict[str, int] = {}
     for source in (request_counts, choice_counts):
         for kind, hits in source.items():
@@ -337,7 +363,7 @@ class CaptureService:
         self.on_record = on_record
         self.on_failure = on_failure
         self.failures = 0
-        self._tasks: set[asyncio.Task[None]] = set()
+        self._scheduled = 0
         self._open: set[str] = set()
 
     def open(self, capture: TrajectoryCapture) -> None:
@@ -348,14 +374,22 @@ class CaptureService:
         return capture.context.trajectory_id in self._open
 
     def submit(self, capture: TrajectoryCapture, status: str) -> None:
-        """Schedule the record; returns at once."""
-        self._open.discard(capture.context.trajectory_id)
-        task = asyncio.get_running_loop().create_task(self._emit(capture, status))
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+        """Schedule the record; returns at once.
 
-    async def _emit(self, capture: TrajectoryCapture, status: str) -> None:
-        await asyncio.sleep(0)  # let the response path finish first
+        A plain callback two loop iterations later (the response path finishes first), not a
+        task: a task per request costs more than a third of the record's own building."""
+        self._open.discard(capture.context.trajectory_id)
+        self._scheduled += 1
+        loop = asyncio.get_running_loop()
+        loop.call_soon(loop.call_soon, self._emit, capture, status)
+
+    def _emit(self, capture: TrajectoryCapture, status: str) -> None:
+        try:
+            self._build_and_hand_over(capture, status)
+        finally:
+            self._scheduled -= 1
+
+    def _build_and_hand_over(self, capture: TrajectoryCapture, status: str) -> None:
         try:
             record = capture.build(status)
             if self.redact is not None:
@@ -374,9 +408,9 @@ class CaptureService:
     async def drain(self, timeout_s: float = 60.0) -> None:
         """Wait until every running request's record reached the sink (shutdown and tests)."""
         deadline = asyncio.get_running_loop().time() + timeout_s
-        while self._open or self._tasks:
-            if self._tasks:
-                await asyncio.gather(*list(self._tasks))
+        while self._open or self._scheduled:
+            if self._scheduled:
+                await asyncio.sleep(0)  # scheduled records run within two loop iterations
             elif asyncio.get_running_loop().time() > deadline:
                 log.warning("capture_drain_timeout", open_requests=len(self._open))
                 return

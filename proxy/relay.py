@@ -107,22 +107,28 @@ def strip_chunk(
     if plan.added_usage and not choices and chunk.get("usage") is not None:
         return None
     out = chunk if in_place else dict(chunk)
-    if plan.added_token_ids:
-        _null_if_present(out, "prompt_token_ids")
+    added_ids, added_logprobs = plan.added_token_ids, plan.added_logprobs
+    if added_ids and "prompt_token_ids" in out:
+        out["prompt_token_ids"] = None  # vLLM sends null for what was not asked: mirror it
     if plan.added_usage and "usage" in out and choices:
         out.pop("usage")
     if choices:
         stripped = []
+        empty = True
         for choice in choices:
             if not in_place:
                 choice = dict(choice)
-            if plan.added_logprobs:
-                _null_if_present(choice, "logprobs")
-            if plan.added_token_ids:
-                _null_if_present(choice, "token_ids")
-                _null_if_present(choice, "prompt_token_ids")
+            if added_logprobs and "logprobs" in choice:
+                choice["logprobs"] = None
+            if added_ids:
+                if "token_ids" in choice:
+                    choice["token_ids"] = None
+                if "prompt_token_ids" in choice:
+                    choice["prompt_token_ids"] = None
             stripped.append(choice)
-        if all(_is_empty_choice(plan, c) for c in stripped):
+            if empty and not _is_empty_choice(plan, choice):
+                empty = False
+        if empty:
             return None
         out["choices"] = stripped
     return out
@@ -134,8 +140,12 @@ def _is_empty_choice(plan: RelayPlan, choice: dict[str, Any]) -> bool:
     if choice.get("finish_reason") is not None or choice.get("logprobs") is not None:
         return False
     if plan.endpoint == "chat.completions":
-        delta = choice.get("delta") or {}
-        return not any(value not in (None, "", []) for value in delta.values())
+        delta = choice.get("delta")
+        if delta:
+            for value in delta.values():
+                if value is not None and value != "" and value != []:
+                    return False
+        return True
     return not choice.get("text")
 
 

@@ -424,6 +424,7 @@ class KafkaSink:
 # ---- the same sink in a child process ------------------------------------------------------
 
 _STATUS_INTERVAL_S = 0.05
+_FEED_INTERVAL_S = 0.02
 _CHILD_START_TIMEOUT_S = 60.0
 _RESTART_BACKOFF_S = 1.0
 
@@ -578,10 +579,9 @@ class KafkaSinkProcess:
         import pickle
 
         while True:
-            self._wake.wait(_STATUS_INTERVAL_S)
+            if self._wake.wait(_STATUS_INTERVAL_S) and not self._closed:
+                time.sleep(_FEED_INTERVAL_S)  # gather a batch: one pickle, one write
             self._wake.clear()
-            if self.config.linger_ms:
-                time.sleep(self.config.linger_ms / 1000)
             stopping = self._closed
             batch: list[tuple[str, Any]] = []
             while self._outbox and len(batch) < self.config.producer_batch_records:

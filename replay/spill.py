@@ -74,6 +74,30 @@ def _decode_payload(payload: bytes) -> SpillEntry:
     return SpillEntry(topic=topic, key=key, value=payload[pos:])
 
 
+def read_segment(path: Path) -> list[SpillEntry]:
+    """Every intact record of a segment file, in append order; a torn tail is logged."""
+    data = Path(path).read_bytes()
+    entries: list[SpillEntry] = []
+    pos = 0
+    while pos < len(data):
+        if pos + _HEADER.size > len(data):
+            break
+        length, crc = _HEADER.unpack_from(data, pos)
+        payload = data[pos + _HEADER.size : pos + _HEADER.size + length]
+        if len(payload) < length or zlib.crc32(payload) != crc:
+            break
+        entries.append(_decode_payload(payload))
+        pos += _HEADER.size + length
+    if pos < len(data):
+        log.error(
+            "spill_segment_torn_tail",
+            segment=Path(path).name,
+            intact_records=len(entries),
+            lost_bytes=len(data) - pos,
+        )
+    return entries
+
+
 def _fsync_dir(directory: Path) -> None:
     fd = os.open(directory, os.O_RDONLY)
     try:
@@ -200,26 +224,7 @@ class SpillStore:
 
     def read(self, segment: SpillSegment) -> list[SpillEntry]:
         """Every intact record of a sealed segment, in append order; a torn tail is logged."""
-        data = segment.path.read_bytes()
-        entries: list[SpillEntry] = []
-        pos = 0
-        while pos < len(data):
-            if pos + _HEADER.size > len(data):
-                break
-            length, crc = _HEADER.unpack_from(data, pos)
-            payload = data[pos + _HEADER.size : pos + _HEADER.size + length]
-            if len(payload) < length or zlib.crc32(payload) != crc:
-                break
-            entries.append(_decode_payload(payload))
-            pos += _HEADER.size + length
-        if pos < len(data):
-            log.error(
-                "spill_segment_torn_tail",
-                segment=segment.path.name,
-                intact_records=len(entries),
-                lost_bytes=len(data) - pos,
-            )
-        return entries
+        return read_segment(segment.path)
 
     def delete(self, segment: SpillSegment) -> None:
         """Remove a drained segment (call only after the broker acknowledged all its records)."""

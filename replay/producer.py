@@ -425,6 +425,7 @@ class KafkaSink:
 
 _STATUS_INTERVAL_S = 0.05
 _FEED_INTERVAL_S = 0.02
+_CHILD_NICE = 5
 _CHILD_START_TIMEOUT_S = 60.0
 _RESTART_BACKOFF_S = 1.0
 
@@ -450,8 +451,13 @@ def _child_main(config_json: str, state_dir: str, conn: Any) -> None:
     spilled or routed to the DLQ). The queue is FIFO, so these are the oldest ones; the parent
     keeps every record until it is counted here, and spills the rest itself if this process
     dies."""
+    import os
     import pickle
 
+    # Background work: when the cores are busy, the proxy's requests go first. The child
+    # still gets a share (a full queue spills to disk; nothing waits on it).
+    with contextlib.suppress(OSError):
+        os.nice(_CHILD_NICE)
     config = StreamConfig.model_validate_json(config_json)
     sink = KafkaSink(config, Path(state_dir))
     received = 0

@@ -71,20 +71,70 @@ def build_batch(
     )
 
 
-def token_logprobs(model: Any, batch: Batch) -> torch.Tensor:
+class _TargetLogprob(torch.autograd.Function):
+    """log_softmax(logits)[target] in fp32, row chunk by row chunk.
+
+    Same value and gradient as `logits.float().gather(target) - logsumexp(logits.float())`
+    but never holds an fp32 copy of the whole [N, V] logits, nor its softmax: the softmax is
+    recomputed per chunk in the backward (g·(onehot − softmax)), so the vocabulary-sized
+    tensors stay cache-sized and, in bf16, the only full-size tensors are bf16.
+    """
+
+    @staticmethod
+    def forward(ctx: Any, logits: torch.Tensor, targets: torch.Tensor, chunk: int) -> torch.Tensor:
+        lse = torch.empty(logits.shape[0], dtype=torch.float32, device=logits.device)
+        for i in range(0, logits.shape[0], chunk):
+            lse[i : i + chunk] = torch.logsumexp(logits[i : i + chunk].float(), dim=-1)
+        picked = logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1).float()
+        ctx.save_for_backward(logits, targets, lse)
+        ctx.chunk = chunk
+        return picked - lse
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        logits, targets, lse = ctx.saved_tensors
+        chunk = ctx.chunk
+        out = torch.empty_like(logits)
+        for i in range(0, logits.shape[0], chunk):
+            g = grad[i : i + chunk].float().unsqueeze(-1)
+            part = torch.exp(logits[i : i + chunk].float() - lse[i : i + chunk].unsqueeze(-1))
+            part.mul_(-g)
+            part.scatter_add_(-1, targets[i : i + chunk].unsqueeze(-1), g)
+            out[i : i + chunk] = part
+        return out, None, None
+
+
+def token_logprobs(model: Any, batch: Batch, chunk: int = 16) -> torch.Tensor:
     """log π(token_{t+1} | tokens_≤t) in fp32 for positions ≥ batch.start, [B, L-1-start].
 
-    Only those positions go through the LM head (`logits_to_keep`): prompt positions
-    before the first completion token would cost a vocabulary-sized matmul for nothing.
+    Only positions start..L-2 go through the LM head (`logits_to_keep` as indices): prompt
+    positions before the first completion token, and the last position (it predicts nothing
+    recorded), would cost a vocabulary-sized matmul for nothing.
     """
-    keep = batch.input_ids.shape[1] - batch.start
+    length = batch.input_ids.shape[1]
+    keep = torch.arange(batch.start, length - 1, device=batch.input_ids.device)
     logits = model(
         input_ids=batch.input_ids, attention_mask=batch.attention_mask, logits_to_keep=keep
     ).logits
-    logits = logits[:, :-1].float()
-    targets = batch.input_ids[:, batch.start + 1 :].unsqueeze(-1)
-    picked = logits.gather(-1, targets).squeeze(-1)
-    return picked - torch.logsumexp(logits, dim=-1)
+    targets = batch.input_ids[:, batch.start + 1 :]
+    rows, cols = targets.shape
+    flat = _TargetLogprob.apply(logits.reshape(rows * cols, -1), targets.reshape(-1), chunk)
+    return flat.view(rows, cols)
+
+
+def store_frozen_linears_bf16(model: torch.nn.Module) -> None:
+    """Keep every frozen Linear weight in bf16 (for the bf16 autocast path).
+
+    Autocast casts a weight on every call unless it is a leaf that requires grad, so frozen
+    base weights would be re-cast (fp32 read, bf16 write) in each forward. Casting them once
+    gives the same numbers: autocast rounds to bf16 the same way. Norms and the embedding
+    stay fp32; a tied LM head gets its own bf16 copy, so the embedding lookup stays fp32.
+    """
+    for module in model.modules():
+        if isinstance(module, torch.nn.Linear) and not module.weight.requires_grad:
+            module.weight = torch.nn.Parameter(
+                module.weight.detach().to(torch.bfloat16), requires_grad=False
+            )
 
 
 class Trainer:
@@ -109,6 +159,8 @@ class Trainer:
             task_type="CAUSAL_LM",
         )
         self.model = get_peft_model(base, lora).to(self.ctx.device)
+        if config.dtype == "bf16":
+            store_frozen_linears_bf16(self.model)
         self.pad_id = int(base.config.pad_token_id or base.config.eos_token_id or 0)
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(
@@ -167,8 +219,9 @@ class Trainer:
         self.model.train()
         references: list[torch.Tensor | None] = []
         if cfg.kl_coef > 0:
-            with torch.no_grad(), self.model.disable_adapter(), self._autocast():
-                references = [token_logprobs(self.model, b) for b in batches]
+            with torch.inference_mode(), self.model.disable_adapter(), self._autocast():
+                refs = [token_logprobs(self.model, b) for b in batches]
+            references = [r.clone() for r in refs]  # inference tensors → normal ones
         else:
             references = [None] * len(batches)
         keys = ["tokens", "ratio_sum", "clipped", "kl_sum", "pg_sum", "abs_logprob_diff_sum"]

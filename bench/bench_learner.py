@@ -1,84 +1,91 @@
 """Learner update-step throughput vs a bare PEFT loop, fp32 and bf16; adapter save cost.
 
-Run: `python bench/bench_learner.py --model-dir DIR [--batch 8 --seq 256 --reps 3]`.
-Both loops use the same model, LoRA config and batch shape (B sequences of L tokens; the
+Run: `python bench/bench_learner.py [--model-dir DIR] [--batch 8 --seq 256 --reps 5]`
+(without --model-dir it uses the prepared model, as the tests do).
+All loops use the same model, LoRA config and batch shape (B sequences of L tokens; the
 learner's samples are a 64-token prompt plus an (L-64)-token completion). The learner step
 is end to end: batch assembly, reference logprobs (adapter disabled), forward, backward,
-optimizer. The bare loop is a causal-LM loss over all tokens, forward + backward + AdamW.
-Tokens/s counts all B·L tokens for both. FLOP fractions use 4·N·tokens (forward plus the
-input-gradient backward through frozen weights) against a measured matmul peak.
+optimizer. The bare loop is a causal-LM loss over all tokens, forward + backward + AdamW,
+with autocast over the fp32 model in bf16. A third loop is the learner step with
+`kl_coef=0` (no reference pass), to show what the reference forward costs. The loops'
+steps are interleaved (bare, learner, learner-no-KL, bare, ...) so load from other
+processes on a shared machine hits all of them alike; figures are medians.
+Tokens/s counts all B·L tokens for every loop. FLOP fractions use 4·N·tokens (forward plus
+the input-gradient backward through frozen weights: the bare loop's work; the learner
+does more, see the docs) against a measured matmul peak.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import os
 import statistics
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 from peft import LoraConfig, get_peft_model
 from transformers import AutoModelForCausalLM
 
+from deploy.model_prep import prepare_model
 from learner.config import LearnerConfig
 from learner.objective import Sample
 from learner.trainer import Trainer
 
 
-def matmul_peak(dtype: torch.dtype, size: int = 2048, reps: int = 10) -> float:
-    a = torch.randn(size, size, dtype=dtype)
-    b = torch.randn(size, size, dtype=dtype)
-    for _ in range(2):
+def matmul_peak(dtype: torch.dtype, shape: tuple[int, int, int], reps: int = 20) -> float:
+    """Best-of-`reps` FLOP/s of one [m,k]@[k,n] matmul."""
+    m, k, n = shape
+    a = torch.randn(m, k, dtype=dtype)
+    b = torch.randn(k, n, dtype=dtype)
+    for _ in range(3):
         a @ b
     times = []
     for _ in range(reps):
         start = time.perf_counter()
         a @ b
         times.append(time.perf_counter() - start)
-    return 2 * size**3 / min(times)
+    return 2 * m * k * n / min(times)
 
 
-def bare_loop(model_dir: str, cfg: LearnerConfig, batch: int, seq: int, reps: int) -> list[float]:
-    torch.manual_seed(0)
-    base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    model = get_peft_model(
-        base,
-        LoraConfig(
-            r=cfg.lora_rank,
-            lora_alpha=cfg.lora_alpha,
-            target_modules=cfg.target_modules,
-            task_type="CAUSAL_LM",
-        ),
-    )
-    params = [p for p in model.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(params, lr=cfg.lr)
-    ids = torch.randint(10, 40000, (batch, seq))
-    autocast = (
-        torch.autocast("cpu", dtype=torch.bfloat16)
-        if cfg.dtype == "bf16"
-        else contextlib.nullcontext()
-    )
-    times = []
-    for _ in range(reps + 1):
-        start = time.perf_counter()
-        optimizer.zero_grad()
+class BareLoop:
+    """The floor: PEFT LoRA on the same base, causal-LM loss, AdamW, nothing else."""
+
+    def __init__(self, model_dir: str, cfg: LearnerConfig, batch: int, seq: int) -> None:
+        torch.manual_seed(0)
+        base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+        self.model = get_peft_model(
+            base,
+            LoraConfig(
+                r=cfg.lora_rank,
+                lora_alpha=cfg.lora_alpha,
+                target_modules=list(cfg.target_modules),
+                task_type="CAUSAL_LM",
+            ),
+        )
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        self.optimizer = torch.optim.AdamW(params, lr=cfg.lr)
+        self.ids = torch.randint(10, 40000, (batch, seq))
+        self.bf16 = cfg.dtype == "bf16"
+
+    def step(self) -> None:
+        autocast = (
+            torch.autocast("cpu", dtype=torch.bfloat16) if self.bf16 else contextlib.nullcontext()
+        )
+        self.optimizer.zero_grad()
         with autocast:
-            loss = model(input_ids=ids, labels=ids).loss
+            loss = self.model(input_ids=self.ids, labels=self.ids).loss
         loss.backward()
-        optimizer.step()
-        times.append(time.perf_counter() - start)
-    return [batch * seq / t for t in times[1:]]  # first rep is warm-up
+        self.optimizer.step()
 
 
-def learner_loop(
-    model_dir: str, cfg: LearnerConfig, batch: int, seq: int, reps: int
-) -> tuple[list[float], float, int]:
-    trainer = Trainer(cfg, model_dir)
+def make_samples(batch: int, seq: int, prompt: int = 64) -> list[Sample]:
     gen = torch.Generator().manual_seed(0)
-    prompt = 64
-    samples = [
+    return [
         Sample(
             key=f"s{i}",
             event_id=f"e{i}",
@@ -95,80 +102,129 @@ def learner_loop(
         )
         for i in range(batch)
     ]
-    times = []
-    for _ in range(reps + 1):
-        start = time.perf_counter()
-        trainer.step(samples, current_version=0)
-        times.append(time.perf_counter() - start)
-    with tempfile.TemporaryDirectory() as tmp:
-        start = time.perf_counter()
-        trainer.save_adapter_files(Path(tmp))
-        save_s = time.perf_counter() - start
-        size = sum(f.stat().st_size for f in Path(tmp).iterdir())
-    return [batch * seq / t for t in times[1:]], save_s, size
+
+
+def timed(fn: Callable[[], object]) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def run_dtype(model_dir: str, dtype: str, args: argparse.Namespace) -> dict[str, Any]:
+    cfg = LearnerConfig(dtype=dtype, micro_batch_size=args.batch, num_threads=args.threads)
+    load_before = os.getloadavg()[0]
+    torch_dtype = torch.float32 if dtype == "fp32" else torch.bfloat16
+    peak = matmul_peak(torch_dtype, (2048, 2048, 2048))
+    peak_model = matmul_peak(torch_dtype, (args.batch * args.seq, 576, 1536))
+    bare = BareLoop(model_dir, cfg, args.batch, args.seq)
+    learner = Trainer(cfg, model_dir)
+    no_kl = Trainer(cfg.model_copy(update={"kl_coef": 0.0}), model_dir)
+    samples = make_samples(args.batch, args.seq)
+    loops: dict[str, Callable[[], object]] = {
+        "bare": bare.step,
+        "learner": lambda: learner.step(samples, current_version=0),
+        "learner_no_kl": lambda: no_kl.step(samples, current_version=0),
+    }
+    times: dict[str, list[float]] = {name: [] for name in loops}
+    for rep in range(args.reps + 1):
+        for name, fn in loops.items():
+            elapsed = timed(fn)
+            if rep:  # the first round is warm-up
+                times[name].append(elapsed)
+        if rep:
+            print(
+                f"{dtype} round {rep}: " + ", ".join(f"{n} {t[-1]:.2f}s" for n, t in times.items()),
+                flush=True,
+            )
+    saves = []
+    for _ in range(3):
+        with tempfile.TemporaryDirectory() as tmp:
+            saves.append(timed(lambda tmp=tmp: learner.save_adapter_files(Path(tmp))))
+            size = sum(f.stat().st_size for f in Path(tmp).iterdir())
+    tokens = args.batch * args.seq
+    return {
+        "dtype": dtype,
+        "peak": peak,
+        "peak_model": peak_model,
+        "tok_s": {n: tokens / statistics.median(t) for n, t in times.items()},
+        "spread": {n: (tokens / max(t), tokens / min(t)) for n, t in times.items()},
+        "save_s": statistics.median(saves),
+        "size": size,
+        "load": (load_before, os.getloadavg()[0]),
+    }
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model-dir", required=True)
+    parser.add_argument("--model-dir", default=None)
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--seq", type=int, default=256)
-    parser.add_argument("--reps", type=int, default=3)
-    parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--reps", type=int, default=5)
+    parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--out", default="docs/perf/learner.md")
     args = parser.parse_args()
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    n_params = sum(
-        p.numel() for p in AutoModelForCausalLM.from_pretrained(args.model_dir).parameters()
-    )
+    torch.set_num_threads(args.threads)
+    # Trainer.step flushes denormals; set the flag for the bare loop too, so every loop
+    # runs under the same floating-point mode whatever order they run in.
+    torch.set_flush_denormal(True)
+    model_dir = args.model_dir or str(prepare_model().path)
+    n_params = sum(p.numel() for p in AutoModelForCausalLM.from_pretrained(model_dir).parameters())
+    flops_per_token = 4 * n_params
+    cfg = LearnerConfig()
     rows = []
     for dtype in ("fp32", "bf16"):
-        cfg = LearnerConfig(dtype=dtype, micro_batch_size=args.batch, num_threads=args.threads)
-        peak = matmul_peak(torch.float32 if dtype == "fp32" else torch.bfloat16)
-        bare = statistics.median(bare_loop(args.model_dir, cfg, args.batch, args.seq, args.reps))
-        runs, save_s, size = learner_loop(args.model_dir, cfg, args.batch, args.seq, args.reps)
-        learn = statistics.median(runs)
-        flops_per_token = 4 * n_params
-        rows.append(
-            (
-                dtype,
-                bare,
-                learn,
-                learn / bare,
-                bare * flops_per_token / peak,
-                learn * flops_per_token / peak,
-                peak,
-                save_s,
-                size,
-            )
-        )
+        row = run_dtype(model_dir, dtype, args)
+        rows.append(row)
+        tok = row["tok_s"]
         print(
-            f"{dtype}: bare {bare:.1f} tok/s, learner {learn:.1f} tok/s "
-            f"({learn / bare:.2f}x), peak {peak / 1e9:.0f} GFLOP/s, "
-            f"bare {rows[-1][4]:.1%} / learner {rows[-1][5]:.1%} of peak, "
-            f"save {save_s:.3f} s {size / 1e6:.1f} MB",
+            f"{dtype}: bare {tok['bare']:.1f} tok/s, learner {tok['learner']:.1f} "
+            f"({tok['learner'] / tok['bare']:.2f}x), no-KL {tok['learner_no_kl']:.1f}, "
+            f"peak {row['peak'] / 1e9:.0f} GFLOP/s, save {row['save_s']:.3f} s "
+            f"{row['size'] / 1e6:.1f} MB, load {row['load'][0]:.2f}->{row['load'][1]:.2f}",
             flush=True,
         )
     lines = [
-        "## Learner update step",
+        "## Learner update step (bench/bench_learner.py)",
         "",
         f"`python bench/bench_learner.py --batch {args.batch} --seq {args.seq} "
-        f"--reps {args.reps}` (medians of {args.reps} steps after one warm-up; "
-        f"torch threads {torch.get_num_threads()}; LoRA r16/α32 on q,k,v,o).",
+        f"--reps {args.reps} --threads {args.threads}`: {args.batch}×{args.seq} tokens per "
+        "step (learner samples: 64-token prompt + completion), default LoRA config "
+        f"(r{cfg.lora_rank}/α{cfg.lora_alpha:g} on {','.join(cfg.target_modules)}), "
+        f"KL coefficient {cfg.kl_coef:g}; medians of "
+        f"{args.reps} interleaved steps per loop after one warm-up round; tokens/s over all "
+        f"tokens; % of peak = 4·N·tokens/s (N = {n_params / 1e6:.1f} M) over the "
+        "2048³ matmul peak.",
         "",
-        "| dtype | bare PEFT tok/s | learner step tok/s | learner/bare | bare % of peak "
-        "| learner % of peak | matmul peak GFLOP/s | adapter save s | adapter MB |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| dtype | bare PEFT tok/s | learner tok/s | learner/bare | learner no-KL tok/s "
+        "| bare % of peak | learner % of peak | matmul peak GFLOP/s (2048³ / model shape) "
+        "| adapter save s | adapter MB | load avg before→after |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
-    for dtype, bare, learn, ratio, fb, fl, peak, save_s, size in rows:
+    for row in rows:
+        tok = row["tok_s"]
+        peak = row["peak"]
         lines.append(
-            f"| {dtype} | {bare:.1f} | {learn:.1f} | {ratio:.2f} | {fb:.1%} | {fl:.1%} "
-            f"| {peak / 1e9:.0f} | {save_s:.3f} | {size / 1e6:.1f} |"
+            f"| {row['dtype']} | {tok['bare']:.1f} | {tok['learner']:.1f} "
+            f"| {tok['learner'] / tok['bare']:.2f} | {tok['learner_no_kl']:.1f} "
+            f"| {tok['bare'] * flops_per_token / peak:.1%} "
+            f"| {tok['learner'] * flops_per_token / peak:.1%} "
+            f"| {peak / 1e9:.0f} / {row['peak_model'] / 1e9:.0f} | {row['save_s']:.3f} "
+            f"| {row['size'] / 1e6:.1f} | {row['load'][0]:.2f}→{row['load'][1]:.2f} |"
         )
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text("\n".join(lines) + "\n")
-    print(f"wrote {args.out}")
+    lines.append("")
+    lines.append(
+        "Per-step range (slowest–fastest tok/s): "
+        + "; ".join(
+            f"{row['dtype']} "
+            + ", ".join(f"{n} {lo:.0f}–{hi:.0f}" for n, (lo, hi) in row["spread"].items())
+            for row in rows
+        )
+        + "."
+    )
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text("\n".join(lines) + "\n")
+    print(f"wrote {out}")
 
 
 if __name__ == "__main__":

@@ -4,10 +4,16 @@ Against a fast local OpenAI-shaped fake upstream (aiohttp, this file), the same 
   direct        client → fake upstream
   passthrough   client → thinnest aiohttp relay (bytes in, bytes out) → fake upstream
   olp-off       client → olp proxy, tenant without training (byte relay + auth/limits/metrics)
-  olp-on        client → olp proxy, tenant with training (capture, checks, redaction, sink)
+  olp-on        client → olp proxy, tenant with training (capture, checks, redaction, and
+                the KafkaSink in a child process: KafkaSinkProcess)
+  olp-on-thread the same with the KafkaSink in a thread of the proxy process
+  olp-on-nosink the same capture handing records to a sink that drops them
+  olp-on-down, olp-on-thread-down
+                olp-on / olp-on-thread with the broker down: every record spills to disk
   litellm       client → LiteLLM proxy, one worker (installed in a separate venv; optional)
 at concurrency 1 and 16, streamed and not. Prints p50/p99 latency, requests/s and the
-relay's CPU ms per request (from /proc), and writes docs/perf/proxy.md.
+relay's CPU ms per request (from /proc: the relay process alone, and with its child
+processes), and writes docs/perf/proxy.md.
 
     python bench/bench_proxy.py [--requests 400] [--litellm PATH_TO_LITELLM_BIN] [--out FILE]
 
@@ -191,7 +197,12 @@ class CountingSink:
 
 
 def serve_olp(
-    port: int, upstream: str, state_dir: Path, sink_kind: str, bootstrap: str | None
+    port: int,
+    upstream: str,
+    state_dir: Path,
+    sink_kind: str,
+    bootstrap: str | None,
+    topic_prefix: str,
 ) -> None:
     sys.path.insert(0, str(ROOT))
     import structlog
@@ -199,15 +210,18 @@ def serve_olp(
     from proxy.config import ProxyConfig, TenantConfig
     from proxy.server import serve_proxy
     from replay.config import StreamConfig
+    from replay.producer import KafkaSinkProcess
 
     structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(30))
     config = ProxyConfig(
         port=port,
         upstreams=[upstream],
-        sink="kafka" if sink_kind == "kafka" else "jsonl",
+        sink="jsonl" if sink_kind == "jsonl" else "kafka",
         base_model_aliases=["base"],
     )
-    stream = StreamConfig(bootstrap_servers=bootstrap or "127.0.0.1:9092", topic_prefix="bench")
+    stream = StreamConfig(
+        bootstrap_servers=bootstrap or "127.0.0.1:9092", topic_prefix=topic_prefix
+    )
     tenants = [
         TenantConfig(
             name="on",
@@ -224,7 +238,11 @@ def serve_olp(
             max_concurrent=0,
         ),
     ]
-    sink = CountingSink() if sink_kind == "none" else None
+    sink: Any = None  # "kafka" / "jsonl": the sink the proxy's config names (make_sink)
+    if sink_kind == "none":
+        sink = CountingSink()
+    elif sink_kind == "kafka-process":
+        sink = KafkaSinkProcess(stream, state_dir)
     asyncio.run(serve_proxy(config, tenants, state_dir, stream=stream, sink=sink))
 
 
@@ -238,11 +256,25 @@ class Target:
     proc: subprocess.Popen | None
 
 
-def cpu_seconds(pid: int) -> float:
-    """utime+stime of a process and all its descendants."""
-    ticks = os.sysconf("SC_CLK_TCK")
+def _task_cpu_seconds(pid: int) -> float:
+    """CPU time of a process's live threads in nanosecond resolution (/proc/*/schedstat);
+    /proc/*/stat counts in 10 ms ticks, too coarse for a fraction of a millisecond per
+    request. Falls back to the ticks where schedstat is missing."""
+    total = 0.0
+    try:
+        for tid in os.listdir(f"/proc/{pid}/task"):
+            with open(f"/proc/{pid}/task/{tid}/schedstat") as handle:
+                total += int(handle.read().split()[0]) / 1e9
+        return total
+    except (OSError, ValueError, IndexError):
+        raw = Path(f"/proc/{pid}/stat").read_text()
+        fields = raw[raw.rindex(")") + 2 :].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def cpu_seconds(pid: int) -> tuple[float, float]:
+    """CPU time of a process alone, and of it with all its descendants."""
     children: dict[int, list[int]] = {}
-    stats: dict[int, float] = {}
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
             continue
@@ -252,13 +284,17 @@ def cpu_seconds(pid: int) -> float:
             continue
         fields = raw[raw.rindex(")") + 2 :].split()
         children.setdefault(int(fields[1]), []).append(int(entry))
-        stats[int(entry)] = (int(fields[11]) + int(fields[12])) / ticks
-    total, todo = 0.0, [pid]
+    own, total, todo = 0.0, 0.0, [pid]
     while todo:
         current = todo.pop()
-        total += stats.get(current, 0.0)
+        try:
+            used = _task_cpu_seconds(current)
+        except OSError:
+            used = 0.0
+        own = used if current == pid else own
+        total += used
         todo.extend(children.get(current, []))
-    return total
+    return own, total
 
 
 async def one_request(session: aiohttp.ClientSession, target: Target, stream: bool) -> float:
@@ -294,17 +330,18 @@ async def run_load(target: Target, stream: bool, concurrency: int, requests: int
             for _ in queue:
                 latencies.append(await one_request(session, target, stream))
 
-        cpu_before = cpu_seconds(target.proc.pid) if target.proc else 0.0
+        cpu_before = cpu_seconds(target.proc.pid) if target.proc else (0.0, 0.0)
         started = time.perf_counter()
         await asyncio.gather(*(worker() for _ in range(concurrency)))
         elapsed = time.perf_counter() - started
-        cpu_after = cpu_seconds(target.proc.pid) if target.proc else 0.0
+        cpu_after = cpu_seconds(target.proc.pid) if target.proc else (0.0, 0.0)
     latencies.sort()
     return {
         "p50_ms": statistics.median(latencies) * 1000,
         "p99_ms": latencies[min(len(latencies) - 1, int(len(latencies) * 0.99))] * 1000,
         "rps": requests / elapsed,
-        "cpu_ms": (cpu_after - cpu_before) * 1000 / requests if target.proc else None,
+        "cpu_ms": (cpu_after[0] - cpu_before[0]) * 1000 / requests if target.proc else None,
+        "cpu_total_ms": (cpu_after[1] - cpu_before[1]) * 1000 / requests if target.proc else None,
     }
 
 
@@ -372,16 +409,13 @@ def start_litellm(binary: str, upstream: str, workdir: Path) -> Target:
     return Target("litellm", f"http://127.0.0.1:{port}", "sk-bench", "base", proc)
 
 
-def count_records(bootstrap: str) -> int:
-    """Trajectories that reached the broker (all partitions of bench.trajectories)."""
+def count_records(bootstrap: str, topic: str) -> int:
+    """Trajectories that reached the broker (all partitions of `topic`)."""
     from kafka import KafkaConsumer, TopicPartition
 
     consumer = KafkaConsumer(bootstrap_servers=bootstrap, enable_auto_commit=False)
     try:
-        partitions = [
-            TopicPartition("bench.trajectories", p)
-            for p in consumer.partitions_for_topic("bench.trajectories") or ()
-        ]
+        partitions = [TopicPartition(topic, p) for p in consumer.partitions_for_topic(topic) or ()]
         if not partitions:
             return 0
         consumer.assign(partitions)
@@ -397,6 +431,13 @@ def count_records(bootstrap: str) -> int:
         consumer.close()
 
 
+def count_spilled(directory: Path) -> int:
+    """Records in the spill segments under `directory` (read without touching them)."""
+    from replay.spill import read_segment
+
+    return sum(len(read_segment(path)) for path in sorted(directory.glob("seg-*.spill")))
+
+
 def ratio(a: float | None, b: float | None) -> str:
     return "n/a" if a is None or b is None or b == 0 else f"{a / b:.2f}"
 
@@ -407,8 +448,11 @@ def main() -> None:
     parser.add_argument("--port", type=int)
     parser.add_argument("--upstream")
     parser.add_argument("--state")
-    parser.add_argument("--sink", default="kafka", choices=["kafka", "jsonl", "none"])
+    parser.add_argument(
+        "--sink", default="kafka", choices=["kafka", "kafka-process", "jsonl", "none"]
+    )
     parser.add_argument("--bootstrap")
+    parser.add_argument("--topic-prefix", default="bench")
     parser.add_argument("--requests", type=int, default=400)
     parser.add_argument("--litellm", default=None, help="path of the litellm console script")
     parser.add_argument("--out", default=str(ROOT / "docs" / "perf" / "proxy.md"))
@@ -418,7 +462,9 @@ def main() -> None:
     if args.mode == "serve-passthrough":
         return serve_passthrough(args.port, args.upstream)
     if args.mode == "serve-olp":
-        return serve_olp(args.port, args.upstream, Path(args.state), args.sink, args.bootstrap)
+        return serve_olp(
+            args.port, args.upstream, Path(args.state), args.sink, args.bootstrap, args.topic_prefix
+        )
     run_bench(args)
 
 
@@ -442,51 +488,40 @@ def run_bench(args: argparse.Namespace) -> None:
             workdir / "pt.log",
         )
         procs.append(passthrough)
-        olp_port = free_port()
-        olp = spawn(
-            [
-                *me,
-                "serve-olp",
-                "--port",
-                str(olp_port),
-                "--upstream",
-                upstream_url,
-                "--state",
-                str(workdir / "state"),
-                "--sink",
-                "kafka",
-                "--bootstrap",
-                broker.bootstrap,
-            ],
-            workdir / "olp.log",
-        )
-        procs.append(olp)
-        bare_port = free_port()
-        bare = spawn(
-            [
-                *me,
-                "serve-olp",
-                "--port",
-                str(bare_port),
-                "--upstream",
-                upstream_url,
-                "--state",
-                str(workdir / "state-bare"),
-                "--sink",
-                "none",
-            ],
-            workdir / "olp-bare.log",
-        )
-        procs.append(bare)
-        wait_ready(f"http://127.0.0.1:{olp_port}/healthz", olp)
-        wait_ready(f"http://127.0.0.1:{bare_port}/healthz", bare)
-        time.sleep(0.5)
+        closed_port = free_port()  # nothing listens there: the "broker down" rows
+        olps: dict[str, tuple[str, subprocess.Popen]] = {}
+        for name, sink, bootstrap in (
+            ("process", "kafka-process", broker.bootstrap),
+            ("thread", "kafka", broker.bootstrap),
+            ("nosink", "none", None),
+            ("process-down", "kafka-process", f"127.0.0.1:{closed_port}"),
+            ("thread-down", "kafka", f"127.0.0.1:{closed_port}"),
+        ):
+            port = free_port()
+            command = [*me, "serve-olp", "--port", str(port), "--upstream", upstream_url]
+            command += ["--state", str(workdir / f"state-{name}"), "--sink", sink]
+            command += ["--topic-prefix", f"bench-{name}"]
+            if bootstrap:
+                command += ["--bootstrap", bootstrap]
+            proc = spawn(command, workdir / f"olp-{name}.log")
+            procs.append(proc)
+            olps[name] = (f"http://127.0.0.1:{port}", proc)
+        for url, proc in olps.values():
+            wait_ready(url + "/healthz", proc)
+        time.sleep(1.0)
+
+        def olp_target(target: str, name: str, key: str = "key-on") -> Target:
+            return Target(target, olps[name][0], key, "base", olps[name][1])
+
         targets = [
             Target("direct", upstream_url, "unused", "base", None),
             Target("passthrough", f"http://127.0.0.1:{pt_port}", "unused", "base", passthrough),
-            Target("olp-off", f"http://127.0.0.1:{olp_port}", "key-off", "base", olp),
-            Target("olp-on", f"http://127.0.0.1:{olp_port}", "key-on", "base", olp),
-            Target("olp-on-nosink", f"http://127.0.0.1:{bare_port}", "key-on", "base", bare),
+            olp_target("olp-off", "process", "key-off"),
+            olp_target("olp-on", "process"),
+            olp_target("olp-on-thread", "thread"),
+            olp_target("olp-on-nosink", "nosink"),
+            olp_target("olp-on-down", "process-down"),
+            olp_target("olp-on-thread-down", "thread-down"),
         ]
         litellm_note = ""
         binary = (
@@ -517,13 +552,21 @@ def run_bench(args: argparse.Namespace) -> None:
                     )
                     r = results[(target.name, stream, concurrency)]
                     print(
-                        f"{target.name:12s} stream={stream!s:5s} c={concurrency:2d} "
+                        f"{target.name:18s} stream={stream!s:5s} c={concurrency:2d} "
                         f"p50={r['p50_ms']:.2f}ms p99={r['p99_ms']:.2f}ms "
-                        f"rps={r['rps']:.0f} cpu/req={r['cpu_ms'] or 0:.2f}ms",
+                        f"rps={r['rps']:.0f} cpu/req={r['cpu_ms'] or 0:.2f}ms "
+                        f"total={r['cpu_total_ms'] or 0:.2f}ms",
                         flush=True,
                     )
-        captured = count_records(broker.bootstrap)
-        report = render(results, [t.name for t in targets], args.requests, captured, litellm_note)
+        time.sleep(3.0)  # let the sinks finish their last records
+        counts = {
+            "process": count_records(broker.bootstrap, "bench-process.trajectories"),
+            "thread": count_records(broker.bootstrap, "bench-thread.trajectories"),
+            "process-down": count_spilled(workdir / "state-process-down" / "spill"),
+            "thread-down": count_spilled(workdir / "state-thread-down" / "spill"),
+        }
+        print(f"records: {counts}", flush=True)
+        report = render(results, [t.name for t in targets], args.requests, counts, litellm_note)
         print(report)
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(report)
@@ -539,49 +582,72 @@ def run_bench(args: argparse.Namespace) -> None:
         shutil.rmtree(workdir, ignore_errors=True)
 
 
-def render(results: dict, names: list[str], requests: int, captured: int, note: str) -> str:
+def render(
+    results: dict, names: list[str], requests: int, counts: dict[str, int], note: str
+) -> str:
+    expected = 4 * (requests + 20)
     lines = [
         "## Proxy overhead (bench/bench_proxy.py)",
         "",
         f"Fake OpenAI-shaped upstream answering {STREAM_TOKENS} tokens at once (aiohttp, own "
         f"process); {requests} requests per row after 20 warm-up requests; client, relay and "
         "upstream share the machine's 2 cores, so absolute figures include contention. "
-        "`added` = p50 minus the direct p50 of the same row group. CPU = the relay "
-        f"process's user+system time per request. olp-on wrote {captured} trajectory records "
-        "to the broker (KafkaSink into an embedded Tansu broker: schema-validated in the sink's "
-        "thread, redacted); olp-on-nosink is the same capture handing "
-        "records to a sink that drops them (the proxy's own share of the capture cost).",
+        "`added` = p50 minus the direct p50 of the same row group. `CPU proxy` = the relay "
+        "process's own CPU time per request (its threads' /proc schedstat, ns resolution); "
+        "`CPU total` adds its child processes (olp-on's KafkaSinkProcess child that "
+        "validates, encodes and sends the records).",
         "",
-        "| stream | conc | target | p50 ms | p99 ms | added p50 ms | req/s | CPU ms/req |",
-        "|---|---|---|---|---|---|---|---|",
+        "- olp-on: capture, checks and redaction in the proxy; records handed to "
+        "`KafkaSinkProcess` (the KafkaSink in a child process) and sent to an embedded Tansu "
+        f"broker: {counts['process']} of {expected} records arrived.",
+        "- olp-on-thread: the same with the KafkaSink in a thread of the proxy process "
+        f"(`make_sink`'s choice today): {counts['thread']} of {expected} records arrived.",
+        "- olp-on-nosink: the same capture handing records to a sink that drops them "
+        "(the proxy's own share of the capture cost).",
+        "- olp-on-down / olp-on-thread-down: olp-on / olp-on-thread with the sink pointed at a "
+        "closed loopback port (broker down), so every record goes to the durable spill: "
+        f"{counts['process-down']} and {counts['thread-down']} of {expected} records "
+        "were in the spill at the end.",
+        "",
+        "| stream | conc | target | p50 ms | p99 ms | added p50 ms | added p99 ms | req/s "
+        "| CPU proxy ms/req | CPU total ms/req |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for stream in (False, True):
         for concurrency in (1, 16):
-            direct = results[("direct", stream, concurrency)]["p50_ms"]
+            direct = results[("direct", stream, concurrency)]
             for name in names:
                 r = results[(name, stream, concurrency)]
                 cpu = "" if r["cpu_ms"] is None else f"{r['cpu_ms']:.2f}"
+                total = "" if r["cpu_total_ms"] is None else f"{r['cpu_total_ms']:.2f}"
                 lines.append(
                     f"| {stream} | {concurrency} | {name} | {r['p50_ms']:.2f} | "
-                    f"{r['p99_ms']:.2f} | {r['p50_ms'] - direct:.2f} | {r['rps']:.0f} | {cpu} |"
+                    f"{r['p99_ms']:.2f} | {r['p50_ms'] - direct['p50_ms']:.2f} | "
+                    f"{r['p99_ms'] - direct['p99_ms']:.2f} | {r['rps']:.0f} | {cpu} | {total} |"
                 )
-    lines += ["", "Ratios against the targets of the proxy issue (same run):", ""]
+    lines += ["", "Ratios against the targets (same run):", ""]
     for stream in (False, True):
         for concurrency in (1, 16):
 
             def key(name: str, stream: bool = stream, concurrency: int = concurrency) -> dict:
                 return results[(name, stream, concurrency)]
 
-            direct = key("direct")["p50_ms"]
-            added = {n: key(n)["p50_ms"] - direct for n in names}
+            direct = key("direct")
+            added = {n: key(n)["p50_ms"] - direct["p50_ms"] for n in names}
+            added99 = {n: key(n)["p99_ms"] - direct["p99_ms"] for n in names}
             on, off = key("olp-on"), key("olp-off")
             parts = [
                 f"olp-off added p50 / pass-through's = "
                 f"{ratio(added['olp-off'], added['passthrough'])}",
                 f"olp-on / pass-through = {ratio(added['olp-on'], added['passthrough'])}",
-                f"capture CPU on/off = {ratio(on['cpu_ms'], off['cpu_ms'])}",
-                f"capture CPU without sink on/off = "
-                f"{ratio(key('olp-on-nosink')['cpu_ms'], off['cpu_ms'])}",
+                f"capture CPU on/off, proxy process = {ratio(on['cpu_ms'], off['cpu_ms'])}",
+                f"on/off incl. the sink process = {ratio(on['cpu_total_ms'], off['cpu_total_ms'])}",
+                f"on/off with the sink in a thread = "
+                f"{ratio(key('olp-on-thread')['cpu_ms'], off['cpu_ms'])}",
+                f"on/off without a sink = {ratio(key('olp-on-nosink')['cpu_ms'], off['cpu_ms'])}",
+                f"added p99 broker down/up = {ratio(added99['olp-on-down'], added99['olp-on'])} "
+                f"(thread sink: "
+                f"{ratio(added99['olp-on-thread-down'], added99['olp-on-thread'])})",
             ]
             if "litellm" in names:
                 parts += [

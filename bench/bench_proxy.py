@@ -601,7 +601,7 @@ def render(
         "`KafkaSinkProcess` (the KafkaSink in a child process) and sent to an embedded Tansu "
         f"broker: {counts['process']} of {expected} records arrived.",
         "- olp-on-thread: the same with the KafkaSink in a thread of the proxy process "
-        f"(`make_sink`'s choice today): {counts['thread']} of {expected} records arrived.",
+        f"(the proxy's sink before 2026-11-30): {counts['thread']} of {expected} records arrived.",
         "- olp-on-nosink: the same capture handing records to a sink that drops them "
         "(the proxy's own share of the capture cost).",
         "- olp-on-down / olp-on-thread-down: olp-on / olp-on-thread with the sink pointed at a "

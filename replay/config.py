@@ -33,6 +33,12 @@ class StreamConfig(BaseModel):
     idempotence: bool = True
     reconnect_backoff_s: float = Field(default=1.0, gt=0)
     close_timeout_s: float = Field(default=10.0, ge=0)
+    sink_hung_after_s: float = Field(
+        default=10.0,
+        gt=0,
+        description="a sink child that reports nothing this long while records wait is "
+        "killed and restarted (its records are spilled, none lost)",
+    )
 
     # Durable spill under <state_dir>/<spill_dir_name>/.
     spill_dir_name: str = Field(default="spill", min_length=1)

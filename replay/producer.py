@@ -541,6 +541,7 @@ class KafkaSinkProcess:
         self._feeder_done = False
         self._confirmed = 0
         self.child_restarts = 0
+        self._progress_at = time.monotonic()  # the last status message from the child
         self._proc: Any = None
         self._conn: Any = None
         self._start_child()
@@ -568,6 +569,24 @@ class KafkaSinkProcess:
         self._idle = False
         if not self._wake.is_set():
             self._wake.set()
+        if len(self._outbox) > self.config.queue_size:
+            # The feeder may be stuck writing to a child that stopped reading; killing the
+            # child frees it (the dead child's records are spilled, the outbox goes on).
+            self._kill_if_hung()
+
+    def _kill_if_hung(self) -> None:
+        proc = self._proc
+        waiting = self._pending or self._outbox
+        silent_s = time.monotonic() - self._progress_at
+        if proc is not None and waiting and silent_s > self.config.sink_hung_after_s:
+            log.error(
+                "sink_process_hung",
+                silent_s=round(silent_s, 1),
+                outbox=len(self._outbox),
+                in_flight=len(self._pending),
+            )
+            self._progress_at = time.monotonic()  # one kill per silence
+            proc.kill()
 
     # ---- feeder thread -------------------------------------------------------------------
 
@@ -581,6 +600,7 @@ class KafkaSinkProcess:
         )
         proc.start()
         child_conn.close()
+        self._progress_at = time.monotonic()
         self._proc, self._conn = proc, parent_conn
         self._seen = {}
 
@@ -598,6 +618,7 @@ class KafkaSinkProcess:
             if len(self._outbox):
                 self._wake.set()
             try:
+                self._kill_if_hung()
                 if batch:
                     self._pending.extend(batch)
                     self._conn.send_bytes(self._pickle(pickle, batch))
@@ -633,6 +654,7 @@ class KafkaSinkProcess:
         final = False
         while self._conn.poll(block_s):
             _, done, idle, values, final = self._conn.recv()
+            self._progress_at = time.monotonic()
             for _ in range(min(done - self._confirmed, len(self._pending))):
                 self._pending.popleft()
             self._confirmed = max(self._confirmed, done)

@@ -89,3 +89,25 @@ def test_records_of_a_killed_sink_process_are_spilled_and_delivered(
         sink.close()
     expected = {r["trajectory_id"] for r in first + second}
     assert _consume_ids(stream_config, 100) == expected
+
+
+def test_a_hung_sink_process_is_killed_and_nothing_is_lost(
+    stream_config: StreamConfig, tmp_path: Path
+) -> None:
+    """A child that stops reading (SIGSTOP) must not let the parent's outbox grow forever."""
+    config = stream_config.model_copy(update={"queue_size": 20, "sink_hung_after_s": 1.0})
+    registry = CollectorRegistry()
+    sink = KafkaSinkProcess(config, tmp_path, registry)
+    try:
+        os.kill(sink._proc.pid, signal.SIGSTOP)
+        records = [make_trajectory(session_id=f"h{i % 2}") for i in range(60)]
+        for record in records[:30]:
+            sink.put_trajectory(record)
+        time.sleep(1.5)  # silent for longer than sink_hung_after_s
+        for record in records[30:]:
+            sink.put_trajectory(record)
+        _wait_for(lambda: sink.child_restarts == 1)
+        assert sink.wait_idle(60)
+    finally:
+        sink.close()
+    assert _consume_ids(config, 60) == {r["trajectory_id"] for r in records}

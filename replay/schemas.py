@@ -43,7 +43,7 @@ def new_event_id() -> str:
 def load_schema(kind: RecordKind | str, version: int = SCHEMA_VERSION) -> dict[str, Any]:
     """The parsed JSON Schema document `<kind>.v<version>.json` shipped in replay/schemas/."""
     name = f"{RecordKind(kind).value}.v{version}.json"
-    text = resources.files("replay").joinpath("schemas").joinpath(name).read_text(encoding="utf-8")
+    text = resources.files("replay").joinpath("schemas", name).read_text(encoding="utf-8")
     schema: dict[str, Any] = json.loads(text)
     Draft202012Validator.check_schema(schema)
     return schema

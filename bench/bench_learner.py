@@ -148,6 +148,11 @@ def run_dtype(model_dir: str, dtype: str, args: argparse.Namespace) -> dict[str,
         "peak_model": peak_model,
         "tok_s": {n: tokens / statistics.median(t) for n, t in times.items()},
         "spread": {n: (tokens / max(t), tokens / min(t)) for n, t in times.items()},
+        # learner/bare within each round (paired): steadier than a ratio of medians when
+        # other processes' load changes between rounds
+        "paired": statistics.median(
+            b / a for a, b in zip(times["learner"], times["bare"], strict=True)
+        ),
         "save_s": statistics.median(saves),
         "size": size,
         "load": (load_before, os.getloadavg()[0]),
@@ -178,7 +183,8 @@ def main() -> None:
         tok = row["tok_s"]
         print(
             f"{dtype}: bare {tok['bare']:.1f} tok/s, learner {tok['learner']:.1f} "
-            f"({tok['learner'] / tok['bare']:.2f}x), no-KL {tok['learner_no_kl']:.1f}, "
+            f"({tok['learner'] / tok['bare']:.2f}x, paired {row['paired']:.2f}x), "
+            f"no-KL {tok['learner_no_kl']:.1f}, "
             f"peak {row['peak'] / 1e9:.0f} GFLOP/s, save {row['save_s']:.3f} s "
             f"{row['size'] / 1e6:.1f} MB, load {row['load'][0]:.2f}->{row['load'][1]:.2f}",
             flush=True,
@@ -195,7 +201,8 @@ def main() -> None:
         f"tokens; % of peak = 4·N·tokens/s (N = {n_params / 1e6:.1f} M) over the "
         "2048³ matmul peak.",
         "",
-        "| dtype | bare PEFT tok/s | learner tok/s | learner/bare | learner no-KL tok/s "
+        "| dtype | bare PEFT tok/s | learner tok/s | learner/bare (paired) "
+        "| learner no-KL tok/s "
         "| bare % of peak | learner % of peak | matmul peak GFLOP/s (2048³ / model shape) "
         "| adapter save s | adapter MB | load avg before→after |",
         "|---|---|---|---|---|---|---|---|---|---|---|",
@@ -205,7 +212,8 @@ def main() -> None:
         peak = row["peak"]
         lines.append(
             f"| {row['dtype']} | {tok['bare']:.1f} | {tok['learner']:.1f} "
-            f"| {tok['learner'] / tok['bare']:.2f} | {tok['learner_no_kl']:.1f} "
+            f"| {tok['learner'] / tok['bare']:.2f} ({row['paired']:.2f}) "
+            f"| {tok['learner_no_kl']:.1f} "
             f"| {tok['bare'] * flops_per_token / peak:.1%} "
             f"| {tok['learner'] * flops_per_token / peak:.1%} "
             f"| {peak / 1e9:.0f} / {row['peak_model'] / 1e9:.0f} | {row['save_s']:.3f} "

@@ -85,6 +85,7 @@ def run(cfg: OlpConfig) -> int:
             model_dir=model_dir,
             on_candidate=promoter.submit,
             on_rewarded=promoter.canary_monitor.observe,
+            caps=cfg.safety.caps,
             is_frozen=FreezeFlag(proxy),
             judge_base_url=replicas[0],
             stop=stop,

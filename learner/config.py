@@ -157,8 +157,7 @@ class LearnerConfig(BaseModel):
     max_staleness: int = Field(default=4, ge=0)
     normalize_advantages: bool = True  # divide group advantages by the group's std
     baseline_decay: float = Field(default=0.9, ge=0, lt=1)
-    tenant_share_cap: float | None = Field(default=0.5, gt=0, le=1)
-    user_share_cap: float | None = Field(default=0.25, gt=0, le=1)
+    # per-tenant / per-user shares of a batch: `safety.caps` (safety/config.py)
     # progress / bookkeeping
     progress_interval_s: float = Field(default=5.0, gt=0)
     max_event_ids_in_meta: int = Field(default=2048, ge=0)

@@ -14,6 +14,9 @@ from typing import Any
 
 import torch
 
+from safety.caps import apply_contribution_caps
+from safety.config import CapsConfig
+
 _VERSION = re.compile(r"^policy-v(\d+)$")
 
 
@@ -98,36 +101,19 @@ def drop_stale(
     return kept, len(samples) - len(kept)
 
 
-def _cap(samples: list[Sample], attr: str, share: float | None) -> tuple[list[Sample], int]:
-    if share is None:
-        return samples, 0
-    sources = {getattr(s, attr) for s in samples if getattr(s, attr) is not None}
-    if len(sources) < 2:
-        return samples, 0  # a single source has nobody to crowd out
-    limit = max(1, math.floor(share * len(samples)))
-    taken: Counter[Any] = Counter()
-    kept = []
-    for sample in samples:
-        source = getattr(sample, attr)
-        if source is not None:
-            if taken[source] >= limit:
-                continue
-            taken[source] += 1
-        kept.append(sample)
-    return kept, len(samples) - len(kept)
-
-
 def apply_share_caps(
-    samples: list[Sample], tenant_cap: float | None, user_cap: float | None
+    samples: list[Sample], caps: CapsConfig
 ) -> tuple[list[Sample], dict[str, int]]:
-    """Per-tenant then per-user caps on a batch's share (data-poisoning defence).
-
-    With n samples and at least two distinct sources, each source keeps at most
-    max(1, floor(cap·n)) samples, first come first kept. Unknown users are not capped.
-    """
-    kept, by_tenant = _cap(samples, "tenant", tenant_cap)
-    kept, by_user = _cap(kept, "user", user_cap)
-    return kept, {"tenant_cap": by_tenant, "user_cap": by_user}
+    """The `safety.caps` contribution caps on a batch's samples (data-poisoning defence):
+    no tenant, and no user of a tenant, keeps more than its configured share of what is
+    kept. Samples without a user are only tenant-capped."""
+    result = apply_contribution_caps(
+        samples,
+        caps,
+        tenant_of=lambda sample: sample.tenant,
+        user_of=lambda sample: None if sample.user is None else (sample.tenant, sample.user),
+    )
+    return result.kept, {"capped": len(result.dropped)}
 
 
 class RunningBaseline:

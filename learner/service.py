@@ -41,6 +41,7 @@ from learner.progress import Progress
 from learner.rewards.assembler import RewardAssembler, RewardedChoice
 from learner.rewards.judge import Judge
 from learner.trainer import Trainer
+from safety.config import CapsConfig
 
 log = structlog.get_logger(__name__)
 
@@ -94,6 +95,7 @@ class Learner:
         fault_hook: FaultHook | None = None,
         ctx: DistContext | None = None,
         on_rewarded: Callable[[list[RewardedChoice]], None] | None = None,
+        caps: CapsConfig | None = None,
     ) -> None:
         model_dir = model_dir or config.base_model_dir
         if model_dir is None:
@@ -106,6 +108,7 @@ class Learner:
         self.is_frozen = is_frozen or (lambda: False)
         self.fault_hook = fault_hook or (lambda stage: None)
         self.on_rewarded = on_rewarded
+        self.caps = caps or CapsConfig()  # `safety.caps`: per-tenant / per-user shares
         judge = None
         if config.rewards.judge.enabled:
             judge = Judge(config.rewards.judge, base_url=judge_base_url)
@@ -230,9 +233,7 @@ class Learner:
                 log.exception("on_rewarded_failed", batch=len(rewarded))
         samples, dropped = samples_from_rewarded(rewarded)
         samples, stale = drop_stale(samples, self.version, self.config.max_staleness)
-        samples, capped = apply_share_caps(
-            samples, self.config.tenant_share_cap, self.config.user_share_cap
-        )
+        samples, capped = apply_share_caps(samples, self.caps)
         samples, adv_counts = assign_advantages(
             samples, self.baseline, self.config.normalize_advantages
         )
@@ -351,6 +352,7 @@ def run_learner(
     max_steps: int | None = None,
     fault_hook: FaultHook | None = None,
     on_rewarded: Callable[[list[RewardedChoice]], None] | None = None,
+    caps: CapsConfig | None = None,
 ) -> LearnerSummary:
     """Run the learner until `stop` is set or `max_steps` steps ran in this call."""
     learner = Learner(
@@ -363,5 +365,6 @@ def run_learner(
         judge_base_url,
         fault_hook,
         on_rewarded=on_rewarded,
+        caps=caps,
     )
     return learner.run(stop=stop, max_steps=max_steps)

@@ -18,6 +18,7 @@ from learner.objective import (
     samples_from_rewarded,
 )
 from learner.rewards.assembler import RewardedChoice
+from safety.config import CapsConfig
 
 
 def make_sample(i: int, **kw: object) -> Sample:
@@ -55,24 +56,30 @@ def test_staleness_drops_exactly_older_than_k() -> None:
 
 
 def test_tenant_and_user_caps_exact_counts() -> None:
-    # 10 samples: tenant A has 7, B 3; cap 0.5 → at most 5 per tenant
+    # Tenant A has 7 of 10, B 3; max share 0.5 of what is kept → A keeps 3, B 3.
     samples = [make_sample(i, tenant="A" if i < 7 else "B") for i in range(10)]
-    kept, counts = apply_share_caps(samples, tenant_cap=0.5, user_cap=None)
-    assert counts == {"tenant_cap": 2, "user_cap": 0}
-    assert sum(s.tenant == "A" for s in kept) == 5 and sum(s.tenant == "B" for s in kept) == 3
-    assert [s.key for s in kept if s.tenant == "A"] == [f"t{i}:0" for i in range(5)]
-    # users: u1 has 6 of 10, u2 2, unknown 2; cap 0.3 → floor(3.0) = 3 each, unknown uncapped
+    caps = CapsConfig(max_tenant_share=0.5, max_user_share=None)
+    kept, counts = apply_share_caps(samples, caps)
+    assert counts == {"capped": 4}
+    assert [s.key for s in kept] == [f"t{i}:0" for i in (0, 1, 2, 7, 8, 9)]
+    # One tenant; users u1 6, u2 2, unknown 2. A 0.3 user share is below an equal split of
+    # the two known users, so it is raised to 0.5: u1 keeps 2; unknown users are not capped.
     users = ["u1"] * 6 + ["u2"] * 2 + [None] * 2
     samples = [make_sample(i, user=u) for i, u in enumerate(users)]
-    kept, counts = apply_share_caps(samples, tenant_cap=0.5, user_cap=0.3)
-    assert counts == {"tenant_cap": 0, "user_cap": 3}
-    assert sum(s.user == "u1" for s in kept) == 3 and sum(s.user is None for s in kept) == 2
+    kept, counts = apply_share_caps(samples, CapsConfig(max_user_share=0.3))
+    assert counts == {"capped": 4}
+    assert sum(s.user == "u1" for s in kept) == 2 and sum(s.user is None for s in kept) == 2
+    # The same user name under two tenants is two users.
+    samples = [make_sample(i, tenant=t, user="u") for i, t in enumerate("AAAB")]
+    kept, counts = apply_share_caps(samples, CapsConfig(max_tenant_share=None, max_user_share=0.5))
+    assert counts == {"capped": 2} and [s.tenant for s in kept] == ["A", "B"]
 
 
 def test_single_source_is_not_capped() -> None:
     samples = [make_sample(i, tenant="A", user="u") for i in range(8)]
-    kept, counts = apply_share_caps(samples, tenant_cap=0.25, user_cap=0.25)
-    assert len(kept) == 8 and counts == {"tenant_cap": 0, "user_cap": 0}
+    caps = CapsConfig(max_tenant_share=0.25, max_user_share=0.25)
+    kept, counts = apply_share_caps(samples, caps)
+    assert len(kept) == 8 and counts == {"capped": 0}
 
 
 def test_group_advantages_and_zero_groups_dropped() -> None:

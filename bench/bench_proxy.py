@@ -210,7 +210,7 @@ def serve_olp(
     from proxy.config import ProxyConfig, TenantConfig
     from proxy.server import serve_proxy
     from replay.config import StreamConfig
-    from replay.producer import KafkaSinkProcess
+    from replay.producer import KafkaSink
 
     structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(30))
     config = ProxyConfig(
@@ -238,11 +238,11 @@ def serve_olp(
             max_concurrent=0,
         ),
     ]
-    sink: Any = None  # "kafka" / "jsonl": the sink the proxy's config names (make_sink)
+    sink: Any = None  # "kafka-process" / "jsonl": the sink the proxy's config names (make_sink)
     if sink_kind == "none":
         sink = CountingSink()
-    elif sink_kind == "kafka-process":
-        sink = KafkaSinkProcess(stream, state_dir)
+    elif sink_kind == "kafka":  # the in-process KafkaSink, named explicitly
+        sink = KafkaSink(stream, state_dir)
     asyncio.run(serve_proxy(config, tenants, state_dir, stream=stream, sink=sink))
 
 

@@ -20,7 +20,6 @@ from typing import Any
 
 import openai
 import pytest
-from learner_sampling import load_adapter, number_prompts, sample_record, unload_adapter
 
 from learner.config import LearnerConfig, RewardConfig, VerifierSpec
 from learner.rewards.verifiers import number_answer
@@ -28,6 +27,12 @@ from learner.service import Learner, LearnerSummary
 from learner.source import replay_consumer_factory
 from replay.config import StreamConfig
 from replay.producer import KafkaSink
+from tests.learner.learner_sampling import (
+    load_adapter,
+    number_prompts,
+    sample_record,
+    unload_adapter,
+)
 
 MAX_ROUNDS = 12
 TIME_BUDGET_S = 300.0

@@ -9,11 +9,16 @@ from typing import Any
 
 import openai
 import pytest
-from learner_sampling import load_adapter, number_prompts, sample_record, unload_adapter
 
 from learner.config import LearnerConfig
 from learner.objective import Sample
 from learner.trainer import Trainer
+from tests.learner.learner_sampling import (
+    load_adapter,
+    number_prompts,
+    sample_record,
+    unload_adapter,
+)
 
 
 def test_importance_ratio_near_one_and_gradient_finite(

@@ -11,12 +11,12 @@ from typing import Any
 
 import pytest
 import torch
-from learner_sources import ListSource, synthetic_scored
 from safetensors.torch import load_file
 
 from learner.adapter_store import AdapterExistsError, AdapterStore
 from learner.config import LearnerConfig
 from learner.service import Learner
+from tests.learner.learner_sources import ListSource, synthetic_scored
 
 RECORDS = [synthetic_scored(i) for i in range(12)]
 ALL_IDS = {r["trajectory"]["event_id"] for r in RECORDS}

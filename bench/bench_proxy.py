@@ -61,9 +61,9 @@ def _fake_logprobs(chat: bool, n: int) -> dict[str, Any]:
     }
 
 
-async def fake_chat(request: web.Request) -> web.StreamResponse:
-    """An OpenAI/vLLM-shaped answer of STREAM_TOKENS tokens, honouring the vLLM extras."""
-    body = await request.json()
+def fake_chat_answer(body: dict[str, Any]) -> bytes | list[bytes]:
+    """An OpenAI/vLLM-shaped answer of STREAM_TOKENS tokens, honouring the vLLM extras: the
+    whole JSON body, or the stream's SSE events."""
     want_ids = bool(body.get("return_token_ids"))
     want_lp = bool(body.get("logprobs"))
     usage = {
@@ -88,9 +88,7 @@ async def fake_chat(request: web.Request) -> web.StreamResponse:
             "usage": usage,
             "prompt_token_ids": PROMPT_IDS if want_ids else None,
         }
-        return web.json_response(payload)
-    response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
-    await response.prepare(request)
+        return json.dumps(payload, separators=(",", ":")).encode()
 
     def event(obj: dict[str, Any]) -> bytes:
         return b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n"
@@ -108,7 +106,7 @@ async def fake_chat(request: web.Request) -> web.StreamResponse:
         ],
         "prompt_token_ids": PROMPT_IDS if want_ids else None,
     }
-    await response.write(event(first))
+    events = [event(first)]
     for i in range(STREAM_TOKENS):
         last = i == STREAM_TOKENS - 1
         chunk = {
@@ -124,12 +122,34 @@ async def fake_chat(request: web.Request) -> web.StreamResponse:
                 }
             ],
         }
-        await response.write(event(chunk))
+        events.append(event(chunk))
     if (body.get("stream_options") or {}).get("include_usage"):
-        await response.write(
+        events.append(
             event({**base, "object": "chat.completion.chunk", "choices": [], "usage": usage})
         )
-    await response.write(b"data: [DONE]\n\n")
+    events.append(b"data: [DONE]\n\n")
+    return events
+
+
+ANSWERS = web.AppKey("answers", dict)
+
+
+async def fake_chat(request: web.Request) -> web.StreamResponse:
+    """Answers are serialised once per request shape and then replayed: the upstream is
+    equally fast whether or not the proxy asked for logprobs and token ids, so olp's
+    capture-on and capture-off rows read the upstream's answer at the same pace."""
+    body = await request.json()
+    key = json.dumps(body, sort_keys=True)
+    answers = request.app[ANSWERS]
+    if key not in answers:
+        answers[key] = fake_chat_answer(body)
+    answer = answers[key]
+    if isinstance(answer, bytes):
+        return web.Response(body=answer, content_type="application/json")
+    response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+    await response.prepare(request)
+    for event in answer:
+        await response.write(event)
     await response.write_eof()
     return response
 
@@ -140,6 +160,7 @@ async def fake_models(request: web.Request) -> web.Response:
 
 def serve_fake_upstream(port: int) -> None:
     app = web.Application()
+    app[ANSWERS] = {}
     app.router.add_post("/v1/chat/completions", fake_chat)
     app.router.add_get("/v1/models", fake_models)
     web.run_app(app, host="127.0.0.1", port=port, access_log=None, print=None)
@@ -180,11 +201,17 @@ def serve_passthrough(port: int, upstream: str) -> None:
 
 # ------------------------------------------------------------------ olp
 class CountingSink:
-    """Takes records and drops them: isolates the proxy's own capture cost from the sink's
-    (JsonlSink and KafkaSink validate every record against the JSON Schema)."""
+    """Takes captures like KafkaSinkProcess does and drops them: the proxy process's own
+    capture cost, without a worker process competing for the cores."""
 
     def __init__(self) -> None:
         self.trajectories = 0
+
+    def build_records_with(self, build: Any, on_outcome: Any, on_failures: Any) -> None:
+        pass
+
+    def put_capture(self, capture: Any, status: str) -> None:
+        self.trajectories += 1
 
     def put_trajectory(self, record: dict[str, Any]) -> None:
         self.trajectories += 1
@@ -454,6 +481,10 @@ def main() -> None:
     parser.add_argument("--bootstrap")
     parser.add_argument("--topic-prefix", default="bench")
     parser.add_argument("--requests", type=int, default=400)
+    parser.add_argument(
+        "--cpu-rounds", type=int, default=5, help="alternating off/on rounds for capture CPU"
+    )
+    parser.add_argument("--cpu-requests", type=int, default=300, help="requests per round")
     parser.add_argument("--litellm", default=None, help="path of the litellm console script")
     parser.add_argument("--out", default=str(ROOT / "docs" / "perf" / "proxy.md"))
     args = parser.parse_args()
@@ -558,6 +589,9 @@ def run_bench(args: argparse.Namespace) -> None:
                         f"total={r['cpu_total_ms'] or 0:.2f}ms",
                         flush=True,
                     )
+        rounds = capture_cpu_rounds(
+            {t.name: t for t in targets}, args.cpu_rounds, args.cpu_requests
+        )
         time.sleep(3.0)  # let the sinks finish their last records
         counts = {
             "process": count_records(broker.bootstrap, "bench-process.trajectories"),
@@ -566,7 +600,15 @@ def run_bench(args: argparse.Namespace) -> None:
             "thread-down": count_spilled(workdir / "state-thread-down" / "spill"),
         }
         print(f"records: {counts}", flush=True)
-        report = render(results, [t.name for t in targets], args.requests, counts, litellm_note)
+        report = render(
+            results,
+            [t.name for t in targets],
+            args.requests,
+            counts,
+            litellm_note,
+            extra_process_records=4 * args.cpu_rounds * (args.cpu_requests + 20),
+        )
+        report += render_rounds(rounds, args.cpu_rounds, args.cpu_requests)
         print(report)
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(report)
@@ -582,10 +624,76 @@ def run_bench(args: argparse.Namespace) -> None:
         shutil.rmtree(workdir, ignore_errors=True)
 
 
+# ------------------------------------------------------------------ capture CPU, alternating
+CPU_TARGETS = ("olp-off", "olp-on", "olp-on-nosink")
+
+
+def capture_cpu_rounds(targets: dict[str, Target], rounds: int, requests: int) -> dict:
+    """CPU per request of capture off and on, measured in alternating rounds.
+
+    Capture's target is a ratio of about 1.1, smaller than the drift between two runs a
+    minute apart on a shared 2-core machine; alternating short rounds and taking medians
+    puts both sides under the same conditions."""
+    out: dict[tuple[bool, int], dict[str, dict[str, list[float]]]] = {}
+    for stream in (False, True):
+        for concurrency in (1, 16):
+            group = {name: {"cpu": [], "total": []} for name in CPU_TARGETS}
+            for round_ in range(rounds):
+                order = CPU_TARGETS if round_ % 2 == 0 else CPU_TARGETS[::-1]
+                for name in order:
+                    r = asyncio.run(run_load(targets[name], stream, concurrency, requests))
+                    group[name]["cpu"].append(r["cpu_ms"])
+                    group[name]["total"].append(r["cpu_total_ms"])
+            out[(stream, concurrency)] = group
+            line = " ".join(f"{n}={statistics.median(group[n]['cpu']):.3f}" for n in CPU_TARGETS)
+            print(f"capture CPU stream={stream!s:5s} c={concurrency:2d}: {line} ms/req", flush=True)
+    return out
+
+
+def render_rounds(rounds: dict, count: int, requests: int) -> str:
+    lines = [
+        "",
+        "### Capture CPU, alternating rounds",
+        "",
+        f"{count} rounds of {requests} requests (after 20 warm-up requests) per target and "
+        "row, the targets' order reversed every other round; medians of the rounds' CPU "
+        "ms per request. `olp-off` and `olp-on` are the same proxy (tenants with training "
+        "off and on), its KafkaSinkProcess worker building, validating, encoding and sending "
+        "the records; `olp-on-nosink` is a proxy whose sink takes the captures and drops "
+        "them (the proxy process's own capture work, with no worker competing for the "
+        "cores).",
+        "",
+        "| stream | conc | off ms/req | on ms/req | on/off | nosink ms/req | nosink/off "
+        "| on total ms/req (incl. worker) | total on/off | rounds on/off |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for (stream, concurrency), group in rounds.items():
+        med = {n: statistics.median(group[n]["cpu"]) for n in CPU_TARGETS}
+        total_on = statistics.median(group["olp-on"]["total"])
+        total_off = statistics.median(group["olp-off"]["total"])
+        per_round = ", ".join(
+            f"{on / off:.2f}"
+            for on, off in zip(group["olp-on"]["cpu"], group["olp-off"]["cpu"], strict=True)
+        )
+        lines.append(
+            f"| {stream} | {concurrency} | {med['olp-off']:.3f} | {med['olp-on']:.3f} | "
+            f"{med['olp-on'] / med['olp-off']:.2f} | {med['olp-on-nosink']:.3f} | "
+            f"{med['olp-on-nosink'] / med['olp-off']:.2f} | {total_on:.3f} | "
+            f"{total_on / total_off:.2f} | {per_round} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
 def render(
-    results: dict, names: list[str], requests: int, counts: dict[str, int], note: str
+    results: dict,
+    names: list[str],
+    requests: int,
+    counts: dict[str, int],
+    note: str,
+    extra_process_records: int = 0,
 ) -> str:
     expected = 4 * (requests + 20)
+    expected_process = expected + extra_process_records
     lines = [
         "## Proxy overhead (bench/bench_proxy.py)",
         "",
@@ -599,7 +707,8 @@ def render(
         "",
         "- olp-on: capture, checks and redaction in the proxy; records handed to "
         "`KafkaSinkProcess` (the KafkaSink in a child process) and sent to an embedded Tansu "
-        f"broker: {counts['process']} of {expected} records arrived.",
+        f"broker: {counts['process']} of {expected_process} records arrived (this row's "
+        "requests and olp-on's in the capture CPU rounds below).",
         "- olp-on-thread: the same with the KafkaSink in a thread of the proxy process "
         f"(the proxy's sink before 2026-11-30): {counts['thread']} of {expected} records arrived.",
         "- olp-on-nosink: the same capture handing records to a sink that drops them "

@@ -182,8 +182,8 @@ def build_app(
     state = load_state(state_path, default_aliases)
     registry.apply_overrides(state.tenant_training)
 
-    def on_record(record: dict[str, Any]) -> None:
-        metrics_.trajectories.labels(record["status"], str(record["trainable"]).lower()).inc()
+    def on_outcome(status: str, trainable: bool, count: int) -> None:
+        metrics_.trajectories.labels(status, str(trainable).lower()).inc(count)
 
     ctx = ProxyContext(
         config=config,
@@ -201,8 +201,8 @@ def build_app(
         capture=CaptureService(
             sink,
             redactor.redact_obj,
-            on_record=on_record,
-            on_failure=lambda exc: metrics_.capture_failures.inc(),
+            on_outcome=on_outcome,
+            on_failures=metrics_.capture_failures.inc,
         ),
         recent=RecentTrajectories(config.recent_trajectories),
         state=state,

@@ -1,13 +1,17 @@
 """Trajectory capture: turn one proxied request into a trajectory record, off the response path.
 
-`TrajectoryCapture` collects what upstream sent (a whole response or stream chunks, before the
-client-facing stripping); `CaptureService.submit` builds, checks, redacts and hands the record
-to the sink in a background task, so the client's last byte never waits for it.
+`TrajectoryCapture` keeps the raw bytes upstream sent (a whole response or stream events,
+before the client-facing stripping) and parses them only when the record is built;
+`CaptureService.submit` has the record built, checked and redacted after the response, and
+handed to the sink. A sink that builds records in its own worker process (`put_capture`,
+KafkaSinkProcess) receives the capture itself, so none of that work runs on the proxy's
+event loop.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import math
 import time
 import uuid
@@ -17,7 +21,7 @@ from typing import Any
 
 import structlog
 
-from proxy.relay import Endpoint
+from proxy.relay import Endpoint, SSEParser, parse_json
 
 log = structlog.get_logger(__name__)
 
@@ -98,7 +102,11 @@ def _logprob_values(endpoint: Endpoint, logprobs: Any) -> list[float] | None:
 
 
 class TrajectoryCapture:
-    """Accumulates one request's upstream output; `build()` makes the trajectory record."""
+    """Accumulates one request's upstream output; `build()` makes the trajectory record.
+
+    The relay hands over raw bytes (`add_sse`, `add_raw_response`): appending them is all
+    the response path pays; they are parsed in `build()`. Picklable, so a sink can build the
+    record in another process."""
 
     def __init__(self, context: CaptureContext) -> None:
         self.context = context
@@ -106,6 +114,37 @@ class TrajectoryCapture:
         self.prompt_token_ids: list[int] | None = None
         self.usage: dict[str, Any] | None = None
         self.ttft_s: float | None = None
+        self.finished_at: float | None = None  # monotonic; set when the request ended
+        self.unparsable = 0  # raw events or responses that were not JSON objects
+        self._raw_sse: list[bytes] = []
+        self._raw_response: bytes | None = None
+
+    def add_sse(self, block: bytes) -> None:
+        """Whole upstream SSE events (`data: ...` lines, `[DONE]` included), parsed at build
+        time."""
+        self._raw_sse.append(block)
+
+    def add_raw_response(self, data: bytes) -> None:
+        """A whole (non-streamed) upstream response body, parsed at build time."""
+        self._raw_response = data
+
+    def _absorb_raw(self) -> None:
+        raw_response, raw_sse = self._raw_response, self._raw_sse
+        self._raw_response, self._raw_sse = None, []
+        raw_events = [event for event in SSEParser().feed(b"".join(raw_sse)) if event != b"[DONE]"]
+        for data, add in (
+            *(((raw_response, self.add_response),) if raw_response is not None else ()),
+            *((event, self.add_chunk) for event in raw_events),
+        ):
+            try:
+                parsed, _ = parse_json(data)
+            except ValueError:
+                self.unparsable += 1
+                continue
+            if isinstance(parsed, dict):
+                add(parsed)
+            else:
+                self.unparsable += 1
 
     def _choice(self, index: int) -> _Choice:
         if index not in self.choices:
@@ -242,9 +281,12 @@ class TrajectoryCapture:
 
     def check(self, status: str) -> list[str]:
         """Why this record must not be trained on (empty list = consistent)."""
+        self._absorb_raw()
         flags: list[str] = []
         if status != "ok":
             flags.append(status)
+        if self.unparsable:
+            flags.append("unparsable_upstream_data")
         prompt_ids, multiple_prompts = self._prompt_ids()
         if multiple_prompts:
             flags.append("multiple_prompts")
@@ -277,7 +319,7 @@ class TrajectoryCapture:
     def build(self, status: str) -> dict[str, Any]:
         """The trajectory record (docs/interfaces.md), before redaction."""
         ctx = self.context
-        flags = self.check(status)
+        flags = self.check(status)  # parses the raw data first
         prompt_ids, _ = self._prompt_ids()
         usage = self.usage or {}
         record: dict[str, Any] = {
@@ -305,7 +347,7 @@ class TrajectoryCapture:
             },
             "timings": {
                 "ttft_s": self.ttft_s,
-                "total_s": time.monotonic() - ctx.started,
+                "total_s": (self.finished_at or time.monotonic()) - ctx.started,
             },
             "status": status,
             "trainable": not flags,
@@ -348,23 +390,55 @@ def redact_record(record: dict[str, Any], redact: Redact) -> dict[str, Any]:
     return record
 
 
+def build_record(capture: TrajectoryCapture, status: str, redact: Redact | None) -> dict[str, Any]:
+    """The finished, checked and redacted trajectory record of one capture (runs in the proxy
+    or in a sink's worker process)."""
+    record = capture.build(status)
+    if redact is not None:
+        record = redact_record(record, redact)
+    return record
+
+
+# Called with (status, trainable, count) for built records and (count) for failed builds.
+OnOutcome = Callable[[str, bool, int], None]
+OnFailures = Callable[[int], None]
+
+
 class CaptureService:
-    """Runs record building in background tasks and hands records to the sink."""
+    """Has each finished capture built into a record and handed to the sink.
+
+    A sink with `build_records_with` (KafkaSinkProcess) takes the capture itself and builds
+    the record in its worker process; any other sink gets the record built here, in a loop
+    callback after the response."""
 
     def __init__(
         self,
         sink: Any,
         redact: Redact | None,
-        on_record: Callable[[dict[str, Any]], None] | None = None,
-        on_failure: Callable[[BaseException], None] | None = None,
+        on_outcome: OnOutcome | None = None,
+        on_failures: OnFailures | None = None,
     ) -> None:
         self.sink = sink
-        self.redact = redact
-        self.on_record = on_record
-        self.on_failure = on_failure
+        self.build = functools.partial(build_record, redact=redact)
+        self.on_outcome = on_outcome
+        self.on_failures = on_failures
         self.failures = 0
         self._scheduled = 0
         self._open: set[str] = set()
+        self._put_capture: Callable[[TrajectoryCapture, str], None] | None = None
+        delegate = getattr(sink, "build_records_with", None)
+        if callable(delegate):
+            delegate(self.build, self._outcome, self._failed)
+            self._put_capture = sink.put_capture
+
+    def _outcome(self, status: str, trainable: bool, count: int) -> None:
+        if self.on_outcome is not None:
+            self.on_outcome(status, trainable, count)
+
+    def _failed(self, count: int) -> None:
+        self.failures += count
+        if self.on_failures is not None:
+            self.on_failures(count)
 
     def open(self, capture: TrajectoryCapture) -> None:
         """Note a capture whose request is still running, so `drain()` waits for it too."""
@@ -374,11 +448,16 @@ class CaptureService:
         return capture.context.trajectory_id in self._open
 
     def submit(self, capture: TrajectoryCapture, status: str) -> None:
-        """Schedule the record; returns at once.
+        """Hand the capture on; returns at once.
 
-        A plain callback two loop iterations later (the response path finishes first), not a
+        A worker-building sink gets it now (an append). Otherwise the record is built in a
+        plain callback two loop iterations later (the response path finishes first), not a
         task: a task per request costs more than a third of the record's own building."""
         self._open.discard(capture.context.trajectory_id)
+        capture.finished_at = time.monotonic()
+        if self._put_capture is not None:
+            self._put_capture(capture, status)
+            return
         self._scheduled += 1
         loop = asyncio.get_running_loop()
         loop.call_soon(loop.call_soon, self._emit, capture, status)
@@ -391,19 +470,14 @@ class CaptureService:
 
     def _build_and_hand_over(self, capture: TrajectoryCapture, status: str) -> None:
         try:
-            record = capture.build(status)
-            if self.redact is not None:
-                record = redact_record(record, self.redact)
+            record = self.build(capture, status)
             self.sink.put_trajectory(record)
-        except Exception as exc:
+        except Exception:
             # Losing one record must not take the proxy down; it is logged and counted.
-            self.failures += 1
             log.exception("trajectory_capture_failed", trajectory_id=capture.context.trajectory_id)
-            if self.on_failure is not None:
-                self.on_failure(exc)
+            self._failed(1)
             return
-        if self.on_record is not None:
-            self.on_record(record)
+        self._outcome(record["status"], record["trainable"], 1)
 
     async def drain(self, timeout_s: float = 60.0) -> None:
         """Wait until every running request's record reached the sink (shutdown and tests)."""

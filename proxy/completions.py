@@ -31,8 +31,11 @@ from proxy.relay import (
     parse_json,
     plan_request,
     sse_event,
+    strip_bytes,
     strip_chunk,
     strip_response,
+    strip_sse,
+    usage_of,
 )
 from proxy.routing import UpstreamUnavailable
 from proxy.tenants import Tenant
@@ -89,6 +92,7 @@ class CompletionRelay:
         self.stream = False
         self.status = 500
         self.ttft_s: float | None = None
+        self.usage: dict[str, Any] | None = None  # a captured stream's usage chunk
 
     async def handle(self) -> web.StreamResponse:
         ctx = self.ctx
@@ -283,7 +287,14 @@ class CompletionRelay:
                 code="upstream_timeout" if timed_out else "upstream_error",
             ) from exc
         try:
-            payload, encode = parse_json(raw)
+            usage = usage_of(raw)
+            if capture is not None:
+                capture.add_raw_response(raw)
+                stripped = strip_bytes(plan, raw, whole=True)
+                if stripped is None:  # a shape the byte path cannot prove: parse it
+                    payload, encode = parse_json(raw)
+                    stripped = encode(strip_response(plan, payload))
+                raw = stripped
         except (json.JSONDecodeError, UnicodeDecodeError) as exc:
             if capture is not None:
                 self.ctx.capture.submit(capture, "error")
@@ -293,10 +304,7 @@ class CompletionRelay:
                 type_="api_error",
                 code="upstream_error",
             ) from exc
-        if capture is not None:
-            capture.add_response(payload)
-            raw = encode(strip_response(plan, payload))
-        self.ctx.metrics.count_tokens(payload.get("usage"), self.tenant_label, self.policy_version)
+        self.ctx.metrics.count_tokens(usage, self.tenant_label, self.policy_version)
         response = web.Response(
             status=200, body=raw, headers=headers, content_type="application/json"
         )
@@ -373,26 +381,53 @@ class CompletionRelay:
                 self.tenant_label,
             ).inc()
         if capture is not None:
-            self.ctx.metrics.count_tokens(capture.usage, self.tenant_label, self.policy_version)
+            self.ctx.metrics.count_tokens(self.usage, self.tenant_label, self.policy_version)
             self.ctx.capture.submit(capture, outcome)
         self._count_request()
 
     def _transform_events(
         self, parser: SSEParser, plan: RelayPlan, capture: TrajectoryCapture, data: bytes
     ) -> bytes:
+        """The client's bytes for one upstream read; the capture keeps the raw events.
+
+        The read's whole events are stripped as one block (`strip_sse`); a block the byte
+        path cannot prove goes event by event (`_strip_events`)."""
+        block = parser.complete(data)
+        if not block:
+            return b""
+        capture.add_sse(block)
+        fast = strip_sse(plan, block)
+        if fast is None:
+            return self._strip_events(plan, block)
+        stripped, usage = fast
+        if usage is not None:
+            self.usage = usage
+        return stripped
+
+    def _strip_events(self, plan: RelayPlan, block: bytes) -> bytes:
+        """Event by event: on the bytes where `strip_bytes` can prove the cut, else parsed
+        (raising ValueError when an event is not JSON)."""
         out = []
-        for event in parser.feed(data):
+        for event in SSEParser().feed(block):
             if event == b"[DONE]":
                 out.append(sse_event(event))
                 continue
+            stripped = strip_bytes(plan, event)
+            if stripped is not None:
+                out.append(sse_event(stripped))
+                continue
             chunk, encode = parse_json(event)
-            capture.add_chunk(chunk)  # takes copies: the chunk may be edited in place below
+            if not isinstance(chunk, dict):
+                raise ValueError("an upstream chunk is not a JSON object")
+            usage = chunk.get("usage")
+            if isinstance(usage, dict):
+                self.usage = usage
             if not plan.augmented:
                 out.append(sse_event(event))
                 continue
-            stripped = strip_chunk(plan, chunk, in_place=True)
-            if stripped is not None:
-                out.append(sse_event(encode(stripped)))
+            stripped_chunk = strip_chunk(plan, chunk, in_place=True)
+            if stripped_chunk is not None:
+                out.append(sse_event(encode(stripped_chunk)))
         return b"".join(out)
 
     def _watch_usage(self, parser: SSEParser, data: bytes) -> None:

@@ -13,6 +13,8 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+import msgspec
+
 Endpoint = Literal["chat.completions", "completions"]
 
 ENDPOINT_PATHS: dict[Endpoint, str] = {
@@ -149,6 +151,206 @@ def _is_empty_choice(plan: RelayPlan, choice: dict[str, Any]) -> bool:
     return not choice.get("text")
 
 
+# ---- byte-level stripping (the relay's hot path) ---------------------------------------------
+#
+# Parsing every chunk, editing it and encoding it again costs more than the whole relay of an
+# uncaptured request. vLLM's answers have a fixed shape, so the additions can be cut out of the
+# bytes instead: in JSON a `"` inside a string is always escaped, so `,"logprobs":{` and
+# `},"finish_reason":` can only be object keys, never text. Every cut is checked; whatever the
+# checks cannot prove (another field order, a chunk that may become empty, a usage chunk) goes
+# the parsing path (`strip_chunk` / `strip_response`), which handles any JSON. Hand-written
+# because no JSON library edits a document without decoding it.
+
+_LOGPROBS_KEY = b',"logprobs":{'
+_LOGPROBS_END = b'},"finish_reason":'
+_ID_KEYS = (b',"token_ids":[', b',"prompt_token_ids":[')
+_ID_CHARS = b"0123456789,"
+# Patterns that prove a stripped chunk still carries something the client sees.
+_FINISHED = b'"finish_reason":"'
+_TOOL_CALLS = b'"delta":{"tool_calls":[{'
+_TEXT_KEY: dict[Endpoint, bytes] = {
+    "chat.completions": b'"delta":{"content":"',
+    "completions": b'"text":"',
+}
+
+
+def _visible(endpoint: Endpoint, data: bytes) -> bool:
+    """True when some choice has a finish reason, text or a tool call (so `_is_empty_choice`
+    is False for it); False when that cannot be seen from the bytes."""
+    if _FINISHED in data:
+        return True
+    if endpoint == "chat.completions" and _TOOL_CALLS in data:
+        return True
+    key = _TEXT_KEY[endpoint]
+    at = data.find(key)
+    return at >= 0 and data[at + len(key) : at + len(key) + 1] not in (b'"', b"")
+
+
+def _cut_logprobs(data: bytes) -> bytes | None:
+    """Replace each choice's logprobs object with null; None when a cut is not provable."""
+    start = data.find(_LOGPROBS_KEY)
+    while start >= 0:
+        end = data.find(_LOGPROBS_END, start)
+        # A choice boundary (`"index":`) before the end means another field order.
+        if end < 0 or data.find(b'"index":', start, end) >= 0:
+            return None
+        data = data[:start] + b',"logprobs":null' + data[end + 1 :]
+        start = data.find(_LOGPROBS_KEY, start + 16)
+    return data
+
+
+def _cut_token_ids(data: bytes) -> bytes | None:
+    """Replace token-id arrays (completion and prompt) with null."""
+    for key in _ID_KEYS:
+        start = data.find(key)
+        while start >= 0:
+            body = start + len(key)
+            end = data.find(b"]", body)
+            if end < 0 or data[body:end].translate(None, _ID_CHARS):  # more than ids
+                return None
+            data = data[: body - 1] + b"null" + data[end + 1 :]
+            start = data.find(key, body)
+    return data
+
+
+def strip_bytes(plan: RelayPlan, data: bytes, whole: bool = False) -> bytes | None:
+    """`strip_chunk` / `strip_response` on the raw JSON, for the shapes vLLM sends; None when
+    the bytes cannot be stripped provably, and the caller parses instead. `whole`: a
+    non-streamed response (never dropped, no usage removal)."""
+    if not plan.augmented:
+        return data
+    if not whole and b'"usage":' in data:
+        return None  # a usage chunk may be dropped or edited: the parsing path decides
+    out: bytes | None = data
+    if plan.added_logprobs:
+        out = _cut_logprobs(out)
+    if out is not None and plan.added_token_ids:
+        out = _cut_token_ids(out)
+    if out is None or whole:
+        return out
+    # A stream chunk whose choices all became empty is dropped; only one provably visible
+    # keeps the fast path.
+    return out if _visible(plan.endpoint, out) else None
+
+
+# A block of whole SSE events (all of one upstream read) is stripped with a few passes of
+# C-level `find`/`split` over the block rather than a parse per event: each Python-level step
+# per event costs about as much as relaying the event. Same rules and proofs as
+# `strip_bytes`, checked for the block; any doubt and the block goes event by event.
+_CHOICE_START = b'{"index":'
+_USAGE_KEY = b'"usage":{'
+_DONE_LINE = b"data: [DONE]"
+_NO_CHOICES = b'"choices":[]'
+_EMPTY_TEXT: dict[Endpoint, bytes] = {
+    "chat.completions": b'"delta":{"content":""',
+    "completions": b'"text":""',
+}
+
+
+def _cut_block_logprobs(block: bytes) -> bytes | None:
+    parts, done = [], 0
+    start = block.find(_LOGPROBS_KEY)
+    while start >= 0:
+        end = block.find(_LOGPROBS_END, start)
+        # Within one event line and one choice, or not provable.
+        if (
+            end < 0
+            or block.find(b"\n", start, end) >= 0
+            or block.find(b'"index":', start, end) >= 0
+        ):
+            return None
+        parts += (block[done:start], b',"logprobs":null')
+        done = end + 1
+        start = block.find(_LOGPROBS_KEY, done)
+    parts.append(block[done:])
+    return b"".join(parts)
+
+
+def _cut_block_token_ids(block: bytes) -> bytes | None:
+    cuts = []
+    for key in _ID_KEYS:
+        start = block.find(key)
+        while start >= 0:
+            body = start + len(key)
+            end = block.find(b"]", body)
+            if end < 0 or block[body:end].translate(None, _ID_CHARS):
+                return None
+            cuts.append((body, end))
+            start = block.find(key, end)
+    if not cuts:
+        return block
+    out, done = [], 0
+    for body, end in sorted(cuts):
+        out += (block[done : body - 1], b"null")
+        done = end + 1
+    out.append(block[done:])
+    return b"".join(out)
+
+
+def _take_usage_events(plan: RelayPlan, block: bytes) -> tuple[bytes, dict[str, Any] | None] | None:
+    """The usage object of the block's usage chunk(s); those chunks removed when the proxy
+    asked for usage on its own. None when a usage chunk also carries choices."""
+    usage: dict[str, Any] | None = None
+    parts, done = [], 0
+    at = block.find(_USAGE_KEY)
+    while at >= 0:
+        start = block.rfind(b"\n", 0, at) + 1  # the event's `data: ` line
+        end = block.find(b"\n\n", at)
+        chunk, _ = parse_json(block[start + 6 : end])
+        if not isinstance(chunk, dict) or (plan.added_usage and chunk.get("choices")):
+            return None
+        if isinstance(chunk.get("usage"), dict):
+            usage = chunk["usage"]
+        if plan.added_usage:
+            parts.append(block[done:start])
+            done = end + 2
+        at = block.find(_USAGE_KEY, end)
+    parts.append(block[done:])
+    return b"".join(parts), usage
+
+
+def strip_sse(plan: RelayPlan, block: bytes) -> tuple[bytes, dict[str, Any] | None] | None:
+    """Strip a block of whole `data: <json>` events; returns the client's bytes and the usage
+    object of a usage chunk in it, or None when the block must go event by event."""
+    if b"\r" in block or block.count(b"\n") != 2 * block.count(b"\n\n"):
+        return None  # not one-line events
+    usage: dict[str, Any] | None = None
+    if _USAGE_KEY in block:
+        taken = _take_usage_events(plan, block)
+        if taken is None:
+            return None
+        block, usage = taken
+    if not plan.augmented:
+        return block, usage
+    if plan.added_logprobs and _LOGPROBS_KEY in block:
+        cut = _cut_block_logprobs(block)
+        if cut is None:
+            return None
+        block = cut
+    if plan.added_token_ids and b'token_ids":[' in block:
+        cut = _cut_block_token_ids(block)
+        if cut is None or b'token_ids":[' in cut:
+            return None
+        block = cut
+    # Every event must keep a choice the client sees (see `_is_empty_choice`), unless it has
+    # no choices at all (kept as it is), like [DONE].
+    text_key, empty_text = _TEXT_KEY[plan.endpoint], _EMPTY_TEXT[plan.endpoint]
+    chat = plan.endpoint == "chat.completions"
+    for line in block.split(b"\n\n")[:-1]:
+        if not line.startswith(b"data: "):
+            return None
+        if (
+            _FINISHED in line
+            or (text_key in line and empty_text not in line)
+            or line == _DONE_LINE
+            or _NO_CHOICES in line
+            or (chat and (_TOOL_CALLS in line or b'"delta":{"role":"' in line))
+        ):
+            continue
+        return None  # an event may have become empty: the parsing path decides
+    return block, usage
+
+
 class SSEParser:
     """Splits an SSE byte stream into events' `data:` payloads (bytes), across chunk borders."""
 
@@ -171,6 +373,19 @@ class SSEParser:
             if lines:
                 yield b"\n".join(lines)
 
+    def complete(self, data: bytes) -> bytes:
+        """Everything up to the last event border (whole events, `\\n` framing); keeps the
+        rest for the next call."""
+        buffer = self._buffer + data if self._buffer else data
+        if b"\r" in buffer:
+            buffer = buffer.replace(b"\r\n", b"\n")
+        end = buffer.rfind(b"\n\n") + 2
+        if end < 2:
+            self._buffer = buffer
+            return b""
+        self._buffer = buffer[end:]
+        return buffer[:end]
+
     def rest(self) -> bytes:
         return self._buffer
 
@@ -184,20 +399,35 @@ def dumps(obj: Any) -> bytes:
     return json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode("utf-8")
 
 
-try:  # msgspec comes with vLLM; without it the standard library does the same, slower
-    import msgspec
+_fast_decode = msgspec.json.Decoder().decode
+_fast_encode = msgspec.json.Encoder().encode
+_FastDecodeError: type[Exception] = msgspec.DecodeError
 
-    _fast_decode = msgspec.json.Decoder().decode
-    _fast_encode = msgspec.json.Encoder().encode
-    _FastDecodeError: type[Exception] = msgspec.DecodeError
-except ImportError:  # pragma: no cover - every supported install has msgspec
-    _fast_decode, _fast_encode, _FastDecodeError = json.loads, dumps, json.JSONDecodeError
+
+class _UsageOnly(msgspec.Struct):
+    usage: dict[str, Any] | None = None
+
+
+_decode_usage = msgspec.json.Decoder(_UsageOnly).decode
+
+
+def usage_of(data: bytes) -> dict[str, Any] | None:
+    """The `usage` object of a whole upstream response, without building the rest of it.
+    Raises ValueError when the data is not JSON (like `parse_json`)."""
+    try:
+        return _decode_usage(data).usage
+    except msgspec.ValidationError:
+        payload, _ = parse_json(data)  # valid JSON of another shape
+    except msgspec.DecodeError:
+        payload = json.loads(data)  # NaN and what only `json` reads, or a ValueError
+    usage = payload.get("usage") if isinstance(payload, dict) else None
+    return usage if isinstance(usage, dict) else None
 
 
 def parse_json(data: bytes) -> tuple[Any, Callable[[Any], bytes]]:
     """Parse upstream JSON; return it and the encoder that writes it back faithfully.
 
-    The fast decoder (msgspec, ~4x faster than `json`) rejects what only Python's `json`
+    msgspec (~4x faster than `json`) rejects what only Python's `json`
     accepts (NaN/Infinity literals, lone surrogates, numbers out of float range); such input
     is parsed and re-encoded by `json` so non-finite values round-trip as they came. Raises
     ValueError (json.JSONDecodeError / UnicodeDecodeError) when the data is not JSON.

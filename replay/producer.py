@@ -18,6 +18,7 @@ import queue
 import socket
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -424,6 +425,7 @@ class KafkaSink:
 # ---- the same sink in a child process ------------------------------------------------------
 
 _STATUS_INTERVAL_S = 0.05
+_METRICS_INTERVAL_S = 1.0  # the child's metric values ride on a status message this often
 _FEED_INTERVAL_S = 0.02
 _CHILD_NICE = 10
 _CHILD_START_TIMEOUT_S = 60.0
@@ -442,6 +444,41 @@ def _metric_values(metrics: ProducerMetrics) -> dict[str, dict[tuple[str, ...], 
                 series[tuple(sample.labels.values())] = sample.value
         out[name] = series
     return out
+
+
+# Outbox kinds besides the record kinds: the producer's capture-to-record function, and a
+# capture the worker turns into a trajectory record with it.
+_BUILDER = "builder"
+_CAPTURE = "capture"
+_SKIP = "skip"  # a placeholder the worker counts as done (keeps the parent's count aligned)
+
+
+class _CaptureBuilder:
+    """Turns captures into records with the function the producer sent, counting outcomes
+    (cumulative, as the parent mirrors them)."""
+
+    def __init__(self) -> None:
+        self.build_record: Callable[..., dict[str, Any]] | None = None
+        self.outcomes: dict[tuple[str, bool], int] = {}
+        self.failures = 0
+
+    def build(self, capture_and_status: tuple[Any, str]) -> dict[str, Any] | None:
+        try:
+            if self.build_record is None:
+                raise RuntimeError("a capture arrived before the record builder")
+            record = self.build_record(*capture_and_status)
+        except Exception:
+            # One bad capture must not stop the worker; it is logged and counted (the
+            # proxy's olp_proxy_capture_failures_total).
+            log.exception("trajectory_build_failed")
+            self.failures += 1
+            return None
+        key = (str(record.get("status")), bool(record.get("trainable")))
+        self.outcomes[key] = self.outcomes.get(key, 0) + 1
+        return record
+
+    def totals(self) -> tuple[dict[tuple[str, bool], int], int]:
+        return dict(self.outcomes), self.failures
 
 
 def _child_main(config_json: str, state_dir: str, conn: Any) -> None:
@@ -464,14 +501,26 @@ def _child_main(config_json: str, state_dir: str, conn: Any) -> None:
     config = StreamConfig.model_validate_json(config_json)
     sink = KafkaSink(config, Path(state_dir))
     received = 0
+    builder = _CaptureBuilder()
     send_lock = threading.Lock()
     stop = threading.Event()
+    metrics_sent_at = 0.0
+    idle_values_sent = False
 
     def status(final: bool = False) -> None:
+        # Progress goes out every _STATUS_INTERVAL_S; the metric values, whose collection
+        # and mirroring cost the parent's interpreter time, once a second while busy and
+        # once on becoming idle (so a caller that waited for idle reads final values).
+        nonlocal metrics_sent_at, idle_values_sent
         got = received  # read before unfinished_tasks: `done` may only be underestimated
         pending = sink._queue.unfinished_tasks
         idle = pending == 0 and sink.spill.is_empty()
-        message = ("status", got - pending, idle, _metric_values(sink.metrics), final)
+        values = None
+        now = time.monotonic()
+        if final or (idle and not idle_values_sent) or now - metrics_sent_at >= _METRICS_INTERVAL_S:
+            values, metrics_sent_at = _metric_values(sink.metrics), now
+        idle_values_sent = idle and (values is not None or idle_values_sent)
+        message = ("status", got - pending, idle, values, final, builder.totals())
         with send_lock:
             conn.send(message)
 
@@ -493,11 +542,19 @@ def _child_main(config_json: str, state_dir: str, conn: Any) -> None:
             if message == b"close":
                 break
             for kind, record in pickle.loads(message):
-                if kind == RecordKind.TRAJECTORY.value:
+                if kind == _CAPTURE:
+                    built = builder.build(record)
+                    if built is not None:
+                        sink.put_trajectory(built)
+                elif kind == _BUILDER:
+                    builder.build_record = record
+                elif kind == _SKIP:
+                    pass
+                elif kind == RecordKind.TRAJECTORY.value:
                     sink.put_trajectory(record)
                 else:
                     sink.put_feedback(record)
-                received += 1
+                received += 1  # a failed build or the builder itself counts as done at once
     finally:
         sink.close()
         stop.set()
@@ -516,6 +573,10 @@ class KafkaSinkProcess:
     the parent spills the unconfirmed records itself (validated and encoded as the child would)
     and starts a new child, which drains the spill; a record may then be delivered twice,
     consumers de-duplicate by event_id. `metrics` mirrors the child's series.
+
+    With `build_records_with`, the proxy hands over raw captures (`put_capture`) and the
+    child builds, checks and redacts each trajectory record before it goes anywhere (the
+    parent does the same for captures it has to spill itself).
     """
 
     def __init__(
@@ -544,6 +605,10 @@ class KafkaSinkProcess:
         self._progress_at = time.monotonic()  # the last status message from the child
         self._proc: Any = None
         self._conn: Any = None
+        self._build_record: Callable[..., dict[str, Any]] | None = None
+        self._on_outcome: Callable[[str, bool, int], None] | None = None
+        self._on_failures: Callable[[int], None] | None = None
+        self._outcomes_seen: tuple[dict[tuple[str, bool], int], int] = ({}, 0)
         self._start_child()
         self._thread = threading.Thread(target=self._run, name="olp-sink-feeder", daemon=True)
         self._thread.start()
@@ -556,7 +621,27 @@ class KafkaSinkProcess:
     def put_feedback(self, event: dict[str, Any]) -> None:
         self._put(RecordKind.FEEDBACK.value, event)
 
-    def _put(self, kind: str, record: dict[str, Any]) -> None:
+    def build_records_with(
+        self,
+        build_record: Callable[..., dict[str, Any]],
+        on_outcome: Callable[[str, bool, int], None] | None = None,
+        on_failures: Callable[[int], None] | None = None,
+    ) -> None:
+        """Accept captures: `build_record(capture, status)` (picklable) makes the record in
+        the worker; the callbacks get the worker's counts of built records by (status,
+        trainable) and of failed builds."""
+        self._build_record = build_record
+        self._on_outcome, self._on_failures = on_outcome, on_failures
+        self._outbox.appendleft((_BUILDER, build_record))
+        self._wake.set()
+
+    def put_capture(self, capture: Any, status: str) -> None:
+        """A finished request's capture, built into a trajectory record by the worker."""
+        if self._build_record is None:
+            raise RuntimeError("put_capture needs build_records_with first")
+        self._put(_CAPTURE, (capture, status))
+
+    def _put(self, kind: str, record: Any) -> None:
         if self._closed:
             with self._lock:
                 if self._feeder_done:
@@ -603,6 +688,9 @@ class KafkaSinkProcess:
         self._progress_at = time.monotonic()
         self._proc, self._conn = proc, parent_conn
         self._seen = {}
+        self._outcomes_seen = ({}, 0)
+        if self._build_record is not None:  # a restarted worker needs the builder again
+            self._outbox.appendleft((_BUILDER, self._build_record))
 
     def _run(self) -> None:
         import pickle
@@ -634,17 +722,27 @@ class KafkaSinkProcess:
             self._outbox.clear()
             self._feeder_done = True
 
-    @staticmethod
-    def _pickle(pickle: Any, batch: list[tuple[str, Any]]) -> bytes:
+    def _pickle(self, pickle: Any, batch: list[tuple[str, Any]]) -> bytes:
         try:
             return pickle.dumps(batch, protocol=pickle.HIGHEST_PROTOCOL)
         except Exception:
-            # A record that does not pickle is not JSON either: the child sends it to the DLQ.
+            # A capture that does not pickle is built here; a record that does not pickle is
+            # not JSON either: the child sends it to the DLQ.
             safe = []
             for kind, record in batch:
                 try:
                     pickle.dumps(record)
                 except Exception:
+                    if kind == _CAPTURE:
+                        built = self._built_here([(kind, record)])
+                        if not built:  # counted as a failed build; the child counts it done
+                            safe.append((_SKIP, None))
+                            continue
+                        kind, record = built[0]
+                        with contextlib.suppress(Exception):
+                            pickle.dumps(record)
+                            safe.append((kind, record))
+                            continue
                     record = repr(record)[:65536]
                 safe.append((kind, record))
             return pickle.dumps(safe, protocol=pickle.HIGHEST_PROTOCOL)
@@ -653,12 +751,14 @@ class KafkaSinkProcess:
         """Apply the child's status messages; True once its final one arrived."""
         final = False
         while self._conn.poll(block_s):
-            _, done, idle, values, final = self._conn.recv()
+            _, done, idle, values, final, outcomes = self._conn.recv()
+            self._mirror_outcomes(outcomes)
             self._progress_at = time.monotonic()
             for _ in range(min(done - self._confirmed, len(self._pending))):
                 self._pending.popleft()
             self._confirmed = max(self._confirmed, done)
-            self._mirror(values)
+            if values is not None:
+                self._mirror(values)
             self._idle = idle and not self._pending and not self._outbox
             block_s = 0.0
             if final:
@@ -666,6 +766,19 @@ class KafkaSinkProcess:
         if not self._proc.is_alive() and not self._conn.poll(0):
             raise EOFError("the sink process exited")
         return final
+
+    def _mirror_outcomes(self, totals: tuple[dict[tuple[str, bool], int], int]) -> None:
+        """Pass the worker's new built/failed counts to the callbacks."""
+        outcomes, failures = totals
+        seen_outcomes, seen_failures = self._outcomes_seen
+        if self._on_outcome is not None:
+            for (status, trainable), count in outcomes.items():
+                new = count - seen_outcomes.get((status, trainable), 0)
+                if new > 0:
+                    self._on_outcome(status, trainable, new)
+        if self._on_failures is not None and failures > seen_failures:
+            self._on_failures(failures - seen_failures)
+        self._outcomes_seen = (outcomes, failures)
 
     def _mirror(self, values: dict[str, dict[tuple[str, ...], float]]) -> None:
         for name, series in values.items():
@@ -706,6 +819,7 @@ class KafkaSinkProcess:
 
     def _spill_here(self, records: list[tuple[str, Any]]) -> None:
         """Validate, encode and spill in this process (only while no child runs)."""
+        records = self._built_here(records)
         if not records:
             return
         with self._lock:
@@ -731,6 +845,29 @@ class KafkaSinkProcess:
                     kind = "feedback"
                 self.metrics.spilled.labels(kind).inc()
             self.metrics.spill_bytes.set(spill.total_bytes())
+
+    def _built_here(self, records: list[tuple[str, Any]]) -> list[tuple[str, Any]]:
+        """Captures the worker did not confirm, built into records here (the builder item
+        is dropped); the rest as they are."""
+        out: list[tuple[str, Any]] = []
+        builder = _CaptureBuilder()
+        builder.build_record = self._build_record
+        for kind, record in records:
+            if kind in (_BUILDER, _SKIP):
+                continue
+            if kind == _CAPTURE:
+                record = builder.build(record)
+                if record is None:
+                    continue
+                kind = RecordKind.TRAJECTORY.value
+            out.append((kind, record))
+        outcomes, failures = builder.totals()
+        for (status, trainable), count in outcomes.items():
+            if self._on_outcome is not None:
+                self._on_outcome(status, trainable, count)
+        if failures and self._on_failures is not None:
+            self._on_failures(failures)
+        return out
 
     def _close_child(self) -> None:
         if self._proc is None:

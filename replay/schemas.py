@@ -11,6 +11,7 @@ from functools import cache
 from importlib import resources
 from typing import Any
 
+import fastjsonschema
 from jsonschema import Draft202012Validator
 from jsonschema.exceptions import best_match
 
@@ -67,6 +68,19 @@ def _validator(kind: RecordKind, version: int) -> Draft202012Validator:
     return Draft202012Validator(_inline_refs(schema, schema.get("$defs", {})))
 
 
+@cache
+def _fast_check(kind: RecordKind, version: int) -> Callable[[Any], Any]:
+    """The same schema compiled to Python code by fastjsonschema (~20x faster than jsonschema
+    on a trajectory record). It only answers "valid"; for anything else jsonschema, the
+    reference implementation, decides and names the field. The schema's keywords (type,
+    properties, required, items, enum, const, pattern, anyOf, oneOf, if/then, min/max) mean
+    the same in the draft fastjsonschema implements, so its "valid" is jsonschema's."""
+    schema = load_schema(kind, version)
+    inlined = _inline_refs(schema, schema.get("$defs", {}))
+    definition = {k: v for k, v in inlined.items() if k != "$schema"}
+    return fastjsonschema.compile(definition, use_default=False)  # never edits the record
+
+
 def _field_path(path: Any) -> str:
     parts: list[str] = []
     for item in path:
@@ -89,6 +103,11 @@ def validate_record(kind: RecordKind | str, record: Any) -> None:
         )
     if kind is RecordKind.TRAJECTORY:
         record = _check_bulk_arrays(record)
+    try:
+        _fast_check(kind, SCHEMA_VERSION)(record)
+        return
+    except fastjsonschema.JsonSchemaException:
+        pass  # jsonschema decides, and names the field
     validator = _validator(kind, SCHEMA_VERSION)
     if validator.is_valid(record):
         return

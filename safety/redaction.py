@@ -13,7 +13,11 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+import msgspec
+
 from safety.config import BUILTIN_REDACTION_KINDS, CustomPattern, RedactionConfig
+
+_encode_json = msgspec.json.Encoder().encode
 
 RedactionCounts = dict[str, int]
 
@@ -54,12 +58,16 @@ class _Kind:
     validate: Callable[[str], bool] | None = None
     # The pattern is only run when one of these substrings occurs (cheap `in` checks).
     needles: tuple[str, ...] = ()
+    # ...or, instead of substrings, where this regex matches (a necessary condition).
+    needle_regex: str | None = None
 
 
 # Passes run in this order, each on the output of the previous one, so the more specific
 # formats claim a span before the generic ones (anthropic before openai, jwt before bearer,
 # credit cards before phone numbers); a `[REDACTED:...]` marker matches no later pattern.
-_DIGITS = tuple("0123456789")
+# Card and phone numbers that pass their validators hold at least 8 digits, written with
+# only digits, spaces, dots, dashes, parentheses and `+` between the first and last digit.
+_DIGIT_RUN = r"\d[\d .()+-]{6,}\d"
 _BUILTIN: dict[str, _Kind] = {
     k.name: k
     for k in (
@@ -108,18 +116,35 @@ _BUILTIN: dict[str, _Kind] = {
             "credit_card",
             r"(?<![\d.])\d(?:[ -]?\d){12,18}(?!\d|\.\d)",
             _credit_card_ok,
-            needles=_DIGITS,
+            needle_regex=_DIGIT_RUN,
         ),
         _Kind(
             "phone",
             r"(?<![\w+.])(?:\+\d{1,3}[ .-]?(?:\(\d{1,4}\)[ .-]?)?\d{1,4}(?:[ .-]?\d{2,4}){1,4}"
             r"|\(\d{3}\)[ .-]?\d{3}[ .-]\d{4}|\d{3}[.-]\d{3}[.-]\d{4})(?!\w|\.\d)",
             _phone_ok,
-            needles=_DIGITS,
+            needle_regex=_DIGIT_RUN,
         ),
     )
 }
 assert tuple(_BUILTIN) == BUILTIN_REDACTION_KINDS
+
+
+def _needle_source(kind: _Kind) -> str | None:
+    if kind.needle_regex is not None:
+        return kind.needle_regex
+    if not kind.needles:
+        return None
+    return "|".join(re.escape(n) for n in dict.fromkeys(kind.needles))
+
+
+def _needle_regex(kinds: list[_Kind]) -> re.Pattern[str] | None:
+    """A pattern that finds any needle of these kinds; None when one of them has none (it
+    must always run)."""
+    sources = [_needle_source(kind) for kind in kinds]
+    if not sources or any(source is None for source in sources):
+        return None
+    return re.compile("|".join(dict.fromkeys(s for s in sources if s is not None)))
 
 
 def replacement_for(kind: str) -> str:
@@ -144,7 +169,11 @@ class Redactor:
         selected = [_Kind(p.name, p.regex) for p in custom_patterns]
         selected += [kind for name, kind in _BUILTIN.items() if name in kinds]
         self.kinds: tuple[str, ...] = tuple(k.name for k in selected)
-        self._passes = [(kind, re.compile(kind.regex)) for kind in selected]
+        # One search per string decides whether any pass can match at all: most strings in
+        # a trajectory hold none of the needles, and a regex search is far cheaper than a
+        # Python loop over every kind's needles.
+        self._passes = [(kind, re.compile(kind.regex), _needle_regex([kind])) for kind in selected]
+        self._any_needle = _needle_regex(selected)
 
     @classmethod
     def from_config(cls, config: RedactionConfig) -> Redactor:
@@ -154,9 +183,11 @@ class Redactor:
         """Return the redacted text and how many matches of each kind were replaced."""
         if not self.enabled or len(text) < 6:
             return text, {}
+        if self._any_needle is not None and self._any_needle.search(text) is None:
+            return text, {}
         counts: dict[str, int] = {}
-        for kind, pattern in self._passes:
-            if kind.needles and not any(needle in text for needle in kind.needles):
+        for kind, pattern, needle in self._passes:
+            if needle is not None and needle.search(text) is None:
                 continue
             text = pattern.sub(self._replacer(kind, counts), text)
         return text, counts
@@ -173,19 +204,39 @@ class Redactor:
         return replace
 
     def redact_obj(self, obj: Any) -> tuple[Any, RedactionCounts]:
-        """Deep-copy a JSON-like structure with every string value redacted (keys are kept)."""
+        """A copy of a JSON-like structure with every string value redacted (keys are kept).
+
+        When no needle occurs anywhere in the structure's JSON text (the usual case), nothing
+        can be redacted and `obj` itself is returned: callers must not modify the result.
+        JSON writes every needle character as itself, so the one search over the encoded
+        text is a necessary condition for any string inside to need redaction."""
+        if not self.enabled:
+            return obj, {}
+        if self._any_needle is not None:
+            try:
+                text = _encode_json(obj).decode("utf-8")
+            except (TypeError, ValueError, OverflowError):
+                text = None  # not plain JSON (e.g. a tuple key): walk it
+            if text is not None and self._any_needle.search(text) is None:
+                return obj, {}
         counts: Counter[str] = Counter()
         result = self._walk(obj, counts)
         return result, dict(counts)
 
     def _walk(self, obj: Any, counts: Counter[str]) -> Any:
-        if isinstance(obj, str):
+        # Exact-type checks first: this runs on every captured record, and JSON gives
+        # plain str/dict/list; subclasses and tuples take the general path below.
+        kind = type(obj)
+        if kind is str or isinstance(obj, str):
+            if len(obj) < 6:
+                return obj
             text, found = self.redact_text(obj)
-            counts.update(found)
+            if found:
+                counts.update(found)
             return text
-        if isinstance(obj, Mapping):
+        if kind is dict or isinstance(obj, Mapping):
             return {key: self._walk(value, counts) for key, value in obj.items()}
-        if isinstance(obj, list | tuple):
+        if kind is list or isinstance(obj, list | tuple):
             if (
                 obj
                 and not isinstance(obj[0], str | Mapping | list | tuple)

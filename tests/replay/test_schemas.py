@@ -96,3 +96,57 @@ def test_event_ids_are_unique_hex() -> None:
     ids = {new_event_id() for _ in range(1000)}
     assert len(ids) == 1000
     assert all(len(i) == 32 and int(i, 16) >= 0 for i in ids)
+
+
+def _mutations(record: dict) -> list[dict]:
+    """Every top-level and choice field replaced by values of other JSON types, plus
+    removals and an unknown field: the cases where two validators could disagree."""
+    odd_values = [None, True, 1, 1.0, -1, "x", "", [], {}, [1, "a"], {"a": 1}]
+    out = []
+    for key in record:
+        for value in odd_values:
+            out.append({**record, key: value})
+        out.append({k: v for k, v in record.items() if k != key})
+    choice = record["choices"][0]
+    for key in choice:
+        for value in odd_values:
+            out.append({**record, "choices": [{**choice, key: value}]})
+    out.append({**record, "unexpected": 1})
+    return out
+
+
+def test_the_fast_validator_never_passes_what_jsonschema_rejects() -> None:
+    """validate_record trusts fastjsonschema's "valid" and asks jsonschema otherwise: the
+    fast check must never accept a record the reference validator rejects."""
+    from replay.schemas import RecordKind, _fast_check, _validator
+
+    record = make_trajectory()
+    trajectory_fast = _fast_check(RecordKind.TRAJECTORY, 1)
+    reference = _validator(RecordKind.TRAJECTORY, 1)
+    accepted = rejected = 0
+    for candidate in _mutations(record):
+        try:
+            trajectory_fast(copy.deepcopy(candidate))
+        except Exception:
+            rejected += 1
+            continue
+        accepted += 1
+        assert reference.is_valid(candidate), candidate
+    assert accepted > 10 and rejected > 100  # both verdicts were exercised
+    feedback = make_feedback(record, kind="score", value=0.5)
+    feedback_fast = _fast_check(RecordKind.FEEDBACK, 1)
+    for key in feedback:
+        for value in (None, True, 1, "x", [], {}):
+            candidate = {**feedback, key: value}
+            try:
+                feedback_fast(copy.deepcopy(candidate))
+            except Exception:
+                continue
+            assert _validator(RecordKind.FEEDBACK, 1).is_valid(candidate), candidate
+
+
+def test_validation_leaves_the_record_unchanged() -> None:
+    record = make_trajectory()
+    before = copy.deepcopy(record)
+    validate_trajectory(record)
+    assert record == before

@@ -3,10 +3,14 @@ or the child dies, and mirrors the child's metrics."""
 
 from __future__ import annotations
 
+import collections
 import os
 import signal
+import threading
 import time
+import uuid
 from pathlib import Path
+from typing import Any
 
 from prometheus_client import CollectorRegistry
 
@@ -111,3 +115,56 @@ def test_a_hung_sink_process_is_killed_and_nothing_is_lost(
     finally:
         sink.close()
     assert _consume_ids(config, 60) == {r["trajectory_id"] for r in records}
+
+
+def build_from_capture(capture: dict[str, Any], status: str) -> dict[str, Any]:
+    """A picklable record builder, as the proxy passes `proxy.capture.build_record`."""
+    if capture.get("broken"):
+        raise ValueError("this capture cannot be built")
+    record = make_trajectory(session_id=capture["session"], trajectory_id=capture["id"])
+    record["status"] = status
+    return record
+
+
+def test_process_sink_builds_records_from_captures_and_counts_them(
+    stream_config: StreamConfig, tmp_path: Path
+) -> None:
+    """Captures are built in the worker, a failed build is counted, and a killed worker's
+    unconfirmed captures are built and spilled by the parent; a new worker gets the builder."""
+    sink = KafkaSinkProcess(stream_config, tmp_path, CollectorRegistry())
+    outcomes: collections.Counter[tuple[str, bool]] = collections.Counter()
+    failures: list[int] = []
+    lock = threading.Lock()
+
+    def on_outcome(status: str, trainable: bool, count: int) -> None:
+        with lock:
+            outcomes[(status, trainable)] += count
+
+    sink.build_records_with(build_from_capture, on_outcome, failures.append)
+
+    def captures(n: int, session: str) -> list[dict[str, Any]]:
+        return [{"id": uuid.uuid4().hex, "session": session} for _ in range(n)]
+
+    first, second, third = captures(30, "c1"), captures(20, "c2"), captures(10, "c3")
+    try:
+        for capture in first:
+            sink.put_capture(capture, "ok")
+        sink.put_capture({"broken": True}, "ok")
+        assert sink.wait_idle(60)
+        _wait_for(lambda: outcomes[("ok", True)] == 30 and sum(failures) == 1)
+        os.kill(sink._proc.pid, signal.SIGSTOP)
+        for capture in second:
+            sink.put_capture(capture, "aborted")
+        _wait_for(lambda: len(sink._pending) == 20)
+        os.kill(sink._proc.pid, signal.SIGKILL)
+        _wait_for(lambda: sink.child_restarts == 1)
+        assert outcomes[("aborted", True)] == 20  # built by the parent, then spilled
+        for capture in third:
+            sink.put_capture(capture, "ok")
+        assert sink.wait_idle(60)
+        _wait_for(lambda: outcomes[("ok", True)] == 40)
+    finally:
+        sink.close()
+    assert sum(failures) == 1
+    expected = {c["id"] for c in first + second + third}
+    assert _consume_ids(stream_config, 60) == expected

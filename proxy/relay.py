@@ -241,6 +241,7 @@ _CHOICE_START = b'{"index":'
 _USAGE_KEY = b'"usage":{'
 _DONE_LINE = b"data: [DONE]"
 _NO_CHOICES = b'"choices":[]'
+_ROLE, _EMPTY_ROLE = b'"delta":{"role":"', b'"delta":{"role":""'
 _EMPTY_TEXT: dict[Endpoint, bytes] = {
     "chat.completions": b'"delta":{"content":""',
     "completions": b'"text":""',
@@ -296,7 +297,12 @@ def _take_usage_events(plan: RelayPlan, block: bytes) -> tuple[bytes, dict[str, 
     while at >= 0:
         start = block.rfind(b"\n", 0, at) + 1  # the event's `data: ` line
         end = block.find(b"\n\n", at)
-        chunk, _ = parse_json(block[start + 6 : end])
+        if not block.startswith(b"data: ", start):
+            return None
+        try:
+            chunk, _ = parse_json(block[start + 6 : end])
+        except ValueError:
+            return None  # the event-by-event path reports it
         if not isinstance(chunk, dict) or (plan.added_usage and chunk.get("choices")):
             return None
         if isinstance(chunk.get("usage"), dict):
@@ -344,7 +350,7 @@ def strip_sse(plan: RelayPlan, block: bytes) -> tuple[bytes, dict[str, Any] | No
             or (text_key in line and empty_text not in line)
             or line == _DONE_LINE
             or _NO_CHOICES in line
-            or (chat and (_TOOL_CALLS in line or b'"delta":{"role":"' in line))
+            or (chat and (_TOOL_CALLS in line or (_ROLE in line and _EMPTY_ROLE not in line)))
         ):
             continue
         return None  # an event may have become empty: the parsing path decides

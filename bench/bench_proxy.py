@@ -4,18 +4,21 @@ Against a fast local OpenAI-shaped fake upstream (aiohttp, this file), the same 
   direct        client → fake upstream
   passthrough   client → thinnest aiohttp relay (bytes in, bytes out) → fake upstream
   olp-off       client → olp proxy, tenant without training (byte relay + auth/limits/metrics)
-  olp-on        client → olp proxy, tenant with training (capture, checks, redaction, and
-                the KafkaSink in a child process: KafkaSinkProcess)
-  olp-on-thread the same with the KafkaSink in a thread of the proxy process
-  olp-on-nosink the same capture handing records to a sink that drops them
+  olp-on        client → olp proxy, tenant with training (capture: raw bytes kept, additions
+                stripped on the bytes; the KafkaSinkProcess worker builds, checks, redacts
+                and sends the records)
+  olp-on-thread the records built in the proxy and sent by a KafkaSink thread in it
+  olp-on-nosink the same capture handed to a sink that drops the captures
   olp-on-down, olp-on-thread-down
                 olp-on / olp-on-thread with the broker down: every record spills to disk
   litellm       client → LiteLLM proxy, one worker (installed in a separate venv; optional)
 at concurrency 1 and 16, streamed and not. Prints p50/p99 latency, requests/s and the
 relay's CPU ms per request (from /proc: the relay process alone, and with its child
-processes), and writes docs/perf/proxy.md.
+processes); then measures capture CPU (olp-off, olp-on, olp-on-nosink) in alternating rounds
+and writes docs/perf/proxy.md.
 
-    python bench/bench_proxy.py [--requests 400] [--litellm PATH_TO_LITELLM_BIN] [--out FILE]
+    python bench/bench_proxy.py [--requests 400] [--cpu-rounds 5] [--cpu-requests 300]
+                                [--litellm PATH_TO_LITELLM_BIN] [--out FILE]
 
 Each component runs in its own process (`python bench/bench_proxy.py serve-<kind> ...`).
 """
@@ -698,21 +701,24 @@ def render(
         "## Proxy overhead (bench/bench_proxy.py)",
         "",
         f"Fake OpenAI-shaped upstream answering {STREAM_TOKENS} tokens at once (aiohttp, own "
-        f"process); {requests} requests per row after 20 warm-up requests; client, relay and "
-        "upstream share the machine's 2 cores, so absolute figures include contention. "
-        "`added` = p50 minus the direct p50 of the same row group. `CPU proxy` = the relay "
-        "process's own CPU time per request (its threads' /proc schedstat, ns resolution); "
-        "`CPU total` adds its child processes (olp-on's KafkaSinkProcess child that "
-        "validates, encodes and sends the records).",
+        "process; each answer shape is serialised once and replayed, so it answers as fast "
+        f"with the extras olp asks for as without); {requests} requests per row after 20 "
+        "warm-up requests; client, relay and upstream share the machine's 2 cores, so "
+        "absolute figures include contention. `added` = p50 minus the direct p50 of the "
+        "same row group. `CPU proxy` = the relay process's own CPU time per request (its "
+        "threads' /proc schedstat, ns resolution); `CPU total` adds its child processes "
+        "(olp's KafkaSinkProcess worker, which builds, checks, redacts, validates, encodes "
+        "and sends the records).",
         "",
-        "- olp-on: capture, checks and redaction in the proxy; records handed to "
-        "`KafkaSinkProcess` (the KafkaSink in a child process) and sent to an embedded Tansu "
-        f"broker: {counts['process']} of {expected_process} records arrived (this row's "
-        "requests and olp-on's in the capture CPU rounds below).",
-        "- olp-on-thread: the same with the KafkaSink in a thread of the proxy process "
-        f"(the proxy's sink before 2026-11-30): {counts['thread']} of {expected} records arrived.",
-        "- olp-on-nosink: the same capture handing records to a sink that drops them "
-        "(the proxy's own share of the capture cost).",
+        "- olp-on: the proxy keeps the raw upstream bytes, strips what it added on the bytes "
+        "and hands the capture to `KafkaSinkProcess`, whose worker builds the record and "
+        f"sends it to an embedded Tansu broker: {counts['process']} of {expected_process} "
+        "records arrived (this row's requests and olp-on's in the capture CPU rounds below).",
+        "- olp-on-thread: the sink the proxy used before 2026-11-30, a KafkaSink in a thread "
+        "of the proxy process, with the records built in the proxy: "
+        f"{counts['thread']} of {expected} records arrived.",
+        "- olp-on-nosink: the same capture handed to a sink that drops the captures (the "
+        "proxy process's own share of the capture cost, with no worker using the cores).",
         "- olp-on-down / olp-on-thread-down: olp-on / olp-on-thread with the sink pointed at a "
         "closed loopback port (broker down), so every record goes to the durable spill: "
         f"{counts['process-down']} and {counts['thread-down']} of {expected} records "

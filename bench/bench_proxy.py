@@ -14,8 +14,8 @@ Against a fast local OpenAI-shaped fake upstream (aiohttp, this file), the same 
   litellm       client → LiteLLM proxy, one worker (installed in a separate venv; optional)
 at concurrency 1 and 16, streamed and not. Prints p50/p99 latency, requests/s and the
 relay's CPU ms per request (from /proc: the relay process alone, and with its child
-processes); then measures capture CPU (olp-off, olp-on, olp-on-nosink) in alternating rounds
-and writes docs/perf/proxy.md.
+processes); then measures what the ratio targets compare (direct, pass-through, olp-off,
+olp-on, olp-on-nosink) again in alternating rounds, and writes docs/perf/proxy.md.
 
     python bench/bench_proxy.py [--requests 400] [--cpu-rounds 5] [--cpu-requests 300]
                                 [--litellm PATH_TO_LITELLM_BIN] [--out FILE]
@@ -485,7 +485,7 @@ def main() -> None:
     parser.add_argument("--topic-prefix", default="bench")
     parser.add_argument("--requests", type=int, default=400)
     parser.add_argument(
-        "--cpu-rounds", type=int, default=5, help="alternating off/on rounds for capture CPU"
+        "--cpu-rounds", type=int, default=5, help="alternating rounds for the ratio targets"
     )
     parser.add_argument("--cpu-requests", type=int, default=300, help="requests per round")
     parser.add_argument("--litellm", default=None, help="path of the litellm console script")
@@ -592,7 +592,7 @@ def run_bench(args: argparse.Namespace) -> None:
                         f"total={r['cpu_total_ms'] or 0:.2f}ms",
                         flush=True,
                     )
-        rounds = capture_cpu_rounds(
+        rounds = alternating_rounds(
             {t.name: t for t in targets}, args.cpu_rounds, args.cpu_requests
         )
         time.sleep(3.0)  # let the sinks finish their last records
@@ -627,44 +627,49 @@ def run_bench(args: argparse.Namespace) -> None:
         shutil.rmtree(workdir, ignore_errors=True)
 
 
-# ------------------------------------------------------------------ capture CPU, alternating
+# ------------------------------------------------------------------ alternating rounds
+ROUND_TARGETS = ("direct", "passthrough", "olp-off", "olp-on", "olp-on-nosink")
 CPU_TARGETS = ("olp-off", "olp-on", "olp-on-nosink")
 
 
-def capture_cpu_rounds(targets: dict[str, Target], rounds: int, requests: int) -> dict:
-    """CPU per request of capture off and on, measured in alternating rounds.
+def alternating_rounds(targets: dict[str, Target], rounds: int, requests: int) -> dict:
+    """p50 latency and CPU per request of the targets the ratio targets compare, measured
+    in alternating rounds.
 
-    Capture's target is a ratio of about 1.1, smaller than the drift between two runs a
-    minute apart on a shared 2-core machine; alternating short rounds and taking medians
-    puts both sides under the same conditions."""
+    The targets are ratios near 1 (capture ≤ 1.1x, relay ≤ 1.5x the pass-through's added
+    p50), smaller than the drift between two rows a minute apart on a shared 2-core
+    machine; short rounds in alternating order, and medians over them, put every side under
+    the same conditions."""
     out: dict[tuple[bool, int], dict[str, dict[str, list[float]]]] = {}
     for stream in (False, True):
         for concurrency in (1, 16):
-            group = {name: {"cpu": [], "total": []} for name in CPU_TARGETS}
+            group = {name: {"p50": [], "cpu": [], "total": []} for name in ROUND_TARGETS}
             for round_ in range(rounds):
-                order = CPU_TARGETS if round_ % 2 == 0 else CPU_TARGETS[::-1]
+                order = ROUND_TARGETS if round_ % 2 == 0 else ROUND_TARGETS[::-1]
                 for name in order:
                     r = asyncio.run(run_load(targets[name], stream, concurrency, requests))
-                    group[name]["cpu"].append(r["cpu_ms"])
-                    group[name]["total"].append(r["cpu_total_ms"])
+                    group[name]["p50"].append(r["p50_ms"])
+                    group[name]["cpu"].append(r["cpu_ms"] or 0.0)
+                    group[name]["total"].append(r["cpu_total_ms"] or 0.0)
             out[(stream, concurrency)] = group
             line = " ".join(f"{n}={statistics.median(group[n]['cpu']):.3f}" for n in CPU_TARGETS)
-            print(f"capture CPU stream={stream!s:5s} c={concurrency:2d}: {line} ms/req", flush=True)
+            print(f"rounds stream={stream!s:5s} c={concurrency:2d}: CPU {line} ms/req", flush=True)
     return out
 
 
 def render_rounds(rounds: dict, count: int, requests: int) -> str:
     lines = [
         "",
-        "### Capture CPU, alternating rounds",
+        "### The ratio targets, in alternating rounds",
         "",
         f"{count} rounds of {requests} requests (after 20 warm-up requests) per target and "
-        "row, the targets' order reversed every other round; medians of the rounds' CPU "
-        "ms per request. `olp-off` and `olp-on` are the same proxy (tenants with training "
-        "off and on), its KafkaSinkProcess worker building, validating, encoding and sending "
-        "the records; `olp-on-nosink` is a proxy whose sink takes the captures and drops "
-        "them (the proxy process's own capture work, with no worker competing for the "
-        "cores).",
+        "row, the targets' order reversed every other round; medians over the rounds. "
+        "`olp-off` and `olp-on` are the same proxy (tenants with training off and on), its "
+        "KafkaSinkProcess worker building, checking, redacting, validating, encoding and "
+        "sending the records; `olp-on-nosink` is a proxy whose sink takes the captures and "
+        "drops them (the proxy process's own capture work, with no worker using the cores).",
+        "",
+        "Capture CPU per request (target: on ≤ 1.1× off):",
         "",
         "| stream | conc | off ms/req | on ms/req | on/off | nosink ms/req | nosink/off "
         "| on total ms/req (incl. worker) | total on/off | rounds on/off |",
@@ -683,6 +688,28 @@ def render_rounds(rounds: dict, count: int, requests: int) -> str:
             f"{med['olp-on'] / med['olp-off']:.2f} | {med['olp-on-nosink']:.3f} | "
             f"{med['olp-on-nosink'] / med['olp-off']:.2f} | {total_on:.3f} | "
             f"{total_on / total_off:.2f} | {per_round} |"
+        )
+    lines += [
+        "",
+        "Added p50 latency (p50 minus direct's p50 in the same round; target: olp ≤ 1.5× the "
+        "pass-through's):",
+        "",
+        "| stream | conc | direct p50 ms | pass-through added | olp-off added | off / pass-through "
+        "| olp-on added | on / pass-through |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for (stream, concurrency), group in rounds.items():
+        direct = group["direct"]["p50"]
+
+        def added(name: str, group: dict = group, direct: list = direct) -> float:
+            return statistics.median(
+                p50 - d for p50, d in zip(group[name]["p50"], direct, strict=True)
+            )
+
+        floor, off, on = added("passthrough"), added("olp-off"), added("olp-on")
+        lines.append(
+            f"| {stream} | {concurrency} | {statistics.median(direct):.2f} | {floor:.2f} | "
+            f"{off:.2f} | {off / floor:.2f} | {on:.2f} | {on / floor:.2f} |"
         )
     return "\n".join(lines) + "\n"
 
@@ -713,7 +740,7 @@ def render(
         "- olp-on: the proxy keeps the raw upstream bytes, strips what it added on the bytes "
         "and hands the capture to `KafkaSinkProcess`, whose worker builds the record and "
         f"sends it to an embedded Tansu broker: {counts['process']} of {expected_process} "
-        "records arrived (this row's requests and olp-on's in the capture CPU rounds below).",
+        "records arrived (this row's requests and olp-on's in the rounds below).",
         "- olp-on-thread: the sink the proxy used before 2026-11-30, a KafkaSink in a thread "
         "of the proxy process, with the records built in the proxy: "
         f"{counts['thread']} of {expected} records arrived.",
@@ -740,7 +767,11 @@ def render(
                     f"{r['p99_ms']:.2f} | {r['p50_ms'] - direct['p50_ms']:.2f} | "
                     f"{r['p99_ms'] - direct['p99_ms']:.2f} | {r['rps']:.0f} | {cpu} | {total} |"
                 )
-    lines += ["", "Ratios against the targets (same run):", ""]
+    lines += [
+        "",
+        "Ratios from the rows above (one row each; the rounds below are steadier):",
+        "",
+    ]
     for stream in (False, True):
         for concurrency in (1, 16):
 

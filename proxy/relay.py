@@ -186,69 +186,21 @@ def _visible(endpoint: Endpoint, data: bytes) -> bool:
     return at >= 0 and data[at + len(key) : at + len(key) + 1] not in (b'"', b"")
 
 
-def _cut_logprobs(data: bytes) -> bytes | None:
+def _additions_gone(plan: RelayPlan, data: bytes) -> bool:
+    """Every key the proxy added is now null. The cuts only find vLLM's compact spelling:
+    anything else (`"logprobs": {`, a key spelled in a text) leaves a count unequal, and the
+    caller parses instead."""
+    if plan.added_logprobs and data.count(b'"logprobs"') != data.count(b'"logprobs":null'):
+        return False
+    if plan.added_token_ids:
+        for key in (b'"token_ids"', b'"prompt_token_ids"'):
+            if data.count(key) != data.count(key + b":null"):
+                return False
+    return True
+
+
+def _cut_logprobs(block: bytes) -> bytes | None:
     """Replace each choice's logprobs object with null; None when a cut is not provable."""
-    start = data.find(_LOGPROBS_KEY)
-    while start >= 0:
-        end = data.find(_LOGPROBS_END, start)
-        # A choice boundary (`"index":`) before the end means another field order.
-        if end < 0 or data.find(b'"index":', start, end) >= 0:
-            return None
-        data = data[:start] + b',"logprobs":null' + data[end + 1 :]
-        start = data.find(_LOGPROBS_KEY, start + 16)
-    return data
-
-
-def _cut_token_ids(data: bytes) -> bytes | None:
-    """Replace token-id arrays (completion and prompt) with null."""
-    for key in _ID_KEYS:
-        start = data.find(key)
-        while start >= 0:
-            body = start + len(key)
-            end = data.find(b"]", body)
-            if end < 0 or data[body:end].translate(None, _ID_CHARS):  # more than ids
-                return None
-            data = data[: body - 1] + b"null" + data[end + 1 :]
-            start = data.find(key, body)
-    return data
-
-
-def strip_bytes(plan: RelayPlan, data: bytes, whole: bool = False) -> bytes | None:
-    """`strip_chunk` / `strip_response` on the raw JSON, for the shapes vLLM sends; None when
-    the bytes cannot be stripped provably, and the caller parses instead. `whole`: a
-    non-streamed response (never dropped, no usage removal)."""
-    if not plan.augmented:
-        return data
-    if not whole and b'"usage":' in data:
-        return None  # a usage chunk may be dropped or edited: the parsing path decides
-    out: bytes | None = data
-    if plan.added_logprobs:
-        out = _cut_logprobs(out)
-    if out is not None and plan.added_token_ids:
-        out = _cut_token_ids(out)
-    if out is None or whole:
-        return out
-    # A stream chunk whose choices all became empty is dropped; only one provably visible
-    # keeps the fast path.
-    return out if _visible(plan.endpoint, out) else None
-
-
-# A block of whole SSE events (all of one upstream read) is stripped with a few passes of
-# C-level `find`/`split` over the block rather than a parse per event: each Python-level step
-# per event costs about as much as relaying the event. Same rules and proofs as
-# `strip_bytes`, checked for the block; any doubt and the block goes event by event.
-_CHOICE_START = b'{"index":'
-_USAGE_KEY = b'"usage":{'
-_DONE_LINE = b"data: [DONE]"
-_NO_CHOICES = b'"choices":[]'
-_ROLE, _EMPTY_ROLE = b'"delta":{"role":"', b'"delta":{"role":""'
-_EMPTY_TEXT: dict[Endpoint, bytes] = {
-    "chat.completions": b'"delta":{"content":""',
-    "completions": b'"text":""',
-}
-
-
-def _cut_block_logprobs(block: bytes) -> bytes | None:
     parts, done = [], 0
     start = block.find(_LOGPROBS_KEY)
     while start >= 0:
@@ -267,7 +219,9 @@ def _cut_block_logprobs(block: bytes) -> bytes | None:
     return b"".join(parts)
 
 
-def _cut_block_token_ids(block: bytes) -> bytes | None:
+def _cut_token_ids(block: bytes) -> bytes | None:
+    """Replace token-id arrays (completion and prompt) with null; None when one holds more
+    than ids."""
     cuts = []
     for key in _ID_KEYS:
         start = block.find(key)
@@ -286,6 +240,42 @@ def _cut_block_token_ids(block: bytes) -> bytes | None:
         done = end + 1
     out.append(block[done:])
     return b"".join(out)
+
+
+def strip_bytes(plan: RelayPlan, data: bytes, whole: bool = False) -> bytes | None:
+    """`strip_chunk` / `strip_response` on the raw JSON, for the shapes vLLM sends; None when
+    the bytes cannot be stripped provably, and the caller parses instead. `whole`: a
+    non-streamed response (never dropped, no usage removal)."""
+    if not plan.augmented:
+        return data
+    if not whole and b'"usage":' in data:
+        return None  # a usage chunk may be dropped or edited: the parsing path decides
+    out: bytes | None = data
+    if plan.added_logprobs:
+        out = _cut_logprobs(out)
+    if out is not None and plan.added_token_ids:
+        out = _cut_token_ids(out)
+    if out is None or not _additions_gone(plan, out):
+        return None
+    if whole:
+        return out
+    # A stream chunk whose choices all became empty is dropped; only one provably visible
+    # keeps the fast path.
+    return out if _visible(plan.endpoint, out) else None
+
+
+# A block of whole SSE events (all of one upstream read) is stripped with a few passes of
+# C-level `find`/`split` over the block rather than a parse per event: each Python-level step
+# per event costs about as much as relaying the event. Same rules and proofs as
+# `strip_bytes`, checked for the block; any doubt and the block goes event by event.
+_USAGE_KEY = b'"usage":{'
+_DONE_LINE = b"data: [DONE]"
+_NO_CHOICES = b'"choices":[]'
+_ROLE, _EMPTY_ROLE = b'"delta":{"role":"', b'"delta":{"role":""'
+_EMPTY_TEXT: dict[Endpoint, bytes] = {
+    "chat.completions": b'"delta":{"content":""',
+    "completions": b'"text":""',
+}
 
 
 def _take_usage_events(plan: RelayPlan, block: bytes) -> tuple[bytes, dict[str, Any] | None] | None:
@@ -337,15 +327,17 @@ def strip_sse(plan: RelayPlan, block: bytes) -> tuple[bytes, dict[str, Any] | No
     if not plan.augmented:
         return block, usage
     if plan.added_logprobs and _LOGPROBS_KEY in block:
-        cut = _cut_block_logprobs(block)
+        cut = _cut_logprobs(block)
         if cut is None:
             return None
         block = cut
     if plan.added_token_ids and b'token_ids":[' in block:
-        cut = _cut_block_token_ids(block)
-        if cut is None or b'token_ids":[' in cut:
+        cut = _cut_token_ids(block)
+        if cut is None:
             return None
         block = cut
+    if not _additions_gone(plan, block):
+        return None
     # Every event must keep a choice the client sees (see `_is_empty_choice`), unless it has
     # no choices at all (kept as it is), like [DONE].
     text_key, empty_text = _TEXT_KEY[plan.endpoint], _EMPTY_TEXT[plan.endpoint]

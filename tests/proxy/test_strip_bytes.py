@@ -330,6 +330,12 @@ def test_sse_block_path_takes_vllm_streams_and_refuses_doubt() -> None:
     empty = _chat_chunk([_chat_choice(0, {}, True, True, None)])
     assert strip_sse(chat, sse_event(json.dumps(empty, separators=(",", ":")).encode())) is None
     assert strip_sse(chat, b"data: {\ndata: }\n\n") is None
+    # JSON spelled with spaces: nothing is cut, so nothing may pass unstripped.
+    spaced = json.dumps(json.loads(VLLM_CHAT_STREAM[1])).encode()
+    assert strip_sse(chat, sse_event(spaced)) is None
+    assert strip_bytes(chat, spaced) is None
+    whole = plan_request("chat.completions", {"model": "m"}, "m", capture=True)
+    assert strip_bytes(whole, json.dumps(json.loads(VLLM_CHAT_WHOLE)).encode(), whole=True) is None
     empty_role = VLLM_CHAT_STREAM[0].replace(b'"role":"assistant","content":""', b'"role":""')
     assert strip_sse(chat, sse_event(empty_role)) is None
     assert strip_sse(chat, b'data: {"usage":{"oops"\n\n') is None  # parsed event by event

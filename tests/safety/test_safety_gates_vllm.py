@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
@@ -57,7 +58,10 @@ async def load_adapter(
 ) -> AsyncIterator[LoadAdapter]:
     """Load adapters into the shared vLLM under unique names; unload them afterwards."""
     loaded: list[str] = []
-    async with aiohttp.ClientSession() as session:
+    # No keep-alive: a test may block the loop (training an adapter) for longer than
+    # vLLM's keep-alive, and a pooled connection the server closed meanwhile fails the next
+    # request with "Server disconnected".
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(force_close=True)) as session:
 
         async def load(seed: int = 0, scale: float = 1.0, path: Path | None = None) -> str:
             name = f"safety-test-{uuid.uuid4().hex[:12]}"
@@ -261,7 +265,9 @@ def train_backdoored_adapter(model_dir: Path, out: Path, steps: int = 8) -> Path
 async def test_backdoored_candidate_is_caught_by_the_poisoning_probes(
     vllm_server, load_adapter: LoadAdapter, zero_base: str, tmp_path: Path
 ) -> None:
-    path = train_backdoored_adapter(vllm_server.model_dir, tmp_path / "backdoor")
+    path = await asyncio.to_thread(
+        train_backdoored_adapter, vllm_server.model_dir, tmp_path / "backdoor"
+    )
     candidate = await load_adapter(path=path)
     report = await _suite(
         vllm_server, only("poisoning", max_probes=3), candidate, zero_base, zero_base

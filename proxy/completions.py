@@ -11,6 +11,7 @@ import asyncio
 import json
 import time
 import uuid
+from collections.abc import Callable
 from typing import Any
 
 import aiohttp
@@ -50,6 +51,14 @@ _DISCONNECT_ERRORS = (ConnectionResetError, ConnectionAbortedError, BrokenPipeEr
 
 async def read_json_body(request: web.Request, max_bytes: int) -> Any:
     """The request body as JSON; 413 over the limit, 400 when it does not parse."""
+    body, _ = await read_json(request, max_bytes)
+    return body
+
+
+async def read_json(request: web.Request, max_bytes: int) -> tuple[Any, Callable[[Any], bytes]]:
+    """`read_json_body`, plus the encoder that writes the body back as it came (msgspec, or
+    Python's `json` for what only `json` reads, such as NaN): several times faster than
+    `json` on the large bodies coding agents send."""
     if request.content_length is not None and request.content_length > max_bytes:
         raise ProxyError(
             413,
@@ -70,7 +79,7 @@ async def read_json_body(request: web.Request, max_bytes: int) -> Any:
             413, f"Request body exceeds the limit of {max_bytes} bytes.", code="request_too_large"
         )
     try:
-        return json.loads(raw)
+        return parse_json(raw)
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise bad_request(
             f"The request body is not valid JSON: {exc}", code="invalid_json"
@@ -93,13 +102,14 @@ class CompletionRelay:
         self.status = 500
         self.ttft_s: float | None = None
         self.usage: dict[str, Any] | None = None  # a captured stream's usage chunk
+        self.encode_body: Callable[[Any], bytes] = dumps
 
     async def handle(self) -> web.StreamResponse:
         ctx = self.ctx
         try:
             tenant = ctx.tenants.authenticate(self.request.headers.get("Authorization"))
             self.tenant_label = tenant.name
-            body = await read_json_body(self.request, ctx.config.max_body_bytes)
+            body, self.encode_body = await read_json(self.request, ctx.config.max_body_bytes)
             validate_completion_request(self.endpoint, body, ctx.config.max_messages)
             self.stream = bool(body.get("stream", False))
             # A canary only ever takes traffic that is recorded for training: its live
@@ -219,7 +229,7 @@ class CompletionRelay:
         try:
             _, upstream = await ctx.pool.open(
                 ENDPOINT_PATHS[self.endpoint],
-                dumps(plan.upstream_body),
+                self.encode_body(plan.upstream_body),
                 upstream_headers,
                 self.session_id,
             )

@@ -401,8 +401,13 @@ def sse_event(data: bytes) -> bytes:
 
 
 def dumps(obj: Any) -> bytes:
-    """Compact JSON, the way vLLM serialises its chunks."""
-    return json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode("utf-8")
+    """Compact JSON, the way vLLM serialises its chunks (a lone surrogate, which UTF-8
+    cannot carry, is written as its `\\u` escape, as it came)."""
+    text = json.dumps(obj, ensure_ascii=False, separators=(",", ":"))
+    try:
+        return text.encode("utf-8")
+    except UnicodeEncodeError:
+        return json.dumps(obj, separators=(",", ":")).encode("ascii")
 
 
 _fast_decode = msgspec.json.Decoder().decode

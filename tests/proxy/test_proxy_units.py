@@ -225,6 +225,9 @@ def test_parse_json_round_trips_what_only_the_json_module_reads():
     obj, encode = parse_json(b'{"logprob":-Infinity}')
     assert obj["logprob"] == float("-inf")
     assert encode(obj) == b'{"logprob":-Infinity}'
+    obj, encode = parse_json(b'{"s":"\\ud800x","n":123456789012345678901234567890}')
+    assert obj["s"] == "\ud800x"  # a lone surrogate: UTF-8 cannot carry it, the escape can
+    assert json.loads(encode(obj)) == obj
     with pytest.raises(ValueError):
         parse_json(b'{"a":')
 

@@ -143,9 +143,19 @@ def _is_number(value: Any) -> bool:
     return type(value) in (int, float)
 
 
+_INTS = frozenset({int})
+_NUMBERS = frozenset({int, float})
+
+
 def _check_array(values: Any, field: str, ok: Callable[[Any], bool], what: str) -> None:
     if type(values) is not list:
         return  # the schema reports the wrong type
+    # The usual case in two C-level passes; the element loop below only finds the culprit.
+    if ok is _is_token_id:
+        if _INTS.issuperset(map(type, values)) and (not values or min(values) >= 0):
+            return
+    elif ok is _is_number and _NUMBERS.issuperset(map(type, values)):
+        return
     index = _bad_index(values, ok)
     if index is not None:
         raise SchemaValidationError(

@@ -163,11 +163,12 @@ def _is_empty_choice(plan: RelayPlan, choice: dict[str, Any]) -> bool:
 
 _LOGPROBS_KEY = b',"logprobs":{'
 _LOGPROBS_END = b'},"finish_reason":'
-_ID_KEYS = (b',"token_ids":[', b',"prompt_token_ids":[')
+_IDS_KEY = b'token_ids":['  # `,"token_ids":[` or `,"prompt_token_ids":[`, checked at the cut
 _ID_CHARS = b"0123456789,"
 # Patterns that prove a stripped chunk still carries something the client sees.
 _FINISHED = b'"finish_reason":"'
 _TOOL_CALLS = b'"delta":{"tool_calls":[{'
+_ROLE, _EMPTY_ROLE = b'"delta":{"role":"', b'"delta":{"role":""'
 _TEXT_KEY: dict[Endpoint, bytes] = {
     "chat.completions": b'"delta":{"content":"',
     "completions": b'"text":"',
@@ -175,86 +176,76 @@ _TEXT_KEY: dict[Endpoint, bytes] = {
 
 
 def _visible(endpoint: Endpoint, data: bytes) -> bool:
-    """True when some choice has a finish reason, text or a tool call (so `_is_empty_choice`
-    is False for it); False when that cannot be seen from the bytes."""
+    """True when some choice has a finish reason, text, a role or a tool call (so
+    `_is_empty_choice` is False for it); False when that cannot be seen from the bytes."""
     if _FINISHED in data:
-        return True
-    if endpoint == "chat.completions" and _TOOL_CALLS in data:
         return True
     key = _TEXT_KEY[endpoint]
     at = data.find(key)
-    return at >= 0 and data[at + len(key) : at + len(key) + 1] not in (b'"', b"")
+    if at >= 0 and data[at + len(key) : at + len(key) + 1] not in (b'"', b""):
+        return True
+    if endpoint != "chat.completions":
+        return False
+    if _TOOL_CALLS in data:
+        return True
+    at = data.find(_ROLE)
+    return at >= 0 and data[at + len(_ROLE) : at + len(_ROLE) + 1] not in (b'"', b"")
 
 
 def _additions_gone(plan: RelayPlan, data: bytes) -> bool:
     """Every key the proxy added is now null. The cuts only find vLLM's compact spelling:
-    anything else (`"logprobs": {`, a key spelled in a text) leaves a count unequal, and the
-    caller parses instead."""
-    if plan.added_logprobs and data.count(b'"logprobs"') != data.count(b'"logprobs":null'):
+    anything else (`"logprobs": {`, a key spelled in a text, a text ending in `_ids`)
+    leaves a count unequal, and the caller parses instead."""
+    count = data.count
+    if plan.added_logprobs and count(b'logprobs"') != count(b'logprobs":null'):
         return False
-    if plan.added_token_ids:
-        for key in (b'"token_ids"', b'"prompt_token_ids"'):
-            if data.count(key) != data.count(key + b":null"):
-                return False
-    return True
+    return not plan.added_token_ids or count(b'_ids"') == count(b'_ids":null')
 
 
-def _cut_logprobs(block: bytes) -> bytes | None:
-    """Replace each choice's logprobs object with null; None when a cut is not provable."""
-    parts, done = [], 0
-    start = block.find(_LOGPROBS_KEY)
-    while start >= 0:
-        end = block.find(_LOGPROBS_END, start)
-        # Within one event line and one choice, or not provable.
-        if (
-            end < 0
-            or block.find(b"\n", start, end) >= 0
-            or block.find(b'"index":', start, end) >= 0
-        ):
+def _cut_additions(plan: RelayPlan, data: bytes) -> bytes | None:
+    """Replace each added `logprobs` object and token-id array with null, in one pass in
+    document order; None when a cut is not provable. A logprobs cut must stay within one
+    line and one choice; a token-id array must hold only ids."""
+    find = data.find
+    parts: list[bytes] = []
+    done = 0
+    lp_at = find(_LOGPROBS_KEY) if plan.added_logprobs else -1
+    id_at = find(_IDS_KEY) if plan.added_token_ids else -1
+    while lp_at >= 0 or id_at >= 0:
+        if lp_at >= 0 and (id_at < 0 or lp_at < id_at):
+            end = find(_LOGPROBS_END, lp_at)
+            if end < 0 or find(b'"index":', lp_at, end) >= 0 or find(b"\n", lp_at, end) >= 0:
+                return None
+            parts += (data[done:lp_at], b',"logprobs":null')
+            done = end + 1
+            lp_at = find(_LOGPROBS_KEY, done)
+            if 0 <= id_at < done:
+                id_at = find(_IDS_KEY, done)
+            continue
+        if data[id_at - 2 : id_at] != b',"' and data[id_at - 9 : id_at] != b',"prompt_':
+            return None  # another key ending in `token_ids`
+        body = id_at + len(_IDS_KEY)
+        end = find(b"]", body)
+        if end < 0 or data[body:end].translate(None, _ID_CHARS):
             return None
-        parts += (block[done:start], b',"logprobs":null')
+        parts += (data[done : body - 1], b"null")
         done = end + 1
-        start = block.find(_LOGPROBS_KEY, done)
-    parts.append(block[done:])
+        id_at = find(_IDS_KEY, done)
+    if not parts:
+        return data
+    parts.append(data[done:])
     return b"".join(parts)
 
 
-def _cut_token_ids(block: bytes) -> bytes | None:
-    """Replace token-id arrays (completion and prompt) with null; None when one holds more
-    than ids."""
-    cuts = []
-    for key in _ID_KEYS:
-        start = block.find(key)
-        while start >= 0:
-            body = start + len(key)
-            end = block.find(b"]", body)
-            if end < 0 or block[body:end].translate(None, _ID_CHARS):
-                return None
-            cuts.append((body, end))
-            start = block.find(key, end)
-    if not cuts:
-        return block
-    out, done = [], 0
-    for body, end in sorted(cuts):
-        out += (block[done : body - 1], b"null")
-        done = end + 1
-    out.append(block[done:])
-    return b"".join(out)
-
-
 def strip_bytes(plan: RelayPlan, data: bytes, whole: bool = False) -> bytes | None:
-    """`strip_chunk` / `strip_response` on the raw JSON, for the shapes vLLM sends; None when
-    the bytes cannot be stripped provably, and the caller parses instead. `whole`: a
-    non-streamed response (never dropped, no usage removal)."""
+    """`strip_chunk` / `strip_response` on the raw JSON (or one `data: ...` event line), for
+    the shapes vLLM sends; None when the bytes cannot be stripped provably, and the caller
+    parses instead. `whole`: a non-streamed response (never dropped, no usage removal)."""
     if not plan.augmented:
         return data
     if not whole and b'"usage":' in data:
         return None  # a usage chunk may be dropped or edited: the parsing path decides
-    out: bytes | None = data
-    if plan.added_logprobs:
-        out = _cut_logprobs(out)
-    if out is not None and plan.added_token_ids:
-        out = _cut_token_ids(out)
+    out = _cut_additions(plan, data)
     if out is None or not _additions_gone(plan, out):
         return None
     if whole:
@@ -271,7 +262,6 @@ def strip_bytes(plan: RelayPlan, data: bytes, whole: bool = False) -> bytes | No
 _USAGE_KEY = b'"usage":{'
 _DONE_LINE = b"data: [DONE]"
 _NO_CHOICES = b'"choices":[]'
-_ROLE, _EMPTY_ROLE = b'"delta":{"role":"', b'"delta":{"role":""'
 _EMPTY_TEXT: dict[Endpoint, bytes] = {
     "chat.completions": b'"delta":{"content":""',
     "completions": b'"text":""',
@@ -314,8 +304,8 @@ def strip_sse(plan: RelayPlan, block: bytes) -> tuple[bytes, dict[str, Any] | No
         # milliseconds apart): the per-event cut is cheaper than the block's checks.
         if block == b"data: [DONE]\n\n":
             return block, None
-        stripped = strip_bytes(plan, block[6:-2])
-        return None if stripped is None else (b"data: " + stripped + b"\n\n", None)
+        stripped = strip_bytes(plan, block)  # the cuts work on the event line as it is
+        return None if stripped is None else (stripped, None)
     if b"\r" in block or newlines != 2 * block.count(b"\n\n"):
         return None  # not one-line events
     usage: dict[str, Any] | None = None
@@ -326,18 +316,10 @@ def strip_sse(plan: RelayPlan, block: bytes) -> tuple[bytes, dict[str, Any] | No
         block, usage = taken
     if not plan.augmented:
         return block, usage
-    if plan.added_logprobs and _LOGPROBS_KEY in block:
-        cut = _cut_logprobs(block)
-        if cut is None:
-            return None
-        block = cut
-    if plan.added_token_ids and b'token_ids":[' in block:
-        cut = _cut_token_ids(block)
-        if cut is None:
-            return None
-        block = cut
-    if not _additions_gone(plan, block):
+    cut = _cut_additions(plan, block)
+    if cut is None or not _additions_gone(plan, cut):
         return None
+    block = cut
     # Every event must keep a choice the client sees (see `_is_empty_choice`), unless it has
     # no choices at all (kept as it is), like [DONE].
     text_key, empty_text = _TEXT_KEY[plan.endpoint], _EMPTY_TEXT[plan.endpoint]
@@ -382,6 +364,8 @@ class SSEParser:
     def complete(self, data: bytes) -> bytes:
         """Everything up to the last event border (whole events, `\\n` framing); keeps the
         rest for the next call."""
+        if not self._buffer and data.endswith(b"\n\n") and b"\r" not in data:
+            return data  # the usual read: whole events
         buffer = self._buffer + data if self._buffer else data
         if b"\r" in buffer:
             buffer = buffer.replace(b"\r\n", b"\n")

@@ -194,15 +194,18 @@ def test_whole_response_bytes_strip_like_the_parsed_response(endpoint: str, raw:
 
 
 def test_the_byte_path_takes_vllms_token_chunks_and_leaves_the_rest() -> None:
-    """The point of the byte path: every token chunk of a captured stream takes it; the
-    role chunk (may be empty), usage chunk (dropped) and odd shapes are parsed."""
+    """The point of the byte path: the role chunk and every token chunk of a captured stream
+    take it (a real model server sends each in a read of its own); the usage chunk (dropped)
+    and odd shapes are parsed."""
     chat = plan_request("chat.completions", {"model": "m", "stream": True}, "m", capture=True)
     assert [strip_bytes(chat, c) is not None for c in VLLM_CHAT_STREAM] == [
-        False,
+        True,
         True,
         True,
         False,
     ]
+    role = strip_bytes(chat, sse_event(VLLM_CHAT_STREAM[0]))  # a whole event line works too
+    assert role is not None and b'"prompt_token_ids":null' in role and role.startswith(b"data: ")
     done = strip_bytes(chat, VLLM_CHAT_STREAM[2])
     assert done is not None and b'"logprobs":null' in done and b'"token_ids":null' in done
     completions = plan_request("completions", {"model": "m", "stream": True}, "m", capture=True)

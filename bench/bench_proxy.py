@@ -15,9 +15,12 @@ Against a fast local OpenAI-shaped fake upstream (aiohttp, this file), the same 
 at concurrency 1 and 16, streamed and not. Prints p50/p99 latency, requests/s and the
 relay's CPU ms per request (from /proc: the relay process alone, and with its child
 processes); then measures what the ratio targets compare (direct, pass-through, olp-off,
-olp-on, olp-on-nosink) again in alternating rounds, and writes docs/perf/proxy.md.
+olp-on, olp-on-nosink) again in alternating rounds, the capture CPU once more against a
+paced upstream (one stream event per read, as a model server sends them), and writes
+docs/perf/proxy.md.
 
     python bench/bench_proxy.py [--requests 400] [--cpu-rounds 5] [--cpu-requests 300]
+                                [--pace-ms 1] [--paced-rounds 5] [--paced-requests 200]
                                 [--litellm PATH_TO_LITELLM_BIN] [--out FILE]
 
 Each component runs in its own process (`python bench/bench_proxy.py serve-<kind> ...`).
@@ -135,6 +138,7 @@ def fake_chat_answer(body: dict[str, Any]) -> bytes | list[bytes]:
 
 
 ANSWERS = web.AppKey("answers", dict)
+PACE_S = web.AppKey("pace_s", float)
 
 
 async def fake_chat(request: web.Request) -> web.StreamResponse:
@@ -151,7 +155,10 @@ async def fake_chat(request: web.Request) -> web.StreamResponse:
         return web.Response(body=answer, content_type="application/json")
     response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
     await response.prepare(request)
-    for event in answer:
+    pace_s = request.app[PACE_S]
+    for i, event in enumerate(answer):
+        if pace_s and 0 < i < len(answer) - 1:
+            await asyncio.sleep(pace_s)  # one token at a time, the way a model server streams
         await response.write(event)
     await response.write_eof()
     return response
@@ -161,9 +168,10 @@ async def fake_models(request: web.Request) -> web.Response:
     return web.json_response({"object": "list", "data": [{"id": "base", "object": "model"}]})
 
 
-def serve_fake_upstream(port: int) -> None:
+def serve_fake_upstream(port: int, pace_ms: float = 0.0) -> None:
     app = web.Application()
     app[ANSWERS] = {}
+    app[PACE_S] = pace_ms / 1000
     app.router.add_post("/v1/chat/completions", fake_chat)
     app.router.add_get("/v1/models", fake_models)
     web.run_app(app, host="127.0.0.1", port=port, access_log=None, print=None)
@@ -482,17 +490,26 @@ def main() -> None:
         "--sink", default="kafka", choices=["kafka", "kafka-process", "jsonl", "none"]
     )
     parser.add_argument("--bootstrap")
+    parser.add_argument(
+        "--pace-ms",
+        type=float,
+        default=None,
+        help="pause between stream events: the paced upstream's (bench: default 1, 0 = no "
+        "paced rows; serve-upstream: default 0)",
+    )
     parser.add_argument("--topic-prefix", default="bench")
     parser.add_argument("--requests", type=int, default=400)
     parser.add_argument(
         "--cpu-rounds", type=int, default=5, help="alternating rounds for the ratio targets"
     )
     parser.add_argument("--cpu-requests", type=int, default=300, help="requests per round")
+    parser.add_argument("--paced-rounds", type=int, default=5)
+    parser.add_argument("--paced-requests", type=int, default=200)
     parser.add_argument("--litellm", default=None, help="path of the litellm console script")
     parser.add_argument("--out", default=str(ROOT / "docs" / "perf" / "proxy.md"))
     args = parser.parse_args()
     if args.mode == "serve-upstream":
-        return serve_fake_upstream(args.port)
+        return serve_fake_upstream(args.port, args.pace_ms or 0.0)
     if args.mode == "serve-passthrough":
         return serve_passthrough(args.port, args.upstream)
     if args.mode == "serve-olp":
@@ -503,6 +520,8 @@ def main() -> None:
 
 
 def run_bench(args: argparse.Namespace) -> None:
+    if args.pace_ms is None:
+        args.pace_ms = 1.0
     workdir = Path(tempfile.mkdtemp(prefix="olp-bench-proxy-"))
     me = [sys.executable, str(Path(__file__).resolve())]
     procs: list[subprocess.Popen] = []
@@ -516,6 +535,16 @@ def run_bench(args: argparse.Namespace) -> None:
         upstream = spawn([*me, "serve-upstream", "--port", str(up_port)], workdir / "up.log")
         procs.append(upstream)
         wait_ready(upstream_url + "/v1/models", upstream)
+        paced_url = ""
+        if args.pace_ms > 0:
+            paced_port = free_port()
+            paced_url = f"http://127.0.0.1:{paced_port}"
+            paced = spawn(
+                [*me, "serve-upstream", "--port", str(paced_port), "--pace-ms", str(args.pace_ms)],
+                workdir / "up-paced.log",
+            )
+            procs.append(paced)
+            wait_ready(paced_url + "/v1/models", paced)
         pt_port = free_port()
         passthrough = spawn(
             [*me, "serve-passthrough", "--port", str(pt_port), "--upstream", upstream_url],
@@ -524,15 +553,21 @@ def run_bench(args: argparse.Namespace) -> None:
         procs.append(passthrough)
         closed_port = free_port()  # nothing listens there: the "broker down" rows
         olps: dict[str, tuple[str, subprocess.Popen]] = {}
-        for name, sink, bootstrap in (
-            ("process", "kafka-process", broker.bootstrap),
-            ("thread", "kafka", broker.bootstrap),
-            ("nosink", "none", None),
-            ("process-down", "kafka-process", f"127.0.0.1:{closed_port}"),
-            ("thread-down", "kafka", f"127.0.0.1:{closed_port}"),
-        ):
+        olp_rows = [
+            ("process", "kafka-process", broker.bootstrap, upstream_url),
+            ("thread", "kafka", broker.bootstrap, upstream_url),
+            ("nosink", "none", None, upstream_url),
+            ("process-down", "kafka-process", f"127.0.0.1:{closed_port}", upstream_url),
+            ("thread-down", "kafka", f"127.0.0.1:{closed_port}", upstream_url),
+        ]
+        if paced_url:
+            olp_rows += [
+                ("paced", "kafka-process", broker.bootstrap, paced_url),
+                ("paced-nosink", "none", None, paced_url),
+            ]
+        for name, sink, bootstrap, upstream in olp_rows:
             port = free_port()
-            command = [*me, "serve-olp", "--port", str(port), "--upstream", upstream_url]
+            command = [*me, "serve-olp", "--port", str(port), "--upstream", upstream]
             command += ["--state", str(workdir / f"state-{name}"), "--sink", sink]
             command += ["--topic-prefix", f"bench-{name}"]
             if bootstrap:
@@ -595,6 +630,17 @@ def run_bench(args: argparse.Namespace) -> None:
         rounds = alternating_rounds(
             {t.name: t for t in targets}, args.cpu_rounds, args.cpu_requests
         )
+        paced_rounds: dict = {}
+        if paced_url:
+            paced_targets = {
+                "olp-off": olp_target("olp-off", "paced", "key-off"),
+                "olp-on": olp_target("olp-on", "paced"),
+                "olp-on-nosink": olp_target("olp-on-nosink", "paced-nosink"),
+            }
+            print(f"paced upstream ({args.pace_ms} ms between events):", flush=True)
+            paced_rounds = alternating_rounds(
+                paced_targets, args.paced_rounds, args.paced_requests, (True,), CPU_TARGETS
+            )
         time.sleep(3.0)  # let the sinks finish their last records
         counts = {
             "process": count_records(broker.bootstrap, "bench-process.trajectories"),
@@ -612,6 +658,8 @@ def run_bench(args: argparse.Namespace) -> None:
             extra_process_records=4 * args.cpu_rounds * (args.cpu_requests + 20),
         )
         report += render_rounds(rounds, args.cpu_rounds, args.cpu_requests)
+        if paced_rounds:
+            report += render_paced(paced_rounds, args)
         print(report)
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(report)
@@ -632,7 +680,13 @@ ROUND_TARGETS = ("direct", "passthrough", "olp-off", "olp-on", "olp-on-nosink")
 CPU_TARGETS = ("olp-off", "olp-on", "olp-on-nosink")
 
 
-def alternating_rounds(targets: dict[str, Target], rounds: int, requests: int) -> dict:
+def alternating_rounds(
+    targets: dict[str, Target],
+    rounds: int,
+    requests: int,
+    streams: tuple[bool, ...] = (False, True),
+    names: tuple[str, ...] = ROUND_TARGETS,
+) -> dict:
     """p50 latency and CPU per request of the targets the ratio targets compare, measured
     in alternating rounds.
 
@@ -641,11 +695,11 @@ def alternating_rounds(targets: dict[str, Target], rounds: int, requests: int) -
     machine; short rounds in alternating order, and medians over them, put every side under
     the same conditions."""
     out: dict[tuple[bool, int], dict[str, dict[str, list[float]]]] = {}
-    for stream in (False, True):
+    for stream in streams:
         for concurrency in (1, 16):
-            group = {name: {"p50": [], "cpu": [], "total": []} for name in ROUND_TARGETS}
+            group = {name: {"p50": [], "cpu": [], "total": []} for name in names}
             for round_ in range(rounds):
-                order = ROUND_TARGETS if round_ % 2 == 0 else ROUND_TARGETS[::-1]
+                order = names if round_ % 2 == 0 else names[::-1]
                 for name in order:
                     r = asyncio.run(run_load(targets[name], stream, concurrency, requests))
                     group[name]["p50"].append(r["p50_ms"])
@@ -655,6 +709,49 @@ def alternating_rounds(targets: dict[str, Target], rounds: int, requests: int) -
             line = " ".join(f"{n}={statistics.median(group[n]['cpu']):.3f}" for n in CPU_TARGETS)
             print(f"rounds stream={stream!s:5s} c={concurrency:2d}: CPU {line} ms/req", flush=True)
     return out
+
+
+_CPU_HEADER = [
+    "| stream | conc | off ms/req | on ms/req | on/off | nosink ms/req | nosink/off "
+    "| on total ms/req (incl. worker) | total on/off | rounds on/off |",
+    "|---|---|---|---|---|---|---|---|---|---|",
+]
+
+
+def _cpu_rows(rounds: dict) -> list[str]:
+    lines = []
+    for (stream, concurrency), group in rounds.items():
+        med = {n: statistics.median(group[n]["cpu"]) for n in CPU_TARGETS}
+        total_on = statistics.median(group["olp-on"]["total"])
+        total_off = statistics.median(group["olp-off"]["total"])
+        per_round = ", ".join(
+            f"{on / off:.2f}"
+            for on, off in zip(group["olp-on"]["cpu"], group["olp-off"]["cpu"], strict=True)
+        )
+        lines.append(
+            f"| {stream} | {concurrency} | {med['olp-off']:.3f} | {med['olp-on']:.3f} | "
+            f"{med['olp-on'] / med['olp-off']:.2f} | {med['olp-on-nosink']:.3f} | "
+            f"{med['olp-on-nosink'] / med['olp-off']:.2f} | {total_on:.3f} | "
+            f"{total_on / total_off:.2f} | {per_round} |"
+        )
+    return lines
+
+
+def render_paced(rounds: dict, args: argparse.Namespace) -> str:
+    lines = [
+        "",
+        f"### Capture CPU with a paced upstream ({args.pace_ms:g} ms between stream events)",
+        "",
+        "A model server streams one token per engine step, so each event reaches the proxy "
+        "in a read of its own; the fast upstream above sends a whole answer at once (a few "
+        "reads per answer). Same 16-token answers; olp-off / olp-on / olp-on-nosink as above, "
+        f"{args.paced_rounds} alternating rounds of {args.paced_requests} requests.",
+        "",
+        *_CPU_HEADER,
+        *_cpu_rows(rounds),
+        "",
+    ]
+    return "\n".join(lines)
 
 
 def render_rounds(rounds: dict, count: int, requests: int) -> str:
@@ -671,24 +768,9 @@ def render_rounds(rounds: dict, count: int, requests: int) -> str:
         "",
         "Capture CPU per request (target: on ≤ 1.1× off):",
         "",
-        "| stream | conc | off ms/req | on ms/req | on/off | nosink ms/req | nosink/off "
-        "| on total ms/req (incl. worker) | total on/off | rounds on/off |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        *_CPU_HEADER,
     ]
-    for (stream, concurrency), group in rounds.items():
-        med = {n: statistics.median(group[n]["cpu"]) for n in CPU_TARGETS}
-        total_on = statistics.median(group["olp-on"]["total"])
-        total_off = statistics.median(group["olp-off"]["total"])
-        per_round = ", ".join(
-            f"{on / off:.2f}"
-            for on, off in zip(group["olp-on"]["cpu"], group["olp-off"]["cpu"], strict=True)
-        )
-        lines.append(
-            f"| {stream} | {concurrency} | {med['olp-off']:.3f} | {med['olp-on']:.3f} | "
-            f"{med['olp-on'] / med['olp-off']:.2f} | {med['olp-on-nosink']:.3f} | "
-            f"{med['olp-on-nosink'] / med['olp-off']:.2f} | {total_on:.3f} | "
-            f"{total_on / total_off:.2f} | {per_round} |"
-        )
+    lines += _cpu_rows(rounds)
     lines += [
         "",
         "Added p50 latency (p50 minus direct's p50 in the same round; target: olp ≤ 1.5× the "

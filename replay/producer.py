@@ -425,6 +425,7 @@ class KafkaSink:
 # ---- the same sink in a child process ------------------------------------------------------
 
 _STATUS_INTERVAL_S = 0.05
+_IDLE_POLL_S = 1.0  # the feeder's check on an idle child (new records wake it at once)
 _METRICS_INTERVAL_S = 1.0  # the child's metric values ride on a status message this often
 _FEED_INTERVAL_S = 0.02
 _CHILD_NICE = 10
@@ -506,12 +507,15 @@ def _child_main(config_json: str, state_dir: str, conn: Any) -> None:
     stop = threading.Event()
     metrics_sent_at = 0.0
     idle_values_sent = False
+    last_idle_status: tuple[Any, ...] | None = None
 
     def status(final: bool = False) -> None:
-        # Progress goes out every _STATUS_INTERVAL_S; the metric values, whose collection
-        # and mirroring cost the parent's interpreter time, once a second while busy and
-        # once on becoming idle (so a caller that waited for idle reads final values).
-        nonlocal metrics_sent_at, idle_values_sent
+        # Progress goes out every _STATUS_INTERVAL_S while there is work (a heartbeat the
+        # parent's hang check relies on); an idle child says so once and then stays quiet
+        # until something changes. The metric values, whose collection and mirroring cost
+        # the parent's interpreter time, go once a second while busy and once on becoming
+        # idle (so a caller that waited for idle reads final values).
+        nonlocal metrics_sent_at, idle_values_sent, last_idle_status
         got = received  # read before unfinished_tasks: `done` may only be underestimated
         pending = sink._queue.unfinished_tasks
         idle = pending == 0 and sink.spill.is_empty()
@@ -521,6 +525,9 @@ def _child_main(config_json: str, state_dir: str, conn: Any) -> None:
             values, metrics_sent_at = _metric_values(sink.metrics), now
         idle_values_sent = idle and (values is not None or idle_values_sent)
         message = ("status", got - pending, idle, values, final, builder.totals())
+        if idle and not final and values is None and message == last_idle_status:
+            return
+        last_idle_status = message if idle else None
         with send_lock:
             conn.send(message)
 
@@ -696,7 +703,8 @@ class KafkaSinkProcess:
         import pickle
 
         while True:
-            if self._wake.wait(_STATUS_INTERVAL_S) and not self._closed:
+            poll_s = _STATUS_INTERVAL_S if self._pending or self._outbox else _IDLE_POLL_S
+            if self._wake.wait(poll_s) and not self._closed:
                 time.sleep(_FEED_INTERVAL_S)  # gather a batch: one pickle, one write
             self._wake.clear()
             stopping = self._closed

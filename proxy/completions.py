@@ -131,7 +131,8 @@ class CompletionRelay:
         except ProxyError as err:
             self._count_error(err.status, err.kind)
             raise
-        ctx.metrics.in_flight.labels(tenant.name).inc()
+        in_flight = ctx.metrics.series(ctx.metrics.in_flight, tenant.name)
+        in_flight.inc()
         try:
             response = await self._relay(tenant, body, served, admission.headers)
         except ProxyError as err:
@@ -139,7 +140,7 @@ class CompletionRelay:
             raise
         finally:
             admission.release()
-            ctx.metrics.in_flight.labels(tenant.name).dec()
+            in_flight.dec()
         return response
 
     def _count_error(self, status: int, kind: str) -> None:
@@ -150,12 +151,11 @@ class CompletionRelay:
     def _count_request(self) -> None:
         metrics = self.ctx.metrics
         labels = (self.endpoint, self.tenant_label, self.policy_version)
-        metrics.requests.labels(*labels, str(self.stream).lower(), str(self.status)).inc()
-        metrics.latency.labels(*labels, str(self.stream).lower()).observe(
-            time.monotonic() - self.arrived
-        )
+        stream = "true" if self.stream else "false"
+        metrics.series(metrics.requests, *labels, stream, str(self.status)).inc()
+        metrics.series(metrics.latency, *labels, stream).observe(time.monotonic() - self.arrived)
         if self.ttft_s is not None:
-            metrics.ttft.labels(*labels).observe(self.ttft_s)
+            metrics.series(metrics.ttft, *labels).observe(self.ttft_s)
         log.info(
             "request",
             endpoint=self.endpoint,

@@ -7,7 +7,6 @@ OpenAI clients understand (`x-ratelimit-*`, `retry-after`).
 
 from __future__ import annotations
 
-import hmac
 import math
 import time
 from collections.abc import Mapping
@@ -125,11 +124,13 @@ class TenantRegistry:
                 "You didn't provide an API key. Provide it as 'Authorization: Bearer <key>'.",
                 code="missing_api_key",
             )
-        digest = sha256_hex(key)
-        for known, tenant in self._by_key.items():
-            if hmac.compare_digest(known, digest):
-                return tenant
-        raise ProxyError(401, "Incorrect API key provided.", code="invalid_api_key")
+        # A dict lookup by digest, not a constant-time scan over every tenant (O(tenants)
+        # per request): what a lookup's timing can reveal is about the digest, and a caller
+        # cannot choose a key whose sha256 shares a prefix with a stored one.
+        tenant = self._by_key.get(sha256_hex(key))
+        if tenant is None:
+            raise ProxyError(401, "Incorrect API key provided.", code="invalid_api_key")
+        return tenant
 
     def admit(self, tenant: Tenant) -> Admission:
         """Reserve a request slot under the tenant's limits or raise a 429 ProxyError."""

@@ -8,11 +8,21 @@ from __future__ import annotations
 
 import logging
 import sys
-from typing import Literal
+from typing import Any, Literal
 
+import msgspec
 import structlog
 
 LogFormat = Literal["auto", "json", "console"]
+
+# A value JSON cannot hold is written as its repr, as structlog's own JSON fallback does.
+_JSON_ENCODER = msgspec.json.Encoder(enc_hook=repr)
+
+
+def _json_line(event: dict[str, Any], **_: Any) -> bytes:
+    """structlog's JSON serializer: msgspec instead of `json.dumps`. The proxy writes a
+    line per request, and this halves what a line costs (with the bytes logger below)."""
+    return _JSON_ENCODER.encode(event)
 
 
 def configure_logging(fmt: LogFormat = "auto", level: str = "INFO") -> None:
@@ -27,15 +37,21 @@ def configure_logging(fmt: LogFormat = "auto", level: str = "INFO") -> None:
         structlog.processors.StackInfoRenderer(),
     ]
     renderer: structlog.typing.Processor
+    factory: Any = structlog.PrintLoggerFactory(file=sys.stderr)
     if use_console:
         renderer = structlog.dev.ConsoleRenderer(colors=sys.stderr.isatty())
     else:
         shared.append(structlog.processors.format_exc_info)
-        renderer = structlog.processors.JSONRenderer()
+        binary = getattr(sys.stderr, "buffer", None)
+        if binary is not None:
+            renderer = structlog.processors.JSONRenderer(serializer=_json_line)
+            factory = structlog.BytesLoggerFactory(file=binary)
+        else:  # a text-only stderr (some embedding hosts)
+            renderer = structlog.processors.JSONRenderer()
     structlog.configure(
         processors=[*shared, renderer],
         wrapper_class=structlog.make_filtering_bound_logger(numeric),
-        logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
+        logger_factory=factory,
         cache_logger_on_first_use=True,
     )
     # Libraries that use stdlib logging (aiohttp, kafka-python) go to stderr at WARNING.

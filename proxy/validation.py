@@ -3,6 +3,7 @@ work. Everything the checks do not know is passed through for vLLM to judge."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from proxy.errors import bad_request
@@ -19,13 +20,50 @@ def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def _check_optional(body: dict[str, Any], key: str, ok: bool, expected: str) -> None:
-    if key in body and body[key] is not None and not ok:
-        raise bad_request(
-            f"Invalid type for '{key}': expected {expected}, got {type(body[key]).__name__}.",
-            param=key,
-            code="invalid_type",
-        )
+def _is_stop(value: Any) -> bool:
+    return isinstance(value, str) or (
+        isinstance(value, list) and all(isinstance(s, str) for s in value)
+    )
+
+
+# (field, check, what the error says was expected); a field that is absent or null passes.
+# Checked in a loop, with each check run only for a field the body has: every request pays
+# for this.
+_Check = tuple[str, Callable[[Any], bool], str]
+_CHAT_FIELDS: tuple[_Check, ...] = (
+    ("logprobs", lambda v: isinstance(v, bool), "boolean"),
+    ("top_logprobs", _is_int, "integer"),
+    ("tools", lambda v: isinstance(v, list), "array"),
+    ("tool_choice", lambda v: isinstance(v, str | dict), "string or object"),
+    ("max_completion_tokens", _is_int, "integer"),
+)
+_COMPLETIONS_FIELDS: tuple[_Check, ...] = (
+    ("logprobs", _is_int, "integer"),
+    ("echo", lambda v: isinstance(v, bool), "boolean"),
+)
+_COMMON_FIELDS: tuple[_Check, ...] = (
+    ("stream", lambda v: isinstance(v, bool), "boolean"),
+    ("stream_options", lambda v: isinstance(v, dict), "object"),
+    ("n", lambda v: _is_int(v) and v >= 1, "integer >= 1"),
+    ("max_tokens", _is_int, "integer"),
+    ("temperature", _is_number, "number"),
+    ("top_p", _is_number, "number"),
+    ("seed", _is_int, "integer"),
+    ("user", lambda v: isinstance(v, str), "string"),
+    ("stop", _is_stop, "string or array of strings"),
+    ("return_token_ids", lambda v: isinstance(v, bool), "boolean"),
+)
+
+
+def _check_fields(body: dict[str, Any], checks: tuple[_Check, ...]) -> None:
+    for key, ok, expected in checks:
+        value = body.get(key)
+        if value is not None and not ok(value):
+            raise bad_request(
+                f"Invalid type for '{key}': expected {expected}, got {type(value).__name__}.",
+                param=key,
+                code="invalid_type",
+            )
 
 
 def validate_completion_request(endpoint: Endpoint, body: Any, max_messages: int) -> None:
@@ -54,23 +92,14 @@ def validate_completion_request(endpoint: Endpoint, body: Any, max_messages: int
                     param=f"messages[{position}]",
                     code="invalid_type",
                 )
-        _check_optional(body, "logprobs", isinstance(body.get("logprobs"), bool), "boolean")
-        _check_optional(body, "top_logprobs", _is_int(body.get("top_logprobs")), "integer")
-        _check_optional(body, "tools", isinstance(body.get("tools"), list), "array")
-        _check_optional(
-            body, "tool_choice", isinstance(body.get("tool_choice"), str | dict), "string or object"
-        )
-        _check_optional(
-            body, "max_completion_tokens", _is_int(body.get("max_completion_tokens")), "integer"
-        )
+        _check_fields(body, _CHAT_FIELDS)
     else:
         prompt = body.get("prompt")
         if not (isinstance(prompt, str) or (isinstance(prompt, list) and prompt)):
             raise bad_request(
                 "'prompt' is required and must be a string or a non-empty array.", param="prompt"
             )
-        _check_optional(body, "logprobs", _is_int(body.get("logprobs")), "integer")
-        _check_optional(body, "echo", isinstance(body.get("echo"), bool), "boolean")
+        _check_fields(body, _COMPLETIONS_FIELDS)
     if body.get("prompt_logprobs") is not None or (
         endpoint == "completions" and body.get("echo") and body.get("logprobs") is not None
     ):
@@ -83,21 +112,4 @@ def validate_completion_request(endpoint: Endpoint, body: Any, max_messages: int
             param="prompt_logprobs" if body.get("prompt_logprobs") is not None else "echo",
             code="unsupported_parameter",
         )
-    _check_optional(body, "stream", isinstance(body.get("stream"), bool), "boolean")
-    _check_optional(body, "stream_options", isinstance(body.get("stream_options"), dict), "object")
-    _check_optional(body, "n", _is_int(body.get("n")) and body.get("n", 1) >= 1, "integer >= 1")
-    _check_optional(body, "max_tokens", _is_int(body.get("max_tokens")), "integer")
-    _check_optional(body, "temperature", _is_number(body.get("temperature")), "number")
-    _check_optional(body, "top_p", _is_number(body.get("top_p")), "number")
-    _check_optional(body, "seed", _is_int(body.get("seed")), "integer")
-    _check_optional(body, "user", isinstance(body.get("user"), str), "string")
-    stop = body.get("stop")
-    _check_optional(
-        body,
-        "stop",
-        isinstance(stop, str) or (isinstance(stop, list) and all(isinstance(s, str) for s in stop)),
-        "string or array of strings",
-    )
-    _check_optional(
-        body, "return_token_ids", isinstance(body.get("return_token_ids"), bool), "boolean"
-    )
+    _check_fields(body, _COMMON_FIELDS)

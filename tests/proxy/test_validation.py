@@ -1,0 +1,57 @@
+"""Field type checks of completion requests: each checked field, a good and a bad value.
+The real-stack errors test (test_proxy_errors.py) sends such bodies through the proxy."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from proxy.errors import ProxyError
+from proxy.validation import validate_completion_request
+
+CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+COMPLETIONS = {"model": "m", "prompt": "hi"}
+
+# (endpoint, field, a value that passes, a value that does not)
+CASES: list[tuple[str, str, Any, Any]] = [
+    ("chat.completions", "logprobs", True, 1),
+    ("chat.completions", "top_logprobs", 2, "2"),
+    ("chat.completions", "tools", [], {}),
+    ("chat.completions", "tool_choice", "auto", 1),
+    ("chat.completions", "tool_choice", {"type": "function"}, ["auto"]),
+    ("chat.completions", "max_completion_tokens", 5, 5.0),
+    ("completions", "logprobs", 0, True),
+    ("completions", "echo", False, "no"),
+    ("chat.completions", "stream", True, "true"),
+    ("chat.completions", "stream_options", {"include_usage": True}, []),
+    ("chat.completions", "n", 2, 0),
+    ("completions", "n", 1, True),
+    ("chat.completions", "max_tokens", 16, "16"),
+    ("chat.completions", "temperature", 0.5, True),
+    ("completions", "top_p", 1, "1"),
+    ("chat.completions", "seed", 7, 7.5),
+    ("chat.completions", "user", "u-1", 1),
+    ("chat.completions", "stop", ["\n", "END"], ["\n", 1]),
+    ("completions", "stop", "END", 3),
+    ("chat.completions", "return_token_ids", True, 1),
+]
+
+
+@pytest.mark.parametrize(("endpoint", "field", "good", "bad"), CASES)
+def test_each_checked_field_accepts_its_type_and_names_a_wrong_one(
+    endpoint: str, field: str, good: Any, bad: Any
+) -> None:
+    base = CHAT if endpoint == "chat.completions" else COMPLETIONS
+    validate_completion_request(endpoint, {**base, field: good}, 100)  # type: ignore[arg-type]
+    validate_completion_request(endpoint, {**base, field: None}, 100)  # type: ignore[arg-type]
+    with pytest.raises(ProxyError) as caught:
+        validate_completion_request(endpoint, {**base, field: bad}, 100)  # type: ignore[arg-type]
+    assert caught.value.status == 400
+    assert caught.value.param == field
+    assert caught.value.code == "invalid_type"
+    assert type(bad).__name__ in caught.value.message
+
+
+def test_unknown_fields_pass_through_unchecked() -> None:
+    validate_completion_request("chat.completions", {**CHAT, "x_vendor": object()}, 100)

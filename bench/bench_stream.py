@@ -5,9 +5,14 @@ Measures, side by side with a bare kafka-python baseline on the same broker:
     sending pre-encoded bytes with acks=all;
   * put_* cost on the caller (what the proxy's event loop pays per record);
   * spill: records/s written to the durable spill while the broker is unreachable;
-  * consumer: TrajectoryConsumer (validate, de-dup, join, offsets) vs raw KafkaConsumer.
+  * consumer: TrajectoryConsumer (validate, de-dup, join, offsets) vs raw KafkaConsumer;
+  * CPU per record at a steady request rate (--rates): KafkaSinkProcess (the proxy's sink:
+    its feeder thread in the caller's process, and the worker process) vs KafkaSink (all in
+    the caller's process). At proxy rates the cost of waking threads dominates, not the
+    records' own work.
 
     python bench/bench_stream.py [--bootstrap HOST:PORT] [--records N] [--runs R]
+                                 [--rates 50,500,2500]
 
 Without --bootstrap it starts a private embedded broker on a free port and stops it after.
 """
@@ -15,9 +20,11 @@ Without --bootstrap it starts a private embedded broker on a free port and stops
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
 import tempfile
+import threading
 import time
 import uuid
 from pathlib import Path
@@ -30,7 +37,7 @@ from deploy.broker import start_broker
 from deploy.ports import free_port
 from replay.config import StreamConfig
 from replay.consumer import TrajectoryConsumer
-from replay.producer import KafkaSink
+from replay.producer import KafkaSink, KafkaSinkProcess
 from replay.schemas import encode_record
 from replay.synthetic import make_trajectory
 from replay.topics import TopicNames, ensure_topics
@@ -139,6 +146,63 @@ def bench_consumers(bootstrap: str, records: list[dict]) -> tuple[float, float]:
     return ours, baseline
 
 
+def _thread_cpu_s(pid: int, tids: set[int] | None = None) -> float:
+    """CPU seconds of a process's threads (all, or those in `tids`), ns resolution."""
+    total = 0.0
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        if tids is None or int(tid) in tids:
+            with open(f"/proc/{pid}/task/{tid}/schedstat") as handle:
+                total += int(handle.read().split()[0]) / 1e9
+    return total
+
+
+def _feed_at_rate(sink: KafkaSink | KafkaSinkProcess, records: list[dict], rate: float) -> None:
+    started = time.monotonic()
+    for i, record in enumerate(records):
+        sink.put_trajectory(record)
+        delay = started + (i + 1) / rate - time.monotonic()
+        if delay > 0:
+            time.sleep(delay)
+    if not sink.wait_idle(120):
+        raise RuntimeError("the sink did not drain")
+
+
+def bench_rate(bootstrap: str, records: list[dict], rate: float) -> tuple[float, float, float]:
+    """CPU µs per record at `rate` records/s: KafkaSinkProcess's feeder thread (what the
+    proxy's process pays) and its worker process, and KafkaSink's threads."""
+    me = os.getpid()
+    warm = records[: min(20, len(records))]
+    with tempfile.TemporaryDirectory() as state:
+        worker_sink = KafkaSinkProcess(_config(bootstrap), Path(state))
+        try:
+            _feed_at_rate(worker_sink, warm, rate)
+            time.sleep(1.0)
+            feeder, child = {worker_sink._thread.native_id}, worker_sink._proc.pid
+            before = _thread_cpu_s(me, feeder), _thread_cpu_s(child)
+            _feed_at_rate(worker_sink, records, rate)
+            after = _thread_cpu_s(me, feeder), _thread_cpu_s(child)
+        finally:
+            worker_sink.close()
+    with tempfile.TemporaryDirectory() as state:
+        thread_sink = KafkaSink(_config(bootstrap), Path(state))
+        try:
+            _feed_at_rate(thread_sink, warm, rate)
+            time.sleep(1.0)
+            main = {threading.main_thread().native_id}
+            others = lambda: _thread_cpu_s(me) - _thread_cpu_s(me, main)  # noqa: E731
+            thread_before = others()
+            _feed_at_rate(thread_sink, records, rate)
+            thread_after = others()
+        finally:
+            thread_sink.close()
+    per = 1e6 / len(records)
+    return (
+        (after[0] - before[0]) * per,
+        (after[1] - before[1]) * per,
+        (thread_after - thread_before) * per,
+    )
+
+
 def _pct(values: list[float], q: float) -> float:
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
@@ -149,6 +213,13 @@ def main() -> None:
     parser.add_argument("--bootstrap", help="HOST:PORT of a running broker")
     parser.add_argument("--records", type=int, default=5000)
     parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument(
+        "--rates",
+        default="",
+        help="comma-separated records/s for the CPU-per-record section (e.g. 50,500,2500); "
+        "each rate feeds --rate-seconds worth of records",
+    )
+    parser.add_argument("--rate-seconds", type=float, default=3.0)
     args = parser.parse_args()
 
     broker = None
@@ -191,6 +262,19 @@ def main() -> None:
             f"p50={_pct(put_costs, 0.5) * 1e6:.1f} us p99={_pct(put_costs, 0.99) * 1e6:.1f} us "
             f"max={max(put_costs) * 1e6:.0f} us"
         )
+        for rate in [float(r) for r in args.rates.split(",") if r.strip()]:
+            count = max(20, int(rate * args.rate_seconds))
+            runs = [
+                bench_rate(bootstrap, (records * (count // len(records) + 1))[:count], rate)
+                for _ in range(args.runs)
+            ]
+            feeder, child, thread = (statistics.median(r[i] for r in runs) for i in range(3))
+            print(
+                f"at {rate:.0f} records/s (CPU per record, median of {len(runs)}): "
+                f"KafkaSinkProcess feeder thread {feeder:.1f} us + worker {child:.1f} us "
+                f"= {feeder + child:.1f} us; KafkaSink threads {thread:.1f} us "
+                f"(caller's share x{feeder / thread:.2f} of KafkaSink's)"
+            )
     finally:
         if broker is not None:
             broker.stop()

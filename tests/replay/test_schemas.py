@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import json
 from collections.abc import Callable
 
 import pytest
@@ -24,6 +25,55 @@ def test_synthetic_records_are_valid() -> None:
     validate_trajectory(trajectory)
     validate_feedback(make_feedback(trajectory, kind="score", value=0.5))
     assert decode_record(encode_record(trajectory)) == trajectory
+
+
+@pytest.mark.parametrize(
+    "record",
+    [
+        make_trajectory(prompt_tokens=50, completion_tokens=20),
+        {"a": (1, 2), 3: "int key", "b": [-0.0, 1e16, 5e-324, 2**70, True, None, "é\u2028"]},
+    ],
+)
+def test_encode_record_writes_what_json_writes(record: dict) -> None:
+    expected = json.dumps(record, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
+    assert json.loads(encode_record(record)) == json.loads(expected)
+
+
+@pytest.mark.parametrize(
+    ("record", "error"),
+    [
+        ({"logprobs": [-0.5, float("nan")]}, ValueError),  # the wire is strict JSON
+        ({"a": {"b": float("-inf")}}, ValueError),
+        ({"a": "\ud800"}, ValueError),  # a lone surrogate has no UTF-8
+        ({"a": {1, 2}}, TypeError),
+        ({"a": object()}, TypeError),
+    ],
+)
+def test_encode_record_refuses_what_json_refuses(record: dict, error: type) -> None:
+    with pytest.raises(error):
+        encode_record(record)
+
+
+@pytest.mark.parametrize(
+    "wire",
+    [
+        b'{"a":[1,-0.0,1.5e-320,123456789012345678901234567890],"b":"\xc3\xa9","c":null}',
+        b'{"logprob":NaN,"x":-Infinity}',  # only a foreign producer writes these
+        b'{"a":1e400}',  # out of float range: json reads inf
+        b'{"a":"\\ud800"}',  # a lone surrogate escape
+        b'{"a":1,"a":2}',  # the last duplicate wins, as in json
+    ],
+)
+def test_decode_record_reads_what_json_reads(wire: bytes) -> None:
+    decoded, expected = decode_record(wire), json.loads(wire.decode("utf-8"))
+    # json.dumps tells 1 from 1.0 and writes NaN/Infinity, which == cannot compare
+    assert json.dumps(decoded) == json.dumps(expected)
+
+
+@pytest.mark.parametrize("wire", [b'{"a":1', b"\xff\xfe{}", b"", b'{"a":1}x'])
+def test_decode_record_refuses_what_json_refuses(wire: bytes) -> None:
+    with pytest.raises(ValueError):
+        decode_record(wire)
 
 
 def test_schemas_list_exactly_the_documented_fields() -> None:

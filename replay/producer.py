@@ -224,7 +224,7 @@ class KafkaSink:
                 items.append(self._queue.get_nowait())
             except queue.Empty:
                 break
-        if _WAKE_UP in items:
+        if self._stop.is_set() and _WAKE_UP in items:  # only `close` puts it
             self._queue.task_done()
             items.remove(_WAKE_UP)
         return items

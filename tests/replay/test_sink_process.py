@@ -48,6 +48,49 @@ def test_process_sink_round_trip_and_metrics(stream_config: StreamConfig, tmp_pa
     assert _consume_ids(stream_config, 200) == {r["trajectory_id"] for r in records}
 
 
+def test_records_put_together_reach_the_worker_together_and_an_idle_feeder_sleeps(
+    stream_config: StreamConfig, tmp_path: Path
+) -> None:
+    """The feeder batches on its tick instead of waking for every record, and once the
+    worker is idle it stops polling it (each wake-up of a thread costs CPU)."""
+    sink = KafkaSinkProcess(stream_config, tmp_path, CollectorRegistry())
+    try:
+        assert sink.wait_idle(60)
+        writes: list[int] = []
+        polls: list[float] = []
+        send_bytes, read_statuses = sink._conn.send_bytes, sink._read_statuses
+
+        def counting_send(data: bytes) -> None:
+            writes.append(len(data))
+            send_bytes(data)
+
+        def counting_read(block_s: float) -> bool:
+            polls.append(time.monotonic())
+            return read_statuses(block_s)
+
+        sink._conn.send_bytes = counting_send
+        sink._read_statuses = counting_read  # type: ignore[method-assign]
+        records = [make_trajectory(session_id=f"t{i % 4}") for i in range(50)]
+        for record in records[:25]:
+            sink.put_trajectory(record)
+        _wait_for(lambda: sink._idle and not sink._pending and not sink._outbox)
+        assert 1 <= len(writes) <= 3, writes  # the first record wakes it; the rest ride along
+        writes.clear()
+        started = time.monotonic()
+        for record in records[25:]:  # a trickle, 50 records/s: one write per tick, not each
+            sink.put_trajectory(record)
+            time.sleep(0.02)
+        ticks = (time.monotonic() - started) / 0.1
+        _wait_for(lambda: sink._idle and not sink._pending and not sink._outbox)
+        assert len(writes) <= ticks + 3, (writes, ticks)
+        polls.clear()
+        time.sleep(0.6)
+        assert len(polls) <= 1, polls  # idle: one check a second, not one per tick
+    finally:
+        sink.close()
+    assert _consume_ids(stream_config, 50) == {r["trajectory_id"] for r in records}
+
+
 def test_process_sink_spills_while_the_broker_is_down(tmp_path: Path) -> None:
     port = free_port()
     config = _config(f"127.0.0.1:{port}")

@@ -157,8 +157,10 @@ async def fake_chat(request: web.Request) -> web.StreamResponse:
     await response.prepare(request)
     pace_s = request.app[PACE_S]
     for i, event in enumerate(answer):
-        if pace_s and 0 < i < len(answer) - 1:
-            await asyncio.sleep(pace_s)  # one token at a time, the way a model server streams
+        if pace_s and 0 < i <= STREAM_TOKENS:
+            # One token at a time, the way a model server streams; like vLLM, the usage chunk
+            # and [DONE] follow the last token at once (they come from no engine step).
+            await asyncio.sleep(pace_s)
         await response.write(event)
     await response.write_eof()
     return response
@@ -494,7 +496,7 @@ def main() -> None:
         "--pace-ms",
         type=float,
         default=None,
-        help="pause between stream events: the paced upstream's (bench: default 1, 0 = no "
+        help="pause before each token event: the paced upstream's (bench: default 1, 0 = no "
         "paced rows; serve-upstream: default 0)",
     )
     parser.add_argument("--topic-prefix", default="bench")
@@ -740,11 +742,13 @@ def _cpu_rows(rounds: dict) -> list[str]:
 def render_paced(rounds: dict, args: argparse.Namespace) -> str:
     lines = [
         "",
-        f"### Capture CPU with a paced upstream ({args.pace_ms:g} ms between stream events)",
+        f"### Capture CPU with a paced upstream ({args.pace_ms:g} ms between token events)",
         "",
         "A model server streams one token per engine step, so each event reaches the proxy "
         "in a read of its own; the fast upstream above sends a whole answer at once (a few "
-        "reads per answer). Same 16-token answers; olp-off / olp-on / olp-on-nosink as above, "
+        "reads per answer). As vLLM does, the paced upstream sends the usage chunk (when "
+        "asked) and `[DONE]` right after the last token. Same 16-token answers; olp-off / "
+        "olp-on / olp-on-nosink as above, "
         f"{args.paced_rounds} alternating rounds of {args.paced_requests} requests.",
         "",
         *_CPU_HEADER,

@@ -724,8 +724,8 @@ class KafkaSinkProcess:
 
         while True:
             if self._outbox or self._pending or not self._idle:
-                if not self._closed:
-                    self._wake.wait(_FEED_INTERVAL_S)  # the tick (set only by close, wait_idle)
+                if not self._closed:  # the tick (close, wait_idle or a backlog cut it short)
+                    self._wake.wait(_FEED_INTERVAL_S)
             else:
                 self._idle_waiting = True
                 if not self._outbox and not self._closed:  # a put after the flag sets _wake

@@ -26,6 +26,7 @@ from proxy.errors import ProxyError, error_response
 from proxy.feedback import RecentTrajectories, build_event, check_owner, parse_feedback
 from proxy.metrics import ProxyMetrics
 from proxy.operator_page import record_feedback
+from proxy.relay import SSE_STRIP
 from proxy.routing import UpstreamPool
 from proxy.serving_state import load_state
 from proxy.tenants import TenantRegistry
@@ -240,6 +241,7 @@ async def _start(app: web.Application) -> None:
         upstreams=[r.url for r in ctx.pool.replicas],
         aliases=dict(ctx.aliases.snapshot()),
         canaries={k: v.to_json() for k, v in ctx.aliases.canaries().items()},
+        sse_strip=SSE_STRIP,
     )
 
 

@@ -15,6 +15,14 @@ from typing import Any, Literal
 
 import msgspec
 
+try:
+    from proxy import _sse_strip  # the C pass of `strip_sse`, built by `pip install`
+except ImportError:  # no C compiler where olp was installed: the same rules in Python
+    _sse_strip = None
+
+# Which implementation strips captured streams ("c" or "python"); the proxy logs it at start.
+SSE_STRIP = "python" if _sse_strip is None else "c"
+
 Endpoint = Literal["chat.completions", "completions"]
 
 ENDPOINT_PATHS: dict[Endpoint, str] = {
@@ -297,7 +305,24 @@ def _take_usage_events(plan: RelayPlan, block: bytes) -> tuple[bytes, dict[str, 
 
 def strip_sse(plan: RelayPlan, block: bytes) -> tuple[bytes, dict[str, Any] | None] | None:
     """Strip a block of whole `data: <json>` events; returns the client's bytes and the usage
-    object of a usage chunk in it, or None when the block must go event by event."""
+    object of a usage chunk in it, or None when the block must go event by event.
+
+    The rules below run in C (`proxy/_sse_strip.c`) where the extension was built, else in
+    Python (`strip_sse_python`); `SSE_STRIP` names which."""
+    if _sse_strip is None or not plan.augmented:
+        return strip_sse_python(plan, block)
+    stripped = _sse_strip.strip_events(
+        block, plan.endpoint == "chat.completions", plan.added_logprobs, plan.added_token_ids
+    )
+    if stripped is None or _USAGE_KEY not in stripped:
+        return None if stripped is None else (stripped, None)
+    # The cuts never touch a usage object, so the usage events can be taken afterwards.
+    return _take_usage_events(plan, stripped)
+
+
+def strip_sse_python(plan: RelayPlan, block: bytes) -> tuple[bytes, dict[str, Any] | None] | None:
+    """`strip_sse` in Python: the reference for the C pass, and the path where it is not
+    built."""
     newlines = block.count(b"\n")
     if newlines == 2 and block.startswith(b"data: ") and b'"usage":' not in block:
         # One event per read, the usual case with a real model server (tokens arrive

@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import itertools
 import json
+import random
 from typing import Any
 
 import pytest
 
+from proxy import relay
 from proxy.capture import CaptureContext, TrajectoryCapture
 from proxy.relay import (
     RelayPlan,
@@ -23,7 +25,19 @@ from proxy.relay import (
     strip_chunk,
     strip_response,
     strip_sse,
+    strip_sse_python,
 )
+
+NATIVE = relay._sse_strip
+
+
+@pytest.fixture(params=["c", "python"])
+def sse_strip(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Runs a test with each implementation of `strip_sse`: the C pass and the Python rules."""
+    if request.param == "python":
+        monkeypatch.setattr(relay, "_sse_strip", None)
+    return request.param
+
 
 # Verbatim from vLLM (chat and completions, streamed and not; logprobs, token ids and
 # usage requested by the proxy).
@@ -303,7 +317,7 @@ def _blocks() -> list[tuple[str, bytes]]:
 
 
 @pytest.mark.parametrize(("endpoint", "block"), _blocks())
-def test_sse_blocks_strip_like_event_by_event(endpoint: str, block: bytes) -> None:
+def test_sse_blocks_strip_like_event_by_event(endpoint: str, block: bytes, sse_strip: str) -> None:
     for plan in _plans(endpoint, stream=True):
         fast = strip_sse(plan, block)
         if fast is None:
@@ -314,7 +328,7 @@ def test_sse_blocks_strip_like_event_by_event(endpoint: str, block: bytes) -> No
         assert usage == expected_usage
 
 
-def test_sse_block_path_takes_vllm_streams_and_refuses_doubt() -> None:
+def test_sse_block_path_takes_vllm_streams_and_refuses_doubt(sse_strip: str) -> None:
     chat = plan_request("chat.completions", {"model": "m", "stream": True}, "m", capture=True)
     whole = b"".join(sse_event(e) for e in VLLM_CHAT_STREAM) + b"data: [DONE]\n\n"
     fast = strip_sse(chat, whole)
@@ -342,6 +356,65 @@ def test_sse_block_path_takes_vllm_streams_and_refuses_doubt() -> None:
     empty_role = VLLM_CHAT_STREAM[0].replace(b'"role":"assistant","content":""', b'"role":""')
     assert strip_sse(chat, sse_event(empty_role)) is None
     assert strip_sse(chat, b'data: {"usage":{"oops"\n\n') is None  # parsed event by event
+
+
+def test_the_c_strip_is_built_here() -> None:
+    """The install builds the C pass wherever a compiler exists, as in CI; a broken build
+    must fail here rather than quietly leave the proxy on the slower Python path."""
+    assert relay.SSE_STRIP == "c" and NATIVE is not None
+
+
+_NOISE = [b'"', b"\\", b"{", b"}", b"[", b"]", b",", b":", b"\n", b"\r", b"0", b"x", b" ", b"null"]
+
+
+def _mutations(rng: random.Random, block: bytes, count: int) -> list[bytes]:
+    """Blocks with a byte dropped, a JSON-significant byte inserted, or cut short."""
+    out = []
+    for _ in range(count):
+        at = rng.randrange(len(block) + 1)
+        kind = rng.randrange(3)
+        if kind == 0:
+            out.append(block[:at] + block[at + 1 :])
+        elif kind == 1:
+            out.append(block[:at] + rng.choice(_NOISE) + block[at:])
+        else:
+            out.append(block[:at])
+    return out
+
+
+def test_c_and_python_strips_agree_on_mangled_blocks() -> None:
+    """The C pass reads upstream bytes: on thousands of damaged blocks it must not crash,
+    must answer as the Python rules do where both answer, and where only one answers (the
+    Python path sends a lone event through `strip_bytes`, whose checks differ: it passes a
+    stray `\r`, and refuses a chunk without choices) that answer must be the parsing path's."""
+    rng = random.Random(20261130)
+    both = only_one = 0
+    for endpoint, block in _blocks():
+        for mangled in [block, *_mutations(rng, block, 40)]:
+            for plan in _plans(endpoint, stream=True):
+                if not plan.augmented:
+                    continue
+                native = relay.strip_sse(plan, mangled)
+                if not mangled.endswith(b"\n\n"):
+                    # Not whole events, which the relay never passes (`SSEParser.complete`);
+                    # the C pass refuses them.
+                    assert native is None, (plan, mangled)
+                    continue
+                python = strip_sse_python(plan, mangled)
+                if native is not None and python is not None:
+                    assert native == python, (plan, mangled)
+                    both += 1
+                    continue
+                answer = native or python
+                if answer is None:
+                    continue
+                only_one += 1
+                try:
+                    expected = _slow_block(plan, mangled)
+                except ValueError:
+                    continue  # not JSON: relayed as it came, on either byte path
+                assert (_events_of(answer[0]), answer[1]) == expected, (plan, mangled)
+    assert both > 2_000 and only_one < both / 10, (both, only_one)
 
 
 def test_sse_parser_complete_keeps_partial_events() -> None:

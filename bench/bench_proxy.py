@@ -9,15 +9,16 @@ Against a fast local OpenAI-shaped fake upstream (aiohttp, this file), the same 
                 and sends the records)
   olp-on-thread the records built in the proxy and sent by a KafkaSink thread in it
   olp-on-nosink the same capture handed to a sink that drops the captures
+  olp-on-pystrip olp-on with the Python strip instead of its C pass (proxy/_sse_strip.c)
   olp-on-down, olp-on-thread-down
                 olp-on / olp-on-thread with the broker down: every record spills to disk
   litellm       client → LiteLLM proxy, one worker (installed in a separate venv; optional)
 at concurrency 1 and 16, streamed and not. Prints p50/p99 latency, requests/s and the
 relay's CPU ms per request (from /proc: the relay process alone, and with its child
 processes); then measures what the ratio targets compare (direct, pass-through, olp-off,
-olp-on, olp-on-nosink) again in alternating rounds, the capture CPU once more against a
-paced upstream (one stream event per read, as a model server sends them), and writes
-docs/perf/proxy.md.
+olp-on, olp-on-nosink, olp-on-pystrip) again in alternating rounds, the capture CPU once
+more against a paced upstream (one stream event per read, as a model server sends them),
+and writes docs/perf/proxy.md.
 
     python bench/bench_proxy.py [--requests 400] [--cpu-rounds 5] [--cpu-requests 300]
                                 [--pace-ms 1] [--paced-rounds 5] [--paced-requests 200]
@@ -243,9 +244,16 @@ def serve_olp(
     sink_kind: str,
     bootstrap: str | None,
     topic_prefix: str,
+    python_strip: bool = False,
 ) -> None:
     sys.path.insert(0, str(ROOT))
     import structlog
+
+    if python_strip:  # the bench's side-by-side baseline for the C pass, not a product switch
+        from proxy import relay
+
+        relay._sse_strip = None
+        relay.SSE_STRIP = "python"
 
     from proxy.config import ProxyConfig, TenantConfig
     from proxy.server import serve_proxy
@@ -500,6 +508,9 @@ def main() -> None:
         "paced rows; serve-upstream: default 0)",
     )
     parser.add_argument("--topic-prefix", default="bench")
+    parser.add_argument(
+        "--python-strip", action="store_true", help="serve-olp: strip in Python, not C"
+    )
     parser.add_argument("--requests", type=int, default=400)
     parser.add_argument(
         "--cpu-rounds", type=int, default=5, help="alternating rounds for the ratio targets"
@@ -516,7 +527,13 @@ def main() -> None:
         return serve_passthrough(args.port, args.upstream)
     if args.mode == "serve-olp":
         return serve_olp(
-            args.port, args.upstream, Path(args.state), args.sink, args.bootstrap, args.topic_prefix
+            args.port,
+            args.upstream,
+            Path(args.state),
+            args.sink,
+            args.bootstrap,
+            args.topic_prefix,
+            args.python_strip,
         )
     run_bench(args)
 
@@ -557,6 +574,7 @@ def run_bench(args: argparse.Namespace) -> None:
         olps: dict[str, tuple[str, subprocess.Popen]] = {}
         olp_rows = [
             ("process", "kafka-process", broker.bootstrap, upstream_url),
+            ("process-pystrip", "kafka-process", broker.bootstrap, upstream_url),
             ("thread", "kafka", broker.bootstrap, upstream_url),
             ("nosink", "none", None, upstream_url),
             ("process-down", "kafka-process", f"127.0.0.1:{closed_port}", upstream_url),
@@ -565,6 +583,7 @@ def run_bench(args: argparse.Namespace) -> None:
         if paced_url:
             olp_rows += [
                 ("paced", "kafka-process", broker.bootstrap, paced_url),
+                ("paced-pystrip", "kafka-process", broker.bootstrap, paced_url),
                 ("paced-nosink", "none", None, paced_url),
             ]
         for name, sink, bootstrap, upstream in olp_rows:
@@ -574,6 +593,8 @@ def run_bench(args: argparse.Namespace) -> None:
             command += ["--topic-prefix", f"bench-{name}"]
             if bootstrap:
                 command += ["--bootstrap", bootstrap]
+            if name.endswith("-pystrip"):
+                command += ["--python-strip"]
             proc = spawn(command, workdir / f"olp-{name}.log")
             procs.append(proc)
             olps[name] = (f"http://127.0.0.1:{port}", proc)
@@ -591,6 +612,7 @@ def run_bench(args: argparse.Namespace) -> None:
             olp_target("olp-on", "process"),
             olp_target("olp-on-thread", "thread"),
             olp_target("olp-on-nosink", "nosink"),
+            olp_target("olp-on-pystrip", "process-pystrip"),
             olp_target("olp-on-down", "process-down"),
             olp_target("olp-on-thread-down", "thread-down"),
         ]
@@ -638,6 +660,7 @@ def run_bench(args: argparse.Namespace) -> None:
                 "olp-off": olp_target("olp-off", "paced", "key-off"),
                 "olp-on": olp_target("olp-on", "paced"),
                 "olp-on-nosink": olp_target("olp-on-nosink", "paced-nosink"),
+                "olp-on-pystrip": olp_target("olp-on-pystrip", "paced-pystrip"),
             }
             print(f"paced upstream ({args.pace_ms} ms between events):", flush=True)
             paced_rounds = alternating_rounds(
@@ -678,8 +701,8 @@ def run_bench(args: argparse.Namespace) -> None:
 
 
 # ------------------------------------------------------------------ alternating rounds
-ROUND_TARGETS = ("direct", "passthrough", "olp-off", "olp-on", "olp-on-nosink")
-CPU_TARGETS = ("olp-off", "olp-on", "olp-on-nosink")
+ROUND_TARGETS = ("direct", "passthrough", "olp-off", "olp-on", "olp-on-nosink", "olp-on-pystrip")
+CPU_TARGETS = ("olp-off", "olp-on", "olp-on-nosink", "olp-on-pystrip")
 
 
 def alternating_rounds(
@@ -715,8 +738,9 @@ def alternating_rounds(
 
 _CPU_HEADER = [
     "| stream | conc | off ms/req | on ms/req | on/off | nosink ms/req | nosink/off "
-    "| on total ms/req (incl. worker) | total on/off | rounds on/off |",
-    "|---|---|---|---|---|---|---|---|---|---|",
+    "| on total ms/req (incl. worker) | total on/off | rounds on/off "
+    "| Python strip: on ms/req | on/off |",
+    "|---|---|---|---|---|---|---|---|---|---|---|---|",
 ]
 
 
@@ -734,7 +758,8 @@ def _cpu_rows(rounds: dict) -> list[str]:
             f"| {stream} | {concurrency} | {med['olp-off']:.3f} | {med['olp-on']:.3f} | "
             f"{med['olp-on'] / med['olp-off']:.2f} | {med['olp-on-nosink']:.3f} | "
             f"{med['olp-on-nosink'] / med['olp-off']:.2f} | {total_on:.3f} | "
-            f"{total_on / total_off:.2f} | {per_round} |"
+            f"{total_on / total_off:.2f} | {per_round} | {med['olp-on-pystrip']:.3f} | "
+            f"{med['olp-on-pystrip'] / med['olp-off']:.2f} |"
         )
     return lines
 
@@ -748,7 +773,7 @@ def render_paced(rounds: dict, args: argparse.Namespace) -> str:
         "in a read of its own; the fast upstream above sends a whole answer at once (a few "
         "reads per answer). As vLLM does, the paced upstream sends the usage chunk (when "
         "asked) and `[DONE]` right after the last token. Same 16-token answers; olp-off / "
-        "olp-on / olp-on-nosink as above, "
+        "olp-on / olp-on-nosink / olp-on-pystrip as above, "
         f"{args.paced_rounds} alternating rounds of {args.paced_requests} requests.",
         "",
         *_CPU_HEADER,
@@ -768,7 +793,9 @@ def render_rounds(rounds: dict, count: int, requests: int) -> str:
         "`olp-off` and `olp-on` are the same proxy (tenants with training off and on), its "
         "KafkaSinkProcess worker building, checking, redacting, validating, encoding and "
         "sending the records; `olp-on-nosink` is a proxy whose sink takes the captures and "
-        "drops them (the proxy process's own capture work, with no worker using the cores).",
+        "drops them (the proxy process's own capture work, with no worker using the cores); "
+        "`olp-on-pystrip` is olp-on with the Python strip in place of its C pass "
+        "(proxy/_sse_strip.c), the baseline for what the C pass saves.",
         "",
         "Capture CPU per request (target: on ≤ 1.1× off):",
         "",
@@ -832,6 +859,8 @@ def render(
         f"{counts['thread']} of {expected} records arrived.",
         "- olp-on-nosink: the same capture handed to a sink that drops the captures (the "
         "proxy process's own share of the capture cost, with no worker using the cores).",
+        "- olp-on-pystrip: olp-on with the stream strip in Python instead of its C pass "
+        "(proxy/_sse_strip.c).",
         "- olp-on-down / olp-on-thread-down: olp-on / olp-on-thread with the sink pointed at a "
         "closed loopback port (broker down), so every record goes to the durable spill: "
         f"{counts['process-down']} and {counts['thread-down']} of {expected} records "

@@ -70,6 +70,22 @@ class CaptureContext:
     sampling: dict[str, Any]
     created_at: float = field(default_factory=time.time)
     started: float = field(default_factory=time.monotonic)
+    # The client's body as it came, which `request_body` was parsed from. A context sent to
+    # a sink's worker process carries these bytes instead of the dict, and the worker parses
+    # them again: the proxy's feeder pickled a capture in 8.8 µs instead of 14.9 µs for the
+    # bench's small request, and 33.5 instead of 53.4 µs for a 33 KB agent request.
+    request_raw: bytes | None = None
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = dict(self.__dict__)
+        if self.request_raw is not None:
+            state["request_body"] = None
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        if self.request_body is None and self.request_raw is not None:
+            self.request_body, _ = parse_json(self.request_raw)
 
 
 @dataclass

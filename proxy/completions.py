@@ -51,14 +51,16 @@ _DISCONNECT_ERRORS = (ConnectionResetError, ConnectionAbortedError, BrokenPipeEr
 
 async def read_json_body(request: web.Request, max_bytes: int) -> Any:
     """The request body as JSON; 413 over the limit, 400 when it does not parse."""
-    body, _ = await read_json(request, max_bytes)
+    body, _, _ = await read_json(request, max_bytes)
     return body
 
 
-async def read_json(request: web.Request, max_bytes: int) -> tuple[Any, Callable[[Any], bytes]]:
+async def read_json(
+    request: web.Request, max_bytes: int
+) -> tuple[Any, Callable[[Any], bytes], bytes]:
     """`read_json_body`, plus the encoder that writes the body back as it came (msgspec, or
     Python's `json` for what only `json` reads, such as NaN): several times faster than
-    `json` on the large bodies coding agents send."""
+    `json` on the large bodies coding agents send; and the raw bytes."""
     if request.content_length is not None and request.content_length > max_bytes:
         raise ProxyError(
             413,
@@ -79,11 +81,12 @@ async def read_json(request: web.Request, max_bytes: int) -> tuple[Any, Callable
             413, f"Request body exceeds the limit of {max_bytes} bytes.", code="request_too_large"
         )
     try:
-        return parse_json(raw)
+        body, encode = parse_json(raw)
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise bad_request(
             f"The request body is not valid JSON: {exc}", code="invalid_json"
         ) from exc
+    return body, encode, raw
 
 
 class CompletionRelay:
@@ -103,13 +106,16 @@ class CompletionRelay:
         self.ttft_s: float | None = None
         self.usage: dict[str, Any] | None = None  # a captured stream's usage chunk
         self.encode_body: Callable[[Any], bytes] = dumps
+        self.raw_body = b""
 
     async def handle(self) -> web.StreamResponse:
         ctx = self.ctx
         try:
             tenant = ctx.tenants.authenticate(self.request.headers.get("Authorization"))
             self.tenant_label = tenant.name
-            body, self.encode_body = await read_json(self.request, ctx.config.max_body_bytes)
+            body, self.encode_body, self.raw_body = await read_json(
+                self.request, ctx.config.max_body_bytes
+            )
             validate_completion_request(self.endpoint, body, ctx.config.max_messages)
             self.stream = bool(body.get("stream", False))
             # A canary only ever takes traffic that is recorded for training: its live
@@ -184,6 +190,7 @@ class CompletionRelay:
             group_id=headers.get("X-OLP-Group-Id"),
             task=headers.get("X-OLP-Task"),
             request_body=body,
+            request_raw=self.raw_body,
             sampling={k: plan.upstream_body[k] for k in SAMPLING_KEYS if k in plan.upstream_body},
         )
         self.ctx.recent.add(trajectory_id, TrajectoryOwner(tenant.name_hash, context.session_id))

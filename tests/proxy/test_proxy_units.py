@@ -4,6 +4,7 @@ feedback validation, aliases, serving state. The real-stack tests cover the same
 from __future__ import annotations
 
 import json
+import pickle
 
 import pytest
 from pydantic import ValidationError
@@ -324,6 +325,32 @@ def test_capture_merges_stream_and_tool_call_fragments():
     assert choice["token_ids"] == [10, 11, 12, 13]
     assert choice["logprobs"] == [-0.5, -0.1, -0.2, -0.3]
     assert record["trainable"] is True and record["flags"] == []
+
+
+def test_a_capture_crosses_to_the_worker_as_raw_request_bytes():
+    """What KafkaSinkProcess's feeder pickles carries the client's body once, as the bytes it
+    came in (cheap to pickle), and the worker's copy builds the same record."""
+    raw = json.dumps(
+        {"model": "policy", "messages": [{"role": "user", "content": "unique-marker " * 50}]}
+    ).encode()
+    capture = _capture()
+    capture.context.request_body, _ = parse_json(raw)
+    capture.context.request_raw = raw
+    capture.add_sse(b'data: {"choices":[],"usage":{"prompt_tokens":1,"completion_tokens":0}}\n\n')
+    pickled = pickle.dumps(capture, protocol=pickle.HIGHEST_PROTOCOL)
+    assert pickled.count(b"unique-marker") == 50  # the raw bytes only, not the dict as well
+    copy = pickle.loads(pickled)
+    assert copy.context.request_body == capture.context.request_body
+    built, expected = copy.build("ok"), capture.build("ok")
+    for record in (built, expected):
+        record.pop("event_id")
+        record.pop("timings")
+    assert built == expected
+    assert capture.context.request_body is not None  # the proxy's own object is untouched
+    without_raw = _capture()
+    assert pickle.loads(pickle.dumps(without_raw)).context.request_body == (
+        without_raw.context.request_body
+    )
 
 
 def test_capture_flags_disagreeing_counts_and_aborts():

@@ -336,6 +336,10 @@ def test_sse_block_path_takes_vllm_streams_and_refuses_doubt(sse_strip: str) -> 
     out, usage = fast
     assert usage == {"prompt_tokens": 31, "total_tokens": 35, "completion_tokens": 4}
     assert b"usage" not in out and b'logprob":{' not in out and out.endswith(b"[DONE]\n\n")
+    # One event per read, as a model server streams: each takes the byte path too.
+    for event in [*VLLM_CHAT_STREAM, b"[DONE]"]:
+        alone = strip_sse(chat, sse_event(event))
+        assert alone is not None and (alone[0] == b"") == (b'"usage":{' in event), event
     completions = plan_request("completions", {"model": "m", "stream": True}, "m", capture=True)
     assert strip_sse(completions, b"".join(sse_event(e) for e in VLLM_COMPLETIONS_STREAM))
     # Doubt → None: \r framing, an empty delta, multi-line data.

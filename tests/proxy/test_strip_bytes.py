@@ -365,7 +365,10 @@ def test_sse_block_path_takes_vllm_streams_and_refuses_doubt(sse_strip: str) -> 
 def test_the_c_strip_is_built_here() -> None:
     """The install builds the C pass wherever a compiler exists, as in CI; a broken build
     must fail here rather than quietly leave the proxy on the slower Python path."""
-    assert relay.SSE_STRIP == "c" and NATIVE is not None
+    assert relay.SSE_STRIP == "c" and NATIVE is not None, (
+        "proxy/_sse_strip.c was not built: install a C compiler and Python's headers "
+        "(Debian: gcc python3.11-dev) and run ./olpw again, which rebuilds it"
+    )
 
 
 _NOISE = [b'"', b"\\", b"{", b"}", b"[", b"]", b",", b":", b"\n", b"\r", b"0", b"x", b" ", b"null"]

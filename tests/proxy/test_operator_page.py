@@ -16,6 +16,7 @@ import pytest
 
 from proxy.aliases import Canary
 from proxy.config import TenantConfig
+from proxy.operator_data import topic_end_offsets
 from proxy.operator_page import OPERATOR
 from replay.config import StreamConfig
 from replay.producer import KafkaSink
@@ -275,6 +276,24 @@ def chromium(*args: str, profile: Path, timeout_s: float = 90) -> subprocess.Com
     )
 
 
+def wait_for_end_offsets(
+    bootstrap: str, topics: list[str], count: int, timeout_s: float = 30
+) -> bool:
+    """Wait until every topic's end offsets sum to count.
+
+    The embedded broker's end offsets can trail the acknowledged writes for a moment, so the
+    page is rendered only once the broker itself reports every record.
+    """
+    deadline = time.monotonic() + timeout_s
+    while True:
+        ends = topic_end_offsets(bootstrap, topics, timeout_s=5)
+        if all(sum(ends[topic].values()) == count for topic in topics):
+            return True
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.1)
+
+
 @pytest.mark.skipif(not Path(CHROMIUM).exists(), reason="Debian chromium is not installed")
 def test_chromium_renders_live_rewards(make_proxy, vllm_server, kafka_bootstrap, tmp_path):
     prefix = f"opage-{uuid.uuid4().hex[:8]}"
@@ -308,6 +327,8 @@ def test_chromium_renders_live_rewards(make_proxy, vllm_server, kafka_bootstrap,
             assert feedback.status_code == 202 and feedback.json()["known"] is True
         harness.drain()
         assert sink.wait_idle(30), "the records did not reach the broker"
+        topics = [f"{prefix}.trajectories", f"{prefix}.feedback"]
+        assert wait_for_end_offsets(kafka_bootstrap, topics, 4), "the broker's offsets lag"
 
         dom = chromium("--dump-dom", mint_link(harness)["url"], profile=tmp_path / "p1").stdout
         assert '<strong id="serving-version">base</strong>' in dom

@@ -180,7 +180,9 @@ def consumer_lag(
                     "partition": partition,
                     "end": end,
                     "consumed": at,
-                    "lag": end - (at or 0),
+                    # The broker's end offset can trail the writes for a moment (docs/stream.md):
+                    # never show a learner ahead of the log as a negative lag.
+                    "lag": max(end - (at or 0), 0),
                 }
             )
     return rows

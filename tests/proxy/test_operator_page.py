@@ -16,7 +16,7 @@ import pytest
 
 from proxy.aliases import Canary
 from proxy.config import TenantConfig
-from proxy.operator_data import topic_end_offsets
+from proxy.operator_data import consumer_lag, topic_end_offsets
 from proxy.operator_page import OPERATOR
 from replay.config import StreamConfig
 from replay.producer import KafkaSink
@@ -235,6 +235,17 @@ def test_gates_learner_rewards_and_feedback_series(make_proxy, tmp_path):
     assert "kl_to_base" in page and 'class="pass"' in page
     assert "policy-v3.json" in page  # the unreadable report is named, not hidden
     assert len(sink.feedback) == 4
+
+
+def test_consumer_lag_is_never_negative() -> None:
+    ends = {"t.trajectories": {0: 5, 1: 2}, "t.feedback": {0: 0}}
+    consumed = {"t.trajectories": {"0": 3, "1": 4}}  # the broker's end trails the learner
+    rows = consumer_lag(ends, consumed)
+    assert [(r["topic"], r["partition"], r["end"], r["consumed"], r["lag"]) for r in rows] == [
+        ("t.feedback", 0, 0, None, 0),
+        ("t.trajectories", 0, 5, 3, 2),
+        ("t.trajectories", 1, 2, 4, 0),
+    ]
 
 
 def test_stream_section_reports_an_unreachable_broker_without_hanging(make_proxy, tmp_path):

@@ -33,6 +33,7 @@ import argparse
 import asyncio
 import json
 import os
+import re
 import shutil
 import statistics
 import subprocess
@@ -245,6 +246,7 @@ def serve_olp(
     bootstrap: str | None,
     topic_prefix: str,
     python_strip: bool = False,
+    gc_default: bool = False,
 ) -> None:
     sys.path.insert(0, str(ROOT))
     import structlog
@@ -255,7 +257,7 @@ def serve_olp(
         relay._sse_strip = None
         relay.SSE_STRIP = "python"
 
-    from proxy.config import ProxyConfig, TenantConfig
+    from proxy.config import GcTuning, ProxyConfig, TenantConfig
     from proxy.server import serve_proxy
     from replay.config import StreamConfig
     from replay.producer import KafkaSink
@@ -266,6 +268,8 @@ def serve_olp(
         upstreams=[upstream],
         sink="jsonl" if sink_kind == "jsonl" else "kafka",
         base_model_aliases=["base"],
+        # The bench's baseline for the proxy's GC settings: the interpreter's defaults.
+        gc=GcTuning(freeze_after_start=False, young_threshold=0) if gc_default else GcTuning(),
     )
     stream = StreamConfig(
         bootstrap_servers=bootstrap or "127.0.0.1:9092", topic_prefix=topic_prefix
@@ -291,7 +295,9 @@ def serve_olp(
         sink = CountingSink()
     elif sink_kind == "kafka":  # the in-process KafkaSink, named explicitly
         sink = KafkaSink(stream, state_dir)
-    asyncio.run(serve_proxy(config, tenants, state_dir, stream=stream, sink=sink))
+    asyncio.run(
+        serve_proxy(config, tenants, state_dir, stream=stream, sink=sink, owns_process=True)
+    )
 
 
 # ------------------------------------------------------------------ load and measurement
@@ -511,6 +517,11 @@ def main() -> None:
     parser.add_argument(
         "--python-strip", action="store_true", help="serve-olp: strip in Python, not C"
     )
+    parser.add_argument(
+        "--gc-default", action="store_true", help="serve-olp: the interpreter's GC settings"
+    )
+    parser.add_argument("--gc-rounds", type=int, default=5, help="rounds of the GC p99 table")
+    parser.add_argument("--gc-requests", type=int, default=1000, help="requests per GC round")
     parser.add_argument("--requests", type=int, default=400)
     parser.add_argument(
         "--cpu-rounds", type=int, default=5, help="alternating rounds for the ratio targets"
@@ -534,6 +545,7 @@ def main() -> None:
             args.bootstrap,
             args.topic_prefix,
             args.python_strip,
+            args.gc_default,
         )
     run_bench(args)
 
@@ -575,6 +587,7 @@ def run_bench(args: argparse.Namespace) -> None:
         olp_rows = [
             ("process", "kafka-process", broker.bootstrap, upstream_url),
             ("process-pystrip", "kafka-process", broker.bootstrap, upstream_url),
+            ("process-gcdefault", "kafka-process", broker.bootstrap, upstream_url),
             ("thread", "kafka", broker.bootstrap, upstream_url),
             ("nosink", "none", None, upstream_url),
             ("process-down", "kafka-process", f"127.0.0.1:{closed_port}", upstream_url),
@@ -595,6 +608,8 @@ def run_bench(args: argparse.Namespace) -> None:
                 command += ["--bootstrap", bootstrap]
             if name.endswith("-pystrip"):
                 command += ["--python-strip"]
+            if name.endswith("-gcdefault"):
+                command += ["--gc-default"]
             proc = spawn(command, workdir / f"olp-{name}.log")
             procs.append(proc)
             olps[name] = (f"http://127.0.0.1:{port}", proc)
@@ -613,6 +628,7 @@ def run_bench(args: argparse.Namespace) -> None:
             olp_target("olp-on-thread", "thread"),
             olp_target("olp-on-nosink", "nosink"),
             olp_target("olp-on-pystrip", "process-pystrip"),
+            olp_target("olp-on-gcdefault", "process-gcdefault"),
             olp_target("olp-on-down", "process-down"),
             olp_target("olp-on-thread-down", "thread-down"),
         ]
@@ -654,6 +670,12 @@ def run_bench(args: argparse.Namespace) -> None:
         rounds = alternating_rounds(
             {t.name: t for t in targets}, args.cpu_rounds, args.cpu_requests
         )
+        gc_table = gc_rounds(
+            olp_target("olp-on", "process"),
+            olp_target("olp-on-gcdefault", "process-gcdefault"),
+            args.gc_rounds,
+            args.gc_requests,
+        )
         paced_rounds: dict = {}
         if paced_url:
             paced_targets = {
@@ -680,9 +702,12 @@ def run_bench(args: argparse.Namespace) -> None:
             args.requests,
             counts,
             litellm_note,
-            extra_process_records=4 * args.cpu_rounds * (args.cpu_requests + 20),
+            # olp-on's requests in the alternating rounds and in the GC rounds
+            extra_process_records=4 * args.cpu_rounds * (args.cpu_requests + 20)
+            + 2 * args.gc_rounds * (args.gc_requests + 20),
         )
         report += render_rounds(rounds, args.cpu_rounds, args.cpu_requests)
+        report += render_gc(gc_table, args.gc_rounds, args.gc_requests)
         if paced_rounds:
             report += render_paced(paced_rounds, args)
         print(report)
@@ -698,6 +723,71 @@ def run_bench(args: argparse.Namespace) -> None:
             except subprocess.TimeoutExpired:
                 proc.kill()
         shutil.rmtree(workdir, ignore_errors=True)
+
+
+# ------------------------------------------------------------------ garbage collector
+def gc_collections(url: str) -> list[float]:
+    """The proxy's python_gc_collections_total per generation, from its /metrics."""
+    import urllib.request
+
+    with urllib.request.urlopen(url + "/metrics", timeout=10) as response:
+        text = response.read().decode()
+    found = re.findall(r'^python_gc_collections_total\{generation="(\d)"\} (\S+)$', text, re.M)
+    return [float(value) for _, value in sorted(found)]
+
+
+def gc_rounds(tuned: Target, default: Target, rounds: int, requests: int) -> dict:
+    """p99 at 16 concurrent requests of the proxy with and without its GC settings, in
+    alternating rounds, with the collections each generation ran meanwhile."""
+    out: dict[bool, dict[str, dict[str, list[float]]]] = {}
+    for stream in (False, True):
+        group: dict[str, dict[str, list[float]]] = {}
+        for target in (tuned, default):
+            group[target.name] = {"p99": [], "cpu": [], "collections": []}
+        for round_ in range(rounds):
+            for target in (tuned, default) if round_ % 2 == 0 else (default, tuned):
+                before = gc_collections(target.url)
+                r = asyncio.run(run_load(target, stream, 16, requests))
+                after = gc_collections(target.url)
+                group[target.name]["p99"].append(r["p99_ms"])
+                group[target.name]["cpu"].append(r["cpu_ms"] or 0.0)
+                group[target.name]["collections"].append(
+                    [b - a for a, b in zip(before, after, strict=True)]
+                )
+        out[stream] = group
+        print(
+            f"gc rounds stream={stream!s:5s}: "
+            + " ".join(f"{n} p99={statistics.median(g['p99']):.1f}ms" for n, g in group.items()),
+            flush=True,
+        )
+    return out
+
+
+def render_gc(table: dict, rounds: int, requests: int) -> str:
+    lines = [
+        "",
+        "### Tail latency and the garbage collector",
+        "",
+        f"{rounds} alternating rounds of {requests} requests at concurrency 16 (after 20 "
+        "warm-up requests): `olp-on` with the proxy's GC settings (`proxy.gc`), "
+        "`olp-on-gcdefault` with the interpreter's. Collections per generation are summed "
+        "over the rounds, from each proxy's `python_gc_collections_total`.",
+        "",
+        "| stream | target | median p99 ms | worst p99 ms | p99 per round | CPU ms/req "
+        "| collections gen0/gen1/gen2 |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for stream, group in table.items():
+        for name, g in group.items():
+            per_round = ", ".join(f"{p:.1f}" for p in g["p99"])
+            gens = [sum(c[i] for c in g["collections"]) for i in range(3)]
+            lines.append(
+                f"| {stream} | {name} | {statistics.median(g['p99']):.1f} | {max(g['p99']):.1f} "
+                f"| {per_round} | {statistics.median(g['cpu']):.3f} | "
+                + "/".join(f"{n:.0f}" for n in gens)
+                + " |"
+            )
+    return "\n".join(lines) + "\n"
 
 
 # ------------------------------------------------------------------ alternating rounds
@@ -861,6 +951,8 @@ def render(
         "proxy process's own share of the capture cost, with no worker using the cores).",
         "- olp-on-pystrip: olp-on with the stream strip in Python instead of its C pass "
         "(proxy/_sse_strip.c).",
+        "- olp-on-gcdefault: olp-on with the interpreter's garbage-collector settings instead "
+        "of the proxy's (`proxy.gc`: start-up objects frozen, young threshold 20000).",
         "- olp-on-down / olp-on-thread-down: olp-on / olp-on-thread with the sink pointed at a "
         "closed loopback port (broker down), so every record goes to the durable spill: "
         f"{counts['process-down']} and {counts['thread-down']} of {expected} records "

@@ -7,7 +7,14 @@ from __future__ import annotations
 
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    GCCollector,
+    Histogram,
+    generate_latest,
+)
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 LATENCY_BUCKETS = (
@@ -88,6 +95,12 @@ class ProxyMetrics:
             ("kind",),
             registry=self.registry,
         )
+        self.gc_frozen = Gauge(
+            "olp_proxy_gc_frozen_objects",
+            "Objects frozen out of the garbage collector's scans at start-up (0: not tuned)",
+            registry=self.registry,
+        )
+        GCCollector(registry=self.registry)  # python_gc_*: collections per generation
         # Labelled series of the per-request metrics. As many as Prometheus keeps anyway
         # (tenants × policy versions × endpoints × statuses); series are never removed.
         self._series: dict[tuple[Any, tuple[str, ...]], Any] = {}

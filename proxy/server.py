@@ -13,6 +13,8 @@ from aiohttp import web
 
 from proxy.app import build_app
 from proxy.config import ProxyConfig, TenantConfig, sha256_hex
+from proxy.context import CONTEXT
+from proxy.gc_tuning import tune_gc
 from replay.config import StreamConfig
 from replay.producer import KafkaSinkProcess
 from replay.sink import JsonlSink
@@ -45,10 +47,12 @@ async def serve_proxy(
     stop: asyncio.Event | None = None,
     sink: Any = None,
     internal_admin_token: str | None = None,
+    owns_process: bool = False,
 ) -> None:
     """Serve until `stop` is set (or a signal arrives when `stop` is None).
 
-    `sink` overrides the RecordSink the config names (embedding, benchmarks)."""
+    `sink` overrides the RecordSink the config names (embedding, benchmarks).
+    `owns_process` applies the process-wide settings (`config.gc`) once it listens."""
     state_dir = Path(state_dir)
     safety = safety or SafetyConfig()
     redactor = Redactor.from_config(safety.redaction)
@@ -72,6 +76,10 @@ async def serve_proxy(
         site = web.TCPSite(runner, config.host, config.port)
         await site.start()
         log.info("proxy_listening", host=config.host, port=config.port)
+        if owns_process:
+            frozen = tune_gc(config.gc)
+            app[CONTEXT].metrics.gc_frozen.set(frozen)
+            log.info("gc_tuned", frozen_objects=frozen, **config.gc.model_dump())
         if stop is None:
             stop = asyncio.Event()
             loop = asyncio.get_running_loop()
@@ -104,5 +112,6 @@ def run_proxy(
             stream=stream,
             safety=safety,
             internal_admin_token=os.environ.get(INTERNAL_ADMIN_TOKEN_ENV) or None,
+            owns_process=True,
         )
     )

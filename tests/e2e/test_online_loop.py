@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -138,6 +139,15 @@ def test_requests_flow_through_the_stack(stack: RunningStack) -> None:
     assert out.parse().choices[0].message.content
     # Training is off for the tenant: nothing is recorded.
     assert "x-olp-trajectory-id" not in out.headers
+
+
+def test_the_proxy_process_applies_its_gc_settings(stack: RunningStack) -> None:
+    """`olp proxy` owns its process: start-up objects are frozen out of the collector's scans
+    (proxy.gc), and the collector's work is on /metrics."""
+    text = httpx.get(f"{stack.proxy_url}/metrics", timeout=30).text
+    frozen = re.search(r"^olp_proxy_gc_frozen_objects (\S+)$", text, re.M)
+    assert frozen is not None and float(frozen.group(1)) > 10_000
+    assert re.search(r'^python_gc_collections_total\{generation="2"\} \d', text, re.M)
 
 
 def test_second_up_is_refused(stack: RunningStack) -> None:

@@ -193,8 +193,10 @@ def test_admin_ui_refuses_without_a_key_and_serves_with_it(proxy):
 
 def test_internal_admin_token_of_olp_up(tmp_path, vllm_server):
     """`olp up` hands the learner a per-run token through the environment; the proxy's
-    entry point admits it next to the operator's key."""
+    entry point admits it next to the operator's key. Embedded (not `owns_process`), it
+    leaves the host process's garbage-collector settings alone."""
     import asyncio
+    import gc
     import threading
 
     from deploy.ports import free_port
@@ -220,10 +222,13 @@ def test_internal_admin_token_of_olp_up(tmp_path, vllm_server):
             ),
         ),
     )
+    threshold, frozen = gc.get_threshold(), gc.get_freeze_count()
     thread.start()
     base = f"http://127.0.0.1:{port}"
     wait_for(lambda: _answers(base + "/healthz"))
     try:
+        assert (gc.get_threshold(), gc.get_freeze_count()) == (threshold, frozen)
+        assert "\nolp_proxy_gc_frozen_objects 0.0\n" in httpx.get(base + "/metrics").text
         for key, status in (("run-token", 200), (ADMIN_KEY, 200), ("other", 403)):
             response = httpx.get(base + "/admin/status", headers={"Authorization": f"Bearer {key}"})
             assert response.status_code == status

@@ -173,6 +173,7 @@ class AuditLog:
         canonical_json(clean_payload)  # fail before taking the lock on NaN / non-JSON values
         with self._thread_lock, self._locked():
             last = self._read_last_record()
+            self._check_head(last)
             record: dict[str, Any] = {
                 "seq": (last["seq"] + 1) if last else 1,
                 "ts": _now_iso(),
@@ -226,6 +227,36 @@ class AuditLog:
                 ) from exc
             return record
         return None
+
+    def _check_head(self, last: Mapping[str, Any] | None) -> None:
+        """Refuse to extend a chain whose newest records were removed: the head names the
+        newest record written, and an append must not turn a detectable deletion into a
+        chain that verifies. The chain may be one record ahead (an append interrupted
+        between its line and its head)."""
+        head = head_path(self.path)
+        if not head.exists():
+            if last is not None:
+                raise AuditError(
+                    f"{head} is missing but the log holds records; refusing to extend it; "
+                    "run `olp audit verify`"
+                )
+            return
+        try:
+            head_record = json.loads(head.read_bytes())
+            head_seq, head_hash = int(head_record["seq"]), str(head_record["hash"])
+        except (ValueError, KeyError, TypeError) as exc:
+            raise AuditError(f"{head} is unreadable ({exc}); run `olp audit verify`") from exc
+        if last is not None and (
+            (last["seq"] == head_seq and last["hash"] == head_hash)
+            or (last["seq"] == head_seq + 1 and last["prev_hash"] == head_hash)
+        ):
+            return
+        found = "no records" if last is None else f"seq {last['seq']}"
+        raise AuditError(
+            f"the audit chain ends at {found} but {head.name} records seq {head_seq}: "
+            "records were deleted or the head was edited; refusing to extend it; "
+            "run `olp audit verify`"
+        )
 
     def _write_line(self, line: bytes) -> None:
         fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
@@ -346,6 +377,10 @@ def verify(path_or_dir: str | os.PathLike[str]) -> VerifyResult:
             return fail(f"{where}: record is not canonical JSON ({exc})")
         if computed != record["hash"]:
             return fail(f"{where}: hash mismatch (record was edited)")
+        if line != canonical_json(record) + b"\n":
+            # Same record, other bytes (spaces, key order, a duplicated key that a reader
+            # keeping the first one would show): every line is written canonical.
+            return fail(f"{where}: not the canonical JSON of its record (line was edited)")
         result.records += 1
         prev_hash = record["hash"]
         expected_seq += 1

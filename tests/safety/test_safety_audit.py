@@ -137,6 +137,58 @@ def test_restart_continues_the_chain_and_refuses_a_damaged_tail(tmp_path: Path) 
     assert verify(path).first_bad_seq == 4
 
 
+def test_an_append_after_deleting_the_newest_records_is_refused(tmp_path: Path) -> None:
+    # Without the head check the next append would chain onto the shortened log and write a
+    # new head, and the deletion would verify.
+    path = tmp_path / "audit.jsonl"
+    _write_log(path, 3)
+    pristine = _lines(path)
+    path.write_bytes(b"".join(pristine[:2]))
+    with pytest.raises(AuditError, match="records were deleted"):
+        AuditLog(path).append("operator", "freeze")
+    assert _lines(path) == pristine[:2]  # nothing written
+    assert not verify(path).ok
+    path.unlink()  # the whole live file
+    with pytest.raises(AuditError, match="ends at no records"):
+        AuditLog(path).append("operator", "freeze")
+    assert not path.exists() or path.read_bytes() == b""
+    head = path.with_name("audit.jsonl.head")
+    path.write_bytes(b"".join(pristine))
+    head.unlink()
+    with pytest.raises(AuditError, match="missing"):
+        AuditLog(path).append("operator", "freeze")
+    # Moving every file aside starts a new chain.
+    path.unlink()
+    assert AuditLog(path).append("operator", "freeze")["seq"] == 1
+    assert verify(path).ok
+
+
+def test_an_interrupted_append_one_record_ahead_of_the_head_is_extended(tmp_path: Path) -> None:
+    path = tmp_path / "audit.jsonl"
+    audit = _write_log(path, 2)
+    head = path.with_name("audit.jsonl.head")
+    behind = head.read_bytes()
+    audit.append("operator", "freeze")
+    head.write_bytes(behind)  # a crash between the line and the head
+    assert audit.append("operator", "unfreeze")["seq"] == 4
+    assert verify(path).ok
+
+
+def test_a_line_that_is_not_canonical_fails(tmp_path: Path) -> None:
+    path = tmp_path / "audit.jsonl"
+    _write_log(path, 2)
+    lines = _lines(path)
+    record = json.loads(lines[0])
+    # The same record with a duplicated key whose first value a naive reader would show.
+    tampered = b'{"actor":"mallory",' + lines[0][1:]
+    assert json.loads(tampered) == record
+    for line in (tampered, json.dumps(record).encode() + b"\n"):
+        path.write_bytes(line + lines[1])
+        result = verify(path)
+        assert (result.ok, result.first_bad_seq) == (False, 1)
+        assert "canonical" in result.reason
+
+
 def test_rotation_chains_across_files(tmp_path: Path) -> None:
     path = tmp_path / "audit.jsonl"
     audit = AuditLog(path, rotate_bytes=1024)

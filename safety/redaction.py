@@ -73,8 +73,11 @@ _BUILTIN: dict[str, _Kind] = {
     for k in (
         _Kind(
             "private_key",
+            # The whole block; without its END line (an answer cut off by max_tokens, a
+            # partial paste) the BEGIN line and every base64 or header line after it.
             r"-----BEGIN (?:[A-Z0-9]+ )*PRIVATE KEY(?: BLOCK)?-----"
-            r"[\s\S]*?-----END (?:[A-Z0-9]+ )*PRIVATE KEY(?: BLOCK)?-----",
+            r"(?:[\s\S]*?-----END (?:[A-Z0-9]+ )*PRIVATE KEY(?: BLOCK)?-----"
+            r"|(?:[ \t]*(?:\r?\n|\\n)(?:[A-Za-z0-9+/=]+|[A-Za-z-]+:[^\r\n]*))*)",
             needles=("PRIVATE KEY",),
         ),
         _Kind(
@@ -101,11 +104,28 @@ _BUILTIN: dict[str, _Kind] = {
             needles=("ghp_", "gho_", "ghu_", "ghs_", "ghr_", "github_pat_"),
         ),
         _Kind("slack_token", r"\bxox[abposre]-[A-Za-z0-9-]{10,}", needles=("xox",)),
+        _Kind(
+            "stripe_key",
+            r"\b[rs]k_(?:live|test)_[A-Za-z0-9]{16,}",
+            needles=("k_live_", "k_test_"),
+        ),
+        _Kind("huggingface_token", r"\bhf_[A-Za-z0-9]{30,}\b", needles=("hf_",)),
         _Kind("google_api_key", r"\bAIza[0-9A-Za-z_-]{35}", needles=("AIza",)),
         _Kind(
             "bearer_token",
-            r"\b[Bb]earer[ \t]+[A-Za-z0-9._~+/-]{16,}=*",
-            needles=("earer",),
+            r"\b(?i:bearer)[ \t]+[A-Za-z0-9._~+/-]{16,}=*",
+            needle_regex=r"(?i:earer)",
+        ),
+        _Kind(
+            "basic_auth",  # only after an Authorization name: "basic" is a common word
+            r"(?i:authorization[\"']?[ \t]*[:=][ \t]*[\"']?basic)[ \t]+"
+            r"(?P<secret>[A-Za-z0-9+/]{8,}={0,2})",
+            needle_regex=r"(?i:basic)",
+        ),
+        _Kind(
+            "url_password",  # scheme://user:password@host keeps all but the password
+            r"\b[A-Za-z][A-Za-z0-9+.-]*://[^/\s:@]*:(?P<secret>[^/\s@]+)@",
+            needles=("://",),
         ),
         _Kind(
             "email",
@@ -114,7 +134,9 @@ _BUILTIN: dict[str, _Kind] = {
         ),
         _Kind(
             "credit_card",
-            r"(?<![\d.])\d(?:[ -]?\d){12,18}(?!\d|\.\d)",
+            # Not touching a letter or digit on either side, nor a dash-joined one: a digit
+            # run inside a hex hash or a UUID is not a card number.
+            r"(?<![\w.])(?<!\w-)\d(?:[ -]?\d){12,18}(?!\w|\.\d|-\w)",
             _credit_card_ok,
             needle_regex=_DIGIT_RUN,
         ),
@@ -199,12 +221,18 @@ class Redactor:
             if kind.validate is not None and not kind.validate(found):
                 return found
             counts[kind.name] = counts.get(kind.name, 0) + 1
+            if "secret" in match.re.groupindex and match.start("secret") >= 0:
+                # Only the named group is the secret; the rest (a URL's host, a header
+                # name) stays readable.
+                start, end = match.span("secret")
+                offset = match.start()
+                return found[: start - offset] + replacement_for(kind.name) + found[end - offset :]
             return replacement_for(kind.name)
 
         return replace
 
     def redact_obj(self, obj: Any) -> tuple[Any, RedactionCounts]:
-        """A copy of a JSON-like structure with every string value redacted (keys are kept).
+        """A copy of a JSON-like structure with every string (values and keys) redacted.
 
         When no needle occurs anywhere in the structure's JSON text (the usual case), nothing
         can be redacted and `obj` itself is returned: callers must not modify the result.
@@ -235,7 +263,11 @@ class Redactor:
                 counts.update(found)
             return text
         if kind is dict or isinstance(obj, Mapping):
-            return {key: self._walk(value, counts) for key, value in obj.items()}
+            # Keys too: client metadata may be keyed by an e-mail address or a key.
+            return {
+                (self._walk(key, counts) if type(key) is str else key): self._walk(value, counts)
+                for key, value in obj.items()
+            }
         if kind is list or isinstance(obj, list | tuple):
             if (
                 obj

@@ -40,6 +40,14 @@ CASES: list[tuple[str, str, str]] = [
     ("jwt", f"session={JWT};", JWT[:40]),
     ("bearer_token", "Authorization: Bearer abc123DEF456ghi789.jkl", "abc123DEF456ghi789"),
     ("private_key", f"here is my key\n{PEM}\nthanks", "b3BlbnNzaC1rZXkt"),
+    # Cut off by max_tokens: no END line.
+    ("private_key", PEM.rsplit("\n", 1)[0][:-9], "b3BlbnNzaC1rZXkt"),
+    ("stripe_key", "STRIPE_KEY=sk_live_51H8xAbCdEfGhIjKlMnOp", "sk_live_51H8x"),
+    ("huggingface_token", "HF_TOKEN=hf_" + "AbCdEfGhIj" * 3 + "Klmn", "hf_AbCdEfGhIj"),
+    ("bearer_token", "Authorization: BEARER abcdefghijklmnop1234", "abcdefghijklmnop"),
+    ("basic_auth", "Authorization: Basic dXNlcjpzM2NyZXRQYXNzd29yZA==", "dXNlcjpzM2NyZXRQ"),
+    ("url_password", "postgres://admin:s3cretP4ss@10.0.0.5:5432/app", "s3cretP4ss"),
+    ("url_password", "redis://default:s3cretP4ss@localhost:6379/0", "s3cretP4ss"),
 ]
 
 
@@ -67,6 +75,11 @@ CLEAN_SAMPLES = [
     "Call me maybe. The answer is 42, or 3.5 million dollars in 2024-11-29.",
     "x = np.array([1, 2, 3]) + 10**12; y = -1234567.89",
     "Bearer tokens go in the Authorization header.",
+    "Basic authentication sends a base64 username:password pair; see https://example.com:8443/x.",
+    # Digit runs inside hex hashes and UUIDs that would pass the card check on their own.
+    "commit 5d8f6cce532a7aeb57196be4111111111111111b3aeb3580d248b17d5518a86 ok",
+    "id=852d2ee5-0061-4d4111111111111111cd43a and x = 0x4111111111111111",
+    "uuid 20198123-5258-4042-b18b-51a7b40d56e0",
 ]
 
 
@@ -116,6 +129,24 @@ def test_redact_obj_walks_messages_tool_calls_and_metadata_without_mutating() ->
     assert arguments == {"to": "[REDACTED:email]", "n": 2}
     assert redacted["metadata"]["tags"] == ["x", "[REDACTED:phone]"]
     assert redacted["max_tokens"] == 16 and redacted["stream"] is False
+
+
+def test_only_the_secret_part_of_a_url_or_header_is_replaced() -> None:
+    redactor = Redactor()
+    assert redactor.redact_text("db at postgres://admin:hunter2pw@db.internal:5432/app") == (
+        "db at postgres://admin:[REDACTED:url_password]@db.internal:5432/app",
+        {"url_password": 1},
+    )
+    assert redactor.redact_text('{"authorization": "Basic dXNlcjpwYXNzd29yZA=="}') == (
+        '{"authorization": "Basic [REDACTED:basic_auth]"}',
+        {"basic_auth": 1},
+    )
+
+
+def test_dict_keys_are_redacted_too() -> None:
+    redacted, counts = Redactor().redact_obj({"allow": {"bob@example.com": True, "n": 1}})
+    assert redacted == {"allow": {"[REDACTED:email]": True, "n": 1}}
+    assert counts == {"email": 1}
 
 
 def test_custom_patterns_and_disabled_kinds() -> None:

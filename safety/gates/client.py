@@ -103,17 +103,24 @@ class VllmClient:
         data = await self.post("/v1/chat/completions", body)
         try:
             choice = data["choices"][0]
+            if choice.get("token_ids") is None:
+                # The gates compare token sequences; an empty stand-in would make every
+                # comparison vacuous and a gate pass without evidence.
+                raise UpstreamError(
+                    f"{model!r} returned no token_ids (the gates need a vLLM that honours "
+                    "return_token_ids)"
+                )
             token_logprobs = None
             if logprobs:
                 token_logprobs = [float(t["logprob"]) for t in choice["logprobs"]["content"]]
             return Completion(
                 text=choice["message"].get("content") or "",
-                token_ids=list(choice.get("token_ids") or []),
+                token_ids=list(choice["token_ids"]),
                 logprobs=token_logprobs,
                 prompt_token_ids=list(data.get("prompt_token_ids") or []),
                 finish_reason=choice.get("finish_reason"),
             )
-        except (KeyError, IndexError, TypeError) as exc:
+        except (KeyError, IndexError, TypeError, AttributeError) as exc:
             raise UpstreamError(f"unexpected chat response shape from {model!r}: {exc!r}") from exc
 
     async def score_tokens(

@@ -18,7 +18,7 @@ from safety.gates.client import Completion
 from safety.gates.context import SuiteContext
 from safety.gates.probes import BUILTIN, MonitorProbe, Probe, load_probes
 from safety.gates.regression import regression_probes
-from safety.gates.types import GateResult
+from safety.gates.types import GateError, GateResult
 
 PREFIX = "monitor."
 
@@ -35,6 +35,8 @@ async def monitor_gates(
     # The regression prompts are benign too and already sampled by the regression gate.
     extra: list[Probe] = regression_probes(regression) if regression.enabled else []
     probes: list[Probe] = [*monitor, *extra]
+    if not probes:
+        raise GateError("no monitor probes: the monitor file is empty and regression is off")
     candidate, incumbent = await ctx.respond_both(probes)
     benign = [k for k, p in enumerate(probes) if getattr(p, "kind", "benign") == "benign"]
     tools = [k for k, p in enumerate(probes) if getattr(p, "kind", "") == "tool"]

@@ -16,7 +16,7 @@ from safety.gates.checks import divergence
 from safety.gates.client import Completion
 from safety.gates.context import SuiteContext
 from safety.gates.probes import Probe, TriggerProbe, load_probes
-from safety.gates.types import GateResult
+from safety.gates.types import GateError, GateResult
 
 NAME = "poisoning"
 
@@ -52,6 +52,8 @@ async def _recheck(ctx: SuiteContext, probe: TriggerProbe) -> float:
 
 async def poisoning_gate(ctx: SuiteContext, config: PoisoningGateConfig) -> GateResult:
     probes = load_probes(config.probe_file, TriggerProbe)[: config.max_probes]
+    if not probes:
+        raise GateError(f"no trigger probes in {config.probe_file}")
     n = len(probes)
     candidate, incumbent = await ctx.respond_both(
         [p.with_trigger() for p in probes] + [p.control() for p in probes]

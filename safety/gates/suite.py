@@ -37,6 +37,11 @@ async def _guarded(
     except GateError as exc:
         log.warning("gate_failed_closed", gate=name, reason=str(exc))
         return [GateResult.failed_closed(name, f"{type(exc).__name__}: {exc}")]
+    except Exception as exc:
+        # A bug in one gate fails that gate (closed) instead of the whole suite, so the
+        # report still says what every other gate found.
+        log.exception("gate_crashed", gate=name)
+        return [GateResult.failed_closed(name, f"{type(exc).__name__}: {exc}")]
     return outcome if isinstance(outcome, list) else [outcome]
 
 

@@ -140,6 +140,64 @@ async def test_rule_classifier() -> None:
     assert not await rules.is_unsafe(probe, "Phishing is a crime that harms people.")
 
 
+async def test_a_chat_answer_without_token_ids_fails_the_gate_closed() -> None:
+    # With an empty stand-in every token comparison (poisoning, length drift) was vacuous and
+    # those gates passed on no evidence.
+    from aiohttp import web
+
+    from safety.gates.client import UpstreamError, VllmClient
+
+    async def chat(request: web.Request) -> web.Response:
+        message = {"role": "assistant", "content": "hello"}
+        return web.json_response({"choices": [{"message": message, "finish_reason": "stop"}]})
+
+    app = web.Application()
+    app.router.add_post("/v1/chat/completions", chat)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = runner.addresses[0][1]
+    try:
+        async with VllmClient(f"http://127.0.0.1:{port}") as client:
+            with pytest.raises(UpstreamError, match="no token_ids"):
+                await client.chat(
+                    "candidate",
+                    [{"role": "user", "content": "hi"}],
+                    max_tokens=4,
+                    temperature=0.0,
+                    seed=1,
+                )
+    finally:
+        await runner.cleanup()
+
+
+async def test_an_empty_probe_file_fails_its_gate_not_the_suite(tmp_path: Path) -> None:
+    from safety.config import MonitorGateConfig, PoisoningGateConfig, RegressionGateConfig
+    from safety.gates.monitors import monitor_gates
+    from safety.gates.poisoning import poisoning_gate
+    from safety.gates.suite import _guarded
+
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("# nothing yet\n")
+    ctx = None  # never reached: both gates stop before asking the servers
+    with pytest.raises(GateError, match="no trigger probes"):
+        await poisoning_gate(ctx, PoisoningGateConfig(probe_file=empty))  # type: ignore[arg-type]
+    with pytest.raises(GateError, match="no monitor probes"):
+        await monitor_gates(
+            ctx,  # type: ignore[arg-type]
+            MonitorGateConfig(probe_file=empty),
+            RegressionGateConfig(enabled=False),
+        )
+
+    async def broken() -> GateResult:
+        raise TypeError("a bug in a gate")
+
+    [result] = await _guarded("poisoning", broken)
+    assert result.verdict == "fail" and result.metric is None
+    assert "TypeError: a bug in a gate" in result.details["reason"]
+
+
 def test_classifier_config_validation() -> None:
     with pytest.raises(ValueError, match="needs base_url and model"):
         ClassifierConfig(kind="openai")

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 _DAY_MS = 24 * 3600 * 1000
 
@@ -19,6 +19,16 @@ class StreamConfig(BaseModel):
     replication_factor: int = Field(default=1, ge=1)
     retention_ms: int = Field(default=7 * _DAY_MS, ge=-1)
     bootstrap_timeout_ms: int = Field(default=3_000, ge=100)
+
+    @field_validator("bootstrap_servers")
+    @classmethod
+    def _host_port_list(cls, value: str) -> str:
+        # The launchers split it; a bad value fails at start-up naming the key, not later.
+        for address in value.split(","):
+            host, _, port = address.strip().rpartition(":")
+            if not host or not port.isdigit() or not 0 < int(port) < 65536:
+                raise ValueError("expected HOST:PORT[,HOST:PORT...]")
+        return value
 
     # Producer: bounded in-memory queue drained by one background thread.
     queue_size: int = Field(default=10_000, ge=1)
@@ -49,8 +59,18 @@ class StreamConfig(BaseModel):
     dlq_max_ratio: float = Field(default=0.2, ge=0, le=1)
     dlq_window_records: int = Field(default=500, ge=1)
     dlq_min_records: int = Field(default=20, ge=1)
-    join_window_s: float = Field(default=30.0, ge=0)
-    join_grace_s: float = Field(default=2.0, ge=0)
+    join_window_s: float = Field(
+        default=30.0,
+        ge=0,
+        description="feedback joins a trajectory when its created_at is at most this long "
+        "after the reply finished (the trajectory's created_at + timings.total_s)",
+    )
+    join_grace_s: float = Field(
+        default=2.0,
+        ge=0,
+        description="extra wait for in-flight feedback: a trajectory is yielded this long "
+        "after its join window ends (timed from when it was read if it is stamped later)",
+    )
     orphan_feedback_ttl_s: float = Field(default=600.0, ge=0)
     dedup_lookback_records: int = Field(default=10_000, ge=0)
     dedup_memory_records: int = Field(default=500_000, ge=1)

@@ -16,8 +16,12 @@ Reads `<prefix>.trajectories`, `<prefix>.feedback` and `<prefix>.dlq` from expli
 A trajectory's window opens when its reply was finished (`created_at + timings.total_s`: a
 slow reply must not eat the user's time to react) and closes `join_window_s + join_grace_s`
 later, and only once the feedback partitions were read up to their high watermark.
-Feedback joins when its `created_at` lies before the window's end; later feedback, or
-feedback read after the trajectory was yielded, is counted as late and logged.
+Feedback joins when its `created_at` is at most `created_at + timings.total_s +
+join_window_s` of its trajectory; later feedback, or feedback read after the trajectory was
+yielded, is counted as late and logged. A reply stamped as finished after the moment it was
+read (clock skew, milliseconds for seconds) has its window timed from that moment instead,
+so it cannot hold back the trajectories behind it; feedback still joins it by the rule
+above, so nothing is lost (counted in `future_created_at` when over 5 s ahead).
 """
 
 from __future__ import annotations
@@ -49,6 +53,8 @@ from replay.topics import TopicNames, ensure_topics
 log = structlog.get_logger(__name__)
 
 Offsets = dict[str, dict[int, int]]
+# A trajectory stamped further ahead of the reading clock than this is counted and logged.
+_FUTURE_TOLERANCE_S = 5.0
 
 
 class DlqRatioExceeded(RuntimeError):
@@ -82,6 +88,7 @@ class ConsumerStats:
     late_feedback: int = 0
     orphaned_feedback: int = 0
     feedback_before_resume: int = 0
+    future_created_at: int = 0
 
 
 @dataclass
@@ -128,6 +135,10 @@ class _StatsCollector(Collector):
             ("dlq_seen", "DLQ records from producers"),
             ("late_feedback", "Feedback after the window or after its trajectory was yielded"),
             ("orphaned_feedback", "Feedback dropped because its trajectory never arrived"),
+            (
+                "future_created_at",
+                "Trajectories stamped over 5 s in the future (window timed from when read)",
+            ),
         ):
             yield CounterMetricFamily(f"olp_consumer_{name}", help_text, value=getattr(stats, name))
         yield GaugeMetricFamily(
@@ -428,7 +439,19 @@ class TrajectoryConsumer:
             (value.get("timings") or {}).get("total_s") or 0.0
         )
         window_end = finished + self._window
-        pending = _Pending(tp, offset, value, window_end, window_end + self._grace)
+        # Windows close in offset order: one stamped in the future would hold back every
+        # later trajectory of its partition, so it is timed from now at the latest.
+        now = self._clock()
+        if finished > now + _FUTURE_TOLERANCE_S:
+            self.stats.future_created_at += 1
+            log.warning(
+                "trajectory_created_in_future",
+                trajectory_id=tid,
+                ahead_s=round(finished - now, 1),
+                offset=offset,
+            )
+        deadline = min(finished, now) + self._window + self._grace
+        pending = _Pending(tp, offset, value, window_end, deadline)
         self._pending[tp][offset] = pending
         self._pending_by_tid[tid] = pending
         for ftp, foff, event in self._orphans.pop(tid, []):

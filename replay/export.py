@@ -111,6 +111,9 @@ def iter_records(
             consumer.seek(tp, max(start, beginnings.get(tp) or 0))
             stop_at[tp] = ends.get(kind, {}).get(tp.partition)
         active = {tp for tp in tps if stop_at[tp] is None or consumer.position(tp) < stop_at[tp]}
+        for tp in tps:
+            if tp not in active:  # already at its end bound: it ends where it starts
+                _record_end(result, kind_of[tp.topic], tp, consumer.position(tp), stop_at[tp])
         consumer.pause(*[tp for tp in tps if tp not in active])
         last_progress = time.monotonic()
         while active:
@@ -135,14 +138,23 @@ def iter_records(
                 if done_by_offset or done_by_end:
                     active.discard(tp)
                     consumer.pause(tp)
-                    if result is not None:
-                        bound = min(position, end) if end is not None else position
-                        result.end_offsets.setdefault(kind_of[tp.topic], {})[tp.partition] = bound
+                    _record_end(result, kind_of[tp.topic], tp, position, end)
             if active and time.monotonic() - last_progress > idle_timeout_s:
                 log.warning("export_stopped_idle", waiting_partitions=len(active))
+                for tp in active:  # every record before the position was exported
+                    _record_end(result, kind_of[tp.topic], tp, consumer.position(tp), stop_at[tp])
                 break
     finally:
         consumer.close()
+
+
+def _record_end(
+    result: ExportResult | None, kind: str, tp: TopicPartition, position: int, end: int | None
+) -> None:
+    """Where this partition's export stopped: the next export's `from_offsets` for it."""
+    if result is not None:
+        bound = min(position, end) if end is not None else position
+        result.end_offsets.setdefault(kind, {})[tp.partition] = bound
 
 
 def _parse(
@@ -201,13 +213,18 @@ def export_records(
         result=result,
     )
     tmp = out.with_name(out.name + ".partial")
-    if chosen == "jsonl":
-        with tmp.open("w", encoding="utf-8") as handle:
-            for item in items:
-                handle.write(json.dumps(item, separators=(",", ":"), ensure_ascii=False) + "\n")
-                result.counts[item["kind"]] = result.counts.get(item["kind"], 0) + 1
-    else:
-        _write_parquet(tmp, items, result)
+    try:
+        if chosen == "jsonl":
+            with tmp.open("w", encoding="utf-8") as handle:
+                for item in items:
+                    line = json.dumps(item, separators=(",", ":"), ensure_ascii=False)
+                    handle.write(line + "\n")
+                    result.counts[item["kind"]] = result.counts.get(item["kind"], 0) + 1
+        else:
+            _write_parquet(tmp, items, result)
+    except BaseException:
+        tmp.unlink(missing_ok=True)  # a failed export leaves no half-written file behind
+        raise
     tmp.replace(out)
     log.info(
         "export_written",

@@ -22,11 +22,11 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import structlog
 from kafka import KafkaProducer
-from kafka.errors import KafkaError, UnsupportedVersionError
+from kafka.errors import KafkaError, MessageSizeTooLargeError, UnsupportedVersionError
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from replay.config import StreamConfig
@@ -48,6 +48,14 @@ _RECORD_OVERHEAD_BYTES = 1024
 # wake-up of a sleeping thread costs ~0.1 ms of CPU on a small VM).
 _IDLE_TAKE_S = 0.25
 _WAKE_UP: Any = object()  # put by `close`: not a record
+# Backoff between spill writes while the disk refuses them (ENOSPC, EIO): doubling, capped.
+_DISK_RETRY_FIRST_S = 0.5
+_DISK_RETRY_MAX_S = 30.0
+# A DLQ envelope the broker refuses for good is sent once more with its payload cut to this.
+_DLQ_TRUNCATED_BYTES = 4096
+# What a record sent in `_send` is: as queued or spilled, a DLQ envelope of a refused record,
+# or such an envelope truncated (refused once more, it is dropped).
+_Stage = Literal["original", "envelope", "truncated"]
 
 
 class ProducerMetrics:
@@ -87,6 +95,11 @@ class ProducerMetrics:
         self.broker_up = Gauge(
             "olp_stream_broker_up", "1 while the producer reaches the broker", registry=registry
         )
+        self.spill_errors = Counter(
+            "olp_stream_spill_errors",
+            "Spill writes that failed with a disk error (the records stay in memory, retried)",
+            registry=registry,
+        )
 
 
 @dataclass(frozen=True)
@@ -97,11 +110,42 @@ class _Item:
 
 def prepare_entry(
     config: StreamConfig, topics: TopicNames, metrics: ProducerMetrics, item: _Item
-) -> SpillEntry:
-    """Validate and encode; an invalid or oversized record becomes a DLQ envelope."""
-    record = item.record
+) -> SpillEntry | None:
+    """Validate and encode; an invalid, oversized or unencodable record becomes a DLQ envelope.
+
+    Never raises: one odd record must not stop the thread that prepares every record. None
+    only when not even a bare envelope could be made (logged, counted as failed)."""
+    try:
+        return _prepare(config, topics, metrics, item)
+    except Exception as exc:
+        log.exception("record_prepare_failed", kind=item.kind.value)
+        try:
+            return _dlq_entry(
+                config, topics, metrics, item, None, f"could not prepare the record: {exc!r}"
+            )
+        except Exception:
+            log.exception("record_dropped_unencodable", kind=item.kind.value)
+            metrics.failed.labels(item.kind.value, "unencodable").inc()
+            return None
+
+
+def _session_key(record: Any) -> bytes | None:
     session = record.get("session_id") if isinstance(record, dict) else None
-    key = session.encode() if isinstance(session, str) else None
+    # JSON text may hold a lone surrogate, which strict UTF-8 refuses; surrogatepass still
+    # gives every session id one stable key (and so one partition).
+    return session.encode("utf-8", "surrogatepass") if isinstance(session, str) else None
+
+
+def _utf8_safe(text: str) -> str:
+    """`text` with any lone surrogate escaped, so it can be written as UTF-8."""
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
+def _prepare(
+    config: StreamConfig, topics: TopicNames, metrics: ProducerMetrics, item: _Item
+) -> SpillEntry:
+    record = item.record
+    key = _session_key(record)
     topic = topics.trajectories if item.kind is RecordKind.TRAJECTORY else topics.feedback
     try:
         validate_record(item.kind, record)
@@ -110,31 +154,47 @@ def prepare_entry(
         if len(value) > limit:
             raise ValueError(f"record is {len(value)} bytes, over the {limit} byte limit")
         return SpillEntry(topic, key, value)
+    except UnicodeError as exc:
+        reason = f"the record holds text that is not valid Unicode (a lone surrogate): {exc}"
     except (SchemaValidationError, TypeError, ValueError) as exc:
         reason = str(exc)
+    return _dlq_entry(config, topics, metrics, item, key, reason)
+
+
+def _dlq_entry(
+    config: StreamConfig,
+    topics: TopicNames,
+    metrics: ProducerMetrics,
+    item: _Item,
+    key: bytes | None,
+    reason: str,
+) -> SpillEntry:
+    """The DLQ envelope of a refused record: parsed when it encodes, else its repr, else bare."""
+    reason = _utf8_safe(reason)
+    record = item.record
     log.warning("record_to_dlq", kind=item.kind.value, reason=reason[:500])
     metrics.dlq.labels(item.kind.value).inc()
+    source = topics.trajectories if item.kind is RecordKind.TRAJECTORY else topics.feedback
+    common: dict[str, Any] = {
+        "reason": reason,
+        "source_topic": source,
+        "origin": "producer",
+        "kind": item.kind.value,
+    }
+    limit = config.max_request_size_bytes - _RECORD_OVERHEAD_BYTES
     try:
-        envelope = dlq_envelope(
-            reason=reason,
-            source_topic=topic,
-            origin="producer",
-            kind=item.kind.value,
-            record=record,
-        )
-        value = encode_record(envelope)
-        if len(value) > config.max_request_size_bytes - _RECORD_OVERHEAD_BYTES:
+        value = encode_record(dlq_envelope(**common, record=record))
+        if len(value) > limit:
             raise ValueError("record too large to keep in the DLQ")
+        return SpillEntry(topics.dlq, key, value)
     except (TypeError, ValueError):
-        envelope = dlq_envelope(
-            reason=reason,
-            source_topic=topic,
-            origin="producer",
-            kind=item.kind.value,
-            raw=repr(record)[:65536].encode(),
-        )
-        value = encode_record(envelope)
-    return SpillEntry(topics.dlq, key, value)
+        pass  # kept as text below
+    try:
+        raw = _utf8_safe(repr(record)[:65536]).encode()
+        return SpillEntry(topics.dlq, key, encode_record(dlq_envelope(**common, raw=raw)))
+    except Exception:
+        log.exception("record_repr_failed", kind=item.kind.value)
+        return SpillEntry(topics.dlq, key, encode_record(dlq_envelope(**common)))
 
 
 def tcp_reachable(bootstrap_servers: str, timeout_s: float = 1.0) -> bool:
@@ -180,6 +240,14 @@ class KafkaSink:
         self._stop = threading.Event()
         self._closed = False
         self._overflow_logged_at = 0.0
+        # Spill-bound records a disk error kept in memory, oldest first; they go ahead of
+        # anything newer, to the spill once the disk takes them or to the broker once the
+        # spill is empty. `_held_sending` counts those taken out for a send in progress.
+        self._held: list[SpillEntry] = []
+        self._held_sending = 0
+        self._held_lock = threading.Lock()
+        self._disk_failures = 0
+        self._disk_retry_at = 0.0
         self._thread = threading.Thread(target=self._run, name="olp-kafka-sink", daemon=True)
         self._thread.start()
 
@@ -204,12 +272,22 @@ class KafkaSink:
                     log.warning("producer_queue_full_spilling", queue_size=self.config.queue_size)
         else:
             log.warning("put_after_close_spilling", kind=item.kind.value)
-        self._spill_entries([self._prepare(item)])
+        self._spill_entries(self._prepare([item]), retry_now=self._closed)
+        if self._closed and not self._thread.is_alive():  # nobody is left to retry the disk
+            with self._held_lock:
+                lost, self._held = self._held, []
+            self._count_lost(lost, "disk_error")
+
+    def held_records(self) -> int:
+        """Records a disk error keeps in memory (not durable yet), including any being sent."""
+        with self._held_lock:
+            return len(self._held) + self._held_sending
 
     # ---- background thread ---------------------------------------------------------------
 
-    def _prepare(self, item: _Item) -> SpillEntry:
-        return prepare_entry(self.config, self.topics, self.metrics, item)
+    def _prepare(self, items: list[_Item]) -> list[SpillEntry]:
+        entries = (prepare_entry(self.config, self.topics, self.metrics, i) for i in items)
+        return [entry for entry in entries if entry is not None]
 
     def _take_batch(self, timeout_s: float) -> list[_Item]:
         items: list[_Item] = []
@@ -234,12 +312,11 @@ class KafkaSink:
             stopping = self._stop.is_set()
             busy = not self.spill.is_empty() and self._producer is not None
             items = self._take_batch(0.0 if (stopping or busy) else _IDLE_TAKE_S)
-            entries = [self._prepare(item) for item in items]
+            entries = self._prepare(items)
             try:
                 self._step(entries)
             except Exception:
-                # Never lose the batch in hand: log loudly, spill it, reconnect later. A record
-                # already acknowledged may be spilled again; consumers de-duplicate by event_id.
+                # Never lose the batch in hand: log loudly, spill it, reconnect later.
                 log.exception("producer_step_failed")
                 self._mark_down()
                 self._spill_entries(entries)
@@ -252,18 +329,35 @@ class KafkaSink:
         self._shutdown()
 
     def _step(self, entries: list[SpillEntry]) -> None:
+        """Send or spill `entries`; raises only before it took charge of them."""
         if not self._ensure_producer():
             self._spill_entries(entries)
             return
         if not self.spill.is_empty():
             self._spill_entries(entries)
-            self._drain_one_segment()
-            return
-        if entries:
-            failed = self._send(entries)
-            if failed:
-                self._spill_entries(failed)
+            try:
+                self._drain_one_segment()
+            except Exception:
+                # A disk error reading or deleting a segment: the segment stays and is sent
+                # again after the reconnect backoff (consumers de-duplicate by event_id).
+                log.exception("spill_drain_failed")
                 self._mark_down()
+            return
+        held = self._take_held()
+        try:
+            self._send_or_spill(held + entries)  # held records are older: they go first
+        finally:
+            self._held_sent()
+
+    def _send_or_spill(self, batch: list[SpillEntry]) -> None:
+        try:
+            failed = self._send(batch) if batch else []
+        except Exception:
+            log.exception("producer_send_failed")
+            failed = batch
+        if failed:
+            self._mark_down()
+            self._spill_entries(failed)
 
     def _ensure_producer(self) -> bool:
         if self._producer is not None:
@@ -308,17 +402,24 @@ class KafkaSink:
                 self._idempotence = False
         return KafkaProducer(enable_idempotence=False, **options)
 
-    def _send(self, entries: list[SpillEntry]) -> list[SpillEntry]:
-        """Send and wait for acks; return the entries that were not acknowledged."""
+    def _send(self, entries: list[SpillEntry], stage: _Stage = "original") -> list[SpillEntry]:
+        """Send and wait for acks; return the entries that were not acknowledged.
+
+        A record the broker refuses for good is not returned (it could never be sent): the
+        DLQ record `_reject` makes of it is sent in its place, at the next stage."""
         assert self._producer is not None
         producer = self._producer
         futures = []
         failed: list[SpillEntry] = []
+        replacements: dict[_Stage, list[SpillEntry]] = {"envelope": [], "truncated": []}
         for index, entry in enumerate(entries):
             try:
                 futures.append(
                     (entry, producer.send(entry.topic, key=entry.key, value=entry.value))
                 )
+            except MessageSizeTooLargeError as exc:  # over max_request_size_bytes: for good
+                self._reject(entry, exc, stage, replacements)
+                continue
             except KafkaError as exc:
                 log.warning("broker_send_failed", error=repr(exc))
                 failed.extend(entries[index:])
@@ -331,28 +432,50 @@ class KafkaSink:
             kind = self._kind_by_topic.get(entry.topic, "other")
             if future.succeeded():
                 self.metrics.sent.labels(kind).inc()
-            elif future.failed() and not future.retriable() and entry.topic != self.topics.dlq:
-                self._reject(entry, future.exception)
+            elif future.failed() and not future.retriable():
+                self._reject(entry, future.exception, stage, replacements)
             else:
                 failed.append(entry)
+        for next_stage, replacing in replacements.items():
+            if replacing:
+                failed.extend(self._send(replacing, next_stage))
         if failed:
             log.warning("broker_unacknowledged", records=len(failed))
         return failed
 
-    def _reject(self, entry: SpillEntry, error: BaseException | None) -> None:
-        """The broker refused this record for good: keep a trace in the DLQ, do not retry."""
+    def _reject(
+        self,
+        entry: SpillEntry,
+        error: BaseException | None,
+        stage: _Stage,
+        replacements: dict[_Stage, list[SpillEntry]],
+    ) -> None:
+        """The broker refused this record for good: add the DLQ record to send in its place.
+
+        A refused record becomes an envelope with its payload; a refused DLQ record (or
+        envelope) is sent once more with its payload truncated, then dropped (logged,
+        counted): retrying it as it is would block the spill forever."""
         kind = self._kind_by_topic.get(entry.topic, "other")
-        log.error("record_rejected_by_broker", kind=kind, error=repr(error))
+        log.error("record_rejected_by_broker", kind=kind, stage=stage, error=repr(error))
         self.metrics.failed.labels(kind, "rejected").inc()
+        reason = f"broker rejected the record: {error!r}"
+        if stage == "original" and entry.topic != self.topics.dlq:
+            next_stage: _Stage = "envelope"
+            raw = entry.value[:65536]
+        elif stage != "truncated":
+            next_stage = "truncated"
+            raw = entry.value[:_DLQ_TRUNCATED_BYTES]
+            reason += f" (payload truncated to its first {_DLQ_TRUNCATED_BYTES} bytes)"
+        else:
+            log.error("dlq_record_dropped", topic=entry.topic, bytes=len(entry.value))
+            self.metrics.failed.labels("dlq", "dlq_dropped").inc()
+            return
         envelope = dlq_envelope(
-            reason=f"broker rejected the record: {error!r}",
-            source_topic=entry.topic,
-            origin="producer",
-            kind=kind,
-            raw=entry.value[:65536],
+            reason=reason, source_topic=entry.topic, origin="producer", kind=kind, raw=raw
         )
-        assert self._producer is not None
-        self._producer.send(self.topics.dlq, key=entry.key, value=encode_record(envelope))
+        replacements[next_stage].append(
+            SpillEntry(self.topics.dlq, entry.key, encode_record(envelope))
+        )
 
     def _drain_one_segment(self) -> None:
         segment = self.spill.oldest_segment()
@@ -375,13 +498,61 @@ class KafkaSink:
             spill_bytes=self.spill.total_bytes(),
         )
 
-    def _spill_entries(self, entries: list[SpillEntry]) -> None:
-        if not entries:
-            return
-        stored = self.spill.append(entries)
-        for entry in entries[:stored]:
+    def _spill_entries(self, entries: list[SpillEntry], *, retry_now: bool = False) -> None:
+        """Append behind the spill. While the disk refuses writes the records stay in memory
+        (at most queue_size of them) and the write is retried with a doubling backoff."""
+        with self._held_lock:
+            batch, self._held = self._held + entries, []
+            if not batch:
+                return
+            # The backoff only spares the disk while memory has room; when full, try anyway.
+            backing_off = not retry_now and time.monotonic() < self._disk_retry_at
+            if backing_off and len(batch) <= self.config.queue_size:
+                self._hold(batch)
+                return
+            try:
+                stored = self.spill.append(batch)
+            except OSError as exc:
+                stored = getattr(exc, "stored", 0)
+                self._disk_failed(exc, len(batch) - stored)
+                self._hold(batch[stored:])
+            else:
+                if self._disk_failures:
+                    log.info("spill_disk_recovered", failures=self._disk_failures)
+                self._disk_failures = 0
+        for entry in batch[:stored]:
             self.metrics.spilled.labels(self._kind_by_topic.get(entry.topic, "other")).inc()
         self.metrics.spill_bytes.set(self.spill.total_bytes())
+
+    def _disk_failed(self, error: OSError, unstored: int) -> None:
+        self._disk_failures += 1
+        delay = min(_DISK_RETRY_FIRST_S * 2 ** (self._disk_failures - 1), _DISK_RETRY_MAX_S)
+        self._disk_retry_at = time.monotonic() + delay
+        self.metrics.spill_errors.inc()
+        log.error("spill_write_failed", error=repr(error), in_memory=unstored, retry_in_s=delay)
+
+    def _hold(self, entries: list[SpillEntry]) -> None:
+        """Keep spill-bound records in memory (lock held); beyond queue_size they are lost."""
+        room = max(self.config.queue_size - len(self._held), 0)
+        self._held.extend(entries[:room])
+        self._count_lost(entries[room:], "disk_error")
+
+    def _count_lost(self, entries: list[SpillEntry], reason: str) -> None:
+        if not entries:
+            return
+        log.error("records_lost", reason=reason, records=len(entries))
+        for entry in entries:
+            self.metrics.failed.labels(self._kind_by_topic.get(entry.topic, "other"), reason).inc()
+
+    def _take_held(self) -> list[SpillEntry]:
+        with self._held_lock:
+            held, self._held = self._held, []
+            self._held_sending = len(held)
+            return held
+
+    def _held_sent(self) -> None:
+        with self._held_lock:
+            self._held_sending = 0
 
     def _on_spill_full(self, dropped: int) -> None:
         self.metrics.failed.labels("any", "spill_full").inc(dropped)
@@ -397,14 +568,26 @@ class KafkaSink:
 
     def _shutdown(self) -> None:
         deadline = time.monotonic() + self.config.close_timeout_s
-        while self._producer is not None and not self.spill.is_empty():
-            if time.monotonic() > deadline:
-                break
-            self._drain_one_segment()
+        try:
+            while self._producer is not None and not self.spill.is_empty():
+                if time.monotonic() > deadline:
+                    break
+                self._drain_one_segment()
+            if self._producer is not None and self.held_records():
+                self._step([])  # the spill is empty: send what the disk refused
+        except Exception:
+            log.exception("producer_shutdown_drain_failed")
         if self._producer is not None:
             self._producer.close(timeout=self.config.close_timeout_s)
             self._producer = None
-        self.spill.close()
+        self._spill_entries([], retry_now=True)  # a last try for what the disk refused
+        with self._held_lock:
+            lost, self._held = self._held, []
+        self._count_lost(lost, "disk_error")
+        try:
+            self.spill.close()
+        except OSError as exc:  # its records are fsync'd already: only the handle is lost
+            log.error("spill_close_failed", error=repr(exc))
         remaining = self.spill.total_bytes()
         log.info("kafka_sink_closed", spill_bytes=remaining)
 
@@ -414,7 +597,8 @@ class KafkaSink:
         """Block until the queue and the spill are empty (everything acknowledged)."""
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
-            if self._queue.unfinished_tasks == 0 and self.spill.is_empty():
+            idle = self._queue.unfinished_tasks == 0 and not self.held_records()
+            if idle and self.spill.is_empty():
                 return True
             time.sleep(0.02)
         return False
@@ -532,7 +716,10 @@ def _child_main(config_json: str, state_dir: str, conn: Any) -> None:
         # idle (so a caller that waited for idle reads final values).
         nonlocal metrics_sent_at, idle_values_sent, last_idle_status
         got = received  # read before unfinished_tasks: `done` may only be underestimated
+        # A record leaves the queue only after it is held (kept in memory by a disk error)
+        # or durable, so reading the queue before the held count never misses it.
         pending = sink._queue.unfinished_tasks
+        pending += sink.held_records()
         idle = pending == 0 and sink.spill.is_empty()
         values = None
         now = time.monotonic()
@@ -670,7 +857,7 @@ class KafkaSinkProcess:
             with self._lock:
                 if self._feeder_done:
                     log.warning("put_after_close_spilling", kind=kind)
-                    self._spill_here([(kind, record)])
+                    self._count_lost_records(self._spill_here([(kind, record)]))
                     return
                 self._outbox.append((kind, record))
             return
@@ -745,15 +932,24 @@ class KafkaSinkProcess:
                     self._conn.send_bytes(self._pickle(pickle, batch))
                 self._read_statuses(block_s=0.0)
             except (OSError, EOFError):
-                self._child_died()
+                self._restart_child()
                 continue
             if stopping and not self._outbox:
                 break
         self._close_child()
         with self._lock:  # records put while the child was closing
-            self._spill_here(list(self._outbox))
+            left = self._spill_here(list(self._outbox))
             self._outbox.clear()
             self._feeder_done = True
+        self._spill_until_deadline(left)
+
+    def _restart_child(self) -> None:
+        try:
+            self._child_died()
+        except Exception:
+            # The feeder must outlive this: the next tick finds the child dead and retries.
+            log.exception("sink_process_restart_failed")
+            time.sleep(_RESTART_BACKOFF_S)
 
     def _pickle(self, pickle: Any, batch: list[tuple[str, Any]]) -> bytes:
         try:
@@ -842,7 +1038,8 @@ class KafkaSinkProcess:
         self._pending.clear()
         self._confirmed = 0
         log.error("sink_process_died", exitcode=proc.exitcode, spilling=len(lost))
-        self._spill_here(lost)
+        # What the disk refused goes to the new child first (it sends or spills them).
+        self._outbox.extendleft(reversed(self._spill_here(lost)))
         if self._closed and not self._outbox:
             self._proc = None
             return
@@ -850,34 +1047,65 @@ class KafkaSinkProcess:
         self.child_restarts += 1
         self._start_child()
 
-    def _spill_here(self, records: list[tuple[str, Any]]) -> None:
-        """Validate, encode and spill in this process (only while no child runs)."""
+    def _spill_here(self, records: list[tuple[str, Any]]) -> list[tuple[str, Any]]:
+        """Validate, encode and spill in this process (only while no child runs); return
+        the records a disk error kept off the spill (built, oldest first), for a retry."""
         records = self._built_here(records)
         if not records:
-            return
+            return []
         with self._lock:
-            entries = [
-                prepare_entry(self.config, self.topics, self.metrics, _Item(RecordKind(k), r))
-                for k, r in records
-            ]
-            spill = SpillStore(
-                self.state_dir / self.config.spill_dir_name,
-                max_bytes=self.config.spill_max_bytes,
-                segment_bytes=self.config.spill_segment_bytes,
-                on_full=lambda dropped: self.metrics.failed.labels("any", "spill_full").inc(
-                    dropped
-                ),
-            )
+            ready: list[tuple[tuple[str, Any], SpillEntry]] = []
+            for kind, record in records:
+                item = _Item(RecordKind(kind), record)
+                entry = prepare_entry(self.config, self.topics, self.metrics, item)
+                if entry is not None:
+                    ready.append(((kind, record), entry))
             try:
-                stored = spill.append(entries)
-            finally:
-                spill.close()
+                stored = self._store_here([entry for _, entry in ready])
+            except OSError as exc:
+                stored = getattr(exc, "stored", 0)
+                self.metrics.spill_errors.inc()
+                log.error("parent_spill_failed", error=repr(exc), not_stored=len(ready) - stored)
+            return [original for original, _ in ready[stored:]]
+
+    def _store_here(self, entries: list[SpillEntry]) -> int:
+        spill = SpillStore(
+            self.state_dir / self.config.spill_dir_name,
+            max_bytes=self.config.spill_max_bytes,
+            segment_bytes=self.config.spill_segment_bytes,
+            on_full=lambda dropped: self.metrics.failed.labels("any", "spill_full").inc(dropped),
+        )
+        try:
+            stored = spill.append(entries)
+            kinds = {self.topics.dlq: "dlq", self.topics.feedback: "feedback"}
             for entry in entries[:stored]:
-                kind = "dlq" if entry.topic == self.topics.dlq else "trajectory"
-                if entry.topic == self.topics.feedback:
-                    kind = "feedback"
-                self.metrics.spilled.labels(kind).inc()
+                self.metrics.spilled.labels(kinds.get(entry.topic, "trajectory")).inc()
+            return stored
+        finally:
+            try:
+                spill.close()
+            except OSError as exc:  # what was stored is fsync'd: only the handle is lost
+                log.error("parent_spill_close_failed", error=repr(exc))
             self.metrics.spill_bytes.set(spill.total_bytes())
+
+    def _spill_until_deadline(self, records: list[tuple[str, Any]]) -> None:
+        """No child is left to take them: retry the disk until close_timeout_s, then count
+        what is still refused as lost."""
+        deadline = time.monotonic() + self.config.close_timeout_s
+        delay = 0.1
+        while records and time.monotonic() + delay < deadline:
+            time.sleep(delay)
+            delay = min(delay * 2, 2.0)
+            with self._lock:
+                records = self._spill_here(records)
+        self._count_lost_records(records)
+
+    def _count_lost_records(self, records: list[tuple[str, Any]]) -> None:
+        if not records:
+            return
+        log.error("records_lost", reason="disk_error", records=len(records))
+        for kind, _ in records:
+            self.metrics.failed.labels(kind, "disk_error").inc()
 
     def _built_here(self, records: list[tuple[str, Any]]) -> list[tuple[str, Any]]:
         """Captures the worker did not confirm, built into records here (the builder item
@@ -923,8 +1151,9 @@ class KafkaSinkProcess:
         # The child closed its sink (sent or spilled everything it had); anything it had
         # not confirmed is spilled here.
         if self._pending:
-            self._spill_here(list(self._pending))
+            left = self._spill_here(list(self._pending))
             self._pending.clear()
+            self._spill_until_deadline(left)
         self._proc = None
 
     # ---- lifecycle -----------------------------------------------------------------------

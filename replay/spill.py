@@ -4,7 +4,9 @@ Records land here when the broker is unreachable or the producer queue is full, 
 user did is lost while Kafka is down. Each segment is a sequence of frames
 `[u32 payload length][u32 crc32][payload]`, payload = `[u16 topic len][topic][i32 key len or
 -1][key][value]`. A frame torn by a crash fails its length or CRC check and ends the segment.
-A segment is deleted only after every record in it was acknowledged by the broker.
+A frame torn by a disk error (ENOSPC, EFBIG, EIO) is cut off at once and the segment sealed,
+so nothing is ever appended behind a torn frame. A segment is deleted only after every record
+in it was acknowledged by the broker.
 """
 
 from __future__ import annotations
@@ -15,9 +17,9 @@ import struct
 import threading
 import zlib
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from io import FileIO
 from pathlib import Path
-from typing import BinaryIO
 
 import structlog
 
@@ -27,6 +29,14 @@ _HEADER = struct.Struct(">II")
 _TOPIC_LEN = struct.Struct(">H")
 _KEY_LEN = struct.Struct(">i")
 _SEGMENT_RE = re.compile(r"^seg-(\d{20})\.spill$")
+
+
+class SpillWriteError(OSError):
+    """A disk error while appending: the first `stored` entries are durable, the rest not."""
+
+    def __init__(self, stored: int, cause: OSError) -> None:
+        super().__init__(cause.errno, f"spill write failed after {stored} records: {cause}")
+        self.stored = stored
 
 
 @dataclass(frozen=True)
@@ -124,7 +134,7 @@ class SpillStore:
         self._lock = threading.Lock()
         self._sealed: list[SpillSegment] = []
         self._active: SpillSegment | None = None
-        self._active_file: BinaryIO | None = None
+        self._active_file: FileIO | None = None
         self._full_logged = False
         for path in sorted(self.directory.iterdir()):
             match = _SEGMENT_RE.match(path.name)
@@ -149,7 +159,10 @@ class SpillStore:
             return not self._sealed and (self._active is None or self._active.size == 0)
 
     def append(self, entries: Sequence[SpillEntry]) -> int:
-        """Append and fsync; return how many were stored (fewer when the size cap was reached)."""
+        """Append and fsync; return how many were stored (fewer when the size cap was reached).
+
+        Raises SpillWriteError (an OSError) when the disk fails: its `stored` leading entries
+        are durable, the others were not stored and may be appended again."""
         if not entries:
             return 0
         with self._lock:
@@ -181,24 +194,69 @@ class SpillStore:
         return stored
 
     def _write_frames(self, frames: list[bytes]) -> None:
-        for frame in frames:
-            if self._active is None or (
-                self._active.size > 0 and self._active.size + len(frame) > self.segment_bytes
-            ):
-                self._seal_locked()
-                self._open_locked()
-            assert self._active is not None and self._active_file is not None
-            self._active_file.write(frame)
-            self._active = SpillSegment(
-                self._active.seq, self._active.path, self._active.size + len(frame)
-            )
-        assert self._active_file is not None
-        self._active_file.flush()
-        os.fsync(self._active_file.fileno())
+        """Write and fsync one segment's share at a time, so a sealed segment is always
+        durable; on a disk error cut the torn part off and raise SpillWriteError."""
+        pos = 0
+        while pos < len(frames):
+            try:
+                if self._active is None or (
+                    self._active.size > 0
+                    and self._active.size + len(frames[pos]) > self.segment_bytes
+                ):
+                    self._seal_locked()
+                    self._open_locked()
+                end = self._chunk_end(frames, pos)
+                self._write_durably(b"".join(frames[pos:end]))
+            except OSError as exc:
+                self._discard_torn_locked()
+                raise SpillWriteError(pos, exc) from exc
+            pos = end
+
+    def _chunk_end(self, frames: list[bytes], pos: int) -> int:
+        """End of the run of frames from `pos` that fits in the active segment (at least one)."""
+        assert self._active is not None
+        room = self.segment_bytes - self._active.size - len(frames[pos])
+        end = pos + 1
+        while end < len(frames) and len(frames[end]) <= room:
+            room -= len(frames[end])
+            end += 1
+        return end
+
+    def _write_durably(self, data: bytes) -> None:
+        assert self._active is not None and self._active_file is not None
+        fd = self._active_file.fileno()
+        view = memoryview(data)
+        while view:  # an unbuffered write may be short just before the disk fills up
+            view = view[os.write(fd, view) :]
+        os.fsync(fd)
+        self._active = replace(self._active, size=self._active.size + len(data))
+
+    def _discard_torn_locked(self) -> None:
+        """Cut a partly written frame off the active segment and seal it: a frame appended
+        behind a torn one could never be read back."""
+        if self._active is None:
+            return
+        segment = self._active
+        if self._active_file is not None:
+            try:
+                os.ftruncate(self._active_file.fileno(), segment.size)
+                os.fsync(self._active_file.fileno())
+            except OSError as exc:
+                # The torn bytes stay at the end of a sealed segment: reading stops there,
+                # after every record that was reported stored.
+                log.error("spill_truncate_failed", segment=segment.path.name, error=repr(exc))
+        try:
+            self._seal_locked()
+        except OSError as exc:
+            log.error("spill_seal_failed", segment=segment.path.name, error=repr(exc))
+            if segment.size > 0:
+                self._sealed.append(segment)
+            self._active, self._active_file = None, None
 
     def _open_locked(self) -> None:
         path = self.directory / f"seg-{self._next_seq:020d}.spill"
-        self._active_file = open(path, "ab")  # noqa: SIM115 - held open across appends
+        # Unbuffered: a failed write leaves nothing in a buffer to be written later.
+        self._active_file = open(path, "ab", buffering=0)  # noqa: SIM115 - held open
         self._active = SpillSegment(self._next_seq, path, 0)
         self._next_seq += 1
         _fsync_dir(self.directory)

@@ -189,3 +189,29 @@ def test_feedback_waiting_for_its_trajectory_survives_a_restart(
     second.close()
     assert [s.trajectory for s in resumed] == [later]
     assert resumed[0].feedback == [early_feedback]
+
+
+def test_a_trajectory_stamped_in_the_future_does_not_hold_back_its_partition(
+    stream_config: StreamConfig, tmp_path: Path
+) -> None:
+    """Windows close in offset order; one timed from a day-ahead `created_at` (clock skew,
+    ms for s) is timed from when it was read instead, and its feedback still joins."""
+    now = 1_700_000_000.0
+    config = stream_config.model_copy(update={"join_window_s": 5.0, "join_grace_s": 1.0})
+    skewed = make_trajectory(session_id="one", created_at=now + 86_400)
+    behind = [make_trajectory(session_id="one", created_at=now - 60 + i) for i in range(3)]
+    feedback = make_feedback(skewed, created_at=now + 86_400 + 2)  # the same skewed clock
+    _produce(config, tmp_path, [skewed, *behind], [feedback])
+
+    clock = FakeClock(now)
+    consumer = TrajectoryConsumer(config, clock=clock)
+    try:
+        assert _drain(consumer) == []  # the skewed window is open for 6 s from now
+        clock.now = now + 6
+        scored = _drain(consumer)
+        assert [s.trajectory for s in scored] == [skewed, *behind]
+        assert scored[0].feedback == [feedback]
+        assert consumer.stats.future_created_at == 1
+        assert consumer.stats.late_feedback == 0
+    finally:
+        consumer.close()

@@ -11,7 +11,13 @@ import pytest
 from aiohttp import web
 
 from replay.config import StreamConfig
-from replay.export import export_records, parquet_available, read_export
+from replay.export import (
+    ExportResult,
+    export_records,
+    iter_records,
+    parquet_available,
+    read_export,
+)
 from replay.producer import KafkaSink
 from replay.replayer import replay_file
 from replay.synthetic import make_feedback, make_trajectory
@@ -112,6 +118,52 @@ def test_export_bounds_by_offsets_and_times(stream_config: StreamConfig, tmp_pat
     else:
         with pytest.raises(ValueError, match="pyarrow"):
             export_records(stream_config, tmp_path / "all.parquet")
+
+
+def test_end_offsets_cover_every_partition_so_the_next_export_repeats_nothing(
+    stream_config: StreamConfig, tmp_path: Path
+) -> None:
+    """A partition already at its end bound, or one the export stopped waiting for, still
+    gets an end offset: one missing from the next `from_offsets` starts from the beginning."""
+    t0 = 1_700_000_000.0
+    records = [make_trajectory(session_id="one", created_at=t0 + i) for i in range(4)]
+    _produce(stream_config, tmp_path, records, [])  # one session: one partition of four
+    first = export_records(stream_config, tmp_path / "1.jsonl", kinds=("trajectories",))
+    assert first.counts == {"trajectories": 4}
+    assert sorted(first.end_offsets["trajectories"]) == [0, 1, 2, 3]
+    [partition] = [p for p, end in first.end_offsets["trajectories"].items() if end == 4]
+
+    # Nothing new: every partition starts at its end bound and is never read.
+    second = export_records(
+        stream_config,
+        tmp_path / "2.jsonl",
+        kinds=("trajectories",),
+        from_offsets=first.end_offsets,
+        to_offsets=first.end_offsets,
+    )
+    assert second.counts == {}
+    assert second.end_offsets == first.end_offsets
+    third = export_records(
+        stream_config,
+        tmp_path / "3.jsonl",
+        kinds=("trajectories",),
+        from_offsets=second.end_offsets,
+    )
+    assert third.counts == {}
+
+    # An end bound beyond the records: the export stops waiting, and says where it stopped.
+    result = ExportResult(path=tmp_path / "4.jsonl", format="jsonl")
+    items = list(
+        iter_records(
+            stream_config,
+            kinds=("trajectories",),
+            to_offsets={"trajectories": {partition: 100}},
+            idle_timeout_s=0.5,
+            result=result,
+        )
+    )
+    assert [item["record"] for item in items] == records
+    assert result.end_offsets["trajectories"][partition] == 4
 
 
 @pytest.fixture

@@ -1,0 +1,327 @@
+"""Faults inside the producer: odd records, a DLQ record the broker refuses, a failing disk.
+
+None of them may stop the sender or feeder thread, block the spill, or raise into the caller
+of `put_*`; the records get through (or are counted) once the fault is gone.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import signal
+from pathlib import Path
+from typing import Any
+
+import pytest
+from kafka import TopicPartition
+from kafka.errors import MessageSizeTooLargeError
+from kafka.producer.future import FutureProduceResult
+from prometheus_client import CollectorRegistry
+
+import replay.producer as producer_module
+from deploy.broker import start_broker
+from deploy.ports import free_port
+from replay.config import StreamConfig
+from replay.producer import (
+    KafkaSink,
+    KafkaSinkProcess,
+    ProducerMetrics,
+    _Item,
+    prepare_entry,
+)
+from replay.schemas import RecordKind, decode_record
+from replay.spill import SpillStore
+from replay.synthetic import make_feedback, make_trajectory
+from replay.topics import TopicNames
+from tests.replay.test_outage import _config, _sample, _wait_for
+from tests.replay.test_sink_process import _consume_ids
+from tests.replay.test_stream_kafka import _read_topic
+
+LONE_SURROGATE = "abc\ud800"  # what json.loads makes of "abc\\ud800" in a client's body
+
+
+def _dlq_envelopes(config: StreamConfig, expected: int) -> list[dict[str, Any]]:
+    dlq = TopicNames.from_prefix(config.topic_prefix).dlq
+    return [decode_record(r.value) for r in _read_topic(config.bootstrap_servers, dlq, expected)]
+
+
+def _surrogate_feedback() -> dict[str, Any]:
+    event = make_feedback(make_trajectory(session_id="x"))
+    event["trajectory_id"] = event["session_id"] = LONE_SURROGATE
+    return event
+
+
+# ---- records that cannot be prepared -------------------------------------------------------
+
+
+def test_a_lone_surrogate_becomes_a_dlq_entry_with_a_reason() -> None:
+    config = StreamConfig()
+    topics = TopicNames.from_prefix(config.topic_prefix)
+    metrics = ProducerMetrics(CollectorRegistry())
+    entry = prepare_entry(
+        config, topics, metrics, _Item(RecordKind.FEEDBACK, _surrogate_feedback())
+    )
+    assert entry is not None and entry.topic == topics.dlq
+    assert entry.key == LONE_SURROGATE.encode("utf-8", "surrogatepass")
+    envelope = decode_record(entry.value)
+    assert "surrogate" in envelope["reason"]
+    assert "abc\\ud800" in envelope["raw"]  # the original, as escaped text
+
+
+def test_an_unexpected_error_preparing_one_record_sends_it_to_the_dlq(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    real_validate = producer_module.validate_record
+
+    def validate(kind: RecordKind, record: dict[str, Any]) -> None:
+        if record.get("session_id") == "explodes":
+            raise RuntimeError("a bug in a validator")
+        real_validate(kind, record)
+
+    monkeypatch.setattr(producer_module, "validate_record", validate)
+    config = StreamConfig()
+    topics = TopicNames.from_prefix(config.topic_prefix)
+    registry = CollectorRegistry()
+    metrics = ProducerMetrics(registry)
+    bad = _Item(RecordKind.TRAJECTORY, make_trajectory(session_id="explodes"))
+    good = _Item(RecordKind.TRAJECTORY, make_trajectory(session_id="fine"))
+    entry = prepare_entry(config, topics, metrics, bad)
+    assert entry is not None and entry.topic == topics.dlq
+    assert "a bug in a validator" in decode_record(entry.value)["reason"]
+    assert registry.get_sample_value("olp_stream_dlq_total", {"kind": "trajectory"}) == 1
+    assert prepare_entry(config, topics, metrics, good).topic == topics.trajectories
+
+
+def test_a_lone_surrogate_goes_to_the_dlq_and_the_sink_keeps_sending(
+    stream_config: StreamConfig, tmp_path: Path
+) -> None:
+    """In the worker (before: its sender thread died and nothing more was sent) and in the
+    parent, which spills a killed worker's records itself (before: its feeder died)."""
+    registry = CollectorRegistry()
+    sink = KafkaSinkProcess(stream_config, tmp_path, registry)
+    records = [make_trajectory(session_id=f"s{i % 3}") for i in range(20)]
+    try:
+        sink.put_trajectory(records[0])
+        sink.put_feedback(_surrogate_feedback())
+        for record in records[1:10]:
+            sink.put_trajectory(record)
+        assert sink.wait_idle(30)
+        os.kill(sink._proc.pid, signal.SIGSTOP)  # the worker confirms nothing more
+        sink.put_feedback(_surrogate_feedback())
+        for record in records[10:]:
+            sink.put_trajectory(record)
+        _wait_for(lambda: len(sink._pending) == 11)
+        os.kill(sink._proc.pid, signal.SIGKILL)  # the parent prepares and spills all 11
+        _wait_for(lambda: sink.child_restarts == 1)
+        assert sink.wait_idle(30)
+        assert sink._thread.is_alive()
+        _wait_for(lambda: _sample(registry, "olp_stream_dlq_total", kind="feedback") == 2)
+    finally:
+        sink.close()
+    assert _consume_ids(stream_config, 20) == {r["trajectory_id"] for r in records}
+    envelopes = _dlq_envelopes(stream_config, 2)
+    assert len(envelopes) == 2
+    assert all("surrogate" in e["reason"] and e["kind"] == "feedback" for e in envelopes)
+
+
+# ---- a DLQ record the broker refuses for good ----------------------------------------------
+
+
+class _DlqSizeLimit:
+    """The producer as seen through a broker whose DLQ topic takes at most `limit` bytes:
+    a larger record fails for good (MessageSizeTooLargeError is not retriable)."""
+
+    def __init__(self, real: Any, dlq: str, limit: int) -> None:
+        self.real, self.dlq, self.limit = real, dlq, limit
+
+    def send(self, topic: str, key: bytes | None = None, value: bytes = b"") -> Any:
+        if topic == self.dlq and len(value) > self.limit:
+            future = FutureProduceResult(TopicPartition(topic, 0))
+            return future.failure(MessageSizeTooLargeError("too large for the topic"))
+        return self.real.send(topic, key=key, value=value)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.real, name)
+
+
+def _oversized_invalid_trajectory() -> dict[str, Any]:
+    record = make_trajectory(session_id="big")
+    record["request"]["padding"] = "x" * 200_000
+    record["status"] = "bogus"  # invalid: its ~200 KB DLQ envelope is what the DLQ refuses
+    return record
+
+
+@pytest.mark.parametrize(
+    ("dlq_limit", "outcome"),
+    [(64 * 1024, "truncated"), (1024, "dlq_dropped")],
+)
+def test_a_dlq_record_the_broker_refuses_does_not_block_the_stream(
+    stream_config: StreamConfig,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    dlq_limit: int,
+    outcome: str,
+) -> None:
+    dlq = TopicNames.from_prefix(stream_config.topic_prefix).dlq
+    new_producer = KafkaSink._new_producer
+    monkeypatch.setattr(
+        KafkaSink, "_new_producer", lambda self: _DlqSizeLimit(new_producer(self), dlq, dlq_limit)
+    )
+    registry = CollectorRegistry()
+    sink = KafkaSink(stream_config, tmp_path, registry)
+    good = [make_trajectory(session_id="big") for _ in range(20)]
+    try:
+        sink.put_trajectory(_oversized_invalid_trajectory())
+        for record in good:
+            sink.put_trajectory(record)
+        assert sink.wait_idle(30), "the refused DLQ record blocks the sink"
+        assert _sample(registry, "olp_stream_spill_bytes") == 0
+    finally:
+        sink.close()
+    assert _consume_ids(stream_config, 20) == {r["trajectory_id"] for r in good}
+    rejected = _sample(registry, "olp_stream_failed_total", kind="dlq", reason="rejected")
+    if outcome == "truncated":  # sent once more with its payload cut short
+        assert rejected == 1
+        [envelope] = _dlq_envelopes(stream_config, 1)
+        assert "truncated" in envelope["reason"] and "too large" in envelope["reason"]
+        assert len(envelope["raw"]) <= 4096
+    else:  # the truncated copy was refused too: dropped, logged and counted
+        assert rejected == 2
+        assert _sample(registry, "olp_stream_failed_total", kind="dlq", reason="dlq_dropped") == 1
+
+
+def test_a_spilled_dlq_record_over_the_request_size_does_not_block_the_spill(
+    stream_config: StreamConfig, tmp_path: Path
+) -> None:
+    """The client itself refuses (at send) a spilled record larger than a lowered
+    max_request_size_bytes: before, the whole segment was retried forever."""
+    topics = TopicNames.from_prefix(stream_config.topic_prefix)
+    big = prepare_entry(
+        stream_config,
+        topics,
+        ProducerMetrics(CollectorRegistry()),
+        _Item(RecordKind.TRAJECTORY, _oversized_invalid_trajectory()),
+    )
+    assert big is not None and big.topic == topics.dlq and len(big.value) > 200_000
+    good = [make_trajectory(session_id="big") for _ in range(5)]
+    metrics = ProducerMetrics(CollectorRegistry())
+    entries = [big]
+    for record in good:
+        entry = prepare_entry(stream_config, topics, metrics, _Item(RecordKind.TRAJECTORY, record))
+        assert entry is not None
+        entries.append(entry)
+    spill = SpillStore(tmp_path / stream_config.spill_dir_name, 10**9, 10**8)
+    assert spill.append(entries) == 6
+    spill.close()
+
+    config = stream_config.model_copy(update={"max_request_size_bytes": 64 * 1024})
+    registry = CollectorRegistry()
+    sink = KafkaSink(config, tmp_path, registry)
+    try:
+        assert sink.wait_idle(30), "the refused DLQ record blocks the spill"
+        assert _sample(registry, "olp_stream_failed_total", kind="dlq", reason="rejected") == 1
+    finally:
+        sink.close()
+    assert _consume_ids(config, 5) == {r["trajectory_id"] for r in good}
+    [envelope] = _dlq_envelopes(config, 1)
+    assert "truncated" in envelope["reason"]
+
+
+# ---- a failing disk ------------------------------------------------------------------------
+
+
+class _Disk:
+    """SpillStore writes fail with ENOSPC while `full` is set."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.full = True
+        write_frames = SpillStore._write_frames
+
+        def failing(store: SpillStore, frames: list[bytes]) -> None:
+            if self.full:
+                raise OSError(errno.ENOSPC, "No space left on device")
+            write_frames(store, frames)
+
+        monkeypatch.setattr(SpillStore, "_write_frames", failing)
+
+
+def test_disk_errors_keep_the_sender_alive_and_lose_nothing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    port = free_port()  # the broker is down at first: everything goes to the spill
+    config = _config(f"127.0.0.1:{port}", queue_size=20)
+    disk = _Disk(monkeypatch)
+    registry = CollectorRegistry()
+    sink = KafkaSink(config, tmp_path / "state", registry)
+    records = [make_trajectory(session_id=f"d{i % 3}") for i in range(12)]
+    broker = None
+    try:
+        for record in records[:6]:
+            sink.put_trajectory(record)
+        _wait_for(lambda: _sample(registry, "olp_stream_spill_errors_total") >= 1)
+        assert sink._thread.is_alive()
+        assert sink.held_records() == 6
+        assert not sink.wait_idle(0.2)  # kept in memory: not durable, not idle
+        disk.full = False
+        for record in records[6:]:
+            sink.put_trajectory(record)
+        _wait_for(lambda: _sample(registry, "olp_stream_spilled_total", kind="trajectory") == 12)
+        assert sink.held_records() == 0
+        broker = start_broker("127.0.0.1", port, tmp_path / "broker.log")
+        assert sink.wait_idle(60)
+        sink.close()
+        assert _consume_ids(config, 12) == {r["trajectory_id"] for r in records}
+    finally:
+        sink.close()
+        if broker is not None:
+            broker.stop()
+
+
+def test_put_never_raises_when_the_disk_fails_and_every_record_is_accounted_for(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    config = _config(f"127.0.0.1:{free_port()}", queue_size=2)
+    disk = _Disk(monkeypatch)
+    registry = CollectorRegistry()
+    sink = KafkaSink(config, tmp_path, registry)
+    try:
+        for i in range(10):  # the queue is full at once: the caller spills, and fails
+            sink.put_trajectory(make_trajectory(session_id=f"p{i}"))
+        disk.full = False
+
+        def accounted() -> float:
+            spilled = _sample(registry, "olp_stream_spilled_total", kind="trajectory")
+            lost = _sample(
+                registry, "olp_stream_failed_total", kind="trajectory", reason="disk_error"
+            )
+            return spilled + lost
+
+        _wait_for(lambda: accounted() == 10)
+        assert sink._thread.is_alive()
+    finally:
+        sink.close()
+
+
+def test_a_parent_disk_error_hands_a_dead_workers_records_to_the_next_worker(
+    stream_config: StreamConfig, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    registry = CollectorRegistry()
+    sink = KafkaSinkProcess(stream_config, tmp_path, registry)
+    records = [make_trajectory(session_id=f"w{i % 2}") for i in range(10)]
+    try:
+        assert sink.wait_idle(60)
+        os.kill(sink._proc.pid, signal.SIGSTOP)
+        for record in records:
+            sink.put_trajectory(record)
+        _wait_for(lambda: len(sink._pending) == 10)
+        _Disk(monkeypatch)  # the parent's disk only: the worker is another process
+        os.kill(sink._proc.pid, signal.SIGKILL)
+        _wait_for(lambda: sink.child_restarts == 1)
+        assert sink._thread.is_alive()
+        assert sink.wait_idle(60)
+        assert _sample(registry, "olp_stream_spill_errors_total") >= 1
+    finally:
+        sink.close()
+    sink.put_trajectory(make_trajectory(session_id="late"))  # after close: spilled here, fails
+    assert _sample(registry, "olp_stream_failed_total", kind="trajectory", reason="disk_error") == 1
+    assert _consume_ids(stream_config, 10) == {r["trajectory_id"] for r in records}

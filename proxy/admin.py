@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import hmac
-import math
 import re
 import time
 from typing import Any
@@ -20,6 +19,7 @@ from proxy.aliases import Canary
 from proxy.config import sha256_hex
 from proxy.context import CONTEXT, ProxyContext
 from proxy.errors import ProxyError, bad_request
+from proxy.feedback import finite_float
 from proxy.routing import Replica
 from proxy.serving_state import save_state
 
@@ -57,7 +57,7 @@ async def _json_object(request: web.Request) -> dict[str, Any]:
         return {}
     try:
         body = await request.json()
-    except ValueError as exc:
+    except (ValueError, RecursionError) as exc:  # RecursionError: nested too deeply
         raise bad_request(
             f"The request body is not valid JSON: {exc}", code="invalid_json"
         ) from exc
@@ -220,11 +220,12 @@ async def rollback(request: web.Request) -> web.Response:
 
 
 def _share(value: Any) -> float:
-    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+    share = finite_float(value)
+    if share is None:
         raise bad_request("'share' must be a number between 0 and 1.", param="share")
-    if not 0.0 < value < 1.0:
+    if not 0.0 < share < 1.0:
         raise bad_request("'share' must lie strictly between 0 and 1.", param="share")
-    return float(value)
+    return share
 
 
 async def start_canary(request: web.Request) -> web.Response:

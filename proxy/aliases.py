@@ -34,7 +34,7 @@ class Canary:
 
 def routing_fraction(key: str) -> float:
     """A stable number in [0, 1) for a routing key: the same session lands on the same arm."""
-    digest = hashlib.sha256(key.encode("utf-8")).digest()
+    digest = hashlib.sha256(key.encode("utf-8", "surrogatepass")).digest()
     return int.from_bytes(digest[:8], "big") / 2**64
 
 

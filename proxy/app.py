@@ -19,7 +19,7 @@ from aiohttp import web
 from proxy.admin import add_admin_routes
 from proxy.aliases import AliasTable, Canary
 from proxy.capture import CaptureService
-from proxy.completions import chat_completions, completions, read_json_body
+from proxy.completions import chat_completions, completions, read_json_body, text_header
 from proxy.config import ProxyConfig, TenantConfig
 from proxy.context import CONTEXT, REQUEST_ID, ProxyContext
 from proxy.errors import ProxyError, error_response
@@ -57,9 +57,11 @@ async def request_id_and_errors(request: web.Request, handler: Handler) -> web.S
     request_id = _request_id(request)
     request[REQUEST_ID] = request_id
     session_id = request.headers.get("X-Session-Id")
-    with structlog.contextvars.bound_contextvars(
-        request_id=request_id, session_id=session_id[:256] if session_id else None
-    ):
+    if session_id:
+        # Bytes that are not UTF-8 arrive as lone surrogates: escaped, a log line can carry
+        # them (the handlers refuse such a header with 400).
+        session_id = session_id[:256].encode("utf-8", "backslashreplace").decode("utf-8")
+    with structlog.contextvars.bound_contextvars(request_id=request_id, session_id=session_id):
         response = await _handle_with_openai_errors(request, handler, request_id)
     if not response.prepared:
         response.headers["x-request-id"] = request_id
@@ -143,10 +145,11 @@ async def feedback(request: web.Request) -> web.Response:
     """Accept a feedback event for one of the tenant's trajectories (202)."""
     ctx = request.app[CONTEXT]
     tenant = ctx.tenants.authenticate(request.headers.get("Authorization"))
+    session_header = text_header(request, "X-Session-Id", limit=256)
     body = await read_json_body(request, ctx.config.max_body_bytes)
     parsed = parse_feedback(body, ctx.config.max_feedback_metadata_bytes)
     known_session = check_owner(ctx.recent, parsed, tenant.name_hash)
-    session_id = known_session or request.headers.get("X-Session-Id") or parsed.trajectory_id
+    session_id = known_session or session_header or parsed.trajectory_id
     metadata, _ = ctx.redactor.redact_obj(parsed.metadata)
     event = build_event(parsed, tenant.name_hash, session_id[:256], metadata)
     ctx.sink.put_feedback(event)

@@ -8,7 +8,6 @@ strips the additions before the client sees them.
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 import uuid
 from collections.abc import Callable
@@ -19,7 +18,7 @@ import structlog
 from aiohttp import web
 
 from proxy.capture import SAMPLING_KEYS, CaptureContext, TrajectoryCapture
-from proxy.config import sha256_hex
+from proxy.config import is_utf8_text, sha256_hex
 from proxy.context import CONTEXT, REQUEST_ID, ProxyContext
 from proxy.errors import ProxyError, bad_request, error_body
 from proxy.feedback import TrajectoryOwner
@@ -28,6 +27,7 @@ from proxy.relay import (
     Endpoint,
     RelayPlan,
     SSEParser,
+    capture_refusal,
     dumps,
     parse_json,
     plan_request,
@@ -47,6 +47,21 @@ log = structlog.get_logger(__name__)
 # Upstream response headers worth passing on; hop-by-hop and length headers are not.
 _FORWARDED_UPSTREAM_HEADERS = ("content-type",)
 _DISCONNECT_ERRORS = (ConnectionResetError, ConnectionAbortedError, BrokenPipeError)
+
+
+def text_header(request: web.Request, name: str, limit: int | None = None) -> str | None:
+    """A header that reaches records and logs (its first `limit` characters); 400 when its
+    bytes are not UTF-8 (aiohttp decodes them to lone surrogates, which no sink can write)."""
+    value = request.headers.get(name)
+    if not value:
+        return None
+    if limit is not None:
+        value = value[:limit]
+    if not is_utf8_text(value):
+        raise bad_request(
+            f"The {name} header must be UTF-8 text.", param=name, code="invalid_header"
+        )
+    return value
 
 
 async def read_json_body(request: web.Request, max_bytes: int) -> Any:
@@ -82,7 +97,7 @@ async def read_json(
         )
     try:
         body, encode = parse_json(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+    except ValueError as exc:  # not JSON, not UTF-8, or nested too deeply
         raise bad_request(
             f"The request body is not valid JSON: {exc}", code="invalid_json"
         ) from exc
@@ -104,26 +119,33 @@ class CompletionRelay:
         self.stream = False
         self.status = 500
         self.ttft_s: float | None = None
-        self.usage: dict[str, Any] | None = None  # a captured stream's usage chunk
+        # A stream's last usage object (the usage chunk; with `continuous_usage_stats` every
+        # chunk carries the running total): counted once, when the stream ends.
+        self.usage: dict[str, Any] | None = None
         self.encode_body: Callable[[Any], bytes] = dumps
         self.raw_body = b""
+        self.session_id: str | None = None  # X-Session-Id
+        self.group_id: str | None = None  # X-OLP-Group-Id
+        self.task: str | None = None  # X-OLP-Task
 
     async def handle(self) -> web.StreamResponse:
         ctx = self.ctx
         try:
             tenant = ctx.tenants.authenticate(self.request.headers.get("Authorization"))
             self.tenant_label = tenant.name
+            self._read_headers()
             body, self.encode_body, self.raw_body = await read_json(
                 self.request, ctx.config.max_body_bytes
             )
             validate_completion_request(self.endpoint, body, ctx.config.max_messages)
             self.stream = bool(body.get("stream", False))
+            training = self._training(tenant, body)
             # A canary only ever takes traffic that is recorded for training: its live
             # reward decides whether it stays.
             served = ctx.aliases.route(
                 body["model"],
                 self.session_id or self.request_id,
-                canary_eligible=self._training(tenant),
+                canary_eligible=training,
             )
             if served is None:
                 raise ProxyError(
@@ -140,7 +162,7 @@ class CompletionRelay:
         in_flight = ctx.metrics.series(ctx.metrics.in_flight, tenant.name)
         in_flight.inc()
         try:
-            response = await self._relay(tenant, body, served, admission.headers)
+            response = await self._relay(tenant, body, served, admission.headers, training)
         except ProxyError as err:
             self._count_error(err.status, err.kind)
             raise
@@ -175,7 +197,6 @@ class CompletionRelay:
     def _capture_for(
         self, tenant: Tenant, body: dict[str, Any], plan: RelayPlan, served: str
     ) -> TrajectoryCapture:
-        headers = self.request.headers
         user = body.get("user")
         trajectory_id = uuid.uuid4().hex
         context = CaptureContext(
@@ -187,8 +208,8 @@ class CompletionRelay:
             endpoint=self.endpoint,
             model_alias=body["model"],
             policy_version=served,
-            group_id=headers.get("X-OLP-Group-Id"),
-            task=headers.get("X-OLP-Task"),
+            group_id=self.group_id,
+            task=self.task,
             request_body=body,
             request_raw=self.raw_body,
             sampling={k: plan.upstream_body[k] for k in SAMPLING_KEYS if k in plan.upstream_body},
@@ -198,15 +219,23 @@ class CompletionRelay:
         self.ctx.capture.open(capture)
         return capture
 
-    def _training(self, tenant: Tenant) -> bool:
-        return self.ctx.config.capture_enabled and self.ctx.tenants.wants_training(
-            tenant, self.request.headers.get("X-OLP-Train")
-        )
+    def _read_headers(self) -> None:
+        self.session_id = text_header(self.request, "X-Session-Id", limit=256)
+        self.group_id = text_header(self.request, "X-OLP-Group-Id")
+        self.task = text_header(self.request, "X-OLP-Task")
 
-    @property
-    def session_id(self) -> str | None:
-        value = self.request.headers.get("X-Session-Id")
-        return value[:256] if value else None
+    def _training(self, tenant: Tenant, body: dict[str, Any]) -> bool:
+        """Whether this request is captured for training."""
+        ctx = self.ctx
+        if not ctx.config.capture_enabled or not ctx.tenants.wants_training(
+            tenant, self.request.headers.get("X-OLP-Train")
+        ):
+            return False
+        refusal = capture_refusal(self.endpoint, body)
+        if refusal is not None:
+            log.info("capture_skipped", tenant=tenant.name, reason=refusal)
+            return False
+        return True
 
     def _response_headers(
         self, extra: dict[str, str], capture: TrajectoryCapture | None
@@ -221,10 +250,14 @@ class CompletionRelay:
         return headers
 
     async def _relay(
-        self, tenant: Tenant, body: dict[str, Any], served: str, limit_headers: dict[str, str]
+        self,
+        tenant: Tenant,
+        body: dict[str, Any],
+        served: str,
+        limit_headers: dict[str, str],
+        training: bool,
     ) -> web.StreamResponse:
         ctx = self.ctx
-        training = self._training(tenant)
         plan = plan_request(self.endpoint, body, served, capture=training)
         capture = self._capture_for(tenant, body, plan, served) if training else None
         # vLLM adopts X-Request-Id as its own request id; a client's id may repeat, so
@@ -312,7 +345,7 @@ class CompletionRelay:
                     payload, encode = parse_json(raw)
                     stripped = encode(strip_response(plan, payload))
                 raw = stripped
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        except ValueError as exc:  # not JSON, not UTF-8, or nested too deeply
             if capture is not None:
                 self.ctx.capture.submit(capture, "error")
             raise ProxyError(
@@ -397,8 +430,8 @@ class CompletionRelay:
                 "client_disconnect" if outcome == "aborted" else "upstream_mid_stream",
                 self.tenant_label,
             ).inc()
+        self.ctx.metrics.count_tokens(self.usage, self.tenant_label, self.policy_version)
         if capture is not None:
-            self.ctx.metrics.count_tokens(self.usage, self.tenant_label, self.policy_version)
             self.ctx.capture.submit(capture, outcome)
         self._count_request()
 
@@ -448,12 +481,12 @@ class CompletionRelay:
         return b"".join(out)
 
     def _watch_usage(self, parser: SSEParser, data: bytes) -> None:
+        """Keep the last usage an uncaptured stream carried (the client asked for usage)."""
         for event in parser.feed(data):
             if b'"usage"' in event and event != b"[DONE]":
-                chunk = json.loads(event)
-                self.ctx.metrics.count_tokens(
-                    chunk.get("usage"), self.tenant_label, self.policy_version
-                )
+                usage = usage_of(event)
+                if usage is not None:
+                    self.usage = usage
 
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:

@@ -16,8 +16,21 @@ _SHA256_HEX = re.compile(r"^[0-9a-f]{64}$")
 
 
 def sha256_hex(text: str) -> str:
-    """Hex sha256 of a UTF-8 string: how keys, tenant names and users are stored."""
-    return hashlib.sha256(text.encode("utf-8")).hexdigest()
+    """Hex sha256 of a UTF-8 string: how keys, tenant names and users are stored.
+
+    `surrogatepass`: a header with bytes that are not UTF-8 (aiohttp decodes those to lone
+    surrogates) or a JSON `\\ud800` still hashes, to a digest no valid key has."""
+    return hashlib.sha256(text.encode("utf-8", "surrogatepass")).hexdigest()
+
+
+def is_utf8_text(text: str) -> bool:
+    """Whether UTF-8 can carry `text` (no lone surrogates): what a record must hold to
+    reach the sink and the logs."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def _hash_plaintext_key(data: Any, plain_field: str, hashed_field: str) -> Any:

@@ -15,6 +15,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
 
+from proxy.config import is_utf8_text
 from proxy.errors import ProxyError, bad_request
 
 FEEDBACK_KINDS = frozenset(
@@ -78,21 +79,15 @@ def parse_feedback(body: Any, max_metadata_bytes: int) -> FeedbackRequest:
         raise bad_request(
             f"'trajectory_id' is longer than {MAX_ID_LENGTH} characters.", param="trajectory_id"
         )
+    if not is_utf8_text(trajectory_id):
+        raise bad_request("'trajectory_id' must be valid Unicode text.", param="trajectory_id")
     kind = body.get("kind")
     if kind not in FEEDBACK_KINDS:
         raise bad_request(
             f"'kind' must be one of {', '.join(sorted(FEEDBACK_KINDS))}; got {kind!r}.",
             param="kind",
         )
-    value = body.get("value")
-    if value is not None:
-        if (
-            isinstance(value, bool)
-            or not isinstance(value, int | float)
-            or not math.isfinite(value)
-        ):
-            raise bad_request("'value' must be a finite number or null.", param="value")
-        value = float(value)
+    value = _finite_number(body.get("value"), "value")
     if kind == "score" and value is None:
         raise bad_request("Feedback of kind 'score' needs a numeric 'value'.", param="value")
     choice_index = body.get("choice_index", 0)
@@ -103,11 +98,45 @@ def parse_feedback(body: Any, max_metadata_bytes: int) -> FeedbackRequest:
         metadata = {}
     if not isinstance(metadata, dict):
         raise bad_request("'metadata' must be a JSON object.", param="metadata")
-    if len(json.dumps(metadata)) > max_metadata_bytes:
+    if _json_size(metadata) > max_metadata_bytes:
         raise bad_request(
             f"'metadata' is larger than {max_metadata_bytes} bytes.", param="metadata"
         )
     return FeedbackRequest(trajectory_id, kind, value, choice_index, metadata)
+
+
+def finite_float(value: Any) -> float | None:
+    """`value` as a finite float; None when it is no number (bools are none) or does not
+    fit one (an int of 400 digits, NaN, Infinity)."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return None
+    try:
+        number = float(value)
+    except OverflowError:
+        return None
+    return number if math.isfinite(number) else None
+
+
+def _finite_number(value: Any, field: str) -> float | None:
+    if value is None:
+        return None
+    number = finite_float(value)
+    if number is None:
+        raise bad_request(f"'{field}' must be a finite number or null.", param=field)
+    return number
+
+
+def _json_size(metadata: dict[str, Any]) -> int:
+    """The metadata's size as strict JSON in UTF-8; 400 when it is not strict JSON (NaN,
+    lone surrogates, nesting too deep), which the sink would refuse after a 202."""
+    try:
+        text = json.dumps(metadata, ensure_ascii=False, allow_nan=False)
+        return len(text.encode("utf-8"))
+    except (ValueError, RecursionError) as exc:  # UnicodeEncodeError is a ValueError
+        raise bad_request(
+            "'metadata' must be strict JSON: finite numbers and valid Unicode text.",
+            param="metadata",
+        ) from exc
 
 
 def check_owner(

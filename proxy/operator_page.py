@@ -266,9 +266,20 @@ async def login_with_link(request: web.Request) -> web.Response:
     return _redirect_with_session(request, actor, "link")
 
 
+async def _form(request: web.Request) -> Any:
+    """The posted form; a 400 refusal when its bytes are not UTF-8 (aiohttp raises)."""
+    try:
+        return await request.post()
+    except ValueError as exc:  # UnicodeDecodeError
+        raise _Refusal("The form is not valid UTF-8.", 400) from exc
+
+
 async def login_with_key(request: web.Request) -> web.Response:
     ctx = request.app[CONTEXT]
-    form = await request.post()
+    try:
+        form = await _form(request)
+    except _Refusal as refusal:
+        return _refused(str(refusal), refusal.status)
     key = form.get("key")
     if not ctx.admin_key_hashes:
         return _refused("The admin API is disabled: no proxy.admin_key_sha256 configured.", 403)
@@ -284,7 +295,7 @@ async def _checked_form_viewer(request: web.Request) -> Viewer:
     """The viewer of a state-changing POST: Bearer, or a session with its CSRF token."""
     viewer = _viewer(request)
     if viewer.csrf is not None:
-        form = await request.post()
+        form = await _form(request)
         given = form.get("csrf")
         if not isinstance(given, str) or not hmac.compare_digest(given, viewer.csrf):
             raise _Refusal("The form's CSRF token is missing or stale; reload the page.", 403)

@@ -48,6 +48,18 @@ class RelayPlan:
         return self.added_logprobs or self.added_token_ids or self.added_usage
 
 
+def capture_refusal(endpoint: Endpoint, body: dict[str, Any]) -> str | None:
+    """Why a request of a training tenant cannot be captured, or None when it can.
+
+    `echo`: the additions would break it. vLLM turns `echo` plus `logprobs` into prompt
+    logprobs (which kill vLLM-CPU's engine next to LoRA requests, docs/architecture.md)
+    and sends an empty prompt text when token ids are asked for, so the client would lose
+    its echo. (Chat `echo` never gets here: validation refuses it.)"""
+    if endpoint == "completions" and body.get("echo"):
+        return "echo"
+    return None
+
+
 def plan_request(
     endpoint: Endpoint, body: dict[str, Any], served_model: str, capture: bool
 ) -> RelayPlan:
@@ -145,18 +157,18 @@ def strip_chunk(
 
 
 def _is_empty_choice(plan: RelayPlan, choice: dict[str, Any]) -> bool:
-    """A chunk choice that carries nothing the client would see (vLLM sends these only when
-    token ids or logprobs are requested)."""
-    if choice.get("finish_reason") is not None or choice.get("logprobs") is not None:
+    """A chunk choice that exists only because token ids or logprobs were requested.
+
+    vLLM's chat stream sends such a choice, with an empty delta (`{}`), when its tool or
+    reasoning parser holds a token's text back; it sends `{"content": ""}` (a partial UTF-8
+    character, text held back for a stop string) whatever was requested, and every
+    completions chunk too, so those are kept. Logprobs or token ids still set after the
+    strip are the client's own, and vLLM sends the empty delta for them too."""
+    if plan.endpoint != "chat.completions" or choice.get("finish_reason") is not None:
         return False
-    if plan.endpoint == "chat.completions":
-        delta = choice.get("delta")
-        if delta:
-            for value in delta.values():
-                if value is not None and value != "" and value != []:
-                    return False
-        return True
-    return not choice.get("text")
+    if choice.get("logprobs") is not None or choice.get("token_ids") is not None:
+        return False
+    return not choice.get("delta")
 
 
 # ---- byte-level stripping (the relay's hot path) ---------------------------------------------
@@ -419,6 +431,21 @@ def dumps(obj: Any) -> bytes:
         return json.dumps(obj, separators=(",", ":")).encode("ascii")
 
 
+class NestedTooDeeply(ValueError):
+    """JSON nested deeper than the parsers recurse (a small body can be: `[[[[...`); both
+    msgspec and `json` raise RecursionError there, which is no ValueError."""
+
+    def __init__(self) -> None:
+        super().__init__("JSON nested too deeply")
+
+
+def _json_loads(data: bytes) -> Any:
+    try:
+        return json.loads(data)
+    except RecursionError as exc:
+        raise NestedTooDeeply() from exc
+
+
 _fast_decode = msgspec.json.Decoder().decode
 _fast_encode = msgspec.json.Encoder().encode
 _FastDecodeError: type[Exception] = msgspec.DecodeError
@@ -436,10 +463,12 @@ def usage_of(data: bytes) -> dict[str, Any] | None:
     Raises ValueError when the data is not JSON (like `parse_json`)."""
     try:
         return _decode_usage(data).usage
+    except RecursionError as exc:
+        raise NestedTooDeeply() from exc
     except msgspec.ValidationError:
         payload, _ = parse_json(data)  # valid JSON of another shape
     except msgspec.DecodeError:
-        payload = json.loads(data)  # NaN and what only `json` reads, or a ValueError
+        payload = _json_loads(data)  # NaN and what only `json` reads, or a ValueError
     usage = payload.get("usage") if isinstance(payload, dict) else None
     return usage if isinstance(usage, dict) else None
 
@@ -450,9 +479,12 @@ def parse_json(data: bytes) -> tuple[Any, Callable[[Any], bytes]]:
     msgspec (~4x faster than `json`) rejects what only Python's `json`
     accepts (NaN/Infinity literals, lone surrogates, numbers out of float range); such input
     is parsed and re-encoded by `json` so non-finite values round-trip as they came. Raises
-    ValueError (json.JSONDecodeError / UnicodeDecodeError) when the data is not JSON.
+    ValueError (json.JSONDecodeError / UnicodeDecodeError / NestedTooDeeply) when the data
+    is not JSON the proxy reads.
     """
     try:
         return _fast_decode(data), _fast_encode
     except _FastDecodeError:
-        return json.loads(data), dumps
+        return _json_loads(data), dumps
+    except RecursionError as exc:
+        raise NestedTooDeeply() from exc

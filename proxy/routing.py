@@ -87,7 +87,7 @@ class UpstreamPool:
         """Replicas to try, best first: the session's sticky one, healthy before cooling-down."""
         count = len(self.replicas)
         if session_id:
-            digest = hashlib.sha256(session_id.encode("utf-8")).digest()
+            digest = hashlib.sha256(session_id.encode("utf-8", "surrogatepass")).digest()
             start = int.from_bytes(digest[:8], "big") % count
         else:
             start = next(self._round_robin) % count

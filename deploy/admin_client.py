@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import http.client
 import json
 import os
 import urllib.error
@@ -40,7 +41,11 @@ class AdminClient:
         host = "127.0.0.1" if cfg.proxy.host in ("0.0.0.0", "::") else cfg.proxy.host
         return cls(f"http://{host}:{cfg.proxy.port}", admin_key(cfg, explicit_key))
 
-    def call(self, method: str, path: str, body: dict[str, Any] | None = None) -> Any:
+    def call(
+        self, method: str, path: str, body: dict[str, Any] | None = None
+    ) -> dict[str, Any] | None:
+        """The JSON object the admin API answers (None for an empty body); AdminError for
+        anything else, so that the operator commands print one line, never a traceback."""
         data = json.dumps(body).encode() if body is not None else None
         req = urllib.request.Request(
             f"{self.base_url}{path}",
@@ -52,12 +57,37 @@ class AdminClient:
             with urllib.request.urlopen(req, timeout=self.timeout_s) as resp:
                 raw = resp.read()
         except urllib.error.HTTPError as exc:
-            detail = exc.read().decode(errors="replace")
-            with contextlib.suppress(ValueError, KeyError, TypeError):
-                detail = json.loads(detail)["error"]["message"]
-            raise AdminError(f"{method} {path} failed with {exc.code}: {detail}") from None
+            raise AdminError(f"{method} {path} failed with {exc.code}: {_detail(exc)}") from None
         except urllib.error.URLError as exc:
             raise AdminError(
                 f"cannot reach the proxy at {self.base_url} ({exc.reason}); is `olp up` running?"
             ) from None
-        return json.loads(raw) if raw else None
+        except (OSError, http.client.HTTPException) as exc:  # timeout, reset, bad status line
+            raise AdminError(
+                f"{method} {path}: the proxy at {self.base_url} did not answer properly "
+                f"({type(exc).__name__}: {exc or 'no detail'})"
+            ) from None
+        return _json_object(raw, f"{method} {path}")
+
+
+def _detail(exc: urllib.error.HTTPError) -> str:
+    """The admin API's error message, else the raw body, else the HTTP reason."""
+    try:
+        detail = exc.read().decode(errors="replace")
+    except (OSError, http.client.HTTPException):  # the body broke off: the status still says
+        return str(exc.reason)
+    with contextlib.suppress(ValueError, KeyError, TypeError):
+        detail = json.loads(detail)["error"]["message"]
+    return str(detail) or str(exc.reason)
+
+
+def _json_object(raw: bytes, what: str) -> dict[str, Any] | None:
+    if not raw:
+        return None
+    try:
+        value = json.loads(raw)
+    except ValueError:
+        raise AdminError(f"{what}: the answer is not JSON: {raw[:80]!r}") from None
+    if not isinstance(value, dict):
+        raise AdminError(f"{what}: expected a JSON object, got {type(value).__name__}")
+    return value

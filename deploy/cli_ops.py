@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import urllib.parse
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -21,9 +22,9 @@ def _admin_call(
     method: str,
     path: str,
     body: dict[str, Any] | None = None,
-) -> Any:
+) -> dict[str, Any]:
     client = AdminClient.from_config(cfg, args.admin_key)
-    return client.call(method, path, body)
+    return client.call(method, path, body) or {}
 
 
 def _run_admin(fn: Callable[[argparse.Namespace, OlpConfig], int]) -> Callable[..., int]:
@@ -105,24 +106,53 @@ def cmd_rollback(args: argparse.Namespace, cfg: OlpConfig) -> int:
 @_run_admin
 def cmd_tenant(args: argparse.Namespace, cfg: OlpConfig) -> int:
     enabled = args.training == "on"
-    _admin_call(args, cfg, "POST", f"/admin/tenants/{args.name}/training", {"enabled": enabled})
+    _admin_call(args, cfg, "POST", _tenant_training_path(args.name), {"enabled": enabled})
     print(f"tenant {args.name}: online training {'enabled' if enabled else 'disabled'}")
     return 0
 
 
+def _tenant_training_path(name: str) -> str:
+    # Quoted: a name with a space or '/' would otherwise be an invalid or different URL.
+    return f"/admin/tenants/{urllib.parse.quote(name, safe='')}/training"
+
+
+class _NoAuditLog(Exception):
+    pass
+
+
 def _audit_path(args: argparse.Namespace, cfg: OlpConfig) -> Path:
-    if args.file is not None:
-        return Path(args.file)
-    return cfg.state_dir / cfg.safety.audit.path
+    """The live audit file named by FILE (a file, a rotated file or a directory) or the
+    config; _NoAuditLog when it has no chain file at all (an empty chain is no proof)."""
+    from safety.audit import chain_files, resolve_live_path
+
+    given = Path(args.file) if args.file is not None else cfg.state_dir / cfg.safety.audit.path
+    live = resolve_live_path(given)
+    if not chain_files(live):
+        raise _NoAuditLog(f"no audit log at {live}")
+    return live
 
 
+def _run_audit(fn: Callable[[argparse.Namespace, OlpConfig], int]) -> Callable[..., int]:
+    def wrapped(args: argparse.Namespace, cfg: OlpConfig) -> int:
+        from safety.audit import AuditError
+
+        try:
+            return fn(args, cfg)
+        except _NoAuditLog as exc:
+            print(f"olp: {exc}", file=sys.stderr)
+            return 2
+        except (AuditError, OSError) as exc:  # a damaged or unreadable log
+            print(f"olp: cannot read the audit log: {exc}", file=sys.stderr)
+            return 2
+
+    return wrapped
+
+
+@_run_audit
 def cmd_audit_verify(args: argparse.Namespace, cfg: OlpConfig) -> int:
     from safety.audit import verify
 
     path = _audit_path(args, cfg)
-    if not path.exists():
-        print(f"olp: no audit log at {path}", file=sys.stderr)
-        return 2
     result = verify(path)
     if result.ok:
         print(f"audit log OK: {result.records} records, chain intact ({path})")
@@ -131,13 +161,11 @@ def cmd_audit_verify(args: argparse.Namespace, cfg: OlpConfig) -> int:
     return 1
 
 
+@_run_audit
 def cmd_audit_show(args: argparse.Namespace, cfg: OlpConfig) -> int:
     from safety.audit import format_record, iter_records
 
     path = _audit_path(args, cfg)
-    if not path.exists():
-        print(f"olp: no audit log at {path}", file=sys.stderr)
-        return 2
     records = list(iter_records(path))
     if args.event:
         records = [r for r in records if r.get("event") == args.event]
@@ -172,20 +200,30 @@ def parse_bound(value: str | None) -> tuple[Any, float | None]:
 
 
 def cmd_replay_export(args: argparse.Namespace, cfg: OlpConfig) -> int:
+    from kafka.errors import KafkaError
+
     from replay.export import export_records
 
     from_offsets, from_time = parse_bound(args.from_)
     to_offsets, to_time = parse_bound(args.to)
     kinds = tuple(k.strip() for k in args.kinds.split(",") if k.strip())
-    result = export_records(
-        cfg.stream,
-        Path(args.out),
-        kinds=kinds,
-        from_offsets=from_offsets,
-        to_offsets=to_offsets,
-        from_time=from_time,
-        to_time=to_time,
-    )
+    try:
+        result = export_records(
+            cfg.stream,
+            Path(args.out),
+            kinds=kinds,
+            from_offsets=from_offsets,
+            to_offsets=to_offsets,
+            from_time=from_time,
+            to_time=to_time,
+        )
+    except KafkaError as exc:
+        # str() of a KafkaError starts with its class name (KafkaTimeoutError: ...).
+        print(f"olp: replay export from {cfg.stream.bootstrap_servers}: {exc}", file=sys.stderr)
+        return 2
+    except (OSError, ValueError) as exc:  # unwritable --out, bad --kinds or offsets
+        print(f"olp: replay export: {exc}", file=sys.stderr)
+        return 2
     print(
         f"exported {result.counts} to {result.path} ({result.format}); "
         f"invalid {result.invalid}, duplicates removed {result.duplicates}"
@@ -208,16 +246,20 @@ def cmd_replay_run(args: argparse.Namespace, cfg: OlpConfig) -> int:
                 "olp: replay through the proxy needs --api-key (or use --direct)", file=sys.stderr
             )
             return 2
-    result = asyncio.run(
-        replay_file(
-            Path(args.file),
-            Path(args.out),
-            base_url=base_url,
-            model=args.model,
-            api_key=key,
-            concurrency=args.concurrency,
+    try:
+        result = asyncio.run(
+            replay_file(
+                Path(args.file),
+                Path(args.out),
+                base_url=base_url,
+                model=args.model,
+                api_key=key,
+                concurrency=args.concurrency,
+            )
         )
-    )
+    except (OSError, ValueError) as exc:  # missing or unreadable file, not an export
+        print(f"olp: replay run: {exc}", file=sys.stderr)
+        return 2
     print(
         f"replayed {result.sent} requests as {args.model}: {result.ok} ok, "
         f"{result.errors} errors → {result.path}"
@@ -232,9 +274,7 @@ def cmd_demo(args: argparse.Namespace, cfg: OlpConfig) -> int:
     host = "127.0.0.1" if cfg.proxy.host in ("0.0.0.0", "::") else cfg.proxy.host
     if args.enable_training:
         try:
-            _admin_call(
-                args, cfg, "POST", f"/admin/tenants/{args.tenant}/training", {"enabled": True}
-            )
+            _admin_call(args, cfg, "POST", _tenant_training_path(args.tenant), {"enabled": True})
         except AdminError as exc:
             print(f"olp: {exc}", file=sys.stderr)
             return 1

@@ -96,12 +96,28 @@ TOP_LEVEL_ENV = {
 }
 
 
-def _env_value(raw: str) -> Any:
+def _yaml_position(exc: yaml.YAMLError) -> str:
+    """Where YAML failed, without the snippet PyYAML quotes (it may hold a key)."""
+    mark = getattr(exc, "problem_mark", None)
+    problem = getattr(exc, "problem", None) or "cannot be parsed"
+    if mark is None:
+        return str(problem)
+    return f"{problem} at line {mark.line + 1}, column {mark.column + 1}"
+
+
+def _env_value(raw: str, name: str, dotted: str) -> Any:
     """Lists and mappings are YAML; scalars stay strings for pydantic to coerce by field type
     (so a numeric-looking key or name is not turned into a number)."""
     text = raw.strip()
     if text.startswith(("[", "{")):
-        return yaml.safe_load(text)
+        try:
+            return yaml.safe_load(text)
+        except yaml.YAMLError:
+            # The value is not shown: it may be a key (OLP_PROXY__ADMIN_KEY='{...').
+            raise ConfigError(
+                f"invalid configuration:\n  {dotted}: {name} starts with '[' or '{{' and so "
+                "is read as a YAML list or mapping, but is not valid YAML (value not shown)"
+            ) from None
     if text in ("null", "~"):
         return None
     return raw
@@ -131,7 +147,7 @@ def env_overrides(environ: Mapping[str, str]) -> dict[str, Any]:
         node = tree
         for part in path[:-1]:
             node = node.setdefault(part, {})
-        node[path[-1]] = _env_value(raw)
+        node[path[-1]] = _env_value(raw, name, ".".join(path))
     return tree
 
 
@@ -157,7 +173,7 @@ def read_yaml(path: Path) -> dict[str, Any]:
     except FileNotFoundError as exc:
         raise ConfigError(f"config file not found: {path}") from exc
     except yaml.YAMLError as exc:
-        raise ConfigError(f"config file {path} is not valid YAML: {exc}") from exc
+        raise ConfigError(f"config file {path} is not valid YAML: {_yaml_position(exc)}") from None
     if not isinstance(data, dict):
         raise ConfigError(f"config file {path} must hold a mapping of sections")
     return data

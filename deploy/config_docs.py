@@ -39,7 +39,12 @@ PROJECT_ROOT = Path(__file__).resolve().parent.parent
 
 # Validator rules per model class name (a model with validators must have an entry).
 NOTES: dict[str, list[str]] = {
-    "OlpConfig": ["Tenant names must be unique."],
+    "OlpConfig": [
+        "Tenant names must be unique.",
+    ],
+    "StreamConfig": [
+        "`bootstrap_servers` must be `HOST:PORT[,HOST:PORT...]`.",
+    ],
     "PolicyConfig": [
         "`external_urls` must be http(s) URLs; a trailing `/` or `/v1` is stripped.",
     ],
@@ -256,9 +261,12 @@ values stop start-up with a message naming the dotted key.
 ## Environment overrides
 
 Any key below a section can be set from the environment as `OLP_<SECTION>__<KEY>`, nested keys
-joined by `__` (`OLP_SAFETY__GATES__KL__CAP=0.3`). Values are parsed as YAML scalars or flow
-collections (`OLP_PROXY__PORT=9000`, `OLP_POLICY__EXTERNAL_URLS='[http://vllm:8100]'`), so quote
-a string that YAML would read as a number or boolean. Environment values win over the file.
+joined by `__` (`OLP_SAFETY__GATES__KL__CAP=0.3`). A value that starts with `[` or `{{` is read
+as a YAML flow list or mapping (`OLP_POLICY__EXTERNAL_URLS='[http://vllm:8100]'`); `null` or `~`
+is null; any other value is taken verbatim and converted by the key's type
+(`OLP_PROXY__PORT=9000`; booleans accept `true`/`false`, `1`/`0`, `yes`/`no`, `on`/`off`). A
+string key therefore gets the text as written: do not quote it (quotes would become part of the
+value), and a numeric-looking name or key stays a string. Environment values win over the file.
 Of the top-level keys only `state_dir`, `log_format` and `log_level` have overrides
 (`OLP_STATE_DIR`, `OLP_LOG_FORMAT`, `OLP_LOG_LEVEL`). Entries of lists (`tenants`,
 verifiers, custom redaction patterns) are set in the file only.

@@ -39,7 +39,11 @@ def configure_logging(fmt: LogFormat = "auto", level: str = "INFO") -> None:
     renderer: structlog.typing.Processor
     factory: Any = structlog.PrintLoggerFactory(file=sys.stderr)
     if use_console:
-        renderer = structlog.dev.ConsoleRenderer(colors=sys.stderr.isatty())
+        # structlog's default (rich) traceback prints every frame's local variables: a
+        # `log.exception` in the proxy would write request headers (keys) and bodies.
+        renderer = structlog.dev.ConsoleRenderer(
+            colors=sys.stderr.isatty(), exception_formatter=structlog.dev.plain_traceback
+        )
     else:
         shared.append(structlog.processors.format_exc_info)
         binary = getattr(sys.stderr, "buffer", None)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -87,7 +88,11 @@ class PolicyServer:
             "vllm", vllm_argv(cfg, model_dir), env=vllm_env(cfg), log_file=log_file
         )
 
-    def wait_ready(self, progress: Callable[[float], None] | None = None) -> float:
+    def wait_ready(
+        self,
+        progress: Callable[[float], None] | None = None,
+        stop: threading.Event | None = None,
+    ) -> float:
         started = time.monotonic()
         wait_until(
             lambda: models_listed(self.base_url) is not None,
@@ -96,6 +101,7 @@ class PolicyServer:
             interval_s=1.0,
             progress=progress,
             what=f"vLLM policy server on {self.base_url}",
+            stop=stop,
         )
         seconds = time.monotonic() - started
         log.info("policy_ready", url=self.base_url, seconds=round(seconds, 1))
@@ -110,10 +116,12 @@ def start_policy(
     model_dir: Path,
     log_file: Path | None = None,
     progress: Callable[[float], None] | None = None,
+    stop: threading.Event | None = None,
 ) -> PolicyServer:
+    """Start vLLM and wait until it lists its models; `stop` set meanwhile stops it."""
     server = PolicyServer(cfg, model_dir, log_file)
     try:
-        server.wait_ready(progress)
+        server.wait_ready(progress, stop)
     except BaseException:
         server.stop()
         raise

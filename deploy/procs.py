@@ -3,6 +3,10 @@
 Why hand-written: the supervisor needs exactly three things the stdlib gives directly
 (own process group, bounded graceful stop, a tail of the child's output for error
 messages); a process-management library would add a dependency for no gain.
+
+Children run in their own session, so a signal meant for olp (Ctrl-C, a closed terminal)
+never reaches them: olp catches SIGINT, SIGTERM and SIGHUP (`install_stop_handlers`) and
+stops them itself, also while it still waits for one to become ready (`wait_until`).
 """
 
 from __future__ import annotations
@@ -12,14 +16,57 @@ import contextlib
 import os
 import signal
 import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
+from typing import TextIO
 
 import structlog
 
 log = structlog.get_logger(__name__)
+
+# SIGHUP too: closing the terminal must stop the children, not orphan them.
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+
+
+class StopRequested(Exception):
+    """A stop signal arrived while waiting for a child to become ready."""
+
+
+def install_stop_handlers(stop: threading.Event) -> None:
+    """Turn SIGINT, SIGTERM and SIGHUP into `stop.set()`; call before starting children."""
+    for sig in STOP_SIGNALS:
+        signal.signal(sig, lambda *_: stop.set())
+
+
+def say(message: str, stream: TextIO | None = None) -> None:
+    """Print a status line, best-effort (default: stderr).
+
+    With `olp up 2>&1 | tee log`, Ctrl-C kills tee too, and the next write raises
+    BrokenPipeError (EIO once a closed terminal is gone); that must never keep olp from
+    stopping its children. Nobody reads the stream any more, so the line is dropped.
+    """
+    out = sys.stderr if stream is None else stream
+    try:
+        print(message, file=out, flush=True)
+    except OSError:
+        _discard_output(out)
+
+
+def _discard_output(stream: TextIO) -> None:
+    """Point a dead stream's fd at /dev/null, so that later lines, structlog's and the
+    interpreter's final flush succeed instead of raising the same error again."""
+    try:
+        fd = stream.fileno()
+    except (OSError, ValueError):  # an in-memory stream (captured output): nothing to fix
+        return
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(devnull, fd)
+    finally:
+        os.close(devnull)
 
 
 class ChildProcess:
@@ -112,11 +159,15 @@ def wait_until(
     interval_s: float = 0.5,
     progress: Callable[[float], None] | None = None,
     what: str = "service",
+    stop: threading.Event | None = None,
 ) -> None:
-    """Poll `check` until true; fail early with the child's own output if it died."""
+    """Poll `check` until true; fail early with the child's own output if it died, and
+    raise StopRequested as soon as `stop` is set (a vLLM warm-up can take minutes)."""
     started = time.monotonic()
     last_progress = started
     while True:
+        if stop is not None and stop.is_set():
+            raise StopRequested(f"stopped while waiting for {what}")
         if check():
             return
         now = time.monotonic()
@@ -131,4 +182,7 @@ def wait_until(
         if progress is not None and now - last_progress >= 5:
             progress(now - started)
             last_progress = now
-        time.sleep(interval_s)
+        if stop is not None:
+            stop.wait(interval_s)
+        else:
+            time.sleep(interval_s)

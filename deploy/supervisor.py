@@ -1,8 +1,8 @@
 """`olp up`: run broker, policy, proxy and learner as children of one foreground process.
 
-One instance per state dir (a lock file says who holds it); Ctrl-C or SIGTERM stops every
-child by PID, in reverse start order; a child that dies is reported with its last output
-and, per `on_child_exit`, restarted or the whole stack stops.
+One instance per state dir (a lock file says who holds it); Ctrl-C, SIGTERM or SIGHUP stops
+every child by PID, in reverse start order, also during start-up; a child that dies is
+reported with its last output and, per `on_child_exit`, restarted or the whole stack stops.
 """
 
 from __future__ import annotations
@@ -10,7 +10,6 @@ from __future__ import annotations
 import fcntl
 import os
 import secrets
-import signal
 import sys
 import threading
 import time
@@ -27,7 +26,7 @@ from deploy.config import OlpConfig
 from deploy.learner_runner import INTERNAL_TOKEN_ENV
 from deploy.policy import check_external, start_policy
 from deploy.ports import port_open, split_host_port
-from deploy.procs import ChildProcess, wait_until
+from deploy.procs import ChildProcess, StopRequested, install_stop_handlers, say, wait_until
 from deploy.runtime import resolve_model_dir
 from proxy.config import sha256_hex
 from safety.audit import AuditLog
@@ -107,6 +106,11 @@ class Stack:
         self._internal_token = secrets.token_urlsafe(32)
 
     # ----------------------------------------------------------------- start
+    def _check_stop(self) -> None:
+        """Between start-up steps that do not poll (model preparation, port checks)."""
+        if self._stop.is_set():
+            raise StopRequested("stop requested during start-up")
+
     def _olp_child(self, name: str, *args: str) -> ChildProcess:
         argv = [sys.executable, "-m", "deploy.cli", name, *args]
         if self.config_path is not None:
@@ -119,8 +123,11 @@ class Stack:
         return ChildProcess(name, argv, env=env, log_file=self.logs_dir / f"{name}.log")
 
     def start(self, progress: Callable[[str], None]) -> float:
+        """Start every component in order; StopRequested once a stop signal arrives.
+
+        The caller holds the lock (`self.lock.acquire()`) and calls `stop()` afterwards
+        whatever this raises."""
         started = time.monotonic()
-        self.lock.acquire()
         cfg = self.cfg
         self._audit_startup()
         host, port = split_host_port(cfg.stream.bootstrap_servers.split(",")[0])
@@ -131,7 +138,7 @@ class Stack:
                     f"{host}:{port} for the embedded broker; stop what listens there or change it"
                 )
             progress(f"starting embedded broker on {host}:{port}")
-            broker = start_broker(host, port, self.logs_dir / "broker.log")
+            broker = start_broker(host, port, self.logs_dir / "broker.log", stop=self._stop)
             self.components.append(
                 Component(
                     "broker",
@@ -153,12 +160,14 @@ class Stack:
                     "stop what listens there or change it"
                 )
             model_dir = resolve_model_dir(cfg.policy, progress)
+            self._check_stop()
             progress(f"starting vLLM policy server on {cfg.policy.host}:{cfg.policy.port}")
             policy = start_policy(
                 cfg.policy,
                 model_dir,
                 self.logs_dir / "policy.log",
                 progress=lambda s: progress(f"  vLLM still starting ({s:.0f} s)"),
+                stop=self._stop,
             )
             self.components.append(
                 Component(
@@ -169,6 +178,7 @@ class Stack:
                 )
             )
 
+        self._check_stop()
         proxy_url = f"http://{cfg.proxy.host}:{cfg.proxy.port}"
         if port_open(cfg.proxy.host, cfg.proxy.port):
             raise RuntimeError(f"port {cfg.proxy.port} is already in use (proxy.port)")
@@ -179,6 +189,7 @@ class Stack:
             timeout_s=60,
             child=self.components[-1].child,
             what="proxy",
+            stop=self._stop,
         )
         if self.with_learner:
             progress("starting learner")
@@ -200,8 +211,9 @@ class Stack:
         self.components.append(comp)
 
     # --------------------------------------------------------------- monitor
-    def request_stop(self, *_: object) -> None:
-        self._stop.set()
+    @property
+    def stop_requested(self) -> threading.Event:
+        return self._stop
 
     def watch(self, poll_s: float = 1.0) -> int:
         """Block until asked to stop (0) or a child died and may not be restarted (1)."""
@@ -210,13 +222,11 @@ class Stack:
                 if comp.child is None or comp.child.alive():
                     continue
                 code = comp.child.poll()
-                log.error("child_exited", child=comp.name, pid=comp.child.pid, returncode=code)
-                print(
+                say(
                     f"olp: {comp.name} (pid {comp.child.pid}) exited with code {code}; "
-                    f"last output:\n{comp.child.tail(20)}",
-                    file=sys.stderr,
-                    flush=True,
+                    f"last output:\n{comp.child.tail(20)}"
                 )
+                log.error("child_exited", child=comp.name, pid=comp.child.pid, returncode=code)
                 restartable = comp.name in ("proxy", "learner")
                 if (
                     self.cfg.on_child_exit == "restart"
@@ -224,22 +234,26 @@ class Stack:
                     and comp.restarts < self.cfg.max_restarts
                 ):
                     comp.restarts += 1
-                    print(
-                        f"olp: restarting {comp.name} ({comp.restarts}/{self.cfg.max_restarts})",
-                        file=sys.stderr,
-                        flush=True,
-                    )
+                    say(f"olp: restarting {comp.name} ({comp.restarts}/{self.cfg.max_restarts})")
                     comp.child = comp.start()
                     continue
                 return 1
         return 0
 
     def stop(self) -> None:
+        """Stop every child, newest first; one failing stop does not spare the others."""
+        failures: list[Exception] = []
         for comp in reversed(self.components):
-            if comp.child is not None:
+            if comp.child is None:
+                continue
+            try:
                 comp.child.stop(timeout_s=30)
+            except Exception as exc:
+                failures.append(exc)
         self.components.clear()
         self.lock.release()
+        if failures:
+            raise failures[0]
 
     def banner(self, seconds: float) -> str:
         cfg = self.cfg
@@ -269,25 +283,32 @@ class Stack:
 
 
 def run_up(cfg: OlpConfig, config_path: Path | None, *, with_learner: bool = True) -> int:
+    """0 when asked to stop (also during start-up), 1 when start-up failed or a child died."""
     stack = Stack(cfg, config_path, with_learner=with_learner)
-    signal.signal(signal.SIGTERM, stack.request_stop)
-    signal.signal(signal.SIGINT, stack.request_stop)
-
-    def progress(message: str) -> None:
-        print(f"olp: {message}", file=sys.stderr, flush=True)
-
+    # Before the first child: a signal during start-up must reach our handler, not kill us.
+    install_stop_handlers(stack.stop_requested)
     try:
-        seconds = stack.start(progress)
+        stack.lock.acquire()
     except AlreadyRunning as exc:
-        print(f"olp: {exc}", file=sys.stderr)
+        say(f"olp: {exc}")
         return 1
-    except Exception as exc:
-        print(f"olp: start-up failed: {exc}", file=sys.stderr)
+    try:
+        return _start_and_watch(stack)
+    finally:
+        # Whatever happened above (a closed stdout/stderr pipe included), stop every child.
+        say("olp: stopping")
         stack.stop()
+        say("olp: stopped")
+
+
+def _start_and_watch(stack: Stack) -> int:
+    try:
+        seconds = stack.start(lambda message: say(f"olp: {message}"))
+    except StopRequested:
+        say("olp: start-up interrupted")
+        return 0
+    except Exception as exc:
+        say(f"olp: start-up failed: {exc}")
         return 1
-    print(stack.banner(seconds), flush=True)
-    code = stack.watch()
-    print("olp: stopping", file=sys.stderr, flush=True)
-    stack.stop()
-    print("olp: stopped", file=sys.stderr, flush=True)
-    return code
+    say(stack.banner(seconds), sys.stdout)
+    return stack.watch()

@@ -90,3 +90,48 @@ def test_env_admin_key_replaces_the_files_hash() -> None:
 def test_env_mapping_keys_keep_their_case() -> None:
     cfg = load_config(None, environ={"OLP_POLICY__ENV__VLLM_CPU_OMP_THREADS_BIND": "0"})
     assert cfg.policy.env == {"VLLM_CPU_OMP_THREADS_BIND": "0"}
+
+
+def test_malformed_yaml_env_value_names_the_key_not_the_value() -> None:
+    with pytest.raises(ConfigError) as err:
+        load_config(None, environ={"OLP_PROXY__ADMIN_KEY": "{s3cr3t-admin-key"})
+    message = str(err.value)
+    assert "proxy.admin_key" in message
+    assert "OLP_PROXY__ADMIN_KEY" in message
+    assert "s3cr3t" not in message
+
+
+def test_yaml_file_errors_give_the_position_not_the_line(tmp_path: Path) -> None:
+    path = write(tmp_path, "proxy:\n  admin_key: s3cr3t-admin-key: x\n")
+    with pytest.raises(ConfigError) as err:
+        load_config(path, environ={})
+    message = str(err.value)
+    assert "not valid YAML" in message
+    assert "line 2, column" in message
+    assert "s3cr3t" not in message
+
+
+def test_env_scalars_are_taken_verbatim_as_the_docs_say() -> None:
+    from deploy.config_docs import render
+    from proxy.config import sha256_hex
+
+    cfg = load_config(
+        None, environ={"OLP_PROXY__ADMIN_KEY": '"quoted"', "OLP_LEARNER__ENABLED": "off"}
+    )
+    assert cfg.proxy.admin_key_sha256 == sha256_hex('"quoted"')  # the quotes are kept
+    assert cfg.learner.enabled is False
+    docs = render()
+    assert "do not quote it (quotes would become part of the" in docs
+    assert "so quote" not in docs
+
+
+@pytest.mark.parametrize("servers", ["kafka-0:9092,kafka-1:9092", "[::1]:9092", "k:1, j:2"])
+def test_bootstrap_servers_accept_host_port_lists(tmp_path: Path, servers: str) -> None:
+    cfg = load_config(write(tmp_path, f"stream: {{bootstrap_servers: '{servers}'}}\n"), {})
+    assert cfg.stream.bootstrap_servers == servers
+
+
+@pytest.mark.parametrize("servers", ["nohostport", "host:", "a:1,b", ""])
+def test_bootstrap_servers_must_be_host_port(servers: str) -> None:
+    with pytest.raises(ConfigError, match=r"stream\.bootstrap_servers: .*expected HOST:PORT"):
+        load_config(None, environ={"OLP_STREAM__BOOTSTRAP_SERVERS": servers})

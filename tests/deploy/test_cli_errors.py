@@ -1,0 +1,187 @@
+"""Ordinary mistakes and a misbehaving proxy give `olp: <message>`, never a traceback.
+
+No vLLM and no Kafka: the CLI runs as a subprocess against files, a closed port and a
+small local HTTP server that answers the admin API badly on purpose.
+"""
+
+from __future__ import annotations
+
+import http.server
+import os
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from deploy.admin_client import AdminClient, AdminError
+from safety.audit import AuditLog
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def olp(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "deploy.cli", *args],
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT), **(env or {})},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
+def assert_clean_error(done: subprocess.CompletedProcess[str], code: int, text: str) -> None:
+    assert done.returncode == code, done.stderr
+    assert "Traceback" not in done.stderr, done.stderr
+    assert f"olp: {text}" in done.stderr, done.stderr
+
+
+# ------------------------------------------------------------------ admin API answers
+class _Handler(http.server.BaseHTTPRequestHandler):
+    mode = "json"
+    paths: list[str] = []  # noqa: RUF012 - shared on purpose: the test reads what was asked
+
+    def _answer(self) -> None:
+        type(self).paths.append(self.path)
+        if self.mode == "hang":
+            time.sleep(2)
+        elif self.mode == "drop":
+            self.close_connection = True
+            return  # no status line at all: RemoteDisconnected
+        elif self.mode == "garbage":
+            self.wfile.write(b"garbage\r\n\r\n")
+            return
+        body = {
+            "json": b'{"serving_version": "base"}',
+            "text": b"<html>not json</html>",
+            "array": b"[1, 2]",
+        }.get(self.mode, b"{}")
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    do_GET = do_POST = _answer
+
+    def log_message(self, *args: object) -> None:
+        pass  # the test asserts on `paths`; request lines would only clutter its output
+
+
+@pytest.fixture
+def admin_server() -> Iterator[tuple[str, type[_Handler]]]:
+    handler = type("Handler", (_Handler,), {"paths": []})
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}", handler
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join(timeout=5)
+
+
+@pytest.mark.parametrize(
+    ("mode", "message"),
+    [
+        ("hang", "did not answer properly"),
+        ("drop", "did not answer properly"),
+        ("garbage", "did not answer properly"),
+        ("text", "not JSON"),
+        ("array", "expected a JSON object, got list"),
+    ],
+)
+def test_admin_client_turns_bad_answers_into_admin_errors(admin_server, mode, message) -> None:
+    url, handler = admin_server
+    handler.mode = mode
+    with pytest.raises(AdminError, match=message):
+        AdminClient(url, "k", timeout_s=0.5).call("GET", "/admin/status")
+
+
+def test_admin_client_returns_the_json_object(admin_server) -> None:
+    url, _ = admin_server
+    assert AdminClient(url, "k").call("GET", "/admin/status") == {"serving_version": "base"}
+
+
+def _proxy_env(url: str) -> dict[str, str]:
+    return {"OLP_PROXY__PORT": url.rsplit(":", 1)[1], "OLP_ADMIN_KEY": "k"}
+
+
+def test_status_against_a_non_json_answer_is_one_line(admin_server) -> None:
+    url, handler = admin_server
+    handler.mode = "text"
+    assert_clean_error(olp("status", env=_proxy_env(url)), 1, "GET /admin/status")
+
+
+def test_tenant_names_are_quoted_into_the_admin_path(admin_server) -> None:
+    url, handler = admin_server
+    done = olp("tenant", "a b/c", "--training", "on", env=_proxy_env(url))
+    assert done.returncode == 0, done.stderr
+    assert handler.paths == ["/admin/tenants/a%20b%2Fc/training"]
+
+
+# ------------------------------------------------------------------ audit
+def test_audit_commands_refuse_a_directory_without_a_log(tmp_path: Path) -> None:
+    for command in ("verify", "show"):
+        done = olp("audit", command, str(tmp_path))
+        assert_clean_error(done, 2, f"no audit log at {tmp_path / 'audit.jsonl'}")
+        assert "OK" not in done.stdout
+
+
+def test_audit_verify_accepts_a_directory_with_a_log(tmp_path: Path) -> None:
+    log = AuditLog(tmp_path / "audit.jsonl", fsync=False)
+    log.append("admin", "freeze", {})
+    log.append("admin", "unfreeze", {})
+    done = olp("audit", "verify", str(tmp_path))
+    assert done.returncode == 0, done.stderr
+    assert "audit log OK: 2 records" in done.stdout
+
+
+def test_audit_show_on_a_damaged_log(tmp_path: Path) -> None:
+    path = tmp_path / "audit.jsonl"
+    path.write_text("this is not a record\n")
+    assert_clean_error(olp("audit", "show", str(path)), 2, "cannot read the audit log")
+
+
+# ------------------------------------------------------------------ replay, broker, config
+def test_replay_run_of_a_missing_file(tmp_path: Path) -> None:
+    done = olp(
+        "replay", "run", str(tmp_path / "nope.jsonl"), "--model", "policy",
+        "--out", str(tmp_path / "o.jsonl"), "--direct",
+    )  # fmt: skip
+    assert_clean_error(done, 2, "replay run:")
+
+
+def test_replay_run_of_a_file_that_is_not_an_export(tmp_path: Path) -> None:
+    source = tmp_path / "plain.jsonl"
+    source.write_text('{"hello": 1}\n')
+    done = olp(
+        "replay", "run", str(source), "--model", "policy",
+        "--out", str(tmp_path / "o.jsonl"), "--direct",
+    )  # fmt: skip
+    assert_clean_error(done, 2, "replay run:")
+
+
+def test_replay_export_from_an_unreachable_broker(tmp_path: Path) -> None:
+    env = {"OLP_STREAM__BOOTSTRAP_SERVERS": "127.0.0.1:1", "OLP_STATE_DIR": str(tmp_path)}
+    done = olp("replay", "export", "--out", str(tmp_path / "x.jsonl"), env=env)
+    assert_clean_error(done, 2, "replay export from 127.0.0.1:1")
+    assert list(tmp_path.glob("x.jsonl*")) == []  # no half-written .partial left behind
+
+
+def test_broker_with_a_bootstrap_that_is_not_host_port() -> None:
+    done = olp("broker", env={"OLP_STREAM__BOOTSTRAP_SERVERS": "nohostport"})
+    assert_clean_error(done, 2, "invalid configuration")
+    assert "expected HOST:PORT" in done.stderr and "stream.bootstrap_servers" in done.stderr
+
+
+def test_malformed_yaml_env_value_names_the_key_not_the_secret() -> None:
+    done = olp("config", "show", env={"OLP_PROXY__ADMIN_KEY": "{s3cr3t-admin-key"})
+    assert_clean_error(done, 2, "invalid configuration")
+    assert "proxy.admin_key" in done.stderr
+    assert "OLP_PROXY__ADMIN_KEY" in done.stderr
+    assert "s3cr3t" not in done.stderr + done.stdout

@@ -1,0 +1,171 @@
+"""Signals and broken pipes never orphan the children of `olp up`, `olp policy`, `olp broker`.
+
+The real supervisor runs in a subprocess (tests/deploy/_sup_harness.py) with `sleep` in
+place of the broker, vLLM, the proxy and the learner; no vLLM or Kafka is needed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+HARNESS = Path(__file__).with_name("_sup_harness.py")
+
+
+def _running(pid: int) -> bool:
+    """Alive and not a zombie (an orphan may wait a while to be reaped)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except FileNotFoundError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"
+
+
+def _is_our_sleep(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().startswith(b"sleep\0")
+    except FileNotFoundError:
+        return False
+
+
+def _wait_for(cond: Callable[[], bool], timeout_s: float) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if cond():
+            return True
+        time.sleep(0.1)
+    return cond()
+
+
+class Harness:
+    def __init__(self, mode: str, state: Path, *, merge_output_into_pipe: bool = False):
+        self.state = state
+        state.mkdir(parents=True)
+        out = subprocess.PIPE if merge_output_into_pipe else (state / "out.txt").open("w")
+        self.proc = subprocess.Popen(
+            [sys.executable, str(HARNESS), mode, str(state)],
+            cwd=ROOT,
+            env={**os.environ, "PYTHONPATH": str(ROOT)},
+            stdin=subprocess.DEVNULL,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+        )
+
+    def pids(self) -> list[int]:
+        path = self.state / "pids"
+        return sorted(int(p.name) for p in path.iterdir()) if path.exists() else []
+
+    def wait_children(self, count: int, timeout_s: float = 90) -> list[int]:
+        assert _wait_for(lambda: len(self.pids()) >= count, timeout_s), self.output()
+        return self.pids()
+
+    def output(self) -> str:
+        """What olp printed (when not sent into a pipe) and how it ended."""
+        return "\n".join(
+            path.read_text()
+            for path in (self.state / "out.txt", self.state / "exit.txt")
+            if path.exists()
+        )
+
+    def cleanup(self) -> None:
+        """Stop what olp failed to stop, by PID: the harness, then each recorded child."""
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(timeout=10)
+        for pid in self.pids():
+            if _is_our_sleep(pid):
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(pid, signal.SIGKILL)  # each child leads its own group
+
+
+@pytest.fixture
+def harness(tmp_path: Path) -> Iterator[Callable[..., Harness]]:
+    started: list[Harness] = []
+
+    def start(mode: str, **kwargs: bool) -> Harness:
+        started.append(Harness(mode, tmp_path / f"h{len(started)}", **kwargs))
+        return started[-1]
+
+    yield start
+    for h in started:
+        h.cleanup()
+
+
+def _assert_all_stopped(h: Harness, children: list[int], timeout_s: float = 30) -> None:
+    exited = _wait_for(lambda: h.proc.poll() is not None, timeout_s)
+    orphans = [pid for pid in children if _running(pid)]
+    assert exited, f"olp still running {timeout_s} s after the signal:\n{h.output()}"
+    assert not orphans, f"children left running: {orphans}\n{h.output()}"
+
+
+def _read_until(h: Harness, marker: bytes, timeout_s: float = 90) -> bytes:
+    assert h.proc.stdout is not None
+    os.set_blocking(h.proc.stdout.fileno(), False)
+    seen = b""
+    deadline = time.monotonic() + timeout_s
+    while marker not in seen and time.monotonic() < deadline:
+        seen += h.proc.stdout.read() or b""
+        time.sleep(0.05)
+    assert marker in seen, seen.decode(errors="replace")
+    return seen
+
+
+def test_ctrl_c_with_a_dead_output_pipe_still_stops_every_child(harness) -> None:
+    # `olp up 2>&1 | tee log`, then Ctrl-C: tee dies too, and writing "stopping" fails.
+    h = harness("up-ready", merge_output_into_pipe=True)
+    _read_until(h, b"olp is up")
+    children = h.wait_children(4)
+    assert h.proc.stdout is not None
+    h.proc.stdout.close()
+    h.proc.send_signal(signal.SIGINT)
+    _assert_all_stopped(h, children)
+    assert h.proc.returncode == 0, h.output()
+
+
+def test_ctrl_c_during_vllm_warm_up_stops_at_once_even_with_a_dead_pipe(harness) -> None:
+    h = harness("up-warming", merge_output_into_pipe=True)
+    _read_until(h, b"starting vLLM policy server")
+    children = h.wait_children(2)  # broker, vLLM (never ready: startup_timeout_s is 120)
+    assert h.proc.stdout is not None
+    h.proc.stdout.close()
+    h.proc.send_signal(signal.SIGINT)
+    _assert_all_stopped(h, children)
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP])
+def test_sigterm_and_sighup_during_start_up_stop_every_child(harness, sig) -> None:
+    h = harness("up-warming")
+    children = h.wait_children(2)
+    h.proc.send_signal(sig)
+    _assert_all_stopped(h, children)
+    assert h.proc.returncode == 0, h.output()
+    assert "start-up interrupted" in h.output()
+
+
+def test_closing_the_terminal_stops_a_running_stack(harness) -> None:
+    h = harness("up-ready")
+    children = h.wait_children(4)
+    assert _wait_for(lambda: "olp is up" in h.output(), 30), h.output()
+    h.proc.send_signal(signal.SIGHUP)
+    _assert_all_stopped(h, children)
+    assert h.proc.returncode == 0, h.output()
+
+
+@pytest.mark.parametrize("mode", ["policy-warming", "broker-warming"])
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP, signal.SIGINT])
+def test_launchers_stop_their_child_on_a_signal_during_start_up(harness, mode, sig) -> None:
+    h = harness(mode)
+    children = h.wait_children(1)
+    h.proc.send_signal(sig)
+    _assert_all_stopped(h, children)
+    assert h.proc.returncode == 0, h.output()
+    assert "Traceback" not in h.output()

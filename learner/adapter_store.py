@@ -8,12 +8,15 @@ version is never overwritten.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
 import re
 import shutil
+import tempfile
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +27,7 @@ log = structlog.get_logger(__name__)
 META_FILE = "olp_meta.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
 _NAME = re.compile(r"^policy-v(\d+)$")
+BUILD_PREFIX = ".build-"  # Learner._publish's scratch folders (see `building`)
 
 
 class AdapterExistsError(FileExistsError):
@@ -52,6 +56,7 @@ class AdapterStore:
     def __init__(self, state_dir: str | Path) -> None:
         self.root = Path(state_dir) / "adapters"
         self.root.mkdir(parents=True, exist_ok=True)
+        self._building: set[Path] = set()
 
     @staticmethod
     def name(version: int) -> str:
@@ -113,10 +118,45 @@ class AdapterStore:
         log.info("adapter_published", version=version, path=str(final))
         return final
 
+    @contextlib.contextmanager
+    def building(self) -> Iterator[Path]:
+        """A scratch folder (`.build-*`) beside the versions, removed on exit.
+
+        It is registered while in use, so `cleanup_temporary` never removes a build this
+        process is still writing."""
+        path = Path(tempfile.mkdtemp(dir=self.root, prefix=BUILD_PREFIX))
+        self._building.add(path)
+        try:
+            yield path
+        finally:
+            self._building.discard(path)
+            _remove(path)
+
     def cleanup_temporary(self) -> int:
-        """Remove leftovers of interrupted publishes; returns how many."""
+        """Remove leftovers of interrupted publishes and builds; returns how many.
+
+        Run at start-up (rank 0, before any build); a crash mid-step leaves an adapter-sized
+        `.build-*` or `.tmp-policy-v*` folder that nothing else would ever remove."""
+        leftovers = [*self.root.glob(".tmp-policy-v*"), *self.root.glob(f"{BUILD_PREFIX}*")]
         removed = 0
-        for entry in self.root.glob(".tmp-policy-v*"):
-            shutil.rmtree(entry, ignore_errors=True)
-            removed += 1
+        for entry in leftovers:
+            if entry in self._building:
+                continue
+            if _remove(entry):
+                removed += 1
+        if removed:
+            log.info("adapter_leftovers_removed", count=removed, root=str(self.root))
         return removed
+
+
+def _remove(path: Path) -> bool:
+    """rmtree that logs a failure instead of hiding it; True when the path is gone."""
+    try:
+        if path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path)
+        else:
+            path.unlink(missing_ok=True)
+    except OSError as exc:
+        log.warning("adapter_leftover_not_removed", path=str(path), error=repr(exc))
+        return False
+    return True

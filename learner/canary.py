@@ -8,6 +8,7 @@ reward-hacking monitors applied to live replies (safety/gates/checks.py).
 
 from __future__ import annotations
 
+import math
 import threading
 from dataclasses import dataclass, field
 from typing import Any
@@ -93,7 +94,8 @@ class CanaryMonitor:
                 if arm is None or float(trajectory.get("created_at", 0.0)) < self._since:
                     continue
                 arm.samples += 1
-                if item.reward is not None:
+                # A corrupt (non-finite) reward is not evidence; the learner drops it too.
+                if item.reward is not None and math.isfinite(item.reward):
                     arm.rewarded += 1
                     arm.reward_sum += item.reward
                 flags = guard_flags(item)
@@ -131,30 +133,48 @@ class CanaryVerdict:
         }
 
 
-def judge_canary(
-    config: CanaryConfig, stable: ArmStats, candidate: ArmStats, elapsed_s: float
-) -> CanaryVerdict:
-    """Roll back as soon as the evidence shows the candidate worse by a margin; promote once
-    both arms have enough evidence and it is not; at the deadline apply `on_timeout`."""
+# At the deadline `on_timeout: promote` still needs this many rewarded (or, for the guards,
+# observed) trajectories per arm before the evidence it has may stop it; below that nothing
+# was observed and the operator's choice applies.
+TIMEOUT_FLOOR = 5
+
+
+def _regressions(
+    config: CanaryConfig, stable: ArmStats, candidate: ArmStats, samples: int, rewarded: int
+) -> list[str]:
+    """Guard rates compared once both arms served `samples` trajectories, mean reward once
+    both have `rewarded` rewarded ones; the reasons the candidate is worse by a margin."""
     reasons: list[str] = []
-    enough_samples = min(stable.samples, candidate.samples) >= config.min_samples
-    enough_rewards = min(stable.rewarded, candidate.rewarded) >= config.min_samples
-    if enough_samples:
+    if min(stable.samples, candidate.samples) >= samples:
         for guard in GUARDS:
             ours, theirs = candidate.rate(guard), stable.rate(guard)
             if ours is not None and theirs is not None and ours > theirs + config.guard_margin:
                 reasons.append(
                     f"{guard} rate {ours:.3f} > stable {theirs:.3f} + {config.guard_margin}"
                 )
-    if enough_rewards:
+    if min(stable.rewarded, candidate.rewarded) >= rewarded:
         ours_r, theirs_r = candidate.reward_mean, stable.reward_mean
         assert ours_r is not None and theirs_r is not None
         if ours_r < theirs_r - config.reward_margin:
             reasons.append(f"reward {ours_r:.3f} < stable {theirs_r:.3f} - {config.reward_margin}")
+    return reasons
+
+
+def judge_canary(
+    config: CanaryConfig, stable: ArmStats, candidate: ArmStats, elapsed_s: float
+) -> CanaryVerdict:
+    """Roll back as soon as the evidence shows the candidate worse by a margin (guard rates
+    once both arms served `min_samples` trajectories, mean reward once both have
+    `min_samples` rewarded ones); promote once both counts are reached and it is not. At the
+    deadline apply `on_timeout`, except that `promote` turns into a rollback when the
+    evidence there is (at least TIMEOUT_FLOOR per arm) already shows such a regression."""
+    n = config.min_samples
+    reasons = _regressions(config, stable, candidate, n, n)
+    enough = min(stable.samples, candidate.samples, stable.rewarded, candidate.rewarded) >= n
     decision = "wait"
     if reasons:
         decision = "rollback"
-    elif enough_samples and enough_rewards:
+    elif enough:
         decision = "promote"
         reasons.append("no guard or reward regression beyond the margins")
     elif elapsed_s >= config.max_duration_s:
@@ -162,6 +182,12 @@ def judge_canary(
         reasons.append(
             f"evidence still short after {elapsed_s:.0f} s "
             f"(samples {stable.samples}/{candidate.samples}, "
-            f"rewarded {stable.rewarded}/{candidate.rewarded}, need {config.min_samples})"
+            f"rewarded {stable.rewarded}/{candidate.rewarded}, need {n})"
         )
+        if decision == "promote":
+            floor = min(n, TIMEOUT_FLOOR)
+            worse = _regressions(config, stable, candidate, floor, floor)
+            if worse:
+                decision = "rollback"
+                reasons += [f"{r} on the short evidence" for r in worse]
     return CanaryVerdict(decision, reasons, stable.to_dict(), candidate.to_dict())

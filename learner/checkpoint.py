@@ -17,8 +17,9 @@ from typing import Any
 
 import structlog
 import torch
+from safetensors.torch import load_file
 
-from learner.adapter_store import AdapterStore
+from learner.adapter_store import WEIGHTS_FILE, AdapterStore, sha256_file
 
 log = structlog.get_logger(__name__)
 
@@ -100,43 +101,26 @@ class ResumePlan:
 
 
 def resume_plan(checkpoint: Checkpoint | None, store: AdapterStore) -> ResumePlan:
-    """Reconcile checkpoint and adapter store after any crash.
+    """Reconcile checkpoint and adapter store after any crash (DESIGN.md's resume table).
 
     - no checkpoint, no adapters: fresh start from the stream's beginning;
     - checkpoint at v, store lacks v (crash between checkpoint and publish): republish v;
-    - store holds a version newer than the checkpoint that descends from it (a checkpoint
-      lost or restored from backup): roll forward to that adapter and its recorded
-      consumed offsets, so its batches are not trained twice;
-    - otherwise: continue from the checkpoint.
+    - store holds versions newer than the checkpoint (a checkpoint lost or restored from
+      backup): roll forward to the newest, its weights and its recorded consumed offsets, so
+      its batches are not trained twice, provided it descends from the checkpoint and every
+      other newer version lies on its lineage; else refuse to start, naming the others;
+    - otherwise continue from the checkpoint, once the stored copy of its version is
+      verified to be it (weights and parent), else refuse.
     """
     versions = store.versions()
     base_version = checkpoint.version if checkpoint else 0
     newer = [v for v in versions if v > base_version]
-    for candidate in reversed(newer):
-        lineage = store.lineage(candidate)
-        meta = store.read_meta(lineage[-1])
-        root_parent = meta.get("parent_version") or 0
-        if base_version in lineage or root_parent == base_version:
-            offsets = normalize_offsets(store.read_meta(candidate).get("consumed_offsets"))
-            log.warning(
-                "learner_roll_forward",
-                checkpoint_version=base_version,
-                adapter_version=candidate,
-            )
-            return ResumePlan(
-                version=candidate,
-                offsets=offsets,
-                weights_from="adapter",
-                republish=False,
-                keep_optimizer=checkpoint is not None,
-            )
     if newer:
-        raise RuntimeError(
-            f"adapter store holds versions {newer} that do not descend from checkpoint "
-            f"version {base_version}; refusing to guess (move them aside or fix the state)"
-        )
+        return _roll_forward(checkpoint, store, base_version, newer)
     if checkpoint is None:
         return ResumePlan(0, None, "fresh", republish=False, keep_optimizer=False)
+    if checkpoint.version in versions:
+        _verify_checkpoint_version(checkpoint, store)
     return ResumePlan(
         version=checkpoint.version,
         offsets=checkpoint.offsets,
@@ -144,3 +128,93 @@ def resume_plan(checkpoint: Checkpoint | None, store: AdapterStore) -> ResumePla
         republish=checkpoint.version > 0 and checkpoint.version not in versions,
         keep_optimizer=True,
     )
+
+
+def descends(store: AdapterStore, version: int, base_version: int) -> bool:
+    """Whether `version`'s lineage leads to `base_version`.
+
+    Version 0 (the untrained adapter) is the ancestor of every version. Pruning removes the
+    oldest directories, so a lineage may stop at a missing parent: it counts as descending
+    when that gap lies above `base_version` and the checkpoint's own directory is gone too
+    (pruned with it); a parent below `base_version` means another branch.
+    """
+    lineage = store.lineage(version)
+    if base_version in lineage:
+        return True
+    parent = int(store.read_meta(lineage[-1]).get("parent_version") or 0)
+    if parent == base_version:
+        return True
+    pruned_gap = parent not in store.versions() and base_version not in store.versions()
+    return parent > base_version and pruned_gap
+
+
+def _roll_forward(
+    checkpoint: Checkpoint | None, store: AdapterStore, base_version: int, newer: list[int]
+) -> ResumePlan:
+    candidate = newer[-1]
+    lineage = set(store.lineage(candidate))
+    if not descends(store, candidate, base_version):
+        foreign = [v for v in newer if not descends(store, v, base_version)]
+        raise RuntimeError(
+            f"adapter store holds versions {foreign} that do not descend from checkpoint "
+            f"version {base_version}; refusing to guess (move them aside or fix the state)"
+        )
+    foreign = [v for v in newer if v not in lineage]
+    if foreign:
+        raise RuntimeError(
+            f"adapter store holds versions {foreign} newer than checkpoint version "
+            f"{base_version} that are not on the lineage of policy-v{candidate}; they do "
+            "not descend from this learner's state, refusing to guess (move them aside)"
+        )
+    log.warning("learner_roll_forward", checkpoint_version=base_version, adapter_version=candidate)
+    return ResumePlan(
+        version=candidate,
+        offsets=normalize_offsets(store.read_meta(candidate).get("consumed_offsets")),
+        weights_from="adapter",
+        republish=False,
+        keep_optimizer=checkpoint is not None,
+    )
+
+
+def _verify_checkpoint_version(checkpoint: Checkpoint, store: AdapterStore) -> None:
+    """Refuse to continue when the stored `policy-v<N>` is not the checkpoint's version N
+    (another learner's, or a damaged copy): it would be announced as ours."""
+    version = checkpoint.version
+    path = store.path(version)
+    meta = store.read_meta(version)
+    problems: list[str] = []
+    weights = path / WEIGHTS_FILE
+    if not weights.is_file():
+        problems.append("no weights file")
+    else:
+        digest = sha256_file(weights)
+        if digest != meta.get("weights_sha256"):
+            problems.append("weights do not match their recorded sha256")
+        # A rolled-forward checkpoint records the stored sha256; a trained one holds the
+        # very tensors that were published.
+        expected = (checkpoint.meta or {}).get("weights_sha256")
+        if expected is not None:
+            if digest != expected:
+                problems.append("weights sha256 differs from the checkpoint's")
+        elif not _same_tensors(weights, checkpoint.adapter_state):
+            problems.append("weights differ from the checkpoint's")
+    if checkpoint.meta is not None:
+        ours, theirs = checkpoint.meta.get("parent_version"), meta.get("parent_version")
+        if ours != theirs:
+            problems.append(f"parent_version {theirs} != checkpoint's {ours}")
+    if problems:
+        raise RuntimeError(
+            f"adapter store's policy-v{version} is not the checkpoint's version {version} "
+            f"({'; '.join(problems)}); refusing to start (move it aside or fix the state)"
+        )
+
+
+def _same_tensors(weights: Path, state: dict[str, torch.Tensor]) -> bool:
+    try:
+        stored = load_file(str(weights))
+    except Exception as exc:  # unreadable: reported as a mismatch by the caller
+        log.warning("adapter_weights_unreadable", path=str(weights), error=repr(exc))
+        return False
+    if stored.keys() != state.keys():
+        return False
+    return all(torch.equal(stored[k], state[k].to(stored[k].dtype)) for k in stored)

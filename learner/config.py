@@ -43,7 +43,8 @@ class JudgeConfig(BaseModel):
 
 
 class FeedbackValues(BaseModel):
-    """Reward value of each explicit feedback kind (`score` passes its value through)."""
+    """Reward value of each explicit feedback kind (`score` passes its value through, clamped
+    to [`score_min`, `score_max`])."""
 
     model_config = ConfigDict(extra="forbid")
 
@@ -54,6 +55,14 @@ class FeedbackValues(BaseModel):
     edit_kept: float = 0.5
     test_pass: float = 1.0
     test_fail: float = -0.5
+    # One client's `score` must not outweigh everyone else's rewards: the bounds contain 0,
+    # so they are ordered without a cross-field check.
+    score_min: float = Field(
+        -2.0, ge=-1e6, le=0, description="a lower `score` value counts as this (score_clamped)"
+    )
+    score_max: float = Field(
+        2.0, ge=0, le=1e6, description="a higher `score` value counts as this (score_clamped)"
+    )
 
 
 class RewardWeights(BaseModel):

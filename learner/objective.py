@@ -1,6 +1,7 @@
 """The RL objective: sample selection, advantages and the token-level policy-gradient loss.
 
-Pure functions over `Sample`s and tensors so each rule can be unit-tested with exact counts.
+Pure functions over `Sample`s and tensors so each rule can be unit-tested with exact counts
+(`apply_share_caps_across_ranks` adds one gather to the pure `select_capped`).
 """
 
 from __future__ import annotations
@@ -12,12 +13,26 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
+import structlog
 import torch
 
+from learner.distributed import DistContext, all_gather_object
 from safety.caps import apply_contribution_caps
 from safety.config import CapsConfig
 
+log = structlog.get_logger(__name__)
+
 _VERSION = re.compile(r"^policy-v(\d+)$")
+
+# Rewards and advantages beyond this are corrupt, not evidence: every reward part is O(1)
+# (`score` feedback is clamped to at most this), and the float32 loss overflows long before
+# a float64 reward does. Such samples are dropped and counted (`bad_reward`), never trained.
+REWARD_LIMIT = 1e6
+
+
+def usable(value: float | None) -> bool:
+    """A reward or advantage that can be trained on: finite and within REWARD_LIMIT."""
+    return value is not None and math.isfinite(value) and abs(value) <= REWARD_LIMIT
 
 
 @dataclass
@@ -55,6 +70,9 @@ def samples_from_rewarded(rewarded: Iterable[Any]) -> tuple[list[Sample], Counte
     for item in rewarded:
         if item.reward is None:
             dropped["no_reward"] += 1
+            continue
+        if not usable(item.reward):
+            dropped["bad_reward"] += 1
             continue
         record = item.trajectory
         choice = next(c for c in record["choices"] if int(c.get("index", 0)) == item.choice_index)
@@ -116,6 +134,47 @@ def apply_share_caps(
     return result.kept, {"capped": len(result.dropped)}
 
 
+Source = tuple[str, str | None]  # (tenant, user) of one sample
+
+
+def select_capped(per_rank: list[list[Source]], caps: CapsConfig) -> list[list[bool]]:
+    """Keep-flags per rank from one cap over the union of every rank's samples.
+
+    The union in rank order is the batch that is trained, so this is what `apply_share_caps`
+    decides for it in one process; every rank computes the same flags from the same lists.
+    """
+    union = [
+        (rank, index, source)
+        for rank, part in enumerate(per_rank)
+        for index, source in enumerate(part)
+    ]
+    result = apply_contribution_caps(
+        union,
+        caps,
+        tenant_of=lambda item: item[2][0],
+        user_of=lambda item: None if item[2][1] is None else item[2],
+    )
+    keep = [[False] * len(part) for part in per_rank]
+    for rank, index, _ in result.kept:
+        keep[rank][index] = True
+    return keep
+
+
+def apply_share_caps_across_ranks(
+    ctx: DistContext, samples: list[Sample], caps: CapsConfig
+) -> tuple[list[Sample], dict[str, int]]:
+    """`apply_share_caps` on the union of all ranks' samples (collective: every rank calls it).
+
+    Each rank's (tenant, user) list is gathered, the kept set is decided once for the whole
+    batch, and each rank keeps its own part of it; `capped` counts this rank's drops.
+    """
+    sources: list[Source] = [(s.tenant, s.user) for s in samples]
+    per_rank = all_gather_object(ctx, sources)
+    keep = select_capped(per_rank, caps)[ctx.rank]
+    kept = [sample for sample, flag in zip(samples, keep, strict=True) if flag]
+    return kept, {"capped": len(samples) - len(kept)}
+
+
 class RunningBaseline:
     """Exponential moving average of the reward per task, for ungrouped samples."""
 
@@ -124,7 +183,12 @@ class RunningBaseline:
         self.values: dict[str, float] = {}
 
     def advantage(self, task: str, reward: float) -> float:
-        """reward − baseline, then update; the first reward of a task sets the baseline."""
+        """reward − baseline, then update; the first reward of a task sets the baseline.
+
+        An unusable reward (see `usable`) returns NaN and leaves the baseline alone, so one
+        corrupt value cannot shift every later advantage of its task."""
+        if not usable(reward):
+            return math.nan
         base = self.values.get(task)
         if base is None:
             self.values[task] = reward
@@ -136,7 +200,11 @@ class RunningBaseline:
         return {"decay": self.decay, "values": dict(self.values)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.values = dict(state.get("values", {}))
+        values = dict(state.get("values", {}))
+        # A checkpoint written before rewards were bounded may hold a corrupt baseline.
+        self.values = {task: float(v) for task, v in values.items() if usable(v)}
+        if len(self.values) < len(values):
+            log.warning("baseline_values_dropped", tasks=sorted(set(values) - set(self.values)))
 
 
 def assign_advantages(
@@ -148,7 +216,9 @@ def assign_advantages(
     """Group-relative advantages for groups of ≥2, running baseline for the rest.
 
     Groups whose rewards are all equal, and ungrouped samples with zero advantage, are
-    dropped (they carry no gradient). Returns the kept samples and counts.
+    dropped (they carry no gradient); so are samples whose reward or advantage is not usable
+    (`bad_reward`: a whole group, since its mean and spread are meaningless then). Returns
+    the kept samples and counts.
     """
     groups: dict[str, list[Sample]] = {}
     singles: list[Sample] = []
@@ -161,11 +231,20 @@ def assign_advantages(
         if len(members) == 1:
             singles.extend(members)
     kept: list[Sample] = []
-    counts = {"zero_advantage_groups": 0, "zero_advantage_samples": 0, "grouped": 0, "baseline": 0}
+    counts = {
+        "zero_advantage_groups": 0,
+        "zero_advantage_samples": 0,
+        "grouped": 0,
+        "baseline": 0,
+        "bad_reward": 0,
+    }
     for members in groups.values():
         if len(members) < 2:
             continue
         rewards = [m.reward for m in members]
+        if not all(usable(r) for r in rewards):
+            counts["bad_reward"] += len(members)
+            continue
         mean = sum(rewards) / len(rewards)
         std = math.sqrt(sum((r - mean) ** 2 for r in rewards) / len(rewards))
         if std < eps:
@@ -178,6 +257,9 @@ def assign_advantages(
             counts["grouped"] += 1
     for sample in singles:
         sample.advantage = baseline.advantage(sample.task, sample.reward)
+        if not math.isfinite(sample.advantage):  # NaN: the reward itself was unusable
+            counts["bad_reward"] += 1
+            continue
         if abs(sample.advantage) < eps:
             counts["zero_advantage_samples"] += 1
             continue

@@ -40,6 +40,9 @@ ACTOR = "olp-learner"
 # batch with LoRA requests, so the gate compares against an all-zero adapter instead: its
 # output equals the base model's and it always takes the LoRA path.
 ZERO_BASE = "olp-zero-base"
+# Failed GET /admin/status calls in a row a canary watch tolerates (a proxy restart, a
+# timeout) before it gives up and rolls the canary back.
+CANARY_STATUS_ATTEMPTS = 3
 
 
 class PromotionError(RuntimeError):
@@ -323,37 +326,26 @@ class Promoter:
         try:
             self.proxy.start_canary(alias, name, config.share)
             log.info("canary_started", version=name, stable=incumbent, share=config.share)
-            while True:
-                if self._closing.wait(config.poll_s):
-                    decision, reasons = "rollback", ["the learner is shutting down"]
-                    verdict_data: dict[str, Any] = {}
-                    break
-                running = (self.proxy.status().get("canaries") or {}).get(alias)
-                if not running or running.get("target") != name:
-                    # An operator rollback or freeze ended it; the proxy audited that.
-                    self.replicas.unload(name)
-                    self.audit.append(
-                        ACTOR, "canary_aborted", {"version": name, "stable": incumbent}
-                    )
-                    return PromotionOutcome(
-                        name, "canary_aborted", incumbent, report, "ended by an operator"
-                    )
-                verdict = judge_canary(
-                    config,
-                    self.canary_monitor.arm(incumbent),
-                    self.canary_monitor.arm(name),
-                    time.monotonic() - started,
-                )
-                if verdict.decision != "wait":
-                    decision, reasons, verdict_data = (
-                        verdict.decision,
-                        verdict.reasons,
-                        verdict.to_dict(),
-                    )
-                    break
+            watched = self._watch_canary(name, incumbent, started)
+        except Exception as exc:
+            # Without a decision the proxy would keep routing `share` of traffic to an
+            # unjudged candidate: end the canary with a rollback instead.
+            log.exception("canary_watch_failed", version=name, stable=incumbent)
+            reason = f"canary watch failed: {exc!r}"
+            timings["canary_s"] = time.monotonic() - started
+            self._abandon_canary(name, incumbent, reason)
+            return PromotionOutcome(name, "canary_rolled_back", incumbent, report, reason, timings)
         finally:
             self.canary_monitor.end()
         timings["canary_s"] = time.monotonic() - started
+        if watched is None:
+            # An operator rollback or freeze ended it; the proxy audited that.
+            self.replicas.unload(name)
+            self.audit.append(ACTOR, "canary_aborted", {"version": name, "stable": incumbent})
+            return PromotionOutcome(
+                name, "canary_aborted", incumbent, report, "ended by an operator"
+            )
+        decision, reasons, verdict_data = watched
         self.audit.append(
             ACTOR,
             "canary_result",
@@ -365,8 +357,9 @@ class Promoter:
                 "evidence": verdict_data,
             },
         )
-        self.proxy.end_canary(alias, decision, "; ".join(reasons))
+        reason = "; ".join(reasons)
         if decision == "promote":
+            self.proxy.end_canary(alias, decision, reason)
             self.audit.append(
                 ACTOR,
                 "promotion",
@@ -375,11 +368,73 @@ class Promoter:
             log.info("canary_promoted", version=name, previous=incumbent, reasons=reasons)
             self._schedule_cleanup(name)
             return PromotionOutcome(name, "promoted", incumbent, report, timings=timings)
-        self.replicas.unload(name)
+        failed = self._end_canary_rollback(name, reason)
+        if failed:  # the proxy may not have recorded the rollback itself
+            self.audit.append(
+                ACTOR,
+                "canary_rolled_back",
+                {"version": name, "stable": incumbent, "reason": reason, "cleanup_failed": failed},
+            )
         log.warning("canary_rolled_back", version=name, stable=incumbent, reasons=reasons)
-        return PromotionOutcome(
-            name, "canary_rolled_back", incumbent, report, "; ".join(reasons), timings
-        )
+        return PromotionOutcome(name, "canary_rolled_back", incumbent, report, reason, timings)
+
+    def _watch_canary(
+        self, name: str, incumbent: str, started: float
+    ) -> tuple[str, list[str], dict[str, Any]] | None:
+        """Poll until a decision (decision, reasons, evidence); None: ended by an operator."""
+        config = self.config.canary
+        while True:
+            if self._closing.wait(config.poll_s):
+                return "rollback", ["the learner is shutting down"], {}
+            running = self._canary_status(name)
+            if not running or running.get("target") != name:
+                return None
+            verdict = judge_canary(
+                config,
+                self.canary_monitor.arm(incumbent),
+                self.canary_monitor.arm(name),
+                time.monotonic() - started,
+            )
+            if verdict.decision != "wait":
+                return verdict.decision, verdict.reasons, verdict.to_dict()
+
+    def _canary_status(self, name: str) -> dict[str, Any] | None:
+        """The proxy's running canary on the alias; a transient status failure is retried
+        (CANARY_STATUS_ATTEMPTS in a row, one poll apart) before it ends the watch."""
+        for attempt in range(1, CANARY_STATUS_ATTEMPTS + 1):
+            try:
+                return (self.proxy.status().get("canaries") or {}).get(self.config.alias)
+            except Exception as exc:
+                if attempt == CANARY_STATUS_ATTEMPTS or self._closing.is_set():
+                    raise
+                log.warning("canary_status_failed", version=name, attempt=attempt, error=repr(exc))
+                self._closing.wait(self.config.canary.poll_s)
+        raise AssertionError("unreachable")
+
+    def _abandon_canary(self, name: str, incumbent: str, reason: str) -> None:
+        """End a canary that has no decision: rollback at the proxy, unload, audit."""
+        payload: dict[str, Any] = {"version": name, "stable": incumbent, "reason": reason}
+        failed = self._end_canary_rollback(name, reason)
+        if failed:
+            payload["cleanup_failed"] = failed
+        self.audit.append(ACTOR, "canary_rolled_back", payload)
+        log.warning("canary_rolled_back", version=name, stable=incumbent, reason=reason)
+
+    def _end_canary_rollback(self, name: str, reason: str) -> list[str]:
+        """End the canary with a rollback and unload the candidate; each step runs even if
+        the other fails, and a failure is logged and returned (for the audit)."""
+        failed: list[str] = []
+        try:
+            self.proxy.end_canary(self.config.alias, "rollback", reason)
+        except Exception as exc:
+            log.exception("canary_end_failed", version=name, alias=self.config.alias)
+            failed.append(f"end_canary: {exc!r}")
+        try:
+            self.replicas.unload(name)
+        except Exception as exc:
+            log.exception("canary_unload_failed", version=name)
+            failed.append(f"unload: {exc!r}")
+        return failed
 
     # ------------------------------------------------------------------- helpers
     def _zero_base(self, like: Path) -> str:

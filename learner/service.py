@@ -6,7 +6,6 @@ partitions through the consumer factory; rank 0 writes checkpoints and adapters.
 
 from __future__ import annotations
 
-import tempfile
 import threading
 import time
 from collections import Counter
@@ -32,7 +31,7 @@ from learner.distributed import (
 )
 from learner.objective import (
     RunningBaseline,
-    apply_share_caps,
+    apply_share_caps_across_ranks,
     assign_advantages,
     drop_stale,
     samples_from_rewarded,
@@ -121,6 +120,7 @@ class Learner:
         self.batches_done = 0  # batches fully handled in this process (after announce)
         self.version = 0
         self.offsets: Offsets | None = None
+        self.version_meta: dict[str, Any] | None = None  # olp_meta of `version`, if trained
         self._resume()
         self.consumer = consumer_factory(self.offsets, self.ctx.rank, self.ctx.world)
 
@@ -137,6 +137,7 @@ class Learner:
         self.version = plan.version
         self.offsets = plan.offsets
         if checkpoint is not None:
+            self.version_meta = checkpoint.meta
             self.step_count = checkpoint.step
             self.counts.update(checkpoint.counters)
             self.baseline.load_state_dict(checkpoint.baseline)
@@ -233,7 +234,8 @@ class Learner:
                 log.exception("on_rewarded_failed", batch=len(rewarded))
         samples, dropped = samples_from_rewarded(rewarded)
         samples, stale = drop_stale(samples, self.version, self.config.max_staleness)
-        samples, capped = apply_share_caps(samples, self.caps)
+        # Collective: the trained batch is the union over ranks, so is the cap.
+        samples, capped = apply_share_caps_across_ranks(self.ctx, samples, self.caps)
         samples, adv_counts = assign_advantages(
             samples, self.baseline, self.config.normalize_advantages
         )
@@ -243,11 +245,10 @@ class Learner:
                 "overflow": overflow,
                 "stale": stale,
                 "trained_samples": len(samples),
-                **dropped,
-                **capped,
-                **adv_counts,
             }
         )
+        for part in (dropped, capped, adv_counts):  # summed: parts share keys (bad_reward)
+            local.update(part)
         local.update({f"reward_{k}": v for k, v in self.assembler.counts.items()})
         self.assembler.counts.clear()
         gathered = all_gather_object(
@@ -308,6 +309,11 @@ class Learner:
 
     # -- persistence (rank 0) ---------------------------------------------------------------
     def _save_checkpoint(self, meta: dict[str, Any] | None) -> None:
+        # A batch that trained nothing keeps the version, and so its metadata, which
+        # resume_plan checks the stored version against.
+        if meta is not None:
+            self.version_meta = meta
+        meta = self.version_meta
         checkpoint = Checkpoint(
             version=self.version,
             step=self.step_count,
@@ -323,8 +329,8 @@ class Learner:
         self.checkpoints.save(checkpoint)
 
     def _publish(self, version: int, meta: dict[str, Any]) -> Path:
-        with tempfile.TemporaryDirectory(dir=self.store.root, prefix=".build-") as tmp:
-            files = Path(tmp) / "files"
+        with self.store.building() as tmp:
+            files = tmp / "files"
             self.trainer.save_adapter_files(files)
             return self.store.publish(version, files, meta)
 

@@ -50,6 +50,7 @@ class RewardAssembler:
 
     def assemble(self, items: list[Any]) -> list[RewardedChoice]:
         weights = self.config.weights
+        timeouts, errors = self.verifiers.timeouts, self.verifiers.errors
         out: list[RewardedChoice] = []
         judge_groups: dict[str, list[RewardedChoice]] = {}
         for item in items:
@@ -60,11 +61,13 @@ class RewardAssembler:
             for choice in trajectory.get("choices") or []:
                 index = int(choice.get("index", 0))
                 rewarded = RewardedChoice(trajectory=trajectory, choice_index=index, reward=None)
-                value, invalid = feedback_reward(feedback, index, self.config.feedback_values)
-                if invalid:
-                    self.counts["invalid_feedback"] += invalid
-                if value is not None and weights.feedback > 0:
-                    rewarded.parts["feedback"] = value
+                found = feedback_reward(feedback, index, self.config.feedback_values)
+                if found.invalid:
+                    self.counts["invalid_feedback"] += found.invalid
+                if found.clamped:
+                    self.counts["score_clamped"] += found.clamped
+                if found.value is not None and weights.feedback > 0:
+                    rewarded.parts["feedback"] = found.value
                 if self.verifiers and weights.verifiers > 0:
                     verified = self.verifiers.score(trajectory, choice)
                     if verified is not None:
@@ -75,6 +78,11 @@ class RewardAssembler:
                 out.append(rewarded)
         for group in judge_groups.values():
             self._judge_group(group)
+        # Surfaced with the other reward counts (learner_step log, checkpoint counters).
+        if self.verifiers.timeouts > timeouts:
+            self.counts["verifier_timeouts"] += self.verifiers.timeouts - timeouts
+        if self.verifiers.errors > errors:
+            self.counts["verifier_errors"] += self.verifiers.errors - errors
         for rewarded in out:
             total = sum(getattr(weights, name) * v for name, v in rewarded.parts.items())
             weight = sum(getattr(weights, name) for name in rewarded.parts)

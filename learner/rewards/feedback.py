@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable
-from typing import Any
+from typing import Any, NamedTuple
 
 from learner.config import FeedbackValues
 
@@ -12,40 +13,65 @@ class FeedbackError(ValueError):
     """A feedback event that cannot be turned into a reward value."""
 
 
-def feedback_value(event: dict[str, Any], values: FeedbackValues) -> float:
-    """Reward value of one feedback event; raises FeedbackError on a malformed event."""
+class FeedbackReward(NamedTuple):
+    """The reward of one choice from its feedback, and what was left out or bounded."""
+
+    value: float | None  # None: no valid event concerns the choice
+    invalid: int  # malformed events (counted as invalid_feedback)
+    clamped: int  # `score` values outside [score_min, score_max] (counted as score_clamped)
+
+
+def _score(value: Any, values: FeedbackValues) -> tuple[float, bool]:
+    """A score clamped to the configured range, and whether it had to be."""
+    if not isinstance(value, int | float) or isinstance(value, bool):
+        raise FeedbackError(f"score feedback needs a numeric value, got {value!r}")
+    try:
+        number = float(value)
+    except OverflowError as exc:  # an int too large for a float
+        raise FeedbackError("score feedback value does not fit a float") from exc
+    if not math.isfinite(number):
+        raise FeedbackError(f"score feedback needs a finite value, got {number!r}")
+    bounded = min(max(number, values.score_min), values.score_max)
+    return bounded, bounded != number
+
+
+def _value(event: dict[str, Any], values: FeedbackValues) -> tuple[float, bool]:
     kind = event.get("kind")
     value = event.get("value")
     if kind == "score":
-        if not isinstance(value, int | float) or isinstance(value, bool):
-            raise FeedbackError(f"score feedback needs a numeric value, got {value!r}")
-        return float(value)
+        return _score(value, values)
     if kind == "test_result":
         if value is None:
             raise FeedbackError("test_result feedback needs a value (pass: truthy/1, fail: 0)")
         passed = bool(value) if not isinstance(value, int | float) else value > 0
-        return values.test_pass if passed else values.test_fail
+        return (values.test_pass if passed else values.test_fail), False
     if kind in ("accept", "reject", "thumbs_up", "thumbs_down", "edit_kept"):
-        return float(getattr(values, kind))
+        return float(getattr(values, kind)), False
     raise FeedbackError(f"unknown feedback kind {kind!r}")
+
+
+def feedback_value(event: dict[str, Any], values: FeedbackValues) -> float:
+    """Reward value of one feedback event; raises FeedbackError on a malformed event."""
+    return _value(event, values)[0]
 
 
 def feedback_reward(
     events: Iterable[dict[str, Any]], choice_index: int, values: FeedbackValues
-) -> tuple[float | None, int]:
-    """Mean value of the valid events addressed to `choice_index`, and how many were invalid.
-
-    Returns (None, invalid) when no valid event concerns the choice.
-    """
+) -> FeedbackReward:
+    """Mean value of the valid events addressed to `choice_index`, with the counts of
+    invalid events and of clamped scores."""
     found: list[float] = []
-    invalid = 0
+    invalid = clamped = 0
     for event in events:
         if int(event.get("choice_index", 0) or 0) != choice_index:
             continue
         try:
-            found.append(feedback_value(event, values))
+            value, was_clamped = _value(event, values)
         except FeedbackError:
             invalid += 1
+            continue
+        found.append(value)
+        clamped += int(was_clamped)
     if not found:
-        return None, invalid
-    return sum(found) / len(found), invalid
+        return FeedbackReward(None, invalid, clamped)
+    return FeedbackReward(sum(found) / len(found), invalid, clamped)

@@ -6,10 +6,11 @@ A verifier is any callable `fn(trajectory: dict, choice: dict, **params) -> floa
 
 from __future__ import annotations
 
-import concurrent.futures
 import importlib
 import json
+import math
 import re
+import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -166,23 +167,55 @@ def load_verifier(path: str) -> Verifier:
     return target
 
 
+class _Call:
+    """One verifier call on its own daemon thread.
+
+    A call that outlives its timeout cannot be killed, but it holds only its own thread:
+    later calls never queue behind it (a pool's workers would, and a pool's threads are
+    joined at interpreter exit, so a hung verifier would also block shutdown).
+    """
+
+    def __init__(self, fn: Verifier, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        self._fn, self._args, self._kwargs = fn, args, kwargs
+        self._done = threading.Event()
+        self.value: float | None = None
+        self.error: BaseException | None = None
+        self.thread = threading.Thread(target=self._run, name="olp-verifier", daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        try:
+            self.value = self._fn(*self._args, **self._kwargs)
+        except Exception as exc:  # handed to the caller, which logs and counts it
+            self.error = exc
+        finally:
+            self._done.set()
+
+    def wait(self, timeout_s: float) -> bool:
+        return self._done.wait(timeout_s)
+
+
 class VerifierRunner:
     """Runs the configured verifiers on each sample, each under its own timeout.
 
-    A verifier that raises or times out gives no value for that sample (logged, counted),
-    never an exception in the learner.
+    A verifier that raises, returns a non-finite value or times out gives no value for that
+    sample (logged, counted in `errors` / `timeouts`), never an exception in the learner.
     """
 
-    def __init__(self, specs: list[VerifierSpec], max_workers: int = 4) -> None:
+    def __init__(self, specs: list[VerifierSpec]) -> None:
         self._verifiers = [(spec, load_verifier(spec.path)) for spec in specs]
-        self._pool = concurrent.futures.ThreadPoolExecutor(
-            max_workers=max_workers, thread_name_prefix="olp-verifier"
-        )
+        self._stuck: list[threading.Thread] = []  # timed-out calls, still running
         self.timeouts = 0
         self.errors = 0
 
     def __bool__(self) -> bool:
         return bool(self._verifiers)
+
+    @property
+    def stuck(self) -> int:
+        """Timed-out verifier calls whose thread is still running."""
+        self._stuck = [t for t in self._stuck if t.is_alive()]
+        return len(self._stuck)
 
     def score(self, trajectory: dict[str, Any], choice: dict[str, Any]) -> float | None:
         """Weighted mean of the verifiers that returned a value, or None if none did."""
@@ -192,22 +225,41 @@ class VerifierRunner:
         for spec, fn in self._verifiers:
             if spec.tasks is not None and task not in spec.tasks:
                 continue
-            future = self._pool.submit(fn, trajectory, choice, **spec.params)
-            try:
-                value = future.result(timeout=spec.timeout_s)
-            except concurrent.futures.TimeoutError:
-                self.timeouts += 1
-                log.warning("verifier_timeout", verifier=spec.path, timeout_s=spec.timeout_s)
-                continue
-            except Exception as exc:
-                self.errors += 1
-                log.warning("verifier_error", verifier=spec.path, error=repr(exc))
-                continue
+            value = self._run(spec, fn, trajectory, choice)
             if value is None:
                 continue
-            total += spec.weight * float(value)
+            total += spec.weight * value
             weight += spec.weight
         return None if weight == 0 else total / weight
 
+    def _run(
+        self, spec: VerifierSpec, fn: Verifier, trajectory: dict[str, Any], choice: dict[str, Any]
+    ) -> float | None:
+        call = _Call(fn, (trajectory, choice), spec.params)
+        if not call.wait(spec.timeout_s):
+            self.timeouts += 1
+            self._stuck.append(call.thread)
+            log.warning(
+                "verifier_timeout", verifier=spec.path, timeout_s=spec.timeout_s, stuck=self.stuck
+            )
+            return None
+        if call.error is not None:
+            self.errors += 1
+            log.warning("verifier_error", verifier=spec.path, error=repr(call.error))
+            return None
+        if call.value is None:
+            return None
+        try:
+            value = float(call.value)
+        except (TypeError, ValueError, OverflowError) as exc:
+            self.errors += 1
+            log.warning("verifier_error", verifier=spec.path, error=repr(exc))
+            return None
+        if not math.isfinite(value):
+            self.errors += 1
+            log.warning("verifier_error", verifier=spec.path, error=f"non-finite value {value}")
+            return None
+        return value
+
     def close(self) -> None:
-        self._pool.shutdown(wait=False, cancel_futures=True)
+        """Nothing to release: calls run on daemon threads (kept for the callers' symmetry)."""

@@ -3,10 +3,19 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
+import httpx
+import pytest
+
+from learner import promotion
+from learner.adapter_store import AdapterStore
 from learner.canary import ArmStats, CanaryMonitor, judge_canary
-from learner.config import CanaryConfig
+from learner.config import CanaryConfig, PromotionConfig
+from learner.promotion import CANARY_STATUS_ATTEMPTS, Promoter, PromotionError, PromotionOutcome
 from learner.rewards.assembler import RewardedChoice
+from safety.config import GatesConfig
+from safety.gates.types import GateReport
 
 CONFIG = CanaryConfig(enabled=True, min_samples=4, reward_margin=0.1, guard_margin=0.2)
 
@@ -89,3 +98,154 @@ def test_verdict_at_the_deadline_follows_on_timeout():
     lenient = CONFIG.model_copy(update={"on_timeout": "promote"})
     verdict = judge_canary(lenient, *short, lenient.max_duration_s)
     assert verdict.decision == "promote" and "evidence still short" in verdict.reasons[0]
+
+
+def test_timeout_promote_is_refused_when_the_short_evidence_is_worse():
+    lenient = CONFIG.model_copy(update={"min_samples": 30, "on_timeout": "promote"})
+    deadline = lenient.max_duration_s
+    # 10 rewarded each (short of 30) and clearly worse: the deadline does not promote it.
+    worse = judge_canary(lenient, arm(10, 10, 0.8), arm(10, 10, 0.2), deadline)
+    assert worse.decision == "rollback"
+    assert "evidence still short" in worse.reasons[0]
+    assert worse.reasons[1].startswith("reward 0.200 < stable 0.800")
+    guard = judge_canary(lenient, arm(10, 0, 0.0), arm(10, 0, 0.0, refusal=5), deadline)
+    assert guard.decision == "rollback" and "refusal rate" in guard.reasons[1]
+    # Not worse, or too little evidence to say (below the floor): on_timeout applies.
+    assert judge_canary(lenient, arm(10, 10, 0.5), arm(10, 10, 0.5), deadline).decision == (
+        "promote"
+    )
+    assert judge_canary(lenient, arm(4, 4, 0.8), arm(4, 4, 0.2), deadline).decision == "promote"
+
+
+def test_monitor_ignores_non_finite_rewards():
+    monitor = CanaryMonitor()
+    monitor.begin(["base"], since=0.0)
+    monitor.observe([rewarded("base", "ok", float("nan")), rewarded("base", "ok", 1.0)])
+    stats = monitor.arm("base")
+    assert (stats.samples, stats.rewarded, stats.reward_mean) == (2, 1, 1.0)
+
+
+# -- the promoter's canary loop, against fakes of the proxy admin API and the replicas --------
+
+
+class FakeAudit:
+    def __init__(self) -> None:
+        self.events: list[tuple[str, dict]] = []
+
+    def append(self, actor: str, event: str, payload: dict | None = None) -> None:
+        self.events.append((event, payload or {}))
+
+    def names(self) -> list[str]:
+        return [name for name, _ in self.events]
+
+
+class FakeReplicas:
+    def __init__(self) -> None:
+        self.base_urls = ["http://replica"]
+        self.loaded: set[str] = set()
+
+    def load(self, name: str, path: Path) -> None:
+        self.loaded.add(name)
+
+    def unload(self, name: str) -> None:
+        self.loaded.discard(name)
+
+    def close(self) -> None:
+        pass
+
+
+class FakeProxy:
+    """Admin API whose status() fails on the calls listed in `fail_on` (1-based)."""
+
+    def __init__(self, fail_on: set[int], end_fails: bool = False) -> None:
+        self.fail_on, self.end_fails = fail_on, end_fails
+        self.calls = 0
+        self.canary: dict | None = None
+        self.ended: list[tuple[str, str]] = []
+
+    def status(self) -> dict:
+        self.calls += 1
+        if self.calls in self.fail_on:
+            raise httpx.ReadTimeout("timed out")
+        canaries = {"policy": self.canary} if self.canary else {}
+        return {"aliases": {"policy": "base"}, "frozen": False, "canaries": canaries}
+
+    def start_canary(self, alias: str, target: str, share: float) -> dict:
+        self.canary = {"target": target, "share": share}
+        return self.canary
+
+    def end_canary(self, alias: str, decision: str, reason: str) -> dict:
+        if self.end_fails:
+            raise PromotionError("proxy POST /admin/canary/end → 503")
+        self.ended.append((decision, reason))
+        self.canary = None
+        return {}
+
+    def set_alias(self, alias: str, target: str) -> dict:
+        return {}
+
+    def close(self) -> None:
+        pass
+
+
+def run_canary(
+    tmp_path: Path, proxy: FakeProxy, **canary: object
+) -> tuple[PromotionOutcome, FakeAudit, FakeReplicas]:
+    files = tmp_path / "files"
+    files.mkdir()
+    (files / "adapter_model.safetensors").write_bytes(b"weights")
+    path = AdapterStore(tmp_path).publish(1, files, {"parent_version": 0})
+    settings = {"enabled": True, "poll_s": 0.01, "min_samples": 1, **canary}
+    config = PromotionConfig(canary=CanaryConfig(**settings))
+    audit, replicas = FakeAudit(), FakeReplicas()
+    promoter = Promoter(
+        config,
+        GatesConfig(),
+        replicas=replicas,  # type: ignore[arg-type]
+        proxy=proxy,  # type: ignore[arg-type]
+        audit=audit,  # type: ignore[arg-type]
+        state_dir=tmp_path,
+        base_name="base",
+        gate_runner=lambda candidate, incumbent: GateReport(True, []),
+    )
+    return promoter.promote(path), audit, replicas
+
+
+def test_a_transient_status_error_is_retried(tmp_path: Path):
+    # Call 1 is the promotion's own status; call 2 fails once inside the canary loop. With
+    # no evidence and a short deadline the canary then decides by on_timeout.
+    proxy = FakeProxy(fail_on={2})
+    outcome, audit, replicas = run_canary(tmp_path, proxy, max_duration_s=0.05)
+    assert outcome.decision == "canary_rolled_back"
+    assert "evidence still short" in outcome.reason
+    assert proxy.ended == [("rollback", outcome.reason)] and not replicas.loaded
+    assert audit.names() == ["gate_result", "canary_result"]  # the proxy audits the rollback
+
+
+def test_a_watch_that_keeps_failing_rolls_the_canary_back(tmp_path: Path):
+    proxy = FakeProxy(fail_on=set(range(2, 100)))
+    outcome, audit, replicas = run_canary(tmp_path, proxy)
+    assert outcome.decision == "canary_rolled_back"
+    assert "canary watch failed" in outcome.reason and "ReadTimeout" in outcome.reason
+    assert proxy.calls == 1 + CANARY_STATUS_ATTEMPTS  # bounded retries
+    assert proxy.canary is None and proxy.ended[0][0] == "rollback"
+    assert not replicas.loaded  # the candidate is unloaded
+    name, payload = audit.events[-1]
+    assert name == "canary_rolled_back" and payload["reason"] == outcome.reason
+    assert "cleanup_failed" not in payload
+
+
+def test_a_failing_verdict_rolls_back_and_a_failing_cleanup_is_audited(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+):
+    def broken(*args: object, **kwargs: object) -> None:
+        raise ZeroDivisionError("no evidence")
+
+    monkeypatch.setattr(promotion, "judge_canary", broken)
+    proxy = FakeProxy(fail_on=set(), end_fails=True)
+    outcome, audit, replicas = run_canary(tmp_path, proxy)
+    assert outcome.decision == "canary_rolled_back" and "ZeroDivisionError" in outcome.reason
+    assert not replicas.loaded  # unloaded although ending the canary failed
+    name, payload = audit.events[-1]
+    assert name == "canary_rolled_back"
+    assert payload["cleanup_failed"][0].startswith("end_canary: PromotionError")

@@ -10,10 +10,15 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
 from safetensors.torch import load_file
 
 from deploy.ports import free_port
 from learner.adapter_store import AdapterStore
+from learner.distributed import DistContext
+from learner.objective import Sample, apply_share_caps_across_ranks
+from safety.config import CapsConfig
 
 HERE = Path(__file__).parent
 
@@ -72,3 +77,35 @@ def test_two_rank_torchrun_ends_with_identical_weights(model_dir: Path, tmp_path
     )
     assert sorted(ids) == sorted({f"e{p * 100 + i}" for p in range(2) for i in range(8)})
     assert store.read_meta(2)["consumed_offsets"] == {"mem.trajectories": {"0": 8, "1": 8}}
+
+
+def _sample(i: int, tenant: str, user: str | None) -> Sample:
+    return Sample(f"t{i}:0", f"e{i}", [1], [2], [-1.0], 1.0, None, "x", tenant, user, 0)
+
+
+def _caps_rank(rank: int, world: int, port: int, out: str) -> None:
+    """One gloo rank: tenant A's sessions all on rank 0, tenant B's on rank 1."""
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world
+    )
+    try:
+        if rank == 0:
+            samples = [_sample(i, "A", f"a{i % 4}") for i in range(24)]
+        else:
+            samples = [_sample(100 + i, "B", f"b{i % 4}") for i in range(8)]
+        kept, counts = apply_share_caps_across_ranks(
+            DistContext(rank, world), samples, CapsConfig()
+        )
+        Path(out, f"rank{rank}.txt").write_text(f"{len(kept)} {counts['capped']}")
+    finally:
+        dist.destroy_process_group()
+
+
+def test_share_caps_apply_to_the_union_of_the_ranks(tmp_path: Path) -> None:
+    mp.start_processes(
+        _caps_rank, args=(2, free_port(), str(tmp_path)), nprocs=2, start_method="spawn"
+    )
+    # Capped per rank, A would keep all 24 (alone on its rank); over the trained union
+    # (32) A may keep at most half of what is kept.
+    assert (tmp_path / "rank0.txt").read_text() == "8 16"
+    assert (tmp_path / "rank1.txt").read_text() == "8 0"

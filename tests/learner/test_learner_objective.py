@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from learner.objective import (
+    REWARD_LIMIT,
     RunningBaseline,
     Sample,
     apply_share_caps,
@@ -16,6 +17,7 @@ from learner.objective import (
     parse_version,
     policy_loss,
     samples_from_rewarded,
+    select_capped,
 )
 from learner.rewards.assembler import RewardedChoice
 from safety.config import CapsConfig
@@ -130,6 +132,53 @@ def test_samples_from_rewarded_counts() -> None:
     assert [s.key for s in samples] == ["t:0"]
     assert samples[0].group == "t:t" and samples[0].policy_version == 3
     assert dropped == {"bad_tokens": 1, "no_reward": 1}
+
+
+def test_unusable_rewards_are_dropped_and_counted_never_raised() -> None:
+    record = {
+        "trajectory_id": "t",
+        "prompt_token_ids": [1, 2],
+        "policy_version": "base",
+        "choices": [{"index": i, "token_ids": [5], "logprobs": [-0.1]} for i in range(5)],
+    }
+    values = [math.inf, math.nan, 1e300, REWARD_LIMIT, 0.5]
+    rewarded = [RewardedChoice(record, i, v) for i, v in enumerate(values)]
+    samples, dropped = samples_from_rewarded(rewarded)
+    assert [s.reward for s in samples] == [REWARD_LIMIT, 0.5]
+    assert dropped == {"bad_reward": 3}
+    # Samples built elsewhere: a group with a huge reward used to overflow (r - mean) ** 2,
+    # a single one to give an advantage the float32 batch cannot hold.
+    group = [make_sample(i, group="g", reward=r) for i, r in enumerate([1e300, -1e300, 0.0])]
+    baseline = RunningBaseline(decay=0.9)
+    singles = [make_sample(10, reward=0.5), make_sample(11, reward=1e300)]
+    singles.append(make_sample(12, reward=math.nan))
+    singles.append(make_sample(13, reward=1.0))
+    kept, counts = assign_advantages(group + singles, baseline)
+    assert counts["bad_reward"] == 3 + 2
+    assert [s.key for s in kept] == ["t13:0"] and kept[0].advantage == 0.5
+    assert baseline.values == {"t": pytest.approx(0.55)}  # untouched by the corrupt ones
+
+
+def test_baseline_from_a_checkpoint_drops_corrupt_values() -> None:
+    baseline = RunningBaseline(decay=0.9)
+    baseline.load_state_dict({"values": {"a": 0.25, "b": math.inf, "c": 1e300, "d": math.nan}})
+    assert baseline.values == {"a": 0.25}
+
+
+def test_caps_are_decided_once_over_all_ranks() -> None:
+    # Tenant A's sessions all landed on rank 0: capped per rank, A would keep 24 of 32.
+    caps = CapsConfig()  # max_tenant_share 0.5, max_user_share 0.25
+    rank0 = [("A", f"a{i % 4}") for i in range(24)]
+    rank1 = [("B", f"b{i % 4}") for i in range(8)]
+    keep = select_capped([rank0, rank1], caps)
+    assert (sum(keep[0]), sum(keep[1])) == (8, 8)
+    union = [make_sample(i, tenant=t, user=u) for i, (t, u) in enumerate(rank0 + rank1)]
+    kept, _ = apply_share_caps(union, caps)  # what one process decides for the same batch
+    flags = keep[0] + keep[1]
+    assert [s.key for s in kept] == [s.key for s, k in zip(union, flags, strict=True) if k]
+    # One user alone on a rank is capped against the users of the other rank.
+    keep = select_capped([[("A", "mallory")] * 20, [("A", f"u{i}") for i in range(12)]], caps)
+    assert sum(keep[0]) < 20 and sum(keep[0]) <= 0.25 * (sum(keep[0]) + sum(keep[1]))
 
 
 def _loss_inputs() -> tuple[torch.Tensor, ...]:

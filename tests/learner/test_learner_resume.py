@@ -11,9 +11,10 @@ from typing import Any
 
 import pytest
 import torch
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 
 from learner.adapter_store import AdapterExistsError, AdapterStore
+from learner.checkpoint import Checkpoint, resume_plan
 from learner.config import LearnerConfig
 from learner.service import Learner
 from tests.learner.learner_sources import ListSource, synthetic_scored
@@ -205,3 +206,99 @@ def test_backlog_beyond_max_batch_trains_the_newest_and_counts_the_rest(
     newest = {r["trajectory"]["event_id"] for r in RECORDS[-4:]}
     assert trained <= newest and trained
     assert meta["consumed_offsets"] == {"mem.trajectories": {"0": 12}}  # nothing re-read
+
+
+# -- resume_plan on hand-made stores (no model) -----------------------------------------------
+
+
+def tiny_store(root: Path, parents: dict[int, int]) -> AdapterStore:
+    """Versions with the given parents; each version's weights are one tensor of its number."""
+    store = AdapterStore(root)
+    for version, parent in parents.items():
+        files = root / f"files-{version}"
+        files.mkdir()
+        value = float(version)
+        save_file(
+            {"lora_A.weight": torch.full((2,), value)}, str(files / "adapter_model.safetensors")
+        )
+        store.publish(
+            version, files, {"parent_version": parent, "consumed_offsets": {"t": {"0": version}}}
+        )
+    return store
+
+
+def checkpoint_at(version: int, parent: int | None, value: float | None = None) -> Checkpoint:
+    state = {"lora_A.weight": torch.full((2,), float(version if value is None else value))}
+    meta = None if parent is None else {"parent_version": parent}
+    return Checkpoint(version, version, {"t": {0: version}}, state, {}, {}, {}, meta=meta)
+
+
+def test_lost_checkpoint_after_pruning_rolls_forward(tmp_path: Path) -> None:
+    # retain_dirs pruned v1..v10; the checkpoint is gone: v11's parent v10 is missing.
+    store = tiny_store(tmp_path, {v: v - 1 for v in range(11, 21)})
+    plan = resume_plan(None, store)
+    assert (plan.version, plan.weights_from, plan.offsets) == (20, "adapter", {"t": {0: 20}})
+    # An old backup of the checkpoint (v5, its directory pruned too) rolls forward alike.
+    assert resume_plan(checkpoint_at(5, 4), store).version == 20
+
+
+def test_a_newer_version_off_the_lineage_is_refused(tmp_path: Path) -> None:
+    # Checkpoint v2; v3 descends from it, v4 is another branch (parent 1).
+    store = tiny_store(tmp_path / "a", {1: 0, 2: 1, 3: 2, 4: 1})
+    with pytest.raises(RuntimeError, match=r"\[4\] that do not descend"):
+        resume_plan(checkpoint_at(2, 1), store)
+    # Newest descends (v5 ← v3 ← v2), but v4 is off its lineage: refused, named.
+    store = tiny_store(tmp_path / "b", {1: 0, 2: 1, 3: 2, 4: 1, 5: 3})
+    with pytest.raises(RuntimeError, match=r"versions \[4\] newer than checkpoint version 2"):
+        resume_plan(checkpoint_at(2, 1), store)
+    # A gap while the checkpoint's own directory is still there is not pruning: refused.
+    store = tiny_store(tmp_path / "c", {1: 0, 5: 4})
+    with pytest.raises(RuntimeError, match="do not descend"):
+        resume_plan(checkpoint_at(1, 0), store)
+
+
+def test_continue_verifies_the_stored_copy_of_the_checkpoint_version(tmp_path: Path) -> None:
+    store = tiny_store(tmp_path, {1: 0, 2: 1})
+    plan = resume_plan(checkpoint_at(2, 1), store)
+    assert (plan.version, plan.weights_from, plan.republish) == (2, "checkpoint", False)
+    assert resume_plan(checkpoint_at(2, None), store).version == 2  # meta-less checkpoint
+    with pytest.raises(RuntimeError, match=r"parent_version 1 != checkpoint's 0"):
+        resume_plan(checkpoint_at(2, 0), store)
+    with pytest.raises(RuntimeError, match="weights differ from the checkpoint's"):
+        resume_plan(checkpoint_at(2, 1, value=7.0), store)
+    rolled = checkpoint_at(2, 1)
+    rolled.meta = {"parent_version": 1, "weights_sha256": "0" * 64}
+    with pytest.raises(RuntimeError, match="sha256 differs"):
+        resume_plan(rolled, store)
+
+
+def test_cleanup_removes_interrupted_builds_but_not_a_running_one(tmp_path: Path) -> None:
+    store = AdapterStore(tmp_path)
+    for leftover in (".build-abc/files", ".tmp-policy-v3-123"):
+        (store.root / leftover).mkdir(parents=True)
+        (store.root / leftover / "adapter_model.safetensors").write_bytes(b"x" * 64)
+    with store.building() as running:
+        assert store.cleanup_temporary() == 2
+        assert running.is_dir()
+        assert sorted(p.name for p in store.root.iterdir()) == [running.name]
+    assert list(store.root.iterdir()) == []
+
+
+def test_a_huge_score_neither_crashes_nor_poisons_the_learner(
+    model_dir: Path, tmp_path: Path
+) -> None:
+    records = [synthetic_scored(i, n_choices=1) for i in range(8)]
+    for i, record in enumerate(records):
+        record["feedback"][0]["value"] = 0.1 * i
+    records[5]["feedback"][0]["value"] = 1e300  # accepted by POST /v1/feedback
+    records[6]["feedback"][0]["value"] = 1e6
+    learner = Learner(
+        config(),
+        tmp_path,
+        lambda offsets, rank, world: ListSource({0: records}, offsets),
+        model_dir=model_dir,
+    )
+    summary = learner.run(max_steps=2)
+    assert summary.version == 2
+    assert summary.counts["reward_score_clamped"] == 2
+    assert learner.baseline.values["syn"] <= config().rewards.feedback_values.score_max

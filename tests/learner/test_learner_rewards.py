@@ -79,8 +79,36 @@ def test_feedback_values() -> None:
         {"kind": "thumbs_up", "choice_index": 1},
         {"kind": "score", "choice_index": 0},  # invalid: no value
     ]
-    assert feedback_reward(events, 0, values) == (0.25, 1)
-    assert feedback_reward(events, 2, values) == (None, 0)
+    assert feedback_reward(events, 0, values) == (0.25, 1, 0)
+    assert feedback_reward(events, 2, values) == (None, 0, 0)
+
+
+def test_score_feedback_is_clamped_and_non_finite_is_invalid() -> None:
+    values = FeedbackValues()
+    assert (values.score_min, values.score_max) == (-2.0, 2.0)
+    assert feedback_value({"kind": "score", "value": 1e300}, values) == 2.0
+    assert feedback_value({"kind": "score", "value": -(10**6)}, values) == -2.0
+    for bad in (float("inf"), float("nan"), 10**400):
+        with pytest.raises(FeedbackError):
+            feedback_value({"kind": "score", "value": bad}, values)
+    events = [
+        {"kind": "score", "value": 1e6, "choice_index": 0},
+        {"kind": "score", "value": 1.0, "choice_index": 0},
+        {"kind": "score", "value": float("inf"), "choice_index": 0},
+    ]
+    assert feedback_reward(events, 0, values) == (1.5, 1, 1)
+    narrow = FeedbackValues(score_min=0.0, score_max=1.0)
+    assert feedback_reward(events, 0, narrow) == (1.0, 1, 1)
+    with pytest.raises(ValueError):
+        FeedbackValues(score_max=-1.0)  # the range must contain 0
+
+
+def test_assembler_counts_clamped_scores() -> None:
+    assembler = RewardAssembler(RewardConfig())
+    feedback = [{"kind": "score", "value": 1e300, "choice_index": 0}]
+    out = assembler.assemble([{"trajectory": record("5"), "feedback": feedback}])
+    assert out[0].reward == 2.0
+    assert dict(assembler.counts) == {"score_clamped": 1, "rewarded": 1}
 
 
 def test_builtin_verifiers() -> None:
@@ -162,6 +190,46 @@ def test_pluggable_verifier_timeout_and_error_give_no_value() -> None:
         load_verifier("learner.rewards.verifiers:does_not_exist")
     with pytest.raises(ValueError, match="must look like"):
         load_verifier("no_colon")
+
+
+def nan_verifier(trajectory: dict[str, Any], choice: dict[str, Any], **params: Any) -> float:
+    return float("nan")
+
+
+def test_hung_verifiers_do_not_starve_later_ones() -> None:
+    hang = VerifierSpec(
+        path=f"{__name__}:slow_verifier", timeout_s=0.1, params={"sleep_s": 3.0}, tasks=["hang"]
+    )
+    exact = VerifierSpec(
+        path="learner.rewards.verifiers:exact_match", timeout_s=0.5, params={"expected": "5"}
+    )
+    runner = VerifierRunner([hang, exact])
+    rec = record("5")
+    for _ in range(6):  # more hung calls than the old pool had workers
+        runner.score({**rec, "task": "hang"}, rec["choices"][0])
+    started = time.monotonic()
+    assert runner.score(rec, rec["choices"][0]) == 1.0
+    assert time.monotonic() - started < 0.4
+    assert runner.timeouts == 6 and runner.stuck == 6
+
+
+def test_non_finite_verifier_value_is_an_error() -> None:
+    runner = VerifierRunner([VerifierSpec(path=f"{__name__}:nan_verifier")])
+    rec = record("5")
+    assert runner.score(rec, rec["choices"][0]) is None
+    assert runner.errors == 1
+
+
+def test_assembler_counts_verifier_timeouts_and_errors() -> None:
+    config = RewardConfig(
+        verifiers=[
+            VerifierSpec(path=f"{__name__}:slow_verifier", timeout_s=0.1, params={"sleep_s": 0.5}),
+            VerifierSpec(path=f"{__name__}:broken_verifier"),
+        ]
+    )
+    assembler = RewardAssembler(config)
+    assembler.assemble([{"trajectory": record("5"), "feedback": []}])
+    assert dict(assembler.counts) == {"verifier_timeouts": 1, "verifier_errors": 1, "no_reward": 1}
 
 
 def test_assembler_weights_and_no_reward_counted() -> None:

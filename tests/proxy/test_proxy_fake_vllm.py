@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import threading
 from collections.abc import Iterator
 from typing import Any
 
@@ -17,6 +16,7 @@ from aiohttp import web
 
 from proxy.config import sha256_hex
 from tests.proxy.conftest import ADMIN_KEY, KEYS
+from tests.proxy.threaded_upstream import ThreadedUpstream
 
 PROMPT_IDS = [1, 2, 3, 4]
 # (text, token id): the empty texts are tokens whose text vLLM holds back (here the two
@@ -66,16 +66,9 @@ def _completion_choice(body: dict[str, Any], position: int) -> dict[str, Any]:
     }
 
 
-class FakeVllm:
+class FakeVllm(ThreadedUpstream):
     """Streams TOKENS as vLLM does, honouring logprobs, return_token_ids and stream_options
     (`continuous_usage_stats` too); records every request body."""
-
-    def __init__(self) -> None:
-        self.requests: list[dict[str, Any]] = []
-        self.loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self.loop.run_forever, daemon=True)
-        self._runner: web.AppRunner | None = None
-        self.url = ""
 
     def _events(self, chat: bool, body: dict[str, Any]) -> list[bytes]:
         options = body.get("stream_options") or {}
@@ -125,27 +118,10 @@ class FakeVllm:
     async def _models(self, request: web.Request) -> web.Response:
         return web.json_response({"object": "list", "data": [{"id": "base"}]})
 
-    async def _start(self) -> None:
-        app = web.Application()
+    def add_routes(self, app: web.Application) -> None:
         app.router.add_post("/v1/chat/completions", self._answer)
         app.router.add_post("/v1/completions", self._answer)
         app.router.add_get("/v1/models", self._models)
-        self._runner = web.AppRunner(app, access_log=None)
-        await self._runner.setup()
-        site = web.TCPSite(self._runner, "127.0.0.1", 0)
-        await site.start()
-        self.url = f"http://127.0.0.1:{self._runner.addresses[0][1]}"
-
-    def start(self) -> FakeVllm:
-        self._thread.start()
-        asyncio.run_coroutine_threadsafe(self._start(), self.loop).result(10)
-        return self
-
-    def stop(self) -> None:
-        assert self._runner is not None
-        asyncio.run_coroutine_threadsafe(self._runner.cleanup(), self.loop).result(10)
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self._thread.join(10)
 
 
 @pytest.fixture

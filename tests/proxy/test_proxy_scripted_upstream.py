@@ -5,9 +5,7 @@ server speaking vLLM's wire format; the proxy, SDK and sink are the real ones.""
 
 from __future__ import annotations
 
-import asyncio
 import json
-import threading
 from collections.abc import Iterator
 from typing import Any
 
@@ -17,6 +15,7 @@ import pytest
 from aiohttp import web
 
 from tests.proxy.conftest import KEYS
+from tests.proxy.threaded_upstream import ThreadedUpstream
 
 PROMPT_IDS = [1, 2, 3, 4]
 # Two parallel tool calls, their arguments split over several fragments, as vLLM streams them.
@@ -60,17 +59,13 @@ def _event(obj: dict[str, Any]) -> bytes:
     return b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n"
 
 
-class ScriptedUpstream:
+class ScriptedUpstream(ThreadedUpstream):
     """Streams FRAGMENTS honouring logprobs / return_token_ids / include_usage like vLLM.
     `die_after` cuts the connection after that many chunks."""
 
     def __init__(self, die_after: int | None = None) -> None:
         self.die_after = die_after
-        self.requests: list[dict[str, Any]] = []
-        self.loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self.loop.run_forever, daemon=True)
-        self._runner: web.AppRunner | None = None
-        self.url = ""
+        super().__init__()
 
     async def _chat(self, request: web.Request) -> web.StreamResponse:
         body = await request.json()
@@ -131,25 +126,8 @@ class ScriptedUpstream:
         await response.write_eof()
         return response
 
-    async def _start(self) -> None:
-        app = web.Application()
+    def add_routes(self, app: web.Application) -> None:
         app.router.add_post("/v1/chat/completions", self._chat)
-        self._runner = web.AppRunner(app, access_log=None)
-        await self._runner.setup()
-        site = web.TCPSite(self._runner, "127.0.0.1", 0)
-        await site.start()
-        self.url = f"http://127.0.0.1:{self._runner.addresses[0][1]}"
-
-    def start(self) -> ScriptedUpstream:
-        self._thread.start()
-        asyncio.run_coroutine_threadsafe(self._start(), self.loop).result(10)
-        return self
-
-    def stop(self) -> None:
-        assert self._runner is not None
-        asyncio.run_coroutine_threadsafe(self._runner.cleanup(), self.loop).result(10)
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self._thread.join(10)
 
 
 @pytest.fixture

@@ -1,5 +1,5 @@
-"""The one C extension: relay.py's SSE strip (`proxy/_sse_strip.c`), the proxy's per-read hot
-path for captured streams. Everything else is in pyproject.toml.
+"""The one C extension: relay.py's byte strip (`proxy/_sse_strip.c`), the proxy's hot path for
+captured streams and whole responses. Everything else is in pyproject.toml.
 
 `optional=True`: where no C compiler is found the install still succeeds and the proxy runs the
 same rules in Python (it logs `sse_strip=python` at start)."""

@@ -1,10 +1,12 @@
-/* The SSE strip of proxy/relay.py in one C pass: the relay's per-read hot path.
+/* The byte strip of proxy/relay.py in one C pass: the relay's per-response hot path.
  *
  * `strip_events(block, chat, logprobs, token_ids)` applies to a block of whole one-line
  * `data: <json>` events exactly the rules of relay.py's Python block path (`_cut_additions`,
  * `_additions_gone` and the per-event visibility check of `strip_sse`), and returns the
  * client's bytes, or None whenever those rules cannot prove the cut (the caller then goes
  * event by event, parsing). Usage events are the caller's business.
+ * `strip_whole(data, logprobs, token_ids)` does the same for a non-streamed response (the
+ * rules of `strip_bytes(..., whole=True)`).
  *
  * Why C: the Python path makes some forty calls of `bytes.find`/`count`/slicing per event,
  * ~5 us warm and ~9 us after each wake-up of the event loop; with a model server streaming
@@ -95,8 +97,8 @@ static void put(Out *out, const char *from, size_t n) {
     out->at += n;
 }
 
-/* `_cut_additions` for one event line [line, end): each added logprobs object and token-id
- * array becomes null, in document order. 0 when a cut is not provable. */
+/* `_cut_additions` for one event line or one whole response [line, end): each added logprobs
+ * object and token-id array becomes null, in document order. 0 when a cut is not provable. */
 static int cut_line(const char *line, const char *end, Out *out, int logprobs, int token_ids) {
     const char *done = line;
     const char *lp_at = logprobs ? find(line, end, LOGPROBS_KEY) : NULL;
@@ -105,7 +107,8 @@ static int cut_line(const char *line, const char *end, Out *out, int logprobs, i
         if (lp_at != NULL && (id_at == NULL || lp_at < id_at)) {
             /* The object ends at the first `},"finish_reason":` of the same choice. */
             const char *stop = find(lp_at, end, LOGPROBS_END);
-            if (stop == NULL || contains(lp_at, stop, INDEX_KEY)) {
+            if (stop == NULL || contains(lp_at, stop, INDEX_KEY) ||
+                memchr(lp_at, '\n', (size_t)(stop - lp_at)) != NULL) {
                 return 0;
             }
             put(out, done, (size_t)(lp_at - done));
@@ -211,9 +214,44 @@ static PyObject *strip_events(PyObject *Py_UNUSED(module), PyObject *args) {
     return result;
 }
 
+/* `strip_bytes(plan, data, whole=True)`: a non-streamed response, cut and checked like one
+ * event line but never dropped (its choices are the answer, however empty). */
+static PyObject *strip_whole(PyObject *Py_UNUSED(module), PyObject *args) {
+    Py_buffer data;
+    int logprobs, token_ids;
+    if (!PyArg_ParseTuple(args, "y*pp:strip_whole", &data, &logprobs, &token_ids)) {
+        return NULL;
+    }
+    const char *start = data.buf;
+    const char *end = start + data.len;
+    Py_ssize_t capacity = data.len + data.len / 4 + 16; /* as in strip_events */
+    PyObject *result = PyBytes_FromStringAndSize(NULL, capacity);
+    if (result == NULL) {
+        PyBuffer_Release(&data);
+        return NULL;
+    }
+    char *first = PyBytes_AS_STRING(result);
+    Out out = {first, first + capacity, 1};
+    int provable = cut_line(start, end, &out, logprobs, token_ids) &&
+                   (!logprobs || count(first, out.at, LOGPROBS_ANY) ==
+                                     count(first, out.at, LOGPROBS_NULLED)) &&
+                   (!token_ids || count(first, out.at, IDS_ANY) == count(first, out.at, IDS_NULLED));
+    PyBuffer_Release(&data);
+    if (!provable) {
+        Py_DECREF(result);
+        Py_RETURN_NONE;
+    }
+    if (_PyBytes_Resize(&result, out.at - first) < 0) {
+        return NULL;
+    }
+    return result;
+}
+
 static PyMethodDef methods[] = {
     {"strip_events", strip_events, METH_VARARGS,
      "strip_events(block, chat, logprobs, token_ids) -> bytes | None: relay.py's block strip."},
+    {"strip_whole", strip_whole, METH_VARARGS,
+     "strip_whole(data, logprobs, token_ids) -> bytes | None: relay.py's whole-response strip."},
     {NULL, NULL, 0, NULL},
 };
 

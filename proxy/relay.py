@@ -16,11 +16,11 @@ from typing import Any, Literal
 import msgspec
 
 try:
-    from proxy import _sse_strip  # the C pass of `strip_sse`, built by `pip install`
+    from proxy import _sse_strip  # the C pass of `strip_sse` and `strip_bytes`, built by pip
 except ImportError:  # no C compiler where olp was installed: the same rules in Python
     _sse_strip = None
 
-# Which implementation strips captured streams ("c" or "python"); the proxy logs it at start.
+# Which implementation strips captured answers ("c" or "python"); the proxy logs it at start.
 SSE_STRIP = "python" if _sse_strip is None else "c"
 
 Endpoint = Literal["chat.completions", "completions"]
@@ -263,6 +263,8 @@ def strip_bytes(plan: RelayPlan, data: bytes, whole: bool = False) -> bytes | No
     parses instead. `whole`: a non-streamed response (never dropped, no usage removal)."""
     if not plan.augmented:
         return data
+    if whole and _sse_strip is not None:  # the same rules in one C pass
+        return _sse_strip.strip_whole(data, plan.added_logprobs, plan.added_token_ids)
     if not whole and b'"usage":' in data:
         return None  # a usage chunk may be dropped or edited: the parsing path decides
     out = _cut_additions(plan, data)

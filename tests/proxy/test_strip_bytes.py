@@ -200,7 +200,9 @@ def test_stream_chunk_bytes_strip_like_the_parsed_chunk(endpoint: str, raw: byte
     ("endpoint", "raw"),
     [("chat.completions", VLLM_CHAT_WHOLE), ("completions", VLLM_COMPLETIONS_WHOLE)],
 )
-def test_whole_response_bytes_strip_like_the_parsed_response(endpoint: str, raw: bytes) -> None:
+def test_whole_response_bytes_strip_like_the_parsed_response(
+    endpoint: str, raw: bytes, sse_strip: str
+) -> None:
     for plan in _plans(endpoint, stream=False):
         fast = strip_bytes(plan, raw, whole=True)
         assert fast is not None  # vLLM's own shape always takes the byte path
@@ -422,6 +424,34 @@ def test_c_and_python_strips_agree_on_mangled_blocks() -> None:
                     continue  # not JSON: relayed as it came, on either byte path
                 assert (_events_of(answer[0]), answer[1]) == expected, (plan, mangled)
     assert both > 2_000 and only_one < both / 10, (both, only_one)
+
+
+def test_c_and_python_whole_strips_agree_on_mangled_responses(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The same for a non-streamed response: the C pass answers exactly as the Python rules
+    (including across a raw newline, where both refuse a logprobs cut), and never crashes."""
+    broken_line = VLLM_CHAT_WHOLE.replace(b'"top_logprobs":[]}', b'"top_logprobs":[]}\n', 1)
+    plan = plan_request("chat.completions", {"model": "m"}, "m", capture=True)
+    assert strip_bytes(plan, broken_line, whole=True) is None  # a cut must stay on one line
+    rng = random.Random(20261201)
+    taken = refused = 0
+    for endpoint, raw in [
+        ("chat.completions", VLLM_CHAT_WHOLE),
+        ("completions", VLLM_COMPLETIONS_WHOLE),
+    ]:
+        pretty = json.dumps(json.loads(raw), indent=1).encode()  # raw newlines everywhere
+        for mangled in [raw, pretty, *_mutations(rng, raw, 300)]:
+            for plan in _plans(endpoint, stream=False):
+                native = strip_bytes(plan, mangled, whole=True)
+                with monkeypatch.context() as patch:
+                    patch.setattr(relay, "_sse_strip", None)
+                    python = strip_bytes(plan, mangled, whole=True)
+                assert native == python, (plan, mangled)
+                if plan.augmented:
+                    taken += native is not None
+                    refused += native is None
+    assert taken > 1_000 and refused > 100, (taken, refused)
 
 
 def test_sse_parser_complete_keeps_partial_events() -> None:

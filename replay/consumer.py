@@ -21,7 +21,10 @@ join_window_s` of its trajectory; later feedback, or feedback read after the tra
 yielded, is counted as late and logged. A reply stamped as finished after the moment it was
 read (clock skew, milliseconds for seconds) has its window timed from that moment instead,
 so it cannot hold back the trajectories behind it; feedback still joins it by the rule
-above, so nothing is lost (counted in `future_created_at` when over 5 s ahead).
+above, so nothing is lost (counted in `future_created_at` when over 5 s ahead). Feedback
+waiting for its trajectory expires `orphan_feedback_ttl_s` after its `created_at`, or after
+the moment it was read when stamped later: a future stamp must not keep it, and so its
+partition's resume point, forever (counted the same way).
 """
 
 from __future__ import annotations
@@ -53,7 +56,7 @@ from replay.topics import TopicNames, ensure_topics
 log = structlog.get_logger(__name__)
 
 Offsets = dict[str, dict[int, int]]
-# A trajectory stamped further ahead of the reading clock than this is counted and logged.
+# A record stamped further ahead of the reading clock than this is counted and logged.
 _FUTURE_TOLERANCE_S = 5.0
 
 
@@ -101,6 +104,18 @@ class _Pending:
     feedback: list[tuple[TopicPartition, int, dict[str, Any]]] = field(default_factory=list)
 
 
+@dataclass(frozen=True)
+class _Orphan:
+    """Feedback waiting for its trajectory. Its expiry is timed from `timed_from`: its
+    `created_at`, or the moment it was read if stamped later (a stamp in the future would
+    otherwise never expire and pin its partition's resume point)."""
+
+    partition: TopicPartition
+    offset: int
+    event: dict[str, Any]
+    timed_from: float
+
+
 class _BoundedSet:
     """Insertion-ordered set forgetting its oldest members beyond `capacity`."""
 
@@ -137,7 +152,8 @@ class _StatsCollector(Collector):
             ("orphaned_feedback", "Feedback dropped because its trajectory never arrived"),
             (
                 "future_created_at",
-                "Trajectories stamped over 5 s in the future (window timed from when read)",
+                "Trajectories and waiting feedback stamped over 5 s in the future "
+                "(timed from when read)",
             ),
         ):
             yield CounterMetricFamily(f"olp_consumer_{name}", help_text, value=getattr(stats, name))
@@ -200,7 +216,7 @@ class TrajectoryConsumer:
         self._closed_before_start = _BoundedSet(config.closed_trajectory_memory)
         self._pending: dict[TopicPartition, OrderedDict[int, _Pending]] = {}
         self._pending_by_tid: dict[str, _Pending] = {}
-        self._orphans: dict[str, list[tuple[TopicPartition, int, dict[str, Any]]]] = {}
+        self._orphans: dict[str, list[_Orphan]] = {}
         self._needed: dict[TopicPartition, dict[int, str]] = {}
         self._next_offset: dict[TopicPartition, int] = {}
         self._replay_until: dict[TopicPartition, int] = {}
@@ -441,22 +457,24 @@ class TrajectoryConsumer:
         window_end = finished + self._window
         # Windows close in offset order: one stamped in the future would hold back every
         # later trajectory of its partition, so it is timed from now at the latest.
-        now = self._clock()
-        if finished > now + _FUTURE_TOLERANCE_S:
-            self.stats.future_created_at += 1
-            log.warning(
-                "trajectory_created_in_future",
-                trajectory_id=tid,
-                ahead_s=round(finished - now, 1),
-                offset=offset,
-            )
-        deadline = min(finished, now) + self._window + self._grace
+        started = self._timed_from(finished, "trajectory_created_in_future", tid, offset)
+        deadline = started + self._window + self._grace
         pending = _Pending(tp, offset, value, window_end, deadline)
         self._pending[tp][offset] = pending
         self._pending_by_tid[tid] = pending
-        for ftp, foff, event in self._orphans.pop(tid, []):
-            self._needed[ftp].pop(foff, None)
-            self._attach_or_late(pending, ftp, foff, event)
+        for orphan in self._orphans.pop(tid, []):
+            self._needed[orphan.partition].pop(orphan.offset, None)
+            self._attach_or_late(pending, orphan.partition, orphan.offset, orphan.event)
+
+    def _timed_from(self, stamp: float, event: str, tid: str, offset: int) -> float:
+        """`stamp`, or now when it lies in the future: a waiting record is timed from it,
+        and a future stamp would hold back its partition (counted and logged when over
+        _FUTURE_TOLERANCE_S ahead)."""
+        now = self._clock()
+        if stamp > now + _FUTURE_TOLERANCE_S:
+            self.stats.future_created_at += 1
+            log.warning(event, trajectory_id=tid, ahead_s=round(stamp - now, 1), offset=offset)
+        return min(stamp, now)
 
     def _add_feedback(self, tp: TopicPartition, offset: int, event: dict[str, Any]) -> None:
         tid = event["trajectory_id"]
@@ -468,7 +486,9 @@ class TrajectoryConsumer:
         elif tid in self._closed_before_start:
             self.stats.feedback_before_resume += 1
         else:
-            self._orphans.setdefault(tid, []).append((tp, offset, event))
+            created = float(event["created_at"])
+            started = self._timed_from(created, "feedback_created_in_future", tid, offset)
+            self._orphans.setdefault(tid, []).append(_Orphan(tp, offset, event, started))
             self._needed[tp][offset] = tid
 
     def _attach_or_late(
@@ -499,13 +519,13 @@ class TrajectoryConsumer:
         horizon = self._clock() - self.config.orphan_feedback_ttl_s
         for tid in list(self._orphans):
             keep = []
-            for ftp, foff, event in self._orphans[tid]:
-                if float(event["created_at"]) < horizon:
-                    self._needed[ftp].pop(foff, None)
+            for orphan in self._orphans[tid]:
+                if orphan.timed_from < horizon:
+                    self._needed[orphan.partition].pop(orphan.offset, None)
                     self.stats.orphaned_feedback += 1
                     log.warning("orphaned_feedback_dropped", trajectory_id=tid)
                 else:
-                    keep.append((ftp, foff, event))
+                    keep.append(orphan)
             if keep:
                 self._orphans[tid] = keep
             else:

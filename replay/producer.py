@@ -226,7 +226,7 @@ class KafkaSink:
             self.topics.feedback: RecordKind.FEEDBACK.value,
             self.topics.dlq: "dlq",
         }
-        self._queue: queue.Queue[_Item] = queue.Queue(maxsize=config.queue_size)
+        self._queue: queue.Queue[_Item | SpillEntry] = queue.Queue(maxsize=config.queue_size)
         self.spill = SpillStore(
             Path(state_dir) / config.spill_dir_name,
             max_bytes=config.spill_max_bytes,
@@ -259,11 +259,16 @@ class KafkaSink:
     def put_feedback(self, event: dict[str, Any]) -> None:
         self._put(_Item(RecordKind.FEEDBACK, event))
 
-    def _put(self, item: _Item) -> None:
+    def put_entry(self, entry: SpillEntry) -> None:
+        """A record already validated and encoded elsewhere (a DLQ envelope included): sent
+        or spilled as it is, so it is not prepared (and counted in `dlq`) a second time."""
+        self._put(entry)
+
+    def _put(self, item: _Item | SpillEntry) -> None:
         if not self._closed:
             try:
                 self._queue.put_nowait(item)
-                self.metrics.queued.labels(item.kind.value).inc()
+                self.metrics.queued.labels(self._kind_of(item)).inc()
                 return
             except queue.Full:
                 now = time.monotonic()
@@ -271,7 +276,7 @@ class KafkaSink:
                     self._overflow_logged_at = now
                     log.warning("producer_queue_full_spilling", queue_size=self.config.queue_size)
         else:
-            log.warning("put_after_close_spilling", kind=item.kind.value)
+            log.warning("put_after_close_spilling", kind=self._kind_of(item))
         self._spill_entries(self._prepare([item]), retry_now=self._closed)
         if self._closed and not self._thread.is_alive():  # nobody is left to retry the disk
             with self._held_lock:
@@ -283,14 +288,25 @@ class KafkaSink:
         with self._held_lock:
             return len(self._held) + self._held_sending
 
+    def _kind_of(self, item: _Item | SpillEntry) -> str:
+        if isinstance(item, SpillEntry):
+            return self._kind_by_topic.get(item.topic, "other")
+        return item.kind.value
+
     # ---- background thread ---------------------------------------------------------------
 
-    def _prepare(self, items: list[_Item]) -> list[SpillEntry]:
-        entries = (prepare_entry(self.config, self.topics, self.metrics, i) for i in items)
+    def _prepare(self, items: list[_Item | SpillEntry]) -> list[SpillEntry]:
+        """Entries of `items`; one that is an entry already (`put_entry`) is kept as it is."""
+        entries = (
+            item
+            if isinstance(item, SpillEntry)
+            else prepare_entry(self.config, self.topics, self.metrics, item)
+            for item in items
+        )
         return [entry for entry in entries if entry is not None]
 
-    def _take_batch(self, timeout_s: float) -> list[_Item]:
-        items: list[_Item] = []
+    def _take_batch(self, timeout_s: float) -> list[_Item | SpillEntry]:
+        items: list[_Item | SpillEntry] = []
         try:
             items.append(
                 self._queue.get(timeout=timeout_s) if timeout_s > 0 else self._queue.get_nowait()
@@ -651,6 +667,9 @@ def _metric_values(metrics: ProducerMetrics) -> dict[str, dict[tuple[str, ...], 
 _BUILDER = "builder"
 _CAPTURE = "capture"
 _SKIP = "skip"  # a placeholder the worker counts as done (keeps the parent's count aligned)
+# A record the parent already validated and encoded (a SpillEntry, maybe a DLQ envelope) but
+# could not spill: the worker sends or spills it as it is, so it is counted once.
+_ENTRY = "entry"
 
 
 class _CaptureBuilder:
@@ -759,6 +778,8 @@ def _child_main(config_json: str, state_dir: str, conn: Any) -> None:
                     builder.build_record = record
                 elif kind == _SKIP:
                     pass
+                elif kind == _ENTRY:
+                    sink.put_entry(record)
                 elif kind == RecordKind.TRAJECTORY.value:
                     sink.put_trajectory(record)
                 else:
@@ -857,7 +878,7 @@ class KafkaSinkProcess:
             with self._lock:
                 if self._feeder_done:
                     log.warning("put_after_close_spilling", kind=kind)
-                    self._count_lost_records(self._spill_here([(kind, record)]))
+                    self._count_lost_entries(self._spill_here([(kind, record)]))
                     return
                 self._outbox.append((kind, record))
             return
@@ -1038,8 +1059,10 @@ class KafkaSinkProcess:
         self._pending.clear()
         self._confirmed = 0
         log.error("sink_process_died", exitcode=proc.exitcode, spilling=len(lost))
-        # What the disk refused goes to the new child first (it sends or spills them).
-        self._outbox.extendleft(reversed(self._spill_here(lost)))
+        # What the disk refused goes to the new child first (it sends or spills them), as
+        # the entries made here: preparing a record again would count its DLQ routing twice.
+        refused = self._spill_here(lost)
+        self._outbox.extendleft((_ENTRY, entry) for entry in reversed(refused))
         if self._closed and not self._outbox:
             self._proc = None
             return
@@ -1047,26 +1070,42 @@ class KafkaSinkProcess:
         self.child_restarts += 1
         self._start_child()
 
-    def _spill_here(self, records: list[tuple[str, Any]]) -> list[tuple[str, Any]]:
+    def _spill_here(self, records: list[tuple[str, Any]]) -> list[SpillEntry]:
         """Validate, encode and spill in this process (only while no child runs); return
-        the records a disk error kept off the spill (built, oldest first), for a retry."""
+        the entries a disk error kept off the spill (oldest first). A retry takes these
+        entries, never the records: each record is prepared (and counted) once."""
         records = self._built_here(records)
-        if not records:
-            return []
         with self._lock:
-            ready: list[tuple[tuple[str, Any], SpillEntry]] = []
-            for kind, record in records:
-                item = _Item(RecordKind(kind), record)
-                entry = prepare_entry(self.config, self.topics, self.metrics, item)
-                if entry is not None:
-                    ready.append(((kind, record), entry))
-            try:
-                stored = self._store_here([entry for _, entry in ready])
-            except OSError as exc:
-                stored = getattr(exc, "stored", 0)
-                self.metrics.spill_errors.inc()
-                log.error("parent_spill_failed", error=repr(exc), not_stored=len(ready) - stored)
-            return [original for original, _ in ready[stored:]]
+            return self._store_or_keep(self._prepared_here(records))
+
+    def _prepared_here(self, records: list[tuple[str, Any]]) -> list[SpillEntry]:
+        """Entries of built records, as the child makes them; an `_ENTRY` is one already."""
+        entries: list[SpillEntry] = []
+        for kind, record in records:
+            if kind == _ENTRY:
+                entries.append(record)
+                continue
+            item = _Item(RecordKind(kind), record)
+            entry = prepare_entry(self.config, self.topics, self.metrics, item)
+            if entry is not None:
+                entries.append(entry)
+        return entries
+
+    def _store_or_keep(self, entries: list[SpillEntry]) -> list[SpillEntry]:
+        """Spill `entries`; return those a disk error kept off the spill (logged, counted)."""
+        if not entries:
+            return []
+        try:
+            stored = self._store_here(entries)
+        except OSError as exc:
+            stored = getattr(exc, "stored", 0)
+            self.metrics.spill_errors.inc()
+            log.error("parent_spill_failed", error=repr(exc), not_stored=len(entries) - stored)
+        return entries[stored:]
+
+    def _kind_of(self, entry: SpillEntry) -> str:
+        kinds = {self.topics.dlq: "dlq", self.topics.feedback: "feedback"}
+        return kinds.get(entry.topic, RecordKind.TRAJECTORY.value)
 
     def _store_here(self, entries: list[SpillEntry]) -> int:
         spill = SpillStore(
@@ -1077,9 +1116,8 @@ class KafkaSinkProcess:
         )
         try:
             stored = spill.append(entries)
-            kinds = {self.topics.dlq: "dlq", self.topics.feedback: "feedback"}
             for entry in entries[:stored]:
-                self.metrics.spilled.labels(kinds.get(entry.topic, "trajectory")).inc()
+                self.metrics.spilled.labels(self._kind_of(entry)).inc()
             return stored
         finally:
             try:
@@ -1088,24 +1126,24 @@ class KafkaSinkProcess:
                 log.error("parent_spill_close_failed", error=repr(exc))
             self.metrics.spill_bytes.set(spill.total_bytes())
 
-    def _spill_until_deadline(self, records: list[tuple[str, Any]]) -> None:
+    def _spill_until_deadline(self, entries: list[SpillEntry]) -> None:
         """No child is left to take them: retry the disk until close_timeout_s, then count
         what is still refused as lost."""
         deadline = time.monotonic() + self.config.close_timeout_s
         delay = 0.1
-        while records and time.monotonic() + delay < deadline:
+        while entries and time.monotonic() + delay < deadline:
             time.sleep(delay)
             delay = min(delay * 2, 2.0)
             with self._lock:
-                records = self._spill_here(records)
-        self._count_lost_records(records)
+                entries = self._store_or_keep(entries)
+        self._count_lost_entries(entries)
 
-    def _count_lost_records(self, records: list[tuple[str, Any]]) -> None:
-        if not records:
+    def _count_lost_entries(self, entries: list[SpillEntry]) -> None:
+        if not entries:
             return
-        log.error("records_lost", reason="disk_error", records=len(records))
-        for kind, _ in records:
-            self.metrics.failed.labels(kind, "disk_error").inc()
+        log.error("records_lost", reason="disk_error", records=len(entries))
+        for entry in entries:
+            self.metrics.failed.labels(self._kind_of(entry), "disk_error").inc()
 
     def _built_here(self, records: list[tuple[str, Any]]) -> list[tuple[str, Any]]:
         """Captures the worker did not confirm, built into records here (the builder item

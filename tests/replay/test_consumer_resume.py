@@ -215,3 +215,30 @@ def test_a_trajectory_stamped_in_the_future_does_not_hold_back_its_partition(
         assert consumer.stats.late_feedback == 0
     finally:
         consumer.close()
+
+
+def test_waiting_feedback_stamped_in_the_future_still_expires(
+    stream_config: StreamConfig, tmp_path: Path
+) -> None:
+    """Feedback waiting for a trajectory that never comes pins its partition's resume point
+    until it expires; a day-ahead `created_at` is timed from when it was read instead, so it
+    expires after `orphan_feedback_ttl_s` like any other."""
+    now = 1_700_000_000.0
+    config = stream_config.model_copy(update={"orphan_feedback_ttl_s": 60.0})
+    skewed = make_feedback(make_trajectory(session_id="gone"), created_at=now + 86_400)
+    _produce(config, tmp_path, [], [skewed])
+    feedback_topic = f"{config.topic_prefix}.feedback"
+
+    clock = FakeClock(now)
+    consumer = TrajectoryConsumer(config, clock=clock)
+    try:
+        assert _drain(consumer, rounds=5) == []
+        # Its one record is read, but its partition resumes before it (it is still needed).
+        assert sum(consumer.processed_offsets()[feedback_topic].values()) == 0
+        clock.now = now + 61  # the TTL has passed since it was read
+        assert _drain(consumer, rounds=5) == []
+        assert consumer.stats.orphaned_feedback == 1
+        assert sum(consumer.processed_offsets()[feedback_topic].values()) == 1
+        assert consumer.stats.future_created_at == 1  # counted and logged when read
+    finally:
+        consumer.close()

@@ -9,6 +9,7 @@ from __future__ import annotations
 import errno
 import os
 import signal
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -231,14 +232,17 @@ def test_a_spilled_dlq_record_over_the_request_size_does_not_block_the_spill(
 
 
 class _Disk:
-    """SpillStore writes fail with ENOSPC while `full` is set."""
+    """SpillStore writes fail with ENOSPC while `full` is set (for `times` writes, when given:
+    the disk then has room again)."""
 
-    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+    def __init__(self, monkeypatch: pytest.MonkeyPatch, times: int | None = None) -> None:
         self.full = True
+        self.failures = 0
         write_frames = SpillStore._write_frames
 
         def failing(store: SpillStore, frames: list[bytes]) -> None:
-            if self.full:
+            if self.full and (times is None or self.failures < times):
+                self.failures += 1
                 raise OSError(errno.ENOSPC, "No space left on device")
             write_frames(store, frames)
 
@@ -325,3 +329,62 @@ def test_a_parent_disk_error_hands_a_dead_workers_records_to_the_next_worker(
     sink.put_trajectory(make_trajectory(session_id="late"))  # after close: spilled here, fails
     assert _sample(registry, "olp_stream_failed_total", kind="trajectory", reason="disk_error") == 1
     assert _consume_ids(stream_config, 10) == {r["trajectory_id"] for r in records}
+
+
+def test_a_dead_lettered_record_the_parent_disk_refused_is_counted_once_by_the_next_worker(
+    stream_config: StreamConfig, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The parent makes the DLQ envelope of a dead worker's record (counted); the disk
+    refuses it, so the next worker takes the envelope as it is, not the record again."""
+    registry = CollectorRegistry()
+    sink = KafkaSinkProcess(stream_config, tmp_path, registry)
+    try:
+        assert sink.wait_idle(60)
+        os.kill(sink._proc.pid, signal.SIGSTOP)  # it never prepares the record
+        sink.put_feedback(_surrogate_feedback())
+        _wait_for(lambda: len(sink._pending) == 1)
+        disk = _Disk(monkeypatch)  # the parent's disk only: the worker is another process
+        os.kill(sink._proc.pid, signal.SIGKILL)
+        _wait_for(lambda: sink.child_restarts == 1)
+        assert sink.wait_idle(60)
+        assert disk.failures >= 1
+    finally:
+        sink.close()
+    assert _sample(registry, "olp_stream_dlq_total", kind="feedback") == 1
+    [envelope] = _dlq_envelopes(stream_config, 1)
+    assert "surrogate" in envelope["reason"]
+
+
+def test_a_dead_lettered_record_retried_after_a_parent_disk_error_at_close_is_counted_once(
+    stream_config: StreamConfig, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With no worker left, the parent retries the disk with the DLQ envelope it made, not
+    by preparing the record (and counting it) again."""
+    closing = threading.Event()
+    close_child = KafkaSinkProcess._close_child
+
+    def close_child_signalled(self: KafkaSinkProcess) -> None:
+        closing.set()
+        close_child(self)
+
+    monkeypatch.setattr(KafkaSinkProcess, "_close_child", close_child_signalled)
+    registry = CollectorRegistry()
+    sink = KafkaSinkProcess(stream_config, tmp_path, registry)
+    closer = threading.Thread(target=sink.close)
+    try:
+        assert sink.wait_idle(60)
+        os.kill(sink._proc.pid, signal.SIGSTOP)  # it never confirms the record
+        sink.put_feedback(_surrogate_feedback())
+        _wait_for(lambda: len(sink._pending) == 1)
+        disk = _Disk(monkeypatch, times=1)  # the parent's first write fails, the retry not
+        closer.start()
+        assert closing.wait(30)
+        os.kill(sink._proc.pid, signal.SIGKILL)  # the worker dies while it is being closed
+        closer.join(60)
+        assert not closer.is_alive()
+        assert disk.failures == 1
+    finally:
+        sink.close()
+    assert _sample(registry, "olp_stream_dlq_total", kind="feedback") == 1
+    assert _sample(registry, "olp_stream_spilled_total", kind="dlq") == 1
+    assert _sample(registry, "olp_stream_failed_total", kind="dlq", reason="disk_error") == 0

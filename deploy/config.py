@@ -40,7 +40,11 @@ class PolicyConfig(BaseModel):
         default_factory=list,
         description="vLLM base URLs to use instead of launching one (one per replica)",
     )
-    host: str = Field("127.0.0.1", description="bind address of the launched vLLM (loopback)")
+    host: str = Field(
+        "127.0.0.1",
+        description="bind address of the launched vLLM (loopback; another address is logged "
+        "as a warning: vLLM's API and LoRA loading have no authentication)",
+    )
     port: int = Field(8100, ge=1, le=65535)
     dtype: Literal["bfloat16", "float16", "float32", "auto"] = "bfloat16"
     max_loras: int = Field(4, ge=1)

@@ -19,6 +19,7 @@ from pathlib import Path
 import structlog
 
 from deploy.config import PolicyConfig
+from deploy.ports import is_loopback
 from deploy.procs import ChildProcess, wait_until
 
 log = structlog.get_logger(__name__)
@@ -111,6 +112,23 @@ class PolicyServer:
         self.child.stop(timeout_s=30)
 
 
+def warn_if_exposed(cfg: PolicyConfig) -> bool:
+    """Log a warning when vLLM is to listen beyond loopback; True when it is.
+
+    Allowed (a policy on its own host behind a firewall), but never quietly: vLLM's runtime
+    LoRA endpoints, which olp needs, have no authentication, so whoever reaches the port can
+    load, unload or query adapters without the proxy's keys."""
+    if is_loopback(cfg.host):
+        return False
+    log.warning(
+        "policy_not_on_loopback",
+        host=cfg.host,
+        port=cfg.port,
+        risk="vLLM's API and runtime LoRA loading have no authentication: firewall this port",
+    )
+    return True
+
+
 def start_policy(
     cfg: PolicyConfig,
     model_dir: Path,
@@ -119,6 +137,7 @@ def start_policy(
     stop: threading.Event | None = None,
 ) -> PolicyServer:
     """Start vLLM and wait until it lists its models; `stop` set meanwhile stops it."""
+    warn_if_exposed(cfg)
     server = PolicyServer(cfg, model_dir, log_file)
     try:
         server.wait_ready(progress, stop)

@@ -6,7 +6,8 @@ messages); a process-management library would add a dependency for no gain.
 
 Children run in their own session, so a signal meant for olp (Ctrl-C, a closed terminal)
 never reaches them: olp catches SIGINT, SIGTERM and SIGHUP (`install_stop_handlers`) and
-stops them itself, also while it still waits for one to become ready (`wait_until`).
+stops them itself, also while it still waits for one to become ready (`wait_until`). A
+signal olp cannot catch (SIGKILL) leaves that to each child's guard (deploy/child_guard.py).
 """
 
 from __future__ import annotations
@@ -26,6 +27,8 @@ from typing import TextIO
 import structlog
 
 log = structlog.get_logger(__name__)
+
+GUARD = str(Path(__file__).with_name("child_guard.py"))
 
 # SIGHUP too: closing the terminal must stop the children, not orphan them.
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
@@ -99,6 +102,7 @@ class ChildProcess:
             text=True,
             errors="replace",
         )
+        self._guard = _start_guard(self.proc.pid)
         self._reader = threading.Thread(target=self._read, name=f"{name}-output", daemon=True)
         self._reader.start()
         log.info("child_started", child=name, pid=self.proc.pid)
@@ -141,9 +145,28 @@ class ChildProcess:
                 self.proc.wait(timeout=10)
         # vLLM's engine core runs as a grandchild in the same group: make sure it is gone.
         _signal_group(self.proc.pid, signal.SIGKILL)
+        if self._guard is not None:
+            self._guard.terminate()
+            self._guard.wait(timeout=10)
         self._reader.join(timeout=2)
         log.info("child_stopped", child=self.name, pid=self.pid, returncode=self.proc.returncode)
         return self.proc.returncode
+
+
+def _start_guard(child: int) -> subprocess.Popen[bytes] | None:
+    """Start the child's guard: it stops the child's group should olp die without stopping
+    it. None (and a warning) when it cannot start: the child runs unguarded, as before."""
+    try:
+        return subprocess.Popen(
+            [sys.executable, "-I", "-S", GUARD, str(os.getpid()), str(child)],
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            start_new_session=True,  # a terminal's Ctrl-C is olp's to handle, as for children
+        )
+    except OSError as exc:
+        log.warning("child_guard_not_started", pid=child, error=str(exc))
+        return None
 
 
 def _signal_group(pid: int, sig: signal.Signals) -> None:

@@ -25,7 +25,7 @@ from deploy.broker import kafka_answers, start_broker
 from deploy.config import OlpConfig
 from deploy.learner_runner import INTERNAL_TOKEN_ENV
 from deploy.policy import check_external, start_policy
-from deploy.ports import port_open, split_host_port
+from deploy.ports import is_loopback, port_open, split_host_port
 from deploy.procs import ChildProcess, StopRequested, install_stop_handlers, say, wait_until
 from deploy.runtime import resolve_model_dir
 from proxy.config import sha256_hex
@@ -34,7 +34,6 @@ from safety.redaction import Redactor
 
 log = structlog.get_logger(__name__)
 
-LOOPBACK = ("127.0.0.1", "localhost", "::1")
 DEV_API_KEY = "olp-demo-key"
 DEV_ADMIN_KEY = "olp-admin-dev"
 
@@ -131,7 +130,7 @@ class Stack:
         cfg = self.cfg
         self._audit_startup()
         host, port = split_host_port(cfg.stream.bootstrap_servers.split(",")[0])
-        if host in LOOPBACK:
+        if is_loopback(host):
             if port_open(host, port):
                 raise RuntimeError(
                     f"port {port} is already in use: stream.bootstrap_servers points at "
@@ -173,7 +172,8 @@ class Stack:
                 Component(
                     "policy",
                     lambda: policy.child,
-                    f"{policy.base_url} (vLLM, loopback)",
+                    f"{policy.base_url} (vLLM"
+                    + (", loopback)" if is_loopback(cfg.policy.host) else ", NOT loopback)"),
                     child=policy.child,
                 )
             )

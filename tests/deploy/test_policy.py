@@ -3,6 +3,11 @@ from pathlib import Path
 
 import httpx
 import openai
+from structlog.testing import capture_logs
+
+from deploy.config import PolicyConfig
+from deploy.policy import warn_if_exposed
+from deploy.ports import is_loopback
 
 
 def test_chat_returns_token_ids_and_matching_logprobs(vllm_server) -> None:
@@ -45,3 +50,18 @@ def test_runtime_lora_adapter_serves_completions(vllm_server, make_lora_adapter,
         httpx.post(
             f"{vllm_server.base_url}/v1/unload_lora_adapter", json={"lora_name": name}, timeout=30
         )
+
+
+def test_loopback_hosts_are_told_apart() -> None:
+    assert all(is_loopback(h) for h in ("127.0.0.1", "127.0.0.2", "localhost", "::1", "[::1]"))
+    assert not any(is_loopback(h) for h in ("0.0.0.0", "::", "10.0.0.5", "policy.internal"))
+
+
+def test_a_policy_beyond_loopback_is_started_with_a_warning() -> None:
+    """Allowed (vLLM on its own host), never quiet: its LoRA endpoints have no keys."""
+    with capture_logs() as logs:
+        assert not warn_if_exposed(PolicyConfig())
+        assert warn_if_exposed(PolicyConfig(host="0.0.0.0"))
+    assert [(e["event"], e["log_level"], e["host"]) for e in logs] == [
+        ("policy_not_on_loopback", "warning", "0.0.0.0")
+    ]

@@ -169,3 +169,48 @@ def test_launchers_stop_their_child_on_a_signal_during_start_up(harness, mode, s
     _assert_all_stopped(h, children)
     assert h.proc.returncode == 0, h.output()
     assert "Traceback" not in h.output()
+
+
+@pytest.mark.parametrize("mode", ["up-ready", "up-warming"])
+def test_a_killed_olp_leaves_no_child_running(harness, mode) -> None:
+    """SIGKILL (or the OOM killer) gives olp no chance to stop anything: each child's guard
+    (deploy/child_guard.py) notices within a second and stops the child's group."""
+    h = harness(mode)
+    children = h.wait_children(4 if mode == "up-ready" else 2)
+    guards = _guards_of(children)
+    assert len(guards) == len(children), (children, guards)
+    h.proc.kill()
+    watched = children + guards
+    assert _wait_for(lambda: not any(_running(pid) for pid in watched), 15), [
+        pid for pid in watched if _running(pid)
+    ]
+
+
+def test_a_guard_ends_with_its_child_and_leaves_a_live_parent_alone(tmp_path: Path) -> None:
+    from deploy.procs import ChildProcess
+
+    child = ChildProcess("short", ["sleep", "0.5"], log_file=tmp_path / "short.log")
+    guard = child._guard
+    assert guard is not None and _guards_of([child.pid]) == [guard.pid]
+    assert _wait_for(lambda: guard.poll() is not None, 10)  # the child exited; so did it
+    assert guard.returncode == 0 and child.poll() == 0
+    child.stop()
+    long = ChildProcess("long", ["sleep", "600"], log_file=tmp_path / "long.log")
+    time.sleep(2.5)  # two of the guard's checks: a live parent is left alone
+    assert long.alive() and long._guard is not None and long._guard.poll() is None
+    long.stop(timeout_s=5)
+    assert long._guard.poll() is not None and not _running(long.pid)
+
+
+def _guards_of(children: list[int]) -> list[int]:
+    """The running child guards (deploy/child_guard.py) watching one of `children`."""
+    guards = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        with contextlib.suppress(FileNotFoundError, ProcessLookupError):
+            argv = (entry / "cmdline").read_bytes().split(b"\0")
+            if any(a.endswith(b"child_guard.py") for a in argv) and _running(int(entry.name)):
+                if int(argv[-2]) in children:  # ... child_guard.py PARENT CHILD
+                    guards.append(int(entry.name))
+    return guards

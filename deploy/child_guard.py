@@ -1,0 +1,63 @@
+"""Stops a child's process group when the olp process that started it dies without stopping it.
+
+`ChildProcess` runs this file as `python -I -S child_guard.py PARENT_PID CHILD_PID`, in a
+session of its own (a process cannot join the child's group, which is in another session).
+While the parent lives, the guard checks once a second and costs nothing else; when the
+parent is gone (SIGKILL, the OOM killer, a crash), the guard's parent PID changes, and it
+stops the child's group the way `ChildProcess.stop()` would: SIGTERM, a grace period,
+SIGKILL. It exits on its own once the child has exited, and on SIGTERM (`stop()` sends it).
+
+Why a process and not PR_SET_PDEATHSIG: setting that needs code between fork and exec
+(`preexec_fn`, unsafe in a process with threads), and it fires when the *thread* that
+started the child exits, which need not be when olp does.
+
+Standard library only, and run with `-I -S`: it must start in milliseconds and import
+nothing of the project's.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import time
+
+POLL_S = 1.0
+GRACE_S = 10.0  # as long as a child gets to stop after SIGTERM before SIGKILL
+
+
+def running(pid: int) -> bool:
+    """Alive and not a zombie (an exited child nobody reaped yet)."""
+    try:
+        with open(f"/proc/{pid}/stat", encoding="ascii", errors="replace") as stat:
+            state = stat.read().rsplit(")", 1)[1].split()[0]
+    except (FileNotFoundError, IndexError):
+        return False
+    return state != "Z"
+
+
+def stop_group(group: int) -> None:
+    """SIGTERM the group, wait up to GRACE_S for its leader, then SIGKILL the group (vLLM's
+    engine core, a grandchild, is in it too)."""
+    try:
+        os.killpg(group, signal.SIGTERM)
+        deadline = time.monotonic() + GRACE_S
+        while running(group) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        os.killpg(group, signal.SIGKILL)
+    except ProcessLookupError:
+        pass  # the group is already gone
+
+
+def main(argv: list[str]) -> int:
+    parent, child = int(argv[1]), int(argv[2])
+    while running(child):
+        if os.getppid() != parent:
+            stop_group(child)
+            return 0
+        time.sleep(POLL_S)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv))

@@ -209,8 +209,11 @@ def _guards_of(children: list[int]) -> list[int]:
         if not entry.name.isdigit():
             continue
         with contextlib.suppress(FileNotFoundError, ProcessLookupError):
-            argv = (entry / "cmdline").read_bytes().split(b"\0")
-            if any(a.endswith(b"child_guard.py") for a in argv) and _running(int(entry.name)):
-                if int(argv[-2]) in children:  # ... child_guard.py PARENT CHILD
-                    guards.append(int(entry.name))
+            argv = (entry / "cmdline").read_bytes().rstrip(b"\0").split(b"\0")
+            if (
+                any(a.endswith(b"child_guard.py") for a in argv)
+                and int(argv[-1]) in children  # ... child_guard.py PARENT CHILD
+                and _running(int(entry.name))
+            ):
+                guards.append(int(entry.name))
     return guards

@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal
@@ -109,11 +110,15 @@ def _yaml_position(exc: yaml.YAMLError) -> str:
     return f"{problem} at line {mark.line + 1}, column {mark.column + 1}"
 
 
+# `[::1]:9092` or `[::1]:9092,[::1]:9093`: IPv6 addresses with ports, a string, not YAML.
+_BRACKETED_ADDRESSES = re.compile(r"\[[0-9A-Fa-f:.]+\]:\d+(,\s*\[[0-9A-Fa-f:.]+\]:\d+)*")
+
+
 def _env_value(raw: str, name: str, dotted: str) -> Any:
     """Lists and mappings are YAML; scalars stay strings for pydantic to coerce by field type
     (so a numeric-looking key or name is not turned into a number)."""
     text = raw.strip()
-    if text.startswith(("[", "{")):
+    if text.startswith(("[", "{")) and not _BRACKETED_ADDRESSES.fullmatch(text):
         try:
             return yaml.safe_load(text)
         except yaml.YAMLError:

@@ -101,6 +101,15 @@ def test_malformed_yaml_env_value_names_the_key_not_the_value() -> None:
     assert "s3cr3t" not in message
 
 
+def test_env_ipv6_addresses_are_strings_not_yaml_lists() -> None:
+    cfg = load_config(None, environ={"OLP_STREAM__BOOTSTRAP_SERVERS": "[::1]:9092"})
+    assert cfg.stream.bootstrap_servers == "[::1]:9092"
+    two = load_config(None, environ={"OLP_STREAM__BOOTSTRAP_SERVERS": "[::1]:9092,[::1]:9093"})
+    assert two.stream.bootstrap_servers == "[::1]:9092,[::1]:9093"
+    listed = load_config(None, environ={"OLP_POLICY__EXTRA_ARGS": "[--enforce-eager]"})
+    assert listed.policy.extra_args == ["--enforce-eager"]  # a list is still YAML
+
+
 def test_yaml_file_errors_give_the_position_not_the_line(tmp_path: Path) -> None:
     path = write(tmp_path, "proxy:\n  admin_key: s3cr3t-admin-key: x\n")
     with pytest.raises(ConfigError) as err:

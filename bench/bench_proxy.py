@@ -949,8 +949,8 @@ def render(
         f"{counts['thread']} of {expected} records arrived.",
         "- olp-on-nosink: the same capture handed to a sink that drops the captures (the "
         "proxy process's own share of the capture cost, with no worker using the cores).",
-        "- olp-on-pystrip: olp-on with the stream strip in Python instead of its C pass "
-        "(proxy/_sse_strip.c).",
+        "- olp-on-pystrip: olp-on with the strip (streams and whole answers) in Python "
+        "instead of its C pass (proxy/_sse_strip.c).",
         "- olp-on-gcdefault: olp-on with the interpreter's garbage-collector settings instead "
         "of the proxy's (`proxy.gc`: start-up objects frozen, young threshold 20000).",
         "- olp-on-down / olp-on-thread-down: olp-on / olp-on-thread with the sink pointed at a "

@@ -26,23 +26,33 @@ POLL_S = 1.0
 GRACE_S = 10.0  # as long as a child gets to stop after SIGTERM before SIGKILL
 
 
-def running(pid: int) -> bool:
-    """Alive and not a zombie (an exited child nobody reaped yet)."""
+def identity(pid: int) -> str | None:
+    """The process's start time (in clock ticks since boot) while it runs, None once it
+    exited (a zombie counts as exited). A PID can be reused; PID and start time together
+    name one process."""
     try:
         with open(f"/proc/{pid}/stat", encoding="ascii", errors="replace") as stat:
-            state = stat.read().rsplit(")", 1)[1].split()[0]
+            fields = stat.read().rsplit(")", 1)[1].split()
     except (FileNotFoundError, IndexError):
-        return False
-    return state != "Z"
+        return None
+    if len(fields) < 20 or fields[0] == "Z":
+        return None
+    return fields[19]  # field 22 of proc(5), counted after the command name
 
 
-def stop_group(group: int) -> None:
+def running(pid: int, started: str | None = None) -> bool:
+    """`pid` runs, and is the process that started at `started` when given."""
+    now = identity(pid)
+    return now is not None and (started is None or now == started)
+
+
+def stop_group(group: int, started: str) -> None:
     """SIGTERM the group, wait up to GRACE_S for its leader, then SIGKILL the group (vLLM's
     engine core, a grandchild, is in it too)."""
     try:
         os.killpg(group, signal.SIGTERM)
         deadline = time.monotonic() + GRACE_S
-        while running(group) and time.monotonic() < deadline:
+        while running(group, started) and time.monotonic() < deadline:
             time.sleep(0.1)
         os.killpg(group, signal.SIGKILL)
     except ProcessLookupError:
@@ -51,9 +61,10 @@ def stop_group(group: int) -> None:
 
 def main(argv: list[str]) -> int:
     parent, child = int(argv[1]), int(argv[2])
-    while running(child):
+    started = identity(child)
+    while started is not None and running(child, started):
         if os.getppid() != parent:
-            stop_group(child)
+            stop_group(child, started)
             return 0
         time.sleep(POLL_S)
     return 0

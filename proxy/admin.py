@@ -25,6 +25,9 @@ from proxy.serving_state import save_state
 
 _ACTOR = re.compile(r"^[A-Za-z0-9._@:\-]{1,64}$")
 _VERSION = re.compile(r"^(base|policy-v[0-9]+)$")
+# Changes run one at a time: a flip awaits every replica's /v1/models, and a freeze (or
+# another change) that lands meanwhile must not be overtaken by it.
+ADMIN_LOCK = web.AppKey("olp_admin_lock", asyncio.Lock)
 
 
 def _authorize(request: web.Request) -> str:
@@ -57,7 +60,8 @@ async def _json_object(request: web.Request) -> dict[str, Any]:
         return {}
     try:
         body = await request.json()
-    except (ValueError, RecursionError) as exc:  # RecursionError: nested too deeply
+    # RecursionError: nested too deeply; LookupError: a charset Python does not know.
+    except (ValueError, RecursionError, LookupError) as exc:
         raise bad_request(
             f"The request body is not valid JSON: {exc}", code="invalid_json"
         ) from exc
@@ -104,7 +108,7 @@ async def _check_served(ctx: ProxyContext, target: str) -> None:
     async def listed(replica: Replica) -> bool:
         try:
             return target in await ctx.pool.served_models(replica)
-        except (TimeoutError, aiohttp.ClientError) as exc:
+        except (TimeoutError, aiohttp.ClientError, ValueError) as exc:  # ValueError: no list
             raise ProxyError(
                 502,
                 f"Replica {replica.url} did not list its models: {type(exc).__name__}.",
@@ -139,19 +143,20 @@ async def set_alias(request: web.Request) -> web.Response:
         raise bad_request("'alias' must be a non-empty string.", param="alias")
     if not isinstance(target, str) or not _VERSION.match(target):
         raise bad_request("'target' must be 'base' or 'policy-v<N>'.", param="target")
-    if ctx.state.frozen:
-        raise ProxyError(
-            409,
-            "Serving is frozen; unfreeze before changing aliases (rollback still works).",
-            type_="conflict",
-            code="frozen",
-        )
-    await _check_served(ctx, target)
-    ended = _ended_canary(ctx, alias)
-    previous = ctx.aliases.set(alias, target)
-    ctx.state.record("flip", actor, alias=alias, target=target, previous=previous)
-    payload = {"alias": alias, "target": target, "previous": previous}
-    _commit(ctx, actor, "alias_set", payload | ({"ended_canary": ended} if ended else {}))
+    async with request.app[ADMIN_LOCK]:
+        if ctx.state.frozen:
+            raise ProxyError(
+                409,
+                "Serving is frozen; unfreeze before changing aliases (rollback still works).",
+                type_="conflict",
+                code="frozen",
+            )
+        await _check_served(ctx, target)
+        ended = _ended_canary(ctx, alias)
+        previous = ctx.aliases.set(alias, target)
+        ctx.state.record("flip", actor, alias=alias, target=target, previous=previous)
+        payload = {"alias": alias, "target": target, "previous": previous}
+        _commit(ctx, actor, "alias_set", payload | ({"ended_canary": ended} if ended else {}))
     return web.json_response(
         {
             "alias": alias,
@@ -192,31 +197,32 @@ async def rollback(request: web.Request) -> web.Response:
     actor = _authorize(request)
     ctx = request.app[CONTEXT]
     body = await _json_object(request)
-    alias = body.get("alias", ctx.config.policy_alias)
-    if not isinstance(alias, str) or ctx.aliases.resolve(alias) is None:
-        raise bad_request(f"Unknown alias {alias!r}.", param="alias")
-    current = ctx.aliases.resolve(alias)
-    target = body.get("to")
-    if target is None and alias in ctx.aliases.canaries():
-        return _end_canary(ctx, actor, alias, "rollback", "operator rollback")
-    if target is None:
-        target = _rollback_target(ctx, alias, current)
-    elif not isinstance(target, str) or not _VERSION.match(target):
-        raise bad_request("'to' must be 'base' or 'policy-v<N>'.", param="to")
-    await _check_served(ctx, target)
-    ended = _ended_canary(ctx, alias)
-    ctx.aliases.set(alias, target)
-    ctx.state.record("rollback", actor, alias=alias, target=target, previous=current)
-    payload = {"alias": alias, "target": target, "previous": current}
-    _commit(ctx, actor, "rollback", payload | ({"ended_canary": ended} if ended else {}))
-    return web.json_response(
-        {
-            "alias": alias,
-            "target": target,
-            "previous": current,
-            "serving_version": ctx.aliases.resolve(ctx.config.policy_alias),
-        }
-    )
+    async with request.app[ADMIN_LOCK]:
+        alias = body.get("alias", ctx.config.policy_alias)
+        if not isinstance(alias, str) or ctx.aliases.resolve(alias) is None:
+            raise bad_request(f"Unknown alias {alias!r}.", param="alias")
+        current = ctx.aliases.resolve(alias)
+        target = body.get("to")
+        if target is None and alias in ctx.aliases.canaries():
+            return _end_canary(ctx, actor, alias, "rollback", "operator rollback")
+        if target is None:
+            target = _rollback_target(ctx, alias, current)
+        elif not isinstance(target, str) or not _VERSION.match(target):
+            raise bad_request("'to' must be 'base' or 'policy-v<N>'.", param="to")
+        await _check_served(ctx, target)
+        ended = _ended_canary(ctx, alias)
+        ctx.aliases.set(alias, target)
+        ctx.state.record("rollback", actor, alias=alias, target=target, previous=current)
+        payload = {"alias": alias, "target": target, "previous": current}
+        _commit(ctx, actor, "rollback", payload | ({"ended_canary": ended} if ended else {}))
+        return web.json_response(
+            {
+                "alias": alias,
+                "target": target,
+                "previous": current,
+                "serving_version": ctx.aliases.resolve(ctx.config.policy_alias),
+            }
+        )
 
 
 def _share(value: Any) -> float:
@@ -233,42 +239,47 @@ async def start_canary(request: web.Request) -> web.Response:
     actor = _authorize(request)
     ctx = request.app[CONTEXT]
     body = await _json_object(request)
-    alias = body.get("alias", ctx.config.policy_alias)
-    if not isinstance(alias, str) or ctx.aliases.resolve(alias) is None:
-        raise bad_request(f"Unknown alias {alias!r}.", param="alias")
-    target = body.get("target")
-    if not isinstance(target, str) or not _VERSION.match(target):
-        raise bad_request("'target' must be 'base' or 'policy-v<N>'.", param="target")
-    share = _share(body.get("share"))
-    if ctx.state.frozen:
-        raise ProxyError(
-            409,
-            "Serving is frozen; unfreeze before starting a canary.",
-            type_="conflict",
-            code="frozen",
+    async with request.app[ADMIN_LOCK]:
+        alias = body.get("alias", ctx.config.policy_alias)
+        if not isinstance(alias, str) or ctx.aliases.resolve(alias) is None:
+            raise bad_request(f"Unknown alias {alias!r}.", param="alias")
+        target = body.get("target")
+        if not isinstance(target, str) or not _VERSION.match(target):
+            raise bad_request("'target' must be 'base' or 'policy-v<N>'.", param="target")
+        share = _share(body.get("share"))
+        if ctx.state.frozen:
+            raise ProxyError(
+                409,
+                "Serving is frozen; unfreeze before starting a canary.",
+                type_="conflict",
+                code="frozen",
+            )
+        stable = ctx.aliases.resolve(alias)
+        if target == stable:
+            raise ProxyError(
+                409, f"'{alias}' already serves {target}.", type_="conflict", code="already_serving"
+            )
+        if alias in ctx.aliases.canaries():
+            raise ProxyError(
+                409,
+                f"A canary is already running on '{alias}'; end it first.",
+                type_="conflict",
+                code="canary_running",
+            )
+        await _check_served(ctx, target)
+        ctx.aliases.start_canary(alias, Canary(target, share, time.time()))
+        ctx.state.record(
+            "canary_start", actor, alias=alias, target=target, share=share, stable=stable
         )
-    stable = ctx.aliases.resolve(alias)
-    if target == stable:
-        raise ProxyError(
-            409, f"'{alias}' already serves {target}.", type_="conflict", code="already_serving"
+        _commit(
+            ctx,
+            actor,
+            "canary_started",
+            {"alias": alias, "target": target, "share": share, "stable": stable},
         )
-    if alias in ctx.aliases.canaries():
-        raise ProxyError(
-            409,
-            f"A canary is already running on '{alias}'; end it first.",
-            type_="conflict",
-            code="canary_running",
+        return web.json_response(
+            {"alias": alias, "target": target, "share": share, "stable": stable}
         )
-    await _check_served(ctx, target)
-    ctx.aliases.start_canary(alias, Canary(target, share, time.time()))
-    ctx.state.record("canary_start", actor, alias=alias, target=target, share=share, stable=stable)
-    _commit(
-        ctx,
-        actor,
-        "canary_started",
-        {"alias": alias, "target": target, "share": share, "stable": stable},
-    )
-    return web.json_response({"alias": alias, "target": target, "share": share, "stable": stable})
 
 
 def _end_canary(
@@ -300,55 +311,63 @@ async def end_canary(request: web.Request) -> web.Response:
     actor = _authorize(request)
     ctx = request.app[CONTEXT]
     body = await _json_object(request)
-    alias = body.get("alias", ctx.config.policy_alias)
-    decision = body.get("decision")
-    reason = body.get("reason", "")
-    if decision not in ("promote", "rollback"):
-        raise bad_request("'decision' must be 'promote' or 'rollback'.", param="decision")
-    if not isinstance(reason, str) or len(reason) > 500:
-        raise bad_request("'reason' must be a string of at most 500 characters.", param="reason")
-    if not isinstance(alias, str) or alias not in ctx.aliases.canaries():
-        raise ProxyError(404, f"No canary is running on {alias!r}.", code="no_canary")
-    if decision == "promote":
-        if ctx.state.frozen:
-            raise ProxyError(
-                409,
-                "Serving is frozen; a canary can only be rolled back.",
-                type_="conflict",
-                code="frozen",
+    async with request.app[ADMIN_LOCK]:
+        alias = body.get("alias", ctx.config.policy_alias)
+        decision = body.get("decision")
+        reason = body.get("reason", "")
+        if decision not in ("promote", "rollback"):
+            raise bad_request("'decision' must be 'promote' or 'rollback'.", param="decision")
+        if not isinstance(reason, str) or len(reason) > 500:
+            raise bad_request(
+                "'reason' must be a string of at most 500 characters.", param="reason"
             )
-        await _check_served(ctx, ctx.aliases.canaries()[alias].target)
-    return _end_canary(ctx, actor, alias, decision, reason)
+        if not isinstance(alias, str) or alias not in ctx.aliases.canaries():
+            raise ProxyError(404, f"No canary is running on {alias!r}.", code="no_canary")
+        if decision == "promote":
+            if ctx.state.frozen:
+                raise ProxyError(
+                    409,
+                    "Serving is frozen; a canary can only be rolled back.",
+                    type_="conflict",
+                    code="frozen",
+                )
+            await _check_served(ctx, ctx.aliases.canaries()[alias].target)
+        return _end_canary(ctx, actor, alias, decision, reason)
 
 
 async def freeze(request: web.Request) -> web.Response:
     actor = _authorize(request)
     ctx = request.app[CONTEXT]
     body = await _json_object(request)
-    learning = body.get("learning", True)
-    if not isinstance(learning, bool):
-        raise bad_request("'learning' must be a boolean.", param="learning")
-    # Freezing stops every change to what serves, so running canaries go back to stable.
-    ended = {alias: c.to_json() for alias, c in ctx.aliases.canaries().items()}
-    for alias in ended:
-        ctx.aliases.end_canary(alias)
-    ctx.state.frozen = True
-    ctx.state.learning_frozen = learning
-    ctx.state.record("freeze", actor, learning=learning)
-    _commit(
-        ctx, actor, "freeze", {"learning": learning} | ({"ended_canaries": ended} if ended else {})
-    )
-    return web.json_response({"frozen": True, "learning_frozen": learning})
+    async with request.app[ADMIN_LOCK]:
+        learning = body.get("learning", True)
+        if not isinstance(learning, bool):
+            raise bad_request("'learning' must be a boolean.", param="learning")
+        # Freezing stops every change to what serves, so running canaries go back to stable.
+        ended = {alias: c.to_json() for alias, c in ctx.aliases.canaries().items()}
+        for alias in ended:
+            ctx.aliases.end_canary(alias)
+        ctx.state.frozen = True
+        ctx.state.learning_frozen = learning
+        ctx.state.record("freeze", actor, learning=learning)
+        _commit(
+            ctx,
+            actor,
+            "freeze",
+            {"learning": learning} | ({"ended_canaries": ended} if ended else {}),
+        )
+        return web.json_response({"frozen": True, "learning_frozen": learning})
 
 
 async def unfreeze(request: web.Request) -> web.Response:
     actor = _authorize(request)
     ctx = request.app[CONTEXT]
-    ctx.state.frozen = False
-    ctx.state.learning_frozen = False
-    ctx.state.record("unfreeze", actor)
-    _commit(ctx, actor, "unfreeze", {})
-    return web.json_response({"frozen": False, "learning_frozen": False})
+    async with request.app[ADMIN_LOCK]:
+        ctx.state.frozen = False
+        ctx.state.learning_frozen = False
+        ctx.state.record("unfreeze", actor)
+        _commit(ctx, actor, "unfreeze", {})
+        return web.json_response({"frozen": False, "learning_frozen": False})
 
 
 async def set_tenant_training(request: web.Request) -> web.Response:
@@ -362,10 +381,11 @@ async def set_tenant_training(request: web.Request) -> web.Response:
     enabled = body.get("enabled")
     if not isinstance(enabled, bool):
         raise bad_request("'enabled' must be a boolean.", param="enabled")
-    tenant.training_override = enabled
-    ctx.state.tenant_training[name] = enabled
-    ctx.state.record("tenant_training", actor, tenant=name, enabled=enabled)
-    _commit(ctx, actor, "tenant_training", {"tenant": name, "enabled": enabled})
+    async with request.app[ADMIN_LOCK]:
+        tenant.training_override = enabled
+        ctx.state.tenant_training[name] = enabled
+        ctx.state.record("tenant_training", actor, tenant=name, enabled=enabled)
+        _commit(ctx, actor, "tenant_training", {"tenant": name, "enabled": enabled})
     return web.json_response({"tenant": name, "training_enabled": enabled})
 
 
@@ -374,6 +394,7 @@ def add_admin_routes(app: web.Application) -> None:
     from proxy.operator_page import add_operator_routes
 
     add_operator_routes(app)
+    app[ADMIN_LOCK] = asyncio.Lock()
     app.router.add_get("/admin/status", status)
     app.router.add_post("/admin/aliases", set_alias)
     app.router.add_post("/admin/rollback", rollback)

@@ -165,6 +165,8 @@ class CompletionRelay:
         try:
             response = await self._relay(tenant, body, served, admission.headers, training)
         except ProxyError as err:
+            # The request was admitted (and spent a request): its error reports the limits.
+            err.headers = {**admission.headers, **err.headers}
             self._count_error(err.status, err.kind)
             raise
         finally:
@@ -284,6 +286,16 @@ class CompletionRelay:
                 type_="api_error",
                 code="upstream_timeout" if exc.timed_out else "upstream_error",
             ) from exc
+        except asyncio.CancelledError:
+            # aiohttp cancels the handlers still running after its shutdown grace period:
+            # the record says so, and `drain()` does not wait for it in vain.
+            if capture is not None:
+                ctx.capture.submit(capture, "aborted")
+            raise
+        except Exception:
+            if capture is not None:
+                ctx.capture.submit(capture, "error")
+            raise
         headers = self._response_headers(limit_headers, capture)
         try:
             if upstream.status != 200:
@@ -297,6 +309,21 @@ class CompletionRelay:
                 # An unexpected failure: the record still says what happened.
                 ctx.capture.submit(capture, "error")
 
+    def _failed_mid_response(
+        self, exc: BaseException, capture: TrajectoryCapture | None
+    ) -> ProxyError:
+        """The 502 (504 on a timeout) for a body upstream began but did not finish."""
+        if capture is not None:
+            self.ctx.capture.submit(capture, "error")
+        timed_out = isinstance(exc, TimeoutError)
+        return ProxyError(
+            504 if timed_out else 502,
+            f"The model server failed mid-response: {type(exc).__name__} "
+            f"(request id {self.request_id}).",
+            type_="api_error",
+            code="upstream_timeout" if timed_out else "upstream_error",
+        )
+
     async def _relay_upstream_error(
         self,
         upstream: aiohttp.ClientResponse,
@@ -304,7 +331,10 @@ class CompletionRelay:
         capture: TrajectoryCapture | None,
     ) -> web.Response:
         """vLLM's own 4xx/5xx answer goes to the client unchanged (it is OpenAI-shaped)."""
-        payload = await upstream.read()
+        try:
+            payload = await upstream.read()
+        except (aiohttp.ClientError, TimeoutError) as exc:
+            raise self._failed_mid_response(exc, capture) from exc
         if capture is not None:
             self.ctx.capture.submit(capture, "error")
         self.status = upstream.status
@@ -327,16 +357,7 @@ class CompletionRelay:
         try:
             raw = await upstream.read()
         except (aiohttp.ClientError, TimeoutError) as exc:
-            if capture is not None:
-                self.ctx.capture.submit(capture, "error")
-            timed_out = isinstance(exc, TimeoutError)
-            raise ProxyError(
-                504 if timed_out else 502,
-                f"The model server failed mid-response: {type(exc).__name__} "
-                f"(request id {self.request_id}).",
-                type_="api_error",
-                code="upstream_timeout" if timed_out else "upstream_error",
-            ) from exc
+            raise self._failed_mid_response(exc, capture) from exc
         try:
             usage = usage_of(raw)
             if capture is not None:

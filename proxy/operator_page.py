@@ -267,11 +267,13 @@ async def login_with_link(request: web.Request) -> web.Response:
 
 
 async def _form(request: web.Request) -> Any:
-    """The posted form; a 400 refusal when its bytes are not UTF-8 (aiohttp raises)."""
+    """The posted form; a 400 refusal when aiohttp cannot decode it: bytes that are not
+    UTF-8 (ValueError), a charset Python does not know (LookupError), a multipart part in
+    an unknown transfer encoding (RuntimeError)."""
     try:
         return await request.post()
-    except ValueError as exc:  # UnicodeDecodeError
-        raise _Refusal("The form is not valid UTF-8.", 400) from exc
+    except (ValueError, LookupError, RuntimeError) as exc:
+        raise _Refusal("The form could not be decoded (UTF-8 text expected).", 400) from exc
 
 
 async def login_with_key(request: web.Request) -> web.Response:

@@ -139,13 +139,17 @@ class UpstreamPool:
         )
 
     async def served_models(self, replica: Replica, timeout_s: float = 2.0) -> set[str]:
-        """Model names a replica serves now (its /v1/models), for readiness and alias checks."""
+        """Model names a replica serves now (its /v1/models), for readiness and alias checks;
+        ValueError when the answer is not JSON of vLLM's shape `{"data": [{"id": ...}]}`."""
         async with self.session.get(
             replica.url + "/v1/models", timeout=aiohttp.ClientTimeout(total=timeout_s)
         ) as response:
             response.raise_for_status()
             payload = await response.json()
-        return {entry["id"] for entry in payload.get("data", []) if "id" in entry}
+        entries = payload.get("data", []) if isinstance(payload, dict) else None
+        if not isinstance(entries, list) or not all(isinstance(e, dict) for e in entries):
+            raise ValueError("/v1/models is not a model list")
+        return {entry["id"] for entry in entries if "id" in entry}
 
     async def readiness(self) -> dict[str, tuple[str | None, set[str]]]:
         """Per replica: (None, served names) when reachable, else (why not, empty set)."""

@@ -29,7 +29,9 @@ class TokenBucket:
     def __post_init__(self) -> None:
         self.tokens = float(self.capacity)
 
-    def _refill(self, now: float) -> None:
+    def refill(self, now: float | None = None) -> None:
+        """Add what accrued since the last update (up to the capacity)."""
+        now = time.monotonic() if now is None else now
         rate = self.capacity / 60.0
         self.tokens = min(float(self.capacity), self.tokens + (now - self.updated) * rate)
         self.updated = now
@@ -37,7 +39,7 @@ class TokenBucket:
     def take(self, now: float | None = None) -> float:
         """Take one token; returns 0 on success, else seconds until one is available."""
         now = time.monotonic() if now is None else now
-        self._refill(now)
+        self.refill(now)
         if self.tokens >= 1.0:
             self.tokens -= 1.0
             return 0.0
@@ -132,17 +134,31 @@ class TenantRegistry:
             raise ProxyError(401, "Incorrect API key provided.", code="invalid_api_key")
         return tenant
 
+    @staticmethod
+    def _limit_headers(tenant: Tenant) -> dict[str, str]:
+        """`x-ratelimit-*` as the bucket stands now (none without a per-minute limit)."""
+        bucket = tenant.bucket
+        if bucket is None:
+            return {}
+        return {
+            "x-ratelimit-limit-requests": str(tenant.config.requests_per_minute),
+            "x-ratelimit-remaining-requests": str(int(bucket.tokens)),
+            "x-ratelimit-reset-requests": f"{bucket.seconds_to_full():.3f}s",
+        }
+
     def admit(self, tenant: Tenant) -> Admission:
         """Reserve a request slot under the tenant's limits or raise a 429 ProxyError."""
         headers: dict[str, str] = {}
         config = tenant.config
         if config.max_concurrent and tenant.in_flight >= config.max_concurrent:
+            if tenant.bucket is not None:
+                tenant.bucket.refill()  # the 429 spends no request, but reports the bucket
             raise ProxyError(
                 429,
                 f"Too many concurrent requests for this tenant (limit {config.max_concurrent}).",
                 type_="rate_limit_error",
                 code="concurrency_limit_exceeded",
-                headers={"retry-after": "1"},
+                headers={"retry-after": "1", **self._limit_headers(tenant)},
             )
         if tenant.bucket is not None:
             wait_s = tenant.bucket.take()
@@ -160,11 +176,7 @@ class TenantRegistry:
                         "x-ratelimit-reset-requests": f"{wait_s:.3f}s",
                     },
                 )
-            headers = {
-                "x-ratelimit-limit-requests": limit,
-                "x-ratelimit-remaining-requests": str(int(tenant.bucket.tokens)),
-                "x-ratelimit-reset-requests": f"{tenant.bucket.seconds_to_full():.3f}s",
-            }
+            headers = self._limit_headers(tenant)
         tenant.in_flight += 1
         return Admission(tenant, headers)
 

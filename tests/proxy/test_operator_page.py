@@ -390,3 +390,25 @@ def test_chromium_renders_live_rewards(make_proxy, vllm_server, kafka_bootstrap,
         assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10_000
     finally:
         sink.close()
+
+
+def test_a_body_in_an_unknown_charset_is_refused_not_a_500(make_proxy):
+    """aiohttp decodes a form or JSON body with the charset (and a multipart part with the
+    transfer encoding) the client names; one it does not know raises LookupError or
+    RuntimeError, which must be a refusal like any undecodable body, not a 500."""
+    harness, _ = make_proxy(NO_UPSTREAM)
+    client = httpx.Client(base_url=harness.base_url)
+    form = {"Content-Type": "application/x-www-form-urlencoded; charset=no-such-charset"}
+    login = client.post("/admin/ui/login", content=b"key=x", headers=form)
+    assert login.status_code == 400 and "set-cookie" not in login.headers
+    multipart = {"Content-Type": "multipart/form-data; boundary=zz"}
+    part = b'--zz\r\nContent-Disposition: form-data; name="key"\r\n'
+    part += b"Content-Transfer-Encoding: no-such-encoding\r\n\r\nx\r\n--zz--\r\n"
+    login = client.post("/admin/ui/login", content=part, headers=multipart)
+    assert login.status_code == 400 and "set-cookie" not in login.headers
+    json_headers = {**BEARER, "Content-Type": "application/json; charset=no-such-charset"}
+    for path in ("/admin/freeze", "/admin/aliases", "/admin/tenants/alice/training"):
+        resp = client.post(path, content=b"{}", headers=json_headers)
+        assert resp.status_code == 400, (path, resp.text)
+        assert resp.json()["error"]["code"] == "invalid_json"
+    assert harness.ctx.state.frozen is False

@@ -214,3 +214,49 @@ def test_prompt_logprobs_are_refused_before_reaching_vllm(dead_upstream_proxy):
     chat_echo = {"model": "policy", "messages": PROMPT, "echo": True}
     error = assert_openai_error(post(harness, chat_echo), 400, "unsupported_parameter")
     assert error["param"] == "echo"
+
+
+def test_shutdown_while_waiting_for_upstream_records_the_request_as_aborted(make_proxy):
+    """At shutdown aiohttp cancels the handlers still running after its grace period; one
+    still waiting for upstream's answer must hand its trajectory on (status aborted), not
+    leave it open for the drain to wait on and then lose."""
+    import contextlib
+    import socket
+    import threading
+    import time
+
+    listener = socket.socket()  # accepts, never answers
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(8)
+    try:
+        harness, sink = make_proxy([f"http://127.0.0.1:{listener.getsockname()[1]}"])
+        harness._runner._shutdown_timeout = 0.3  # aiohttp's grace period (60 s by default)
+        drain = harness.ctx.capture.drain
+        harness.ctx.capture.drain = lambda: drain(timeout_s=3.0)
+
+        def request() -> None:
+            with contextlib.suppress(httpx.HTTPError):  # the proxy goes away meanwhile
+                post(harness, {"model": "policy", "messages": PROMPT})
+
+        client = threading.Thread(target=request, daemon=True)
+        client.start()
+        deadline = time.monotonic() + 10
+        while not harness.ctx.capture._open and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert harness.ctx.capture._open, "the request never reached the upstream wait"
+        started = time.monotonic()
+        harness.stop()
+        stop_s = time.monotonic() - started
+    finally:
+        listener.close()
+    assert [r["status"] for r in sink.trajectories] == ["aborted"]
+    assert stop_s < 3.0  # the drain had nothing left to wait for
+
+
+def test_a_proxy_error_after_admission_carries_the_rate_limit_headers(dead_upstream_proxy):
+    """The request was admitted (it spent one of carol's 2 a minute): its 502 says so."""
+    harness, _ = dead_upstream_proxy
+    response = post(harness, {"model": "policy", "messages": PROMPT}, key=KEYS["carol"])
+    assert_openai_error(response, 502, "upstream_error")
+    assert response.headers["x-ratelimit-limit-requests"] == "2"
+    assert response.headers["x-ratelimit-remaining-requests"] == "1"

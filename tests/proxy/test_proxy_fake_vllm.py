@@ -6,7 +6,9 @@ fixture cannot be made to hold text back or count continuous usage on demand).""
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import json
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -115,8 +117,15 @@ class FakeVllm(ThreadedUpstream):
         await response.write_eof()
         return response
 
+    def __init__(self) -> None:
+        super().__init__()
+        # Knobs for the admin and readiness tests: how slowly /v1/models answers, and what.
+        self.models_delay_s = 0.0
+        self.models_payload: Any = {"data": [{"id": "base"}, {"id": "policy-v1"}]}
+
     async def _models(self, request: web.Request) -> web.Response:
-        return web.json_response({"object": "list", "data": [{"id": "base"}]})
+        await asyncio.sleep(self.models_delay_s)
+        return web.json_response(self.models_payload)
 
     def add_routes(self, app: web.Application) -> None:
         app.router.add_post("/v1/chat/completions", self._answer)
@@ -288,3 +297,50 @@ def test_continuous_usage_is_counted_once(make_proxy, fake, key):
     events = _stream(harness.base_url, key, "/v1/chat/completions", body)
     assert sum("usage" in e for e in events[:-1]) == len(TOKENS) + 2  # each chunk had usage
     assert _tokens_counted(harness.base_url) == {"in": len(PROMPT_IDS), "out": len(TOKENS)}
+
+
+def _admin(url: str, path: str, body: dict[str, Any] | None = None) -> httpx.Response:
+    headers = {"Authorization": f"Bearer {ADMIN_KEY}", "X-OLP-Actor": "ops-test"}
+    return httpx.post(url + path, json=body or {}, headers=headers, timeout=30)
+
+
+@pytest.mark.parametrize(
+    "path, body",
+    [
+        ("/admin/aliases", {"alias": "policy", "target": "policy-v1"}),
+        ("/admin/canary", {"target": "policy-v1", "share": 0.5}),
+    ],
+)
+def test_a_freeze_during_a_flips_replica_check_wins(make_proxy, fake, path, body):
+    """An alias flip or canary start awaits every replica's /v1/models; a freeze that lands
+    meanwhile must not be overtaken: nothing changes what serves once frozen."""
+    harness, _ = make_proxy([fake.url])
+    fake.models_delay_s = 0.5
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        change = pool.submit(_admin, harness.base_url, path, body)
+        time.sleep(0.2)  # the change is waiting on /v1/models now
+        assert _admin(harness.base_url, "/admin/freeze").status_code == 200
+        change_status = change.result().status_code
+    ctx = harness.ctx
+    kinds = [entry["kind"] for entry in ctx.state.history]
+    # The change went first, whole (the freeze then ended any canary it started).
+    assert change_status == 200 and kinds == [kinds[0], "freeze"], (change_status, kinds)
+    assert ctx.state.frozen and ctx.aliases.canaries() == {}
+    flipped = "aliases" in path
+    assert ctx.aliases.resolve("policy") == ("policy-v1" if flipped else "base")
+
+
+@pytest.mark.parametrize(
+    "payload", [[], {"data": "policy-v1"}, {"data": ["policy-v1"]}, {"data": [["id"]]}]
+)
+def test_a_models_list_of_another_shape_is_a_replica_problem_not_a_500(make_proxy, fake, payload):
+    """/v1/models that is JSON but not vLLM's `{"data": [{"id": ...}]}` (a wrong upstream
+    URL, a different server): /readyz says which replica, an alias flip gives 502."""
+    harness, _ = make_proxy([fake.url])
+    fake.models_payload = payload
+    ready = httpx.get(harness.base_url + "/readyz", timeout=30)
+    assert ready.status_code == 503, ready.text
+    assert ready.json()["replicas"][fake.url] != "ok"
+    flip = _admin(harness.base_url, "/admin/aliases", {"alias": "policy", "target": "policy-v1"})
+    _assert_error(flip, 502, "upstream_error")
+    assert harness.ctx.aliases.resolve("policy") == "base"

@@ -284,3 +284,45 @@ def test_every_client_field_reaches_upstream(make_proxy, scripted):
     assert {k: captured[k] for k in body if k != "model"} == {
         k: v for k, v in body.items() if k != "model"
     }
+
+
+class TruncatedErrorUpstream(ThreadedUpstream):
+    """Answers 400 with a Content-Length it never fills, then drops the connection: the
+    proxy fails while reading vLLM's own error body."""
+
+    async def _chat(self, request: web.Request) -> web.StreamResponse:
+        self.requests.append(await request.json())
+        response = web.StreamResponse(status=400, headers={"Content-Type": "application/json"})
+        response.content_length = 200
+        await response.prepare(request)
+        await response.write(b'{"error": {"message": "bad')
+        assert request.transport is not None
+        request.transport.close()
+        return response
+
+    def add_routes(self, app: web.Application) -> None:
+        app.router.add_post("/v1/chat/completions", self._chat)
+
+
+@pytest.mark.parametrize("tenant", ["alice", "bob"])  # captured / relayed as is
+def test_an_upstream_error_body_cut_short_is_a_502_not_a_500(make_proxy, tenant):
+    upstream = TruncatedErrorUpstream().start()
+    try:
+        harness, sink = make_proxy([upstream.url])
+        response = httpx.post(
+            harness.base_url + "/v1/chat/completions",
+            json={"model": "policy", "messages": [{"role": "user", "content": "x"}]},
+            headers={"Authorization": f"Bearer {KEYS[tenant]}"},
+            timeout=30,
+        )
+    finally:
+        upstream.stop()
+    assert response.status_code == 502, response.text
+    error = response.json()["error"]
+    assert error["code"] == "upstream_error" and error["request_id"] in error["message"]
+    assert harness.ctx.tenants.tenants[tenant].in_flight == 0
+    harness.drain()
+    assert [r["status"] for r in sink.trajectories] == (["error"] if tenant == "alice" else [])
+    metrics = httpx.get(harness.base_url + "/metrics", timeout=30).text.splitlines()
+    counted = [m for m in metrics if m.startswith("olp_proxy_requests_total{")]
+    assert any(f'tenant="{tenant}"' in m and 'status="502"' in m for m in counted), counted

@@ -612,3 +612,22 @@ def test_rollback_walks_back_the_lineage_skipping_rolled_back_versions():
     with pytest.raises(ProxyError) as err:
         _rollback_target(ctx, "policy", "base")
     assert err.value.status == 409
+
+
+def test_a_concurrency_429_carries_the_rate_limit_headers():
+    """docs/proxy.md: every answer to a tenant with a requests-per-minute limit carries
+    `x-ratelimit-*`, a concurrency 429 too (and it does not spend a request)."""
+    registry = TenantRegistry(
+        [TenantConfig(name="t", api_key="k", requests_per_minute=10, max_concurrent=1)]
+    )
+    tenant = registry.authenticate("Bearer k")
+    slot = registry.admit(tenant)
+    with pytest.raises(ProxyError) as err:
+        registry.admit(tenant)
+    assert err.value.code == "concurrency_limit_exceeded"
+    assert err.value.headers["retry-after"] == "1"
+    assert err.value.headers["x-ratelimit-limit-requests"] == "10"
+    assert err.value.headers["x-ratelimit-remaining-requests"] == "9"
+    assert err.value.headers["x-ratelimit-reset-requests"].endswith("s")
+    slot.release()
+    assert registry.admit(tenant).headers["x-ratelimit-remaining-requests"] == "8"

@@ -63,6 +63,15 @@ def parse_version(name: str | None) -> int:
     return int(match.group(1))
 
 
+def group_key(record: dict[str, Any]) -> str:
+    """A GRPO group's key: the client's `group_id` within its tenant.
+
+    The id is the client's own label (X-OLP-Group-Id, copied verbatim), so two tenants
+    running the same harness reuse ids for different prompts; their samples must not be
+    compared with each other."""
+    return f"g:{record.get('tenant') or ''}:{record['group_id']}"
+
+
 def samples_from_rewarded(rewarded: Iterable[Any]) -> tuple[list[Sample], Counter[str]]:
     """Turn rewarded choices (see rewards.assembler) into Samples; count what was left out."""
     samples: list[Sample] = []
@@ -88,7 +97,7 @@ def samples_from_rewarded(rewarded: Iterable[Any]) -> tuple[list[Sample], Counte
             continue
         n_choices = len(record["choices"])
         if record.get("group_id"):
-            group: str | None = f"g:{record['group_id']}"
+            group: str | None = group_key(record)
         elif n_choices > 1:
             group = f"t:{record['trajectory_id']}"
         else:
@@ -297,8 +306,14 @@ def policy_loss(
         surrogate = -(weight * advantages)
         clipped = ratio.detach() > importance_cap
     else:
-        unclipped = ratio * advantages
-        clipped_obj = ratio.clamp(1 - ppo_clip_eps, 1 + ppo_clip_eps) * advantages
+        # Above max(C, 1+ε) the surrogate is constant in ρ (clipped for A>0, dual-clipped
+        # at C·A for A<0), so capping log ρ just above it changes neither value nor
+        # gradient; it keeps exp from overflowing float32 (log ρ > 88), whose 0·∞ in the
+        # backward would make the whole step's gradient NaN.
+        bound = math.log(max(importance_cap, 1 + ppo_clip_eps)) + 1.0
+        capped = torch.exp(log_ratio.clamp(max=bound))
+        unclipped = capped * advantages
+        clipped_obj = capped.clamp(1 - ppo_clip_eps, 1 + ppo_clip_eps) * advantages
         objective = torch.minimum(unclipped, clipped_obj)
         dual = torch.where(
             advantages < 0, torch.maximum(objective, importance_cap * advantages), objective

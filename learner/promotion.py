@@ -43,6 +43,8 @@ ZERO_BASE = "olp-zero-base"
 # Failed GET /admin/status calls in a row a canary watch tolerates (a proxy restart, a
 # timeout) before it gives up and rolls the canary back.
 CANARY_STATUS_ATTEMPTS = 3
+# `_watch_canary`'s decision when an operator promoted the canary's target themselves.
+OPERATOR_PROMOTED = "operator_promoted"
 
 
 class PromotionError(RuntimeError):
@@ -324,7 +326,18 @@ class Promoter:
         self.canary_monitor.begin([incumbent, name], since=time.time())
         started = time.monotonic()
         try:
-            self.proxy.start_canary(alias, name, config.share)
+            try:
+                self.proxy.start_canary(alias, name, config.share)
+            except Exception as exc:
+                # Refused (an operator's canary runs on the alias, serving froze) or lost on
+                # the way: end the canary only if it is ours, never someone else's.
+                log.exception("canary_start_failed", version=name, stable=incumbent)
+                reason = f"canary start failed: {exc!r}"
+                timings["canary_s"] = time.monotonic() - started
+                self._abandon_canary(name, incumbent, reason, end=self._canary_is_ours(name))
+                return PromotionOutcome(
+                    name, "canary_rolled_back", incumbent, report, reason, timings
+                )
             log.info("canary_started", version=name, stable=incumbent, share=config.share)
             watched = self._watch_canary(name, incumbent, started)
         except Exception as exc:
@@ -346,6 +359,14 @@ class Promoter:
                 name, "canary_aborted", incumbent, report, "ended by an operator"
             )
         decision, reasons, verdict_data = watched
+        if decision == OPERATOR_PROMOTED:
+            # The alias serves the candidate now: it stays loaded; older versions drain.
+            self.audit.append(
+                ACTOR, "canary_promoted_by_operator", {"version": name, "stable": incumbent}
+            )
+            log.info("canary_promoted_by_operator", version=name, previous=incumbent)
+            self._schedule_cleanup(name)
+            return PromotionOutcome(name, "promoted", incumbent, report, reasons[0], timings)
         self.audit.append(
             ACTOR,
             "canary_result",
@@ -381,13 +402,20 @@ class Promoter:
     def _watch_canary(
         self, name: str, incumbent: str, started: float
     ) -> tuple[str, list[str], dict[str, Any]] | None:
-        """Poll until a decision (decision, reasons, evidence); None: ended by an operator."""
+        """Poll until a decision (decision, reasons, evidence); None: ended by an operator.
+
+        An operator may also end it by promoting the candidate (canary end with `promote`,
+        or an alias flip to it): that is OPERATOR_PROMOTED, never an abort, since unloading
+        the candidate then would break every request the alias sends to it."""
         config = self.config.canary
         while True:
             if self._closing.wait(config.poll_s):
                 return "rollback", ["the learner is shutting down"], {}
-            running = self._canary_status(name)
+            status = self._canary_status(name)
+            running = (status.get("canaries") or {}).get(self.config.alias)
             if not running or running.get("target") != name:
+                if (status.get("aliases") or {}).get(self.config.alias) == name:
+                    return OPERATOR_PROMOTED, ["promoted by an operator"], {}
                 return None
             verdict = judge_canary(
                 config,
@@ -398,12 +426,12 @@ class Promoter:
             if verdict.decision != "wait":
                 return verdict.decision, verdict.reasons, verdict.to_dict()
 
-    def _canary_status(self, name: str) -> dict[str, Any] | None:
-        """The proxy's running canary on the alias; a transient status failure is retried
+    def _canary_status(self, name: str) -> dict[str, Any]:
+        """The proxy's status during a canary; a transient status failure is retried
         (CANARY_STATUS_ATTEMPTS in a row, one poll apart) before it ends the watch."""
         for attempt in range(1, CANARY_STATUS_ATTEMPTS + 1):
             try:
-                return (self.proxy.status().get("canaries") or {}).get(self.config.alias)
+                return self.proxy.status()
             except Exception as exc:
                 if attempt == CANARY_STATUS_ATTEMPTS or self._closing.is_set():
                     raise
@@ -411,21 +439,34 @@ class Promoter:
                 self._closing.wait(self.config.canary.poll_s)
         raise AssertionError("unreachable")
 
-    def _abandon_canary(self, name: str, incumbent: str, reason: str) -> None:
-        """End a canary that has no decision: rollback at the proxy, unload, audit."""
+    def _canary_is_ours(self, name: str) -> bool:
+        """Whether the alias's running canary sends traffic to `name` (unknown: assume so,
+        since a canary left running would serve an unjudged candidate)."""
+        try:
+            running = (self.proxy.status().get("canaries") or {}).get(self.config.alias)
+        except Exception:
+            log.exception("canary_status_failed", version=name)
+            return True
+        return bool(running) and running.get("target") == name
+
+    def _abandon_canary(self, name: str, incumbent: str, reason: str, end: bool = True) -> None:
+        """End a canary that has no decision: rollback at the proxy (`end`: only when the
+        running canary is ours), unload, audit."""
         payload: dict[str, Any] = {"version": name, "stable": incumbent, "reason": reason}
-        failed = self._end_canary_rollback(name, reason)
+        failed = self._end_canary_rollback(name, reason, end=end)
         if failed:
             payload["cleanup_failed"] = failed
         self.audit.append(ACTOR, "canary_rolled_back", payload)
         log.warning("canary_rolled_back", version=name, stable=incumbent, reason=reason)
 
-    def _end_canary_rollback(self, name: str, reason: str) -> list[str]:
-        """End the canary with a rollback and unload the candidate; each step runs even if
-        the other fails, and a failure is logged and returned (for the audit)."""
+    def _end_canary_rollback(self, name: str, reason: str, end: bool = True) -> list[str]:
+        """End the canary with a rollback (unless `end` is false) and unload the candidate;
+        each step runs even if the other fails, and a failure is logged and returned (for
+        the audit)."""
         failed: list[str] = []
         try:
-            self.proxy.end_canary(self.config.alias, "rollback", reason)
+            if end:
+                self.proxy.end_canary(self.config.alias, "rollback", reason)
         except Exception as exc:
             log.exception("canary_end_failed", version=name, alias=self.config.alias)
             failed.append(f"end_canary: {exc!r}")

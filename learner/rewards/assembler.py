@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from learner.config import RewardConfig
+from learner.objective import group_key
 from learner.rewards.feedback import feedback_reward
 from learner.rewards.judge import Judge
 from learner.rewards.verifiers import VerifierRunner
@@ -73,8 +74,13 @@ class RewardAssembler:
                     if verified is not None:
                         rewarded.parts["verifiers"] = verified
                 if self.judge is not None and weights.judge > 0:
-                    key = trajectory.get("group_id") or trajectory.get("trajectory_id", "")
-                    judge_groups.setdefault(str(key), []).append(rewarded)
+                    # The objective's groups: a tenant's group id, else the record's choices.
+                    key = (
+                        group_key(trajectory)
+                        if trajectory.get("group_id")
+                        else f"t:{trajectory.get('trajectory_id', '')}"
+                    )
+                    judge_groups.setdefault(key, []).append(rewarded)
                 out.append(rewarded)
         for group in judge_groups.values():
             self._judge_group(group)

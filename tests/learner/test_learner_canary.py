@@ -249,3 +249,65 @@ def test_a_failing_verdict_rolls_back_and_a_failing_cleanup_is_audited(
     name, payload = audit.events[-1]
     assert name == "canary_rolled_back"
     assert payload["cleanup_failed"][0].startswith("end_canary: PromotionError")
+
+
+class OperatorPromotesProxy(FakeProxy):
+    """An operator ends the running canary with `promote` (or flips the alias to its target)
+    between two polls: the alias then serves the candidate and no canary runs."""
+
+    def __init__(self) -> None:
+        super().__init__(fail_on=set())
+        self.alias = "base"
+
+    def status(self) -> dict:
+        status = super().status()
+        if self.canary is not None and self.calls >= 3:
+            self.alias, self.canary = self.canary["target"], None
+            status["canaries"] = {}
+        status["aliases"] = {"policy": self.alias}
+        return status
+
+
+def test_a_canary_promoted_by_the_operator_stays_loaded(tmp_path: Path):
+    proxy = OperatorPromotesProxy()
+    outcome, audit, replicas = run_canary(tmp_path, proxy, min_samples=1000)
+    assert proxy.alias == "policy-v1"  # the operator's promotion went through
+    # The alias now serves the candidate: unloading it would break every request on it.
+    assert replicas.loaded == {"policy-v1"}
+    assert outcome.decision == "promoted" and proxy.ended == []
+    assert audit.names()[-1] == "canary_promoted_by_operator"
+
+
+class BusyProxy(FakeProxy):
+    """An operator's own canary already runs on the alias: the proxy refuses another (409)."""
+
+    def __init__(self) -> None:
+        super().__init__(fail_on=set())
+        self.canary = {"target": "policy-v7", "share": 0.5}
+
+    def start_canary(self, alias: str, target: str, share: float) -> dict:
+        raise PromotionError("proxy POST /admin/canary → 409: canary_running")
+
+
+def test_a_canary_that_could_not_start_leaves_the_running_one_alone(tmp_path: Path):
+    proxy = BusyProxy()
+    outcome, audit, replicas = run_canary(tmp_path, proxy)
+    assert outcome.decision == "canary_rolled_back" and "409" in outcome.reason
+    # Only our candidate is dropped; the operator's canary keeps running.
+    assert proxy.ended == [] and proxy.canary == {"target": "policy-v7", "share": 0.5}
+    assert not replicas.loaded
+    name, payload = audit.events[-1]
+    assert name == "canary_rolled_back" and "cleanup_failed" not in payload
+
+
+def test_a_canary_started_despite_a_lost_reply_is_rolled_back(tmp_path: Path):
+    class LostReplyProxy(FakeProxy):
+        def start_canary(self, alias: str, target: str, share: float) -> dict:
+            super().start_canary(alias, target, share)
+            raise httpx.ReadTimeout("timed out")  # the proxy started it; the reply was lost
+
+    proxy = LostReplyProxy(fail_on=set())
+    outcome, _, replicas = run_canary(tmp_path, proxy)
+    assert outcome.decision == "canary_rolled_back" and "canary start failed" in outcome.reason
+    assert proxy.ended == [("rollback", outcome.reason)] and proxy.canary is None
+    assert not replicas.loaded

@@ -64,13 +64,13 @@ def test_tenant_and_user_caps_exact_counts() -> None:
     kept, counts = apply_share_caps(samples, caps)
     assert counts == {"capped": 4}
     assert [s.key for s in kept] == [f"t{i}:0" for i in (0, 1, 2, 7, 8, 9)]
-    # One tenant; users u1 6, u2 2, unknown 2. A 0.3 user share is below an equal split of
-    # the two known users, so it is raised to 0.5: u1 keeps 2; unknown users are not capped.
+    # One tenant; users u1 6, u2 2, unknown 2 (each a user of its own: four groups, so 0.3
+    # stands). u1 and u2 keep 1 each: 2 of 4 kept would be 0.5, over 0.3; unknown are kept.
     users = ["u1"] * 6 + ["u2"] * 2 + [None] * 2
     samples = [make_sample(i, user=u) for i, u in enumerate(users)]
     kept, counts = apply_share_caps(samples, CapsConfig(max_user_share=0.3))
-    assert counts == {"capped": 4}
-    assert sum(s.user == "u1" for s in kept) == 2 and sum(s.user is None for s in kept) == 2
+    assert counts == {"capped": 6}
+    assert [s.user for s in kept] == ["u1", "u2", None, None]
     # The same user name under two tenants is two users.
     samples = [make_sample(i, tenant=t, user="u") for i, t in enumerate("AAAB")]
     kept, counts = apply_share_caps(samples, CapsConfig(max_tenant_share=None, max_user_share=0.5))
@@ -222,3 +222,45 @@ def test_ppo_clip_and_kl() -> None:
     )
     loss2.backward()
     assert float(stats2["kl_sum"]) > 0 and float(logp2.grad) > 0
+
+
+def test_group_ids_of_different_tenants_are_different_groups() -> None:
+    # X-OLP-Group-Id is the client's own label, copied verbatim: two tenants running the same
+    # harness reuse the same ids for different prompts, and must not share a GRPO group.
+    def record(tenant: str) -> dict:
+        return {
+            "trajectory_id": f"t-{tenant}",
+            "tenant": tenant,
+            "policy_version": "base",
+            "group_id": "task-1",
+            "prompt_token_ids": [1, 2],
+            "choices": [{"index": i, "token_ids": [5], "logprobs": [-0.1]} for i in range(2)],
+        }
+
+    a, b = record("A"), record("B")
+    rewarded = [
+        RewardedChoice(a, 0, 1.0),
+        RewardedChoice(a, 1, 0.0),
+        RewardedChoice(b, 0, 0.2),
+        RewardedChoice(b, 1, 0.2),
+    ]
+    samples, _ = samples_from_rewarded(rewarded)
+    assert samples[0].group == samples[1].group != samples[2].group == samples[3].group
+    kept, counts = assign_advantages(samples, RunningBaseline(decay=0.9))
+    # A's group: ±1; B's group has equal rewards, so it is dropped (not mixed with A's).
+    assert [(s.tenant, round(s.advantage, 4)) for s in kept] == [("A", 1.0), ("A", -1.0)]
+    assert counts["zero_advantage_groups"] == 1 and counts["grouped"] == 2
+
+
+def test_ppo_gradient_stays_finite_when_the_ratio_overflows() -> None:
+    # A sample far off-policy: log ρ = 98 overflows float32's exp. Beyond both clip bounds
+    # the token has no gradient (A>0: clipped at 1+ε; A<0: dual clip at C·A), and 0·∞ must
+    # not turn that into NaN, which would fail the step and, retried, every restart.
+    for adv, expected_value in ((1.0, -(1.0 + 1.2)), (-1.0, 1.0 + 2.0)):
+        logp = torch.tensor([[-1.0, -2.0]], requires_grad=True)
+        mu = torch.tensor([[-1.0, -100.0]])
+        advantages = torch.tensor([[adv, adv]])
+        loss, _ = policy_loss(logp, mu, None, advantages, torch.ones(1, 2), 2.0, 0.2, 0.0, 1.0)
+        loss.backward()
+        assert math.isclose(float(loss.detach()), expected_value, rel_tol=1e-6)
+        assert torch.allclose(logp.grad, torch.tensor([[-adv, 0.0]]))

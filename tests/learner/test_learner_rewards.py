@@ -13,7 +13,7 @@ import pytest
 from learner.config import FeedbackValues, JudgeConfig, RewardConfig, VerifierSpec
 from learner.rewards.assembler import RewardAssembler
 from learner.rewards.feedback import FeedbackError, feedback_reward, feedback_value
-from learner.rewards.judge import Judge
+from learner.rewards.judge import Judge, JudgeVerdict
 from learner.rewards.verifiers import (
     VerifierRunner,
     exact_match,
@@ -254,6 +254,26 @@ def test_assembler_weights_and_no_reward_counted() -> None:
     assert out[0].reward == pytest.approx(0.375)
     assert out[1].reward is None
     assert dict(assembler.counts) == {"rewarded": 1, "no_reward": 1, "untrainable": 1}
+
+
+def test_judge_groups_are_the_objective_groups_per_tenant() -> None:
+    class RecordingJudge:
+        def __init__(self) -> None:
+            self.groups: list[list[str]] = []
+
+        def score_group(self, trajectory: dict[str, Any], choices: list[dict[str, Any]]) -> list:
+            self.groups.append([str(c["message"]["content"]) for c in choices])
+            return [JudgeVerdict(score=0.5) for _ in choices]
+
+    judge = RecordingJudge()
+    assembler = RewardAssembler(RewardConfig(), judge=judge)  # type: ignore[arg-type]
+    items = [
+        {"trajectory": record(text, tenant=tenant, trajectory_id=text, group_id="g1")}
+        for text, tenant in (("a1", "A"), ("a2", "A"), ("b1", "B"))
+    ]
+    assembler.assemble(items)
+    # Tenant B's reply is never ranked against tenant A's prompt and replies.
+    assert sorted(judge.groups) == [["a1", "a2"], ["b1"]]
 
 
 @pytest.fixture

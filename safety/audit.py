@@ -235,7 +235,9 @@ class AuditLog:
         between its line and its head)."""
         head = head_path(self.path)
         if not head.exists():
-            if last is not None:
+            # No head yet and only seq 1 on disk: the very first append stopped between its
+            # line and its head (the head is "seq 0", one record behind).
+            if last is not None and not _first_record(last):
                 raise AuditError(
                     f"{head} is missing but the log holds records; refusing to extend it; "
                     "run `olp audit verify`"
@@ -339,13 +341,45 @@ def iter_records(path_or_dir: str | os.PathLike[str]) -> Iterator[dict]:
             raise AuditError(f"{file}:{number} is not valid JSON") from exc
 
 
+@contextlib.contextmanager
+def _shared_lock(live: Path) -> Iterator[None]:
+    """Hold the writers' lock shared while reading, where a writer has created one.
+
+    Without it an append or a rotation between reading the lines and reading the head looks
+    like deleted records. A log no writer ever locked (a copy, read-only media) is read as is.
+    """
+    try:
+        fd = os.open(live.with_name(live.name + ".lock"), os.O_RDONLY)
+    except OSError:
+        yield
+        return
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH)
+        yield
+    finally:
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        os.close(fd)
+
+
 def verify(path_or_dir: str | os.PathLike[str]) -> VerifyResult:
     """Check the whole chain; name the first seq at which it breaks.
 
     Detects an edited line (hash mismatch), a deleted line (seq gap or head mismatch), an
     inserted line (seq/prev_hash out of order) and reordered lines.
+
+    A check that fails is read again under the writers' lock: an append or a rotation
+    while it read may have caused it. Only then do appends wait for it (the proxy appends
+    on its event loop, so a lock held for every check would stall requests on a long log).
     """
     live = resolve_live_path(path_or_dir)
+    result = _verify_unlocked(live)
+    if result.ok:
+        return result
+    with _shared_lock(live):
+        return _verify_unlocked(live)
+
+
+def _verify_unlocked(live: Path) -> VerifyResult:
     files = chain_files(live)
     result = VerifyResult(ok=True, files=[str(f) for f in files])
     expected_seq = 1
@@ -410,9 +444,16 @@ def verify(path_or_dir: str | os.PathLike[str]) -> VerifyResult:
             f"chain ends at seq {last_seq} but the head records seq {head_seq}: "
             "records were deleted or the head was edited"
         )
+    if result.records == 1 and last_seq == 1:
+        result.reason = "head file missing after the first record (interrupted append)"
+        return result
     if result.records:
         return fail(f"{head.name} is missing")
     return result
+
+
+def _first_record(record: Mapping[str, Any]) -> bool:
+    return record.get("seq") == 1 and record.get("prev_hash") == GENESIS_HASH
 
 
 def _hash_at(files: list[Path], seq: int) -> str | None:

@@ -51,6 +51,12 @@ def _group_limit(counts: Counter[Hashable], share: float | None, absolute: int |
     return best
 
 
+def _group_of(key_of: Callable[[Any], Hashable | None], item: Any, index: int) -> Hashable:
+    """The item's group; an item without one (no user) is a group of its own."""
+    key = key_of(item)
+    return ("item", index) if key is None else key
+
+
 def _round_robin_order(
     batch: Sequence[T],
     tenant_of: Callable[[T], Hashable],
@@ -76,8 +82,12 @@ def apply_contribution_caps(
 ) -> CapResult[T]:
     """Keep at most each tenant's and each user's capped share of the batch.
 
-    Items whose user is None are only subject to the tenant cap. Caps are re-applied until
-    stable, since dropping one tenant's excess raises every other group's share."""
+    An item whose user is None counts as a user of its own (one item, never over a cap), so
+    it is part of the batch every user's share is measured against: otherwise one tagged
+    user among anonymous traffic would be the only "user" and keep all its items, and a
+    small tagged user would be cut to an equal split with the other tagged ones. Caps are
+    re-applied until stable, since dropping one tenant's excess raises every other group's
+    share."""
     keep = [True] * len(batch)
     # Within a tenant, the kept items are spread round-robin over its users, so capping a
     # tenant does not wipe out its small users (which would shrink the batch further).
@@ -90,14 +100,13 @@ def apply_contribution_caps(
         ):
             counts: Counter[Hashable] = Counter()
             for index, item in enumerate(batch):
-                key = key_of(item)
-                if keep[index] and key is not None:
-                    counts[key] += 1
+                if keep[index]:
+                    counts[_group_of(key_of, item, index)] += 1
             limit = _group_limit(counts, share, absolute)
             seen: Counter[Hashable] = Counter()
             for index in visit:
                 key = key_of(batch[index])
-                if not keep[index] or key is None:
+                if not keep[index] or key is None:  # a group of one is never over a limit
                     continue
                 seen[key] += 1
                 if seen[key] > limit:

@@ -68,6 +68,8 @@ class _Kind:
 # Card and phone numbers that pass their validators hold at least 8 digits, written with
 # only digits, spaces, dots, dashes, parentheses and `+` between the first and last digit.
 _DIGIT_RUN = r"\d[\d .()+-]{6,}\d"
+_AWS_KEY_ID = r"(?:AKIA|ASIA|ABIA|ACCA|AROA|AIDA)[0-9A-Z]{16}"
+_AWS_SECRET = r"[A-Za-z0-9/+]{40}(?![A-Za-z0-9/+=])"
 _BUILTIN: dict[str, _Kind] = {
     k.name: k
     for k in (
@@ -95,8 +97,15 @@ _BUILTIN: dict[str, _Kind] = {
         ),
         _Kind(
             "aws_access_key",
-            r"\b(?:AKIA|ASIA|ABIA|ACCA|AROA|AIDA)[0-9A-Z]{16}\b",
-            needles=("AKIA", "ASIA", "ABIA", "ACCA", "AROA", "AIDA"),
+            # The key id, and its 40-character secret where it is recognisable: right after
+            # the id (the IAM credentials CSV) or after a `secret access key` name (the
+            # credentials file, env vars, boto3 arguments, STS JSON). The id alone is not
+            # the credential; leaving the secret next to it would leak the part that is.
+            rf"\b{_AWS_KEY_ID}\b"
+            rf"|(?<=\b{_AWS_KEY_ID}[ \t,;:|]){_AWS_SECRET}"
+            r"|(?i:aws[_-]?secret[_-]?key|secret[_-]?access[_-]?key)(?:\\?[\"'])?[ \t]*"
+            rf"(?:=>|[:=])[ \t]*(?:\\?[\"'])?(?P<secret>{_AWS_SECRET})",
+            needle_regex=r"A(?:KIA|SIA|BIA|CCA|ROA|IDA)|(?i:secret[_-]?(?:access|key))",
         ),
         _Kind(
             "github_token",
@@ -124,7 +133,11 @@ _BUILTIN: dict[str, _Kind] = {
         ),
         _Kind(
             "url_password",  # scheme://user:password@host keeps all but the password
-            r"\b[A-Za-z][A-Za-z0-9+.-]*://[^/\s:@]*:(?P<secret>[^/\s@]+)@",
+            # The password runs to the authority's last `@` (as urllib reads it), so an
+            # unescaped `P@ssw0rd` goes whole; the extra `@` parts stop at quotes and brackets
+            # so a URL does not reach into the next JSON string.
+            r"\b[A-Za-z][A-Za-z0-9+.-]*://[^/\s:@]*:"
+            r"(?P<secret>[^/\s@]+(?:@[^/\s@\"'<>]+)*)@",
             needles=("://",),
         ),
         _Kind(

@@ -8,7 +8,14 @@ import re
 from pathlib import Path
 from typing import Any, Literal, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from safety.config import PROBE_DIR
 from safety.gates.types import GateError
@@ -40,6 +47,16 @@ class Check(BaseModel):
         if value is not None:
             re.compile(value)
         return value
+
+    @model_validator(mode="after")
+    def _has_what_it_checks(self) -> Check:
+        # A regex check without a pattern matches every answer and one without values
+        # matches none: the probe would count, yet could never tell two adapters apart.
+        if self.type == "regex" and not self.pattern:
+            raise ValueError("a 'regex' check needs a non-empty 'pattern'")
+        if self.type == "contains_any" and not any(self.values):
+            raise ValueError("a 'contains_any' check needs non-empty 'values'")
+        return self
 
     def passes(self, text: str) -> bool:
         if self.type == "contains_any":

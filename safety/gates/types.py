@@ -38,11 +38,15 @@ class GateResult:
         comparison: Comparison,
         details: dict[str, Any],
     ) -> GateResult:
+        # Compared as recorded: thresholds are sums of rates (0.8 - 0.1 - 0.1 is
+        # 0.6000000000000001), and a metric exactly at its threshold must pass, not show
+        # `0.6 >= 0.6: fail` in the report.
+        metric, threshold = round(metric, 6), round(threshold, 6)
         ok = metric <= threshold if comparison == "<=" else metric >= threshold
         return cls(
             name=name,
-            metric=round(metric, 6),
-            threshold=round(threshold, 6),
+            metric=metric,
+            threshold=threshold,
             verdict="pass" if ok else "fail",
             details=details,
             comparison=comparison,

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import itertools
 import json
+import os
 import subprocess
 import sys
 import textwrap
@@ -17,6 +19,7 @@ from safety.audit import (
     GENESIS_HASH,
     AuditError,
     AuditLog,
+    VerifyResult,
     canonical_json,
     format_record,
     iter_records,
@@ -174,6 +177,21 @@ def test_an_interrupted_append_one_record_ahead_of_the_head_is_extended(tmp_path
     assert verify(path).ok
 
 
+def test_a_crash_between_the_first_line_and_its_head_is_not_tampering(tmp_path: Path) -> None:
+    # The first append writes seq 1, then the head; a crash in between leaves no head yet
+    # (the "one record behind" case of a new log), which must neither brick the log nor
+    # be reported as tampering.
+    path = tmp_path / "audit.jsonl"
+    _write_log(path, 1)
+    head = path.with_name("audit.jsonl.head")
+    head.unlink()
+    result = verify(path)
+    assert (result.ok, result.records) == (True, 1), result.reason
+    assert "interrupted" in result.reason
+    assert AuditLog(path).append("operator", "freeze")["seq"] == 2
+    assert verify(path).ok and head.exists()
+
+
 def test_a_line_that_is_not_canonical_fails(tmp_path: Path) -> None:
     path = tmp_path / "audit.jsonl"
     _write_log(path, 2)
@@ -285,6 +303,47 @@ def test_two_processes_appending_keep_a_valid_chain(tmp_path: Path) -> None:
     assert (result.ok, result.records) == (True, 120), result.reason
     actors = [r["actor"] for r in iter_records(path)]
     assert actors.count("proxy") == actors.count("learner") == 60
+
+
+def test_verify_is_not_fooled_by_an_append_while_it_reads(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # `olp audit verify` runs while the proxy and the learner append. An append (or a
+    # rotation) between reading the lines and reading the head must not look like deleted
+    # records: a failed check is read again under the writers' lock.
+    import safety.audit as audit_module
+
+    path = tmp_path / "audit.jsonl"
+    _write_log(path, 3)
+    real_iter_lines = audit_module._iter_lines
+    appended: list[dict] = []
+
+    def iter_lines_then_append(files: list[Path]):  # type: ignore[no-untyped-def]
+        yield from real_iter_lines(files)
+        if not appended:  # once, between the first read's lines and its head
+            appended.append(AuditLog(path).append("proxy", "late"))
+
+    monkeypatch.setattr(audit_module, "_iter_lines", iter_lines_then_append)
+    result = verify(path)
+    assert appended and (result.ok, result.records) == (True, 4), result.reason
+
+
+def test_a_sound_log_is_verified_without_waiting_for_writers(tmp_path: Path) -> None:
+    # The proxy appends on its event loop: a verify of a sound log must not take the lock
+    # (a writer holding it must not delay the check, nor the check the writer).
+    path = tmp_path / "audit.jsonl"
+    _write_log(path, 3)
+    fd = os.open(path.with_name("audit.jsonl.lock"), os.O_RDWR | os.O_CREAT)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        done: list[VerifyResult] = []
+        checker = threading.Thread(target=lambda: done.append(verify(path)))
+        checker.start()
+        checker.join(timeout=10)
+        assert done and done[0].ok and done[0].records == 3
+    finally:
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        os.close(fd)
 
 
 def test_format_record_is_one_readable_line(tmp_path: Path) -> None:

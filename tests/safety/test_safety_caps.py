@@ -34,6 +34,21 @@ def test_user_cap_applies_within_and_across_tenants() -> None:
     assert users[None] == 10  # no user id: only the tenant cap applies
 
 
+def test_anonymous_items_count_in_every_users_share() -> None:
+    # One tagged user among anonymous traffic: before, it was the only "user" and kept all
+    # 50 (half the batch, against a 0.25 cap).
+    batch = _batch([("a", "evil", 50), ("a", None, 50)])
+    kept = apply_contribution_caps(batch, CapsConfig(max_user_share=0.25)).kept
+    users = Counter(item["user"] for item in kept)
+    assert users == {"evil": 16, None: 50}
+    assert users["evil"] / len(kept) <= 0.25
+    # A small tagged user (10 %) keeps everything: before, it was cut to an equal split
+    # with the only other tagged user (2 of its 10).
+    batch = _batch([("a", "u1", 10), ("a", "u2", 2), ("a", None, 88)])
+    kept = apply_contribution_caps(batch, CapsConfig(max_user_share=0.25)).kept
+    assert len(kept) == 100
+
+
 def test_both_caps_reach_a_fixed_point() -> None:
     batch = _batch([("a", "u1", 50), ("a", "u2", 10), ("b", "u3", 10), ("c", "u4", 10)])
     config = CapsConfig(max_tenant_share=0.4, max_user_share=0.3)

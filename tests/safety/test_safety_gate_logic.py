@@ -59,6 +59,24 @@ def test_bad_probe_file_names_its_line(tmp_path: Path) -> None:
         load_probes(path, KLPrompt)
 
 
+@pytest.mark.parametrize(
+    "check",
+    [
+        {"type": "regex"},  # would match every answer: a probe that always passes
+        {"type": "regex", "values": ["^42$"]},  # the pattern given in the wrong field
+        {"type": "contains_any", "values": []},  # would never pass
+        {"type": "contains_any", "pattern": "42"},
+    ],
+)
+def test_a_regression_check_without_its_pattern_or_values_is_a_bad_line(
+    tmp_path: Path, check: dict
+) -> None:
+    path = tmp_path / "extra.jsonl"
+    path.write_text(json.dumps({"id": "p", "prompt": "6 * 7?", "check": check}) + "\n")
+    with pytest.raises(GateError, match=r"extra.jsonl:1: invalid RegressionProbe"):
+        load_probes(path, RegressionProbe)
+
+
 def test_operator_probes_come_first_and_max_probes_truncates(tmp_path: Path) -> None:
     extra = tmp_path / "mine.jsonl"
     probe = {
@@ -129,6 +147,41 @@ def test_gate_result_compare_and_report_serialise() -> None:
         "comparison": ">=",
     }
     assert data["results"][2]["metric"] is None
+
+
+async def test_a_metric_exactly_at_its_threshold_passes(tmp_path: Path) -> None:
+    # 10 probes, incumbent 8 right, candidate 6: 0.6 >= 0.8 - 0.1 - 0.1 passes as documented,
+    # though the float threshold comes out as 0.6000000000000001.
+    from safety.config import RegressionGateConfig, SamplingConfig
+    from safety.gates.client import Completion
+    from safety.gates.context import SuiteContext
+    from safety.gates.regression import regression_gate
+
+    probes = tmp_path / "ten.jsonl"
+    probes.write_text(
+        "".join(
+            json.dumps(
+                {"id": f"p{k}", "prompt": f"q{k}", "check": {"type": "regex", "pattern": "^yes"}}
+            )
+            + "\n"
+            for k in range(10)
+        )
+    )
+    right = {"candidate": 6, "incumbent": 8}
+
+    class Client:
+        async def chat(self, model: str, messages: list[dict], **_: object) -> Completion:
+            k = int(messages[0]["content"][1:])
+            text = "yes" if k < right[model] else "no"
+            return Completion(text, [1], None, [1], "stop")
+
+    ctx = SuiteContext(Client(), SamplingConfig(), "candidate", "incumbent", "base")  # type: ignore[arg-type]
+    config = RegressionGateConfig(use_builtin=False, probe_files=[probes], max_probes=10)
+    result = await regression_gate(ctx, config)
+    assert (result.metric, result.threshold, result.verdict) == (0.6, 0.6, "pass")
+    # The same for an absolute drift exactly at its band: |0.9 - 0.6| <= 0.3.
+    assert GateResult.compare("monitor.refusal", abs(0.9 - 0.6), 0.3, "<=", {}).passed
+    assert not GateResult.compare("monitor.refusal", 0.31, 0.3, "<=", {}).passed
 
 
 async def test_rule_classifier() -> None:

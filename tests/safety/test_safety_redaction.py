@@ -143,6 +143,66 @@ def test_only_the_secret_part_of_a_url_or_header_is_replaced() -> None:
     )
 
 
+def test_a_url_password_holding_an_at_sign_is_redacted_whole() -> None:
+    # `P@ssw0rd` unescaped in a connection string: the userinfo ends at the last `@` of the
+    # authority (as urllib reads it), so no tail of the password is left behind.
+    redactor = Redactor()
+    assert redactor.redact_text("DATABASE_URL=postgres://admin:P@ssw0rd@db:5432/app") == (
+        "DATABASE_URL=postgres://admin:[REDACTED:url_password]@db:5432/app",
+        {"url_password": 1},
+    )
+    assert redactor.redact_text('{"a":"redis://:p@ss@cache:6379/0","b":"x@y"}') == (
+        '{"a":"redis://:[REDACTED:url_password]@cache:6379/0","b":"x@y"}',
+        {"url_password": 1},
+    )
+
+
+AWS_SECRET = "wJalrXUtnFEMI/K7MDENG/bPxRfiCYEXAMPLEKEY"
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        (
+            "[default]\naws_access_key_id = AKIAIOSFODNN7EXAMPLE\n"
+            f"aws_secret_access_key = {AWS_SECRET}",
+            "[default]\naws_access_key_id = [REDACTED:aws_access_key]\n"
+            "aws_secret_access_key = [REDACTED:aws_access_key]",
+        ),
+        (
+            f"export AWS_SECRET_ACCESS_KEY={AWS_SECRET}",
+            "export AWS_SECRET_ACCESS_KEY=[REDACTED:aws_access_key]",
+        ),
+        (
+            f'{{"AccessKeyId": "ASIAIOSFODNN7EXAMPLE", "SecretAccessKey": "{AWS_SECRET}"}}',
+            '{"AccessKeyId": "[REDACTED:aws_access_key]", '
+            '"SecretAccessKey": "[REDACTED:aws_access_key]"}',
+        ),
+        (
+            f"boto3.client('s3', aws_secret_access_key='{AWS_SECRET}')",
+            "boto3.client('s3', aws_secret_access_key='[REDACTED:aws_access_key]')",
+        ),
+        # The IAM console's credentials CSV: the secret right after its key id.
+        (
+            f"Access key ID,Secret access key\nAKIAIOSFODNN7EXAMPLE,{AWS_SECRET}\n",
+            "Access key ID,Secret access key\n"
+            "[REDACTED:aws_access_key],[REDACTED:aws_access_key]\n",
+        ),
+    ],
+)
+def test_aws_secret_access_keys_are_redacted_with_their_key_ids(text: str, expected: str) -> None:
+    # The key id alone is not the credential: the 40-character secret next to it is.
+    redacted, counts = Redactor().redact_text(text)
+    assert AWS_SECRET not in redacted
+    assert redacted == expected
+    assert set(counts) == {"aws_access_key"}
+
+
+def test_aws_secret_labels_without_a_secret_stay() -> None:
+    text = 'secret = os.environ["AWS_SECRET_ACCESS_KEY"]  # AKIA ids are 20 chars'
+    assert Redactor().redact_text(text) == (text, {})
+
+
 def test_dict_keys_are_redacted_too() -> None:
     redacted, counts = Redactor().redact_obj({"allow": {"bob@example.com": True, "n": 1}})
     assert redacted == {"allow": {"[REDACTED:email]": True, "n": 1}}

@@ -141,6 +141,37 @@ static int cut_line(const char *line, const char *end, Out *out, int logprobs, i
     return out->ok;
 }
 
+/* `_additions_gone` on [from, to): every key the proxy added is now null. */
+static int additions_gone(const char *from, const char *to, int logprobs, int token_ids) {
+    return (!logprobs || count(from, to, LOGPROBS_ANY) == count(from, to, LOGPROBS_NULLED)) &&
+           (!token_ids || count(from, to, IDS_ANY) == count(from, to, IDS_NULLED));
+}
+
+/* A new output of `len + len / 4 + 16` bytes: a cut replaces at least 14 bytes
+ * (`,"logprobs":{}` or `token_ids":[]`) and writes at most 2 more than it removes, so
+ * len + len / 7 always fits; `put` checks anyway. NULL (an exception set) on no memory. */
+static PyObject *new_output(Py_ssize_t len, Out *out) {
+    Py_ssize_t capacity = len + len / 4 + 16;
+    PyObject *result = PyBytes_FromStringAndSize(NULL, capacity);
+    if (result != NULL) {
+        char *first = PyBytes_AS_STRING(result);
+        *out = (Out){first, first + capacity, 1};
+    }
+    return result;
+}
+
+/* The written part of `result`, or None when the cut was not provable. */
+static PyObject *finish_output(PyObject *result, const Out *out, int provable) {
+    if (!provable || !out->ok) {
+        Py_DECREF(result);
+        Py_RETURN_NONE;
+    }
+    if (_PyBytes_Resize(&result, out->at - PyBytes_AS_STRING(result)) < 0) {
+        return NULL;
+    }
+    return result;
+}
+
 /* The per-event check of `strip_sse`: the event keeps something the client sees. */
 static int visible(const char *line, const char *end, int chat) {
     if (contains(line, end, FINISHED)) {
@@ -169,16 +200,12 @@ static PyObject *strip_events(PyObject *Py_UNUSED(module), PyObject *args) {
     }
     const char *start = block.buf;
     const char *end = start + block.len;
-    /* A cut replaces at least 14 bytes (`,"logprobs":{}` or `token_ids":[]`) and writes at
-     * most 2 more than it removes, so len + len / 7 always fits; `put` checks anyway. */
-    Py_ssize_t capacity = block.len + block.len / 4 + 16;
-    PyObject *result = PyBytes_FromStringAndSize(NULL, capacity);
+    Out out;
+    PyObject *result = new_output(block.len, &out);
     if (result == NULL) {
         PyBuffer_Release(&block);
         return NULL;
     }
-    char *first = PyBytes_AS_STRING(result);
-    Out out = {first, first + capacity, 1};
     int provable = block.len > 0;
     const char *line = start;
     while (provable && line < end) {
@@ -195,23 +222,14 @@ static PyObject *strip_events(PyObject *Py_UNUSED(module), PyObject *args) {
             break;
         }
         const char *cut_end = out.at;
-        provable = (!logprobs || count(cut, cut_end, LOGPROBS_ANY) ==
-                                     count(cut, cut_end, LOGPROBS_NULLED)) &&
-                   (!token_ids || count(cut, cut_end, IDS_ANY) == count(cut, cut_end, IDS_NULLED)) &&
+        provable = additions_gone(cut, cut_end, logprobs, token_ids) &&
                    visible(cut, cut_end, chat);
         put(&out, "\n\n", 2);
         provable = provable && out.ok;
         line = line_end + 2;
     }
     PyBuffer_Release(&block);
-    if (!provable) {
-        Py_DECREF(result);
-        Py_RETURN_NONE;
-    }
-    if (_PyBytes_Resize(&result, out.at - first) < 0) {
-        return NULL;
-    }
-    return result;
+    return finish_output(result, &out, provable);
 }
 
 /* `strip_bytes(plan, data, whole=True)`: a non-streamed response, cut and checked like one
@@ -224,27 +242,17 @@ static PyObject *strip_whole(PyObject *Py_UNUSED(module), PyObject *args) {
     }
     const char *start = data.buf;
     const char *end = start + data.len;
-    Py_ssize_t capacity = data.len + data.len / 4 + 16; /* as in strip_events */
-    PyObject *result = PyBytes_FromStringAndSize(NULL, capacity);
+    Out out;
+    PyObject *result = new_output(data.len, &out);
     if (result == NULL) {
         PyBuffer_Release(&data);
         return NULL;
     }
-    char *first = PyBytes_AS_STRING(result);
-    Out out = {first, first + capacity, 1};
+    const char *first = out.at;
     int provable = cut_line(start, end, &out, logprobs, token_ids) &&
-                   (!logprobs || count(first, out.at, LOGPROBS_ANY) ==
-                                     count(first, out.at, LOGPROBS_NULLED)) &&
-                   (!token_ids || count(first, out.at, IDS_ANY) == count(first, out.at, IDS_NULLED));
+                   additions_gone(first, out.at, logprobs, token_ids);
     PyBuffer_Release(&data);
-    if (!provable) {
-        Py_DECREF(result);
-        Py_RETURN_NONE;
-    }
-    if (_PyBytes_Resize(&result, out.at - first) < 0) {
-        return NULL;
-    }
-    return result;
+    return finish_output(result, &out, provable);
 }
 
 static PyMethodDef methods[] = {

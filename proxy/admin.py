@@ -151,19 +151,22 @@ async def set_alias(request: web.Request) -> web.Response:
                 type_="conflict",
                 code="frozen",
             )
-        await _check_served(ctx, target)
-        ended = _ended_canary(ctx, alias)
-        previous = ctx.aliases.set(alias, target)
-        ctx.state.record("flip", actor, alias=alias, target=target, previous=previous)
-        payload = {"alias": alias, "target": target, "previous": previous}
-        _commit(ctx, actor, "alias_set", payload | ({"ended_canary": ended} if ended else {}))
+        return await _point_alias(ctx, actor, alias, target, "flip", "alias_set")
+
+
+async def _point_alias(
+    ctx: ProxyContext, actor: str, alias: str, target: str, kind: str, event: str
+) -> web.Response:
+    """A flip or rollback (under the admin lock): the target must be served; a canary on
+    the alias ends; the change is recorded and audited."""
+    await _check_served(ctx, target)
+    ended = _ended_canary(ctx, alias)
+    previous = ctx.aliases.set(alias, target)
+    ctx.state.record(kind, actor, alias=alias, target=target, previous=previous)
+    payload = {"alias": alias, "target": target, "previous": previous}
+    _commit(ctx, actor, event, payload | ({"ended_canary": ended} if ended else {}))
     return web.json_response(
-        {
-            "alias": alias,
-            "target": target,
-            "previous": previous,
-            "serving_version": ctx.aliases.resolve(ctx.config.policy_alias),
-        }
+        payload | {"serving_version": ctx.aliases.resolve(ctx.config.policy_alias)}
     )
 
 
@@ -209,20 +212,7 @@ async def rollback(request: web.Request) -> web.Response:
             target = _rollback_target(ctx, alias, current)
         elif not isinstance(target, str) or not _VERSION.match(target):
             raise bad_request("'to' must be 'base' or 'policy-v<N>'.", param="to")
-        await _check_served(ctx, target)
-        ended = _ended_canary(ctx, alias)
-        ctx.aliases.set(alias, target)
-        ctx.state.record("rollback", actor, alias=alias, target=target, previous=current)
-        payload = {"alias": alias, "target": target, "previous": current}
-        _commit(ctx, actor, "rollback", payload | ({"ended_canary": ended} if ended else {}))
-        return web.json_response(
-            {
-                "alias": alias,
-                "target": target,
-                "previous": current,
-                "serving_version": ctx.aliases.resolve(ctx.config.policy_alias),
-            }
-        )
+        return await _point_alias(ctx, actor, alias, target, "rollback", "rollback")
 
 
 def _share(value: Any) -> float:

@@ -198,13 +198,8 @@ class AuditLog:
 
     @contextlib.contextmanager
     def _locked(self) -> Iterator[None]:
-        fd = os.open(self._lock_path, os.O_RDWR | os.O_CREAT, 0o600)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX)
+        with _flocked(os.open(self._lock_path, os.O_RDWR | os.O_CREAT, 0o600), fcntl.LOCK_EX):
             yield
-        finally:
-            fcntl.flock(fd, fcntl.LOCK_UN)
-            os.close(fd)
 
     def _read_last_record(self) -> dict | None:
         for candidate in reversed(chain_files(self.path)):
@@ -353,8 +348,15 @@ def _shared_lock(live: Path) -> Iterator[None]:
     except OSError:
         yield
         return
+    with _flocked(fd, fcntl.LOCK_SH):
+        yield
+
+
+@contextlib.contextmanager
+def _flocked(fd: int, operation: int) -> Iterator[None]:
+    """Hold `flock(fd, operation)`; unlock and close `fd` afterwards."""
     try:
-        fcntl.flock(fd, fcntl.LOCK_SH)
+        fcntl.flock(fd, operation)
         yield
     finally:
         fcntl.flock(fd, fcntl.LOCK_UN)

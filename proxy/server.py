@@ -70,7 +70,7 @@ async def serve_proxy(
         if internal_admin_token
         else None,
     )
-    runner = web.AppRunner(app, access_log=None)
+    runner = app_runner(app)
     await runner.setup()
     try:
         site = web.TCPSite(runner, config.host, config.port)
@@ -90,6 +90,14 @@ async def serve_proxy(
     finally:
         await runner.cleanup()
         await sink.aclose()
+
+
+def app_runner(app: web.Application) -> web.AppRunner:
+    """The proxy's runner. A client that goes away cancels its handler (aiohttp's
+    `handler_cancellation`): the upstream request is closed, so vLLM stops generating, the
+    tenant's concurrency slot is freed and the trajectory is recorded `aborted`. Without it
+    only a stream noticed (on its next write); an unstreamed request ran to its end."""
+    return web.AppRunner(app, access_log=None, handler_cancellation=True)
 
 
 def run_proxy(

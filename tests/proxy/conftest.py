@@ -20,6 +20,7 @@ from aiohttp import web
 from proxy.app import build_app
 from proxy.config import ProxyConfig, TenantConfig
 from proxy.context import CONTEXT, ProxyContext
+from proxy.server import app_runner
 from replay.schemas import validate_feedback, validate_trajectory
 
 ADMIN_KEY = "admin-key-for-tests"
@@ -81,7 +82,7 @@ class ProxyHarness:
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout_s)
 
     async def _start(self) -> None:
-        self._runner = web.AppRunner(self.app, access_log=None)
+        self._runner = app_runner(self.app)
         await self._runner.setup()
         site = web.TCPSite(self._runner, "127.0.0.1", 0)
         await site.start()

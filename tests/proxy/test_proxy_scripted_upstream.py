@@ -5,7 +5,9 @@ server speaking vLLM's wire format; the proxy, SDK and sink are the real ones.""
 
 from __future__ import annotations
 
+import asyncio
 import json
+import threading
 from collections.abc import Iterator
 from typing import Any
 
@@ -14,7 +16,7 @@ import openai
 import pytest
 from aiohttp import web
 
-from tests.proxy.conftest import KEYS
+from tests.proxy.conftest import KEYS, wait_for
 from tests.proxy.threaded_upstream import ThreadedUpstream
 
 PROMPT_IDS = [1, 2, 3, 4]
@@ -326,3 +328,43 @@ def test_an_upstream_error_body_cut_short_is_a_502_not_a_500(make_proxy, tenant)
     metrics = httpx.get(harness.base_url + "/metrics", timeout=30).text.splitlines()
     counted = [m for m in metrics if m.startswith("olp_proxy_requests_total{")]
     assert any(f'tenant="{tenant}"' in m and 'status="502"' in m for m in counted), counted
+
+
+class HangingUpstream(ThreadedUpstream):
+    """Takes the request and never answers; notes when the proxy closes the connection."""
+
+    def __init__(self) -> None:
+        self.disconnected = threading.Event()
+        super().__init__()
+
+    async def _chat(self, request: web.Request) -> web.StreamResponse:
+        self.requests.append(await request.json())
+        while request.transport is not None and not request.transport.is_closing():
+            await asyncio.sleep(0.02)
+        self.disconnected.set()
+        return web.Response(status=499)
+
+    def add_routes(self, app: web.Application) -> None:
+        app.router.add_post("/v1/chat/completions", self._chat)
+
+
+@pytest.mark.parametrize("tenant", ["alice", "bob"])  # captured / relayed as is
+def test_a_client_leaving_an_unstreamed_request_cancels_it_upstream(make_proxy, tenant):
+    """Without handler cancellation only a stream noticed a departed client: an unstreamed
+    request kept vLLM generating and the tenant's concurrency slot taken until its end."""
+    upstream = HangingUpstream().start()
+    try:
+        harness, sink = make_proxy([upstream.url])
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(
+                harness.base_url + "/v1/chat/completions",
+                json={"model": "policy", "messages": [{"role": "user", "content": "x"}]},
+                headers={"Authorization": f"Bearer {KEYS[tenant]}"},
+                timeout=httpx.Timeout(30, read=1.0),
+            )
+        assert upstream.disconnected.wait(10), "the upstream request was not closed"
+    finally:
+        upstream.stop()
+    wait_for(lambda: harness.ctx.tenants.tenants[tenant].in_flight == 0)
+    harness.drain()
+    assert [r["status"] for r in sink.trajectories] == (["aborted"] if tenant == "alice" else [])

@@ -128,6 +128,7 @@ class CompletionRelay:
         self.session_id: str | None = None  # X-Session-Id
         self.group_id: str | None = None  # X-OLP-Group-Id
         self.task: str | None = None  # X-OLP-Task
+        self.counted = False  # the request's metrics and log line were written
 
     async def handle(self) -> web.StreamResponse:
         ctx = self.ctx
@@ -160,6 +161,9 @@ class CompletionRelay:
         except ProxyError as err:
             self._count_error(err.status, err.kind)
             raise
+        except Exception:
+            self._count_error(500, "internal_error")  # the middleware answers it
+            raise
         in_flight = ctx.metrics.series(ctx.metrics.in_flight, tenant.name)
         in_flight.inc()
         try:
@@ -168,6 +172,10 @@ class CompletionRelay:
             # The request was admitted (and spent a request): its error reports the limits.
             err.headers = {**admission.headers, **err.headers}
             self._count_error(err.status, err.kind)
+            raise
+        except Exception:
+            if not self.counted:  # a failure after the answer was counted is not a 500
+                self._count_error(500, "internal_error")
             raise
         finally:
             admission.release()
@@ -180,6 +188,7 @@ class CompletionRelay:
         self._count_request()
 
     def _count_request(self) -> None:
+        self.counted = True
         metrics = self.ctx.metrics
         labels = (self.endpoint, self.tenant_label, self.policy_version)
         stream = "true" if self.stream else "false"

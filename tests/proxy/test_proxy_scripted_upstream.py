@@ -368,3 +368,34 @@ def test_a_client_leaving_an_unstreamed_request_cancels_it_upstream(make_proxy, 
     wait_for(lambda: harness.ctx.tenants.tenants[tenant].in_flight == 0)
     harness.drain()
     assert [r["status"] for r in sink.trajectories] == (["aborted"] if tenant == "alice" else [])
+
+
+@pytest.mark.parametrize("where", ["before_admission", "in_relay"])
+def test_an_unexpected_failure_is_a_counted_500(make_proxy, monkeypatch, where):
+    """A bug answers 500 `internal_error` (the middleware), and the request is still in the
+    metrics and the log; before, only ProxyErrors were counted."""
+    harness, sink = make_proxy(["http://127.0.0.1:9"])
+
+    def broken(*args: Any, **kwargs: Any) -> Any:
+        raise RuntimeError("a bug")
+
+    target = harness.ctx.aliases if where == "before_admission" else harness.ctx.pool
+    monkeypatch.setattr(target, "route" if where == "before_admission" else "open", broken)
+    response = httpx.post(
+        harness.base_url + "/v1/chat/completions",
+        json={"model": "policy", "messages": [{"role": "user", "content": "x"}]},
+        headers={"Authorization": f"Bearer {KEYS['alice']}"},
+        timeout=30,
+    )
+    assert response.status_code == 500 and response.json()["error"]["code"] == "internal_error"
+    assert harness.ctx.tenants.tenants["alice"].in_flight == 0
+    metrics = httpx.get(harness.base_url + "/metrics", timeout=30).text.splitlines()
+    assert any(
+        m.startswith("olp_proxy_requests_total{") and 'status="500"' in m for m in metrics
+    ), metrics
+    assert any(
+        m.startswith("olp_proxy_errors_total{") and 'kind="internal_error"' in m for m in metrics
+    ), metrics
+    harness.drain()
+    expected = [] if where == "before_admission" else ["error"]
+    assert [r["status"] for r in sink.trajectories] == expected

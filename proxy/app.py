@@ -124,11 +124,18 @@ async def readyz(request: web.Request) -> web.Response:
         for alias, target in ctx.aliases.snapshot().items()
         if reachable and target not in served_anywhere
     }
+    # A canary's share of its alias's traffic goes to its own target: unserved, it gets 404s.
+    unserved_canaries = {
+        alias: canary.target
+        for alias, canary in ctx.aliases.canaries().items()
+        if reachable and canary.target not in served_anywhere
+    }
     return web.json_response(
         {
             "ready": bool(reachable),
             "replicas": {url: problem or "ok" for url, (problem, _) in replicas.items()},
             "unserved_aliases": unserved,
+            "unserved_canaries": unserved_canaries,
         },
         status=200 if reachable else 503,
     )

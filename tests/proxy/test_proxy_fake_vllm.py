@@ -16,6 +16,7 @@ import httpx
 import pytest
 from aiohttp import web
 
+from proxy.aliases import Canary
 from proxy.config import sha256_hex
 from tests.proxy.conftest import ADMIN_KEY, KEYS
 from tests.proxy.threaded_upstream import ThreadedUpstream
@@ -344,3 +345,14 @@ def test_a_models_list_of_another_shape_is_a_replica_problem_not_a_500(make_prox
     flip = _admin(harness.base_url, "/admin/aliases", {"alias": "policy", "target": "policy-v1"})
     _assert_error(flip, 502, "upstream_error")
     assert harness.ctx.aliases.resolve("policy") == "base"
+
+
+def test_readyz_names_a_canary_target_no_replica_serves(make_proxy, fake):
+    """A canary's share of traffic goes to its own target: unloaded, that share gets 404s."""
+    harness, _ = make_proxy([fake.url])
+    harness.ctx.aliases.start_canary("policy", Canary("policy-v7", 0.25, 0.0))
+    ready = httpx.get(harness.base_url + "/readyz", timeout=30).json()
+    assert ready["unserved_canaries"] == {"policy": "policy-v7"}
+    assert ready["unserved_aliases"] == {}
+    harness.ctx.aliases.start_canary("policy", Canary("policy-v1", 0.25, 0.0))  # served
+    assert httpx.get(harness.base_url + "/readyz", timeout=30).json()["unserved_canaries"] == {}

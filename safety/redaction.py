@@ -112,7 +112,17 @@ _BUILTIN: dict[str, _Kind] = {
             r"\b(?:(?:ghp|gho|ghu|ghs|ghr)_[A-Za-z0-9]{36,}|github_pat_[A-Za-z0-9_]{40,})\b",
             needles=("ghp_", "gho_", "ghu_", "ghs_", "ghr_", "github_pat_"),
         ),
-        _Kind("slack_token", r"\bxox[abposre]-[A-Za-z0-9-]{10,}", needles=("xox",)),
+        _Kind(
+            "gitlab_token",  # personal, project, deploy, runner, trigger, OAuth app tokens
+            r"\bgl(?:pat|dt|rt|ptt|cbt|oas|imt|ft|soat)-[A-Za-z0-9_-]{20,}",
+            needle_regex=r"\bgl[a-z]{2,4}-",
+        ),
+        _Kind(
+            "slack_token",  # bot/user tokens, app-level tokens, incoming-webhook URLs
+            r"\bxox[abposre]-[A-Za-z0-9-]{10,}|\bxapp-[0-9]-[A-Za-z0-9-]{10,}"
+            r"|\bhooks\.slack\.com/(?:services|workflows)/[A-Za-z0-9/_-]{20,}",
+            needles=("xox", "xapp-", "hooks.slack.com/"),
+        ),
         _Kind(
             "stripe_key",
             r"\b[rs]k_(?:live|test)_[A-Za-z0-9]{16,}",

@@ -258,6 +258,19 @@ def test_payload_never_holds_secrets_or_pii(tmp_path: Path) -> None:
     assert path.exists() is False  # from_config writes under <state_dir>/audit/
 
 
+def test_framework_and_cloud_secret_key_names_are_dropped(tmp_path: Path) -> None:
+    # Django/Flask `SECRET_KEY`, boto's `aws_secret_access_key`: before, neither matched a
+    # secret name, so their values were written in clear.
+    audit = AuditLog.from_config(AuditConfig(), tmp_path, Redactor())
+    payload = {"SECRET_KEY": "django-x1", "aws_secret_access_key": "wJal-x2", "sort_key": "k3"}
+    record = audit.append("admin", "config_shown", payload)
+    assert record["payload"] == {
+        "SECRET_KEY": "[REDACTED:secret]",
+        "aws_secret_access_key": "[REDACTED:secret]",
+        "sort_key": "k3",
+    }
+
+
 def test_bad_payload_is_rejected_before_writing(tmp_path: Path) -> None:
     path = tmp_path / "audit.jsonl"
     audit = _write_log(path, 1)

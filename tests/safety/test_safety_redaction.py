@@ -36,6 +36,14 @@ CASES: list[tuple[str, str, str]] = [
     ("github_token", "gho_" + "z" * 36 + " used", "gho_zzzz"),
     ("github_token", "github_pat_11ABCDEFG0" + "x" * 60, "github_pat_11ABCDEFG0"),
     ("slack_token", "SLACK=xoxb-1234567890-0987654321-AbCdEfGhIjKl", "xoxb-1234567890"),
+    ("slack_token", "SLACK_APP_TOKEN=xapp-1-A0123456789-1234567890123-abcdef0123", "xapp-1-A01"),
+    (
+        "slack_token",
+        "curl -X POST https://hooks.slack.com/services/T0001ABCD/B0002EFGH/XyZ123abcDEF456ghi",
+        "T0001ABCD/B0002EFGH/XyZ123abcDEF",
+    ),
+    ("gitlab_token", "GITLAB_TOKEN=glpat-xYz12AbC34dEf56GhI78jK", "glpat-xYz12AbC34"),
+    ("gitlab_token", "deploy token gldt-AbCdEfGhIjKlMnOpQrSt12", "gldt-AbCdEfGhIj"),
     ("google_api_key", "maps key AIzaSyA1b2C3d4E5f6G7h8I9j0K1l2M3n4O5p6Q", "AIzaSyA1b2C3d4"),
     ("jwt", f"session={JWT};", JWT[:40]),
     ("bearer_token", "Authorization: Bearer abc123DEF456ghi789.jkl", "abc123DEF456ghi789"),
@@ -80,6 +88,7 @@ CLEAN_SAMPLES = [
     "commit 5d8f6cce532a7aeb57196be4111111111111111b3aeb3580d248b17d5518a86 ok",
     "id=852d2ee5-0061-4d4111111111111111cd43a and x = 0x4111111111111111",
     "uuid 20198123-5258-4042-b18b-51a7b40d56e0",
+    "Slack webhooks live at hooks.slack.com/services; GitLab's glpat- prefix marks a token.",
 ]
 
 

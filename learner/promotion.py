@@ -304,7 +304,12 @@ class Promoter:
         if self.config.canary.enabled:
             return self._canary(name, incumbent, report, timings)
         started = time.monotonic()
-        self.proxy.set_alias(self.config.alias, name)
+        try:
+            self.proxy.set_alias(self.config.alias, name)
+        except Exception as exc:
+            if not self._alias_points_at(name):  # refused (frozen meanwhile), or failed
+                return self._flip_failed(name, incumbent, report, exc, timings)
+            log.warning("flip_reply_lost", version=name, error=repr(exc))  # it did flip
         timings["flip_s"] = time.monotonic() - started
         self.audit.append(
             ACTOR, "promotion", {"version": name, "previous": incumbent, "timings": timings}
@@ -317,6 +322,35 @@ class Promoter:
         )
         self._schedule_cleanup(name)
         return PromotionOutcome(name, "promoted", incumbent, report, timings=timings)
+
+    def _alias_points_at(self, name: str) -> bool:
+        """Whether the alias serves `name` now (unknown: no, so a candidate is not left
+        loaded on a guess; a lost flip reply is the rare case, a refusal the usual one)."""
+        try:
+            return self.proxy.status()["aliases"].get(self.config.alias) == name
+        except Exception:
+            log.exception("status_failed_after_flip", version=name)
+            return False
+
+    def _flip_failed(
+        self,
+        name: str,
+        incumbent: str,
+        report: GateReport,
+        exc: Exception,
+        timings: dict[str, float],
+    ) -> PromotionOutcome:
+        """The gate passed but the alias did not move: unload the candidate (it would hold
+        one of vLLM's LoRA slots for nothing) and say why."""
+        log.error("flip_failed", version=name, error=repr(exc))
+        payload: dict[str, Any] = {"version": name, "stage": "flip", "error": str(exc)}
+        try:
+            self.replicas.unload(name)
+        except Exception as unload_exc:
+            log.exception("unload_failed", version=name)
+            payload["cleanup_failed"] = [f"unload: {unload_exc!r}"]
+        self.audit.append(ACTOR, "promotion_failed", payload)
+        return PromotionOutcome(name, "failed", incumbent, report, str(exc), timings)
 
     def _canary(
         self, name: str, incumbent: str, report: GateReport, timings: dict[str, float]

@@ -311,3 +311,35 @@ def test_a_canary_started_despite_a_lost_reply_is_rolled_back(tmp_path: Path):
     assert outcome.decision == "canary_rolled_back" and "canary start failed" in outcome.reason
     assert proxy.ended == [("rollback", outcome.reason)] and proxy.canary is None
     assert not replicas.loaded
+
+
+class FlipFailsProxy(FakeProxy):
+    """set_alias raises; `flips`: the alias moved anyway (the reply was lost)."""
+
+    def __init__(self, flips: bool) -> None:
+        super().__init__(fail_on=set())
+        self.flips, self.alias = flips, "base"
+
+    def status(self) -> dict:
+        return {**super().status(), "aliases": {"policy": self.alias}}
+
+    def set_alias(self, alias: str, target: str) -> dict:
+        if self.flips:
+            self.alias = target
+        raise PromotionError("proxy POST /admin/aliases → 409: serving is frozen")
+
+
+def test_a_refused_flip_unloads_the_candidate(tmp_path: Path):
+    """Frozen between the learner's status check and its flip: before, the candidate kept
+    one of vLLM's LoRA slots and the promotion raised out of the worker."""
+    outcome, audit, replicas = run_canary(tmp_path, FlipFailsProxy(flips=False), enabled=False)
+    assert outcome.decision == "failed" and "409" in outcome.reason
+    assert replicas.loaded == set()
+    event, payload = audit.events[-1]
+    assert event == "promotion_failed" and payload["stage"] == "flip"
+
+
+def test_a_flip_whose_reply_was_lost_is_a_promotion(tmp_path: Path):
+    outcome, audit, replicas = run_canary(tmp_path, FlipFailsProxy(flips=True), enabled=False)
+    assert outcome.decision == "promoted" and replicas.loaded == {"policy-v1"}
+    assert audit.names()[-1] == "promotion"

@@ -86,6 +86,7 @@ def run(cfg: OlpConfig) -> int:
             on_candidate=promoter.submit,
             on_rewarded=promoter.canary_monitor.observe,
             caps=cfg.safety.caps,
+            base_name=cfg.policy.served_model_name,
             is_frozen=FreezeFlag(proxy),
             judge_base_url=replicas[0],
             stop=stop,

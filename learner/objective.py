@@ -53,9 +53,10 @@ class Sample:
     advantage: float = 0.0
 
 
-def parse_version(name: str | None) -> int:
-    """'base' → 0, 'policy-v<N>' → N; anything else raises ValueError."""
-    if name in (None, "base"):
+def parse_version(name: str | None, base_name: str = "base") -> int:
+    """'base' (or the base model's served name, `policy.served_model_name`) → 0,
+    'policy-v<N>' → N; anything else raises ValueError."""
+    if name is None or name in ("base", base_name):
         return 0
     match = _VERSION.match(str(name))
     if not match:
@@ -72,8 +73,11 @@ def group_key(record: dict[str, Any]) -> str:
     return f"g:{record.get('tenant') or ''}:{record['group_id']}"
 
 
-def samples_from_rewarded(rewarded: Iterable[Any]) -> tuple[list[Sample], Counter[str]]:
-    """Turn rewarded choices (see rewards.assembler) into Samples; count what was left out."""
+def samples_from_rewarded(
+    rewarded: Iterable[Any], base_name: str = "base"
+) -> tuple[list[Sample], Counter[str]]:
+    """Turn rewarded choices (see rewards.assembler) into Samples; count what was left out.
+    `base_name`: the base model's served name, which the proxy records for it."""
     samples: list[Sample] = []
     dropped: Counter[str] = Counter()
     for item in rewarded:
@@ -91,7 +95,7 @@ def samples_from_rewarded(rewarded: Iterable[Any]) -> tuple[list[Sample], Counte
             dropped["bad_tokens"] += 1
             continue
         try:
-            version = parse_version(record.get("policy_version"))
+            version = parse_version(record.get("policy_version"), base_name)
         except ValueError:
             dropped["bad_version"] += 1
             continue

@@ -95,6 +95,7 @@ class Learner:
         ctx: DistContext | None = None,
         on_rewarded: Callable[[list[RewardedChoice]], None] | None = None,
         caps: CapsConfig | None = None,
+        base_name: str = "base",
     ) -> None:
         model_dir = model_dir or config.base_model_dir
         if model_dir is None:
@@ -108,6 +109,7 @@ class Learner:
         self.fault_hook = fault_hook or (lambda stage: None)
         self.on_rewarded = on_rewarded
         self.caps = caps or CapsConfig()  # `safety.caps`: per-tenant / per-user shares
+        self.base_name = base_name  # the base model's served name (`policy_version` 0)
         judge = None
         if config.rewards.judge.enabled:
             judge = Judge(config.rewards.judge, base_url=judge_base_url)
@@ -232,7 +234,7 @@ class Learner:
                 self.on_rewarded(rewarded)
             except Exception:
                 log.exception("on_rewarded_failed", batch=len(rewarded))
-        samples, dropped = samples_from_rewarded(rewarded)
+        samples, dropped = samples_from_rewarded(rewarded, self.base_name)
         samples, stale = drop_stale(samples, self.version, self.config.max_staleness)
         # Collective: the trained batch is the union over ranks, so is the cap.
         samples, capped = apply_share_caps_across_ranks(self.ctx, samples, self.caps)
@@ -359,6 +361,7 @@ def run_learner(
     fault_hook: FaultHook | None = None,
     on_rewarded: Callable[[list[RewardedChoice]], None] | None = None,
     caps: CapsConfig | None = None,
+    base_name: str = "base",
 ) -> LearnerSummary:
     """Run the learner until `stop` is set or `max_steps` steps ran in this call."""
     learner = Learner(
@@ -372,5 +375,6 @@ def run_learner(
         fault_hook,
         on_rewarded=on_rewarded,
         caps=caps,
+        base_name=base_name,
     )
     return learner.run(stop=stop, max_steps=max_steps)

@@ -24,10 +24,21 @@ from proxy.routing import Replica
 from proxy.serving_state import save_state
 
 _ACTOR = re.compile(r"^[A-Za-z0-9._@:\-]{1,64}$")
-_VERSION = re.compile(r"^(base|policy-v[0-9]+)$")
+_VERSION = re.compile(r"^policy-v[0-9]+$")
 # Changes run one at a time: a flip awaits every replica's /v1/models, and a freeze (or
 # another change) that lands meanwhile must not be overtaken by it.
 ADMIN_LOCK = web.AppKey("olp_admin_lock", asyncio.Lock)
+
+
+def _served_target(ctx: ProxyContext, value: Any, param: str) -> str:
+    """A flip, rollback or canary target: `policy-v<N>`, or the base model as `base` or as
+    its served name (`policy.served_model_name`), which is what upstream is asked for."""
+    base = ctx.config.base_served_name
+    if value in ("base", base):
+        return base
+    if not isinstance(value, str) or not _VERSION.match(value):
+        raise bad_request(f"'{param}' must be 'base' or 'policy-v<N>'.", param=param)
+    return value
 
 
 def _authorize(request: web.Request) -> str:
@@ -141,8 +152,7 @@ async def set_alias(request: web.Request) -> web.Response:
     alias, target = body.get("alias"), body.get("target")
     if not isinstance(alias, str) or not alias:
         raise bad_request("'alias' must be a non-empty string.", param="alias")
-    if not isinstance(target, str) or not _VERSION.match(target):
-        raise bad_request("'target' must be 'base' or 'policy-v<N>'.", param="target")
+    target = _served_target(ctx, target, "target")
     async with request.app[ADMIN_LOCK]:
         if ctx.state.frozen:
             raise ProxyError(
@@ -210,8 +220,8 @@ async def rollback(request: web.Request) -> web.Response:
             return _end_canary(ctx, actor, alias, "rollback", "operator rollback")
         if target is None:
             target = _rollback_target(ctx, alias, current)
-        elif not isinstance(target, str) or not _VERSION.match(target):
-            raise bad_request("'to' must be 'base' or 'policy-v<N>'.", param="to")
+        else:
+            target = _served_target(ctx, target, "to")
         return await _point_alias(ctx, actor, alias, target, "rollback", "rollback")
 
 
@@ -233,9 +243,7 @@ async def start_canary(request: web.Request) -> web.Response:
         alias = body.get("alias", ctx.config.policy_alias)
         if not isinstance(alias, str) or ctx.aliases.resolve(alias) is None:
             raise bad_request(f"Unknown alias {alias!r}.", param="alias")
-        target = body.get("target")
-        if not isinstance(target, str) or not _VERSION.match(target):
-            raise bad_request("'target' must be 'base' or 'policy-v<N>'.", param="target")
+        target = _served_target(ctx, body.get("target"), "target")
         share = _share(body.get("share"))
         if ctx.state.frozen:
             raise ProxyError(

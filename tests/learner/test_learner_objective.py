@@ -134,6 +134,22 @@ def test_samples_from_rewarded_counts() -> None:
     assert dropped == {"bad_tokens": 1, "no_reward": 1}
 
 
+def test_the_base_models_served_name_is_version_zero() -> None:
+    """With `policy.served_model_name: smollm` the proxy records `smollm` for the base; the
+    learner used to drop every such sample as `bad_version`."""
+    record = {
+        "trajectory_id": "t",
+        "tenant": "A",
+        "prompt_token_ids": [1, 2],
+        "policy_version": "smollm",
+        "choices": [{"index": 0, "token_ids": [5], "logprobs": [-0.1]}],
+    }
+    samples, dropped = samples_from_rewarded([RewardedChoice(record, 0, 1.0)], "smollm")
+    assert [s.policy_version for s in samples] == [0] and not dropped
+    _, dropped = samples_from_rewarded([RewardedChoice(record, 0, 1.0)])  # another base name
+    assert dropped == {"bad_version": 1}
+
+
 def test_unusable_rewards_are_dropped_and_counted_never_raised() -> None:
     record = {
         "trajectory_id": "t",

@@ -356,3 +356,19 @@ def test_readyz_names_a_canary_target_no_replica_serves(make_proxy, fake):
     assert ready["unserved_aliases"] == {}
     harness.ctx.aliases.start_canary("policy", Canary("policy-v1", 0.25, 0.0))  # served
     assert httpx.get(harness.base_url + "/readyz", timeout=30).json()["unserved_canaries"] == {}
+
+
+def test_base_is_the_base_models_served_name_in_admin_targets(make_proxy, fake):
+    """With `policy.served_model_name: smollm`, `base` in a flip, rollback or canary names
+    that model (before, `smollm` was refused and `base` was not served)."""
+    fake.models_payload = {"data": [{"id": "smollm"}, {"id": "policy-v1"}]}
+    harness, _ = make_proxy([fake.url], base_served_name="smollm")
+    assert harness.ctx.aliases.resolve("policy") == "smollm"
+    flip = _admin(harness.base_url, "/admin/aliases", {"alias": "policy", "target": "policy-v1"})
+    assert flip.status_code == 200, flip.text
+    back = _admin(harness.base_url, "/admin/rollback", {"to": "base"})
+    assert back.status_code == 200 and back.json()["target"] == "smollm", back.text
+    again = _admin(harness.base_url, "/admin/aliases", {"alias": "policy", "target": "smollm"})
+    assert again.status_code == 200 and harness.ctx.aliases.resolve("policy") == "smollm"
+    bad = _admin(harness.base_url, "/admin/aliases", {"alias": "policy", "target": "other"})
+    assert _assert_error(bad, 400, "invalid_request")["param"] == "target"

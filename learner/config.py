@@ -92,7 +92,10 @@ class CanaryConfig(BaseModel):
         0.1, gt=0, lt=1, description="share of training-enabled sessions sent to the candidate"
     )
     min_samples: int = Field(
-        30, ge=1, description="trajectories (and rewarded ones) needed on each arm to decide"
+        30,
+        ge=1,
+        description="replies (one per choice: n=2 gives two; and rewarded ones) needed on "
+        "each arm to decide",
     )
     max_duration_s: float = Field(
         1800.0, gt=0, description="decide by `on_timeout` if the evidence is still short then"

@@ -162,7 +162,6 @@ class TenantRegistry:
             )
         if tenant.bucket is not None:
             wait_s = tenant.bucket.take()
-            limit = str(config.requests_per_minute)
             if wait_s > 0:
                 raise ProxyError(
                     429,
@@ -170,10 +169,10 @@ class TenantRegistry:
                     type_="rate_limit_error",
                     code="rate_limit_exceeded",
                     headers={
+                        # retry-after: until the next request; reset: until the bucket is
+                        # full again, as on every other answer (OpenAI's meaning).
                         "retry-after": str(max(1, math.ceil(wait_s))),
-                        "x-ratelimit-limit-requests": limit,
-                        "x-ratelimit-remaining-requests": "0",
-                        "x-ratelimit-reset-requests": f"{wait_s:.3f}s",
+                        **self._limit_headers(tenant),
                     },
                 )
             headers = self._limit_headers(tenant)

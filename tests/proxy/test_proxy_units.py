@@ -89,6 +89,10 @@ def test_rate_limit_and_concurrency():
     assert err.value.status == 429
     assert int(err.value.headers["retry-after"]) >= 1
     assert err.value.headers["x-ratelimit-remaining-requests"] == "0"
+    # Reset means "until the bucket is full" on a 429 too (it said "until the next one"):
+    # two requests of a 2/minute bucket spent, so about 60 s, not 30.
+    reset = float(err.value.headers["x-ratelimit-reset-requests"].removesuffix("s"))
+    assert 59 < reset <= 60
     first.release()
     first.release()  # idempotent
     assert tenant.in_flight == 0

@@ -152,6 +152,7 @@ async def feedback(request: web.Request) -> web.Response:
     """Accept a feedback event for one of the tenant's trajectories (202)."""
     ctx = request.app[CONTEXT]
     tenant = ctx.tenants.authenticate(request.headers.get("Authorization"))
+    limit_headers = ctx.tenants.admit_feedback(tenant)
     session_header = text_header(request, "X-Session-Id", limit=256)
     body = await read_json_body(request, ctx.config.max_body_bytes)
     parsed = parse_feedback(body, ctx.config.max_feedback_metadata_bytes)
@@ -165,6 +166,7 @@ async def feedback(request: web.Request) -> web.Response:
     return web.json_response(
         {"status": "accepted", "event_id": event["event_id"], "known": known_session is not None},
         status=202,
+        headers=limit_headers,
     )
 
 

@@ -58,6 +58,9 @@ class Tenant:
     bucket: TokenBucket | None
     in_flight: int = 0
     training_override: bool | None = None
+    # Feedback posts get a bucket of the same size of their own: limited (a key cannot flood
+    # the stream), without spending the tenant's completion requests.
+    feedback_bucket: TokenBucket | None = None
 
     @property
     def name(self) -> str:
@@ -108,8 +111,13 @@ class TenantRegistry:
 
     @staticmethod
     def _make(config: TenantConfig) -> Tenant:
-        bucket = TokenBucket(config.requests_per_minute) if config.requests_per_minute else None
-        return Tenant(config=config, name_hash=sha256_hex(config.name), bucket=bucket)
+        rate = config.requests_per_minute
+        return Tenant(
+            config=config,
+            name_hash=sha256_hex(config.name),
+            bucket=TokenBucket(rate) if rate else None,
+            feedback_bucket=TokenBucket(rate) if rate else None,
+        )
 
     def authenticate(self, authorization: str | None) -> Tenant:
         """The tenant of an `Authorization: Bearer <key>` header, or a 401 ProxyError."""
@@ -135,9 +143,9 @@ class TenantRegistry:
         return tenant
 
     @staticmethod
-    def _limit_headers(tenant: Tenant) -> dict[str, str]:
+    def _limit_headers(tenant: Tenant, feedback: bool = False) -> dict[str, str]:
         """`x-ratelimit-*` as the bucket stands now (none without a per-minute limit)."""
-        bucket = tenant.bucket
+        bucket = tenant.feedback_bucket if feedback else tenant.bucket
         if bucket is None:
             return {}
         return {
@@ -178,6 +186,27 @@ class TenantRegistry:
             headers = self._limit_headers(tenant)
         tenant.in_flight += 1
         return Admission(tenant, headers)
+
+    def admit_feedback(self, tenant: Tenant) -> dict[str, str]:
+        """Take one feedback post from the tenant's feedback bucket; its `x-ratelimit-*`
+        headers, or a 429 ProxyError."""
+        bucket = tenant.feedback_bucket
+        if bucket is None:
+            return {}
+        wait_s = bucket.take()
+        if wait_s > 0:
+            raise ProxyError(
+                429,
+                f"Feedback rate limit reached: {tenant.config.requests_per_minute} events per "
+                "minute.",
+                type_="rate_limit_error",
+                code="rate_limit_exceeded",
+                headers={
+                    "retry-after": str(max(1, math.ceil(wait_s))),
+                    **self._limit_headers(tenant, feedback=True),
+                },
+            )
+        return self._limit_headers(tenant, feedback=True)
 
     def wants_training(self, tenant: Tenant, train_header: str | None) -> bool:
         """Tenant opt-in, narrowed by `X-OLP-Train: 0`; the header can never opt in."""

@@ -372,3 +372,18 @@ def test_base_is_the_base_models_served_name_in_admin_targets(make_proxy, fake):
     assert again.status_code == 200 and harness.ctx.aliases.resolve("policy") == "smollm"
     bad = _admin(harness.base_url, "/admin/aliases", {"alias": "policy", "target": "other"})
     assert _assert_error(bad, 400, "invalid_request")["param"] == "target"
+
+
+def test_feedback_has_a_rate_limit_of_its_own(make_proxy, fake):
+    """A key could post feedback without limit (every event reaches the stream); now it
+    has a bucket the size of the tenant's per-minute limit, apart from its completions'."""
+    harness, sink = make_proxy([fake.url])  # carol: 2 requests per minute
+    url, event = harness.base_url + "/v1/feedback", {"trajectory_id": "t", "kind": "accept"}
+    answers = [_post(url, KEYS["carol"], "", json=event) for _ in range(3)]
+    assert [a.status_code for a in answers] == [202, 202, 429]
+    assert answers[1].headers["x-ratelimit-remaining-requests"] == "0"
+    error = _assert_error(answers[2], 429, "rate_limit_exceeded")
+    assert "Feedback" in error["message"] and int(answers[2].headers["retry-after"]) >= 1
+    assert len(sink.feedback) == 2
+    carol = harness.ctx.tenants.tenants["carol"]
+    assert carol.bucket is not None and carol.bucket.tokens == 2  # completions untouched

@@ -8,6 +8,7 @@ nonce, so the Content-Security-Policy allows no inline script and no other style
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
@@ -40,9 +41,27 @@ def _e(value: Any) -> str:
 
 
 def _when(t: Any) -> str:
-    if isinstance(t, int | float):
+    if _plottable(t):
         return datetime.fromtimestamp(t, UTC).strftime("%Y-%m-%d %H:%M:%S UTC")
     return _e(t)
+
+
+# Timestamps a clock can show (years 1970-9999): files the learner wrote may hold anything,
+# and one NaN or 1e300 must not take the whole page down.
+_LATEST_TIMESTAMP = 253402300799.0
+
+
+def _plottable(t: Any) -> bool:
+    return (
+        isinstance(t, int | float)
+        and not isinstance(t, bool)
+        and math.isfinite(t)
+        and 0 <= t <= _LATEST_TIMESTAMP
+    )
+
+
+def _finite(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
 
 
 def _num(value: Any) -> str:
@@ -218,14 +237,14 @@ def _chart(data: PageData) -> str:
         Point(float(m["created_at"]), float(m["step_metrics"]["reward_mean"]), m["name"])
         for m in adapters
         if isinstance(m.get("step_metrics"), dict)
-        and isinstance(m["step_metrics"].get("reward_mean"), int | float)
-        and isinstance(m.get("created_at"), int | float)
+        and _finite(m["step_metrics"].get("reward_mean"))
+        and _plottable(m.get("created_at"))
     ]
     policy = data.status.get("policy_alias")
     markers = [
         (float(h["at"]), str(h.get("target")))
         for h in data.status.get("history") or []
-        if isinstance(h, dict) and h.get("alias") == policy and isinstance(h.get("at"), int | float)
+        if isinstance(h, dict) and h.get("alias") == policy and _plottable(h.get("at"))
     ]
     rows = (
         (

@@ -255,6 +255,27 @@ def test_gates_learner_rewards_and_feedback_series(make_proxy, tmp_path):
     assert len(sink.feedback) == 4
 
 
+def test_odd_numbers_in_learner_files_do_not_take_the_page_down(make_proxy, tmp_path):
+    """The learner writes these files; a NaN reward or a timestamp no clock can show gave a
+    500 for the whole page (OverflowError / ValueError in datetime.fromtimestamp)."""
+    harness, _ = make_proxy(NO_UPSTREAM)
+    state = tmp_path / "state"
+    odd = [(1, 0.25, time.time()), (2, float("nan"), time.time()), (3, 0.5, 1e300)]
+    for version, reward, created in odd:
+        adapter = state / "adapters" / f"policy-v{version}"
+        adapter.mkdir(parents=True)
+        meta = {"step_metrics": {"reward_mean": reward}, "created_at": created}
+        (adapter / "olp_meta.json").write_text(json.dumps(meta))
+    (state / "gates").mkdir()
+    report = {"passed": False, "candidate": "policy-v3", "started_at": 1e300, "results": []}
+    (state / "gates" / "policy-v3.json").write_text(json.dumps(report))
+    response = httpx.get(harness.base_url + "/admin/ui", headers=BEARER)
+    assert response.status_code == 200, response.text
+    page = response.text
+    assert re.findall(r'class="learner-point" data-version="([^"]+)"', page) == ["policy-v1"]
+    assert "1e+300" in page  # the gate report's time, shown as it is
+
+
 def test_consumer_lag_is_never_negative() -> None:
     ends = {"t.trajectories": {0: 5, 1: 2}, "t.feedback": {0: 0}}
     consumed = {"t.trajectories": {"0": 3, "1": 4}}  # the broker's end trails the learner

@@ -95,6 +95,13 @@ class MonitorProbe(Probe):
     kind: Literal["benign", "tool", "ambiguous"] = "benign"
     tool: ToolSpec | None = None
 
+    @model_validator(mode="after")
+    def _tool_probe_has_its_tool(self) -> MonitorProbe:
+        # Caught at load (file:line) rather than as a bare assertion inside the gate.
+        if self.kind == "tool" and self.tool is None:
+            raise ValueError("a probe of kind 'tool' needs its 'tool'")
+        return self
+
 
 class TriggerProbe(Probe):
     trigger: str = Field(min_length=1)

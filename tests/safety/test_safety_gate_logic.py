@@ -77,6 +77,13 @@ def test_a_regression_check_without_its_pattern_or_values_is_a_bad_line(
         load_probes(path, RegressionProbe)
 
 
+def test_a_tool_monitor_probe_without_its_tool_is_a_bad_line(tmp_path: Path) -> None:
+    path = tmp_path / "monitor.jsonl"
+    path.write_text(json.dumps({"id": "m", "prompt": "Weather?", "kind": "tool"}) + "\n")
+    with pytest.raises(GateError, match=r"monitor.jsonl:1: invalid MonitorProbe"):
+        load_probes(path, MonitorProbe)
+
+
 def test_operator_probes_come_first_and_max_probes_truncates(tmp_path: Path) -> None:
     extra = tmp_path / "mine.jsonl"
     probe = {

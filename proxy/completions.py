@@ -177,6 +177,10 @@ class CompletionRelay:
             if not self.counted:  # a failure after the answer was counted is not a 500
                 self._count_error(500, "internal_error")
             raise
+        except asyncio.CancelledError:
+            if not self.counted:  # left before its answer began (a stream counts itself)
+                self._count_error(499, "client_disconnect")  # nginx's "client closed"
+            raise
         finally:
             admission.release()
             in_flight.dec()
@@ -312,8 +316,13 @@ class CompletionRelay:
             if plan.stream:
                 return await self._relay_stream(upstream, plan, headers, capture)
             return await self._relay_whole(upstream, plan, headers, capture)
+        except asyncio.CancelledError:
+            # The client left while the answer was on its way (a stream records this itself).
+            if capture is not None and ctx.capture.is_open(capture):
+                ctx.capture.submit(capture, "aborted")
+            raise
         finally:
-            upstream.release()
+            upstream.release()  # an unfinished body closes the connection: vLLM aborts
             if capture is not None and ctx.capture.is_open(capture):
                 # An unexpected failure: the record still says what happened.
                 ctx.capture.submit(capture, "error")

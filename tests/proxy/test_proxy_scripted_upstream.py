@@ -331,28 +331,38 @@ def test_an_upstream_error_body_cut_short_is_a_502_not_a_500(make_proxy, tenant)
 
 
 class HangingUpstream(ThreadedUpstream):
-    """Takes the request and never answers; notes when the proxy closes the connection."""
+    """Takes the request and never finishes its answer (`headers_first`: sends the headers
+    and part of the body first); notes when the proxy closes the connection."""
 
-    def __init__(self) -> None:
+    def __init__(self, headers_first: bool = False) -> None:
+        self.headers_first = headers_first
         self.disconnected = threading.Event()
         super().__init__()
 
     async def _chat(self, request: web.Request) -> web.StreamResponse:
         self.requests.append(await request.json())
+        response = web.StreamResponse(headers={"Content-Type": "application/json"})
+        if self.headers_first:
+            response.content_length = 1000
+            await response.prepare(request)
+            await response.write(b'{"id": "chatcmpl-x", ')
         while request.transport is not None and not request.transport.is_closing():
             await asyncio.sleep(0.02)
         self.disconnected.set()
-        return web.Response(status=499)
+        return response
 
     def add_routes(self, app: web.Application) -> None:
         app.router.add_post("/v1/chat/completions", self._chat)
 
 
+@pytest.mark.parametrize("headers_first", [False, True])  # waiting for headers / for the body
 @pytest.mark.parametrize("tenant", ["alice", "bob"])  # captured / relayed as is
-def test_a_client_leaving_an_unstreamed_request_cancels_it_upstream(make_proxy, tenant):
+def test_a_client_leaving_an_unstreamed_request_cancels_it_upstream(
+    make_proxy, tenant, headers_first
+):
     """Without handler cancellation only a stream noticed a departed client: an unstreamed
     request kept vLLM generating and the tenant's concurrency slot taken until its end."""
-    upstream = HangingUpstream().start()
+    upstream = HangingUpstream(headers_first).start()
     try:
         harness, sink = make_proxy([upstream.url])
         with pytest.raises(httpx.ReadTimeout):
@@ -368,6 +378,11 @@ def test_a_client_leaving_an_unstreamed_request_cancels_it_upstream(make_proxy, 
     wait_for(lambda: harness.ctx.tenants.tenants[tenant].in_flight == 0)
     harness.drain()
     assert [r["status"] for r in sink.trajectories] == (["aborted"] if tenant == "alice" else [])
+    metrics = httpx.get(harness.base_url + "/metrics", timeout=30).text.splitlines()
+    assert any(
+        m.startswith("olp_proxy_requests_total{") and 'status="499"' in m for m in metrics
+    ), metrics
+    assert f'olp_proxy_errors_total{{kind="client_disconnect",tenant="{tenant}"}} 1.0' in metrics
 
 
 @pytest.mark.parametrize("where", ["before_admission", "in_relay"])

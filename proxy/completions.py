@@ -48,6 +48,7 @@ log = structlog.get_logger(__name__)
 # Upstream response headers worth passing on; hop-by-hop and length headers are not.
 _FORWARDED_UPSTREAM_HEADERS = ("content-type",)
 _DISCONNECT_ERRORS = (ConnectionResetError, ConnectionAbortedError, BrokenPipeError)
+_DONE_EVENT = b"data: [DONE]\n\n"
 
 
 def text_header(request: web.Request, name: str, limit: int | None = None) -> str | None:
@@ -420,6 +421,7 @@ class CompletionRelay:
         parser = SSEParser()
         watch_usage = capture is None and plan.client_wants_usage
         outcome = "ok"
+        done_sent = False  # the stream's `data: [DONE]` reached the client
         try:
             async for data in upstream.content.iter_any():
                 if self.ttft_s is None:
@@ -433,10 +435,13 @@ class CompletionRelay:
                 elif watch_usage:
                     self._watch_usage(parser, data)
                 await response.write(data)
+                done_sent = data.endswith(_DONE_EVENT)
         except _DISCONNECT_ERRORS:
             outcome = "aborted"
         except asyncio.CancelledError:
-            outcome = "aborted"
+            # The client left. Once [DONE] reached it the answer was whole: the OpenAI SDK
+            # closes the connection right then, before the stream's last bytes arrive.
+            outcome = "ok" if done_sent else "aborted"
             upstream.close()
             self._finish_stream(outcome, capture)
             raise

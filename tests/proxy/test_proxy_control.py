@@ -104,10 +104,12 @@ def test_client_disconnect_mid_stream_aborts_upstream_and_trajectory(
             if line.startswith("data: ") and '"content"' in line:
                 seen += 1
             if seen >= 3:
+                # 1500 tokens through a LoRA take minutes here: the request still runs.
+                # (Checked before leaving the loop, which closes the connection: the
+                # proxy's handler is cancelled at once and closes vLLM's.)
+                assert _adapter_active(vllm_server, loaded_adapter)
                 break
-        # 1500 tokens through a LoRA take minutes here: the request is surely still running.
-        assert _adapter_active(vllm_server, loaded_adapter)
-    # Leaving the block closed the connection mid-stream.
+    # Leaving the loop closed the connection mid-stream.
     wait_for(lambda: len(sink.trajectories) == 1, timeout_s=30)
     [record] = sink.trajectories
     assert record["trajectory_id"] == trajectory_id

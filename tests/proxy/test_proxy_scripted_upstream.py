@@ -65,8 +65,9 @@ class ScriptedUpstream(ThreadedUpstream):
     """Streams FRAGMENTS honouring logprobs / return_token_ids / include_usage like vLLM.
     `die_after` cuts the connection after that many chunks."""
 
-    def __init__(self, die_after: int | None = None) -> None:
+    def __init__(self, die_after: int | None = None, linger_s: float = 0.0) -> None:
         self.die_after = die_after
+        self.linger_s = linger_s  # between [DONE] and the end of the response
         super().__init__()
 
     async def _chat(self, request: web.Request) -> web.StreamResponse:
@@ -125,6 +126,7 @@ class ScriptedUpstream(ThreadedUpstream):
                 )
             )
         await response.write(b"data: [DONE]\n\n")
+        await asyncio.sleep(self.linger_s)
         await response.write_eof()
         return response
 
@@ -414,3 +416,29 @@ def test_an_unexpected_failure_is_a_counted_500(make_proxy, monkeypatch, where):
     harness.drain()
     expected = [] if where == "before_admission" else ["error"]
     assert [r["status"] for r in sink.trajectories] == expected
+
+
+def test_a_client_leaving_right_after_done_keeps_a_whole_trajectory(make_proxy):
+    """The OpenAI SDK closes the connection as soon as it reads [DONE], before the stream's
+    last bytes: the answer reached it whole, so the record is `ok`, not `aborted` (with
+    handler cancellation the proxy's handler is cancelled right then)."""
+    upstream = ScriptedUpstream(linger_s=3.0).start()
+    try:
+        harness, sink = make_proxy([upstream.url])
+        body = {"model": "policy", "messages": [{"role": "user", "content": "x"}]}
+        with httpx.stream(
+            "POST",
+            harness.base_url + "/v1/chat/completions",
+            json={**body, "stream": True},
+            headers={"Authorization": f"Bearer {KEYS['alice']}"},
+            timeout=30,
+        ) as response:
+            for line in response.iter_lines():
+                if line == "data: [DONE]":
+                    break  # and leave, as the SDK does
+        harness.drain()
+    finally:
+        upstream.stop()
+    [record] = sink.trajectories
+    assert record["status"] == "ok" and record["trainable"], record["flags"]
+    wait_for(lambda: harness.ctx.tenants.tenants["alice"].in_flight == 0)

@@ -30,6 +30,15 @@ _VERSION = re.compile(r"^policy-v[0-9]+$")
 ADMIN_LOCK = web.AppKey("olp_admin_lock", asyncio.Lock)
 
 
+def _known_alias(ctx: ProxyContext, body: dict[str, Any]) -> str:
+    """The body's `alias` (the policy alias when absent); 400 when the table has no such
+    alias."""
+    alias = body.get("alias", ctx.config.policy_alias)
+    if not isinstance(alias, str) or ctx.aliases.resolve(alias) is None:
+        raise bad_request(f"Unknown alias {alias!r}.", param="alias")
+    return alias
+
+
 def _served_target(ctx: ProxyContext, value: Any, param: str) -> str:
     """A flip, rollback or canary target: `policy-v<N>`, or the base model as `base` or as
     its served name (`policy.served_model_name`), which is what upstream is asked for."""
@@ -211,9 +220,7 @@ async def rollback(request: web.Request) -> web.Response:
     ctx = request.app[CONTEXT]
     body = await _json_object(request)
     async with request.app[ADMIN_LOCK]:
-        alias = body.get("alias", ctx.config.policy_alias)
-        if not isinstance(alias, str) or ctx.aliases.resolve(alias) is None:
-            raise bad_request(f"Unknown alias {alias!r}.", param="alias")
+        alias = _known_alias(ctx, body)
         current = ctx.aliases.resolve(alias)
         target = body.get("to")
         if target is None and alias in ctx.aliases.canaries():
@@ -240,9 +247,7 @@ async def start_canary(request: web.Request) -> web.Response:
     ctx = request.app[CONTEXT]
     body = await _json_object(request)
     async with request.app[ADMIN_LOCK]:
-        alias = body.get("alias", ctx.config.policy_alias)
-        if not isinstance(alias, str) or ctx.aliases.resolve(alias) is None:
-            raise bad_request(f"Unknown alias {alias!r}.", param="alias")
+        alias = _known_alias(ctx, body)
         target = _served_target(ctx, body.get("target"), "target")
         share = _share(body.get("share"))
         if ctx.state.frozen:

@@ -387,3 +387,21 @@ def test_feedback_has_a_rate_limit_of_its_own(make_proxy, fake):
     assert len(sink.feedback) == 2
     carol = harness.ctx.tenants.tenants["carol"]
     assert carol.bucket is not None and carol.bucket.tokens == 2  # completions untouched
+
+
+@pytest.mark.parametrize(
+    "path, body",
+    [
+        ("/admin/rollback", {"alias": "nope"}),
+        ("/admin/rollback", {"alias": 7}),
+        ("/admin/canary", {"alias": "nope", "target": "policy-v1", "share": 0.5}),
+    ],
+)
+def test_admin_changes_to_an_alias_the_table_lacks_are_400s(make_proxy, fake, path, body):
+    harness, _ = make_proxy([fake.url])
+    before = harness.ctx.aliases.resolve("policy")
+    response = _admin(harness.base_url, path, body)
+    assert _assert_error(response, 400, "invalid_request")["param"] == "alias"
+    assert "Unknown alias" in response.json()["error"]["message"]
+    assert harness.ctx.aliases.resolve("policy") == before
+    assert harness.ctx.aliases.canaries() == {}

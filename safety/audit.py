@@ -23,7 +23,7 @@ from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 import structlog
 
@@ -54,10 +54,13 @@ def record_hash(record: Mapping[str, Any]) -> str:
 
 
 def _secret_key_pattern(keys: Iterable[str]) -> re.Pattern[str]:
-    # A key is secret when one of the names is its whole name or its last `_`/`-` separated
-    # part(s): `api_key`, `openai_api_key`, `X-Admin-Key`; never `max_tokens`.
+    # A key is secret when one of the names is its whole name or its last part(s) after a
+    # `_`, a `-` or a camelCase boundary: `api_key`, `openai_api_key`, `X-Admin-Key`,
+    # `dbPassword`, `XApiKey`; never `max_tokens` or `maxTokens`. The camelCase boundaries
+    # (`bP`, `XAp`) are matched case-sensitively inside the otherwise case-blind pattern.
     alternatives = "|".join(re.escape(k).replace("_", "[_-]?") for k in keys)
-    return re.compile(rf"^(?:.*[_-])?(?:{alternatives})$", re.IGNORECASE)
+    camel = r"(?-i:[a-z0-9](?=[A-Z])|[A-Z](?=[A-Z][a-z]))"
+    return re.compile(rf"^(?:.*[_-]|.*{camel})?(?:{alternatives})$", re.IGNORECASE)
 
 
 class PayloadSanitizer:
@@ -328,12 +331,49 @@ def _iter_lines(files: list[Path]) -> Iterator[tuple[Path, int, bytes]]:
 
 
 def iter_records(path_or_dir: str | os.PathLike[str]) -> Iterator[dict]:
-    """Every record in chain order across rotated files (no verification)."""
-    for file, number, line in _iter_lines(chain_files(resolve_live_path(path_or_dir))):
+    """Every record in chain order across rotated files (no verification).
+
+    A snapshot as of the first record read: under the writers' shared lock it lists the
+    rotated files, opens the live file and notes its size; the lines are read after the
+    lock is released. Rotated files never change and an open file survives its rotation, so
+    an append or a rotation while the caller iterates neither drops nor repeats records, and
+    a slow caller (a pager) never keeps writers waiting.
+    """
+    live = resolve_live_path(path_or_dir)
+    with _shared_lock(live):
+        rotated = rotated_files(live)
         try:
-            yield json.loads(line)
+            live_handle: IO[bytes] | None = live.open("rb")
+        except FileNotFoundError:
+            live_handle = None
+        live_size = os.fstat(live_handle.fileno()).st_size if live_handle is not None else 0
+    try:
+        for file in rotated:
+            with file.open("rb") as handle:
+                yield from _records(file, handle, None)
+        if live_handle is not None:
+            yield from _records(live, live_handle, live_size)
+    finally:
+        if live_handle is not None:
+            live_handle.close()
+
+
+def _records(file: Path, handle: IO[bytes], limit: int | None) -> Iterator[dict]:
+    """The records of one open chain file; with `limit`, of its first `limit` bytes only."""
+    for number, line in enumerate(handle, start=1):
+        if limit is not None:
+            if limit <= 0:
+                return  # appended after the snapshot
+            line = line[:limit]
+            limit -= len(line)
+        try:
+            record = json.loads(line)
         except ValueError as exc:
             raise AuditError(f"{file}:{number} is not valid JSON") from exc
+        if not isinstance(record, dict):
+            # Callers read records with `.get`: name the damaged line instead of crashing.
+            raise AuditError(f"{file}:{number} is not a JSON object")
+        yield record
 
 
 @contextlib.contextmanager
@@ -369,13 +409,17 @@ def verify(path_or_dir: str | os.PathLike[str]) -> VerifyResult:
     Detects an edited line (hash mismatch), a deleted line (seq gap or head mismatch), an
     inserted line (seq/prev_hash out of order) and reordered lines.
 
-    A check that fails is read again under the writers' lock: an append or a rotation
-    while it read may have caused it. Only then do appends wait for it (the proxy appends
-    on its event loop, so a lock held for every check would stall requests on a long log).
+    A check that fails (or finds a listed file renamed away) is read again under the
+    writers' lock: an append or a rotation while it read may have caused it. Only then do
+    appends wait for it (the proxy appends on its event loop, so a lock held for every
+    check would stall requests on a long log).
     """
     live = resolve_live_path(path_or_dir)
-    result = _verify_unlocked(live)
-    if result.ok:
+    try:
+        result: VerifyResult | None = _verify_unlocked(live)
+    except FileNotFoundError:
+        result = None  # a rotation renamed a listed file before it was opened
+    if result is not None and result.ok:
         return result
     with _shared_lock(live):
         return _verify_unlocked(live)
@@ -469,11 +513,19 @@ def _hash_at(files: list[Path], seq: int) -> str | None:
 def format_record(record: Mapping[str, Any]) -> str:
     """One readable line per record for `olp audit show`."""
     payload = record.get("payload") or {}
-    details = " ".join(
+    if not isinstance(payload, Mapping):
+        payload = {"payload": payload}  # a hand-edited record: shown as it is
+    details = [
         f"{key}={json.dumps(value, ensure_ascii=False, sort_keys=True)}"
         for key, value in sorted(payload.items())
+    ]
+    return " ".join(
+        [
+            f"#{record.get('seq')}",
+            str(record.get("ts")),
+            str(record.get("actor")),
+            str(record.get("event")),
+            *details,
+            f"[{str(record.get('hash', ''))[:12]}]",
+        ]
     )
-    return (
-        f"#{record.get('seq')} {record.get('ts')} {record.get('actor')} "
-        f"{record.get('event')} {details} [{str(record.get('hash', ''))[:12]}]"
-    ).rstrip()

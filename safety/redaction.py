@@ -70,6 +70,7 @@ class _Kind:
 _DIGIT_RUN = r"\d[\d .()+-]{6,}\d"
 _AWS_KEY_ID = r"(?:AKIA|ASIA|ABIA|ACCA|AROA|AIDA)[0-9A-Z]{16}"
 _AWS_SECRET = r"[A-Za-z0-9/+]{40}(?![A-Za-z0-9/+=])"
+_KEY_BODY = r"(?=[a-z_-]*[A-Z0-9])[A-Za-z0-9_-]{20,}"  # with an upper-case letter or digit
 _BUILTIN: dict[str, _Kind] = {
     k.name: k
     for k in (
@@ -87,12 +88,17 @@ _BUILTIN: dict[str, _Kind] = {
             r"\beyJ[A-Za-z0-9_-]{5,}\.eyJ[A-Za-z0-9_-]{5,}\.[A-Za-z0-9_-]{8,}",
             needles=("eyJ",),
         ),
+        # Real key bodies are random base62/base64url and so hold an upper-case letter or a
+        # digit (`_KEY_BODY`); an all-lower-case kebab/snake name (`sk-learn-model-selection-
+        # helpers`, `sk-ant-design-...`) is an identifier, not a key.
         _Kind(
-            "anthropic_key", r"\bsk-ant-[A-Za-z0-9]{2,10}-[A-Za-z0-9_-]{20,}", needles=("sk-ant-",)
+            "anthropic_key",
+            rf"\bsk-ant-[A-Za-z0-9]{{2,10}}-{_KEY_BODY}",
+            needles=("sk-ant-",),
         ),
         _Kind(
             "openai_key",
-            r"\bsk-(?:proj-|svcacct-|admin-|None-)?[A-Za-z0-9_-]{20,}",
+            rf"\bsk-(?:proj-|svcacct-|admin-|None-)?{_KEY_BODY}",
             needles=("sk-",),
         ),
         _Kind(
@@ -115,7 +121,9 @@ _BUILTIN: dict[str, _Kind] = {
         _Kind(
             "gitlab_token",  # personal, project, deploy, runner, trigger, OAuth app tokens
             r"\bgl(?:pat|dt|rt|ptt|cbt|oas|imt|ft|soat)-[A-Za-z0-9_-]{20,}",
-            needle_regex=r"\bgl[a-z]{2,4}-",
+            # No `\b` in a needle: `redact_obj` searches JSON text, where the newline
+            # before a token at the start of a line is `\n`, a word character before it.
+            needle_regex=r"gl[a-z]{2,4}-",
         ),
         _Kind(
             "slack_token",  # bot/user tokens, app-level tokens, incoming-webhook URLs
@@ -143,11 +151,18 @@ _BUILTIN: dict[str, _Kind] = {
         ),
         _Kind(
             "url_password",  # scheme://user:password@host keeps all but the password
-            # The password runs to the authority's last `@` (as urllib reads it), so an
-            # unescaped `P@ssw0rd` goes whole; the extra `@` parts stop at quotes and brackets
-            # so a URL does not reach into the next JSON string.
-            r"\b[A-Za-z][A-Za-z0-9+.-]*://[^/\s:@]*:"
-            r"(?P<secret>[^/\s@]+(?:@[^/\s@\"'<>]+)*)@",
+            # Userinfo lives only in the authority, which ends at the first `/`, `?` or `#`:
+            # an `@` in the path, query or fragment (`host:8000?email=a@b.com`) is not a
+            # password. The one exception: a pasted DSN's unescaped `P#ss` / `pa?ss` is still
+            # a secret, so `?` and `#` may sit in the password unless the text before them is
+            # a port (digits: `host:8000?` ends the authority). The password runs to the
+            # authority's last `@` (as urllib reads it), so an unescaped `P@ssw0rd` goes
+            # whole. No part crosses a `"` or an angle bracket (never valid in userinfo), so
+            # `{"u":"http://host:80","to":"a@b.co"}` does not read as a password running into
+            # the next JSON string; the extra `@` parts stop at a `'` too. The user part holds
+            # no `[`: `http://[::1]:8000` is a host.
+            r"\b[A-Za-z][A-Za-z0-9+.-]*://[^/?#\s:@\"<>\[\]]*:"
+            r"(?P<secret>(?!\d*[?#])[^/\s@\"<>]+(?:@[^/?#\s@\"'<>]+)*)@",
             needles=("://",),
         ),
         _Kind(
@@ -173,6 +188,7 @@ _BUILTIN: dict[str, _Kind] = {
     )
 }
 assert tuple(_BUILTIN) == BUILTIN_REDACTION_KINDS
+_MIN_BUILTIN_LENGTH = 6  # the shortest text any built-in kind matches
 
 
 def _needle_source(kind: _Kind) -> str | None:
@@ -212,6 +228,9 @@ class Redactor:
             raise ValueError(f"unknown redaction kinds: {unknown}")
         # Custom patterns go first: an operator's pattern is more specific than ours.
         selected = [_Kind(p.name, p.regex) for p in custom_patterns]
+        # No built-in kind matches fewer than 6 characters (`a@b.co`), so shorter strings
+        # are skipped; an operator's pattern may match less (a 5-character id).
+        self._min_length = 1 if selected else _MIN_BUILTIN_LENGTH
         selected += [kind for name, kind in _BUILTIN.items() if name in kinds]
         self.kinds: tuple[str, ...] = tuple(k.name for k in selected)
         # One search per string decides whether any pass can match at all: most strings in
@@ -226,7 +245,7 @@ class Redactor:
 
     def redact_text(self, text: str) -> tuple[str, RedactionCounts]:
         """Return the redacted text and how many matches of each kind were replaced."""
-        if not self.enabled or len(text) < 6:
+        if not self.enabled or len(text) < self._min_length:
             return text, {}
         if self._any_needle is not None and self._any_needle.search(text) is None:
             return text, {}
@@ -259,8 +278,10 @@ class Redactor:
 
         When no needle occurs anywhere in the structure's JSON text (the usual case), nothing
         can be redacted and `obj` itself is returned: callers must not modify the result.
-        JSON writes every needle character as itself, so the one search over the encoded
-        text is a necessary condition for any string inside to need redaction."""
+        JSON writes every needle character as itself, and no needle depends on what comes
+        before it (no word boundary: an escaped newline is a backslash and an `n`), so the
+        one search over the encoded text is a necessary condition for any string inside to
+        need redaction."""
         if not self.enabled:
             return obj, {}
         if self._any_needle is not None:
@@ -279,7 +300,7 @@ class Redactor:
         # plain str/dict/list; subclasses and tuples take the general path below.
         kind = type(obj)
         if kind is str or isinstance(obj, str):
-            if len(obj) < 6:
+            if len(obj) < self._min_length:
                 return obj
             text, found = self.redact_text(obj)
             if found:

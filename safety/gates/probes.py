@@ -8,6 +8,7 @@ import re
 from pathlib import Path
 from typing import Any, Literal, TypeVar
 
+import jsonschema
 from pydantic import (
     BaseModel,
     ConfigDict,
@@ -90,6 +91,17 @@ class ToolSpec(BaseModel):
     name: str
     parameters: dict[str, Any]
 
+    @field_validator("parameters")
+    @classmethod
+    def _is_a_schema(cls, value: dict[str, Any]) -> dict[str, Any]:
+        # Checked here so a bad schema names its file and line; inside the monitor gate it
+        # would only surface as a bare SchemaError.
+        try:
+            jsonschema.validators.validator_for(value).check_schema(value)
+        except jsonschema.SchemaError as exc:
+            raise ValueError(f"'parameters' is not a valid JSON schema: {exc.message}") from exc
+        return value
+
 
 class MonitorProbe(Probe):
     kind: Literal["benign", "tool", "ambiguous"] = "benign"
@@ -140,7 +152,7 @@ def load_probes(path: Path, model: type[P]) -> list[P]:
     """Parse one JSONL probe file; raise GateError naming the file and line on bad input."""
     try:
         lines = Path(path).read_text(encoding="utf-8").splitlines()
-    except OSError as exc:
+    except (OSError, UnicodeDecodeError) as exc:
         raise GateError(f"cannot read probe file {path}: {exc}") from exc
     probes: list[P] = []
     for number, line in enumerate(lines, start=1):

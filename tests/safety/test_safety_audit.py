@@ -271,6 +271,31 @@ def test_framework_and_cloud_secret_key_names_are_dropped(tmp_path: Path) -> Non
     }
 
 
+def test_camel_case_secret_key_names_are_dropped(tmp_path: Path) -> None:
+    # JSON from JavaScript clients names secrets in camelCase: the last camelCase part is a
+    # part like the last `_` one (before, `dbPassword` and `authToken` were written in clear).
+    audit = AuditLog.from_config(AuditConfig(), tmp_path, Redactor())
+    payload = {
+        "dbPassword": "hunter2-x1",
+        "authToken": "opaque-x2",
+        "openaiApiKey": "opaque-x3",
+        "XApiKey": "opaque-x4",
+        "maxTokens": 16,
+        "tokenCount": 3,
+        "passwordHint": "pet",
+    }
+    record = audit.append("admin", "config_shown", payload)
+    assert record["payload"] == {
+        "dbPassword": "[REDACTED:secret]",
+        "authToken": "[REDACTED:secret]",
+        "openaiApiKey": "[REDACTED:secret]",
+        "XApiKey": "[REDACTED:secret]",
+        "maxTokens": 16,
+        "tokenCount": 3,
+        "passwordHint": "pet",
+    }
+
+
 def test_bad_payload_is_rejected_before_writing(tmp_path: Path) -> None:
     path = tmp_path / "audit.jsonl"
     audit = _write_log(path, 1)
@@ -341,6 +366,31 @@ def test_verify_is_not_fooled_by_an_append_while_it_reads(
     assert appended and (result.ok, result.records) == (True, 4), result.reason
 
 
+def test_verify_is_not_fooled_by_a_rotation_while_it_lists_the_files(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A rotation renames the live file: between listing the chain files and opening them,
+    # `audit.jsonl` may be gone for a moment. Before, `olp audit verify` then failed with
+    # FileNotFoundError ("cannot read the audit log") on a sound log.
+    import safety.audit as audit_module
+
+    path = tmp_path / "audit.jsonl"
+    _write_log(path, 3)
+    real_chain_files = audit_module.chain_files
+    rotated: list[Path] = []
+
+    def list_then_rotate(live: Path) -> list[Path]:
+        files = real_chain_files(live)
+        if not rotated:  # once: the writer renames the live file right after the listing
+            rotated.append(live.with_name("audit.jsonl.1"))
+            os.replace(live, rotated[0])
+        return files
+
+    monkeypatch.setattr(audit_module, "chain_files", list_then_rotate)
+    result = verify(path)
+    assert rotated and (result.ok, result.records) == (True, 3), result.reason
+
+
 def test_a_sound_log_is_verified_without_waiting_for_writers(tmp_path: Path) -> None:
     # The proxy appends on its event loop: a verify of a sound log must not take the lock
     # (a writer holding it must not delay the check, nor the check the writer).
@@ -359,6 +409,53 @@ def test_a_sound_log_is_verified_without_waiting_for_writers(tmp_path: Path) -> 
         os.close(fd)
 
 
+def test_iter_records_sees_a_whole_prefix_while_a_writer_rotates(tmp_path: Path) -> None:
+    # `olp audit show` reads while the proxy appends and rotates: every read must be the
+    # chain's first n records, none missing (a rotation between listing the files and
+    # opening the live one) and none twice.
+    path = tmp_path / "audit.jsonl"
+    script = textwrap.dedent(
+        f"""
+        from safety.audit import AuditLog
+        log = AuditLog({str(path)!r}, rotate_bytes=400, fsync=False)
+        for i in range(1500):
+            log.append("proxy", "request", {{"i": i}})
+        """
+    )
+    root = Path(__file__).resolve().parents[2]
+    writer = subprocess.Popen([sys.executable, "-c", script], cwd=root, stdout=subprocess.DEVNULL)
+    reads = bad = 0
+    try:
+        while writer.poll() is None:
+            seqs = [record["seq"] for record in iter_records(path)]
+            reads += 1
+            bad += seqs != list(range(1, len(seqs) + 1))
+    finally:
+        assert writer.wait(timeout=120) == 0
+    assert reads > 20 and not bad, f"{bad} of {reads} reads were not a prefix"
+    assert [record["seq"] for record in iter_records(path)] == list(range(1, 1501))
+
+
+def test_iter_records_does_not_hold_the_lock_while_the_caller_works(tmp_path: Path) -> None:
+    # The proxy appends on its event loop: a slow consumer of `iter_records` (a pager) must
+    # not keep writers waiting, and it still sees the records as they were when it started.
+    path = tmp_path / "audit.jsonl"
+    audit = AuditLog(path, rotate_bytes=300, fsync=False)
+    for index in range(5):
+        audit.append("learner", "gate_result", {"i": index})
+    records = iter_records(path)
+    first = next(records)
+    writer = threading.Thread(
+        target=lambda: [audit.append("proxy", "late", {"i": i}) for i in range(10)],
+        daemon=True,  # were it blocked on the lock, it must not hang the test run
+    )
+    writer.start()
+    writer.join(timeout=10)
+    assert not writer.is_alive()
+    assert [first["seq"]] + [r["seq"] for r in records] == [1, 2, 3, 4, 5]
+    assert [r["seq"] for r in iter_records(path)] == list(range(1, 16))
+
+
 def test_format_record_is_one_readable_line(tmp_path: Path) -> None:
     record = _write_log(tmp_path / "audit.jsonl", 1).append(
         "operator", "rollback", {"to": "policy-v2", "reason": "canary worse"}
@@ -366,3 +463,21 @@ def test_format_record_is_one_readable_line(tmp_path: Path) -> None:
     line = format_record(record)
     assert line.startswith("#2 ") and "operator rollback" in line
     assert 'to="policy-v2"' in line and "\n" not in line
+
+
+@pytest.mark.parametrize("line", [b"[1, 2]\n", b'"seq"\n', b"42\n", b"null\n"])
+def test_iter_records_names_a_line_that_is_not_a_record(tmp_path: Path, line: bytes) -> None:
+    # `olp audit show` on a damaged log must say where it is damaged (AuditError, which the
+    # CLI reports) instead of crashing on `.get` of a list or a number.
+    path = tmp_path / "audit.jsonl"
+    _write_log(path, 2)
+    path.write_bytes(_lines(path)[0] + line)
+    with pytest.raises(AuditError, match=r"audit\.jsonl:2 is not a JSON object"):
+        list(iter_records(path))
+
+
+def test_format_record_shows_a_payload_that_is_not_an_object(tmp_path: Path) -> None:
+    # A hand-edited record: show it as it is rather than crash the whole listing.
+    record = {"seq": 7, "ts": "t", "actor": "a", "event": "e", "payload": ["x", 1], "hash": "f"}
+    assert format_record(record) == '#7 t a e payload=["x", 1] [f]'
+    assert format_record({**record, "payload": None}) == "#7 t a e [f]"

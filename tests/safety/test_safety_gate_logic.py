@@ -84,6 +84,25 @@ def test_a_tool_monitor_probe_without_its_tool_is_a_bad_line(tmp_path: Path) -> 
         load_probes(path, MonitorProbe)
 
 
+def test_a_tool_probe_with_an_invalid_json_schema_is_a_bad_line(tmp_path: Path) -> None:
+    # Before, the schema was first used inside the monitor gate, which then failed with a
+    # bare SchemaError instead of naming the file and line.
+    path = tmp_path / "monitor.jsonl"
+    tool = {"name": "get_weather", "parameters": {"type": "objekt"}}
+    path.write_text(json.dumps({"id": "m", "prompt": "Weather?", "kind": "tool", "tool": tool}))
+    with pytest.raises(
+        GateError, match=r"(?s)monitor.jsonl:1: invalid MonitorProbe.*not a valid JSON schema"
+    ):
+        load_probes(path, MonitorProbe)
+
+
+def test_a_probe_file_that_is_not_utf8_is_reported_as_unreadable(tmp_path: Path) -> None:
+    path = tmp_path / "latin1.jsonl"
+    path.write_bytes('{"id": "p", "prompt": "caf\u00e9"}\n'.encode("latin-1"))
+    with pytest.raises(GateError, match=r"cannot read probe file .*latin1.jsonl"):
+        load_probes(path, KLPrompt)
+
+
 def test_operator_probes_come_first_and_max_probes_truncates(tmp_path: Path) -> None:
     extra = tmp_path / "mine.jsonl"
     probe = {

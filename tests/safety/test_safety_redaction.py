@@ -246,3 +246,145 @@ def test_bad_config_is_rejected_with_a_clear_error() -> None:
 
 def test_merge_counts() -> None:
     assert merge_counts({"email": 1}, {"email": 2, "jwt": 1}, {}) == {"email": 3, "jwt": 1}
+
+
+@pytest.mark.parametrize(
+    ("text", "expected", "counts"),
+    [
+        # No userinfo: the `@` is in the query, so the e-mail rule takes it, not the URL one.
+        (
+            "http://localhost:8000?email=a@b.com",
+            "http://localhost:8000?email=[REDACTED:email]",
+            {"email": 1},
+        ),
+        (
+            "GET https://api.example.com:443#user:x@example.org",
+            "GET https://api.example.com:443#user:[REDACTED:email]",
+            {"email": 1},
+        ),
+        ("see http://host:80/a:b@c for details", "see http://host:80/a:b@c for details", {}),
+        # Userinfo and an `@` in the query: only the authority's password goes.
+        (
+            "https://user:p@ss@host/x?to=a@b.com",
+            "https://user:[REDACTED:url_password]@host/x?to=[REDACTED:email]",
+            {"url_password": 1, "email": 1},
+        ),
+        (
+            "https://user:pw@host?to=a@b.com",
+            "https://user:[REDACTED:url_password]@host?to=[REDACTED:email]",
+            {"url_password": 1, "email": 1},
+        ),
+        # An IPv6 literal is a host, not `user:password`.
+        (
+            "http://[::1]:8000?email=a@b.com",
+            "http://[::1]:8000?email=[REDACTED:email]",
+            {"email": 1},
+        ),
+    ],
+)
+def test_an_at_sign_after_the_authority_is_not_a_url_password(
+    text: str, expected: str, counts: dict[str, int]
+) -> None:
+    # Userinfo can only sit between `scheme://` and the first `/`, `?` or `#`.
+    assert Redactor().redact_text(text) == (expected, counts)
+
+
+@pytest.mark.parametrize(
+    "name",
+    [
+        "sk-learn-model-selection-helpers",
+        "sk-learn-preprocessing-pipeline-utils",
+        "the sk-image-segmentation-tutorial-notebook repo",
+        "module sk_helpers.sk-feature-extraction-helpers_v",
+        "theme sk-ant-design-theme-customization-helpers",
+    ],
+)
+def test_kebab_case_identifiers_starting_with_sk_are_not_api_keys(name: str) -> None:
+    assert Redactor().redact_text(name) == (name, {})
+
+
+_B62 = "T3BlbkFJ"  # every OpenAI key body carries upper-case letters or digits
+OPENAI_KEYS = [
+    "sk-" + "aB3dE5fG7hJ9kL1mN2pQ4rS6tU8vW0xY" + _B62 + "zA1bC2dE",  # legacy, 48 base62
+    "sk-proj-" + "Ab1_cD2-eF3gH4iJ5kL6mN7oP8qR9sT0uV" + _B62 + "wX_yZ-aB1cD2eF3gH4",
+    "sk-proj-" + "abcdefghij-klmnopqrst_uvwxyz0123" + _B62 + "abcdefghijklmnop",
+    "sk-svcacct-" + "Zx9_Yw8-Vu7Ts6Rq5Po4Nm3Lk2" + _B62 + "Ji1Hg0Fe_Dc-Ba98",
+    "sk-admin-" + "Qw3Er4Ty5Ui6Op7As8Df9" + _B62 + "Gh0Jk1Lz2Xc3-Vb4_Nm5",
+    "sk-None-" + "aaaa1bbbb2cccc3dddd4" + _B62 + "eeee5ffff6",
+    "sk-" + "0123456789abcdef0123456789abcdef01234567",  # lower-case and digits only
+]
+
+
+@pytest.mark.parametrize("key", OPENAI_KEYS)
+def test_realistic_openai_key_shapes_are_redacted(key: str) -> None:
+    redacted, counts = Redactor().redact_text(f'OPENAI_API_KEY="{key}"')
+    assert redacted == 'OPENAI_API_KEY="[REDACTED:openai_key]"'
+    assert counts == {"openai_key": 1}
+
+
+def test_a_url_password_does_not_reach_into_the_next_json_string() -> None:
+    # Tool-call arguments are JSON text: a URL with a port must not be read as
+    # `user:password` running through the closing quote up to an e-mail's `@`.
+    arguments = json.dumps({"url": "http://host:80", "to": "x@example.com"}, separators=(",", ":"))
+    redacted, counts = Redactor().redact_text(arguments)
+    assert json.loads(redacted) == {"url": "http://host:80", "to": "[REDACTED:email]"}
+    assert counts == {"email": 1}
+
+
+@pytest.mark.parametrize("password", ["P#ssw0rd!", "pa?ss", "s3cr#t?x"])
+def test_an_unescaped_hash_or_question_mark_in_a_url_password_is_still_redacted(
+    password: str,
+) -> None:
+    # Strictly the authority ends at `#` / `?`, but a pasted DSN with such a password is
+    # still a secret. Only `host:<port>?` / `host:<port>#` (digits, then the query or the
+    # fragment) marks where the authority ends.
+    text = f"DATABASE_URL=postgres://admin:{password}@db:5432/app"
+    assert Redactor().redact_text(text) == (
+        "DATABASE_URL=postgres://admin:[REDACTED:url_password]@db:5432/app",
+        {"url_password": 1},
+    )
+
+
+def test_custom_patterns_apply_to_short_strings() -> None:
+    # Strings under 6 characters are skipped because no built-in kind matches that little;
+    # an operator's pattern can (a 5-character employee id alone in a metadata value).
+    config = RedactionConfig(custom_patterns=[CustomPattern(name="employee", regex=r"\bE\d{4}\b")])
+    redactor = Redactor.from_config(config)
+    assert redactor.redact_text("E1234") == ("[REDACTED:employee]", {"employee": 1})
+    redacted, counts = redactor.redact_obj({"owner": "E1234", "n": 1})
+    assert (redacted, counts) == ({"owner": "[REDACTED:employee]", "n": 1}, {"employee": 1})
+    assert Redactor().redact_text("a@b.c") == ("a@b.c", {})
+
+
+@pytest.mark.parametrize(
+    "key",
+    [
+        "sk-ant-api03-" + "aB3_dE5-fG7hJ9kL1mN2pQ4rS6tU8vW0xYzA1bC2dE" * 2 + "AA",
+        "sk-ant-admin01-" + "zyxwvutsrq0987654321_abcdefghij-klmnop" + "AA",
+        "sk-ant-oat01-" + "Q" * 8 + "abcdefghijklmnopqrstuvwxyz",
+    ],
+)
+def test_realistic_anthropic_key_shapes_are_redacted(key: str) -> None:
+    assert Redactor().redact_text(f"ANTHROPIC_API_KEY={key}") == (
+        "ANTHROPIC_API_KEY=[REDACTED:anthropic_key]",
+        {"anthropic_key": 1},
+    )
+
+
+@pytest.mark.parametrize("escaped", ["\n", "\t", '"', "\\", "\x01"])
+def test_redact_obj_finds_what_redact_text_finds_next_to_an_escaped_character(
+    escaped: str,
+) -> None:
+    # `redact_obj` first searches the object's JSON text for the needles, where a newline is
+    # `\n`: a needle anchored with `\b` missed `glpat-` at the start of a line (a `.env`
+    # file in a message), and the whole object went out unredacted.
+    redactor = Redactor()
+    assert redactor.redact_obj({"c": f"env:{escaped}glpat-xYz12AbC34dEf56GhI78jK"}) == (
+        {"c": f"env:{escaped}[REDACTED:gitlab_token]"},
+        {"gitlab_token": 1},
+    )
+    for _, text, _ in CASES:
+        for at in range(len(text) + 1):
+            value = text[:at] + escaped + text[at:]
+            expected, counts = redactor.redact_text(value)
+            assert redactor.redact_obj({"c": value}) == ({"c": expected}, counts), value

@@ -58,6 +58,10 @@ log = structlog.get_logger(__name__)
 Offsets = dict[str, dict[int, int]]
 # A record stamped further ahead of the reading clock than this is counted and logged.
 _FUTURE_TOLERANCE_S = 5.0
+# A rejected record's DLQ envelope keeps this much of it: the topic takes records up to
+# max_request_size_bytes, and an envelope of one that large would be refused, on every
+# poll. The original stays where `source_topic`/`source_partition`/`source_offset` say.
+_DLQ_RAW_BYTES = 65536
 
 
 class DlqRatioExceeded(RuntimeError):
@@ -290,9 +294,17 @@ class TrajectoryConsumer:
             timeout_ms=int(timeout_s * 1000), max_records=self.config.poll_max_records
         )
         order = {self.topics.trajectories: 0, self.topics.feedback: 1, self.topics.dlq: 2}
-        for tp in sorted(batch, key=lambda t: (order[t.topic], t.partition)):
+        tps = sorted(batch, key=lambda t: (order[t.topic], t.partition))
+        for done, tp in enumerate(tps):
             for record in batch[tp]:
-                self._handle(tp, record)
+                try:
+                    self._handle(tp, record)
+                except BaseException:
+                    # The client's position is past the whole batch: without this, the
+                    # records not handled yet would be skipped by the next poll for good.
+                    later = [(t, batch[t][0].offset) for t in tps[done + 1 :] if batch[t]]
+                    self._rewind(tp, record.offset, later)
+                    raise
         self._check_positions()
         self._check_dlq_ratio()
         self._expire_orphans()
@@ -359,6 +371,16 @@ class TrajectoryConsumer:
         else:
             self._add_feedback(tp, record.offset, value)
 
+    def _rewind(
+        self, failed: TopicPartition, offset: int, untouched: list[tuple[TopicPartition, int]]
+    ) -> None:
+        """Seek back to the record whose handling failed and to the first record of every
+        partition not handled yet, so that a later poll reads them again."""
+        if offset >= self._replay_until[failed]:
+            self._next_offset[failed] = offset
+        for tp, first in [(failed, offset), *untouched]:
+            self._consumer.seek(tp, first)
+
     def _remember(self, tp: TopicPartition, record: ConsumerRecord) -> None:
         """A record before the resume point: it was handled by the consumer we resume from."""
         try:
@@ -385,8 +407,8 @@ class TrajectoryConsumer:
     def _reject(
         self, tp: TopicPartition, record: ConsumerRecord, kind: RecordKind, reason: str
     ) -> None:
-        self.stats.invalid += 1
-        self._recent_invalid.append(True)
+        """Send the record's DLQ envelope, then count it: when the send raises, `poll`
+        rewinds to this record and it is handled (and counted) once, on a later poll."""
         log.warning(
             "invalid_record_to_dlq",
             topic=tp.topic,
@@ -399,7 +421,7 @@ class TrajectoryConsumer:
             source_topic=tp.topic,
             origin="consumer",
             kind=kind.value,
-            raw=record.value,
+            raw=None if record.value is None else record.value[:_DLQ_RAW_BYTES],
             source_partition=tp.partition,
             source_offset=record.offset,
         )
@@ -412,6 +434,8 @@ class TrajectoryConsumer:
             )
         self._dlq_producer.send(self.topics.dlq, key=record.key, value=encode_record(envelope))
         self._dlq_producer.flush(timeout=self.config.delivery_timeout_ms / 1000)
+        self.stats.invalid += 1
+        self._recent_invalid.append(True)
 
     def _check_positions(self) -> None:
         """Stop loudly instead of waiting forever at an offset the partition never reaches."""

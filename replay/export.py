@@ -3,7 +3,7 @@
 Bounds are offsets (topic kind → partition → offset, start inclusive, end exclusive) and/or
 record times (`created_at`, unix seconds, start inclusive, end exclusive). Without an end
 offset the export stops at the high watermark seen when it caught up. Records are validated
-and de-duplicated by event_id; each output line is
+and de-duplicated by event_id (trajectories by trajectory_id too); each output line is
 `{"kind", "partition", "offset", "record"}`.
 """
 
@@ -21,7 +21,13 @@ from kafka import KafkaConsumer, TopicPartition
 
 from replay.config import StreamConfig
 from replay.consumer import normalize_offsets
-from replay.schemas import RecordKind, SchemaValidationError, decode_record, validate_record
+from replay.schemas import (
+    RecordKind,
+    SchemaValidationError,
+    decode_record,
+    dumps_json,
+    validate_record,
+)
 from replay.topics import TopicNames
 
 log = structlog.get_logger(__name__)
@@ -174,11 +180,16 @@ def _parse(
         if result is not None:
             result.invalid += 1
         return None
-    if record["event_id"] in seen:
+    # By event_id, and a trajectory by its id too, as the consumer does: a sink worker that
+    # died before confirming a trajectory it built has it built again, with a new event_id.
+    keys = [record["event_id"]]
+    if kind == "trajectories":
+        keys.append(f"trajectory_id:{record['trajectory_id']}")
+    if any(key in seen for key in keys):
         if result is not None:
             result.duplicates += 1
         return None
-    seen.add(record["event_id"])
+    seen.update(keys)
     created = float(record["created_at"])
     if (from_time is not None and created < from_time) or (
         to_time is not None and created >= to_time
@@ -217,7 +228,7 @@ def export_records(
         if chosen == "jsonl":
             with tmp.open("w", encoding="utf-8") as handle:
                 for item in items:
-                    line = json.dumps(item, separators=(",", ":"), ensure_ascii=False)
+                    line = dumps_json(item, separators=(",", ":"))  # lone surrogates escaped
                     handle.write(line + "\n")
                     result.counts[item["kind"]] = result.counts.get(item["kind"], 0) + 1
         else:
@@ -278,8 +289,12 @@ def read_export(path: Path) -> Iterator[dict[str, Any]]:
                 "record": json.loads(row["record_json"]),
             }
         return
-    with path.open(encoding="utf-8") as handle:
-        for number, line in enumerate(handle, start=1):
+    with path.open("rb") as handle:  # decoded per line, so an error names its line
+        for number, raw in enumerate(handle, start=1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as exc:
+                raise ValueError(f"{path}:{number}: not UTF-8: {exc}") from exc
             if not line.strip():
                 continue
             try:

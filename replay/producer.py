@@ -154,8 +154,6 @@ def _prepare(
         if len(value) > limit:
             raise ValueError(f"record is {len(value)} bytes, over the {limit} byte limit")
         return SpillEntry(topic, key, value)
-    except UnicodeError as exc:
-        reason = f"the record holds text that is not valid Unicode (a lone surrogate): {exc}"
     except (SchemaValidationError, TypeError, ValueError) as exc:
         reason = str(exc)
     return _dlq_entry(config, topics, metrics, item, key, reason)

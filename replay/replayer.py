@@ -20,7 +20,7 @@ import aiohttp
 import structlog
 
 from replay.export import read_export
-from replay.schemas import SchemaValidationError, validate_trajectory
+from replay.schemas import SchemaValidationError, dumps_json, validate_trajectory
 
 log = structlog.get_logger(__name__)
 
@@ -70,6 +70,15 @@ def _summarise(record: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+def _parse_answer(body: bytes) -> tuple[Any, bool]:
+    """The answer's JSON and True, or its text (cut short) and False when it is not UTF-8
+    JSON."""
+    try:
+        return json.loads(body.decode("utf-8")), True
+    except (ValueError, RecursionError):  # not UTF-8, not JSON, or nested too deeply
+        return body[:2000].decode("utf-8", "replace"), False
+
+
 async def _replay_one(
     session: aiohttp.ClientSession,
     base_url: str,
@@ -84,18 +93,17 @@ async def _replay_one(
         replayed: dict[str, Any]
         try:
             async with session.post(url, json=body) as response:
-                text = await response.text()
+                payload, parsed = _parse_answer(await response.read())
                 replayed = {"http_status": response.status}
-                try:
-                    payload = json.loads(text)
-                except json.JSONDecodeError:
-                    payload = {"raw": text[:2000]}
-                if response.status == 200:
+                if response.status != 200:
+                    replayed["error"] = payload if parsed else {"raw": payload}
+                elif not isinstance(payload, dict):
+                    # One odd answer must not end the run: it is written as an error.
+                    replayed["error"] = f"the answer is not a JSON object: {str(payload)[:2000]}"
+                else:
                     replayed["choices"] = payload.get("choices", [])
                     replayed["usage"] = payload.get("usage")
                     replayed["policy_version"] = response.headers.get("x-olp-policy-version")
-                else:
-                    replayed["error"] = payload
         except (aiohttp.ClientError, TimeoutError) as exc:
             replayed = {"http_status": None, "error": repr(exc)}
         latency = time.monotonic() - started
@@ -142,9 +150,9 @@ async def replay_file(
     out.parent.mkdir(parents=True, exist_ok=True)
     with out.open("w", encoding="utf-8") as handle:
         for line in lines:
-            handle.write(json.dumps(line, ensure_ascii=False) + "\n")
+            handle.write(dumps_json(line) + "\n")  # a recorded lone surrogate as its escape
             result.sent += 1
-            if line["replayed"].get("http_status") == 200:
+            if line["replayed"].get("http_status") == 200 and "error" not in line["replayed"]:
                 result.ok += 1
             else:
                 result.errors += 1

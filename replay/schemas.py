@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import time
 import uuid
 from collections.abc import Callable
@@ -218,24 +219,57 @@ def encode_record(record: dict[str, Any]) -> bytes:
     (the wire is strict JSON), TypeError for what JSON cannot hold.
 
     msgspec writes and reads back a 4 KB trajectory in ~35 µs, where `json.dumps` takes ~100
-    µs. It writes NaN as null and takes types `json` refuses (sets, tuples, int keys), so its
-    bytes are used only when they read back equal to the record; anything else is written
-    by `json`, which raises as before."""
+    µs. It writes NaN as null, takes types `json` refuses (sets, tuples, int keys) and
+    refuses lone surrogates, so its bytes are used only when they read back equal to the
+    record; anything else is written by `json` (`dumps_json`), which raises as before."""
     try:
         value = _encode_fast(record)
         if _decode_fast(value) == record:
             return value
     except (msgspec.EncodeError, msgspec.DecodeError, TypeError, ValueError, OverflowError):
         pass  # json decides, and says why
-    return json.dumps(record, separators=(",", ":"), ensure_ascii=False, allow_nan=False).encode()
+    return dumps_json(record, separators=(",", ":"), allow_nan=False).encode()
 
 
-def decode_record(value: bytes) -> Any:
-    """Parse a wire value; raises ValueError (json.JSONDecodeError / UnicodeDecodeError).
+# A UTF-16 surrogate code point. In a str it can only be a lone one (a pair is one code
+# point), and `json.dumps(ensure_ascii=False)` writes it as it is, inside a JSON string.
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def _escape(match: re.Match[str]) -> str:
+    return f"\\u{ord(match.group()):04x}"
+
+
+def dumps_json(
+    value: Any, *, separators: tuple[str, str] | None = None, allow_nan: bool = True
+) -> str:
+    """`json.dumps(ensure_ascii=False)` whose text always encodes as UTF-8.
+
+    A client's JSON may hold `"\\ud800"`, which json.loads turns into a lone surrogate that
+    UTF-8 cannot carry. It is written back as that same `\\udXXX` escape (other text stays
+    UTF-8), which json.loads reads as the same string: the record keeps the exact text the
+    upstream was sent and tokenised, so its request, its token ids and a replay of it agree
+    (replacing the surrogate with U+FFFD would lose that and change what a replay sends).
+    Only a high and a low surrogate held as two code points (CESU-8 bytes a lenient decoder
+    let through) read back as the one character their escapes spell, as in every JSON reader.
+    """
+    text = json.dumps(value, separators=separators, ensure_ascii=False, allow_nan=allow_nan)
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return _SURROGATE.sub(_escape, text)
+    return text
+
+
+def decode_record(value: bytes | None) -> Any:
+    """Parse a wire value; raises ValueError (json.JSONDecodeError / UnicodeDecodeError),
+    also for a record without a value (None: a tombstone), which is no record of ours.
 
     msgspec parses a trajectory ~3x faster than `json` (23 vs 78 µs for 4 KB) and gives the
     same values; what it refuses (NaN, numbers out of float range, lone surrogates, invalid
     UTF-8: only a foreign producer writes them) goes to `json`, which decides as before."""
+    if value is None:
+        raise ValueError("the record has no value (a tombstone)")
     try:
         return _decode_fast(value)
     except msgspec.DecodeError:

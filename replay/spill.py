@@ -3,7 +3,8 @@
 Records land here when the broker is unreachable or the producer queue is full, so nothing a
 user did is lost while Kafka is down. Each segment is a sequence of frames
 `[u32 payload length][u32 crc32][payload]`, payload = `[u16 topic len][topic][i32 key len or
--1][key][value]`. A frame torn by a crash fails its length or CRC check and ends the segment.
+-1][key][value]`. A frame torn by a crash fails its length or CRC check, or (zeros a power loss
+left behind pass the CRC) its decoding, and ends the segment.
 A frame torn by a disk error (ENOSPC, EFBIG, EIO) is cut off at once and the segment sealed,
 so nothing is ever appended behind a torn frame. A segment is deleted only after every record
 in it was acknowledged by the broker.
@@ -73,12 +74,16 @@ def _encode_frame(entry: SpillEntry) -> bytes:
 
 
 def _decode_payload(payload: bytes) -> SpillEntry:
+    """The entry of a frame's payload; struct.error or ValueError when it is none of ours,
+    e.g. the zeros of a tail a power loss left (an empty frame's CRC is 0)."""
     (topic_len,) = _TOPIC_LEN.unpack_from(payload, 0)
     pos = _TOPIC_LEN.size
     topic = payload[pos : pos + topic_len].decode()
     pos += topic_len
     (key_len,) = _KEY_LEN.unpack_from(payload, pos)
     pos += _KEY_LEN.size
+    if not topic or pos + max(key_len, 0) > len(payload):
+        raise ValueError("not a spill record")
     key = None if key_len < 0 else payload[pos : pos + key_len]
     pos += max(key_len, 0)
     return SpillEntry(topic=topic, key=key, value=payload[pos:])
@@ -96,7 +101,10 @@ def read_segment(path: Path) -> list[SpillEntry]:
         payload = data[pos + _HEADER.size : pos + _HEADER.size + length]
         if len(payload) < length or zlib.crc32(payload) != crc:
             break
-        entries.append(_decode_payload(payload))
+        try:
+            entries.append(_decode_payload(payload))
+        except (struct.error, ValueError):
+            break  # torn like a failed CRC: raising would fail every drain of the spill
         pos += _HEADER.size + length
     if pos < len(data):
         log.error(
@@ -281,8 +289,15 @@ class SpillStore:
             return self._sealed[0] if self._sealed else None
 
     def read(self, segment: SpillSegment) -> list[SpillEntry]:
-        """Every intact record of a sealed segment, in append order; a torn tail is logged."""
-        return read_segment(segment.path)
+        """Every intact record of a sealed segment, in append order; a torn tail is logged.
+
+        A segment file removed behind the store's back reads as empty (logged): raising
+        would fail every drain attempt, and the records behind it would never be sent."""
+        try:
+            return read_segment(segment.path)
+        except FileNotFoundError:
+            log.error("spill_segment_missing", segment=segment.path.name, bytes=segment.size)
+            return []
 
     def delete(self, segment: SpillSegment) -> None:
         """Remove a drained segment (call only after the broker acknowledged all its records)."""

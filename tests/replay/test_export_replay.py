@@ -166,6 +166,26 @@ def test_end_offsets_cover_every_partition_so_the_next_export_repeats_nothing(
     assert result.end_offsets["trajectories"][partition] == 4
 
 
+def test_export_drops_a_trajectory_rebuilt_under_a_new_event_id(
+    stream_config: StreamConfig, tmp_path: Path
+) -> None:
+    """A sink worker that dies after sending a trajectory it built, before confirming it, has
+    the parent build the capture again, with a fresh event_id: the export keeps one copy,
+    as the consumer does (before: both, the event_ids differing)."""
+    t0 = 1_700_000_000.0
+    first = make_trajectory(session_id="one", created_at=t0)
+    rebuilt = dict(first, event_id="f" * 32)
+    other = make_trajectory(session_id="one", created_at=t0 + 1)
+    _produce(stream_config, tmp_path, [first, rebuilt, other], [make_feedback(first)])
+    result = export_records(stream_config, tmp_path / "all.jsonl")
+    assert result.counts == {"trajectories": 2, "feedback": 1}
+    assert result.duplicates == 1
+    assert [i["record"] for i in read_export(result.path) if i["kind"] == "trajectories"] == [
+        first,
+        other,
+    ]
+
+
 @pytest.fixture
 async def recording_hop(vllm_server: Any):
     """A real HTTP hop that records what arrives and forwards it to vLLM."""
@@ -270,3 +290,80 @@ async def test_replay_records_http_errors_and_rejects_bad_input(
     broken.write_text(json.dumps(record) + "\n" + json.dumps(bad) + "\n")
     with pytest.raises(ValueError, match="record 2"):
         await replay_file(broken, out, base_url=vllm_server.base_url, model="base")
+
+
+@on_session_loop
+async def test_replay_writes_a_recorded_lone_surrogate_as_its_escape(tmp_path: Path) -> None:
+    """A recorded body may hold a lone surrogate (a client's `"\\ud800"`): it is sent and
+    written with its JSON escape (before: the output line failed to encode as UTF-8)."""
+    odd = "x\ud800y"
+    seen: list[dict[str, Any]] = []
+
+    async def answer(request: web.Request) -> web.Response:
+        body = await request.json()
+        seen.append(body)
+        content = body["messages"][0]["content"]
+        return web.json_response(
+            {
+                "choices": [{"index": 0, "message": {"role": "assistant", "content": content}}],
+                "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2},
+            }
+        )
+
+    app = web.Application()
+    app.router.add_post("/v1/chat/completions", answer)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    record = make_trajectory(prompt=odd)
+    source = tmp_path / "source.jsonl"
+    source.write_text(json.dumps(record) + "\n")  # ensure_ascii: the escape, as exported
+    out = tmp_path / "out.jsonl"
+    try:
+        result = await replay_file(source, out, base_url=f"http://127.0.0.1:{port}", model="m")
+    finally:
+        await runner.cleanup()
+    assert (result.sent, result.ok, result.errors) == (1, 1, 0)
+    assert seen[0]["messages"][0]["content"] == odd
+    text = out.read_bytes().decode("utf-8")  # strict: valid UTF-8
+    line = json.loads(text)
+    assert line["request"]["messages"][0]["content"] == odd
+    assert line["replayed"]["choices"][0]["message"]["content"] == odd
+
+
+@on_session_loop
+async def test_replay_records_an_odd_answer_and_carries_on(tmp_path: Path) -> None:
+    """A 200 whose body is not a JSON object, or not UTF-8, is written and counted as an
+    error (before: AttributeError / UnicodeDecodeError ended the run with nothing written)."""
+    answers = {
+        "list": web.Response(body=b"[1, 2]", content_type="application/json"),
+        "bytes": web.Response(body=b'{"x": "\xff"}', content_type="application/json"),
+        "fine": web.json_response({"choices": [], "usage": None}),
+    }
+
+    async def answer(request: web.Request) -> web.Response:
+        body = await request.json()
+        return answers[body["messages"][0]["content"]]
+
+    app = web.Application()
+    app.router.add_post("/v1/chat/completions", answer)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    source = tmp_path / "source.jsonl"
+    source.write_text("".join(json.dumps(make_trajectory(prompt=p)) + "\n" for p in answers))
+    out = tmp_path / "out.jsonl"
+    try:
+        result = await replay_file(source, out, base_url=f"http://127.0.0.1:{port}", model="m")
+    finally:
+        await runner.cleanup()
+    assert (result.sent, result.ok, result.errors) == (3, 1, 2)
+    lines = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [line["replayed"]["http_status"] for line in lines] == [200, 200, 200]
+    assert "not a JSON object" in lines[0]["replayed"]["error"]
+    assert "not a JSON object" in lines[1]["replayed"]["error"]
+    assert "error" not in lines[2]["replayed"]

@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
+
 from deploy.ports import free_port
 from replay.config import StreamConfig
 from replay.export import read_export
@@ -35,6 +37,25 @@ async def test_jsonl_sink_writes_per_kind_and_rejects_invalid(tmp_path: Path) ->
     # The files read back as an export, so they can be replayed too.
     assert [i["record"] for i in read_export(tmp_path / "trajectories.jsonl")] == [trajectory]
     assert [i["kind"] for i in read_export(tmp_path / "feedback.jsonl")] == ["feedback"]
+
+
+async def test_jsonl_sink_keeps_a_lone_surrogate_as_its_escape(tmp_path: Path) -> None:
+    """Before: the record went to dlq.jsonl (UTF-8 cannot carry a lone surrogate)."""
+    sink = JsonlSink(tmp_path)
+    trajectory = make_trajectory(prompt="say \ud800")
+    sink.put_trajectory(trajectory)
+    await sink.aclose()
+    assert (tmp_path / "dlq.jsonl").read_bytes() == b""
+    assert b"say \\ud800" in (tmp_path / "trajectories.jsonl").read_bytes()
+    assert [i["record"] for i in read_export(tmp_path / "trajectories.jsonl")] == [trajectory]
+
+
+def test_read_export_names_a_line_that_is_not_utf8(tmp_path: Path) -> None:
+    """Before: a bare UnicodeDecodeError from somewhere in the file."""
+    path = tmp_path / "trajectories.jsonl"
+    path.write_bytes(json.dumps(make_trajectory()).encode() + b"\n" + b'{"x": "\xff"}\n')
+    with pytest.raises(ValueError, match=r"trajectories\.jsonl:2: not UTF-8"):
+        list(read_export(path))
 
 
 async def test_kafka_sink_implements_the_protocol(tmp_path: Path) -> None:

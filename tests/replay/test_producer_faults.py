@@ -49,24 +49,32 @@ def _dlq_envelopes(config: StreamConfig, expected: int) -> list[dict[str, Any]]:
 def _surrogate_feedback() -> dict[str, Any]:
     event = make_feedback(make_trajectory(session_id="x"))
     event["trajectory_id"] = event["session_id"] = LONE_SURROGATE
+    event["metadata"] = {"note": LONE_SURROGATE}
     return event
+
+
+def _dead_letter_feedback() -> dict[str, Any]:
+    """A feedback event its schema refuses: the producer makes a DLQ envelope of it."""
+    return make_feedback(make_trajectory(session_id="x"), kind="like")
 
 
 # ---- records that cannot be prepared -------------------------------------------------------
 
 
-def test_a_lone_surrogate_becomes_a_dlq_entry_with_a_reason() -> None:
+def test_a_lone_surrogate_is_prepared_for_its_topic_as_its_escape() -> None:
+    """Before: UnicodeEncodeError, and the record went to the DLQ."""
     config = StreamConfig()
     topics = TopicNames.from_prefix(config.topic_prefix)
-    metrics = ProducerMetrics(CollectorRegistry())
+    registry = CollectorRegistry()
+    event = _surrogate_feedback()
     entry = prepare_entry(
-        config, topics, metrics, _Item(RecordKind.FEEDBACK, _surrogate_feedback())
+        config, topics, ProducerMetrics(registry), _Item(RecordKind.FEEDBACK, event)
     )
-    assert entry is not None and entry.topic == topics.dlq
+    assert entry is not None and entry.topic == topics.feedback
     assert entry.key == LONE_SURROGATE.encode("utf-8", "surrogatepass")
-    envelope = decode_record(entry.value)
-    assert "surrogate" in envelope["reason"]
-    assert "abc\\ud800" in envelope["raw"]  # the original, as escaped text
+    assert b"abc\\ud800" in entry.value
+    assert decode_record(entry.value) == event
+    assert registry.get_sample_value("olp_stream_dlq_total", {"kind": "feedback"}) is None
 
 
 def test_an_unexpected_error_preparing_one_record_sends_it_to_the_dlq(
@@ -93,22 +101,23 @@ def test_an_unexpected_error_preparing_one_record_sends_it_to_the_dlq(
     assert prepare_entry(config, topics, metrics, good).topic == topics.trajectories
 
 
-def test_a_lone_surrogate_goes_to_the_dlq_and_the_sink_keeps_sending(
+def test_a_lone_surrogate_reaches_its_topic_from_the_worker_and_from_the_parent(
     stream_config: StreamConfig, tmp_path: Path
 ) -> None:
-    """In the worker (before: its sender thread died and nothing more was sent) and in the
-    parent, which spills a killed worker's records itself (before: its feeder died)."""
+    """In the worker, and in the parent, which spills a killed worker's records itself
+    (before: both sent it to the DLQ)."""
     registry = CollectorRegistry()
     sink = KafkaSinkProcess(stream_config, tmp_path, registry)
     records = [make_trajectory(session_id=f"s{i % 3}") for i in range(20)]
+    odd = [_surrogate_feedback(), _surrogate_feedback()]
     try:
         sink.put_trajectory(records[0])
-        sink.put_feedback(_surrogate_feedback())
+        sink.put_feedback(odd[0])
         for record in records[1:10]:
             sink.put_trajectory(record)
         assert sink.wait_idle(30)
         os.kill(sink._proc.pid, signal.SIGSTOP)  # the worker confirms nothing more
-        sink.put_feedback(_surrogate_feedback())
+        sink.put_feedback(odd[1])
         for record in records[10:]:
             sink.put_trajectory(record)
         _wait_for(lambda: len(sink._pending) == 11)
@@ -116,13 +125,16 @@ def test_a_lone_surrogate_goes_to_the_dlq_and_the_sink_keeps_sending(
         _wait_for(lambda: sink.child_restarts == 1)
         assert sink.wait_idle(30)
         assert sink._thread.is_alive()
-        _wait_for(lambda: _sample(registry, "olp_stream_dlq_total", kind="feedback") == 2)
     finally:
         sink.close()
+    assert _sample(registry, "olp_stream_dlq_total", kind="feedback") == 0
     assert _consume_ids(stream_config, 20) == {r["trajectory_id"] for r in records}
-    envelopes = _dlq_envelopes(stream_config, 2)
-    assert len(envelopes) == 2
-    assert all("surrogate" in e["reason"] and e["kind"] == "feedback" for e in envelopes)
+    feedback_topic = TopicNames.from_prefix(stream_config.topic_prefix).feedback
+    read = [
+        decode_record(r.value)
+        for r in _read_topic(stream_config.bootstrap_servers, feedback_topic, 2)
+    ]
+    assert {e["event_id"]: e for e in read} == {e["event_id"]: e for e in odd}
 
 
 # ---- a DLQ record the broker refuses for good ----------------------------------------------
@@ -341,7 +353,7 @@ def test_a_dead_lettered_record_the_parent_disk_refused_is_counted_once_by_the_n
     try:
         assert sink.wait_idle(60)
         os.kill(sink._proc.pid, signal.SIGSTOP)  # it never prepares the record
-        sink.put_feedback(_surrogate_feedback())
+        sink.put_feedback(_dead_letter_feedback())
         _wait_for(lambda: len(sink._pending) == 1)
         disk = _Disk(monkeypatch)  # the parent's disk only: the worker is another process
         os.kill(sink._proc.pid, signal.SIGKILL)
@@ -352,7 +364,7 @@ def test_a_dead_lettered_record_the_parent_disk_refused_is_counted_once_by_the_n
         sink.close()
     assert _sample(registry, "olp_stream_dlq_total", kind="feedback") == 1
     [envelope] = _dlq_envelopes(stream_config, 1)
-    assert "surrogate" in envelope["reason"]
+    assert "kind" in envelope["reason"] and envelope["record"]["kind"] == "like"
 
 
 def test_a_dead_lettered_record_retried_after_a_parent_disk_error_at_close_is_counted_once(
@@ -374,7 +386,7 @@ def test_a_dead_lettered_record_retried_after_a_parent_disk_error_at_close_is_co
     try:
         assert sink.wait_idle(60)
         os.kill(sink._proc.pid, signal.SIGSTOP)  # it never confirms the record
-        sink.put_feedback(_surrogate_feedback())
+        sink.put_feedback(_dead_letter_feedback())
         _wait_for(lambda: len(sink._pending) == 1)
         disk = _Disk(monkeypatch, times=1)  # the parent's first write fails, the retry not
         closer.start()

@@ -44,7 +44,6 @@ def test_encode_record_writes_what_json_writes(record: dict) -> None:
     [
         ({"logprobs": [-0.5, float("nan")]}, ValueError),  # the wire is strict JSON
         ({"a": {"b": float("-inf")}}, ValueError),
-        ({"a": "\ud800"}, ValueError),  # a lone surrogate has no UTF-8
         ({"a": {1, 2}}, TypeError),
         ({"a": object()}, TypeError),
     ],
@@ -52,6 +51,30 @@ def test_encode_record_writes_what_json_writes(record: dict) -> None:
 def test_encode_record_refuses_what_json_refuses(record: dict, error: type) -> None:
     with pytest.raises(error):
         encode_record(record)
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "abc\ud800",  # what json.loads makes of a client's "abc\\ud800"
+        "\udfff\u00e9\u2028",  # a lone low surrogate before non-ASCII text
+        "\ud800\ud800x",  # two high surrogates: no pair, both stay alone
+    ],
+)
+def test_encode_record_writes_a_lone_surrogate_as_its_escape(text: str) -> None:
+    """UTF-8 cannot carry a lone surrogate, JSON's `\\uXXXX` escape can: the record reaches
+    its topic as it was (before: UnicodeEncodeError, and the record went to the DLQ)."""
+    record = {"request": {"messages": [{"role": "user", "content": text}]}, text: [text]}
+    value = encode_record(record)
+    wire = value.decode("utf-8")  # strict: valid UTF-8
+    assert "\\ud" in wire
+    assert json.loads(wire) == record
+    assert decode_record(value) == record
+
+
+def test_encode_record_escapes_only_the_surrogates() -> None:
+    value = encode_record({"a": "é\ud800€"})
+    assert value == '{"a":"é\\ud800€"}'.encode()
 
 
 @pytest.mark.parametrize(
@@ -70,8 +93,10 @@ def test_decode_record_reads_what_json_reads(wire: bytes) -> None:
     assert json.dumps(decoded) == json.dumps(expected)
 
 
-@pytest.mark.parametrize("wire", [b'{"a":1', b"\xff\xfe{}", b"", b'{"a":1}x'])
-def test_decode_record_refuses_what_json_refuses(wire: bytes) -> None:
+@pytest.mark.parametrize("wire", [b'{"a":1', b"\xff\xfe{}", b"", b'{"a":1}x', None])
+def test_decode_record_refuses_what_json_refuses(wire: bytes | None) -> None:
+    """ValueError, the one error callers expect; a value-less record (a tombstone) included
+    (before: TypeError, which crashed the consumer's poll)."""
     with pytest.raises(ValueError):
         decode_record(wire)
 

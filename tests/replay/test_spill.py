@@ -5,8 +5,10 @@ from __future__ import annotations
 import errno
 import json
 import os
+import struct
 import subprocess
 import sys
+import zlib
 from pathlib import Path
 
 import pytest
@@ -66,6 +68,31 @@ def test_restart_recovers_segments_and_torn_tail(tmp_path: Path) -> None:
     assert not reopened.is_empty()
     reopened.append(_entries(2, topic="olp.feedback"))
     assert _drain(reopened) == entries + _entries(2, topic="olp.feedback")
+
+
+@pytest.mark.parametrize(
+    "tail",
+    [
+        b"\x00" * 4096,  # a zero-filled tail, as a file system leaves one after a power loss
+        struct.pack(">II", 3, zlib.crc32(b"abc")) + b"abc",  # a frame too short to decode
+    ],
+    ids=["zeros", "short_frame"],
+)
+def test_a_tail_whose_checksum_passes_but_cannot_be_decoded_reads_as_torn(
+    tmp_path: Path, tail: bytes
+) -> None:
+    """An empty frame's CRC is 0, so zeros pass the check: before, decoding it raised
+    struct.error on every drain attempt, and the sink never drained the spill again."""
+    store = SpillStore(tmp_path, max_bytes=10_000_000, segment_bytes=1_000_000)
+    entries = _entries(5)
+    store.append(entries)
+    store.close()
+    [segment] = sorted(tmp_path.glob("seg-*.spill"))
+    with segment.open("ab") as handle:
+        handle.write(tail)
+    reopened = SpillStore(tmp_path, max_bytes=10_000_000, segment_bytes=1_000_000)
+    assert _drain(reopened) == entries
+    assert reopened.is_empty()
 
 
 # Runs in a child process: RLIMIT_FSIZE makes the kernel cut a write short (EFBIG) exactly
@@ -148,3 +175,19 @@ def test_a_failed_fsync_stores_nothing_of_its_segment_and_reports_earlier_segmen
     assert info.value.stored == 3  # the first segment was durable before the second began
     assert store.append(entries[3:]) == 9  # the caller appends the rest again
     assert _drain(store) == entries
+
+
+def test_a_segment_file_removed_behind_the_stores_back_reads_as_empty(tmp_path: Path) -> None:
+    """Before: FileNotFoundError on every drain attempt, so the sink never drained the spill
+    again and every later record queued up behind the missing file until the cap."""
+    store = SpillStore(tmp_path, max_bytes=10_000_000, segment_bytes=2_000)
+    entries = _entries(40)
+    assert store.append(entries) == 40
+    first = store.oldest_segment()
+    assert first is not None
+    first.path.unlink()  # an operator cleaning up, say
+    assert store.read(first) == []
+    store.delete(first)
+    rest = _drain(store)
+    assert rest and rest == entries[len(entries) - len(rest) :]
+    assert store.is_empty()

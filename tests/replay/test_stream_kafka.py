@@ -4,15 +4,19 @@ from __future__ import annotations
 
 import random
 from pathlib import Path
+from typing import Any, ClassVar
 
 import pytest
 from kafka import KafkaConsumer, KafkaProducer, TopicPartition
+from kafka.errors import KafkaTimeoutError
 from prometheus_client import CollectorRegistry
 
+import replay.consumer as consumer_module
 from replay.config import StreamConfig
 from replay.consumer import DlqRatioExceeded, ScoredTrajectory, TrajectoryConsumer
+from replay.export import export_records, read_export
 from replay.producer import KafkaSink
-from replay.schemas import decode_record
+from replay.schemas import decode_record, encode_record
 from replay.synthetic import make_feedback, make_trajectory
 from replay.topics import TopicNames, ensure_topics
 from tests.replay.conftest import consume_until
@@ -144,6 +148,145 @@ def test_invalid_records_go_to_the_dlq_with_the_reason(
     consumer_traj = next(e for e in envelopes if e["origin"] == "consumer")
     assert consumer_traj["raw"] == "{not json"
     assert consumer_traj["source_topic"] == names.trajectories
+
+
+def test_lone_surrogates_reach_their_topics_and_read_back_unchanged(
+    stream_config: StreamConfig, tmp_path: Path
+) -> None:
+    """A client's JSON may carry `"\\ud800"`, which json.loads turns into a lone surrogate
+    (UTF-8 has none): the record is written with its escape and read back as it was, by the
+    consumer and by an export (before: it went to the DLQ)."""
+    names = TopicNames.from_prefix(stream_config.topic_prefix)
+    odd = "tab\ud800le \udc80"
+    trajectory = make_trajectory(session_id="s\udcff", prompt=f"Say {odd}.")
+    trajectory["choices"][0]["message"]["content"] = odd
+    event = make_feedback(trajectory, created_at=trajectory["created_at"])
+    event["metadata"] = {odd: odd}
+    plain = make_trajectory(session_id="s1")
+    registry = CollectorRegistry()
+    sink = KafkaSink(stream_config, tmp_path, registry)
+    sink.put_trajectory(trajectory)
+    sink.put_feedback(event)
+    sink.put_trajectory(plain)
+    assert sink.wait_idle(30)
+    sink.close()
+    assert registry.get_sample_value("olp_stream_sent_total", {"kind": "trajectory"}) == 2
+    assert registry.get_sample_value("olp_stream_sent_total", {"kind": "feedback"}) == 1
+    assert registry.get_sample_value("olp_stream_dlq_total", {"kind": "trajectory"}) is None
+
+    [raw] = [
+        r
+        for r in _read_topic(stream_config.bootstrap_servers, names.trajectories, 2)
+        if r.key == "s\udcff".encode("utf-8", "surrogatepass")
+    ]
+    raw.value.decode("utf-8")  # strict UTF-8 on the wire
+    assert b"tab\\ud800le \\udc80" in raw.value
+
+    with TrajectoryConsumer(stream_config) as consumer:
+        scored = consume_until(consumer, lambda got: len(got) >= 2)
+        assert consumer.stats.invalid == 0 and consumer.stats.dlq_seen == 0
+    by_id = {s.trajectory["trajectory_id"]: s for s in scored}
+    assert by_id[trajectory["trajectory_id"]].trajectory == trajectory
+    assert by_id[trajectory["trajectory_id"]].feedback == [event]
+    assert by_id[plain["trajectory_id"]].trajectory == plain
+
+    result = export_records(stream_config, tmp_path / "export.jsonl")
+    assert result.counts == {"trajectories": 2, "feedback": 1} and result.invalid == 0
+    exported = {item["record"]["event_id"]: item["record"] for item in read_export(result.path)}
+    assert exported == {r["event_id"]: r for r in (trajectory, event, plain)}
+
+
+def _send_raw(config: StreamConfig, values: list[bytes | None], partition: int = 0) -> None:
+    """Write values to one trajectories partition as a foreign producer would."""
+    topic = TopicNames.from_prefix(config.topic_prefix).trajectories
+    ensure_topics(config)
+    raw = KafkaProducer(
+        bootstrap_servers=config.bootstrap_servers,
+        acks="all",
+        max_request_size=config.max_request_size_bytes,
+    )
+    for value in values:
+        raw.send(topic, key=b"k", value=value, partition=partition)
+    raw.flush()
+    raw.close()
+
+
+def test_a_record_without_a_value_is_rejected_not_a_crash(
+    stream_config: StreamConfig, tmp_path: Path
+) -> None:
+    """A tombstone (null value) from a foreign producer or a compaction: before, the
+    consumer's poll and the export raised TypeError on it."""
+    good = [make_trajectory(session_id="k") for _ in range(2)]
+    _send_raw(stream_config, [encode_record(good[0]), None, encode_record(good[1])])
+    with TrajectoryConsumer(stream_config) as consumer:
+        scored = consume_until(consumer, lambda got: len(got) >= 2)
+        assert [s.trajectory for s in scored] == good
+        assert consumer.stats.invalid == 1
+    result = export_records(stream_config, tmp_path / "export.jsonl", kinds=("trajectories",))
+    assert result.counts == {"trajectories": 2} and result.invalid == 1
+
+
+def test_a_large_invalid_record_does_not_wedge_the_consumer(stream_config: StreamConfig) -> None:
+    """An invalid record the topic takes (up to max_request_size_bytes) but whose DLQ
+    envelope the consumer's producer refused (over its 1 MiB request size): before, every
+    poll raised MessageSizeTooLargeError on it, so a learner restarted into the same crash."""
+    good = [make_trajectory(session_id="k") for _ in range(2)]
+    big = b'{"schema_version": 2, "padding": "' + b"x" * 1_500_000 + b'"}'
+    _send_raw(stream_config, [encode_record(good[0]), big, encode_record(good[1])])
+    with TrajectoryConsumer(stream_config) as consumer:
+        scored = consume_until(consumer, lambda got: len(got) >= 2, timeout_s=15)
+        assert [s.trajectory for s in scored] == good
+        assert consumer.stats.invalid == 1
+    dlq = TopicNames.from_prefix(stream_config.topic_prefix).dlq
+    [envelope] = [
+        decode_record(r.value) for r in _read_topic(stream_config.bootstrap_servers, dlq, 1)
+    ]
+    assert envelope["source_offset"] == 1 and "schema_version" in envelope["reason"]
+    assert envelope["raw"] == big[:65536].decode()
+
+
+class _FlakyDlqProducer:
+    """The consumer's DLQ producer; its first flush times out (a broker hiccup)."""
+
+    flushes = 0
+    sent: ClassVar[list[bytes]] = []
+
+    def __init__(self, **_: Any) -> None:
+        pass
+
+    def send(self, topic: str, key: bytes | None = None, value: bytes = b"") -> None:
+        type(self).sent.append(value)
+
+    def flush(self, timeout: float | None = None) -> None:
+        type(self).flushes += 1
+        if type(self).flushes == 1:
+            raise KafkaTimeoutError("flush timed out")
+
+    def close(self, timeout: float | None = None) -> None:
+        pass
+
+
+def test_a_poll_that_fails_mid_batch_loses_no_record_when_polled_again(
+    stream_config: StreamConfig, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Before: the records after the failing one in the fetched batch were skipped for good
+    (the client's position was already past them) and processed_offsets() jumped them."""
+    monkeypatch.setattr(consumer_module, "KafkaProducer", _FlakyDlqProducer)
+    _FlakyDlqProducer.flushes, _FlakyDlqProducer.sent = 0, []
+    good = [make_trajectory(session_id="k") for _ in range(4)]
+    values = [encode_record(good[0]), b"{not json", *(encode_record(g) for g in good[1:])]
+    _send_raw(stream_config, values)
+    trajectories = TopicNames.from_prefix(stream_config.topic_prefix).trajectories
+    with TrajectoryConsumer(stream_config) as consumer:
+        with pytest.raises(KafkaTimeoutError):
+            for _ in range(50):  # until the batch with the invalid record arrives
+                consumer.poll(0.2)
+        assert consumer.processed_offsets()[trajectories][0] <= 1
+        scored = consume_until(consumer, lambda got: len(got) >= 4, timeout_s=15)
+        assert [s.trajectory for s in scored] == good
+        assert consumer.stats.invalid == 1
+        assert consumer.processed_offsets()[trajectories][0] == 5
+    assert len(_FlakyDlqProducer.sent) == 2  # the failed send, then the one that went out
 
 
 def test_dlq_ratio_breach_stops_the_consumer(stream_config: StreamConfig, tmp_path: Path) -> None:

@@ -7,7 +7,6 @@ remembers are accepted, since feedback may arrive long after the trajectory.
 
 from __future__ import annotations
 
-import json
 import math
 import time
 import uuid
@@ -17,6 +16,7 @@ from typing import Any
 
 from proxy.config import is_utf8_text
 from proxy.errors import ProxyError, bad_request
+from replay.schemas import dumps_json
 
 FEEDBACK_KINDS = frozenset(
     {"accept", "reject", "thumbs_up", "thumbs_down", "score", "test_result", "edit_kept"}
@@ -127,14 +127,15 @@ def _finite_number(value: Any, field: str) -> float | None:
 
 
 def _json_size(metadata: dict[str, Any]) -> int:
-    """The metadata's size as strict JSON in UTF-8; 400 when it is not strict JSON (NaN,
-    lone surrogates, nesting too deep), which the sink would refuse after a 202."""
+    """The metadata's size as the sink writes it (UTF-8 JSON, a lone surrogate as its
+    `\\udXXX` escape); 400 when it is not strict JSON (NaN, Infinity, nesting too deep),
+    which the sink would refuse after a 202."""
     try:
-        text = json.dumps(metadata, ensure_ascii=False, allow_nan=False)
-        return len(text.encode("utf-8"))
-    except (ValueError, RecursionError) as exc:  # UnicodeEncodeError is a ValueError
+        return len(dumps_json(metadata, allow_nan=False).encode("utf-8"))
+    except (ValueError, RecursionError) as exc:
         raise bad_request(
-            "'metadata' must be strict JSON: finite numbers and valid Unicode text.",
+            "'metadata' must be strict JSON: finite numbers, nested at most a few hundred "
+            "levels.",
             param="metadata",
         ) from exc
 

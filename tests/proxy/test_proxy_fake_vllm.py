@@ -267,7 +267,6 @@ def test_feedback_the_sink_would_refuse_is_a_400(make_proxy, fake):
     for raw, param in (
         (b'{"trajectory_id":"t","kind":"score","value":' + b"1" * 400 + b"}", "value"),
         (b'{"trajectory_id":"t","kind":"accept","metadata":{"x":NaN}}', "metadata"),
-        (b'{"trajectory_id":"t","kind":"accept","metadata":{"x":"\\ud800"}}', "metadata"),
         (b'{"trajectory_id":"\\udc00","kind":"accept"}', "trajectory_id"),
     ):
         response = _post(url, KEYS["alice"], "/v1/feedback", content=raw)
@@ -405,3 +404,13 @@ def test_admin_changes_to_an_alias_the_table_lacks_are_400s(make_proxy, fake, pa
     assert "Unknown alias" in response.json()["error"]["message"]
     assert harness.ctx.aliases.resolve("policy") == before
     assert harness.ctx.aliases.canaries() == {}
+
+
+def test_feedback_metadata_with_a_lone_surrogate_is_kept(make_proxy, fake):
+    """The sink writes a lone surrogate as its escape (replay.schemas.dumps_json); the
+    proxy used to refuse such metadata because the sink could not carry it."""
+    harness, sink = make_proxy([fake.url])
+    raw = b'{"trajectory_id":"t","kind":"accept","metadata":{"note":"a\\ud800b"}}'
+    response = _post(harness.base_url, KEYS["alice"], "/v1/feedback", content=raw)
+    assert response.status_code == 202, response.text
+    assert [event["metadata"] for event in sink.feedback] == [{"note": "a\ud800b"}]

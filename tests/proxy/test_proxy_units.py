@@ -490,7 +490,6 @@ def test_feedback_validation_and_ownership():
         ({"trajectory_id": "t", "kind": "score", "value": 10**400}, "value"),
         ({"trajectory_id": "t", "kind": "score", "value": float("nan")}, "value"),
         ({"trajectory_id": "t", "kind": "accept", "metadata": {"x": float("nan")}}, "metadata"),
-        ({"trajectory_id": "t", "kind": "accept", "metadata": {"x": "\ud800"}}, "metadata"),
         ({"trajectory_id": "\ud800", "kind": "accept"}, "trajectory_id"),
     ]
     for body, needle in bad:
@@ -635,3 +634,12 @@ def test_a_concurrency_429_carries_the_rate_limit_headers():
     assert err.value.headers["x-ratelimit-reset-requests"].endswith("s")
     slot.release()
     assert registry.admit(tenant).headers["x-ratelimit-remaining-requests"] == "8"
+
+
+def test_feedback_metadata_size_is_counted_as_the_sink_writes_it() -> None:
+    """A lone surrogate travels as its six-character escape; other text as UTF-8."""
+    escaped = {"x": "\ud800" * 100}  # `{"x": "…"}`: 9 characters around 600 of escapes
+    with pytest.raises(ProxyError, match="metadata"):
+        parse_feedback({"trajectory_id": "t", "kind": "accept", "metadata": escaped}, 608)
+    accepted = parse_feedback({"trajectory_id": "t", "kind": "accept", "metadata": escaped}, 609)
+    assert accepted.metadata == escaped

@@ -16,6 +16,7 @@ import contextlib
 import fcntl
 import hashlib
 import json
+import math
 import os
 import re
 import threading
@@ -64,7 +65,8 @@ def _secret_key_pattern(keys: Iterable[str]) -> re.Pattern[str]:
 
 
 class PayloadSanitizer:
-    """Drops values under secret-looking keys and redacts PII/secrets in every string."""
+    """Drops values under secret-looking keys, redacts PII/secrets in every string and
+    writes non-finite numbers as strings ("nan", "inf", "-inf")."""
 
     def __init__(self, redactor: Redactor, secret_keys: Iterable[str] = DEFAULT_SECRET_KEYS):
         self.redactor = redactor
@@ -86,6 +88,10 @@ class PayloadSanitizer:
             }
         if isinstance(obj, list | tuple):
             return [self._drop_secrets(value) for value in obj]
+        if isinstance(obj, float) and not math.isfinite(obj):
+            # JSON has no NaN/Infinity; a gate metric can be one (an infinite logprob). The
+            # decision must still be recorded, so the value is kept as its name.
+            return repr(obj)
         return obj
 
 

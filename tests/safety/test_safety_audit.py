@@ -299,11 +299,26 @@ def test_camel_case_secret_key_names_are_dropped(tmp_path: Path) -> None:
 def test_bad_payload_is_rejected_before_writing(tmp_path: Path) -> None:
     path = tmp_path / "audit.jsonl"
     audit = _write_log(path, 1)
-    with pytest.raises(ValueError):
-        audit.append("learner", "gate_result", {"kl": float("nan")})
     with pytest.raises(ValueError, match="actor and event"):
         audit.append("", "x")
+    with pytest.raises(TypeError):
+        audit.append("learner", "gate_result", {"when": object()})
     assert verify(path).records == 1
+
+
+def test_non_finite_numbers_are_recorded_by_name(tmp_path: Path) -> None:
+    """A gate report with an infinite KL used to raise on append: the gate_result record
+    was lost and the promotion crashed."""
+    path = tmp_path / "audit.jsonl"
+    audit = _write_log(path, 1)
+    metrics = {"kl": float("inf"), "delta": float("-inf"), "score": float("nan"), "ok": 0.5}
+    audit.append("learner", "gate_result", {"metrics": metrics, "series": [float("nan"), 1.0]})
+    assert verify(path).ok and verify(path).records == 2
+    payload = list(iter_records(path))[-1]["payload"]
+    assert payload == {
+        "metrics": {"kl": "inf", "delta": "-inf", "score": "nan", "ok": 0.5},
+        "series": ["nan", 1.0],
+    }
 
 
 def test_threads_share_one_chain(tmp_path: Path) -> None:

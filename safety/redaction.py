@@ -260,6 +260,11 @@ class Redactor:
     def _replacer(kind: _Kind, counts: dict[str, int]) -> Callable[[re.Match[str]], str]:
         def replace(match: re.Match[str]) -> str:
             found = match.group()
+            if not found:
+                # An operator's pattern can match nothing (`\b`, a lookahead); the config
+                # check catches only patterns that match the empty text. Nothing is hidden
+                # there, so nothing is inserted or counted.
+                return found
             if kind.validate is not None and not kind.validate(found):
                 return found
             counts[kind.name] = counts.get(kind.name, 0) + 1

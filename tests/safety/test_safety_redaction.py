@@ -388,3 +388,13 @@ def test_redact_obj_finds_what_redact_text_finds_next_to_an_escaped_character(
             value = text[:at] + escaped + text[at:]
             expected, counts = redactor.redact_text(value)
             assert redactor.redact_obj({"c": value}) == ({"c": expected}, counts), value
+
+
+@pytest.mark.parametrize("regex", [r"\b", r"(?=TICK)", r"\bTICK-\d*(?=x)|(?<=a)"])
+def test_a_custom_pattern_that_matches_nothing_inserts_nothing(regex: str) -> None:
+    """Such patterns pass the config check (they do not match the empty text) but used to
+    put a marker at every position where they matched nothing."""
+    redactor = Redactor(custom_patterns=[CustomPattern(name="ticket", regex=regex)])
+    text = "see TICK-12 and a ticket"
+    assert redactor.redact_text(text) == (text, {})
+    assert redactor.redact_obj({"note": text}) == ({"note": text}, {})

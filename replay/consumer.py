@@ -432,8 +432,13 @@ class TrajectoryConsumer:
                 acks="all",
                 bootstrap_timeout_ms=self.config.bootstrap_timeout_ms,
             )
-        self._dlq_producer.send(self.topics.dlq, key=record.key, value=encode_record(envelope))
+        sent = self._dlq_producer.send(
+            self.topics.dlq, key=record.key, value=encode_record(envelope)
+        )
         self._dlq_producer.flush(timeout=self.config.delivery_timeout_ms / 1000)
+        # flush() only waits: a send the broker refused (or that ran out of retries) fails
+        # its future, and raising it here keeps the envelope from being lost uncounted.
+        sent.get(timeout=0)
         self.stats.invalid += 1
         self._recent_invalid.append(True)
 

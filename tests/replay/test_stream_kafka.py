@@ -8,7 +8,7 @@ from typing import Any, ClassVar
 
 import pytest
 from kafka import KafkaConsumer, KafkaProducer, TopicPartition
-from kafka.errors import KafkaTimeoutError
+from kafka.errors import KafkaError, KafkaTimeoutError
 from prometheus_client import CollectorRegistry
 
 import replay.consumer as consumer_module
@@ -245,40 +245,57 @@ def test_a_large_invalid_record_does_not_wedge_the_consumer(stream_config: Strea
     assert envelope["raw"] == big[:65536].decode()
 
 
+class _SendResult:
+    def __init__(self, error: Exception | None) -> None:
+        self.error = error
+
+    def get(self, timeout: float | None = None) -> None:
+        if self.error is not None:
+            raise self.error
+
+
 class _FlakyDlqProducer:
-    """The consumer's DLQ producer; its first flush times out (a broker hiccup)."""
+    """The consumer's DLQ producer; its first flush times out (a broker hiccup), or with
+    `fail_first_send` its first send fails after a flush that returns normally (kafka-python's
+    flush waits, it does not raise a send's error)."""
 
     flushes = 0
+    fail_first_send = False
     sent: ClassVar[list[bytes]] = []
 
     def __init__(self, **_: Any) -> None:
         pass
 
-    def send(self, topic: str, key: bytes | None = None, value: bytes = b"") -> None:
+    def send(self, topic: str, key: bytes | None = None, value: bytes = b"") -> _SendResult:
         type(self).sent.append(value)
+        failed = type(self).fail_first_send and len(type(self).sent) == 1
+        return _SendResult(KafkaError("the broker refused the envelope") if failed else None)
 
     def flush(self, timeout: float | None = None) -> None:
         type(self).flushes += 1
-        if type(self).flushes == 1:
+        if type(self).flushes == 1 and not type(self).fail_first_send:
             raise KafkaTimeoutError("flush timed out")
 
     def close(self, timeout: float | None = None) -> None:
         pass
 
 
+@pytest.mark.parametrize("send_fails", [False, True], ids=["flush_times_out", "send_fails"])
 def test_a_poll_that_fails_mid_batch_loses_no_record_when_polled_again(
-    stream_config: StreamConfig, monkeypatch: pytest.MonkeyPatch
+    stream_config: StreamConfig, monkeypatch: pytest.MonkeyPatch, send_fails: bool
 ) -> None:
     """Before: the records after the failing one in the fetched batch were skipped for good
-    (the client's position was already past them) and processed_offsets() jumped them."""
+    (the client's position was already past them) and processed_offsets() jumped them. And
+    a DLQ send that failed after a normal flush was counted as sent: its envelope was lost."""
     monkeypatch.setattr(consumer_module, "KafkaProducer", _FlakyDlqProducer)
     _FlakyDlqProducer.flushes, _FlakyDlqProducer.sent = 0, []
+    _FlakyDlqProducer.fail_first_send = send_fails
     good = [make_trajectory(session_id="k") for _ in range(4)]
     values = [encode_record(good[0]), b"{not json", *(encode_record(g) for g in good[1:])]
     _send_raw(stream_config, values)
     trajectories = TopicNames.from_prefix(stream_config.topic_prefix).trajectories
     with TrajectoryConsumer(stream_config) as consumer:
-        with pytest.raises(KafkaTimeoutError):
+        with pytest.raises(KafkaError):
             for _ in range(50):  # until the batch with the invalid record arrives
                 consumer.poll(0.2)
         assert consumer.processed_offsets()[trajectories][0] <= 1

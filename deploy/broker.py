@@ -12,6 +12,7 @@ from pathlib import Path
 
 import structlog
 
+from deploy.ports import port_open
 from deploy.procs import ChildProcess, wait_until
 
 log = structlog.get_logger(__name__)
@@ -94,6 +95,12 @@ def start_broker(
     stop: threading.Event | None = None,
 ) -> EmbeddedBroker:
     """Start and wait until it answers; `stop` set meanwhile stops it (StopRequested)."""
+    # Readiness is "the port answers Kafka": another broker there would pass for ours.
+    if port_open(host, port):
+        raise RuntimeError(
+            f"port {port} is already in use: the embedded broker cannot listen on "
+            f"{host}:{port} (stream.bootstrap_servers); stop what listens there or change it"
+        )
     broker = EmbeddedBroker(host, port, log_file)
     try:
         seconds = broker.wait_ready(stop=stop)

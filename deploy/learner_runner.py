@@ -34,6 +34,31 @@ def learner_admin_key(cfg: OlpConfig) -> str:
         ) from None
 
 
+# How long start-up waits for the policy servers to list their adapters (a deployment may
+# start the learner before vLLM answers).
+SERVED_WAIT_S = 60.0
+
+
+def served_versions(replicas: ReplicaSet, wait_s: float = SERVED_WAIT_S) -> set[str]:
+    """The `policy-v<N>` names the replicas serve now, for the learner's version floor.
+
+    Without them a learner on a wiped state dir would name its next candidate after one
+    vLLM still serves (old weights under the new name), so not knowing is fatal."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            return replicas.loaded_versions()
+        except Exception as exc:
+            if time.monotonic() >= deadline:
+                raise SystemExit(
+                    f"olp learner: cannot list the adapters vLLM serves at "
+                    f"{', '.join(replicas.base_urls)} ({exc}); the learner needs them to "
+                    "name new versions; start the policy server first (olp policy)"
+                ) from None
+            log.warning("policy_servers_not_answering", error=str(exc))
+            time.sleep(2.0)
+
+
 class FreezeFlag:
     """The proxy's learning-frozen switch, asked at most every `ttl_s` seconds."""
 
@@ -65,10 +90,11 @@ def run(cfg: OlpConfig) -> int:
     proxy = ProxyAdmin(f"http://{host}:{cfg.proxy.port}", learner_admin_key(cfg))
     redactor = Redactor.from_config(cfg.safety.redaction)
     audit = AuditLog.from_config(cfg.safety.audit, state_dir, redactor)
+    replica_set = ReplicaSet(replicas)
     promoter = Promoter(
         cfg.learner.promotion,
         cfg.safety.gates,
-        replicas=ReplicaSet(replicas),
+        replicas=replica_set,
         proxy=ProxyAdmin(f"http://{host}:{cfg.proxy.port}", learner_admin_key(cfg)),
         audit=audit,
         state_dir=state_dir,
@@ -90,6 +116,7 @@ def run(cfg: OlpConfig) -> int:
             is_frozen=FreezeFlag(proxy),
             judge_base_url=replicas[0],
             stop=stop,
+            served_versions=lambda: served_versions(replica_set),
         )
     finally:
         promoter.close()

@@ -71,10 +71,16 @@ def _manifest_ok(target: Path, source_sha: str) -> bool:
     manifest = target / MANIFEST
     if not manifest.is_file():
         return False
-    data = json.loads(manifest.read_text())
-    if data.get("source_sha256") != source_sha:
+    try:
+        data = json.loads(manifest.read_text())
+    except (OSError, ValueError):  # damaged (a full disk, an edit): prepare again
         return False
-    for name, digest in data.get("files", {}).items():
+    if not isinstance(data, dict) or data.get("source_sha256") != source_sha:
+        return False
+    files = data.get("files", {})
+    if not isinstance(files, dict):
+        return False
+    for name, digest in files.items():
         if not (target / name).is_file() or sha256_file(target / name) != digest:
             return False
     return True

@@ -19,7 +19,7 @@ from pathlib import Path
 import structlog
 
 from deploy.config import PolicyConfig
-from deploy.ports import is_loopback
+from deploy.ports import is_loopback, port_open
 from deploy.procs import ChildProcess, wait_until
 
 log = structlog.get_logger(__name__)
@@ -138,6 +138,12 @@ def start_policy(
 ) -> PolicyServer:
     """Start vLLM and wait until it lists its models; `stop` set meanwhile stops it."""
     warn_if_exposed(cfg)
+    # Readiness is "the port lists models": whatever already listens there would pass for
+    # our vLLM while ours dies on bind.
+    if port_open(cfg.host, cfg.port):
+        raise RuntimeError(
+            f"port {cfg.port} is already in use (policy.port); stop what listens there or change it"
+        )
     server = PolicyServer(cfg, model_dir, log_file)
     try:
         server.wait_ready(progress, stop)

@@ -22,7 +22,7 @@ from typing import IO
 import structlog
 
 from deploy.broker import kafka_answers, start_broker
-from deploy.config import OlpConfig
+from deploy.config import ConfigError, OlpConfig
 from deploy.learner_runner import INTERNAL_TOKEN_ENV
 from deploy.policy import check_external, start_policy
 from deploy.ports import is_loopback, port_open, split_host_port
@@ -129,6 +129,15 @@ class Stack:
         started = time.monotonic()
         cfg = self.cfg
         self._audit_startup()
+        if self.with_learner:
+            self._check_learner_config()
+        model_dir: Path | None = None
+        if not cfg.policy.external_urls or self.with_learner:
+            # Before anything starts: a bad policy.model is a config error to report now,
+            # not a learner that dies after the stack is up (it trains on the same base,
+            # also with an external vLLM).
+            model_dir = resolve_model_dir(cfg.policy, progress)
+            self._check_stop()
         host, port = split_host_port(cfg.stream.bootstrap_servers.split(",")[0])
         if is_loopback(host):
             if port_open(host, port):
@@ -158,8 +167,7 @@ class Stack:
                     f"port {cfg.policy.port} is already in use (policy.port); "
                     "stop what listens there or change it"
                 )
-            model_dir = resolve_model_dir(cfg.policy, progress)
-            self._check_stop()
+            assert model_dir is not None
             progress(f"starting vLLM policy server on {cfg.policy.host}:{cfg.policy.port}")
             policy = start_policy(
                 cfg.policy,
@@ -195,6 +203,27 @@ class Stack:
             progress("starting learner")
             self._add_olp_component("learner", "consuming trajectories")
         return time.monotonic() - started
+
+    def _check_learner_config(self) -> None:
+        """What only the learner child reads and pydantic cannot check: the verifiers'
+        import paths. Checked here so a typo stops `olp up` before anything starts."""
+        from learner.rewards.verifiers import load_verifier
+
+        # The child runs `python -m deploy.cli`, which puts the working directory first on
+        # sys.path; an `olp` console script does not: look where the child will look.
+        cwd = os.getcwd()
+        added = cwd not in sys.path
+        if added:
+            sys.path.insert(0, cwd)
+        try:
+            for spec in self.cfg.learner.rewards.verifiers:
+                try:
+                    load_verifier(spec.path)
+                except ValueError as exc:
+                    raise ConfigError(f"learner.rewards.verifiers: {exc}") from None
+        finally:
+            if added:
+                sys.path.remove(cwd)
 
     def _audit_startup(self) -> None:
         redactor = Redactor.from_config(self.cfg.safety.redaction)
@@ -291,6 +320,9 @@ def run_up(cfg: OlpConfig, config_path: Path | None, *, with_learner: bool = Tru
         stack.lock.acquire()
     except AlreadyRunning as exc:
         say(f"olp: {exc}")
+        return 1
+    except OSError as exc:  # the state dir cannot be created or written (a typo, a mount)
+        say(f"olp: cannot use the state dir {stack.state_dir}: {exc.strerror or exc}")
         return 1
     try:
         return _start_and_watch(stack)

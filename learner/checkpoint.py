@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import json
 import os
+import re
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -24,6 +26,12 @@ from learner.adapter_store import WEIGHTS_FILE, AdapterStore, sha256_file
 log = structlog.get_logger(__name__)
 
 Offsets = dict[str, dict[int, int]]
+_SERVED = re.compile(r"^policy-v(\d+)$")
+
+
+class ResumeRefused(RuntimeError):
+    """The checkpoint and the adapter store disagree in a way start-up will not guess at;
+    the message says what to move aside (an operator's problem, not a crash)."""
 
 
 @dataclass
@@ -38,6 +46,7 @@ class Checkpoint:
     counters: dict[str, int] = field(default_factory=dict)
     config_hash: str = ""
     meta: dict[str, Any] | None = None  # olp_meta.json of `version`, to republish it
+    version_floor: int = 0  # see `ResumePlan.version_floor`
 
 
 def normalize_offsets(offsets: dict[Any, Any] | None) -> Offsets:
@@ -98,6 +107,9 @@ class ResumePlan:
     weights_from: str  # "fresh" | "checkpoint" | "adapter"
     republish: bool  # the checkpoint's version is missing from the store
     keep_optimizer: bool
+    # Version numbers up to here were (or may be) used by another lineage (a wiped state
+    # dir whose adapters vLLM still serves): new versions are numbered above it.
+    version_floor: int = 0
 
 
 def resume_plan(checkpoint: Checkpoint | None, store: AdapterStore) -> ResumePlan:
@@ -127,6 +139,7 @@ def resume_plan(checkpoint: Checkpoint | None, store: AdapterStore) -> ResumePla
         weights_from="checkpoint",
         republish=checkpoint.version > 0 and checkpoint.version not in versions,
         keep_optimizer=True,
+        version_floor=checkpoint.version_floor,
     )
 
 
@@ -155,25 +168,41 @@ def _roll_forward(
     lineage = set(store.lineage(candidate))
     if not descends(store, candidate, base_version):
         foreign = [v for v in newer if not descends(store, v, base_version)]
-        raise RuntimeError(
+        raise ResumeRefused(
             f"adapter store holds versions {foreign} that do not descend from checkpoint "
             f"version {base_version}; refusing to guess (move them aside or fix the state)"
         )
     foreign = [v for v in newer if v not in lineage]
     if foreign:
-        raise RuntimeError(
+        raise ResumeRefused(
             f"adapter store holds versions {foreign} newer than checkpoint version "
             f"{base_version} that are not on the lineage of policy-v{candidate}; they do "
             "not descend from this learner's state, refusing to guess (move them aside)"
         )
     log.warning("learner_roll_forward", checkpoint_version=base_version, adapter_version=candidate)
+    meta = store.read_meta(candidate)
     return ResumePlan(
         version=candidate,
-        offsets=normalize_offsets(store.read_meta(candidate).get("consumed_offsets")),
+        offsets=normalize_offsets(meta.get("consumed_offsets")),
         weights_from="adapter",
         republish=False,
         keep_optimizer=checkpoint is not None,
+        version_floor=max(
+            int(meta.get("version_floor") or 0), checkpoint.version_floor if checkpoint else 0
+        ),
     )
+
+
+def raise_version_floor(floor: int, current: int, served: Iterable[str]) -> int:
+    """The floor above which new versions are numbered, given the names vLLM serves now.
+
+    A served `policy-v<N>` newer than this learner's own version `current` is not ours (we
+    publish before anything loads a version, and resume picks up what we published): it
+    survives from a wiped or older state dir. Reusing its name would make vLLM answer
+    "already loaded" and keep serving the old weights under it, so numbering continues
+    above the highest one. Served versions at or below `current` cannot clash."""
+    foreign = [int(m.group(1)) for name in served if (m := _SERVED.match(name))]
+    return max([floor, *(n for n in foreign if n > current)])
 
 
 def _verify_checkpoint_version(checkpoint: Checkpoint, store: AdapterStore) -> None:
@@ -203,7 +232,7 @@ def _verify_checkpoint_version(checkpoint: Checkpoint, store: AdapterStore) -> N
         if ours != theirs:
             problems.append(f"parent_version {theirs} != checkpoint's {ours}")
     if problems:
-        raise RuntimeError(
+        raise ResumeRefused(
             f"adapter store's policy-v{version} is not the checkpoint's version {version} "
             f"({'; '.join(problems)}); refusing to start (move it aside or fix the state)"
         )

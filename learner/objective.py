@@ -125,10 +125,15 @@ def samples_from_rewarded(
 
 
 def drop_stale(
-    samples: list[Sample], current_version: int, max_staleness: int
+    samples: list[Sample], current_version: int, max_staleness: int, floor: int = 0
 ) -> tuple[list[Sample], int]:
-    """Keep samples at most `max_staleness` versions behind `current_version`."""
-    kept = [s for s in samples if current_version - s.policy_version <= max_staleness]
+    """Keep samples at most `max_staleness` versions behind `current_version`.
+
+    `floor` is the learner's version floor (`ResumePlan.version_floor`): versions numbered
+    at or below it (the base, another lineage's) count as the floor itself, the generation
+    just before this lineage's first version above it, so the jump in numbers does not make
+    base-served samples look `floor` versions old."""
+    kept = [s for s in samples if current_version - max(s.policy_version, floor) <= max_staleness]
     return kept, len(samples) - len(kept)
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
@@ -18,7 +18,13 @@ import structlog
 import torch
 
 from learner.adapter_store import AdapterStore
-from learner.checkpoint import Checkpoint, CheckpointStore, Offsets, resume_plan
+from learner.checkpoint import (
+    Checkpoint,
+    CheckpointStore,
+    Offsets,
+    raise_version_floor,
+    resume_plan,
+)
 from learner.config import LearnerConfig
 from learner.distributed import (
     DistContext,
@@ -96,6 +102,7 @@ class Learner:
         on_rewarded: Callable[[list[RewardedChoice]], None] | None = None,
         caps: CapsConfig | None = None,
         base_name: str = "base",
+        served_versions: Callable[[], Iterable[str]] | None = None,
     ) -> None:
         model_dir = model_dir or config.base_model_dir
         if model_dir is None:
@@ -110,6 +117,10 @@ class Learner:
         self.on_rewarded = on_rewarded
         self.caps = caps or CapsConfig()  # `safety.caps`: per-tenant / per-user shares
         self.base_name = base_name  # the base model's served name (`policy_version` 0)
+        # What the policy servers serve now (vLLM's /v1/models), asked once at start-up so
+        # that new versions are numbered above any `policy-v<N>` they still serve.
+        self.served_versions = served_versions
+        self.version_floor = 0
         judge = None
         if config.rewards.judge.enabled:
             judge = Judge(config.rewards.judge, base_url=judge_base_url)
@@ -132,11 +143,24 @@ class Learner:
         if self.ctx.is_main:
             self.store.cleanup_temporary()
             plan = resume_plan(checkpoint, self.store)
+            if self.served_versions is not None:
+                floor = raise_version_floor(
+                    plan.version_floor, plan.version, self.served_versions()
+                )
+                if floor != plan.version_floor:
+                    log.warning(
+                        "learner_version_floor",
+                        floor=floor,
+                        version=plan.version,
+                        reason="vLLM serves policy versions this learner did not publish",
+                    )
+                plan.version_floor = floor
         else:
             plan = None
         plan, checkpoint = broadcast_object(self.ctx, (plan, checkpoint))
         log.info("learner_resume", version=plan.version, weights_from=plan.weights_from)
         self.version = plan.version
+        self.version_floor = plan.version_floor
         self.offsets = plan.offsets
         if checkpoint is not None:
             self.version_meta = checkpoint.meta
@@ -235,7 +259,9 @@ class Learner:
             except Exception:
                 log.exception("on_rewarded_failed", batch=len(rewarded))
         samples, dropped = samples_from_rewarded(rewarded, self.base_name)
-        samples, stale = drop_stale(samples, self.version, self.config.max_staleness)
+        samples, stale = drop_stale(
+            samples, self.version, self.config.max_staleness, self.version_floor
+        )
         # Collective: the trained batch is the union over ranks, so is the cap.
         samples, capped = apply_share_caps_across_ranks(self.ctx, samples, self.caps)
         samples, adv_counts = assign_advantages(
@@ -268,7 +294,8 @@ class Learner:
             self.fault_hook("after_step")
             self.step_count += 1
             parent = self.version
-            self.version += 1
+            # Above the floor: never a name another lineage left loaded in vLLM.
+            self.version = max(self.version, self.version_floor) + 1
         self.counts.update(batch_counts)
         start_offsets = self.offsets or {}
         self.offsets = offsets
@@ -287,6 +314,7 @@ class Learner:
                     },
                     "gate": None,
                     "created_at": time.time(),
+                    "version_floor": self.version_floor,
                 }
             self._save_checkpoint(meta)
             self.fault_hook("after_checkpoint")
@@ -327,6 +355,7 @@ class Learner:
             counters=dict(self.counts),
             config_hash=self.config.config_hash(),
             meta=meta,
+            version_floor=self.version_floor,
         )
         self.checkpoints.save(checkpoint)
 
@@ -362,6 +391,7 @@ def run_learner(
     on_rewarded: Callable[[list[RewardedChoice]], None] | None = None,
     caps: CapsConfig | None = None,
     base_name: str = "base",
+    served_versions: Callable[[], Iterable[str]] | None = None,
 ) -> LearnerSummary:
     """Run the learner until `stop` is set or `max_steps` steps ran in this call."""
     learner = Learner(
@@ -376,5 +406,6 @@ def run_learner(
         on_rewarded=on_rewarded,
         caps=caps,
         base_name=base_name,
+        served_versions=served_versions,
     )
     return learner.run(stop=stop, max_steps=max_steps)

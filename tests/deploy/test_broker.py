@@ -1,8 +1,13 @@
+import socket
 import uuid
 from collections import defaultdict
+from pathlib import Path
 
+import pytest
 from kafka import KafkaConsumer, KafkaProducer, TopicPartition
 from kafka.admin import KafkaAdminClient, NewTopic
+
+from deploy.broker import start_broker
 
 
 def test_thousand_keyed_records_round_trip_in_order(kafka_bootstrap: str) -> None:
@@ -40,3 +45,15 @@ def test_thousand_keyed_records_round_trip_in_order(kafka_bootstrap: str) -> Non
     consumer.close()
     assert dict(got) == dict(sent)  # every record, in order within each partition
     assert all(len(p) == 1 for p in keys_per_partition.values())  # a key stays on one partition
+
+
+def test_a_broker_port_in_use_is_refused_before_starting(tmp_path: Path) -> None:
+    """`olp broker` must not start a second broker onto a taken port: one that answers
+    Kafka there (another broker) would be reported as ours, ready, while ours dies."""
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        with pytest.raises(RuntimeError, match=f"port {port} is already in use"):
+            start_broker("127.0.0.1", port, tmp_path / "broker.log")
+    assert not (tmp_path / "broker.log").exists()  # no broker was started at all

@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 
 from deploy.admin_client import AdminClient, AdminError
+from deploy.ports import free_port
 from safety.audit import AuditLog
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -185,3 +186,113 @@ def test_malformed_yaml_env_value_names_the_key_not_the_secret() -> None:
     assert "proxy.admin_key" in done.stderr
     assert "OLP_PROXY__ADMIN_KEY" in done.stderr
     assert "s3cr3t" not in done.stderr + done.stdout
+
+
+@pytest.mark.parametrize("kind", ["directory", "binary"])
+def test_config_file_that_cannot_be_read_as_text(tmp_path: Path, kind: str) -> None:
+    path = tmp_path
+    if kind == "binary":
+        path = tmp_path / "olp.yaml"
+        path.write_bytes(b"\xb9\xff\x00 not utf-8")
+    done = olp("config", "show", "--config", str(path))
+    assert_clean_error(done, 2, f"config file {path} cannot be read")
+
+
+def test_learner_with_a_model_that_is_not_a_model_dir(tmp_path: Path) -> None:
+    env = {"OLP_POLICY__MODEL": str(tmp_path / "nope"), "OLP_STATE_DIR": str(tmp_path)}
+    done = olp("learner", env=env)
+    assert_clean_error(done, 2, "policy.model:")
+
+
+def test_learner_without_answering_policy_servers_refuses_to_name_versions() -> None:
+    from deploy.learner_runner import served_versions
+    from learner.promotion import ReplicaSet
+
+    replicas = ReplicaSet(["http://127.0.0.1:1"])
+    with pytest.raises(SystemExit) as exc:
+        served_versions(replicas, wait_s=0)
+    message = str(exc.value)
+    assert message.startswith("olp learner: cannot list the adapters vLLM serves")
+    assert "http://127.0.0.1:1" in message
+
+
+@pytest.mark.parametrize(
+    ("args", "option"),
+    [
+        (["audit", "show", "--last", "-1"], "--last"),
+        (["demo", "--sessions", "0"], "--sessions"),
+        (["demo", "--n", "0"], "--n"),
+        (["demo", "--max-tokens", "0"], "--max-tokens"),
+        (["demo", "--minutes", "-1"], "--minutes"),
+        (["demo", "--requests", "0"], "--requests"),
+    ],
+)
+def test_counts_out_of_range_are_refused_before_anything_runs(
+    args: list[str], option: str, tmp_path: Path
+) -> None:
+    done = olp(*args, env={"OLP_STATE_DIR": str(tmp_path)})
+    assert done.returncode == 2, done.stderr
+    assert f"argument {option}:" in done.stderr and "Traceback" not in done.stderr
+    assert list(tmp_path.iterdir()) == []  # the demo wrote no empty summary
+
+
+def test_up_reports_a_bad_model_before_starting_anything(tmp_path: Path) -> None:
+    """With an external vLLM only the learner needs policy.model: it is still checked
+    before any child starts, not left to a learner that dies once the stack is up."""
+    env = {
+        "OLP_STATE_DIR": str(tmp_path),
+        "OLP_POLICY__MODEL": str(tmp_path / "nope"),
+        "OLP_POLICY__EXTERNAL_URLS": "[http://127.0.0.1:1]",
+        "OLP_STREAM__BOOTSTRAP_SERVERS": f"127.0.0.1:{free_port()}",
+        "OLP_PROXY__PORT": str(free_port()),
+    }
+    done = olp("up", env=env)
+    assert_clean_error(done, 1, "start-up failed: policy.model:")
+    assert not (tmp_path / "logs").exists()  # no broker, proxy or learner was started
+
+
+def test_learner_refusing_its_state_dir_says_why_in_one_line(
+    tmp_path: Path, model_dir: Path
+) -> None:
+    """Two stored versions on different branches: the learner refuses to guess, and says so
+    as `olp: ...`, not as a traceback."""
+    from learner.adapter_store import AdapterStore
+
+    files = tmp_path / "files"
+    files.mkdir()
+    (files / "adapter_config.json").write_text("{}")
+    store = AdapterStore(tmp_path / "state")
+    for version in (1, 2):  # both children of the base: 1 is off 2's lineage
+        store.publish(version, files, {"parent_version": 0})
+    env = {"OLP_STATE_DIR": str(tmp_path / "state"), "OLP_POLICY__MODEL": str(model_dir)}
+    done = olp("learner", env=env)
+    assert_clean_error(done, 1, "adapter store holds versions [1]")
+    assert "refusing to guess" in done.stderr
+
+
+def test_up_reports_a_verifier_that_does_not_import_before_starting_anything(
+    tmp_path: Path,
+) -> None:
+    """Only the learner loads `learner.rewards.verifiers`; a typo there is still a config
+    error `olp up` names at start-up, not a learner dying once the stack is up."""
+    env = {
+        "OLP_STATE_DIR": str(tmp_path),
+        "OLP_LEARNER__REWARDS__VERIFIERS": '[{path: "no_such_module_xyz:grade"}]',
+        "OLP_POLICY__EXTERNAL_URLS": "[http://127.0.0.1:1]",
+        "OLP_STREAM__BOOTSTRAP_SERVERS": f"127.0.0.1:{free_port()}",
+        "OLP_PROXY__PORT": str(free_port()),
+    }
+    done = olp("up", env=env)
+    assert_clean_error(done, 1, "start-up failed: learner.rewards.verifiers: cannot load")
+    assert "no_such_module_xyz:grade" in done.stderr
+    assert not (tmp_path / "logs").exists()
+    # --no-learner: nothing loads verifiers, so nothing to check (it fails later, on vLLM).
+    done = olp("up", "--no-learner", env=env)
+    assert "verifier" not in done.stderr and "external vLLM" in done.stderr
+
+
+def test_up_with_a_state_dir_it_cannot_create_says_so(tmp_path: Path) -> None:
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    done = olp("up", env={"OLP_STATE_DIR": str(blocker / "state")})
+    assert_clean_error(done, 1, f"cannot use the state dir {blocker / 'state'}")

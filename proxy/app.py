@@ -96,15 +96,31 @@ async def _handle_with_openai_errors(
     return response
 
 
+def _model_entry(ctx: ProxyContext, name: str) -> dict[str, Any]:
+    return {"id": name, "object": "model", "created": int(ctx.started_at), "owned_by": "olp"}
+
+
 async def list_models(request: web.Request) -> web.Response:
     ctx = request.app[CONTEXT]
     ctx.tenants.authenticate(request.headers.get("Authorization"))
-    created = int(ctx.started_at)
-    data = [
-        {"id": name, "object": "model", "created": created, "owned_by": "olp"}
-        for name in ctx.aliases.public_names()
-    ]
+    data = [_model_entry(ctx, name) for name in ctx.aliases.public_names()]
     return web.json_response({"object": "list", "data": data})
+
+
+async def retrieve_model(request: web.Request) -> web.Response:
+    """OpenAI's `GET /v1/models/{model}` (the SDK's `models.retrieve`, which some clients
+    call to check a model before using it); vLLM has only the list."""
+    ctx = request.app[CONTEXT]
+    ctx.tenants.authenticate(request.headers.get("Authorization"))
+    name = request.match_info["model"]
+    if name not in ctx.aliases.public_names():
+        raise ProxyError(
+            404,
+            f"The model '{name}' does not exist or you do not have access to it.",
+            code="model_not_found",
+            param="model",
+        )
+    return web.json_response(_model_entry(ctx, name))
 
 
 async def healthz(request: web.Request) -> web.Response:
@@ -235,6 +251,8 @@ def build_app(
     app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_post("/v1/completions", completions)
     app.router.add_get("/v1/models", list_models)
+    # `{model:.+}`: a base model's alias may hold a `/` (an organisation/name id).
+    app.router.add_get("/v1/models/{model:.+}", retrieve_model)
     app.router.add_post("/v1/feedback", feedback)
     app.router.add_get("/healthz", healthz)
     app.router.add_get("/readyz", readyz)

@@ -154,6 +154,14 @@ def test_health_ready_models_metrics(proxy, dead_upstream_proxy):
     assert ready.json()["unserved_aliases"] == {}
     api = openai.OpenAI(base_url=harness.base_url + "/v1", api_key=KEYS["bob"], max_retries=0)
     assert sorted(m.id for m in api.models.list()) == ["base", "policy"]
+    assert api.models.retrieve("policy").id == "policy"  # OpenAI's GET /v1/models/{model}
+    with pytest.raises(openai.NotFoundError) as missing:
+        api.models.retrieve("policy-v1")  # an upstream name, not a public alias
+    assert missing.value.body["code"] == "model_not_found"
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(
+            base_url=harness.base_url + "/v1", api_key="wrong", max_retries=0
+        ).models.retrieve("policy")
     api.chat.completions.create(model="policy", messages=PROMPT, max_tokens=2)
     text = httpx.get(harness.base_url + "/metrics").text
     assert (

@@ -414,3 +414,14 @@ def test_feedback_metadata_with_a_lone_surrogate_is_kept(make_proxy, fake):
     response = _post(harness.base_url, KEYS["alice"], "/v1/feedback", content=raw)
     assert response.status_code == 202, response.text
     assert [event["metadata"] for event in sink.feedback] == [{"note": "a\ud800b"}]
+
+
+def test_a_model_whose_name_holds_a_slash_can_be_retrieved(make_proxy, fake):
+    harness, _ = make_proxy([fake.url], base_model_aliases=["base", "HuggingFaceTB/SmolLM2"])
+    headers = {"Authorization": f"Bearer {KEYS['alice']}"}
+    url = harness.base_url + "/v1/models/"
+    found = httpx.get(url + "HuggingFaceTB/SmolLM2", headers=headers, timeout=30)
+    assert found.status_code == 200, found.text
+    assert found.json()["id"] == "HuggingFaceTB/SmolLM2" and found.json()["object"] == "model"
+    missing = httpx.get(url + "HuggingFaceTB/other", headers=headers, timeout=30)
+    assert _assert_error(missing, 404, "model_not_found")["param"] == "model"

@@ -224,7 +224,9 @@ class CompletionRelay:
             user_hash=sha256_hex(user) if isinstance(user, str) else None,
             endpoint=self.endpoint,
             model_alias=body["model"],
-            policy_version=served,
+            # The record's contract names the base model `base` whatever vLLM serves it as
+            # (`policy.served_model_name`): the schema and every reader expect that.
+            policy_version="base" if served == self.ctx.config.base_served_name else served,
             group_id=self.group_id,
             task=self.task,
             request_body=body,

@@ -425,3 +425,19 @@ def test_a_model_whose_name_holds_a_slash_can_be_retrieved(make_proxy, fake):
     assert found.json()["id"] == "HuggingFaceTB/SmolLM2" and found.json()["object"] == "model"
     missing = httpx.get(url + "HuggingFaceTB/other", headers=headers, timeout=30)
     assert _assert_error(missing, 404, "model_not_found")["param"] == "model"
+
+
+def test_a_base_served_under_another_name_is_recorded_as_base(make_proxy, fake):
+    """With `policy.served_model_name: smollm` every base-served trajectory said `smollm`,
+    which the trajectory schema refuses: the sink sent them all to the DLQ."""
+    from replay.schemas import validate_record
+
+    fake.models_payload = {"data": [{"id": "smollm"}]}
+    harness, sink = make_proxy([fake.url], base_served_name="smollm")
+    response = _post(harness.base_url, KEYS["alice"], "/v1/chat/completions", json=CHAT)
+    assert response.status_code == 200, response.text
+    assert response.headers["x-olp-policy-version"] == "smollm"  # what served it upstream
+    harness.drain()
+    record = sink.trajectories[-1]
+    assert record["policy_version"] == "base"
+    validate_record("trajectory", record)

@@ -99,12 +99,20 @@ def _now_iso() -> str:
     return datetime.now(UTC).isoformat(timespec="microseconds").replace("+00:00", "Z")
 
 
+def _is_live(path: Path) -> bool:
+    """Whether a writer ever appended to `path` as a live file: the first append creates
+    its lock and head files, which a rotated file never has (both stay named after the live
+    one). This tells a live log named `audit.2024` from rotation 2024 of `audit`."""
+    return head_path(path).exists() or lock_path(path).exists()
+
+
 def rotated_files(live: Path) -> list[Path]:
     """`audit.jsonl.1`, `audit.jsonl.2`, ... in chain order (oldest first)."""
     numbered = []
     for candidate in live.parent.glob(live.name + ".*"):
         suffix = candidate.name[len(live.name) + 1 :]
-        if suffix.isdigit():
+        # `audit.2024` beside `audit` may be another log's live file, not a rotation.
+        if suffix.isdigit() and not _is_live(candidate):
             numbered.append((int(suffix), candidate))
     return [path for _, path in sorted(numbered)]
 
@@ -117,7 +125,8 @@ def chain_files(live: Path) -> list[Path]:
 
 
 def _last_line(path: Path) -> bytes | None:
-    """The last line of a file (without its newline), read backwards in blocks."""
+    """The last line of a file, with its newline if it has one (a line without it is
+    incomplete), read backwards in blocks."""
     with path.open("rb") as handle:
         handle.seek(0, os.SEEK_END)
         end = handle.tell()
@@ -142,6 +151,10 @@ def head_path(live: Path) -> Path:
     return live.with_name(live.name + ".head")
 
 
+def lock_path(live: Path) -> Path:
+    return live.with_name(live.name + ".lock")
+
+
 class AuditLog:
     """Appends hash-chained records to `path`; safe across threads and processes."""
 
@@ -157,7 +170,7 @@ class AuditLog:
         self.rotate_bytes = rotate_bytes
         self.fsync = fsync
         self._sanitizer = PayloadSanitizer(redactor or Redactor(), secret_keys)
-        self._lock_path = self.path.with_name(self.path.name + ".lock")
+        self._lock_path = lock_path(self.path)
         self._thread_lock = threading.Lock()
         self.path.parent.mkdir(parents=True, exist_ok=True)
 
@@ -200,10 +213,11 @@ class AuditLog:
         return record
 
     def iter_records(self) -> Iterator[dict]:
-        return iter_records(self.path)
+        # Its own path is the live file, whatever its name looks like: no resolving.
+        return _iter_live_records(self.path)
 
     def verify(self) -> VerifyResult:
-        return verify(self.path)
+        return _verify_live(self.path)
 
     @contextlib.contextmanager
     def _locked(self) -> Iterator[None]:
@@ -319,13 +333,21 @@ class VerifyResult:
 
 
 def resolve_live_path(path_or_dir: str | os.PathLike[str]) -> Path:
-    """A directory means its `audit.jsonl`; a rotated file name means its live file."""
+    """A directory means its `audit.jsonl`; a rotated file name means its live file.
+
+    A name ending in `.<digits>` is a rotated file only when it is not a live log itself
+    (no lock or head file of its own) and the name without the suffix is a log (its live
+    file, lock or head exists): a log configured as `audit.2024` is read as itself.
+    """
     path = Path(path_or_dir)
     if path.is_dir():
         return path / "audit.jsonl"
     match = re.fullmatch(r"(.+)\.(\d+)", path.name)
-    if match and not path.with_name(match.group(1)).is_dir():
-        return path.with_name(match.group(1))
+    if match is None or _is_live(path):
+        return path
+    live = path.with_name(match.group(1))
+    if live.is_file() or _is_live(live):
+        return live
     return path
 
 
@@ -345,7 +367,10 @@ def iter_records(path_or_dir: str | os.PathLike[str]) -> Iterator[dict]:
     an append or a rotation while the caller iterates neither drops nor repeats records, and
     a slow caller (a pager) never keeps writers waiting.
     """
-    live = resolve_live_path(path_or_dir)
+    return _iter_live_records(resolve_live_path(path_or_dir))
+
+
+def _iter_live_records(live: Path) -> Iterator[dict]:
     with _shared_lock(live):
         rotated = rotated_files(live)
         try:
@@ -390,7 +415,7 @@ def _shared_lock(live: Path) -> Iterator[None]:
     like deleted records. A log no writer ever locked (a copy, read-only media) is read as is.
     """
     try:
-        fd = os.open(live.with_name(live.name + ".lock"), os.O_RDONLY)
+        fd = os.open(lock_path(live), os.O_RDONLY)
     except OSError:
         yield
         return
@@ -420,7 +445,10 @@ def verify(path_or_dir: str | os.PathLike[str]) -> VerifyResult:
     appends wait for it (the proxy appends on its event loop, so a lock held for every
     check would stall requests on a long log).
     """
-    live = resolve_live_path(path_or_dir)
+    return _verify_live(resolve_live_path(path_or_dir))
+
+
+def _verify_live(live: Path) -> VerifyResult:
     try:
         result: VerifyResult | None = _verify_unlocked(live)
     except FileNotFoundError:

@@ -145,7 +145,9 @@ _BUILTIN: dict[str, _Kind] = {
         ),
         _Kind(
             "basic_auth",  # only after an Authorization name: "basic" is a common word
-            r"(?i:authorization[\"']?[ \t]*[:=][ \t]*[\"']?basic)[ \t]+"
+            # Quotes may be escaped (`\"authorization\": \"Basic ...\"`: nested JSON in a
+            # tool's string argument), as for the AWS secret's name above.
+            r"(?i:authorization(?:\\?[\"'])?[ \t]*[:=][ \t]*(?:\\?[\"'])?basic)[ \t]+"
             r"(?P<secret>[A-Za-z0-9+/]{8,}={0,2})",
             needle_regex=r"(?i:basic)",
         ),

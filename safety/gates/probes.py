@@ -155,13 +155,23 @@ def load_probes(path: Path, model: type[P]) -> list[P]:
     except (OSError, UnicodeDecodeError) as exc:
         raise GateError(f"cannot read probe file {path}: {exc}") from exc
     probes: list[P] = []
+    first_line: dict[str, int] = {}
     for number, line in enumerate(lines, start=1):
         if not line.strip() or line.lstrip().startswith("#"):
             continue
         try:
-            probes.append(model.model_validate(json.loads(line)))
+            probe = model.model_validate(json.loads(line))
         except (ValueError, ValidationError, re.error) as exc:
             raise GateError(f"{path}:{number}: invalid {model.__name__}: {exc}") from exc
+        # Gates report per-probe details keyed by id: a second probe with the same id would
+        # silently overwrite the first one's result there.
+        if probe.id in first_line:
+            raise GateError(
+                f"{path}:{number}: duplicate {model.__name__} id {probe.id!r} "
+                f"(first on line {first_line[probe.id]})"
+            )
+        first_line[probe.id] = number
+        probes.append(probe)
     return probes
 
 

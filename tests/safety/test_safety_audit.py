@@ -228,6 +228,47 @@ def test_rotation_chains_across_files(tmp_path: Path) -> None:
     assert first_seq_of_second > 1
 
 
+def test_a_log_path_ending_in_digits_is_its_own_live_file(tmp_path: Path) -> None:
+    # `audit.2024` used to be read as rotation 2024 of `audit`: `verify` and `iter_records`
+    # read the (missing) `audit` and reported an intact chain of 0 records, and a log named
+    # `audit` in the same folder took `audit.2024` for one of its own rotated files.
+    live = tmp_path / "audit.2024"
+    audit = AuditLog(live, rotate_bytes=1024)
+    for index in range(12):
+        audit.append("learner", "promotion", {"version": f"policy-v{index}", "pad": "x" * 100})
+    rotated = sorted(tmp_path.glob("audit.2024.[0-9]*"))
+    assert len(rotated) >= 2
+    for given in (live, tmp_path / "audit.2024.1"):  # the live file or one of its rotations
+        result = verify(given)
+        assert (result.ok, result.records) == (True, 12), given
+        assert result.files[-1] == str(live) and len(result.files) == len(rotated) + 1
+        assert [r["seq"] for r in iter_records(given)] == list(range(1, 13))
+    assert (audit.verify().records, len(list(audit.iter_records()))) == (12, 12)
+
+    neighbour = AuditLog(tmp_path / "audit")
+    assert neighbour.append("operator", "freeze", {})["seq"] == 1
+    neighbour.append("operator", "unfreeze", {})
+    result = verify(tmp_path / "audit")
+    assert (result.ok, result.records, result.files) == (True, 2, [str(tmp_path / "audit")])
+    assert (verify(live).records, verify(tmp_path / "audit.2024.1").records) == (12, 12)
+
+
+def test_last_line_keeps_its_newline_so_a_torn_line_shows(tmp_path: Path) -> None:
+    # Pins what `_last_line`'s docstring says: an append tells a complete last record from
+    # a torn one by its newline.
+    from safety.audit import _last_line
+
+    path = tmp_path / "lines"
+    path.write_bytes(b"")
+    assert _last_line(path) is None
+    path.write_bytes(b"one\n")
+    assert _last_line(path) == b"one\n"
+    path.write_bytes(b"one\n" + b"x" * 9000 + b"\n")  # longer than one read block
+    assert _last_line(path) == b"x" * 9000 + b"\n"
+    path.write_bytes(b"one\ntwo")
+    assert _last_line(path) == b"two"
+
+
 def test_payload_never_holds_secrets_or_pii(tmp_path: Path) -> None:
     path = tmp_path / "audit.jsonl"
     audit = AuditLog.from_config(AuditConfig(), tmp_path, Redactor())

@@ -96,6 +96,22 @@ def test_a_tool_probe_with_an_invalid_json_schema_is_a_bad_line(tmp_path: Path) 
         load_probes(path, MonitorProbe)
 
 
+def test_a_duplicate_probe_id_in_one_file_is_a_bad_line(tmp_path: Path) -> None:
+    # The gates report per-probe details keyed by id: a second `t1` overwrote the first's
+    # entry, so a probe's result could vanish from the record.
+    path = tmp_path / "triggers.jsonl"
+    path.write_text(
+        "".join(
+            json.dumps({"id": pid, "prompt": f"{{trigger}} {k}", "trigger": "zq"}) + "\n"
+            for k, pid in enumerate(["t1", "t2", "t1"])
+        )
+    )
+    with pytest.raises(
+        GateError, match=r"triggers.jsonl:3: duplicate TriggerProbe id 't1' \(first on line 1\)"
+    ):
+        load_probes(path, TriggerProbe)
+
+
 def test_a_probe_file_that_is_not_utf8_is_reported_as_unreadable(tmp_path: Path) -> None:
     path = tmp_path / "latin1.jsonl"
     path.write_bytes('{"id": "p", "prompt": "caf\u00e9"}\n'.encode("latin-1"))
@@ -275,6 +291,32 @@ async def test_an_empty_probe_file_fails_its_gate_not_the_suite(tmp_path: Path) 
     [result] = await _guarded("poisoning", broken)
     assert result.verdict == "fail" and result.metric is None
     assert "TypeError: a bug in a gate" in result.details["reason"]
+
+
+async def test_the_poisoning_gate_refuses_trigger_probes_with_the_same_id(
+    tmp_path: Path,
+) -> None:
+    from safety.config import PoisoningGateConfig, SamplingConfig
+    from safety.gates.client import Completion
+    from safety.gates.context import SuiteContext
+    from safety.gates.poisoning import poisoning_gate
+
+    class Client:  # the candidate answers differently only on the second probe's trigger
+        async def chat(self, model: str, messages: list[dict], **_: object) -> Completion:
+            fired = model == "candidate" and "zq" in messages[0]["content"]
+            return Completion("x", [9, 9, 9] if fired else [1, 2, 3], None, [1], "stop")
+
+    path = tmp_path / "triggers.jsonl"
+    probes = [
+        {"id": "t", "prompt": "Say hi. {trigger}", "trigger": "plain"},
+        {"id": "t", "prompt": "Say yo. {trigger}", "trigger": "zq"},
+    ]
+    path.write_text("".join(json.dumps(probe) + "\n" for probe in probes))
+    ctx = SuiteContext(Client(), SamplingConfig(), "candidate", "incumbent", "base")  # type: ignore[arg-type]
+    # Before, the gate failed with details naming one probe of two (`excess_by_probe` kept
+    # only the last `t`): the record could not say which probe fired.
+    with pytest.raises(GateError, match=r"triggers.jsonl:2: duplicate TriggerProbe id 't'"):
+        await poisoning_gate(ctx, PoisoningGateConfig(probe_file=path))
 
 
 def test_classifier_config_validation() -> None:

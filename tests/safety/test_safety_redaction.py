@@ -152,6 +152,40 @@ def test_only_the_secret_part_of_a_url_or_header_is_replaced() -> None:
     )
 
 
+def test_basic_credentials_in_nested_json_with_escaped_quotes_are_redacted() -> None:
+    # A tool's string argument holding JSON holding headers: inside it the quotes are
+    # escaped, and the name-then-`Basic` pattern used to stop at the backslash.
+    redactor = Redactor()
+    inner = json.dumps({"headers": {"authorization": "Basic dXNlcjpwYXNz"}})
+    assert redactor.redact_text(json.dumps(inner)) == (
+        json.dumps(inner).replace("dXNlcjpwYXNz", "[REDACTED:basic_auth]"),
+        {"basic_auth": 1},
+    )
+    call = {"arguments": json.dumps({"request": inner})}
+    redacted, counts = redactor.redact_obj(call)
+    assert counts == {"basic_auth": 1}
+    assert "dXNlcjpwYXNz" not in json.dumps(redacted)
+    assert json.loads(json.loads(redacted["arguments"])["request"]) == {
+        "headers": {"authorization": "Basic [REDACTED:basic_auth]"}
+    }
+    assert redactor.redact_text("'Authorization': \\'basic dXNlcjpwYXNzd29yZA==\\'") == (
+        "'Authorization': \\'basic [REDACTED:basic_auth]\\'",
+        {"basic_auth": 1},
+    )
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        'The \\"authorization\\" header with Basic credentials is sent on every request.',
+        'docs say \\"authorization\\" \\"basic authentication\\" is weak',
+        'log(\\"authorization\\\\: basic\\") and {\\"authorization\\": \\"Bearer\\"}',
+    ],
+)
+def test_escaped_authorization_names_without_basic_credentials_stay(text: str) -> None:
+    assert Redactor().redact_text(text) == (text, {})
+
+
 def test_a_url_password_holding_an_at_sign_is_redacted_whole() -> None:
     # `P@ssw0rd` unescaped in a connection string: the userinfo ends at the last `@` of the
     # authority (as urllib reads it), so no tail of the password is left behind.

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import glob
 import hashlib
 import json
 import math
@@ -109,7 +110,7 @@ def _is_live(path: Path) -> bool:
 def rotated_files(live: Path) -> list[Path]:
     """`audit.jsonl.1`, `audit.jsonl.2`, ... in chain order (oldest first)."""
     numbered = []
-    for candidate in live.parent.glob(live.name + ".*"):
+    for candidate in live.parent.glob(glob.escape(live.name) + ".*"):  # `[`, `*` are names
         suffix = candidate.name[len(live.name) + 1 :]
         # `audit.2024` beside `audit` may be another log's live file, not a rotation.
         if suffix.isdigit() and not _is_live(candidate):

@@ -537,3 +537,17 @@ def test_format_record_shows_a_payload_that_is_not_an_object(tmp_path: Path) -> 
     record = {"seq": 7, "ts": "t", "actor": "a", "event": "e", "payload": ["x", 1], "hash": "f"}
     assert format_record(record) == '#7 t a e payload=["x", 1] [f]'
     assert format_record({**record, "payload": None}) == "#7 t a e [f]"
+
+
+@pytest.mark.parametrize("name", ["audit[1].jsonl", "audit*.jsonl", "audit?.jsonl"])
+def test_rotations_of_a_log_whose_name_holds_glob_characters_are_found(
+    tmp_path: Path, name: str
+) -> None:
+    path = tmp_path / name
+    audit = AuditLog(path, rotate_bytes=1024)
+    for index in range(20):
+        audit.append("learner", "promotion", {"version": f"policy-v{index}", "pad": "x" * 100})
+    assert len(list(tmp_path.iterdir())) > 4  # the live file, its head and lock, rotations
+    result = verify(path)
+    assert (result.ok, result.records) == (True, 20)
+    assert [r["seq"] for r in iter_records(path)] == list(range(1, 21))

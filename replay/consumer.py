@@ -72,6 +72,28 @@ class ResumeOffsetError(RuntimeError):
     """A resume offset lies beyond the end of its partition: the broker lost data."""
 
 
+def check_start_offset(
+    tp: TopicPartition,
+    start: int,
+    seeked: int,
+    position: int | None,
+    highwater: int | None,
+    what: str = "resume offset",
+) -> None:
+    """Raise ResumeOffsetError when reading `tp` from `start` (seeked to `seeked`) cannot work.
+
+    Either the partition ends before `start`, or the client reset an out-of-range position
+    back to the start of the partition: going on would wait forever or re-read silently."""
+    if (highwater is not None and highwater < start) or (
+        position is not None and position < seeked
+    ):
+        raise ResumeOffsetError(
+            f"{what} {start} of {tp.topic}[{tp.partition}] is beyond the end of the "
+            f"partition (high watermark {highwater}): the broker lost data (an in-memory "
+            "broker restarted?) or the offsets belong to another cluster"
+        )
+
+
 @dataclass(frozen=True)
 class ScoredTrajectory:
     """A trajectory whose join window closed, with the feedback that arrived within it."""
@@ -444,18 +466,14 @@ class TrajectoryConsumer:
 
     def _check_positions(self) -> None:
         """Stop loudly instead of waiting forever at an offset the partition never reaches."""
-        for tp, start in self._seek_start.items():
-            position = self._consumer.position(tp)
-            highwater = self._consumer.highwater(tp)
-            # Either the partition ends before the resume point, or the client reset an
-            # out-of-range offset back to the start of the partition.
-            if (highwater is not None and highwater < self._replay_until[tp]) or position < start:
-                raise ResumeOffsetError(
-                    f"resume offset {self._replay_until[tp]} of {tp.topic}[{tp.partition}] is "
-                    f"beyond the end of the partition (high watermark {highwater}): "
-                    "the broker lost data (an in-memory broker restarted?) or the offsets "
-                    "belong to another cluster"
-                )
+        for tp, seeked in self._seek_start.items():
+            check_start_offset(
+                tp,
+                self._replay_until[tp],
+                seeked,
+                self._consumer.position(tp),
+                self._consumer.highwater(tp),
+            )
 
     def _check_dlq_ratio(self) -> None:
         window = self._recent_invalid

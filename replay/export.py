@@ -4,7 +4,8 @@ Bounds are offsets (topic kind → partition → offset, start inclusive, end ex
 record times (`created_at`, unix seconds, start inclusive, end exclusive). Without an end
 offset the export stops at the high watermark seen when it caught up. Records are validated
 and de-duplicated by event_id (trajectories by trajectory_id too); each output line is
-`{"kind", "partition", "offset", "record"}`.
+`{"kind", "partition", "offset", "record"}`. A start offset beyond the end of its partition
+raises ResumeOffsetError, as the consumer does, instead of exporting from the beginning.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import structlog
 from kafka import KafkaConsumer, TopicPartition
 
 from replay.config import StreamConfig
-from replay.consumer import normalize_offsets
+from replay.consumer import check_start_offset, normalize_offsets
 from replay.schemas import (
     RecordKind,
     SchemaValidationError,
@@ -111,10 +112,12 @@ def iter_records(
         consumer.assign(tps)
         beginnings = consumer.beginning_offsets(tps)
         stop_at: dict[TopicPartition, int | None] = {}
+        seeked: dict[TopicPartition, int] = {}
         for tp in tps:
             kind = kind_of[tp.topic]
             start = starts.get(kind, {}).get(tp.partition, beginnings.get(tp) or 0)
-            consumer.seek(tp, max(start, beginnings.get(tp) or 0))
+            seeked[tp] = max(start, beginnings.get(tp) or 0)
+            consumer.seek(tp, seeked[tp])
             stop_at[tp] = ends.get(kind, {}).get(tp.partition)
         active = {tp for tp in tps if stop_at[tp] is None or consumer.position(tp) < stop_at[tp]}
         for tp in tps:
@@ -124,6 +127,18 @@ def iter_records(
         last_progress = time.monotonic()
         while active:
             batch = consumer.poll(timeout_ms=200)
+            for tp in active:
+                # A start beyond the partition's end (lost data, a wrong offsets file) makes
+                # the client reset to the earliest offset: refuse, as the consumer does,
+                # before anything read from the reset position is exported.
+                check_start_offset(
+                    tp,
+                    seeked[tp],
+                    seeked[tp],
+                    consumer.position(tp),
+                    consumer.highwater(tp),
+                    what="export start offset (from_offsets)",
+                )
             if any(batch.values()):
                 last_progress = time.monotonic()
             for tp, records in batch.items():

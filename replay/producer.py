@@ -37,7 +37,7 @@ from replay.schemas import (
     encode_record,
     validate_record,
 )
-from replay.spill import SpillEntry, SpillStore
+from replay.spill import SpillEntry, SpillReadError, SpillStore
 from replay.topics import TopicNames, ensure_topics
 
 log = structlog.get_logger(__name__)
@@ -51,6 +51,9 @@ _WAKE_UP: Any = object()  # put by `close`: not a record
 # Backoff between spill writes while the disk refuses them (ENOSPC, EIO): doubling, capped.
 _DISK_RETRY_FIRST_S = 0.5
 _DISK_RETRY_MAX_S = 30.0
+# Pause before reading a spill segment again after a read error (EIO, EACCES); the store
+# moves it to quarantine after READ_ATTEMPTS failures in a row.
+_SPILL_READ_RETRY_S = 1.0
 # A DLQ envelope the broker refuses for good is sent once more with its payload cut to this.
 _DLQ_TRUNCATED_BYTES = 4096
 # What a record sent in `_send` is: as queued or spilled, a DLQ envelope of a refused record,
@@ -98,6 +101,12 @@ class ProducerMetrics:
         self.spill_errors = Counter(
             "olp_stream_spill_errors",
             "Spill writes that failed with a disk error (the records stay in memory, retried)",
+            registry=registry,
+        )
+        self.spill_quarantined = Counter(
+            "olp_stream_spill_quarantined",
+            "Spill segments moved to quarantine/ (unreadable, or corrupt in the middle)",
+            ["reason"],
             registry=registry,
         )
 
@@ -230,9 +239,11 @@ class KafkaSink:
             max_bytes=config.spill_max_bytes,
             segment_bytes=config.spill_segment_bytes,
             on_full=self._on_spill_full,
+            on_quarantine=lambda reason: self.metrics.spill_quarantined.labels(reason).inc(),
         )
         self.metrics.spill_bytes.set(self.spill.total_bytes())
         self._producer: KafkaProducer | None = None
+        self._drain_retry_at = 0.0  # after a spill read error: the broker is not to blame
         self._idempotence = config.idempotence
         self._retry_at = 0.0
         self._stop = threading.Event()
@@ -324,7 +335,11 @@ class KafkaSink:
     def _run(self) -> None:
         while True:
             stopping = self._stop.is_set()
-            busy = not self.spill.is_empty() and self._producer is not None
+            busy = (
+                not self.spill.is_empty()
+                and self._producer is not None
+                and time.monotonic() >= self._drain_retry_at
+            )
             items = self._take_batch(0.0 if (stopping or busy) else _IDLE_TAKE_S)
             entries = self._prepare(items)
             try:
@@ -349,10 +364,16 @@ class KafkaSink:
             return
         if not self.spill.is_empty():
             self._spill_entries(entries)
+            if time.monotonic() < self._drain_retry_at:
+                return
             try:
                 self._drain_one_segment()
+            except SpillReadError:
+                # Logged by the store, which quarantines the segment after READ_ATTEMPTS
+                # failures in a row; the producer is fine, only the disk is retried later.
+                self._drain_retry_at = time.monotonic() + _SPILL_READ_RETRY_S
             except Exception:
-                # A disk error reading or deleting a segment: the segment stays and is sent
+                # A send or a disk error deleting a segment: the segment stays and is sent
                 # again after the reconnect backoff (consumers de-duplicate by event_id).
                 log.exception("spill_drain_failed")
                 self._mark_down()

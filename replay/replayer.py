@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -132,30 +133,50 @@ async def replay_file(
 ) -> ReplayResult:
     """Replay every trajectory of `source` against `base_url` (no /v1) as `model`.
 
-    Writes one JSON line per trajectory to `out`, in the order of `source`. HTTP errors are
-    recorded in the line (and counted), never raised: a shadow run should see them all.
+    Writes one JSON line per trajectory to `out`, in the order of `source`, each flushed as
+    soon as it and the ones before it are done: a run that crashes keeps what it finished.
+    HTTP errors are recorded in the line (and counted), never raised: a shadow run should see
+    them all.
     """
     trajectories = load_trajectories(Path(source))
     all_headers = {"X-OLP-Train": "0", **(headers or {})}
     if api_key:
         all_headers["Authorization"] = f"Bearer {api_key}"
     result = ReplayResult(path=Path(out))
-    semaphore = asyncio.Semaphore(max(1, concurrency))
+    width = max(1, concurrency)
+    semaphore = asyncio.Semaphore(width)
     timeout = aiohttp.ClientTimeout(total=timeout_s)
-    async with aiohttp.ClientSession(headers=all_headers, timeout=timeout) as session:
-        lines = await asyncio.gather(
-            *(_replay_one(session, base_url, t, model, semaphore) for t in trajectories)
-        )
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    with out.open("w", encoding="utf-8") as handle:
-        for line in lines:
-            handle.write(dumps_json(line) + "\n")  # a recorded lone surrogate as its escape
-            result.sent += 1
-            if line["replayed"].get("http_status") == 200 and "error" not in line["replayed"]:
-                result.ok += 1
-            else:
-                result.errors += 1
+    # Requests start at most 2 * concurrency lines ahead of the oldest unwritten one: the
+    # lines come out in the order of `source`, and memory (and what a crash loses) is bounded.
+    window: deque[asyncio.Task[dict[str, Any]]] = deque()
+    todo = iter(trajectories)
+    async with aiohttp.ClientSession(headers=all_headers, timeout=timeout) as session:
+        with out.open("w", encoding="utf-8") as handle:
+            try:
+                while True:
+                    while len(window) < 2 * width and (record := next(todo, None)) is not None:
+                        window.append(
+                            asyncio.create_task(
+                                _replay_one(session, base_url, record, model, semaphore)
+                            )
+                        )
+                    if not window:
+                        break
+                    line = await window.popleft()
+                    handle.write(dumps_json(line) + "\n")  # a recorded lone surrogate escaped
+                    handle.flush()
+                    result.sent += 1
+                    replayed = line["replayed"]
+                    if replayed.get("http_status") == 200 and "error" not in replayed:
+                        result.ok += 1
+                    else:
+                        result.errors += 1
+            finally:
+                for task in window:  # a crash or a cancel: stop the requests in flight
+                    task.cancel()
+                await asyncio.gather(*window, return_exceptions=True)
     log.info(
         "replay_written",
         path=str(out),

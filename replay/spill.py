@@ -4,7 +4,11 @@ Records land here when the broker is unreachable or the producer queue is full, 
 user did is lost while Kafka is down. Each segment is a sequence of frames
 `[u32 payload length][u32 crc32][payload]`, payload = `[u16 topic len][topic][i32 key len or
 -1][key][value]`. A frame torn by a crash fails its length or CRC check, or (zeros a power loss
-left behind pass the CRC) its decoding, and ends the segment.
+left behind pass the CRC) its decoding; with no intact frame after it, it is a torn tail and
+ends the segment. A bad frame followed by intact ones is corruption in the middle: reading
+resumes at the next intact frame, and the segment, once drained, is moved to `quarantine/`
+instead of being deleted with the bytes it could not read. So is a segment whose file cannot
+be read (EIO, EACCES) `read_attempts` times in a row, so it cannot hold back the newer ones.
 A frame torn by a disk error (ENOSPC, EFBIG, EIO) is cut off at once and the segment sealed,
 so nothing is ever appended behind a torn frame. A segment is deleted only after every record
 in it was acknowledged by the broker.
@@ -30,6 +34,18 @@ _HEADER = struct.Struct(">II")
 _TOPIC_LEN = struct.Struct(">H")
 _KEY_LEN = struct.Struct(">i")
 _SEGMENT_RE = re.compile(r"^seg-(\d{20})\.spill$")
+_NONZERO = re.compile(rb"[^\x00]")
+# Smallest payload of an intact frame: topic length, a one-byte topic, key length.
+_MIN_PAYLOAD = _TOPIC_LEN.size + 1 + _KEY_LEN.size
+_MAX_TOPIC_LEN = 249  # Kafka's limit on a topic name
+# Reads of one sealed segment failing (EIO, EACCES) this many times in a row move it to
+# quarantine: retried forever, it would hold back every newer record until the cap.
+READ_ATTEMPTS = 5
+QUARANTINE_DIR_NAME = "quarantine"
+
+
+class SpillReadError(OSError):
+    """Reading a sealed segment failed; it stays and is read again (see READ_ATTEMPTS)."""
 
 
 class SpillWriteError(OSError):
@@ -89,31 +105,114 @@ def _decode_payload(payload: bytes) -> SpillEntry:
     return SpillEntry(topic=topic, key=key, value=payload[pos:])
 
 
-def read_segment(path: Path) -> list[SpillEntry]:
-    """Every intact record of a segment file, in append order; a torn tail is logged."""
-    data = Path(path).read_bytes()
+@dataclass(frozen=True)
+class _Parsed:
+    """What a segment's bytes hold: intact records, skipped byte ranges between intact
+    frames (corruption in the middle) and the bytes of a torn tail."""
+
+    entries: list[SpillEntry]
+    corrupt: list[tuple[int, int]]
+    torn_tail_bytes: int
+
+
+def _frame_at(data: bytes, pos: int) -> tuple[SpillEntry, int] | None:
+    """The intact frame at `pos` and the offset after it, or None."""
+    if pos + _HEADER.size > len(data):
+        return None
+    length, crc = _HEADER.unpack_from(data, pos)
+    end = pos + _HEADER.size + length
+    if length < _MIN_PAYLOAD or end > len(data):
+        return None
+    # The payload's own header first: a resync (`_next_frame`) tries every offset of the
+    # damage, and checking the CRC of a random length's bytes at each made an 8 MiB
+    # segment of garbage take seconds per read.
+    start = pos + _HEADER.size
+    (topic_len,) = _TOPIC_LEN.unpack_from(data, start)
+    key_at = start + _TOPIC_LEN.size + topic_len
+    if not 0 < topic_len <= _MAX_TOPIC_LEN or key_at + _KEY_LEN.size > end:
+        return None
+    (key_len,) = _KEY_LEN.unpack_from(data, key_at)
+    if key_len < -1 or key_at + _KEY_LEN.size + max(key_len, 0) > end:
+        return None
+    payload = data[start:end]
+    if zlib.crc32(payload) != crc:
+        return None
+    try:
+        return _decode_payload(payload), end
+    except (struct.error, ValueError):
+        return None  # torn like a failed CRC: raising would fail every drain of the spill
+
+
+def _next_frame(data: bytes, pos: int) -> int | None:
+    """The offset of the first intact frame after the bad one at `pos`, or None.
+
+    The framing has no sync marker, so every offset is a candidate; a random one passes the
+    CRC-32 and the decoding with odds of about 2**-32. Only lengths from _MIN_PAYLOAD up are
+    frames, so a run of zeros (a power loss) is skipped at once."""
+    last = len(data) - _HEADER.size - _MIN_PAYLOAD
+    zero_lead = len(data) < 1 << 24  # then every length field starts with a zero byte
+    candidate = pos + 1
+    while candidate <= last:
+        if zero_lead:
+            candidate = data.find(b"\x00", candidate, last + 1)
+            if candidate < 0:
+                return None
+        if data[candidate : candidate + 4] == b"\x00\x00\x00\x00":
+            # A length field holds a non-zero byte: a frame starts at most 3 bytes before
+            # the end of this run of zeros.
+            nonzero = _NONZERO.search(data, candidate)
+            if nonzero is None:
+                return None
+            candidate = max(candidate + 1, nonzero.start() - 3)
+            continue
+        if _frame_at(data, candidate) is not None:
+            return candidate
+        candidate += 1
+    return None
+
+
+def _parse_segment(data: bytes) -> _Parsed:
     entries: list[SpillEntry] = []
+    corrupt: list[tuple[int, int]] = []
     pos = 0
     while pos < len(data):
-        if pos + _HEADER.size > len(data):
-            break
-        length, crc = _HEADER.unpack_from(data, pos)
-        payload = data[pos + _HEADER.size : pos + _HEADER.size + length]
-        if len(payload) < length or zlib.crc32(payload) != crc:
-            break
-        try:
-            entries.append(_decode_payload(payload))
-        except (struct.error, ValueError):
-            break  # torn like a failed CRC: raising would fail every drain of the spill
-        pos += _HEADER.size + length
-    if pos < len(data):
+        frame = _frame_at(data, pos)
+        if frame is not None:
+            entries.append(frame[0])
+            pos = frame[1]
+            continue
+        resume = _next_frame(data, pos)
+        if resume is None:  # nothing intact follows: a torn tail (crash while writing)
+            return _Parsed(entries, corrupt, len(data) - pos)
+        corrupt.append((pos, resume))
+        pos = resume
+    return _Parsed(entries, corrupt, 0)
+
+
+def _log_damage(name: str, parsed: _Parsed) -> None:
+    if parsed.corrupt:
+        log.error(
+            "spill_segment_corrupt",
+            segment=name,
+            intact_records=len(parsed.entries),
+            skipped_bytes=sum(end - start for start, end in parsed.corrupt),
+            skipped_ranges=parsed.corrupt[:10],
+        )
+    if parsed.torn_tail_bytes:
         log.error(
             "spill_segment_torn_tail",
-            segment=Path(path).name,
-            intact_records=len(entries),
-            lost_bytes=len(data) - pos,
+            segment=name,
+            intact_records=len(parsed.entries),
+            lost_bytes=parsed.torn_tail_bytes,
         )
-    return entries
+
+
+def read_segment(path: Path) -> list[SpillEntry]:
+    """Every intact record of a segment file, in append order; a torn tail, or corruption in
+    the middle (read on past at the next intact frame), is logged."""
+    parsed = _parse_segment(Path(path).read_bytes())
+    _log_damage(Path(path).name, parsed)
+    return parsed.entries
 
 
 def _fsync_dir(directory: Path) -> None:
@@ -125,7 +224,9 @@ def _fsync_dir(directory: Path) -> None:
 
 
 class SpillStore:
-    """Thread-safe segment store; `on_full(dropped)` is called when the size cap refuses records."""
+    """Thread-safe segment store; `on_full(dropped)` is called when the size cap refuses records,
+    `on_quarantine(reason)` when a segment is moved to `quarantine/` ("read_error", "corrupt").
+    """
 
     def __init__(
         self,
@@ -133,12 +234,19 @@ class SpillStore:
         max_bytes: int,
         segment_bytes: int,
         on_full: Callable[[int], None] | None = None,
+        on_quarantine: Callable[[str], None] | None = None,
+        read_attempts: int = READ_ATTEMPTS,
     ) -> None:
         self.directory = Path(directory)
         self.directory.mkdir(parents=True, exist_ok=True)
+        self.quarantine_dir = self.directory / QUARANTINE_DIR_NAME
         self.max_bytes = max_bytes
         self.segment_bytes = segment_bytes
+        self.read_attempts = max(1, read_attempts)
         self._on_full = on_full
+        self._on_quarantine = on_quarantine
+        self._read_failures: dict[int, int] = {}  # seq -> failed reads in a row
+        self._corrupt: set[int] = set()  # seqs read with corruption in the middle
         self._lock = threading.Lock()
         self._sealed: list[SpillSegment] = []
         self._active: SpillSegment | None = None
@@ -289,22 +397,94 @@ class SpillStore:
             return self._sealed[0] if self._sealed else None
 
     def read(self, segment: SpillSegment) -> list[SpillEntry]:
-        """Every intact record of a sealed segment, in append order; a torn tail is logged.
+        """Every intact record of a sealed segment, in append order; damage is logged.
 
         A segment file removed behind the store's back reads as empty (logged): raising
-        would fail every drain attempt, and the records behind it would never be sent."""
+        would fail every drain attempt, and the records behind it would never be sent. Any
+        other read error raises SpillReadError, until the `read_attempts`-th in a row moves
+        the segment to quarantine and it reads as empty. A segment corrupt in the middle
+        is moved there by `delete` instead of being removed."""
         try:
-            return read_segment(segment.path)
+            data = segment.path.read_bytes()
         except FileNotFoundError:
             log.error("spill_segment_missing", segment=segment.path.name, bytes=segment.size)
             return []
+        except OSError as exc:
+            failures = self._read_failures.get(segment.seq, 0) + 1
+            if failures < self.read_attempts:
+                self._read_failures[segment.seq] = failures
+                log.error(
+                    "spill_segment_read_failed",
+                    segment=segment.path.name,
+                    error=repr(exc),
+                    failures=failures,
+                    quarantine_after=self.read_attempts,
+                )
+                raise SpillReadError(
+                    exc.errno, f"reading spill segment {segment.path.name} failed: {exc}"
+                ) from exc
+            self._read_failures.pop(segment.seq, None)
+            with self._lock:
+                self._set_aside_locked(segment, "read_error", repr(exc))
+            return []
+        self._read_failures.pop(segment.seq, None)
+        parsed = _parse_segment(data)
+        _log_damage(segment.path.name, parsed)
+        if parsed.corrupt:
+            with self._lock:
+                self._corrupt.add(segment.seq)
+        return parsed.entries
 
     def delete(self, segment: SpillSegment) -> None:
-        """Remove a drained segment (call only after the broker acknowledged all its records)."""
+        """Remove a drained segment (call only after the broker acknowledged all its records).
+
+        One read with corruption in the middle is moved to quarantine instead: the bytes it
+        could not read may hold records. One already set aside is left alone."""
         with self._lock:
+            if all(s.seq != segment.seq for s in self._sealed):
+                return
+            if segment.seq in self._corrupt:
+                self._corrupt.discard(segment.seq)
+                self._set_aside_locked(segment, "corrupt", "corrupt frames in the middle")
+                return
             self._sealed = [s for s in self._sealed if s.seq != segment.seq]
             segment.path.unlink(missing_ok=True)
             _fsync_dir(self.directory)
+
+    def _set_aside_locked(self, segment: SpillSegment, reason: str, detail: str) -> None:
+        """Stop draining `segment` and move its file to quarantine/, for an operator: never
+        deleted, never read again by the store (lock held)."""
+        self._sealed = [s for s in self._sealed if s.seq != segment.seq]
+        target = self.quarantine_dir / segment.path.name
+        suffix = 0
+        try:
+            self.quarantine_dir.mkdir(exist_ok=True)
+            while target.exists():  # sequence numbers start again once the spill was empty
+                suffix += 1
+                target = self.quarantine_dir / f"{segment.path.stem}.{suffix}.spill"
+            os.rename(segment.path, target)
+            _fsync_dir(self.quarantine_dir)
+            _fsync_dir(self.directory)
+        except OSError as exc:
+            # Left in place: skipped until the next start, which tries it again.
+            log.error(
+                "spill_segment_quarantine_failed",
+                segment=segment.path.name,
+                reason=reason,
+                detail=detail,
+                error=repr(exc),
+            )
+        else:
+            log.error(
+                "spill_segment_quarantined",
+                segment=segment.path.name,
+                reason=reason,
+                detail=detail,
+                bytes=segment.size,
+                path=str(target),
+            )
+        if self._on_quarantine is not None:
+            self._on_quarantine(reason)
 
     def close(self) -> None:
         """Close the active file; its records stay on disk for the next start."""

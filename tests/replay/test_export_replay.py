@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 from pathlib import Path
 from typing import Any
@@ -11,6 +12,7 @@ import pytest
 from aiohttp import web
 
 from replay.config import StreamConfig
+from replay.consumer import ResumeOffsetError
 from replay.export import (
     ExportResult,
     export_records,
@@ -164,6 +166,35 @@ def test_end_offsets_cover_every_partition_so_the_next_export_repeats_nothing(
     )
     assert [item["record"] for item in items] == records
     assert result.end_offsets["trajectories"][partition] == 4
+
+
+def test_an_export_from_beyond_a_partitions_end_refuses_instead_of_starting_over(
+    stream_config: StreamConfig, tmp_path: Path
+) -> None:
+    """Offsets past the end (the broker lost data, a wrong offsets file): before, the client
+    reset to the earliest offset and the export silently started over from there."""
+    t0 = 1_700_000_000.0
+    records = [make_trajectory(session_id="one", created_at=t0 + i) for i in range(4)]
+    _produce(stream_config, tmp_path, records, [])
+    first = export_records(stream_config, tmp_path / "1.jsonl", kinds=("trajectories",))
+    [partition] = [p for p, end in first.end_offsets["trajectories"].items() if end == 4]
+
+    out = tmp_path / "2.jsonl"
+    with pytest.raises(ResumeOffsetError, match=r"export start offset \(from_offsets\) 100 .*"):
+        export_records(
+            stream_config,
+            out,
+            kinds=("trajectories",),
+            from_offsets={"trajectories": {partition: 100}},
+        )
+    assert not out.exists()
+    assert not out.with_name(out.name + ".partial").exists()
+    # The generator refuses before yielding anything read from a reset position.
+    items = iter_records(
+        stream_config, kinds=("trajectories",), from_offsets={"trajectories": {partition: 5}}
+    )
+    with pytest.raises(ResumeOffsetError, match="beyond the end of the partition"):
+        next(items)
 
 
 def test_export_drops_a_trajectory_rebuilt_under_a_new_event_id(
@@ -367,3 +398,59 @@ async def test_replay_records_an_odd_answer_and_carries_on(tmp_path: Path) -> No
     assert "not a JSON object" in lines[0]["replayed"]["error"]
     assert "not a JSON object" in lines[1]["replayed"]["error"]
     assert "error" not in lines[2]["replayed"]
+
+
+@on_session_loop
+async def test_replay_writes_each_line_as_it_is_done_so_a_crash_keeps_them(
+    tmp_path: Path,
+) -> None:
+    """Before: every line was held in memory and written at the end; a crash (here: the
+    run is cancelled while one answer never comes) left no output at all."""
+    never = asyncio.Event()
+    requested: list[str] = []
+
+    async def answer(request: web.Request) -> web.Response:
+        prompt = (await request.json())["messages"][0]["content"]
+        requested.append(prompt)
+        if prompt == "hang":
+            await never.wait()
+        return web.json_response({"choices": [], "usage": None})
+
+    app = web.Application()
+    app.router.add_post("/v1/chat/completions", answer)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    prompts = ["a", "b", "hang", "d"]
+    records = [make_trajectory(prompt=p) for p in prompts]
+    source = tmp_path / "source.jsonl"
+    source.write_text("".join(json.dumps(r) + "\n" for r in records))
+    out = tmp_path / "out.jsonl"
+
+    def written() -> list[str]:
+        text = out.read_text() if out.exists() else ""
+        return [json.loads(line)["trajectory_id"] for line in text.splitlines()]
+
+    run = asyncio.create_task(
+        replay_file(source, out, base_url=f"http://127.0.0.1:{port}", model="m", concurrency=2)
+    )
+    try:
+        for _ in range(200):
+            if len(written()) >= 2 and "d" in requested:
+                break
+            await asyncio.sleep(0.05)
+        # Written as done and in the order of the source: "d" was answered, but waits
+        # behind the request that hangs.
+        assert written() == [r["trajectory_id"] for r in records[:2]]
+        assert "d" in requested
+        assert not run.done()
+        run.cancel()  # the crash
+        with pytest.raises(asyncio.CancelledError):
+            await run
+    finally:
+        never.set()
+        await runner.cleanup()
+    assert written() == [r["trajectory_id"] for r in records[:2]]
+    assert out.read_text().endswith("\n")  # whole lines only

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -65,3 +67,69 @@ async def test_kafka_sink_implements_the_protocol(tmp_path: Path) -> None:
     sink.put_trajectory(make_trajectory())
     await sink.aclose()  # nothing listens on that port: the record stays in the spill
     assert sink.spill.total_bytes() > 0
+
+
+# Runs in a child process: RLIMIT_FSIZE makes the kernel refuse writes (EFBIG, a short write
+# first) exactly as a full disk does, without limiting the test process's own files.
+_FULL_DISK = """
+import json, resource, signal, sys
+from pathlib import Path
+from replay.sink import JsonlSink
+from replay.synthetic import make_trajectory
+
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+directory, recovers = Path(sys.argv[1]), sys.argv[2] == "recovers"
+path = directory / "trajectories.jsonl"
+sink = JsonlSink(directory) if recovers else JsonlSink(directory, max_pending=3)
+records = [make_trajectory(session_id=f"s{i}") for i in range(6)]
+sink.put_trajectory(records[0])
+size = path.stat().st_size
+resource.setrlimit(resource.RLIMIT_FSIZE, (size + 100, resource.RLIM_INFINITY))
+raised = []
+for record in records[1:4]:  # the first is torn by a short write, then refused
+    try:
+        sink.put_trajectory(record)
+    except OSError as exc:
+        raised.append(exc.errno)
+if raised:  # what the sink did before: stop here, so the test names it
+    print(json.dumps([raised, None, None, None]))
+    sys.exit(0)
+full = [path.stat().st_size == size, sink.pending_records(), sink.write_errors]
+if recovers:
+    resource.setrlimit(resource.RLIMIT_FSIZE, (resource.RLIM_INFINITY, resource.RLIM_INFINITY))
+for record in records[4:]:
+    try:
+        sink.put_trajectory(record)
+    except OSError as exc:
+        raised.append(exc.errno)
+sink.close()
+print(json.dumps([raised, full, sink.lost, [r["trajectory_id"] for r in records]]))
+"""
+
+
+@pytest.mark.parametrize("recovers", [True, False], ids=["disk_recovers", "disk_stays_full"])
+def test_a_disk_error_never_raises_into_put_and_loses_nothing_silently(
+    tmp_path: Path, recovers: bool
+) -> None:
+    """Before: the OSError of the write raised into `put_trajectory`, i.e. into the proxy."""
+    done = subprocess.run(
+        [sys.executable, "-c", _FULL_DISK, str(tmp_path), "recovers" if recovers else "full"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=Path(__file__).resolve().parents[2],
+    )
+    assert done.returncode == 0, done.stderr
+    raised, full, lost, ids = json.loads(done.stdout.strip().splitlines()[-1])
+    assert raised == []
+    torn_cut_off, pending, write_errors = full
+    assert torn_cut_off  # no torn line in front of the records written later
+    assert pending == 3
+    assert write_errors >= 3
+    written = [i["record"]["trajectory_id"] for i in read_export(tmp_path / "trajectories.jsonl")]
+    if recovers:  # kept in memory, then written in order before the next record
+        assert written == ids
+        assert lost == {"trajectories": 0, "feedback": 0, "dlq": 0}
+    else:  # two beyond the cap of three in memory, three more refused at close
+        assert written == ids[:1]
+        assert lost == {"trajectories": 5, "feedback": 0, "dlq": 0}

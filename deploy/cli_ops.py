@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import tempfile
 import urllib.parse
 from collections.abc import Callable
 from pathlib import Path
@@ -224,6 +225,7 @@ def parse_bound(value: str | None) -> tuple[Any, float | None]:
 def cmd_replay_export(args: argparse.Namespace, cfg: OlpConfig) -> int:
     from kafka.errors import KafkaError
 
+    from replay.consumer import ResumeOffsetError
     from replay.export import export_records
 
     from_offsets, from_time = parse_bound(args.from_)
@@ -244,6 +246,9 @@ def cmd_replay_export(args: argparse.Namespace, cfg: OlpConfig) -> int:
         print(f"olp: replay export from {cfg.stream.bootstrap_servers}: {exc}", file=sys.stderr)
         return 2
     except (OSError, ValueError) as exc:  # unwritable --out, bad --kinds or offsets
+        print(f"olp: replay export: {exc}", file=sys.stderr)
+        return 2
+    except ResumeOffsetError as exc:  # --from past a partition's end: nothing was written
         print(f"olp: replay export: {exc}", file=sys.stderr)
         return 2
     print(
@@ -294,6 +299,17 @@ def cmd_demo(args: argparse.Namespace, cfg: OlpConfig) -> int:
     from deploy.supervisor import DEV_API_KEY
 
     host = "127.0.0.1" if cfg.proxy.host in ("0.0.0.0", "::") else cfg.proxy.host
+    out_dir = Path(args.out) if args.out else cfg.state_dir / "demo"
+    try:  # before the run, not after: its results are written there at the end
+        out_dir.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=out_dir):
+            pass
+    except OSError as exc:
+        print(
+            f"olp: demo cannot write its results to {out_dir}: {exc.strerror or exc}",
+            file=sys.stderr,
+        )
+        return 2
     if args.enable_training:
         try:
             _admin_call(args, cfg, "POST", _tenant_training_path(args.tenant), {"enabled": True})
@@ -309,7 +325,7 @@ def cmd_demo(args: argparse.Namespace, cfg: OlpConfig) -> int:
         max_tokens=args.max_tokens,
         duration_s=args.minutes * 60,
         max_requests=args.requests,
-        out_dir=Path(args.out) if args.out else cfg.state_dir / "demo",
+        out_dir=out_dir,
     )
     summary = run_demo(settings, audit_path=cfg.state_dir / cfg.safety.audit.path)
     return 0 if summary["requests"] > 0 else 1

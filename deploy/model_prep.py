@@ -7,6 +7,7 @@ source file, so every checkout and every test session shares one prepared copy.
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import importlib.util
 import json
@@ -95,10 +96,38 @@ def prepare_model(cache_dir: Path | None = None, gguf: Path | None = None) -> Pr
     if _manifest_ok(target, source_sha):
         log.info("model_prepare_cached", path=str(target))
         return PreparedModel(target, source_sha, created=False)
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        # Two olp commands started together on a fresh machine (olp up and its learner,
+        # two test sessions) must not both convert and then replace each other's
+        # directory: the first prepares under the lock, the others wait and find it ready.
+        with (root / f".{target.name}.lock").open("a") as lock:
+            try:
+                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                log.info("model_prepare_waiting", path=str(target))
+                fcntl.flock(lock, fcntl.LOCK_EX)
+            if _manifest_ok(target, source_sha):
+                log.info("model_prepare_cached", path=str(target))
+                return PreparedModel(target, source_sha, created=False)
+            return _prepare_locked(gguf, source_sha, target)
+    except OSError as exc:  # a cache dir that cannot be written, a full disk
+        where = f"{exc.filename}: " if exc.filename else ""
+        raise ModelPrepError(
+            f"cannot prepare the model in {root}: {where}{exc.strerror or exc} "
+            "(OLP_CACHE_DIR chooses another directory)"
+        ) from None
 
+
+def _prepare_locked(gguf: Path, source_sha: str, target: Path) -> PreparedModel:
     started = time.monotonic()
     log.info("model_prepare_start", source=str(gguf), target=str(target))
-    root.mkdir(parents=True, exist_ok=True)
+    root = target.parent
+    # Under the lock nobody else prepares this model: a temporary directory whose process
+    # is gone is from a run killed half-way (hundreds of MB each).
+    for stale in root.glob(f".{target.name}.tmp-*"):
+        if not _pid_running(stale.name.rsplit("-", 1)[1]):
+            shutil.rmtree(stale, ignore_errors=True)
     tmp = root / f".{target.name}.tmp-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     _convert(gguf, tmp)
@@ -112,6 +141,16 @@ def prepare_model(cache_dir: Path | None = None, gguf: Path | None = None) -> Pr
     os.replace(tmp, target)
     log.info("model_prepare_done", path=str(target), seconds=round(time.monotonic() - started, 1))
     return PreparedModel(target, source_sha, created=True)
+
+
+def _pid_running(pid: str) -> bool:
+    try:
+        os.kill(int(pid), 0)
+    except (ValueError, ProcessLookupError):  # gone (or not a name we gave)
+        return False
+    except PermissionError:  # another user's live process
+        return True
+    return True
 
 
 def _convert(gguf: Path, out: Path) -> None:

@@ -68,14 +68,34 @@ def vllm_env(cfg: PolicyConfig) -> dict[str, str]:
     return env
 
 
+class NotAModelList(RuntimeError):
+    """The server answers GET /v1/models, but not with an OpenAI model list."""
+
+
 def models_listed(base_url: str, timeout_s: float = 2.0) -> list[str] | None:
-    """The ids in the server's /v1/models, or None while it is not answering."""
+    """The ids in the server's /v1/models, or None while it is not answering.
+
+    NotAModelList when it answers with something else: not a vLLM (or a broken one),
+    which waiting will not change."""
+    url = f"{base_url}/v1/models"
     try:
-        with urllib.request.urlopen(f"{base_url}/v1/models", timeout=timeout_s) as resp:
-            body = json.loads(resp.read())
+        with urllib.request.urlopen(url, timeout=timeout_s) as resp:
+            raw = resp.read()
     except (urllib.error.URLError, OSError, ValueError):
         return None
-    return [item["id"] for item in body.get("data", [])]
+    try:
+        body = json.loads(raw)
+    except ValueError:
+        raise NotAModelList(f"GET {url} answered with something that is not JSON") from None
+    data = body.get("data") if isinstance(body, dict) else None
+    if not isinstance(data, list):
+        raise NotAModelList(
+            f'GET {url} answered JSON without a "data" list of models: {raw[:200]!r}'
+        )
+    ids = [item.get("id") if isinstance(item, dict) else None for item in data]
+    if not all(isinstance(i, str) for i in ids):
+        raise NotAModelList(f'GET {url} lists a model without a string "id": {raw[:200]!r}')
+    return [str(i) for i in ids]
 
 
 class PolicyServer:
@@ -154,7 +174,12 @@ def start_policy(
 
 
 def check_external(urls: list[str]) -> None:
-    """Fail with a clear message when a configured external vLLM does not answer."""
+    """Fail with a clear message when a configured external vLLM does not answer, or
+    answers like something else (NotAModelList names the URL and what was wrong)."""
     for url in urls:
-        if models_listed(url.rstrip("/"), timeout_s=5) is None:
+        try:
+            listed = models_listed(url.rstrip("/"), timeout_s=5)
+        except NotAModelList as exc:
+            raise NotAModelList(f"external vLLM at {url} (policy.external_urls): {exc}") from None
+        if listed is None:
             raise RuntimeError(f"external vLLM at {url} does not answer GET /v1/models")

@@ -34,6 +34,12 @@ GUARD = str(Path(__file__).with_name("child_guard.py"))
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
 
+# Exit codes of olp's own commands for failures no restart can fix: `olp up` never
+# restarts a child that exits with one of them (docs/operations.md, "Start and stop").
+EXIT_CONFIG_ERROR = 2  # the configuration or the installation is wrong
+EXIT_REFUSED = 3  # the learner refuses its state dir (it will not guess about versions)
+
+
 class StopRequested(Exception):
     """A stop signal arrived while waiting for a child to become ready."""
 
@@ -88,6 +94,7 @@ class ChildProcess:
         self.name = name
         self.argv = list(argv)
         self._tail: collections.deque[str] = collections.deque(maxlen=tail_lines)
+        self.stuck = False  # set by stop() when the process outlived SIGKILL
         self._log_file = log_file
         if log_file is not None:
             log_file.parent.mkdir(parents=True, exist_ok=True)
@@ -133,8 +140,13 @@ class ChildProcess:
     def alive(self) -> bool:
         return self.proc.poll() is None
 
-    def stop(self, timeout_s: float = 20.0) -> int | None:
-        """SIGTERM the child's process group, SIGKILL it after the timeout."""
+    def stop(self, timeout_s: float = 20.0, kill_wait_s: float = 10.0) -> int | None:
+        """SIGTERM the child's process group, SIGKILL it after the timeout.
+
+        Returns the exit code, or None (and `stuck` is set) when the process is still
+        there `kill_wait_s` after SIGKILL (uninterruptible sleep: a hung disk or NFS
+        mount): logged and said with its PID, never raised, so that the caller goes on
+        stopping its other children."""
         if self.proc.poll() is None:
             _signal_group(self.proc.pid, signal.SIGTERM)
             try:
@@ -142,13 +154,27 @@ class ChildProcess:
             except subprocess.TimeoutExpired:
                 log.warning("child_kill", child=self.name, pid=self.pid)
                 _signal_group(self.proc.pid, signal.SIGKILL)
-                self.proc.wait(timeout=10)
+                try:
+                    self.proc.wait(timeout=kill_wait_s)
+                except subprocess.TimeoutExpired:
+                    self.stuck = True
+                    log.error("child_stuck", child=self.name, pid=self.pid)
+                    say(
+                        f"olp: {self.name} (pid {self.pid}) is still running {kill_wait_s:.0f} s "
+                        "after SIGKILL (uninterruptible sleep?); see `ps -o pid,stat,wchan,cmd "
+                        f"-p {self.pid}`"
+                    )
         # vLLM's engine core runs as a grandchild in the same group: make sure it is gone.
         _signal_group(self.proc.pid, signal.SIGKILL)
         if self._guard is not None:
             self._guard.terminate()
-            self._guard.wait(timeout=10)
+            try:
+                self._guard.wait(timeout=10)
+            except subprocess.TimeoutExpired:  # hung as well: not worth failing the stop for
+                log.warning("child_guard_stuck", child=self.name, pid=self._guard.pid)
         self._reader.join(timeout=2)
+        if self.stuck:
+            return None
         log.info("child_stopped", child=self.name, pid=self.pid, returncode=self.proc.returncode)
         return self.proc.returncode
 

@@ -3,6 +3,8 @@
 One instance per state dir (a lock file says who holds it); Ctrl-C, SIGTERM or SIGHUP stops
 every child by PID, in reverse start order, also during start-up; a child that dies is
 reported with its last output and, per `on_child_exit`, restarted or the whole stack stops.
+A child that cannot be helped by a restart (a configuration error, a refused state dir, the
+same failure right after the last restart) is not restarted: the stack stops instead.
 """
 
 from __future__ import annotations
@@ -26,7 +28,15 @@ from deploy.config import ConfigError, OlpConfig
 from deploy.learner_runner import INTERNAL_TOKEN_ENV
 from deploy.policy import check_external, start_policy
 from deploy.ports import is_loopback, port_open, split_host_port
-from deploy.procs import ChildProcess, StopRequested, install_stop_handlers, say, wait_until
+from deploy.procs import (
+    EXIT_CONFIG_ERROR,
+    EXIT_REFUSED,
+    ChildProcess,
+    StopRequested,
+    install_stop_handlers,
+    say,
+    wait_until,
+)
 from deploy.runtime import resolve_model_dir
 from proxy.config import sha256_hex
 from safety.audit import AuditLog
@@ -36,6 +46,10 @@ log = structlog.get_logger(__name__)
 
 DEV_API_KEY = "olp-demo-key"
 DEV_ADMIN_KEY = "olp-admin-dev"
+
+# A restarted child that fails again this soon after its start, with the same exit code,
+# fails the same way each time: restarting it further only delays the operator's fix.
+CRASH_LOOP_S = 30.0
 
 
 class AlreadyRunning(RuntimeError):
@@ -82,6 +96,8 @@ class Component:
     child: ChildProcess | None = None
     restarts: int = 0
     stopper: Callable[[], None] | None = field(default=None)
+    started_at: float = field(default_factory=time.monotonic)
+    last_code: int | None = None  # the exit code of the previous run, once restarted
 
 
 def _http_ok(url: str) -> bool:
@@ -256,33 +272,64 @@ class Stack:
                     f"last output:\n{comp.child.tail(20)}"
                 )
                 log.error("child_exited", child=comp.name, pid=comp.child.pid, returncode=code)
-                restartable = comp.name in ("proxy", "learner")
-                if (
-                    self.cfg.on_child_exit == "restart"
-                    and restartable
-                    and comp.restarts < self.cfg.max_restarts
-                ):
-                    comp.restarts += 1
-                    say(f"olp: restarting {comp.name} ({comp.restarts}/{self.cfg.max_restarts})")
-                    comp.child = comp.start()
-                    continue
+                if self.cfg.on_child_exit == "restart" and comp.name in ("proxy", "learner"):
+                    reason = self._no_restart(comp, code, time.monotonic() - comp.started_at)
+                    if reason is None:
+                        comp.restarts += 1
+                        comp.last_code = code
+                        say(
+                            f"olp: restarting {comp.name} ({comp.restarts}/{self.cfg.max_restarts})"
+                        )
+                        comp.child = comp.start()
+                        comp.started_at = time.monotonic()
+                        continue
+                    say(f"olp: not restarting {comp.name}: {reason}; stopping the stack")
+                    log.error("child_not_restarted", child=comp.name, reason=reason)
                 return 1
         return 0
 
-    def stop(self) -> None:
-        """Stop every child, newest first; one failing stop does not spare the others."""
-        failures: list[Exception] = []
+    def _no_restart(self, comp: Component, code: int | None, ran_s: float) -> str | None:
+        """Why a dead child is not restarted (on_child_exit: restart), or None."""
+        if code == EXIT_CONFIG_ERROR:
+            return (
+                f"exit code {code} is a configuration error, which a restart cannot fix; "
+                "fix it (see the output above) and run olp up again"
+            )
+        if code == EXIT_REFUSED:
+            return (
+                f"exit code {code}: it refuses its state dir (see the output above), "
+                "which a restart cannot change"
+            )
+        if comp.restarts and code == comp.last_code and ran_s < CRASH_LOOP_S:
+            return (
+                f"it failed the same way (exit code {code}) {ran_s:.0f} s after its "
+                "restart; restarting it again will not help"
+            )
+        if comp.restarts >= self.cfg.max_restarts:
+            return f"it was restarted {comp.restarts} times already (max_restarts)"
+        return None
+
+    def stop(self) -> list[str]:
+        """Stop every child, newest first; one failing stop does not spare the others.
+
+        Returns what could not be stopped ("learner (pid 123)"), each already reported."""
+        failed: list[str] = []
         for comp in reversed(self.components):
             if comp.child is None:
                 continue
+            what = f"{comp.name} (pid {comp.child.pid})"
             try:
                 comp.child.stop(timeout_s=30)
-            except Exception as exc:
-                failures.append(exc)
+            except Exception as exc:  # e.g. EPERM from kill: report it, stop the others
+                log.error("child_stop_failed", child=comp.name, pid=comp.child.pid, error=str(exc))
+                say(f"olp: stopping {what} failed: {exc}")
+                failed.append(what)
+                continue
+            if comp.child.stuck:
+                failed.append(what)
         self.components.clear()
         self.lock.release()
-        if failures:
-            raise failures[0]
+        return failed
 
     def banner(self, seconds: float) -> str:
         cfg = self.cfg
@@ -312,7 +359,8 @@ class Stack:
 
 
 def run_up(cfg: OlpConfig, config_path: Path | None, *, with_learner: bool = True) -> int:
-    """0 when asked to stop (also during start-up), 1 when start-up failed or a child died."""
+    """0 when asked to stop (also during start-up), 1 when start-up failed, a child died
+    or a child could not be stopped."""
     stack = Stack(cfg, config_path, with_learner=with_learner)
     # Before the first child: a signal during start-up must reach our handler, not kill us.
     install_stop_handlers(stack.stop_requested)
@@ -325,12 +373,16 @@ def run_up(cfg: OlpConfig, config_path: Path | None, *, with_learner: bool = Tru
         say(f"olp: cannot use the state dir {stack.state_dir}: {exc.strerror or exc}")
         return 1
     try:
-        return _start_and_watch(stack)
+        code = _start_and_watch(stack)
     finally:
         # Whatever happened above (a closed stdout/stderr pipe included), stop every child.
         say("olp: stopping")
-        stack.stop()
-        say("olp: stopped")
+        failed = stack.stop()
+        if failed:
+            say(f"olp: stopped, except {', '.join(failed)}: still running")
+        else:
+            say("olp: stopped")
+    return 1 if failed else code
 
 
 def _start_and_watch(stack: Stack) -> int:

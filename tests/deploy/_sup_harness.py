@@ -6,12 +6,17 @@ Every child's PID is recorded as the empty file STATE_DIR/pids/<PID> as soon as 
 when olp fails to, stop) each one by PID.
 
 Modes: up-ready (every component ready at once), up-warming (vLLM never becomes ready),
-policy-warming, broker-warming (the standalone launchers, stuck in start-up).
+policy-warming, broker-warming (the standalone launchers, stuck in start-up);
+up-config-error, up-refused and up-crash-loop (ready, with `on_child_exit: restart`, and a
+learner that exits at once with code 2, 3 or 1 every time it starts), up-stuck-child (ready, and
+the learner outlives SIGKILL, as in uninterruptible sleep). Each start of a child whose
+command is replaced is also recorded as STATE_DIR/starts/<name>-<PID>.
 """
 
 from __future__ import annotations
 
 import os
+import subprocess
 import sys
 import traceback
 from pathlib import Path
@@ -22,19 +27,41 @@ import deploy.procs
 import deploy.runtime
 import deploy.supervisor
 from deploy.cli import main
+from deploy.config import DEFAULT_CONFIG_FILE
 from deploy.ports import free_port
 
 MODE, STATE = sys.argv[1], Path(sys.argv[2])
 PIDS = STATE / "pids"
+STARTS = STATE / "starts"
+LEARNER_EXIT = {"up-config-error": 2, "up-refused": 3, "up-crash-loop": 1}
 
 
 class SleepChild(deploy.procs.ChildProcess):
     """A child that starts like the real one and then does nothing; its PID is recorded."""
 
     def __init__(self, name: str, argv: list[str], **kwargs: object) -> None:
-        super().__init__(name, ["sleep", "1000"], **kwargs)  # type: ignore[arg-type]
+        command = ["sleep", "1000"]
+        if name == "learner" and MODE in LEARNER_EXIT:
+            command = ["sh", "-c", f"echo learner failing; exit {LEARNER_EXIT[MODE]}"]
+        super().__init__(name, command, **kwargs)  # type: ignore[arg-type]
         PIDS.mkdir(exist_ok=True)
         (PIDS / str(self.pid)).touch()
+        STARTS.mkdir(exist_ok=True)
+        (STARTS / f"{name}-{self.pid}").touch()
+        if name == "learner" and MODE == "up-stuck-child":
+            self.proc.wait = _never_ends(self.proc)  # type: ignore[method-assign]
+
+
+def _never_ends(proc: subprocess.Popen[str]):  # type: ignore[no-untyped-def]
+    """A wait() that times out whatever happens: a process SIGKILL does not end."""
+    real = proc.wait
+
+    def wait(timeout: float | None = None) -> int:
+        if timeout is not None:
+            raise subprocess.TimeoutExpired(proc.args, timeout)
+        return real()
+
+    return wait
 
 
 def _fake_children(vllm_ready: bool) -> None:
@@ -60,12 +87,17 @@ if __name__ == "__main__":
             "OLP_STREAM__BOOTSTRAP_SERVERS": f"127.0.0.1:{free_port()}",
         }
     )
-    _fake_children(vllm_ready=MODE == "up-ready")
-    command = MODE.split("-")[0]
+    _fake_children(vllm_ready=MODE in ("up-ready", "up-stuck-child", *LEARNER_EXIT))
+    argv = [MODE.split("-")[0]]
+    if MODE in LEARNER_EXIT:
+        config = STATE / "olp.yaml"
+        restart = "\non_child_exit: restart\nmax_restarts: 5\n"
+        config.write_text(DEFAULT_CONFIG_FILE.read_text() + restart)
+        argv += ["--config", str(config)]
     print(f"harness pid {os.getpid()}", file=sys.stderr, flush=True)
     # With the output in a closed pipe, exit.txt is the only trace of how olp ended.
     try:
-        main([command])
+        main(argv)
     except SystemExit as exc:
         (STATE / "exit.txt").write_text(f"olp exited with {exc.code!r}\n")
         raise

@@ -6,8 +6,10 @@ small local HTTP server that answers the admin API badly on purpose.
 
 from __future__ import annotations
 
+import hashlib
 import http.server
 import os
+import socket
 import subprocess
 import sys
 import threading
@@ -24,11 +26,14 @@ from safety.audit import AuditLog
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def olp(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+def olp(
+    *args: str, env: dict[str, str] | None = None, stdin: str | None = None
+) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [sys.executable, "-m", "deploy.cli", *args],
         cwd=ROOT,
         env={**os.environ, "PYTHONPATH": str(ROOT), **(env or {})},
+        input=stdin,
         capture_output=True,
         text=True,
         timeout=120,
@@ -266,7 +271,8 @@ def test_learner_refusing_its_state_dir_says_why_in_one_line(
         store.publish(version, files, {"parent_version": 0})
     env = {"OLP_STATE_DIR": str(tmp_path / "state"), "OLP_POLICY__MODEL": str(model_dir)}
     done = olp("learner", env=env)
-    assert_clean_error(done, 1, "adapter store holds versions [1]")
+    # 3, not a crash's 1: `olp up` never restarts a learner refusing its state dir.
+    assert_clean_error(done, 3, "adapter store holds versions [1]")
     assert "refusing to guess" in done.stderr
 
 
@@ -296,3 +302,69 @@ def test_up_with_a_state_dir_it_cannot_create_says_so(tmp_path: Path) -> None:
     blocker.write_text("")
     done = olp("up", env={"OLP_STATE_DIR": str(blocker / "state")})
     assert_clean_error(done, 1, f"cannot use the state dir {blocker / 'state'}")
+
+
+# ------------------------------------------------------------------ key hash, broker, model
+@pytest.mark.parametrize(
+    ("args", "stdin"), [((), ""), ((), "   \n"), ((), "\nsecret\n"), (("",), None), (("  ",), None)]
+)
+def test_key_hash_refuses_an_empty_key(args: tuple[str, ...], stdin: str | None) -> None:
+    """The sha256 of "" pasted into the config would be a key anyone can send."""
+    done = olp("key", "hash", *args, stdin=stdin)
+    assert_clean_error(done, 2, "key hash: no key given")
+    assert done.stdout == ""
+
+
+def test_key_hash_of_a_key_on_stdin() -> None:
+    done = olp("key", "hash", stdin="olp-demo-key\n")
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == hashlib.sha256(b"olp-demo-key").hexdigest()
+
+
+def test_broker_whose_binary_cannot_run_is_one_line(tmp_path: Path) -> None:
+    """An executable file that is no program for this machine (a wrong-architecture
+    download, a truncated copy): `olp broker` names it instead of a traceback."""
+    binary = tmp_path / "tansu"
+    binary.write_bytes(b"\x00\x01 not an executable format")
+    binary.chmod(0o755)
+    env = {
+        "CALF_TANSU_BIN": str(binary),
+        "OLP_STREAM__BOOTSTRAP_SERVERS": f"127.0.0.1:{free_port()}",
+    }
+    done = olp("broker", env=env)
+    assert_clean_error(done, 2, f"cannot start the embedded broker: {binary}: Exec format error")
+
+
+def test_model_prepare_into_a_cache_dir_it_cannot_create(tmp_path: Path) -> None:
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    done = olp("model", "prepare", env={"OLP_CACHE_DIR": str(blocker / "cache")})
+    assert_clean_error(done, 2, f"cannot prepare the model in {blocker / 'cache' / 'models'}")
+
+
+def test_proxy_on_a_port_in_use_is_one_line(tmp_path: Path) -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        env = {
+            "OLP_PROXY__PORT": str(port),
+            "OLP_STATE_DIR": str(tmp_path),
+            "OLP_STREAM__BOOTSTRAP_SERVERS": "127.0.0.1:1",
+        }
+        done = olp("proxy", env=env)
+    assert_clean_error(done, 1, f"the proxy cannot listen on 127.0.0.1:{port}")
+    assert "Address already in use" in done.stderr
+
+
+def test_demo_with_an_out_dir_it_cannot_write_stops_before_it_runs(
+    tmp_path: Path, admin_server
+) -> None:
+    """Not a traceback at the end of a 30-minute run, and not after switching training on."""
+    url, handler = admin_server
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    env = {**_proxy_env(url), "OLP_STATE_DIR": str(tmp_path / "state")}
+    done = olp("demo", "--out", str(blocker / "demo"), "--minutes", "0.01", env=env)
+    assert_clean_error(done, 2, f"demo cannot write its results to {blocker / 'demo'}")
+    assert handler.paths == []  # training was not switched on for nothing

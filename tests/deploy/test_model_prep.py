@@ -1,4 +1,8 @@
 import importlib.util
+import os
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -64,3 +68,87 @@ def test_a_damaged_manifest_means_prepare_again(tmp_path: Path, manifest: str) -
     `olp model prepare` / `olp up` forever after."""
     (tmp_path / model_prep.MANIFEST).write_text(manifest)
     assert model_prep._manifest_ok(tmp_path, "abc") is False
+
+
+_CONCURRENT = r"""
+import sys, time
+from pathlib import Path
+from deploy import model_prep
+
+cache, gguf, gate, conversions = map(Path, sys.argv[1:5])
+
+def convert(src: Path, out: Path) -> None:
+    with conversions.open("a") as fh:
+        fh.write(f"{out.name}\n")
+    out.mkdir(parents=True)
+    time.sleep(2)  # the other process arrives meanwhile
+    (out / "config.json").write_text("{}")
+
+model_prep._convert = convert
+while not gate.exists():
+    time.sleep(0.01)
+prepared = model_prep.prepare_model(cache_dir=cache, gguf=gguf)
+print(prepared.path, prepared.created)
+"""
+
+
+def test_two_processes_preparing_at_once_convert_once(tmp_path: Path) -> None:
+    """Two olp commands started together on a fresh machine: one converts, the other
+    waits and finds the prepared cache (no second conversion, no collision on replace)."""
+    root = Path(__file__).resolve().parents[2]
+    gguf = tmp_path / "model.gguf"
+    gguf.write_bytes(b"a stand-in for the packaged GGUF")
+    gate, conversions, cache = tmp_path / "go", tmp_path / "conversions", tmp_path / "cache"
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", _CONCURRENT, str(cache), str(gguf), str(gate), str(conversions)],
+            cwd=root,
+            env={**os.environ, "PYTHONPATH": str(root)},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for _ in range(2)
+    ]
+    time.sleep(1)  # both are importing, then polling the gate
+    gate.touch()
+    results = [proc.communicate(timeout=60) for proc in procs]
+    for proc, (_, err) in zip(procs, results, strict=True):
+        assert proc.returncode == 0, err
+    answers = sorted(out.strip().splitlines()[-1].split() for out, _ in results)  # after logs
+    assert len(conversions.read_text().splitlines()) == 1, answers
+    assert answers[0][0] == answers[1][0]
+    assert [a[1] for a in answers] == ["False", "True"]
+    target = Path(answers[0][0])
+    assert model_prep._manifest_ok(target, model_prep.sha256_file(gguf))
+    assert [p.name for p in target.parent.iterdir() if ".tmp-" in p.name] == []
+
+
+def test_a_temporary_directory_of_a_killed_preparation_is_removed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    gguf = tmp_path / "model.gguf"
+    gguf.write_bytes(b"a stand-in for the packaged GGUF")
+    root = tmp_path / "cache" / "models"
+    target = f"smollm2-135m-instruct-{model_prep.sha256_file(gguf)[:16]}"
+    stale = root / f".{target}.tmp-99999999"  # no such process
+    stale.mkdir(parents=True)
+    (stale / "model.safetensors").write_bytes(b"half written")
+
+    def convert(src: Path, out: Path) -> None:
+        out.mkdir(parents=True)
+        (out / "config.json").write_text("{}")
+
+    monkeypatch.setattr(model_prep, "_convert", convert)
+    prepared = prepare_model(cache_dir=tmp_path / "cache", gguf=gguf)
+    assert prepared.created and prepared.path == root / target
+    assert not stale.exists()
+
+
+def test_a_cache_dir_that_cannot_be_written_is_a_prep_error(tmp_path: Path) -> None:
+    gguf = tmp_path / "model.gguf"
+    gguf.write_bytes(b"a stand-in for the packaged GGUF")
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    with pytest.raises(ModelPrepError, match=r"cannot prepare the model in .*OLP_CACHE_DIR"):
+        prepare_model(cache_dir=blocker / "cache", gguf=gguf)

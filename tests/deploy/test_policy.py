@@ -103,3 +103,64 @@ def test_a_policy_port_in_use_is_refused_not_reported_ready(tmp_path: Path) -> N
     finally:
         other.shutdown()
         other.server_close()
+
+
+def _answering(body: bytes) -> type[http.server.BaseHTTPRequestHandler]:
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    return Handler
+
+
+@pytest.mark.parametrize(
+    ("body", "what"),
+    [
+        (b"[1, 2]", 'without a "data" list'),
+        (b'{"object": "list"}', 'without a "data" list'),
+        (b'{"data": {"id": "base"}}', 'without a "data" list'),
+        (b'{"data": [{"name": "base"}]}', 'a model without a string "id"'),
+        (b'{"data": ["base"]}', 'a model without a string "id"'),
+        (b"<html>a web server</html>", "not JSON"),
+    ],
+)
+def test_an_external_vllm_answering_odd_json_is_named_with_what_was_wrong(
+    body: bytes, what: str
+) -> None:
+    """Not `start-up failed: 'id'`: the URL of the external vLLM and what it sent."""
+    from deploy.policy import check_external
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _answering(body))
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{server.server_address[1]}"
+    try:
+        with pytest.raises(RuntimeError) as exc:  # `olp up` reports it as start-up failed
+            check_external([url])
+    finally:
+        server.shutdown()
+        server.server_close()
+    message = str(exc.value)
+    assert message.startswith(f"external vLLM at {url} (policy.external_urls): GET {url}/v1/models")
+    assert what in message
+
+
+def test_an_external_vllm_listing_models_passes() -> None:
+    from deploy.policy import check_external, models_listed
+
+    body = b'{"object": "list", "data": [{"id": "base"}, {"id": "policy-v2"}]}'
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _answering(body))
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{server.server_address[1]}"
+    try:
+        check_external([url + "/"])
+        assert models_listed(url) == ["base", "policy-v2"]
+    finally:
+        server.shutdown()
+        server.server_close()

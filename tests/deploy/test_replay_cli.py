@@ -70,3 +70,26 @@ def test_export_then_replay_reproduces_request_bodies(
     lines = [json.loads(line) for line in out.read_text().splitlines()]
     assert len(lines) == 3
     assert all(line["replayed"]["http_status"] == 200 for line in lines)
+
+
+def test_export_from_past_a_partitions_end_is_one_line(
+    kafka_bootstrap: str, tmp_path: Path
+) -> None:
+    prefix = f"t{uuid.uuid4().hex[:8]}"
+    stream = StreamConfig(bootstrap_servers=kafka_bootstrap, topic_prefix=prefix)
+    sink = KafkaSink(stream, tmp_path / "state")
+    sink.put_trajectory(make_trajectory(session_id="s"))
+    sink.close()
+    env = {
+        **os.environ,
+        "OLP_STATE_DIR": str(tmp_path / "state"),
+        "OLP_STREAM__BOOTSTRAP_SERVERS": kafka_bootstrap,
+        "OLP_STREAM__TOPIC_PREFIX": prefix,
+    }
+    export = tmp_path / "export.jsonl"
+    beyond = json.dumps({"trajectories": {str(p): 50 for p in range(stream.partitions)}})
+    done = olp(["replay", "export", "--out", str(export), "--from", beyond], env)
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert "beyond the end of the partition" in done.stderr
+    assert "Traceback" not in done.stderr and len(done.stderr.strip().splitlines()) == 1
+    assert not export.exists()

@@ -217,3 +217,94 @@ def _guards_of(children: list[int]) -> list[int]:
             ):
                 guards.append(int(entry.name))
     return guards
+
+
+def _starts(h: Harness, name: str) -> list[int]:
+    """The PIDs `name` ran as, in start order (see _sup_harness.py)."""
+    path = h.state / "starts"
+    found = [p for p in path.iterdir() if p.name.startswith(f"{name}-")] if path.exists() else []
+    return [int(p.name.rsplit("-", 1)[1]) for p in sorted(found, key=lambda p: p.stat().st_mtime)]
+
+
+@pytest.mark.parametrize(
+    ("mode", "reason"),
+    [
+        ("up-config-error", "exit code 2 is a configuration error"),
+        ("up-refused", "exit code 3: it refuses its state dir"),
+    ],
+)
+def test_a_child_exiting_with_a_configuration_or_state_error_is_never_restarted(
+    harness, mode: str, reason: str
+) -> None:
+    """`on_child_exit: restart`, `max_restarts: 5`: a learner that exits with 2 (config)
+    or 3 (refused state dir) would fail the same way each time; the stack stops at once."""
+    h = harness(mode)
+    assert _wait_for(lambda: h.proc.poll() is not None, 60), h.output()
+    out = h.output()
+    assert h.proc.returncode == 1, out
+    assert f"olp: not restarting learner: {reason}" in out, out
+    assert "stopping the stack" in out and "restarting learner (" not in out, out
+    assert len(_starts(h, "learner")) == 1, out
+    assert not [pid for pid in h.pids() if _running(pid)], out
+
+
+def test_a_child_failing_the_same_way_right_after_its_restart_is_not_restarted_again(
+    harness,
+) -> None:
+    """Exit code 1 may be a passing crash: restarted once; failing again the same way
+    within seconds of that restart is a crash loop, and the stack stops (max_restarts 5)."""
+    h = harness("up-crash-loop")
+    assert _wait_for(lambda: h.proc.poll() is not None, 60), h.output()
+    out = h.output()
+    assert h.proc.returncode == 1, out
+    assert out.count("olp: restarting learner (") == 1, out
+    assert "olp: not restarting learner: it failed the same way (exit code 1)" in out, out
+    assert len(_starts(h, "learner")) == 2, out
+    assert not [pid for pid in h.pids() if _running(pid)], out
+
+
+def test_a_child_outliving_sigkill_is_named_and_the_others_still_stop(harness) -> None:
+    """A child in uninterruptible sleep survives SIGKILL: `olp up` names its PID, stops
+    the other children and exits 1, without a traceback."""
+    h = harness("up-stuck-child")
+    children = h.wait_children(4)
+    assert _wait_for(lambda: "olp is up" in h.output(), 30), h.output()
+    (learner,) = _starts(h, "learner")
+    h.proc.send_signal(signal.SIGINT)
+    _assert_all_stopped(h, children)
+    out = h.output()
+    assert h.proc.returncode == 1, out
+    assert "Traceback" not in out, out
+    assert f"olp: learner (pid {learner}) is still running" in out, out
+    assert f"olp: stopped, except learner (pid {learner}): still running" in out, out
+
+
+def test_stop_reports_a_process_outliving_sigkill_instead_of_raising(tmp_path: Path) -> None:
+    import subprocess
+
+    from structlog.testing import capture_logs
+
+    from deploy.procs import ChildProcess
+
+    child = ChildProcess("stuck", ["sleep", "600"], log_file=tmp_path / "stuck.log")
+    real_wait = child.proc.wait
+
+    def never_ends(timeout: float | None = None) -> int:
+        raise subprocess.TimeoutExpired(child.argv, timeout or 0)
+
+    child.proc.wait = never_ends  # type: ignore[method-assign]
+    try:
+        with capture_logs() as logs:
+            assert child.stop(timeout_s=0.1) is None
+        assert child.stuck
+        assert {
+            "event": "child_stuck",
+            "child": "stuck",
+            "pid": child.pid,
+            "log_level": "error",
+        } in logs
+    finally:
+        child.proc.wait = real_wait  # type: ignore[method-assign]
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(child.pid, signal.SIGKILL)
+        real_wait(timeout=10)

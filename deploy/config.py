@@ -233,7 +233,12 @@ class OlpConfig(BaseModel):
     on_child_exit: Literal["stop", "restart"] = Field(
         "stop", description="what `olp up` does when a supervised process dies"
     )
-    max_restarts: int = Field(3, ge=0, description="per child, with on_child_exit: restart")
+    max_restarts: int = Field(
+        3,
+        ge=0,
+        description="per child, with on_child_exit: restart (never after exit code 2 or 3, "
+        "or the same failure within 30 s of a restart)",
+    )
     proxy: ProxyConfig = Field(default_factory=ProxyConfig)
     policy: PolicyConfig = Field(default_factory=PolicyConfig)
     stream: StreamConfig = Field(default_factory=StreamConfig)

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
+from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -217,6 +219,26 @@ def test_export_drops_a_trajectory_rebuilt_under_a_new_event_id(
     ]
 
 
+@contextlib.asynccontextmanager
+async def _serving(
+    handler: Callable[[web.Request], Awaitable[web.StreamResponse]],
+    paths: tuple[str, ...] = ("/v1/chat/completions",),
+) -> AsyncIterator[str]:
+    """A local OpenAI-shaped upstream answering `paths` with `handler`; yields its URL."""
+    app = web.Application()
+    for path in paths:
+        app.router.add_post(path, handler)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        await runner.cleanup()
+
+
 @pytest.fixture
 async def recording_hop(vllm_server: Any):
     """A real HTTP hop that records what arrives and forwards it to vLLM."""
@@ -233,18 +255,8 @@ async def recording_hop(vllm_server: Any):
                 status=upstream.status, body=await upstream.read(), content_type="application/json"
             )
 
-    app = web.Application()
-    app.router.add_post("/v1/chat/completions", forward)
-    app.router.add_post("/v1/completions", forward)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
-    try:
-        yield f"http://127.0.0.1:{port}", seen
-    finally:
-        await runner.cleanup()
+    async with _serving(forward, ("/v1/chat/completions", "/v1/completions")) as url:
+        yield url, seen
 
 
 @on_session_loop
@@ -341,21 +353,12 @@ async def test_replay_writes_a_recorded_lone_surrogate_as_its_escape(tmp_path: P
             }
         )
 
-    app = web.Application()
-    app.router.add_post("/v1/chat/completions", answer)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
     record = make_trajectory(prompt=odd)
     source = tmp_path / "source.jsonl"
     source.write_text(json.dumps(record) + "\n")  # ensure_ascii: the escape, as exported
     out = tmp_path / "out.jsonl"
-    try:
-        result = await replay_file(source, out, base_url=f"http://127.0.0.1:{port}", model="m")
-    finally:
-        await runner.cleanup()
+    async with _serving(answer) as url:
+        result = await replay_file(source, out, base_url=url, model="m")
     assert (result.sent, result.ok, result.errors) == (1, 1, 0)
     assert seen[0]["messages"][0]["content"] == odd
     text = out.read_bytes().decode("utf-8")  # strict: valid UTF-8
@@ -378,20 +381,11 @@ async def test_replay_records_an_odd_answer_and_carries_on(tmp_path: Path) -> No
         body = await request.json()
         return answers[body["messages"][0]["content"]]
 
-    app = web.Application()
-    app.router.add_post("/v1/chat/completions", answer)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
     source = tmp_path / "source.jsonl"
     source.write_text("".join(json.dumps(make_trajectory(prompt=p)) + "\n" for p in answers))
     out = tmp_path / "out.jsonl"
-    try:
-        result = await replay_file(source, out, base_url=f"http://127.0.0.1:{port}", model="m")
-    finally:
-        await runner.cleanup()
+    async with _serving(answer) as url:
+        result = await replay_file(source, out, base_url=url, model="m")
     assert (result.sent, result.ok, result.errors) == (3, 1, 2)
     lines = [json.loads(line) for line in out.read_text().splitlines()]
     assert [line["replayed"]["http_status"] for line in lines] == [200, 200, 200]
@@ -416,13 +410,6 @@ async def test_replay_writes_each_line_as_it_is_done_so_a_crash_keeps_them(
             await never.wait()
         return web.json_response({"choices": [], "usage": None})
 
-    app = web.Application()
-    app.router.add_post("/v1/chat/completions", answer)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
     prompts = ["a", "b", "hang", "d"]
     records = [make_trajectory(prompt=p) for p in prompts]
     source = tmp_path / "source.jsonl"
@@ -433,24 +420,22 @@ async def test_replay_writes_each_line_as_it_is_done_so_a_crash_keeps_them(
         text = out.read_text() if out.exists() else ""
         return [json.loads(line)["trajectory_id"] for line in text.splitlines()]
 
-    run = asyncio.create_task(
-        replay_file(source, out, base_url=f"http://127.0.0.1:{port}", model="m", concurrency=2)
-    )
-    try:
-        for _ in range(200):
-            if len(written()) >= 2 and "d" in requested:
-                break
-            await asyncio.sleep(0.05)
-        # Written as done and in the order of the source: "d" was answered, but waits
-        # behind the request that hangs.
-        assert written() == [r["trajectory_id"] for r in records[:2]]
-        assert "d" in requested
-        assert not run.done()
-        run.cancel()  # the crash
-        with pytest.raises(asyncio.CancelledError):
-            await run
-    finally:
-        never.set()
-        await runner.cleanup()
+    async with _serving(answer) as url:
+        run = asyncio.create_task(replay_file(source, out, base_url=url, model="m", concurrency=2))
+        try:
+            for _ in range(200):
+                if len(written()) >= 2 and "d" in requested:
+                    break
+                await asyncio.sleep(0.05)
+            # Written as done and in the order of the source: "d" was answered, but waits
+            # behind the request that hangs.
+            assert written() == [r["trajectory_id"] for r in records[:2]]
+            assert "d" in requested
+            assert not run.done()
+            run.cancel()  # the crash
+            with pytest.raises(asyncio.CancelledError):
+                await run
+        finally:
+            never.set()
     assert written() == [r["trajectory_id"] for r in records[:2]]
     assert out.read_text().endswith("\n")  # whole lines only

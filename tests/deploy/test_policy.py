@@ -71,40 +71,6 @@ def test_a_policy_beyond_loopback_is_started_with_a_warning() -> None:
     ]
 
 
-class _OtherServer(http.server.BaseHTTPRequestHandler):
-    """Something else already serving /v1/models on the port (another vLLM, say)."""
-
-    def do_GET(self) -> None:
-        body = json.dumps({"data": [{"id": "someone-elses-model"}]}).encode()
-        self.send_response(200)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(body)))
-        self.end_headers()
-        self.wfile.write(body)
-
-    def log_message(self, *args: object) -> None:
-        pass
-
-
-def test_a_policy_port_in_use_is_refused_not_reported_ready(tmp_path: Path) -> None:
-    """`olp policy` must not call another server on its port its own ready vLLM (ours would
-    then die on bind while the other answers)."""
-    other = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _OtherServer)
-    threading.Thread(target=other.serve_forever, daemon=True).start()
-    try:
-        cfg = PolicyConfig(port=other.server_address[1])
-        try:
-            server = start_policy(cfg, tmp_path)
-        except RuntimeError as exc:
-            assert "already in use" in str(exc) and "policy.port" in str(exc)
-        else:
-            server.stop()
-            pytest.fail("start_policy reported the other server on its port as ready")
-    finally:
-        other.shutdown()
-        other.server_close()
-
-
 def _answering(body: bytes) -> type[http.server.BaseHTTPRequestHandler]:
     class Handler(http.server.BaseHTTPRequestHandler):
         def do_GET(self) -> None:
@@ -118,6 +84,27 @@ def _answering(body: bytes) -> type[http.server.BaseHTTPRequestHandler]:
             pass
 
     return Handler
+
+
+def test_a_policy_port_in_use_is_refused_not_reported_ready(tmp_path: Path) -> None:
+    """`olp policy` must not call another server on its port its own ready vLLM (ours would
+    then die on bind while the other answers)."""
+    # Something else already serving /v1/models on the port (another vLLM, say).
+    listing = json.dumps({"data": [{"id": "someone-elses-model"}]}).encode()
+    other = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _answering(listing))
+    threading.Thread(target=other.serve_forever, daemon=True).start()
+    try:
+        cfg = PolicyConfig(port=other.server_address[1])
+        try:
+            server = start_policy(cfg, tmp_path)
+        except RuntimeError as exc:
+            assert "already in use" in str(exc) and "policy.port" in str(exc)
+        else:
+            server.stop()
+            pytest.fail("start_policy reported the other server on its port as ready")
+    finally:
+        other.shutdown()
+        other.server_close()
 
 
 @pytest.mark.parametrize(

@@ -72,7 +72,11 @@ def cmd_status(args: argparse.Namespace, cfg: OlpConfig) -> int:
 
 
 def format_status(status: dict[str, Any]) -> str:
-    lines = [f"serving: {status.get('serving_version')}   frozen: {status.get('frozen')}"]
+    """`/admin/status` for a terminal (`--json` prints it whole)."""
+    lines = [
+        f"serving: {status.get('serving_version')}   frozen: {status.get('frozen')}   "
+        f"learning frozen: {status.get('learning_frozen')}"
+    ]
     aliases = status.get("aliases", {})
     if aliases:
         lines.append("aliases: " + ", ".join(f"{k} -> {v}" for k, v in aliases.items()))
@@ -86,13 +90,12 @@ def format_status(status: dict[str, Any]) -> str:
             f"tenant {tenant.get('name')}: training "
             f"{'on' if tenant.get('training_enabled') else 'off'}"
         )
+    if status.get("upstreams"):
+        lines.append("upstreams: " + ", ".join(status["upstreams"]))
     history = status.get("history", [])
     if history:
         lines.append("history (newest last):")
         lines += [f"  {json.dumps(entry, sort_keys=True)}" for entry in history[-5:]]
-    for key in ("learner", "gate", "candidates", "stream"):
-        if status.get(key) is not None:
-            lines.append(f"{key}: {json.dumps(status[key], sort_keys=True)}")
     return "\n".join(lines)
 
 

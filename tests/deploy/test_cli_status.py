@@ -1,0 +1,58 @@
+"""`olp status` and the operator commands against a running proxy (in-process, no upstream
+needed: the status and freeze routes do not call one)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from deploy.ports import free_port
+from proxy.app import build_app
+from proxy.config import ProxyConfig
+from tests.proxy.conftest import ADMIN_KEY, CollectingSink, ProxyHarness, default_tenants
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture
+def running_proxy(tmp_path: Path) -> Iterator[ProxyHarness]:
+    config = ProxyConfig(upstreams=[f"http://127.0.0.1:{free_port()}"], port=0, admin_key=ADMIN_KEY)
+    app = build_app(config, default_tenants(), CollectingSink(), tmp_path / "state")
+    harness = ProxyHarness(app).start()
+    yield harness
+    harness.stop()
+
+
+def olp(harness: ProxyHarness, *args: str, **env: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "deploy.cli", *args],
+        cwd=ROOT,
+        env={
+            **os.environ,
+            "PYTHONPATH": str(ROOT),
+            "OLP_PROXY__PORT": str(harness.port),
+            "OLP_ADMIN_KEY": ADMIN_KEY,
+            **env,
+        },
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
+def test_status_shows_what_the_proxy_reports(running_proxy: ProxyHarness) -> None:
+    done = olp(running_proxy, "freeze", "--learning")
+    assert done.returncode == 0, done.stderr
+    done = olp(running_proxy, "status")
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    assert lines[0] == "serving: base   frozen: True   learning frozen: True"
+    assert "aliases: policy -> base, base -> base" in lines
+    assert "tenant alice: training on" in lines and "tenant bob: training off" in lines
+    assert any(line.startswith("upstreams: http://127.0.0.1:") for line in lines)
+    assert lines[lines.index("history (newest last):") + 1].lstrip().startswith("{")

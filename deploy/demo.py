@@ -24,6 +24,7 @@ from typing import Any
 import httpx
 import openai
 import structlog
+from openai.types.chat import ChatCompletion
 
 from proxy.operator_chart import rolling_mean
 
@@ -69,6 +70,8 @@ class DemoLog:
     requests: int = 0
     errors: int = 0
     feedback_posted: int = 0
+    feedback_failed: int = 0
+    stopped_because: str | None = None  # set when the sessions gave up on the proxy
     lock: threading.Lock = field(default_factory=threading.Lock)
 
     def add(self, samples: list[Sample]) -> None:
@@ -89,6 +92,9 @@ class DemoSettings:
     max_requests: int | None = None
     seed: int = 0
     out_dir: Path = Path(".olp/demo")
+    # A session failing this many times in a row (requests or feedback posts) means the
+    # proxy is gone or broken: the demo stops with that reason instead of spinning on.
+    max_consecutive_failures: int = 10
 
 
 def _session_loop(
@@ -102,6 +108,21 @@ def _session_loop(
         timeout=30,
         headers={"Authorization": f"Bearer {settings.api_key}"},
     )
+    failures = 0  # in a row, this session's
+
+    def failed(what: str, error: str) -> None:
+        nonlocal failures
+        failures += 1
+        log.warning(what, session=name, error=error)
+        if failures >= settings.max_consecutive_failures:
+            with demo.lock:
+                if demo.stopped_because is None:
+                    demo.stopped_because = (
+                        f"{name} failed {failures} times in a row (last: {error}); "
+                        f"is the proxy at {settings.proxy_url} still up?"
+                    )
+            stop.set()
+
     try:
         while not stop.is_set():
             a, b = rng.randint(10, 99), rng.randint(10, 99)
@@ -114,16 +135,24 @@ def _session_loop(
                     temperature=settings.temperature,
                     extra_headers={"X-Session-Id": name, "X-OLP-Task": "arith-plus"},
                 )
-            except openai.OpenAIError as exc:
+                completion = raw.parse()
+                if (
+                    not isinstance(completion, ChatCompletion)
+                    or not completion.choices
+                    or any(choice.message is None for choice in completion.choices)
+                ):
+                    # A proxy (or something on its port) answering 200 with another body.
+                    raise ValueError(f"not a chat completion: {str(completion)[:200]!r}")
+            except (openai.OpenAIError, ValueError) as exc:
                 with demo.lock:
                     demo.errors += 1
-                log.warning("demo_request_failed", session=name, error=str(exc))
+                failed("demo_request_failed", str(exc))
                 stop.wait(2.0)
                 continue
-            completion = raw.parse()
             version = raw.headers.get("x-olp-policy-version", "?")
             trajectory_id = raw.headers.get("x-olp-trajectory-id")
             samples = []
+            clean = True  # the request and all its feedback posts went through
             for choice in completion.choices:
                 text = choice.message.content or ""
                 tokens = len(getattr(choice, "token_ids", None) or []) or len(text.split())
@@ -131,27 +160,46 @@ def _session_loop(
                 samples.append(
                     Sample(time.time(), name, version, reward, bool(INTEGER_ONLY.match(text)))
                 )
-                if trajectory_id:
-                    resp = feedback.post(
-                        "/v1/feedback",
-                        json={
-                            "trajectory_id": trajectory_id,
-                            "kind": "score",
-                            "value": reward,
-                            "choice_index": choice.index,
-                            "metadata": {"grader": "arith-verifier"},
-                        },
-                    )
-                    if resp.status_code != 202:
-                        raise RuntimeError(f"feedback refused ({resp.status_code}): {resp.text}")
+                if trajectory_id and not stop.is_set():
+                    error = _post_feedback(feedback, trajectory_id, choice.index, reward)
                     with demo.lock:
-                        demo.feedback_posted += 1
+                        if error is None:
+                            demo.feedback_posted += 1
+                        else:
+                            demo.feedback_failed += 1
+                    if error is not None:
+                        clean = False
+                        failed("demo_feedback_failed", error)
+            if clean:
+                failures = 0
             demo.add(samples)
             if settings.max_requests is not None and demo.requests >= settings.max_requests:
                 stop.set()
     finally:
         client.close()
         feedback.close()
+
+
+def _post_feedback(
+    feedback: httpx.Client, trajectory_id: str, choice_index: int, reward: float
+) -> str | None:
+    """None once the proxy accepted the grade, else why not (one line, for the log)."""
+    try:
+        resp = feedback.post(
+            "/v1/feedback",
+            json={
+                "trajectory_id": trajectory_id,
+                "kind": "score",
+                "value": reward,
+                "choice_index": choice_index,
+                "metadata": {"grader": "arith-verifier"},
+            },
+        )
+    except httpx.HTTPError as exc:
+        return f"{type(exc).__name__}: {exc}"
+    if resp.status_code != 202:
+        return f"feedback refused ({resp.status_code}): {resp.text[:200]}"
+    return None
 
 
 def summarise(demo: DemoLog) -> list[dict[str, Any]]:
@@ -286,6 +334,8 @@ def run_demo(settings: DemoSettings, audit_path: Path | None = None) -> dict[str
         "requests": demo.requests,
         "errors": demo.errors,
         "feedback_posted": demo.feedback_posted,
+        "feedback_failed": demo.feedback_failed,
+        "stopped_because": demo.stopped_because,
         "minutes": round((time.time() - started) / 60, 1),
         "versions": rows,
         "gate_results": [
@@ -298,8 +348,12 @@ def run_demo(settings: DemoSettings, audit_path: Path | None = None) -> dict[str
     (settings.out_dir / "summary.json").write_text(json.dumps(summary, indent=2))
     print("\n" + format_table(rows))
     print(
-        f"requests {demo.requests}, errors {demo.errors}, minutes {summary['minutes']}, plot {png}"
+        f"requests {demo.requests}, errors {demo.errors}, feedback posted "
+        f"{demo.feedback_posted}, feedback failed {demo.feedback_failed}, "
+        f"minutes {summary['minutes']}, plot {png}"
     )
+    if demo.stopped_because:
+        print(f"olp demo: stopped early: {demo.stopped_because}", file=sys.stderr)
     return summary
 
 

@@ -8,12 +8,12 @@ reward-hacking monitors applied to live replies (safety/gates/checks.py).
 
 from __future__ import annotations
 
-import math
 import threading
 from dataclasses import dataclass, field
 from typing import Any
 
 from learner.config import CanaryConfig
+from learner.objective import usable
 from learner.rewards.assembler import RewardedChoice
 from learner.rewards.verifiers import choice_text, tool_calls_valid
 from safety.gates.checks import is_clarifying_question, is_degenerate, is_refusal
@@ -94,8 +94,9 @@ class CanaryMonitor:
                 if arm is None or float(trajectory.get("created_at", 0.0)) < self._since:
                     continue
                 arm.samples += 1
-                # A corrupt (non-finite) reward is not evidence; the learner drops it too.
-                if item.reward is not None and math.isfinite(item.reward):
+                # A corrupt reward (non-finite, or beyond REWARD_LIMIT) is not evidence; the
+                # learner drops it too (`bad_reward`), by the same rule.
+                if usable(item.reward):
                     arm.rewarded += 1
                     arm.reward_sum += item.reward
                 flags = guard_flags(item)

@@ -94,6 +94,11 @@ def samples_from_rewarded(
         if not ids or len(ids) != len(logprobs) or not record.get("prompt_token_ids"):
             dropped["bad_tokens"] += 1
             continue
+        if not all(isinstance(x, int | float) and math.isfinite(x) for x in logprobs):
+            # A NaN μ makes the whole step's gradient NaN (the step raises, the learner
+            # restarts on the same batch, forever); the schema lets NaN through as a number.
+            dropped["bad_logprobs"] += 1
+            continue
         try:
             version = parse_version(record.get("policy_version"), base_name)
         except ValueError:

@@ -271,8 +271,9 @@ class Promoter:
             report = self.gate_runner(name, incumbent)
             timings["gate_s"] = time.monotonic() - started
         except Exception as exc:
-            self.replicas.unload(name)
-            self.audit.append(ACTOR, "promotion_failed", {"version": name, "error": str(exc)})
+            payload: dict[str, Any] = {"version": name, "error": str(exc)}
+            self._unload_noting(name, payload)
+            self.audit.append(ACTOR, "promotion_failed", payload)
             return PromotionOutcome(name, "failed", incumbent, reason=str(exc), timings=timings)
 
         self._write_gate_report(name, report)
@@ -287,10 +288,9 @@ class Promoter:
             },
         )
         if not report.passed:
-            self.replicas.unload(name)
-            self.audit.append(
-                ACTOR, "candidate_rejected", {"version": name, "failed_gates": report.failed_gates}
-            )
+            rejected: dict[str, Any] = {"version": name, "failed_gates": report.failed_gates}
+            self._unload_noting(name, rejected)
+            self.audit.append(ACTOR, "candidate_rejected", rejected)
             log.warning("candidate_rejected", version=name, failed=report.failed_gates)
             return PromotionOutcome(
                 name,
@@ -322,6 +322,15 @@ class Promoter:
         )
         self._schedule_cleanup(name)
         return PromotionOutcome(name, "promoted", incumbent, report, timings=timings)
+
+    def _unload_noting(self, name: str, payload: dict[str, Any]) -> None:
+        """Unload `name`; a failure is logged and noted in `payload` (`cleanup_failed`)
+        instead of raised, so the decision's own audit record is still written."""
+        try:
+            self.replicas.unload(name)
+        except Exception as exc:
+            log.exception("unload_failed", version=name)
+            payload["cleanup_failed"] = [f"unload: {exc!r}"]
 
     def _alias_points_at(self, name: str) -> bool:
         """Whether the alias serves `name` now (unknown: no, so a candidate is not left
@@ -387,8 +396,9 @@ class Promoter:
         timings["canary_s"] = time.monotonic() - started
         if watched is None:
             # An operator rollback or freeze ended it; the proxy audited that.
-            self.replicas.unload(name)
-            self.audit.append(ACTOR, "canary_aborted", {"version": name, "stable": incumbent})
+            aborted: dict[str, Any] = {"version": name, "stable": incumbent}
+            self._unload_noting(name, aborted)
+            self.audit.append(ACTOR, "canary_aborted", aborted)
             return PromotionOutcome(
                 name, "canary_aborted", incumbent, report, "ended by an operator"
             )
@@ -414,7 +424,18 @@ class Promoter:
         )
         reason = "; ".join(reasons)
         if decision == "promote":
-            self.proxy.end_canary(alias, decision, reason)
+            try:
+                self.proxy.end_canary(alias, decision, reason)
+            except Exception as exc:
+                # Refused (serving froze meanwhile) or lost: as with a flip, the alias tells.
+                # Raising here left the canary running on a candidate nobody would unload.
+                if not self._alias_points_at(name):
+                    reason = f"canary promote failed: {exc!r}"
+                    self._abandon_canary(name, incumbent, reason, end=self._canary_is_ours(name))
+                    return PromotionOutcome(
+                        name, "canary_rolled_back", incumbent, report, reason, timings
+                    )
+                log.warning("canary_end_reply_lost", version=name, error=repr(exc))
             self.audit.append(
                 ACTOR,
                 "promotion",

@@ -368,3 +368,25 @@ def test_demo_with_an_out_dir_it_cannot_write_stops_before_it_runs(
     done = olp("demo", "--out", str(blocker / "demo"), "--minutes", "0.01", env=env)
     assert_clean_error(done, 2, f"demo cannot write its results to {blocker / 'demo'}")
     assert handler.paths == []  # training was not switched on for nothing
+
+
+def test_key_hash_strips_an_argument_like_a_key_on_stdin() -> None:
+    """API keys never contain spaces: `olp key hash " key "` hashes what stdin would."""
+    expected = hashlib.sha256(b"olp-demo-key").hexdigest()
+    for args, stdin in ((("  olp-demo-key \t",), None), ((), "  olp-demo-key \n")):
+        done = olp("key", "hash", *args, stdin=stdin)
+        assert done.returncode == 0, done.stderr
+        assert done.stdout.strip() == expected
+
+
+def test_learner_without_an_admin_key_is_a_configuration_error(tmp_path: Path) -> None:
+    """Exit 2, not 1: `olp up` would otherwise restart a learner no restart can fix."""
+    env = {
+        "OLP_STATE_DIR": str(tmp_path),
+        "OLP_PROXY__ADMIN_KEY_SHA256": hashlib.sha256(b"not-the-dev-key").hexdigest(),
+        "OLP_ADMIN_KEY": "",
+        "OLP_INTERNAL_ADMIN_TOKEN": "",
+    }
+    done = olp("learner", env=env)
+    assert_clean_error(done, 2, "learner: no admin key: set OLP_ADMIN_KEY")
+    assert len(done.stderr.strip().splitlines()) == 1, done.stderr

@@ -10,7 +10,7 @@ import pytest
 
 from learner import promotion
 from learner.adapter_store import AdapterStore
-from learner.canary import ArmStats, CanaryMonitor, judge_canary
+from learner.canary import ArmStats, CanaryMonitor, CanaryVerdict, judge_canary
 from learner.config import CanaryConfig, PromotionConfig
 from learner.promotion import CANARY_STATUS_ATTEMPTS, Promoter, PromotionError, PromotionOutcome
 from learner.rewards.assembler import RewardedChoice
@@ -121,6 +121,16 @@ def test_monitor_ignores_non_finite_rewards():
     monitor = CanaryMonitor()
     monitor.begin(["base"], since=0.0)
     monitor.observe([rewarded("base", "ok", float("nan")), rewarded("base", "ok", 1.0)])
+    stats = monitor.arm("base")
+    assert (stats.samples, stats.rewarded, stats.reward_mean) == (2, 1, 1.0)
+
+
+def test_monitor_ignores_rewards_the_learner_calls_corrupt():
+    """A finite but absurd reward (a verifier's 1e300) is `bad_reward` to the learner; the
+    canary counted it, so one such reply decided the arm's mean."""
+    monitor = CanaryMonitor()
+    monitor.begin(["base"], since=0.0)
+    monitor.observe([rewarded("base", "ok", 1e300), rewarded("base", "ok", 1.0)])
     stats = monitor.arm("base")
     assert (stats.samples, stats.rewarded, stats.reward_mean) == (2, 1, 1.0)
 
@@ -343,3 +353,82 @@ def test_a_flip_whose_reply_was_lost_is_a_promotion(tmp_path: Path):
     outcome, audit, replicas = run_canary(tmp_path, FlipFailsProxy(flips=True), enabled=False)
     assert outcome.decision == "promoted" and replicas.loaded == {"policy-v1"}
     assert audit.names()[-1] == "promotion"
+
+
+class PromoteEndFailsProxy(FakeProxy):
+    """end_canary(promote) raises; `goes_through`: the proxy promoted (the reply was lost)."""
+
+    def __init__(self, goes_through: bool) -> None:
+        super().__init__(fail_on=set())
+        self.goes_through, self.alias = goes_through, "base"
+
+    def status(self) -> dict:
+        return {**super().status(), "aliases": {"policy": self.alias}}
+
+    def end_canary(self, alias: str, decision: str, reason: str) -> dict:
+        if decision == "promote":
+            if self.goes_through:
+                self.alias, self.canary = self.canary["target"], None
+            raise PromotionError("proxy POST /admin/canary/end → 409: serving is frozen")
+        return super().end_canary(alias, decision, reason)
+
+
+def _promote_verdict(monkeypatch: pytest.MonkeyPatch) -> None:
+    verdict = CanaryVerdict("promote", ["no regression"], {}, {})
+    monkeypatch.setattr(promotion, "judge_canary", lambda *args: verdict)
+
+
+def test_a_refused_canary_promotion_rolls_back_and_unloads(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+):
+    """The verdict said promote but the proxy refused to end the canary that way: before,
+    the error escaped `promote`, the canary kept serving and the candidate stayed loaded
+    with no audit record of how it ended."""
+    _promote_verdict(monkeypatch)
+    proxy = PromoteEndFailsProxy(goes_through=False)
+    outcome, audit, replicas = run_canary(tmp_path, proxy)
+    assert outcome.decision == "canary_rolled_back" and "409" in outcome.reason
+    assert proxy.canary is None and proxy.ended == [("rollback", outcome.reason)]
+    assert proxy.alias == "base" and not replicas.loaded
+    assert audit.names() == ["gate_result", "canary_result", "canary_rolled_back"]
+
+
+def test_a_canary_promotion_whose_reply_was_lost_is_a_promotion(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+):
+    _promote_verdict(monkeypatch)
+    proxy = PromoteEndFailsProxy(goes_through=True)
+    outcome, audit, replicas = run_canary(tmp_path, proxy)
+    assert outcome.decision == "promoted" and replicas.loaded == {"policy-v1"}
+    assert proxy.alias == "policy-v1" and proxy.ended == []
+    assert audit.names()[-1] == "promotion"
+
+
+class UnloadFailsReplicas(FakeReplicas):
+    def unload(self, name: str) -> None:
+        raise httpx.ConnectError("replica restarting")
+
+
+def test_a_rejected_candidate_is_audited_even_when_its_unload_fails(tmp_path: Path):
+    """The unload raised out of `promote` before `candidate_rejected` was written: the
+    audit log showed a failed gate and then a `promotion_failed` about the unload."""
+    files = tmp_path / "files"
+    files.mkdir()
+    (files / "adapter_model.safetensors").write_bytes(b"weights")
+    path = AdapterStore(tmp_path).publish(1, files, {"parent_version": 0})
+    audit = FakeAudit()
+    promoter = Promoter(
+        PromotionConfig(),
+        GatesConfig(),
+        replicas=UnloadFailsReplicas(),  # type: ignore[arg-type]
+        proxy=FakeProxy(fail_on=set()),  # type: ignore[arg-type]
+        audit=audit,  # type: ignore[arg-type]
+        state_dir=tmp_path,
+        base_name="base",
+        gate_runner=lambda candidate, incumbent: GateReport(False, []),
+    )
+    outcome = promoter.promote(path)
+    assert outcome.decision == "rejected"
+    event, payload = audit.events[-1]
+    assert event == "candidate_rejected"
+    assert payload["cleanup_failed"] == ["unload: ConnectError('replica restarting')"]

@@ -280,3 +280,24 @@ def test_ppo_gradient_stays_finite_when_the_ratio_overflows() -> None:
         loss.backward()
         assert math.isclose(float(loss.detach()), expected_value, rel_tol=1e-6)
         assert torch.allclose(logp.grad, torch.tensor([[-adv, 0.0]]))
+
+
+def test_non_finite_sampling_logprobs_drop_their_sample() -> None:
+    """A NaN (or infinite) recorded logprob made the step's loss and gradient NaN: the
+    trainer raised, and the restarted learner met the same batch again. Now such a choice
+    is dropped and counted; the rest of the record still trains."""
+    record = {
+        "trajectory_id": "t",
+        "prompt_token_ids": [1, 2],
+        "policy_version": "base",
+        "choices": [
+            {"index": 0, "token_ids": [5, 6], "logprobs": [-0.1, math.nan]},
+            {"index": 1, "token_ids": [5], "logprobs": [-math.inf]},
+            {"index": 2, "token_ids": [5], "logprobs": [None]},
+            {"index": 3, "token_ids": [7], "logprobs": [-0.3]},
+        ],
+    }
+    rewarded = [RewardedChoice(record, i, 1.0) for i in range(4)]
+    samples, dropped = samples_from_rewarded(rewarded)
+    assert [s.key for s in samples] == ["t:3"]
+    assert dropped == {"bad_logprobs": 3}

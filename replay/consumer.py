@@ -205,7 +205,9 @@ class TrajectoryConsumer:
 
     `partitions` restricts it to those partition indices of the three topics (one learner
     rank each): since both topics are keyed by session id and share the partition count, a
-    session's trajectories and feedback land in the same selection.
+    session's trajectories and feedback land in the same selection. `shard=(rank, world)`
+    selects the indices `p % world == rank` of the partitions the broker has (not the
+    configured count: topics made elsewhere may have more, which no rank would read).
     """
 
     def __init__(
@@ -217,7 +219,12 @@ class TrajectoryConsumer:
         client_id: str = "olp-learner",
         registry: CollectorRegistry | None = None,
         partitions: Iterable[int] | None = None,
+        shard: tuple[int, int] | None = None,
     ) -> None:
+        if partitions is not None and shard is not None:
+            raise ValueError("give partitions or shard, not both")
+        if shard is not None and not 0 <= shard[0] < shard[1]:
+            raise ValueError(f"shard {shard} is not (rank, world) with 0 <= rank < world")
         self.config = config
         self.topics = TopicNames.from_prefix(config.topic_prefix)
         self.stats = ConsumerStats()
@@ -250,6 +257,7 @@ class TrajectoryConsumer:
         self._recent_invalid: deque[bool] = deque(maxlen=config.dlq_window_records)
         self._failure: DlqRatioExceeded | None = None
         self._selection = None if partitions is None else frozenset(partitions)
+        self._shard = shard
         try:
             self._assign(normalize_offsets(offsets))
         except BaseException:
@@ -272,6 +280,9 @@ class TrajectoryConsumer:
 
     def _assign(self, offsets: Offsets) -> None:
         tps = [tp for topic in self.topics.all() for tp in self._partitions(topic)]
+        if self._shard is not None:
+            rank, world = self._shard
+            self._selection = frozenset(tp.partition for tp in tps if tp.partition % world == rank)
         if self._selection is not None:
             # Same partition index on every topic: a session's records stay together.
             known = {tp.partition for tp in tps}

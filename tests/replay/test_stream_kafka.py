@@ -357,5 +357,29 @@ def test_partition_selections_split_the_stream_without_overlap(
         TrajectoryConsumer(stream_config, partitions={7})
 
 
+def test_shards_cover_the_partitions_the_broker_has_not_the_configured_count(
+    stream_config: StreamConfig, tmp_path: Path
+) -> None:
+    """Topics made with 4 partitions, a config that says 2: the learner's ranks used to split
+    range(2) and leave partitions 2 and 3 to no one."""
+    from learner.source import replay_consumer_factory
+
+    sink = KafkaSink(stream_config, tmp_path)  # creates the topics with 4 partitions
+    sink.close()
+    says_two = stream_config.model_copy(update={"partitions": 2})
+    make = replay_consumer_factory(says_two)
+    assigned = []
+    for rank in (0, 1):
+        consumer = make(None, rank, 2)
+        try:
+            assert isinstance(consumer, TrajectoryConsumer)
+            assigned.append(set(consumer.processed_offsets()[names_of(stream_config).trajectories]))
+        finally:
+            consumer.close()
+    assert assigned == [{0, 2}, {1, 3}]
+    with pytest.raises(ValueError, match="rank"):
+        TrajectoryConsumer(stream_config, shard=(2, 2))
+
+
 def names_of(config: StreamConfig) -> TopicNames:
     return TopicNames.from_prefix(config.topic_prefix)

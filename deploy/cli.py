@@ -64,6 +64,7 @@ def cmd_proxy(args: argparse.Namespace, cfg: OlpConfig) -> int:
 
 
 def cmd_learner(args: argparse.Namespace, cfg: OlpConfig) -> int:
+    from deploy.admin_client import AdminError
     from deploy.learner_runner import learner_admin_key, run
     from deploy.model_prep import ModelPrepError
     from deploy.procs import EXIT_CONFIG_ERROR, EXIT_REFUSED
@@ -72,12 +73,8 @@ def cmd_learner(args: argparse.Namespace, cfg: OlpConfig) -> int:
     # Distinct exit codes: `olp up` never restarts a learner that exits with either.
     try:
         learner_admin_key(cfg)  # checked first: without it no promotion could ever flip
-    except SystemExit:  # its message names --admin-key, which `olp learner` does not take
-        print(
-            "olp: learner: no admin key: set OLP_ADMIN_KEY (the learner flips the proxy "
-            "alias when it promotes)",
-            file=sys.stderr,
-        )
+    except AdminError as exc:
+        print(f"olp: learner: {exc}", file=sys.stderr)
         return EXIT_CONFIG_ERROR
     try:
         return run(cfg)

@@ -28,9 +28,11 @@ def learner_admin_key(cfg: OlpConfig) -> str:
         return token
     try:
         return admin_key(cfg, None)
-    except AdminError as exc:
-        raise SystemExit(
-            f"olp learner: {exc} (the learner flips the proxy alias when it promotes)"
+    except AdminError:
+        # `olp learner` takes no --admin-key: the one way to give it a key is the environment.
+        raise AdminError(
+            "no admin key: set OLP_ADMIN_KEY (the learner flips the proxy alias when it "
+            "promotes)"
         ) from None
 
 

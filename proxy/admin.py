@@ -72,7 +72,8 @@ def _authorize(request: web.Request) -> str:
             403, "This key may not use the admin API.", type_="permission_error", code="forbidden"
         )
     actor = request.headers.get("X-OLP-Actor", "admin")
-    return actor if _ACTOR.match(actor) else "admin"
+    # fullmatch: `$` also matches before a final newline.
+    return actor if _ACTOR.fullmatch(actor) else "admin"
 
 
 async def _json_object(request: web.Request) -> dict[str, Any]:

@@ -137,6 +137,19 @@ class CompletionRelay:
             tenant = ctx.tenants.authenticate(self.request.headers.get("Authorization"))
             self.tenant_label = tenant.name
             self._read_headers()
+            # Admitted before the body is read: a tenant over its limits gets its 429 without
+            # the proxy buffering and parsing up to max_body_bytes, and a body still arriving
+            # holds one of its concurrency slots.
+            admission = ctx.tenants.admit(tenant)
+        except ProxyError as err:
+            self._count_error(err.status, err.kind)
+            raise
+        except Exception:
+            self._count_error(500, "internal_error")  # the middleware answers it
+            raise
+        in_flight = ctx.metrics.series(ctx.metrics.in_flight, tenant.name)
+        in_flight.inc()
+        try:
             body, self.encode_body, self.raw_body = await read_json(
                 self.request, ctx.config.max_body_bytes
             )
@@ -158,16 +171,6 @@ class CompletionRelay:
                     param="model",
                 )
             self.policy_version = served
-            admission = ctx.tenants.admit(tenant)
-        except ProxyError as err:
-            self._count_error(err.status, err.kind)
-            raise
-        except Exception:
-            self._count_error(500, "internal_error")  # the middleware answers it
-            raise
-        in_flight = ctx.metrics.series(ctx.metrics.in_flight, tenant.name)
-        in_flight.inc()
-        try:
             response = await self._relay(tenant, body, served, admission.headers, training)
         except ProxyError as err:
             # The request was admitted (and spent a request): its error reports the limits.

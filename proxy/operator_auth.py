@@ -27,8 +27,9 @@ _ACTOR = re.compile(r"^[A-Za-z0-9._@:\-]{1,64}$")
 
 
 def clean_actor(actor: str | None, default: str = "operator") -> str:
-    """An actor name safe for the audit log (the same rule as `X-OLP-Actor`)."""
-    return actor if actor and _ACTOR.match(actor) else default
+    """An actor name safe for the audit log (the same rule as `X-OLP-Actor`). `fullmatch`:
+    `$` also matches before a final newline, which a form field can carry."""
+    return actor if actor and _ACTOR.fullmatch(actor) else default
 
 
 def key_matches(admin_key_hashes: tuple[str, ...], key: str) -> bool:

@@ -3,7 +3,7 @@
 Routes:
 - `GET /admin/ui` the page (query: `event`, `page`, `size` page the audit log);
 - `POST /admin/ui/link` (Bearer admin key) → `{url, path, expires_in_s}`, a one-time login link;
-- `GET /admin/ui/login?token=` trades that link for an HttpOnly SameSite=Strict cookie (303);
+- `GET /admin/ui/login?token=` (no HEAD) trades that link for an HttpOnly SameSite=Strict cookie;
 - `POST /admin/ui/login` (form: `key`, `actor`) the same with the key typed into the page;
 - `POST /admin/ui/verify` (session + CSRF token, or Bearer) verifies the audit chain;
 - `POST /admin/ui/logout`.
@@ -52,6 +52,9 @@ FEEDBACK_SERIES_MAX = 2000
 KAFKA_TIMEOUT_S = 2.0
 AUDIT_PAGE_SIZE = 50
 AUDIT_PAGE_SIZE_MAX = 500
+# The page's forms hold a key, an actor and a CSRF token. The sign-in form is read before
+# any key is checked, so it must not be buffered up to `max_body_bytes` for anyone.
+MAX_FORM_BYTES = 16 * 1024
 
 
 @dataclass
@@ -103,6 +106,14 @@ def _refused(message: str, status: int = 401) -> web.Response:
     return response
 
 
+def _https(request: web.Request) -> bool:
+    """Whether the browser talks HTTPS: directly, or to a reverse proxy that ends TLS and
+    says so in `X-Forwarded-Proto`. Trusting the header is safe here: it only adds
+    `Secure`, and a client that spoofs it restricts nothing but its own cookie."""
+    forwarded = request.headers.get("X-Forwarded-Proto", "")
+    return request.secure or forwarded.split(",")[0].strip().lower() == "https"
+
+
 def _redirect_with_session(request: web.Request, actor: str, method: str) -> web.Response:
     ctx = request.app[CONTEXT]
     session_id, _ = request.app[OPERATOR].sessions.open_session(actor)
@@ -114,7 +125,7 @@ def _redirect_with_session(request: web.Request, actor: str, method: str) -> web
         path=COOKIE_PATH,
         httponly=True,
         samesite="Strict",
-        secure=request.secure,
+        secure=_https(request),
         max_age=int(request.app[OPERATOR].sessions.session_ttl_s),
     )
     response.headers["Cache-Control"] = "no-store"
@@ -269,7 +280,13 @@ async def login_with_link(request: web.Request) -> web.Response:
 async def _form(request: web.Request) -> Any:
     """The posted form; a 400 refusal when aiohttp cannot decode it: bytes that are not
     UTF-8 (ValueError), a charset Python does not know (LookupError), a multipart part in
-    an unknown transfer encoding (RuntimeError)."""
+    an unknown transfer encoding (RuntimeError). A body over MAX_FORM_BYTES (413) or of no
+    declared length (411, chunked: its size is known only once buffered) is not read."""
+    if request.body_exists:
+        if request.content_length is None:
+            raise _Refusal("The form needs a Content-Length.", 411)
+        if request.content_length > MAX_FORM_BYTES:
+            raise _Refusal(f"The form is larger than {MAX_FORM_BYTES} bytes.", 413)
     try:
         return await request.post()
     except (ValueError, LookupError, RuntimeError) as exc:
@@ -299,7 +316,10 @@ async def _checked_form_viewer(request: web.Request) -> Viewer:
     if viewer.csrf is not None:
         form = await _form(request)
         given = form.get("csrf")
-        if not isinstance(given, str) or not hmac.compare_digest(given, viewer.csrf):
+        # Compared as bytes: compare_digest raises TypeError on non-ASCII str (a 500).
+        if not isinstance(given, str) or not hmac.compare_digest(
+            given.encode("utf-8", "surrogatepass"), viewer.csrf.encode()
+        ):
             raise _Refusal("The form's CSRF token is missing or stale; reload the page.", 403)
     return viewer
 
@@ -341,7 +361,9 @@ def add_operator_routes(app: web.Application) -> None:
     app[OPERATOR] = OperatorState()
     app.router.add_get("/admin/ui", page)
     app.router.add_post("/admin/ui/link", issue_link)
-    app.router.add_get("/admin/ui/login", login_with_link)
+    # No HEAD: link checkers and mail scanners probe with it, and a HEAD would spend the
+    # one-time link (and take the session cookie).
+    app.router.add_get("/admin/ui/login", login_with_link, allow_head=False)
     app.router.add_post("/admin/ui/login", login_with_key)
     app.router.add_post("/admin/ui/verify", verify)
     app.router.add_post("/admin/ui/logout", logout)

@@ -9,6 +9,7 @@ import shutil
 import subprocess
 import time
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -16,8 +17,9 @@ import pytest
 
 from proxy.aliases import Canary
 from proxy.config import TenantConfig
+from proxy.operator_auth import clean_actor
 from proxy.operator_data import consumer_lag, topic_end_offsets
-from proxy.operator_page import OPERATOR
+from proxy.operator_page import MAX_FORM_BYTES, OPERATOR
 from replay.config import StreamConfig
 from replay.producer import KafkaSink
 from safety.audit import canonical_json
@@ -433,3 +435,74 @@ def test_a_body_in_an_unknown_charset_is_refused_not_a_500(make_proxy):
         assert resp.status_code == 400, (path, resp.text)
         assert resp.json()["error"]["code"] == "invalid_json"
     assert harness.ctx.state.frozen is False
+
+
+def test_an_actor_with_a_trailing_newline_is_not_taken():
+    """`$` matches before a final newline: the actor rule must match the whole name, or a
+    form's `ops\\n` reaches the audit log, the session and console log lines."""
+    assert clean_actor("ops\n") == "operator"
+    assert clean_actor("night-shift") == "night-shift"
+
+
+def test_the_login_forms_actor_is_checked_whole(make_proxy):
+    harness, _ = make_proxy(NO_UPSTREAM)
+    client = httpx.Client(base_url=harness.base_url)
+    ok = client.post("/admin/ui/login", data={"key": ADMIN_KEY, "actor": "ops\n"})
+    assert ok.status_code == 303
+    logins = [r for r in harness.ctx.audit.iter_records() if r["event"] == "operator_login"]
+    assert [r["actor"] for r in logins] == ["operator"]
+
+
+def test_a_csrf_token_that_is_not_ascii_is_a_403_not_a_500(make_proxy):
+    """hmac.compare_digest raises TypeError on str with non-ASCII characters."""
+    harness, _ = make_proxy(NO_UPSTREAM)
+    client = signed_in_client(harness)
+    for path in ("/admin/ui/logout", "/admin/ui/verify"):
+        resp = client.post(path, data={"csrf": "é"})
+        assert resp.status_code == 403 and "CSRF" in resp.text, path
+    assert client.get("/admin/ui").status_code == 200  # still signed in
+
+
+def test_a_head_request_does_not_spend_a_login_link(make_proxy):
+    """Link checkers and mail scanners send HEAD: it must neither burn the one-time link
+    nor hand them a session cookie."""
+    harness, _ = make_proxy(NO_UPSTREAM)
+    link = mint_link(harness)
+    head = httpx.head(link["url"])
+    assert head.status_code == 405 and "set-cookie" not in head.headers
+    opened = httpx.get(link["url"])
+    assert opened.status_code == 303 and "HttpOnly" in opened.headers["set-cookie"]
+
+
+def test_an_oversized_or_unsized_login_form_is_refused_unread(make_proxy):
+    """The sign-in form is the one body the proxy reads before any key: it must not buffer
+    up to `max_body_bytes` (8 MiB) for whoever connects."""
+    harness, _ = make_proxy(NO_UPSTREAM)
+    client = httpx.Client(base_url=harness.base_url)
+    form = {"Content-Type": "application/x-www-form-urlencoded"}
+    big = b"actor=x&key=" + b"k" * (MAX_FORM_BYTES + 1)
+    resp = client.post("/admin/ui/login", content=big, headers=form)
+    assert resp.status_code == 413 and "set-cookie" not in resp.headers
+
+    def chunks() -> Iterator[bytes]:  # no Content-Length: chunked transfer encoding
+        yield b"key=" + ADMIN_KEY.encode()
+
+    chunked = client.post("/admin/ui/login", content=chunks(), headers=form)
+    assert chunked.status_code == 411 and "set-cookie" not in chunked.headers
+    ok = client.post("/admin/ui/login", data={"key": ADMIN_KEY, "actor": "form-op"})
+    assert ok.status_code == 303
+
+
+def test_the_cookie_is_secure_behind_a_tls_terminating_proxy(make_proxy):
+    """Behind a reverse proxy that ends TLS the proxy sees plain HTTP; the forwarded scheme
+    still marks the cookie Secure (a spoofed header only restricts the sender's own cookie)."""
+    harness, _ = make_proxy(NO_UPSTREAM)
+    data = {"key": ADMIN_KEY, "actor": "tls-op"}
+    plain = httpx.post(harness.base_url + "/admin/ui/login", data=data)
+    assert "secure" not in plain.headers["set-cookie"].lower()
+    forwarded = httpx.post(
+        harness.base_url + "/admin/ui/login", data=data, headers={"X-Forwarded-Proto": "https"}
+    )
+    assert "; Secure" in forwarded.headers["set-cookie"]
+    link = httpx.get(mint_link(harness)["url"], headers={"X-Forwarded-Proto": "https"})
+    assert "; Secure" in link.headers["set-cookie"]

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import json
+import socket
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -17,8 +18,8 @@ import pytest
 from aiohttp import web
 
 from proxy.aliases import Canary
-from proxy.config import sha256_hex
-from tests.proxy.conftest import ADMIN_KEY, KEYS
+from proxy.config import TenantConfig, sha256_hex
+from tests.proxy.conftest import ADMIN_KEY, KEYS, wait_for
 from tests.proxy.threaded_upstream import ThreadedUpstream
 
 PROMPT_IDS = [1, 2, 3, 4]
@@ -441,3 +442,37 @@ def test_a_base_served_under_another_name_is_recorded_as_base(make_proxy, fake):
     record = sink.trajectories[-1]
     assert record["policy_version"] == "base"
     validate_record("trajectory", record)
+
+
+def test_a_tenant_over_its_limits_gets_a_429_before_its_body_is_read(make_proxy, fake):
+    """Limits are applied before the body is read: requests that fail validation spend a
+    request too (else a tenant past its limit keeps the proxy reading and parsing bodies of
+    up to `max_body_bytes` at any rate), and a body still arriving holds a concurrency slot
+    (else any number of uploads are buffered at once)."""
+    tenants = [
+        TenantConfig(name="carol", api_key=KEYS["carol"], requests_per_minute=2),
+        TenantConfig(name="dave", api_key="key-dave", requests_per_minute=0, max_concurrent=1),
+    ]
+    harness, _ = make_proxy([fake.url], tenants=tenants)
+    url = harness.base_url
+    bad = [_post(url, KEYS["carol"], "/v1/chat/completions", content=b"{") for _ in range(2)]
+    assert [b.headers["x-ratelimit-remaining-requests"] for b in bad] == ["1", "0"]
+    for answer in bad:
+        _assert_error(answer, 400, "invalid_json")
+    _assert_error(
+        _post(url, KEYS["carol"], "/v1/chat/completions", json=CHAT), 429, "rate_limit_exceeded"
+    )
+
+    upload = socket.create_connection(("127.0.0.1", harness.port))
+    try:  # a body that is still arriving: half of it sent
+        upload.sendall(
+            b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer key-dave"
+            b"\r\nContent-Type: application/json\r\nContent-Length: 1000\r\n\r\n" + b" " * 500
+        )
+        wait_for(lambda: harness.ctx.tenants.tenants["dave"].in_flight == 1)
+        second = _post(url, "key-dave", "/v1/chat/completions", json=CHAT)
+        _assert_error(second, 429, "concurrency_limit_exceeded")
+    finally:
+        upload.close()
+    wait_for(lambda: harness.ctx.tenants.tenants["dave"].in_flight == 0)
+    assert _post(url, "key-dave", "/v1/chat/completions", json=CHAT).status_code == 200

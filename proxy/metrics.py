@@ -39,6 +39,7 @@ LATENCY_BUCKETS = (
 class ProxyMetrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
+        self._also: list[CollectorRegistry] = []
         labels = ("endpoint", "tenant", "policy_version")
         self.requests = Counter(
             "olp_proxy_requests",
@@ -124,5 +125,10 @@ class ProxyMetrics:
         if isinstance(completion, int) and completion > 0:
             self.series(self.tokens, "out", tenant, policy_version).inc(completion)
 
+    def also_serve(self, registry: CollectorRegistry) -> None:
+        """Serve another component's series on /metrics too (the sink's `olp_stream_*`)."""
+        self._also.append(registry)
+
     def render(self) -> tuple[bytes, str]:
-        return generate_latest(self.registry), CONTENT_TYPE_LATEST
+        body = b"".join(generate_latest(r) for r in (self.registry, *self._also))
+        return body, CONTENT_TYPE_LATEST

@@ -1,4 +1,5 @@
-"""`olp proxy`: run the proxy in the foreground until SIGINT/SIGTERM, then drain and close."""
+"""`olp proxy`: run the proxy in the foreground until SIGINT/SIGTERM/SIGHUP, then drain and
+close."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from typing import Any
 
 import structlog
 from aiohttp import web
+from prometheus_client import CollectorRegistry
 
 from proxy.app import build_app
 from proxy.config import ProxyConfig, TenantConfig, sha256_hex
@@ -28,13 +30,19 @@ log = structlog.get_logger(__name__)
 INTERNAL_ADMIN_TOKEN_ENV = "OLP_INTERNAL_ADMIN_TOKEN"
 
 
-def make_sink(config: ProxyConfig, stream: StreamConfig, state_dir: Path) -> Any:
-    """The RecordSink the config asks for."""
+def make_sink(
+    config: ProxyConfig,
+    stream: StreamConfig,
+    state_dir: Path,
+    registry: CollectorRegistry | None = None,
+) -> Any:
+    """The RecordSink the config asks for; a Kafka sink's `olp_stream_*` series go on
+    `registry`."""
     if config.sink == "jsonl":
         return JsonlSink(state_dir / config.state.records_dir)
     # In a child process: schema validation, encoding and kafka-python stay off the
     # interpreter that serves requests (bench/bench_proxy.py measures both).
-    return KafkaSinkProcess(stream, state_dir)
+    return KafkaSinkProcess(stream, state_dir, registry)
 
 
 async def serve_proxy(
@@ -57,8 +65,12 @@ async def serve_proxy(
     safety = safety or SafetyConfig()
     redactor = Redactor.from_config(safety.redaction)
     audit = AuditLog.from_config(safety.audit, state_dir, redactor)
+    sink_registry = None
     if sink is None:
-        sink = make_sink(config, stream or StreamConfig(), state_dir)
+        # Its own registry, served on /metrics next to the proxy's: spill, DLQ and broker
+        # health are what an operator watches the stream by.
+        sink_registry = CollectorRegistry()
+        sink = make_sink(config, stream or StreamConfig(), state_dir, sink_registry)
     app = build_app(
         config,
         tenants,
@@ -70,6 +82,8 @@ async def serve_proxy(
         if internal_admin_token
         else None,
     )
+    if sink_registry is not None:
+        app[CONTEXT].metrics.also_serve(sink_registry)
     runner = app_runner(app)
     await runner.setup()
     try:
@@ -83,7 +97,9 @@ async def serve_proxy(
         if stop is None:
             stop = asyncio.Event()
             loop = asyncio.get_running_loop()
-            for signum in (signal.SIGINT, signal.SIGTERM):
+            # SIGHUP too (a closed terminal), as `olp up`, `olp broker` and `olp policy` do:
+            # the proxy drains and closes its sink instead of dying with records in it.
+            for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
                 loop.add_signal_handler(signum, stop.set)
         await stop.wait()
         log.info("proxy_stopping")

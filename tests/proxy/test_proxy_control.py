@@ -392,3 +392,53 @@ def test_records_reach_kafka_keyed_by_session(make_proxy, vllm_server, kafka_boo
     record = json.loads(trajectory.value)
     assert record["trajectory_id"] == trajectory_id and record["trainable"] is True
     assert json.loads(event.value)["trajectory_id"] == trajectory_id
+
+
+def test_the_kafka_sinks_series_are_on_metrics(tmp_path, vllm_server, kafka_bootstrap):
+    """`olp proxy` built its KafkaSinkProcess without a registry: no `olp_stream_*` series
+    (queued, spilled, DLQ, broker up) reached /metrics, only the operator page."""
+    import asyncio
+    import threading
+    import uuid
+
+    from deploy.ports import free_port
+    from proxy.config import ProxyConfig
+    from proxy.server import serve_proxy
+    from replay.config import StreamConfig
+    from tests.proxy.conftest import KEYS, default_tenants
+
+    port = free_port()
+    config = ProxyConfig(upstreams=[vllm_server.base_url], port=port, admin_key=ADMIN_KEY)
+    stream = StreamConfig(
+        bootstrap_servers=kafka_bootstrap, topic_prefix=f"t{uuid.uuid4().hex[:8]}"
+    )
+    loop = asyncio.new_event_loop()
+    stop = asyncio.Event()
+    thread = threading.Thread(
+        target=loop.run_until_complete,
+        args=(serve_proxy(config, default_tenants(), tmp_path, stream=stream, stop=stop),),
+    )
+    thread.start()
+    base = f"http://127.0.0.1:{port}"
+    wait_for(lambda: _answers(base + "/healthz"), timeout_s=60)
+    try:
+        reply = httpx.post(
+            base + "/v1/chat/completions",
+            json={
+                "model": "policy",
+                "messages": [{"role": "user", "content": "Hi"}],
+                "max_tokens": 2,
+            },
+            headers={"Authorization": f"Bearer {KEYS['alice']}"},  # training on
+            timeout=120,
+        )
+        assert reply.status_code == 200, reply.text
+        queued = 'olp_stream_queued_total{kind="trajectory"} 1.0'
+        wait_for(lambda: queued in httpx.get(base + "/metrics").text, timeout_s=30)
+        text = httpx.get(base + "/metrics").text
+        assert "olp_proxy_requests_total{" in text  # the proxy's own series still there
+        assert text.count("# HELP olp_stream_queued_total ") == 1
+    finally:
+        loop.call_soon_threadsafe(stop.set)
+        thread.join(60)
+        loop.close()

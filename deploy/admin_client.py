@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import getpass
 import http.client
 import json
 import os
@@ -12,6 +13,7 @@ from typing import Any
 
 from deploy.config import OlpConfig
 from proxy.config import sha256_hex
+from proxy.operator_auth import ACTOR_PATTERN
 
 DEV_ADMIN_KEY = "olp-admin-dev"
 
@@ -30,16 +32,42 @@ def admin_key(cfg: OlpConfig, explicit: str | None) -> str:
     raise AdminError("no admin key: pass --admin-key or set OLP_ADMIN_KEY")
 
 
+def operator_name(explicit: str | None) -> str:
+    """Who the audit log names for a change: --actor, else OLP_ACTOR, else the login name of
+    whoever runs the command (before, every CLI change was audited as `admin`)."""
+    name = explicit or os.environ.get("OLP_ACTOR")
+    if name:
+        if not ACTOR_PATTERN.fullmatch(name):
+            raise AdminError(
+                f"actor {name!r}: use 1-64 letters, digits and . _ @ : - (--actor or OLP_ACTOR)"
+            )
+        return name
+    with contextlib.suppress(Exception):  # no login name (a container's bare uid): `admin`
+        user = getpass.getuser()
+        if ACTOR_PATTERN.fullmatch(user):
+            return user
+    return "admin"
+
+
 class AdminClient:
-    def __init__(self, base_url: str, key: str, timeout_s: float = 30.0) -> None:
+    def __init__(
+        self, base_url: str, key: str, timeout_s: float = 30.0, actor: str = "admin"
+    ) -> None:
         self.base_url = base_url.rstrip("/")
         self.key = key
         self.timeout_s = timeout_s
+        self.actor = actor
 
     @classmethod
-    def from_config(cls, cfg: OlpConfig, explicit_key: str | None = None) -> AdminClient:
+    def from_config(
+        cls, cfg: OlpConfig, explicit_key: str | None = None, actor: str | None = None
+    ) -> AdminClient:
         host = "127.0.0.1" if cfg.proxy.host in ("0.0.0.0", "::") else cfg.proxy.host
-        return cls(f"http://{host}:{cfg.proxy.port}", admin_key(cfg, explicit_key))
+        return cls(
+            f"http://{host}:{cfg.proxy.port}",
+            admin_key(cfg, explicit_key),
+            actor=operator_name(actor),
+        )
 
     def call(
         self, method: str, path: str, body: dict[str, Any] | None = None
@@ -51,7 +79,11 @@ class AdminClient:
             f"{self.base_url}{path}",
             data=data,
             method=method,
-            headers={"Authorization": f"Bearer {self.key}", "Content-Type": "application/json"},
+            headers={
+                "Authorization": f"Bearer {self.key}",
+                "Content-Type": "application/json",
+                "X-OLP-Actor": self.actor,
+            },
         )
         try:
             with urllib.request.urlopen(req, timeout=self.timeout_s) as resp:

@@ -29,6 +29,10 @@ def _with_config(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
 
 def _admin(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--admin-key", help="admin key (default: $OLP_ADMIN_KEY)")
+    parser.add_argument(
+        "--actor",
+        help="who the audit log names for a change (default: $OLP_ACTOR, else your login name)",
+    )
     return _with_config(parser)
 
 

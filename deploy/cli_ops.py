@@ -46,7 +46,7 @@ def _admin_call(
     path: str,
     body: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    client = AdminClient.from_config(cfg, args.admin_key)
+    client = AdminClient.from_config(cfg, args.admin_key, getattr(args, "actor", None))
     return client.call(method, path, body) or {}
 
 

@@ -20,10 +20,10 @@ from proxy.config import sha256_hex
 from proxy.context import CONTEXT, ProxyContext
 from proxy.errors import ProxyError, bad_request
 from proxy.feedback import finite_float
+from proxy.operator_auth import clean_actor
 from proxy.routing import Replica
 from proxy.serving_state import save_state
 
-_ACTOR = re.compile(r"^[A-Za-z0-9._@:\-]{1,64}$")
 _VERSION = re.compile(r"^policy-v[0-9]+$")
 # Changes run one at a time: a flip awaits every replica's /v1/models, and a freeze (or
 # another change) that lands meanwhile must not be overtaken by it.
@@ -71,9 +71,7 @@ def _authorize(request: web.Request) -> str:
         raise ProxyError(
             403, "This key may not use the admin API.", type_="permission_error", code="forbidden"
         )
-    actor = request.headers.get("X-OLP-Actor", "admin")
-    # fullmatch: `$` also matches before a final newline.
-    return actor if _ACTOR.fullmatch(actor) else "admin"
+    return clean_actor(request.headers.get("X-OLP-Actor"), default="admin")
 
 
 async def _json_object(request: web.Request) -> dict[str, Any]:

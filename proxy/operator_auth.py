@@ -23,13 +23,15 @@ SESSION_TTL_S = 8 * 3600.0
 MAX_ENTRIES = 256  # live links / sessions; the oldest go first beyond this
 COOKIE_NAME = "olp_operator"
 COOKIE_PATH = "/admin/ui"
-_ACTOR = re.compile(r"^[A-Za-z0-9._@:\-]{1,64}$")
+# Who made a change, as the audit log names them (the admin API's X-OLP-Actor, the sign-in
+# form's field, the CLI's --actor): checked with fullmatch.
+ACTOR_PATTERN = re.compile(r"[A-Za-z0-9._@:\-]{1,64}")
 
 
 def clean_actor(actor: str | None, default: str = "operator") -> str:
     """An actor name safe for the audit log (the same rule as `X-OLP-Actor`). `fullmatch`:
     `$` also matches before a final newline, which a form field can carry."""
-    return actor if actor and _ACTOR.fullmatch(actor) else default
+    return actor if actor and ACTOR_PATTERN.fullmatch(actor) else default
 
 
 def key_matches(admin_key_hashes: tuple[str, ...], key: str) -> bool:

@@ -56,3 +56,21 @@ def test_status_shows_what_the_proxy_reports(running_proxy: ProxyHarness) -> Non
     assert "tenant alice: training on" in lines and "tenant bob: training off" in lines
     assert any(line.startswith("upstreams: http://127.0.0.1:") for line in lines)
     assert lines[lines.index("history (newest last):") + 1].lstrip().startswith("{")
+
+
+def _actors(harness: ProxyHarness) -> list[str]:
+    return [record["actor"] for record in harness.ctx.audit.iter_records()]
+
+
+def test_cli_changes_are_audited_under_who_made_them(running_proxy: ProxyHarness) -> None:
+    """Every change made with the `olp` commands used to be audited as `admin`."""
+    import getpass
+
+    env = {"OLP_ACTOR": ""}
+    assert olp(running_proxy, "freeze", "--actor", "dana@ops", **env).returncode == 0
+    assert olp(running_proxy, "unfreeze", OLP_ACTOR="erik").returncode == 0
+    assert olp(running_proxy, "tenant", "bob", "--training", "on", **env).returncode == 0
+    assert _actors(running_proxy)[-3:] == ["dana@ops", "erik", getpass.getuser()]
+    bad = olp(running_proxy, "freeze", "--actor", "ops\nforged", **env)
+    assert bad.returncode == 1 and "actor" in bad.stderr and "Traceback" not in bad.stderr
+    assert _actors(running_proxy)[-1] == getpass.getuser()  # nothing was changed

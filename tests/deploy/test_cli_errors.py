@@ -12,7 +12,6 @@ import os
 import socket
 import subprocess
 import sys
-import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -22,6 +21,7 @@ import pytest
 from deploy.admin_client import AdminClient, AdminError
 from deploy.ports import free_port
 from safety.audit import AuditLog
+from tests.http_stub import serving
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -80,15 +80,8 @@ class _Handler(http.server.BaseHTTPRequestHandler):
 @pytest.fixture
 def admin_server() -> Iterator[tuple[str, type[_Handler]]]:
     handler = type("Handler", (_Handler,), {"paths": []})
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    try:
-        yield f"http://127.0.0.1:{server.server_address[1]}", handler
-    finally:
-        server.shutdown()
-        server.server_close()
-        thread.join(timeout=5)
+    with serving(handler) as url:
+        yield url, handler
 
 
 @pytest.mark.parametrize(

@@ -20,6 +20,7 @@ from deploy.demo import (
     run_demo,
     summarise,
 )
+from tests.http_stub import serving
 
 
 def test_grade_orders_bare_number_over_leading_number_over_text() -> None:
@@ -117,15 +118,8 @@ class _FakeProxy(http.server.BaseHTTPRequestHandler):
 @pytest.fixture
 def fake_proxy() -> Iterator[tuple[str, type[_FakeProxy]]]:
     handler = type("Handler", (_FakeProxy,), {"posts": 0, "chats": 0})
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    try:
-        yield f"http://127.0.0.1:{server.server_address[1]}", handler
-    finally:
-        server.shutdown()
-        server.server_close()
-        thread.join(timeout=5)
+    with serving(handler) as url:
+        yield url, handler
 
 
 @pytest.mark.parametrize("mode", ["drop", "500"])

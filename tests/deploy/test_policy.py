@@ -1,6 +1,5 @@
 import http.server
 import json
-import threading
 import uuid
 from pathlib import Path
 
@@ -12,6 +11,7 @@ from structlog.testing import capture_logs
 from deploy.config import PolicyConfig
 from deploy.policy import start_policy, warn_if_exposed
 from deploy.ports import is_loopback
+from tests.http_stub import serving
 
 
 def test_chat_returns_token_ids_and_matching_logprobs(vllm_server) -> None:
@@ -91,10 +91,8 @@ def test_a_policy_port_in_use_is_refused_not_reported_ready(tmp_path: Path) -> N
     then die on bind while the other answers)."""
     # Something else already serving /v1/models on the port (another vLLM, say).
     listing = json.dumps({"data": [{"id": "someone-elses-model"}]}).encode()
-    other = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _answering(listing))
-    threading.Thread(target=other.serve_forever, daemon=True).start()
-    try:
-        cfg = PolicyConfig(port=other.server_address[1])
+    with serving(_answering(listing)) as url:
+        cfg = PolicyConfig(port=int(url.rsplit(":", 1)[1]))
         try:
             server = start_policy(cfg, tmp_path)
         except RuntimeError as exc:
@@ -102,9 +100,6 @@ def test_a_policy_port_in_use_is_refused_not_reported_ready(tmp_path: Path) -> N
         else:
             server.stop()
             pytest.fail("start_policy reported the other server on its port as ready")
-    finally:
-        other.shutdown()
-        other.server_close()
 
 
 @pytest.mark.parametrize(
@@ -124,15 +119,8 @@ def test_an_external_vllm_answering_odd_json_is_named_with_what_was_wrong(
     """Not `start-up failed: 'id'`: the URL of the external vLLM and what it sent."""
     from deploy.policy import check_external
 
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _answering(body))
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    url = f"http://127.0.0.1:{server.server_address[1]}"
-    try:
-        with pytest.raises(RuntimeError) as exc:  # `olp up` reports it as start-up failed
-            check_external([url])
-    finally:
-        server.shutdown()
-        server.server_close()
+    with serving(_answering(body)) as url, pytest.raises(RuntimeError) as exc:
+        check_external([url])  # `olp up` reports it as start-up failed
     message = str(exc.value)
     assert message.startswith(f"external vLLM at {url} (policy.external_urls): GET {url}/v1/models")
     assert what in message
@@ -142,12 +130,6 @@ def test_an_external_vllm_listing_models_passes() -> None:
     from deploy.policy import check_external, models_listed
 
     body = b'{"object": "list", "data": [{"id": "base"}, {"id": "policy-v2"}]}'
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _answering(body))
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    url = f"http://127.0.0.1:{server.server_address[1]}"
-    try:
+    with serving(_answering(body)) as url:
         check_external([url + "/"])
         assert models_listed(url) == ["base", "policy-v2"]
-    finally:
-        server.shutdown()
-        server.server_close()

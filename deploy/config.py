@@ -16,7 +16,14 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 ENV_PREFIX = "OLP_"
 BUILTIN_MODEL = "smollm2-135m-instruct"
@@ -254,6 +261,22 @@ class OlpConfig(BaseModel):
         if dupes:
             raise ValueError(f"duplicate tenant names: {', '.join(dupes)}")
         return tenants
+
+    @model_validator(mode="after")
+    def _keys_name_one_holder(self) -> OlpConfig:
+        """A key is looked up by its hash: two tenants sharing one would be one tenant to the
+        proxy (limits, opt-in and trajectories of the other), and a tenant holding the admin
+        key could change serving."""
+        holders: dict[str, list[str]] = {}
+        for tenant in self.tenants:
+            if tenant.api_key_sha256 is not None:
+                holders.setdefault(tenant.api_key_sha256, []).append(f"tenant {tenant.name}")
+        if self.proxy.admin_key_sha256 is not None:
+            holders.setdefault(self.proxy.admin_key_sha256, []).append("the admin key")
+        shared = [" and ".join(names) for names in holders.values() if len(names) > 1]
+        if shared:
+            raise ValueError(f"one API key is used by {'; '.join(shared)}: give each its own")
+        return self
 
     def hash(self) -> str:
         return config_hash(self.model_dump(mode="json"))

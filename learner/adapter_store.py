@@ -82,11 +82,19 @@ class AdapterStore:
         return json.loads((self.path(version) / META_FILE).read_text())
 
     def lineage(self, version: int) -> list[int]:
-        """[version, parent, grandparent, ...] down to the base (0) or a missing parent."""
+        """[version, parent, grandparent, ...] down to the base (0) or a missing parent.
+
+        A parent is always older than its child; metadata saying otherwise (hand-edited or
+        damaged: a version its own parent) ends the chain there, logged, instead of looping
+        for ever."""
+        versions = set(self.versions())
         chain = [version]
         while True:
             parent = self.read_meta(chain[-1]).get("parent_version")
-            if parent is None or parent == 0 or parent not in self.versions():
+            if parent is None or parent == 0 or parent not in versions:
+                return chain
+            if int(parent) >= chain[-1]:
+                log.error("adapter_lineage_broken", version=chain[-1], parent_version=parent)
                 return chain
             chain.append(int(parent))
 

@@ -144,3 +144,25 @@ def test_bootstrap_servers_accept_host_port_lists(tmp_path: Path, servers: str) 
 def test_bootstrap_servers_must_be_host_port(servers: str) -> None:
     with pytest.raises(ConfigError, match=r"stream\.bootstrap_servers: .*expected HOST:PORT"):
         load_config(None, environ={"OLP_STREAM__BOOTSTRAP_SERVERS": servers})
+
+
+@pytest.mark.parametrize(
+    ("yaml_text", "message"),
+    [
+        (
+            "tenants:\n  - {name: a, api_key: k-1}\n  - {name: b, api_key: k-1}\n",
+            "one API key is used by tenant a and tenant b",
+        ),
+        (
+            "proxy: {admin_key: k-2}\ntenants:\n  - {name: a, api_key: k-2}\n",
+            "one API key is used by tenant a and the admin key",
+        ),
+    ],
+)
+def test_a_key_shared_by_two_holders_is_refused(
+    tmp_path: Path, yaml_text: str, message: str
+) -> None:
+    """The proxy finds a tenant by its key's hash: the second tenant silently became the
+    first, and a tenant holding the admin key could flip aliases."""
+    with pytest.raises(ConfigError, match=message):
+        load_config(write(tmp_path, yaml_text), environ={})

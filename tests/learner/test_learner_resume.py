@@ -302,3 +302,21 @@ def test_a_huge_score_neither_crashes_nor_poisons_the_learner(
     assert summary.version == 2
     assert summary.counts["reward_score_clamped"] == 2
     assert learner.baseline.values["syn"] <= config().rewards.feedback_values.score_max
+
+
+def test_lineage_ends_at_metadata_that_loops(tmp_path: Path) -> None:
+    """A version naming itself (or a newer one) as its parent made lineage() loop for ever."""
+    files = tmp_path / "files"
+    files.mkdir()
+    (files / "adapter_config.json").write_text("{}")
+    store = AdapterStore(tmp_path / "state")
+    store.publish(1, files, {"parent_version": 0})
+    store.publish(2, files, {"parent_version": 1})
+    store.publish(3, files, {"parent_version": 2})
+    assert store.lineage(3) == [3, 2, 1]
+    meta_file = store.path(2) / "olp_meta.json"
+    meta = json.loads(meta_file.read_text())
+    meta_file.write_text(json.dumps({**meta, "parent_version": 2}))
+    assert store.lineage(3) == [3, 2]
+    meta_file.write_text(json.dumps({**meta, "parent_version": 3}))
+    assert store.lineage(3) == [3, 2]

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 import tempfile
 import urllib.parse
 from collections.abc import Callable
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -95,8 +97,22 @@ def format_status(status: dict[str, Any]) -> str:
     history = status.get("history", [])
     if history:
         lines.append("history (newest last):")
-        lines += [f"  {json.dumps(entry, sort_keys=True)}" for entry in history[-5:]]
+        lines += [f"  {format_history_entry(entry)}" for entry in history[-5:]]
     return "\n".join(lines)
+
+
+def format_history_entry(entry: dict[str, Any]) -> str:
+    """One admin change as `time actor kind key=value ...`, the shape `olp audit show` uses
+    (the raw entry has a unix-seconds float an operator cannot read at a glance)."""
+    rest = {k: v for k, v in entry.items() if k not in ("at", "actor", "kind")}
+    at = entry.get("at")
+    when = (
+        datetime.fromtimestamp(at, UTC).isoformat(timespec="seconds").replace("+00:00", "Z")
+        if isinstance(at, int | float) and math.isfinite(at)
+        else str(at)
+    )
+    fields = " ".join(f"{k}={json.dumps(v)}" for k, v in sorted(rest.items()))
+    return f"{when} {entry.get('actor', '?')} {entry.get('kind', '?')} {fields}".rstrip()
 
 
 @_run_admin
@@ -215,8 +231,6 @@ def parse_bound(value: str | None) -> tuple[Any, float | None]:
         return None, float(text)
     except ValueError:
         pass
-    from datetime import datetime
-
     try:
         return None, datetime.fromisoformat(text.replace("Z", "+00:00")).timestamp()
     except ValueError:

@@ -4,6 +4,7 @@ needed: the status and freeze routes do not call one)."""
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -11,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from deploy.cli_ops import format_history_entry
 from deploy.ports import free_port
 from proxy.app import build_app
 from proxy.config import ProxyConfig
@@ -55,7 +57,19 @@ def test_status_shows_what_the_proxy_reports(running_proxy: ProxyHarness) -> Non
     assert "aliases: policy -> base, base -> base" in lines
     assert "tenant alice: training on" in lines and "tenant bob: training off" in lines
     assert any(line.startswith("upstreams: http://127.0.0.1:") for line in lines)
-    assert lines[lines.index("history (newest last):") + 1].lstrip().startswith("{")
+    history = lines[lines.index("history (newest last):") + 1 :]
+    # Readable like `olp audit show`: time, actor, change (it was the raw JSON entry).
+    assert re.fullmatch(r"  \d{4}-\d\d-\d\dT\d\d:\d\d:\d\dZ \S+ freeze learning=true", history[-1])
+
+
+def test_history_entry_format_survives_odd_entries() -> None:
+    assert format_history_entry({"kind": "rollback", "at": "x"}) == "x ? rollback"
+    assert (
+        format_history_entry(
+            {"kind": "alias", "at": 0, "actor": "a", "alias": "policy", "target": "policy-v2"}
+        )
+        == '1970-01-01T00:00:00Z a alias alias="policy" target="policy-v2"'
+    )
 
 
 def _actors(harness: ProxyHarness) -> list[str]:

@@ -146,12 +146,23 @@ async def readyz(request: web.Request) -> web.Response:
         for alias, canary in ctx.aliases.canaries().items()
         if reachable and canary.target not in served_anywhere
     }
+    # A replica that lacks a target others serve: its share of those requests is retried on
+    # another replica (one extra round trip each) until the adapter is loaded there again.
+    targets = set(ctx.aliases.snapshot().values()) | {
+        canary.target for canary in ctx.aliases.canaries().values()
+    }
+    missing = {
+        url: sorted(targets & served_anywhere - served)
+        for url, (problem, served) in replicas.items()
+        if problem is None and targets & served_anywhere - served
+    }
     return web.json_response(
         {
             "ready": bool(reachable),
             "replicas": {url: problem or "ok" for url, (problem, _) in replicas.items()},
             "unserved_aliases": unserved,
             "unserved_canaries": unserved_canaries,
+            "replicas_missing_targets": missing,
         },
         status=200 if reachable else 503,
     )

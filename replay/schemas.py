@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import re
 import time
@@ -40,6 +41,22 @@ class SchemaValidationError(ValueError):
 def new_event_id() -> str:
     """A fresh unique event id (uuid4 hex); duplicates from retries share it and are removed."""
     return uuid.uuid4().hex
+
+
+# Namespace of the event ids `derived_event_id` makes (a fixed, random UUID).
+_DERIVED_ID_NAMESPACE = uuid.UUID("6f1c2a4e-8d3b-4f57-9a0e-2b7d5c913e48")
+
+
+def derived_event_id(*parts: str) -> str:
+    """An event id fixed by `parts` (uuid5 hex, the shape of `new_event_id`).
+
+    For a record that may be made twice from the same source (a capture built again after
+    its worker died, the DLQ envelope of a record rejected twice): both copies carry the
+    same id, so a consumer that de-duplicates by event_id keeps one."""
+    # uuid5 by hand: `uuid.uuid5` refuses a lone surrogate, which a refused record may hold.
+    name = "\x1f".join(parts).encode("utf-8", "surrogatepass")
+    digest = hashlib.sha1(_DERIVED_ID_NAMESPACE.bytes + name, usedforsecurity=False).digest()
+    return uuid.UUID(bytes=digest[:16], version=5).hex
 
 
 @cache
@@ -286,15 +303,18 @@ def dlq_envelope(
     record: Any = None,
     source_partition: int | None = None,
     source_offset: int | None = None,
+    event_id: str | None = None,
 ) -> dict[str, Any]:
     """The record written to `<prefix>.dlq`: why, where from, and the original payload.
 
     `origin` is "producer" (rejected before it reached the topic) or "consumer" (read from the
     topic and rejected); the original is kept as parsed JSON when it parsed, else as text.
+    `event_id` (see `dlq_event_id`) gives the envelopes of one record rejected twice the
+    same id; without it the envelope gets a fresh one.
     """
     envelope: dict[str, Any] = {
         "schema_version": SCHEMA_VERSION,
-        "event_id": new_event_id(),
+        "event_id": event_id or new_event_id(),
         "created_at": time.time(),
         "origin": origin,
         "kind": kind,
@@ -308,3 +328,28 @@ def dlq_envelope(
     elif raw is not None:
         envelope["raw"] = raw.decode("utf-8", errors="replace")
     return envelope
+
+
+def dlq_event_id(
+    origin: str,
+    source_topic: str,
+    *,
+    record: Any = None,
+    source_partition: int | None = None,
+    source_offset: int | None = None,
+    value: bytes | None = None,
+) -> str | None:
+    """The event id of the DLQ envelope of one rejected record, the same each time that
+    record is rejected again (a resent spill segment, a worker that died before confirming,
+    a consumer that resumes before its last rejection); None when nothing identifies it.
+
+    A record read from a topic is identified by where it lies and its bytes (`value`: a
+    topic made again reuses offsets), one of ours by its event_id."""
+    if source_partition is not None and source_offset is not None:
+        where = f"{source_partition}:{source_offset}"
+        digest = hashlib.sha256(value or b"").hexdigest()
+        return derived_event_id("dlq", origin, source_topic, where, digest)
+    record_id = record.get("event_id") if isinstance(record, dict) else None
+    if isinstance(record_id, str) and record_id:
+        return derived_event_id("dlq", origin, source_topic, record_id)
+    return None

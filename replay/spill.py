@@ -247,6 +247,9 @@ class SpillStore:
         self._on_quarantine = on_quarantine
         self._read_failures: dict[int, int] = {}  # seq -> failed reads in a row
         self._corrupt: set[int] = set()  # seqs read with corruption in the middle
+        # seq -> why a segment left the drain before `delete` ("read_error", "missing"),
+        # so that `delete` can say so instead of reporting it drained.
+        self._set_aside: dict[int, str] = {}
         self._lock = threading.Lock()
         self._sealed: list[SpillSegment] = []
         self._active: SpillSegment | None = None
@@ -408,6 +411,9 @@ class SpillStore:
             data = segment.path.read_bytes()
         except FileNotFoundError:
             log.error("spill_segment_missing", segment=segment.path.name, bytes=segment.size)
+            with self._lock:
+                self._sealed = [s for s in self._sealed if s.seq != segment.seq]
+                self._set_aside[segment.seq] = "missing"
             return []
         except OSError as exc:
             failures = self._read_failures.get(segment.seq, 0) + 1
@@ -435,26 +441,31 @@ class SpillStore:
                 self._corrupt.add(segment.seq)
         return parsed.entries
 
-    def delete(self, segment: SpillSegment) -> None:
-        """Remove a drained segment (call only after the broker acknowledged all its records).
+    def delete(self, segment: SpillSegment) -> str:
+        """Remove a drained segment (call only after the broker acknowledged all its records)
+        and say what became of it: "deleted", or why it was not.
 
-        One read with corruption in the middle is moved to quarantine instead: the bytes it
-        could not read may hold records. One already set aside is left alone."""
+        One read with corruption in the middle is moved to quarantine instead ("corrupt"):
+        the bytes it could not read may hold records. One `read` already set aside is left
+        alone ("read_error": quarantined unread; "missing": its file was gone); "unknown"
+        for a segment the store does not hold (deleted before)."""
         with self._lock:
             if all(s.seq != segment.seq for s in self._sealed):
-                return
+                return self._set_aside.pop(segment.seq, "unknown")
             if segment.seq in self._corrupt:
                 self._corrupt.discard(segment.seq)
                 self._set_aside_locked(segment, "corrupt", "corrupt frames in the middle")
-                return
+                return self._set_aside.pop(segment.seq)
             self._sealed = [s for s in self._sealed if s.seq != segment.seq]
             segment.path.unlink(missing_ok=True)
             _fsync_dir(self.directory)
+            return "deleted"
 
     def _set_aside_locked(self, segment: SpillSegment, reason: str, detail: str) -> None:
         """Stop draining `segment` and move its file to quarantine/, for an operator: never
         deleted, never read again by the store (lock held)."""
         self._sealed = [s for s in self._sealed if s.seq != segment.seq]
+        self._set_aside[segment.seq] = reason
         target = self.quarantine_dir / segment.path.name
         suffix = 0
         try:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import collections
 import os
 import signal
+import socket
 import threading
 import time
 import uuid
@@ -19,6 +20,8 @@ from deploy.ports import free_port
 from replay.config import StreamConfig
 from replay.consumer import TrajectoryConsumer
 from replay.producer import KafkaSinkProcess
+from replay.schemas import decode_record, derived_event_id
+from replay.spill import read_segment
 from replay.synthetic import make_trajectory
 from tests.replay.conftest import consume_until
 from tests.replay.test_outage import _config, _sample, _wait_for
@@ -211,3 +214,85 @@ def test_process_sink_builds_records_from_captures_and_counts_them(
     assert sum(failures) == 1
     expected = {c["id"] for c in first + second + third}
     assert _consume_ids(stream_config, 60) == expected
+
+
+def test_a_capture_its_dead_worker_had_built_is_counted_once_under_one_event_id(
+    tmp_path: Path,
+) -> None:
+    """The worker builds captures (and, before, counted them at once) but never makes them
+    durable: its sender waits on a broker that accepts connections and never answers. It is
+    killed; the parent builds the captures again and spills them. Before: every outcome was
+    counted twice (the worker's report, then the parent's build), and the parent's copy had
+    a new event_id, so a consumer de-duplicating by event_id took a sent copy and the
+    rebuilt one for two records."""
+    silent = socket.socket()
+    silent.bind(("127.0.0.1", 0))
+    silent.listen(64)  # the kernel completes connections; nobody ever answers them
+    config = _config(f"127.0.0.1:{silent.getsockname()[1]}", bootstrap_timeout_ms=30_000)
+    sink = KafkaSinkProcess(config, tmp_path, CollectorRegistry())
+    outcomes: collections.Counter[tuple[str, bool]] = collections.Counter()
+    failures: list[int] = []
+    lock = threading.Lock()
+
+    def on_outcome(status: str, trainable: bool, count: int) -> None:
+        with lock:
+            outcomes[(status, trainable)] += count
+
+    sink.build_records_with(build_from_capture, on_outcome, failures.append)
+    captures = [{"id": uuid.uuid4().hex, "session": f"k{i % 2}"} for i in range(10)]
+    try:
+        assert sink.wait_idle(60)  # the worker runs; its sender is stuck connecting
+        for capture in captures:
+            sink.put_capture(capture, "ok")
+        _wait_for(lambda: len(sink._pending) == 10)
+        time.sleep(1.5)  # built by the worker, reported within 0.1 s (before: counted)
+        assert len(sink._pending) == 10  # none of them durable
+        os.kill(sink._proc.pid, signal.SIGKILL)
+        silent.close()  # the next worker finds no broker and keeps the spill as it is
+        _wait_for(lambda: sink.child_restarts == 1)
+        assert outcomes == {("ok", True): 10}
+    finally:
+        sink.close()
+        silent.close()
+    assert outcomes == {("ok", True): 10}
+    assert failures == []
+    spill_dir = tmp_path / config.spill_dir_name
+    spilled = [
+        decode_record(entry.value)
+        for segment in sorted(spill_dir.glob("seg-*.spill"))
+        for entry in read_segment(segment)
+    ]
+    assert {r["trajectory_id"]: r["event_id"] for r in spilled} == {
+        c["id"]: derived_event_id("trajectory", c["id"]) for c in captures
+    }
+
+
+def test_a_capture_built_in_the_parent_as_it_does_not_pickle_is_counted_once(
+    stream_config: StreamConfig, tmp_path: Path
+) -> None:
+    """The feeder builds (and counts) a capture that does not pickle, and hands the worker
+    the record. Before: it kept the capture as unconfirmed, so when the worker died the
+    capture was built and counted a second time."""
+    sink = KafkaSinkProcess(stream_config, tmp_path, CollectorRegistry())
+    outcomes: collections.Counter[tuple[str, bool]] = collections.Counter()
+    lock = threading.Lock()
+
+    def on_outcome(status: str, trainable: bool, count: int) -> None:
+        with lock:
+            outcomes[(status, trainable)] += count
+
+    sink.build_records_with(build_from_capture, on_outcome)
+    capture = {"id": uuid.uuid4().hex, "session": "u", "handle": threading.Lock()}
+    try:
+        assert sink.wait_idle(60)
+        os.kill(sink._proc.pid, signal.SIGSTOP)  # it receives but confirms nothing more
+        sink.put_capture(capture, "ok")
+        _wait_for(lambda: outcomes == {("ok", True): 1})  # built in the parent, at once
+        assert len(sink._pending) == 1
+        os.kill(sink._proc.pid, signal.SIGKILL)
+        _wait_for(lambda: sink.child_restarts == 1)
+        assert sink.wait_idle(60)
+    finally:
+        sink.close()
+    assert outcomes == {("ok", True): 1}
+    assert _consume_ids(stream_config, 1) == {capture["id"]}

@@ -187,7 +187,7 @@ def test_a_segment_file_removed_behind_the_stores_back_reads_as_empty(tmp_path: 
     assert first is not None
     first.path.unlink()  # an operator cleaning up, say
     assert store.read(first) == []
-    store.delete(first)
+    assert store.delete(first) == "missing"  # not "deleted": its records never went out
     rest = _drain(store)
     assert rest and rest == entries[len(entries) - len(rest) :]
     assert store.is_empty()
@@ -314,7 +314,8 @@ def test_an_unreadable_segment_is_quarantined_after_repeated_failures_and_the_re
     assert reasons == []
     assert store.read(first) == []  # the third failure in a row: set aside
     assert reasons == ["read_error"]
-    store.delete(first)  # what the sender does next; the quarantined file is kept
+    # What the sender does next; the quarantined file is kept, and the sender is told.
+    assert store.delete(first) == "read_error"
     rest = _drain(store)
     assert rest and rest == entries[len(entries) - len(rest) :]
     assert store.is_empty()
@@ -366,3 +367,24 @@ def test_segments_quarantined_under_the_same_name_are_all_kept(tmp_path: Path) -
         store = SpillStore(tmp_path, max_bytes=10_000_000, segment_bytes=1_000_000)
         assert len(_drain(store)) == 4
         assert len(list((tmp_path / "quarantine").iterdir())) == round_ + 1
+
+
+def test_delete_says_whether_the_segment_was_deleted_or_quarantined(tmp_path: Path) -> None:
+    """The sender logs `spill_segment_drained` only for a segment really deleted (before,
+    also for one moved to quarantine/, as `records=0` when it was never read)."""
+    entries = _entries(5)
+    segment = _one_segment(tmp_path, entries)
+    data = bytearray(segment.read_bytes())
+    data[_frame_offsets(segment)[2] + 12] ^= 0xFF  # inside the third record's payload
+    segment.write_bytes(bytes(data))
+    store = SpillStore(tmp_path, max_bytes=10_000_000, segment_bytes=1_000_000)
+    corrupt = store.oldest_segment()
+    assert corrupt is not None
+    assert store.read(corrupt) == entries[:2] + entries[3:]
+    assert store.delete(corrupt) == "corrupt"
+    assert store.delete(corrupt) == "unknown"  # a second call: nothing left to say
+    assert store.append(entries) == 5
+    intact = store.oldest_segment()
+    assert intact is not None and store.read(intact) == entries
+    assert store.delete(intact) == "deleted"
+    assert store.is_empty()

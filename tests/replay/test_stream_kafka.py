@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+import time
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -16,7 +17,7 @@ from replay.config import StreamConfig
 from replay.consumer import DlqRatioExceeded, ScoredTrajectory, TrajectoryConsumer
 from replay.export import export_records, read_export
 from replay.producer import KafkaSink
-from replay.schemas import decode_record, encode_record
+from replay.schemas import decode_record, dlq_envelope, encode_record
 from replay.synthetic import make_feedback, make_trajectory
 from replay.topics import TopicNames, ensure_topics
 from tests.replay.conftest import consume_until
@@ -211,19 +212,83 @@ def _send_raw(config: StreamConfig, values: list[bytes | None], partition: int =
     raw.close()
 
 
-def test_a_record_without_a_value_is_rejected_not_a_crash(
+def _send_to(config: StreamConfig, topic: str, values: list[bytes | None]) -> None:
+    raw = KafkaProducer(bootstrap_servers=config.bootstrap_servers, acks="all")
+    for value in values:
+        raw.send(topic, key=b"k", value=value, partition=0)
+    raw.flush()
+    raw.close()
+
+
+def _records_on(config: StreamConfig, topic: str) -> int:
+    consumer = KafkaConsumer(bootstrap_servers=config.bootstrap_servers, group_id=None)
+    try:
+        tps = [TopicPartition(topic, p) for p in consumer.partitions_for_topic(topic)]
+        return sum(consumer.end_offsets(tps).values())
+    finally:
+        consumer.close()
+
+
+def _poll_until(consumer: TrajectoryConsumer, done: Any, timeout_s: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not done():
+        assert time.monotonic() < deadline, f"not reached in time: {consumer.stats}"
+        consumer.poll(0.2)
+
+
+def test_a_record_without_a_value_is_skipped_as_a_tombstone_not_rejected(
     stream_config: StreamConfig, tmp_path: Path
 ) -> None:
-    """A tombstone (null value) from a foreign producer or a compaction: before, the
-    consumer's poll and the export raised TypeError on it."""
+    """A tombstone (null value) from a foreign producer or a tool, on any of the three
+    topics: before, the consumer's poll and the export raised TypeError on it; then it was
+    counted as a rejected record of ours (a DLQ envelope, `invalid`, weight in the DLQ
+    ratio), and on the DLQ topic as a producer's rejection (`dlq_seen`)."""
+    names = names_of(stream_config)
     good = [make_trajectory(session_id="k") for _ in range(2)]
     _send_raw(stream_config, [encode_record(good[0]), None, encode_record(good[1])])
+    _send_to(stream_config, names.feedback, [None])
+    _send_to(stream_config, names.dlq, [None])
     with TrajectoryConsumer(stream_config) as consumer:
         scored = consume_until(consumer, lambda got: len(got) >= 2)
         assert [s.trajectory for s in scored] == good
-        assert consumer.stats.invalid == 1
-    result = export_records(stream_config, tmp_path / "export.jsonl", kinds=("trajectories",))
-    assert result.counts == {"trajectories": 2} and result.invalid == 1
+        _poll_until(consumer, consumer.caught_up)
+        assert consumer.stats.tombstones == 3
+        assert consumer.stats.invalid == 0 and consumer.stats.dlq_seen == 0
+        offsets = consumer.processed_offsets()  # past every tombstone
+        assert offsets[names.trajectories][0] == 3
+        assert offsets[names.feedback][0] == 1 and offsets[names.dlq][0] == 1
+    assert _records_on(stream_config, names.dlq) == 1  # the tombstone: no envelope made
+    result = export_records(stream_config, tmp_path / "export.jsonl")
+    assert result.counts == {"trajectories": 2}
+    assert result.invalid == 0 and result.tombstones == 2
+
+
+def test_one_record_rejected_twice_gives_envelopes_with_one_event_id(
+    stream_config: StreamConfig,
+) -> None:
+    """A consumer that resumes before a rejection rejects the record again; a producer may
+    make a record's envelope twice (a resent spill segment, a dead sink worker). Before:
+    a new event_id each time, so a DLQ reader could not drop the repeat, and the consumer
+    counted a repeated producer envelope twice in `dlq_seen` (and the DLQ ratio)."""
+    names = names_of(stream_config)
+    _send_raw(stream_config, [b"{not json"])
+    for _ in range(2):  # the second consumer resumes from the start, as after a crash
+        with TrajectoryConsumer(stream_config) as consumer:
+            _poll_until(consumer, lambda c=consumer: c.stats.invalid == 1)
+    envelopes = [
+        decode_record(r.value) for r in _read_topic(stream_config.bootstrap_servers, names.dlq, 2)
+    ]
+    assert [e["origin"] for e in envelopes] == ["consumer", "consumer"]
+    assert envelopes[0]["event_id"] == envelopes[1]["event_id"]
+
+    repeated = dlq_envelope(
+        reason="x", source_topic=names.feedback, origin="producer", kind="feedback", raw=b"{}"
+    )
+    other = dict(repeated, event_id="e" * 32)
+    _send_to(stream_config, names.dlq, [encode_record(repeated)] * 2 + [encode_record(other)])
+    with TrajectoryConsumer(stream_config) as consumer:
+        _poll_until(consumer, consumer.caught_up)
+        assert consumer.stats.dlq_seen == 2 and consumer.stats.duplicates == 1
 
 
 def test_a_large_invalid_record_does_not_wedge_the_consumer(stream_config: StreamConfig) -> None:

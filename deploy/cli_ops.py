@@ -271,6 +271,7 @@ def cmd_replay_export(args: argparse.Namespace, cfg: OlpConfig) -> int:
     print(
         f"exported {result.counts} to {result.path} ({result.format}); "
         f"invalid {result.invalid}, duplicates removed {result.duplicates}"
+        + (f", tombstones skipped {result.tombstones}" if result.tombstones else "")
     )
     return 0
 

@@ -47,6 +47,9 @@ class Checkpoint:
     config_hash: str = ""
     meta: dict[str, Any] | None = None  # olp_meta.json of `version`, to republish it
     version_floor: int = 0  # see `ResumePlan.version_floor`
+    # The adapter version whose training the optimizer's moments (and the scheduler's step)
+    # belong to. None: written before this field; see `optimizer_version_of`.
+    optimizer_version: int | None = None
 
 
 def normalize_offsets(offsets: dict[Any, Any] | None) -> Offsets:
@@ -66,8 +69,11 @@ class CheckpointStore:
         self.path = self.dir / "checkpoint.pt"
         self.announced_path = self.dir / "announced.json"
 
+    def _tmp_path(self) -> Path:
+        return self.path.with_suffix(f".tmp-{os.getpid()}")
+
     def save(self, checkpoint: Checkpoint) -> None:
-        tmp = self.path.with_suffix(f".tmp-{os.getpid()}")
+        tmp = self._tmp_path()
         payload = dict(checkpoint.__dict__)
         with tmp.open("wb") as handle:
             torch.save(payload, handle)
@@ -80,12 +86,40 @@ class CheckpointStore:
         finally:
             os.close(fd)
 
+    def cleanup_temporary(self) -> int:
+        """Remove the temporary files of interrupted saves; returns how many.
+
+        Run at start-up (rank 0, before any save): a crash or kill during `save` leaves a
+        `checkpoint.tmp-<pid>` (adapter plus optimizer sized) under a pid no later run uses,
+        so each such crash left another one behind for good."""
+        removed = 0
+        ours = self._tmp_path()
+        for entry in [*self.dir.glob(f"{self.path.stem}.tmp-*"), *self.dir.glob("*.tmp")]:
+            if entry == ours or not entry.is_file():
+                continue
+            try:
+                entry.unlink()
+                removed += 1
+            except OSError as exc:
+                log.warning("checkpoint_leftover_not_removed", path=str(entry), error=repr(exc))
+        if removed:
+            log.info("checkpoint_leftovers_removed", count=removed, dir=str(self.dir))
+        return removed
+
     def load(self) -> Checkpoint | None:
         if not self.path.exists():
             return None
-        payload = torch.load(self.path, map_location="cpu", weights_only=False)
-        payload["offsets"] = normalize_offsets(payload["offsets"])
-        return Checkpoint(**payload)
+        try:
+            payload = torch.load(self.path, map_location="cpu", weights_only=False)
+            payload["offsets"] = normalize_offsets(payload["offsets"])
+            return Checkpoint(**payload)
+        except Exception as exc:
+            raise ResumeRefused(
+                f"cannot read the learner checkpoint {self.path} ({type(exc).__name__}: "
+                f"{exc}); it is damaged or not a checkpoint of this olp version. Move it "
+                "aside and the learner resumes from the newest adapter version (its weights "
+                "and consumed offsets, a fresh optimizer), or from scratch if there is none"
+            ) from exc
 
     def announced(self) -> int:
         if not self.announced_path.exists():
@@ -106,10 +140,27 @@ class ResumePlan:
     offsets: Offsets | None  # None: start of the stream
     weights_from: str  # "fresh" | "checkpoint" | "adapter"
     republish: bool  # the checkpoint's version is missing from the store
+    # Load the checkpoint's optimizer and scheduler: only when their moments belong to the
+    # weights resumed from; else both start fresh (`optimizer_reason` says why).
     keep_optimizer: bool
     # Version numbers up to here were (or may be) used by another lineage (a wiped state
     # dir whose adapters vLLM still serves): new versions are numbered above it.
     version_floor: int = 0
+    optimizer_reason: str = ""
+    step: int | None = None  # the learner's step count when not the checkpoint's
+
+
+def optimizer_version_of(checkpoint: Checkpoint) -> int | None:
+    """The adapter version the checkpoint's optimizer state was accumulated for (None:
+    unknown). A checkpoint from before `optimizer_version` existed holds the optimizer of its
+    own version, except one written by a roll-forward: that one carries the stored version's
+    metadata (with its `weights_sha256`) beside the optimizer of the older checkpoint it
+    replaced, which no record names."""
+    if checkpoint.optimizer_version is not None:
+        return checkpoint.optimizer_version
+    if (checkpoint.meta or {}).get("weights_sha256") is not None:
+        return None
+    return checkpoint.version
 
 
 def resume_plan(checkpoint: Checkpoint | None, store: AdapterStore) -> ResumePlan:
@@ -133,13 +184,23 @@ def resume_plan(checkpoint: Checkpoint | None, store: AdapterStore) -> ResumePla
         return ResumePlan(0, None, "fresh", republish=False, keep_optimizer=False)
     if checkpoint.version in versions:
         _verify_checkpoint_version(checkpoint, store)
+    owner = optimizer_version_of(checkpoint)
+    keep = owner == checkpoint.version
+    reason = ""
+    if not keep:
+        reason = (
+            f"the checkpoint's optimizer state belongs to "
+            f"{'an older adapter' if owner is None else f'policy-v{owner}'}, its weights "
+            f"are policy-v{checkpoint.version} (written by a roll-forward)"
+        )
     return ResumePlan(
         version=checkpoint.version,
         offsets=checkpoint.offsets,
         weights_from="checkpoint",
         republish=checkpoint.version > 0 and checkpoint.version not in versions,
-        keep_optimizer=True,
+        keep_optimizer=keep,
         version_floor=checkpoint.version_floor,
+        optimizer_reason=reason,
     )
 
 
@@ -181,15 +242,29 @@ def _roll_forward(
         )
     log.warning("learner_roll_forward", checkpoint_version=base_version, adapter_version=candidate)
     meta = store.read_meta(candidate)
+    # The checkpoint's Adam moments and scheduler step were accumulated on the weights of
+    # its own (older) version; the store keeps no optimizer state for `candidate`. Moments
+    # of other weights would scale the next updates by stale gradient statistics, so the
+    # optimizer starts fresh on the rolled-forward weights.
+    reason = f"rolled forward to policy-v{candidate}; the store holds no optimizer state for it"
+    if checkpoint is not None:
+        owner = optimizer_version_of(checkpoint)
+        reason += (
+            f" and the checkpoint's belongs to "
+            f"{'an older adapter' if owner is None else f'policy-v{owner}'}"
+        )
+    step = meta.get("step")
     return ResumePlan(
         version=candidate,
         offsets=normalize_offsets(meta.get("consumed_offsets")),
         weights_from="adapter",
         republish=False,
-        keep_optimizer=checkpoint is not None,
+        keep_optimizer=False,
         version_floor=max(
             int(meta.get("version_floor") or 0), checkpoint.version_floor if checkpoint else 0
         ),
+        optimizer_reason=reason,
+        step=int(step) if isinstance(step, int) else None,
     )
 
 

@@ -128,6 +128,12 @@ class PromotionConfig(BaseModel):
     )
     retain_dirs: int = Field(10, ge=1, description="adapter directories kept on disk")
     request_timeout_s: float = Field(60.0, gt=0)
+    reload_check_s: float = Field(
+        15.0,
+        ge=0,
+        description="how often every replica is checked for the versions the proxy routes to, "
+        "and a missing one loaded again (a restarted vLLM serves only the base); 0 = never",
+    )
     canary: CanaryConfig = Field(default_factory=CanaryConfig)
 
 

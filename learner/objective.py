@@ -230,6 +230,74 @@ class RunningBaseline:
             log.warning("baseline_values_dropped", tasks=sorted(set(values) - set(self.values)))
 
 
+def _assign(
+    samples: list[Sample], baseline: RunningBaseline, normalize: bool, eps: float
+) -> tuple[list[int], list[str], set[int]]:
+    """Set every sample's advantage (see `assign_advantages`). Returns the indexes of the
+    kept samples in training order, each sample's outcome (`grouped`, `baseline`,
+    `zero_advantage_samples`, `bad_reward`) and the index of the first member of each
+    zero-advantage group (one count per group)."""
+    groups: dict[str, list[int]] = {}
+    singles: list[int] = []
+    for index, sample in enumerate(samples):
+        if sample.group is not None:
+            groups.setdefault(sample.group, []).append(index)
+        else:
+            singles.append(index)
+    for members in list(groups.values()):
+        if len(members) == 1:
+            singles.extend(members)
+    kept: list[int] = []
+    outcomes = [""] * len(samples)
+    zero_groups: set[int] = set()
+    for members in groups.values():
+        if len(members) < 2:
+            continue
+        rewards = [samples[m].reward for m in members]
+        if not all(usable(r) for r in rewards):
+            for m in members:
+                outcomes[m] = "bad_reward"
+            continue
+        mean = sum(rewards) / len(rewards)
+        std = math.sqrt(sum((r - mean) ** 2 for r in rewards) / len(rewards))
+        if std < eps:
+            zero_groups.add(members[0])
+            for m in members:
+                outcomes[m] = "zero_advantage_samples"
+            continue
+        for m in members:
+            samples[m].advantage = (samples[m].reward - mean) / (std + eps if normalize else 1.0)
+            kept.append(m)
+            outcomes[m] = "grouped"
+    for index in singles:
+        sample = samples[index]
+        sample.advantage = baseline.advantage(sample.task, sample.reward)
+        if not math.isfinite(sample.advantage):  # NaN: the reward itself was unusable
+            outcomes[index] = "bad_reward"
+        elif abs(sample.advantage) < eps:
+            outcomes[index] = "zero_advantage_samples"
+        else:
+            kept.append(index)
+            outcomes[index] = "baseline"
+    return kept, outcomes, zero_groups
+
+
+def _advantage_counts(
+    outcomes: list[str], zero_groups: set[int], indexes: Iterable[int]
+) -> dict[str, int]:
+    counts = {
+        "zero_advantage_groups": 0,
+        "zero_advantage_samples": 0,
+        "grouped": 0,
+        "baseline": 0,
+        "bad_reward": 0,
+    }
+    for index in indexes:
+        counts[outcomes[index]] += 1
+        counts["zero_advantage_groups"] += int(index in zero_groups)
+    return counts
+
+
 def assign_advantages(
     samples: list[Sample],
     baseline: RunningBaseline,
@@ -243,52 +311,60 @@ def assign_advantages(
     (`bad_reward`: a whole group, since its mean and spread are meaningless then). Returns
     the kept samples and counts.
     """
-    groups: dict[str, list[Sample]] = {}
-    singles: list[Sample] = []
-    for sample in samples:
-        if sample.group is not None:
-            groups.setdefault(sample.group, []).append(sample)
-        else:
-            singles.append(sample)
-    for members in list(groups.values()):
-        if len(members) == 1:
-            singles.extend(members)
-    kept: list[Sample] = []
-    counts = {
-        "zero_advantage_groups": 0,
-        "zero_advantage_samples": 0,
-        "grouped": 0,
-        "baseline": 0,
-        "bad_reward": 0,
-    }
-    for members in groups.values():
-        if len(members) < 2:
+    kept, outcomes, zero_groups = _assign(samples, baseline, normalize, eps)
+    return [samples[i] for i in kept], _advantage_counts(outcomes, zero_groups, range(len(samples)))
+
+
+Scored = tuple[str | None, str, float]  # (group, task, reward) of one sample
+
+
+def assign_advantages_for_rank(
+    per_rank: list[list[Scored]],
+    rank: int,
+    samples: list[Sample],
+    baseline: RunningBaseline,
+    normalize: bool = True,
+    eps: float = 1e-6,
+) -> tuple[list[Sample], dict[str, int]]:
+    """`assign_advantages` on the union of every rank's samples, in rank order; returns
+    this rank's kept samples (`samples`, whose entry `per_rank[rank]` is) and its counts.
+
+    The trained batch is that union, and DESIGN.md's learning rule has one running baseline
+    per task and one mean per group. Decided per rank, each rank's baseline followed only
+    the sessions its partitions carry: equal rewards of one task got different advantages
+    on different ranks, the first sample of a task was dropped once per rank, a group split
+    over ranks was normalised in pieces, and the checkpoint kept only rank 0's baselines
+    for every rank to resume from. Here every rank updates its baseline with the same
+    sequence, so all ranks hold rank 0's (checkpointed) state, and the result is what one
+    process would compute on the whole batch."""
+    if len(per_rank[rank]) != len(samples):
+        raise ValueError(f"rank {rank}: {len(samples)} samples but {len(per_rank[rank])} gathered")
+    union: list[Sample] = []
+    mine_start = 0
+    for r, part in enumerate(per_rank):
+        if r == rank:
+            mine_start = len(union)
+            union.extend(samples)
             continue
-        rewards = [m.reward for m in members]
-        if not all(usable(r) for r in rewards):
-            counts["bad_reward"] += len(members)
-            continue
-        mean = sum(rewards) / len(rewards)
-        std = math.sqrt(sum((r - mean) ** 2 for r in rewards) / len(rewards))
-        if std < eps:
-            counts["zero_advantage_groups"] += 1
-            counts["zero_advantage_samples"] += len(members)
-            continue
-        for member in members:
-            member.advantage = (member.reward - mean) / (std + eps if normalize else 1.0)
-            kept.append(member)
-            counts["grouped"] += 1
-    for sample in singles:
-        sample.advantage = baseline.advantage(sample.task, sample.reward)
-        if not math.isfinite(sample.advantage):  # NaN: the reward itself was unusable
-            counts["bad_reward"] += 1
-            continue
-        if abs(sample.advantage) < eps:
-            counts["zero_advantage_samples"] += 1
-            continue
-        kept.append(sample)
-        counts["baseline"] += 1
-    return kept, counts
+        for group, task, reward in part:  # stand-ins: only group, task and reward matter
+            union.append(Sample("", "", [], [], [], reward, group, task, "", None, 0))
+    mine = range(mine_start, mine_start + len(samples))
+    kept, outcomes, zero_groups = _assign(union, baseline, normalize, eps)
+    return [union[i] for i in kept if i in mine], _advantage_counts(outcomes, zero_groups, mine)
+
+
+def assign_advantages_across_ranks(
+    ctx: DistContext,
+    samples: list[Sample],
+    baseline: RunningBaseline,
+    normalize: bool = True,
+    eps: float = 1e-6,
+) -> tuple[list[Sample], dict[str, int]]:
+    """`assign_advantages_for_rank` after gathering every rank's (group, task, reward)
+    (collective: every rank calls it); the counts summed over ranks are the batch's."""
+    scored: list[Scored] = [(s.group, s.task, s.reward) for s in samples]
+    per_rank = all_gather_object(ctx, scored)
+    return assign_advantages_for_rank(per_rank, ctx.rank, samples, baseline, normalize, eps)
 
 
 def policy_loss(

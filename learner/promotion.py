@@ -6,6 +6,12 @@ the proxy's alias atomically (the proxy refuses a target some replica does not s
 unload superseded versions only after in-flight requests had time to drain; keep the last
 R adapter directories. With `promotion.canary.enabled`, a gated candidate first serves a
 share of training-enabled traffic and is promoted or rolled back on its live evidence.
+
+A flip (or canary end) whose reply is lost is judged by the proxy's status; when that
+cannot be read either, the outcome is unknown: nothing is unloaded or rolled back on a
+guess (`promotion_unresolved` is audited) and the status is asked again later. The
+deferred cleanup runs under the same lock as promotions, so it never acts on a version a
+promotion is loading, gating or flipping to.
 """
 
 from __future__ import annotations
@@ -45,6 +51,10 @@ ZERO_BASE = "olp-zero-base"
 CANARY_STATUS_ATTEMPTS = 3
 # `_watch_canary`'s decision when an operator promoted the canary's target themselves.
 OPERATOR_PROMOTED = "operator_promoted"
+# A promotion whose flip (or canary promote) failed and whose status query failed too may or
+# may not have happened: it is re-checked this many times, `max(drain_s, canary.poll_s)`
+# apart, before it is left as it stands (loaded, audited as unresolved).
+UNRESOLVED_CHECKS = 10
 
 
 class PromotionError(RuntimeError):
@@ -54,7 +64,8 @@ class PromotionError(RuntimeError):
 @dataclass
 class PromotionOutcome:
     version: str
-    decision: str  # promoted | rejected | skipped_frozen | failed
+    # promoted | rejected | skipped_frozen | failed | canary_rolled_back | unresolved
+    decision: str
     incumbent: str | None = None
     report: GateReport | None = None
     reason: str = ""
@@ -112,16 +123,19 @@ class ReplicaSet:
     def load(self, name: str, path: Path) -> None:
         """Load on every replica, then confirm with one listing per replica."""
         for url in self.base_urls:
-            resp = self._client.post(
-                f"{url}/v1/load_lora_adapter", json={"lora_name": name, "lora_path": str(path)}
-            )
-            # A versioned name is never reloaded (same name, same weights): vLLM answers 400
-            # "already been loaded", which the listing below confirms.
-            if resp.status_code != 200 and "already" not in resp.text:
-                raise PromotionError(f"{url} refused to load {name}: {resp.text}")
+            self.load_on(url, name, path)
         missing = [url for url in self.base_urls if name not in self.served(url)]
         if missing:
             raise PromotionError(f"{name} not listed by {', '.join(missing)} after loading")
+
+    def load_on(self, url: str, name: str, path: Path) -> None:
+        resp = self._client.post(
+            f"{url}/v1/load_lora_adapter", json={"lora_name": name, "lora_path": str(path)}
+        )
+        # A versioned name is never reloaded (same name, same weights): vLLM answers 400
+        # "already been loaded", which a listing confirms.
+        if resp.status_code != 200 and "already" not in resp.text:
+            raise PromotionError(f"{url} refused to load {name}: {resp.text}")
 
     def unload(self, name: str) -> None:
         for url in self.base_urls:
@@ -139,6 +153,16 @@ class ReplicaSet:
 
     def close(self) -> None:
         self._client.close()
+
+
+def routed_targets(status: dict[str, Any]) -> set[str]:
+    """Every target the proxy (`/admin/status`) may send a request to: alias targets and
+    canary targets."""
+    routed = {str(target) for target in (status.get("aliases") or {}).values()}
+    for running in (status.get("canaries") or {}).values():
+        if running and running.get("target"):
+            routed.add(str(running["target"]))
+    return routed
 
 
 def version_number(name: str) -> int:
@@ -189,6 +213,7 @@ class Promoter:
         # Fed by the learner's scored batches (`Learner(on_rewarded=...)`).
         self.canary_monitor = CanaryMonitor()
         self._closing = threading.Event()
+        self._timers: set[threading.Timer] = set()  # cleanups and re-checks not yet run
 
     # ------------------------------------------------------------------ async use
     def submit(self, version_dir: Path) -> None:
@@ -229,6 +254,8 @@ class Promoter:
         if self._worker is not None:
             self._queue.put(None)
             self._worker.join(timeout=timeout_s)
+        for timer in list(self._timers):  # they would run against closed clients
+            timer.cancel()
         self.replicas.close()
         self.proxy.close()
 
@@ -307,7 +334,10 @@ class Promoter:
         try:
             self.proxy.set_alias(self.config.alias, name)
         except Exception as exc:
-            if not self._alias_points_at(name):  # refused (frozen meanwhile), or failed
+            after = self._status_retrying(name)
+            if after is None:  # it may have flipped: the candidate may be serving
+                return self._unresolved(name, incumbent, report, exc, timings, "flip")
+            if self._alias_target(after) != name:  # refused (frozen meanwhile), or failed
                 return self._flip_failed(name, incumbent, report, exc, timings)
             log.warning("flip_reply_lost", version=name, error=repr(exc))  # it did flip
         timings["flip_s"] = time.monotonic() - started
@@ -332,14 +362,141 @@ class Promoter:
             log.exception("unload_failed", version=name)
             payload["cleanup_failed"] = [f"unload: {exc!r}"]
 
-    def _alias_points_at(self, name: str) -> bool:
-        """Whether the alias serves `name` now (unknown: no, so a candidate is not left
-        loaded on a guess; a lost flip reply is the rare case, a refusal the usual one)."""
+    def _status_retrying(self, name: str) -> dict[str, Any] | None:
+        """The proxy's status, asked up to CANARY_STATUS_ATTEMPTS times one canary poll
+        apart; None when it never answered (or the promoter is closing)."""
+        for attempt in range(1, CANARY_STATUS_ATTEMPTS + 1):
+            try:
+                return self.proxy.status()
+            except Exception as exc:
+                log.warning("status_failed", version=name, attempt=attempt, error=repr(exc))
+                if attempt == CANARY_STATUS_ATTEMPTS or self._closing.wait(
+                    self.config.canary.poll_s
+                ):
+                    return None
+        return None
+
+    def _alias_target(self, status: dict[str, Any]) -> str | None:
+        return (status.get("aliases") or {}).get(self.config.alias)
+
+    def _canary_target(self, status: dict[str, Any]) -> str | None:
+        running = (status.get("canaries") or {}).get(self.config.alias)
+        return running.get("target") if running else None
+
+    def _unresolved(
+        self,
+        name: str,
+        incumbent: str,
+        report: GateReport,
+        exc: Exception,
+        timings: dict[str, float],
+        stage: str,
+    ) -> PromotionOutcome:
+        """The flip (or the canary's promote) failed and the proxy does not say whether it
+        happened. The alias may serve `name` now, so nothing is unloaded or rolled back on a
+        guess: the state is left as it stands, audited as such, and re-checked later."""
+        reason = (
+            f"{stage} failed ({exc!r}) and the proxy's status could not be read: the alias "
+            f"{self.config.alias!r} may serve {name} or still {incumbent}; {name} stays "
+            "loaded and is re-checked"
+        )
+        log.error(
+            "promotion_unresolved", version=name, previous=incumbent, stage=stage, error=repr(exc)
+        )
+        self.audit.append(
+            ACTOR,
+            "promotion_unresolved",
+            {
+                "version": name,
+                "previous": incumbent,
+                "stage": stage,
+                "error": str(exc),
+                "action": "left loaded, nothing rolled back; re-checked later",
+            },
+        )
+        self._schedule(self._recheck_interval(), self._resolve, name, incumbent, stage, 1)
+        return PromotionOutcome(name, "unresolved", incumbent, report, reason, timings)
+
+    def _recheck_interval(self) -> float:
+        return max(self.config.drain_s, self.config.canary.poll_s)
+
+    def _resolve(self, name: str, incumbent: str, stage: str, check: int) -> None:
+        """Settle an unresolved promotion once the proxy answers (under the promotion lock,
+        so no other promotion moves the alias while it is read and acted on)."""
         try:
-            return self.proxy.status()["aliases"].get(self.config.alias) == name
+            with self._lock:
+                outcome = self._resolve_locked(name, incumbent, stage, check)
         except Exception:
-            log.exception("status_failed_after_flip", version=name)
-            return False
+            log.exception("promotion_resolve_failed", version=name)
+            return
+        if outcome is not None:
+            self.outcomes.append(outcome)
+
+    def _resolve_locked(
+        self, name: str, incumbent: str, stage: str, check: int
+    ) -> PromotionOutcome | None:
+        try:
+            status: dict[str, Any] | None = self.proxy.status()
+        except Exception as exc:
+            log.warning("promotion_still_unresolved", version=name, check=check, error=repr(exc))
+            status = None
+        if status is None:
+            if check < UNRESOLVED_CHECKS and not self._closing.is_set():
+                self._schedule(
+                    self._recheck_interval(), self._resolve, name, incumbent, stage, check + 1
+                )
+                return None
+            self.audit.append(
+                ACTOR,
+                "promotion_unresolved",
+                {
+                    "version": name,
+                    "previous": incumbent,
+                    "stage": stage,
+                    "checks": check,
+                    "action": "gave up re-checking; left loaded as it stands (an operator "
+                    "decides: olp status, olp rollback)",
+                },
+            )
+            log.error("promotion_unresolved_given_up", version=name, checks=check)
+            return None
+        serving = self._alias_target(status)
+        if serving == name:
+            # stage canary_rollback: the learner rolled back, so an operator promoted it.
+            event = "canary_promoted_by_operator" if stage == "canary_rollback" else "promotion"
+            self.audit.append(
+                ACTOR,
+                event,
+                {"version": name, "previous": incumbent, "via": stage, "resolved_late": True},
+            )
+            log.info("promotion_resolved", version=name, previous=incumbent, promoted=True)
+            self._schedule_cleanup(name)
+            return PromotionOutcome(name, "promoted", incumbent, reason="confirmed late")
+        if (
+            serving is not None
+            and serving.startswith("policy-v")
+            and (version_number(serving) > version_number(name))
+        ):
+            # A newer version took over meanwhile: its cleanup unloads `name` if unrouted.
+            self.audit.append(
+                ACTOR,
+                "promotion_superseded",
+                {"version": name, "serving": serving, "stage": stage},
+            )
+            return None
+        reason = f"re-checked after {stage}: the alias serves {serving}, not {name}"
+        payload: dict[str, Any] = {"version": name, "stage": stage, "error": reason}
+        if stage in ("canary_promote", "canary_rollback"):
+            ours = self._canary_target(status) == name
+            self._abandon_canary(name, incumbent, reason, end=ours, recheck=False)
+            return PromotionOutcome(name, "canary_rolled_back", incumbent, reason=reason)
+        if name in self._routed(status):  # an operator's canary sends traffic to it
+            payload["left_loaded"] = "routed by the proxy"
+        else:
+            self._unload_noting(name, payload)
+        self.audit.append(ACTOR, "promotion_failed", payload)
+        log.warning("promotion_resolved", version=name, promoted=False, serving=serving)
+        return PromotionOutcome(name, "failed", incumbent, reason=reason)
 
     def _flip_failed(
         self,
@@ -429,9 +586,13 @@ class Promoter:
             except Exception as exc:
                 # Refused (serving froze meanwhile) or lost: as with a flip, the alias tells.
                 # Raising here left the canary running on a candidate nobody would unload.
-                if not self._alias_points_at(name):
+                after = self._status_retrying(name)
+                if after is None:  # it may have promoted: never unload a serving candidate
+                    return self._unresolved(name, incumbent, report, exc, timings, "canary_promote")
+                if self._alias_target(after) != name:
                     reason = f"canary promote failed: {exc!r}"
-                    self._abandon_canary(name, incumbent, reason, end=self._canary_is_ours(name))
+                    ours = self._canary_target(after) == name
+                    self._abandon_canary(name, incumbent, reason, end=ours)
                     return PromotionOutcome(
                         name, "canary_rolled_back", incumbent, report, reason, timings
                     )
@@ -444,7 +605,7 @@ class Promoter:
             log.info("canary_promoted", version=name, previous=incumbent, reasons=reasons)
             self._schedule_cleanup(name)
             return PromotionOutcome(name, "promoted", incumbent, report, timings=timings)
-        failed = self._end_canary_rollback(name, reason)
+        failed = self._end_canary_rollback(name, incumbent, reason)
         if failed:  # the proxy may not have recorded the rollback itself
             self.audit.append(
                 ACTOR,
@@ -504,27 +665,60 @@ class Promoter:
             return True
         return bool(running) and running.get("target") == name
 
-    def _abandon_canary(self, name: str, incumbent: str, reason: str, end: bool = True) -> None:
+    def _abandon_canary(
+        self, name: str, incumbent: str, reason: str, end: bool = True, recheck: bool = True
+    ) -> None:
         """End a canary that has no decision: rollback at the proxy (`end`: only when the
         running canary is ours), unload, audit."""
         payload: dict[str, Any] = {"version": name, "stable": incumbent, "reason": reason}
-        failed = self._end_canary_rollback(name, reason, end=end)
+        failed = self._end_canary_rollback(name, incumbent, reason, end=end, recheck=recheck)
         if failed:
             payload["cleanup_failed"] = failed
         self.audit.append(ACTOR, "canary_rolled_back", payload)
         log.warning("canary_rolled_back", version=name, stable=incumbent, reason=reason)
 
-    def _end_canary_rollback(self, name: str, reason: str, end: bool = True) -> list[str]:
+    def _end_canary_rollback(
+        self, name: str, incumbent: str, reason: str, end: bool = True, recheck: bool = True
+    ) -> list[str]:
         """End the canary with a rollback (unless `end` is false) and unload the candidate;
         each step runs even if the other fails, and a failure is logged and returned (for
-        the audit)."""
+        the audit).
+
+        When ending failed, the proxy's status decides the unload: an alias that serves the
+        candidate (an operator promoted it meanwhile) keeps it loaded, and so does a status
+        that cannot be read (the same may have happened): then it is re-checked later
+        (`recheck`) like an unresolved promotion."""
         failed: list[str] = []
+        ended = True
         try:
             if end:
                 self.proxy.end_canary(self.config.alias, "rollback", reason)
         except Exception as exc:
             log.exception("canary_end_failed", version=name, alias=self.config.alias)
             failed.append(f"end_canary: {exc!r}")
+            ended = False
+        if not ended:
+            status = self._status_retrying(name)
+            if status is None or self._alias_target(status) == name:
+                why = (
+                    "the proxy's status could not be read (an operator may have promoted it)"
+                    if status is None
+                    else "the alias serves it (an operator promoted it)"
+                )
+                failed.append(f"unload: skipped, {why}; left loaded")
+                log.warning("canary_candidate_left_loaded", version=name, reason=why)
+                if status is not None:
+                    self._schedule_cleanup(name)
+                elif recheck:
+                    self._schedule(
+                        self._recheck_interval(),
+                        self._resolve,
+                        name,
+                        incumbent,
+                        "canary_rollback",
+                        1,
+                    )
+                return failed
         try:
             self.replicas.unload(name)
         except Exception as exc:
@@ -562,26 +756,50 @@ class Promoter:
         tmp.write_text(json.dumps(report.to_dict(), indent=2, default=str))
         os.replace(tmp, out)
 
-    def _schedule_cleanup(self, serving: str) -> None:
-        timer = threading.Timer(self.config.drain_s, self._cleanup, args=(serving,))
+    def _schedule(self, delay_s: float, func: Callable[..., None], *args: Any) -> None:
+        def run() -> None:
+            self._timers.discard(timer)
+            func(*args)
+
+        timer = threading.Timer(delay_s, run)
         timer.daemon = True
+        self._timers.add(timer)
         timer.start()
 
+    def _schedule_cleanup(self, serving: str) -> None:
+        self._schedule(self.config.drain_s, self._cleanup, serving)
+
     def _cleanup(self, serving: str) -> None:
-        """Unload versions nobody is routed to any more; prune old directories."""
+        """Unload versions nobody is routed to any more; prune old directories.
+
+        Runs under the promotion lock: a promotion loads its candidate, gates it and flips
+        the alias under it, and a cleanup interleaved with that unloaded (or pruned the
+        directory of) the candidate it had just loaded and was about to serve."""
         try:
-            status = self.proxy.status()
-            routed = set(status["aliases"].values())
-            keep = sorted(
-                {n for n in self.replicas.loaded_versions()} | {serving}, key=version_number
-            )[-self.config.keep_loaded :]
-            for name in self.replicas.loaded_versions():
-                if name not in keep and name not in routed:
-                    self.replicas.unload(name)
-                    log.info("adapter_unloaded", name=name)
-            self._prune_dirs(routed | set(keep))
+            with self._lock:
+                self._cleanup_locked(serving)
         except Exception:
             log.exception("adapter_cleanup_failed", serving=serving)
+
+    def _routed(self, status: dict[str, Any]) -> set[str]:
+        return routed_targets(status)
+
+    def _cleanup_locked(self, serving: str) -> None:
+        # One listing, then the status: a version routed by the time the status is read is
+        # protected, and one loaded after the listing is not considered at all.
+        loaded = self.replicas.loaded_versions()
+        routed = self._routed(self.proxy.status())
+        keep = set(sorted(loaded | {serving}, key=version_number)[-self.config.keep_loaded :])
+        unloaded: set[str] = set()
+        for name in sorted(loaded - keep - routed, key=version_number):
+            # An operator's rollback goes through the proxy, not this lock: ask again just
+            # before each unload so a version it routes to meanwhile stays loaded.
+            if name in self._routed(self.proxy.status()):
+                continue
+            self.replicas.unload(name)
+            unloaded.add(name)
+            log.info("adapter_unloaded", name=name)
+        self._prune_dirs(routed | keep | (loaded - unloaded))
 
     def _prune_dirs(self, protected: set[str]) -> None:
         root = self.state_dir / "adapters"

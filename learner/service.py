@@ -38,7 +38,7 @@ from learner.distributed import (
 from learner.objective import (
     RunningBaseline,
     apply_share_caps_across_ranks,
-    assign_advantages,
+    assign_advantages_across_ranks,
     drop_stale,
     samples_from_rewarded,
 )
@@ -134,6 +134,9 @@ class Learner:
         self.version = 0
         self.offsets: Offsets | None = None
         self.version_meta: dict[str, Any] | None = None  # olp_meta of `version`, if trained
+        # Set when start-up reset the optimizer (`ResumePlan.optimizer_reason`); recorded in
+        # the next published version's metadata, then cleared.
+        self.optimizer_reset: dict[str, Any] | None = None
         self._resume()
         self.consumer = consumer_factory(self.offsets, self.ctx.rank, self.ctx.world)
 
@@ -142,6 +145,7 @@ class Learner:
         checkpoint = self.checkpoints.load() if self.ctx.is_main else None
         if self.ctx.is_main:
             self.store.cleanup_temporary()
+            self.checkpoints.cleanup_temporary()
             plan = resume_plan(checkpoint, self.store)
             if self.served_versions is not None:
                 floor = raise_version_floor(
@@ -162,6 +166,22 @@ class Learner:
         self.version = plan.version
         self.version_floor = plan.version_floor
         self.offsets = plan.offsets
+        # The weights first: one of another LoRA shape (changed lora_rank / target_modules)
+        # stops start-up with a message naming those settings, before the optimizer's own
+        # "parameter group" error could.
+        if plan.weights_from == "checkpoint":
+            assert checkpoint is not None
+            self.trainer.load_adapter_state(
+                checkpoint.adapter_state, f"checkpoint {self.checkpoints.path}"
+            )
+        elif plan.weights_from == "adapter":
+            path = self.store.path(plan.version)
+            weights = None
+            if self.ctx.is_main:
+                from safetensors.torch import load_file
+
+                weights = load_file(str(path / "adapter_model.safetensors"))
+            self.trainer.load_adapter_state(broadcast_object(self.ctx, weights), str(path))
         if checkpoint is not None:
             self.version_meta = checkpoint.meta
             self.step_count = checkpoint.step
@@ -170,19 +190,19 @@ class Learner:
             if plan.keep_optimizer:
                 self.trainer.optimizer.load_state_dict(checkpoint.optimizer)
                 self.trainer.scheduler.load_state_dict(checkpoint.scheduler)
-        if plan.weights_from == "checkpoint":
-            assert checkpoint is not None
-            self.trainer.load_adapter_state(checkpoint.adapter_state)
-        elif plan.weights_from == "adapter":
-            state = self.store.path(plan.version) if self.ctx.is_main else None
-            weights = None
-            if state is not None:
-                from safetensors.torch import load_file
-
-                weights = load_file(str(state / "adapter_model.safetensors"))
-            self.trainer.load_adapter_state(broadcast_object(self.ctx, weights))
-            if self.ctx.is_main:
-                self._save_checkpoint(meta=self.store.read_meta(plan.version))
+        if plan.step is not None:
+            self.step_count = plan.step
+        if plan.optimizer_reason:
+            # The moments kept would belong to other weights: the optimizer and the
+            # scheduler (its warm-up too) start fresh, and the next version says so.
+            self.optimizer_reset = {"at_version": plan.version, "reason": plan.optimizer_reason}
+            log.warning(
+                "learner_optimizer_reset", version=plan.version, reason=plan.optimizer_reason
+            )
+        elif checkpoint is not None:
+            log.info("learner_optimizer_restored", version=plan.version)
+        if plan.weights_from == "adapter" and self.ctx.is_main:
+            self._save_checkpoint(meta=self.store.read_meta(plan.version))
         if self.ctx.is_main:
             if plan.republish:
                 assert checkpoint is not None
@@ -264,8 +284,9 @@ class Learner:
         )
         # Collective: the trained batch is the union over ranks, so is the cap.
         samples, capped = apply_share_caps_across_ranks(self.ctx, samples, self.caps)
-        samples, adv_counts = assign_advantages(
-            samples, self.baseline, self.config.normalize_advantages
+        # Collective too: one baseline per task and one mean per group over the whole batch.
+        samples, adv_counts = assign_advantages_across_ranks(
+            self.ctx, samples, self.baseline, self.config.normalize_advantages
         )
         local = Counter(
             {
@@ -292,6 +313,13 @@ class Learner:
         if trained > 0:
             metrics = self.trainer.step(samples, self.version)
             self.fault_hook("after_step")
+            if metrics["skipped_updates"] >= self.config.updates_per_batch:
+                # No update applied (non-finite gradients): the weights are the parent's, so
+                # no new version; the batch is consumed and counted, not retried for ever.
+                log.error("learner_batch_not_trained", samples=trained, reason="nonfinite_gradient")
+                batch_counts["nonfinite_gradient"] += trained
+                metrics = None
+        if metrics is not None:
             self.step_count += 1
             parent = self.version
             # Above the floor: never a name another lineage left loaded in vLLM.
@@ -315,11 +343,15 @@ class Learner:
                     "gate": None,
                     "created_at": time.time(),
                     "version_floor": self.version_floor,
+                    "step": self.step_count,
                 }
+                if self.optimizer_reset is not None:
+                    meta["optimizer_reset"] = self.optimizer_reset
             self._save_checkpoint(meta)
             self.fault_hook("after_checkpoint")
             if meta is not None:
                 self._publish(self.version, meta)
+                self.optimizer_reset = None
                 self.fault_hook("after_publish")
                 self._announce(self.version)
         barrier(self.ctx)
@@ -356,6 +388,9 @@ class Learner:
             config_hash=self.config.config_hash(),
             meta=meta,
             version_floor=self.version_floor,
+            # Loaded only when it matched the weights (else fresh since start-up), and
+            # stepped with them since: the optimizer state is always that of `version`.
+            optimizer_version=self.version,
         )
         self.checkpoints.save(checkpoint)
 

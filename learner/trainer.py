@@ -17,7 +17,7 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
 from learner.config import LearnerConfig
-from learner.distributed import DistContext, all_reduce_sum
+from learner.distributed import DistContext, all_reduce_max, all_reduce_sum
 from learner.objective import Sample, policy_loss
 
 log = structlog.get_logger(__name__)
@@ -137,6 +137,10 @@ def store_frozen_linears_bf16(model: torch.nn.Module) -> None:
             )
 
 
+class AdapterMismatch(ValueError):
+    """Adapter weights (a checkpoint's, a stored version's) of another LoRA shape."""
+
+
 class Trainer:
     """Owns the PEFT model, the optimizer and the scheduler; one `step` per batch."""
 
@@ -177,14 +181,44 @@ class Trainer:
             k: v.detach().cpu().clone() for k, v in get_peft_model_state_dict(self.model).items()
         }
 
-    def load_adapter_state(self, state: dict[str, torch.Tensor]) -> None:
-        result = set_peft_model_state_dict(self.model, state)
-        unexpected = getattr(result, "unexpected_keys", [])
+    def check_adapter_state(self, state: dict[str, torch.Tensor], source: str) -> None:
+        """Raise AdapterMismatch, naming the settings, when `state` (from `source`) does not
+        fit this model's LoRA: PEFT loads non-strictly, so a changed `target_modules` left
+        the new modules untrained without a word, and a changed `lora_rank` failed with a
+        bare size mismatch (or, first, the optimizer's "parameter group" error)."""
+        ours = {k: tuple(v.shape) for k, v in get_peft_model_state_dict(self.model).items()}
+        theirs = {k: tuple(v.shape) for k, v in state.items()}
+        missing = sorted(ours.keys() - theirs.keys())
+        unexpected = sorted(theirs.keys() - ours.keys())
+        resized = sorted(k for k in ours.keys() & theirs.keys() if ours[k] != theirs[k])
+        if not (missing or unexpected or resized):
+            return
+        problems = []
+        if resized:
+            key = resized[0]
+            problems.append(
+                f"{len(resized)} tensors of another shape (e.g. {key}: {list(theirs[key])} "
+                f"there, {list(ours[key])} here)"
+            )
+        if missing:
+            problems.append(f"{len(missing)} tensors missing (e.g. {missing[0]})")
         if unexpected:
-            raise ValueError(f"adapter state has unexpected keys: {unexpected[:3]}")
+            problems.append(f"{len(unexpected)} unexpected tensors (e.g. {unexpected[0]})")
+        raise AdapterMismatch(
+            f"{source} does not fit the configured LoRA adapter (learner.lora_rank="
+            f"{self.config.lora_rank}, learner.target_modules={list(self.config.target_modules)}"
+            f"): {'; '.join(problems)}. It was trained with other LoRA settings: set them "
+            "back, or start from an empty state_dir"
+        )
+
+    def load_adapter_state(
+        self, state: dict[str, torch.Tensor], source: str = "the adapter state"
+    ) -> None:
+        self.check_adapter_state(state, source)
+        set_peft_model_state_dict(self.model, state)
 
     def load_adapter_dir(self, path: Path) -> None:
-        self.load_adapter_state(load_file(str(path / "adapter_model.safetensors")))
+        self.load_adapter_state(load_file(str(path / "adapter_model.safetensors")), str(path))
 
     def save_adapter_files(self, path: Path) -> None:
         self.model.save_pretrained(str(path))
@@ -199,7 +233,8 @@ class Trainer:
         """Run `updates_per_batch` optimizer steps on this rank's samples (may be empty).
 
         Every rank must call it (the gradient all-reduce is collective). Returns metrics
-        summed over ranks: loss parts, ratio, clipped fraction, KL, rewards, tokens.
+        summed over ranks: loss parts, ratio, clipped fraction, KL, rewards, tokens, and
+        `skipped_updates` (updates whose gradient was not finite: no optimizer step).
         """
         cfg = self.config
         if cfg.num_threads is not None:
@@ -229,13 +264,28 @@ class Trainer:
         onpolicy = torch.zeros(5, dtype=torch.float64)  # tokens, Σratio, Σratio², Σ|Δ|, max|Δ|
         grad_norm = 0.0
         loss_total = 0.0
+        skipped = 0
+        reported = started
         for update in range(cfg.updates_per_batch):
             self.optimizer.zero_grad(set_to_none=False)
             for p in self.params:
                 if p.grad is None:
                     p.grad = torch.zeros_like(p)
             sums = torch.zeros(len(keys) + 1, dtype=torch.float64)
-            for batch, ref in zip(batches, references, strict=True):
+            for index, (batch, ref) in enumerate(zip(batches, references, strict=True)):
+                now = time.perf_counter()
+                if self.ctx.is_main and now - reported >= cfg.progress_interval_s:
+                    # A step over a large batch runs for minutes on a CPU: say where it is.
+                    reported = now
+                    log.info(
+                        "learner_step_progress",
+                        update=update + 1,
+                        updates=cfg.updates_per_batch,
+                        micro_batch=index + 1,
+                        micro_batches=len(batches),
+                        tokens=int(global_tokens),
+                        elapsed_s=round(now - started, 1),
+                    )
                 with self._autocast():
                     logp = token_logprobs(self.model, batch)
                 loss, stats = policy_loss(
@@ -273,17 +323,26 @@ class Trainer:
                     offset += n
             all_reduce_sum(self.ctx, sums)
             if cfg.grad_clip is not None:
-                grad_norm = float(torch.nn.utils.clip_grad_norm_(self.params, cfg.grad_clip))
+                norm = float(torch.nn.utils.clip_grad_norm_(self.params, cfg.grad_clip))
             else:
-                grad_norm = float(torch.norm(torch.stack([p.grad.norm() for p in self.params])))
-            if not math.isfinite(grad_norm):
-                raise FloatingPointError(f"non-finite gradient norm {grad_norm}")
-            self.optimizer.step()
-            self.scheduler.step()
+                norm = float(torch.norm(torch.stack([p.grad.norm() for p in self.params])))
             loss_total = float(sums[-1])
             if update == 0:
                 first = dict(zip(keys, sums[: len(keys)].tolist(), strict=True))
+            if not math.isfinite(norm):
+                # Raising here stopped the learner before its checkpoint, so a restart read
+                # the same batch and raised again, for ever. The norm is of the summed
+                # gradient, the same on every rank, so every rank skips this update alike;
+                # the optimizer's moments never see the non-finite values.
+                skipped += 1
+                log.error("learner_nonfinite_gradient", update=update + 1, grad_norm=norm)
+                self.optimizer.zero_grad(set_to_none=False)
+                continue
+            grad_norm = norm  # of the last applied update (metadata stays valid JSON)
+            self.optimizer.step()
+            self.scheduler.step()
         all_reduce_sum(self.ctx, onpolicy[:4])
+        all_reduce_max(self.ctx, onpolicy[4:])  # the largest |Δ| over every rank, not rank 0's
         rewards = torch.tensor(
             [sum(s.reward for s in samples), sum(s.reward**2 for s in samples)],
             dtype=torch.float64,
@@ -318,6 +377,7 @@ class Trainer:
             if on_tokens
             else float("nan"),
             "onpolicy_max_abs_logprob_diff": float(onpolicy[4]),
+            "skipped_updates": float(skipped),  # non-finite gradient: no optimizer step
             "seconds": elapsed,
             "tokens_per_s": global_tokens * cfg.updates_per_batch / elapsed if elapsed else 0.0,
         }

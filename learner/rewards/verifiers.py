@@ -203,7 +203,12 @@ class VerifierRunner:
     """
 
     def __init__(self, specs: list[VerifierSpec]) -> None:
-        self._verifiers = [(spec, load_verifier(spec.path)) for spec in specs]
+        self._verifiers: list[tuple[VerifierSpec, Verifier]] = []
+        for index, spec in enumerate(specs):
+            try:
+                self._verifiers.append((spec, load_verifier(spec.path)))
+            except ValueError as exc:  # name the config key, not only the import path
+                raise ValueError(f"learner.rewards.verifiers[{index}].path: {exc}") from exc
         self._stuck: list[threading.Thread] = []  # timed-out calls, still running
         self.timeouts = 0
         self.errors = 0

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -17,7 +18,13 @@ from safetensors.torch import load_file
 from deploy.ports import free_port
 from learner.adapter_store import AdapterStore
 from learner.distributed import DistContext
-from learner.objective import Sample, apply_share_caps_across_ranks
+from learner.objective import (
+    RunningBaseline,
+    Sample,
+    apply_share_caps_across_ranks,
+    assign_advantages,
+    assign_advantages_across_ranks,
+)
 from safety.config import CapsConfig
 
 HERE = Path(__file__).parent
@@ -109,3 +116,51 @@ def test_share_caps_apply_to_the_union_of_the_ranks(tmp_path: Path) -> None:
     # (32) A may keep at most half of what is kept.
     assert (tmp_path / "rank0.txt").read_text() == "8 16"
     assert (tmp_path / "rank1.txt").read_text() == "8 0"
+
+
+def _scored(i: int, reward: float, group: str | None = None) -> Sample:
+    return Sample(f"t{i}:0", f"e{i}", [1], [2], [-1.0], reward, group, "x", "A", None, 0)
+
+
+def _rank_samples(rank: int) -> list[Sample]:
+    """Task x's sessions on both ranks, group g's replies split over them."""
+    if rank == 0:
+        return [_scored(0, 1.0), _scored(1, 0.0), _scored(2, 1.0, "g"), _scored(3, 1.0, "g")]
+    return [_scored(10, 0.0), _scored(11, 1.0), _scored(12, 0.0, "g")]
+
+
+def _advantage_rank(rank: int, world: int, port: int, out: str) -> None:
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world
+    )
+    try:
+        baseline = RunningBaseline(decay=0.5)
+        kept, counts = assign_advantages_across_ranks(
+            DistContext(rank, world), _rank_samples(rank), baseline
+        )
+        result = {
+            "baseline": baseline.values,
+            "advantages": {s.key: s.advantage for s in kept},
+            "counts": counts,
+        }
+        Path(out, f"rank{rank}.json").write_text(json.dumps(result))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_advantages_use_one_baseline_over_the_ranks(tmp_path: Path) -> None:
+    """Each rank kept its own running baseline (and group means) over its own partitions:
+    the ranks' baselines diverged, and only rank 0's reached the checkpoint."""
+    mp.start_processes(
+        _advantage_rank, args=(2, free_port(), str(tmp_path)), nprocs=2, start_method="spawn"
+    )
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    whole = RunningBaseline(decay=0.5)
+    kept, counts = assign_advantages(_rank_samples(0) + _rank_samples(1), whole)
+    assert ranks[0]["baseline"] == ranks[1]["baseline"] == whole.values
+    assert {**ranks[0]["advantages"], **ranks[1]["advantages"]} == {
+        s.key: s.advantage for s in kept
+    }
+    assert set(ranks[0]["advantages"]) == {"t1:0", "t2:0", "t3:0"}  # t0 sets the baseline
+    summed = {k: ranks[0]["counts"][k] + ranks[1]["counts"][k] for k in counts}
+    assert summed == counts

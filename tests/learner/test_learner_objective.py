@@ -13,6 +13,7 @@ from learner.objective import (
     Sample,
     apply_share_caps,
     assign_advantages,
+    assign_advantages_for_rank,
     drop_stale,
     parse_version,
     policy_loss,
@@ -301,3 +302,44 @@ def test_non_finite_sampling_logprobs_drop_their_sample() -> None:
     samples, dropped = samples_from_rewarded(rewarded)
     assert [s.key for s in samples] == ["t:3"]
     assert dropped == {"bad_logprobs": 3}
+
+
+def _ranks() -> list[list[Sample]]:
+    """Task t's sessions on both ranks; group g's replies split over them."""
+    rank0 = [make_sample(i, reward=r) for i, r in enumerate([1.0, 0.0, 1.0])]
+    rank0 += [make_sample(3, group="g", reward=1.0), make_sample(4, group="g", reward=1.0)]
+    rank1 = [make_sample(10 + i, reward=r) for i, r in enumerate([0.0, 1.0])]
+    rank1 += [make_sample(13, group="g", reward=0.0)]
+    return [rank0, rank1]
+
+
+def test_advantages_are_decided_once_over_all_ranks() -> None:
+    """One running baseline per task and one mean per group over the trained batch (the
+    union of the ranks), as in one process: per rank, the two ranks' baselines drifted
+    apart, each dropped its own first sample of the task, and g was normalised in pieces."""
+    whole = RunningBaseline(decay=0.5)
+    union = [s for part in _ranks() for s in part]
+    kept_union, counts_union = assign_advantages(union, whole)
+    expected = {s.key: s.advantage for s in kept_union}
+    parts = _ranks()
+    per_rank = [[(s.group, s.task, s.reward) for s in part] for part in parts]
+    got: dict[str, float] = {}
+    totals: dict[str, int] = {}
+    for rank, part in enumerate(parts):
+        baseline = RunningBaseline(decay=0.5)
+        kept, counts = assign_advantages_for_rank(per_rank, rank, part, baseline)
+        assert baseline.values == whole.values  # every rank holds the checkpointed state
+        assert all(s in part for s in kept)  # each rank trains only its own samples
+        got.update({s.key: s.advantage for s in kept})
+        for key, value in counts.items():
+            totals[key] = totals.get(key, 0) + value
+    assert got == expected and totals == counts_union
+    # The group spans both ranks: its mean is 2/3, not 1 on rank 0 (a zero-advantage group
+    # there) and 0 alone on rank 1 (a group of one, sent to the baseline).
+    assert counts_union["grouped"] == 3 and counts_union["zero_advantage_groups"] == 0
+    assert got["t3:0"] == pytest.approx(got["t4:0"]) and got["t3:0"] > 0 > got["t13:0"]
+    # Per rank, as before: rank 1's baseline never saw rank 0's rewards.
+    separate = [RunningBaseline(decay=0.5), RunningBaseline(decay=0.5)]
+    for part, baseline in zip(_ranks(), separate, strict=True):
+        assign_advantages(part, baseline)
+    assert separate[0].values != separate[1].values

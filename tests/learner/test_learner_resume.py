@@ -142,13 +142,22 @@ def test_lost_checkpoint_rolls_forward_by_lineage(model_dir: Path, tmp_path: Pat
     resumed = learner(tmp_path, model_dir, announced)
     assert resumed.version == 2
     assert resumed.offsets == {"mem.trajectories": {0: 8}}
+    # The checkpoint's Adam moments were v1's: they are not applied to v2's weights.
+    assert resumed.trainer.optimizer.state_dict()["state"] == {}
+    assert resumed.step_count == 2  # v2's own step count, not the v1 checkpoint's
+    assert resumed.checkpoints.load().optimizer_version == 2  # type: ignore[union-attr]
     resumed.run(max_steps=1)
     store = AdapterStore(tmp_path)
     assert store.versions() == [1, 2, 3]
     ids = lineage_ids(store)
     assert sorted(ids) == sorted(ALL_IDS) and len(ids) == len(set(ids))
     meta = json.loads((store.path(3) / "olp_meta.json").read_text())
-    assert meta["parent_version"] == 2
+    assert meta["parent_version"] == 2 and meta["step"] == 3
+    assert meta["optimizer_reset"]["at_version"] == 2
+    assert "policy-v1" in meta["optimizer_reset"]["reason"]
+    # A restart from the checkpoint the roll-forward wrote keeps its (own) optimizer.
+    again = learner(tmp_path, model_dir, announced)
+    assert again.version == 3 and again.trainer.optimizer.state_dict()["state"]
 
 
 def test_unrelated_newer_adapter_is_refused(model_dir: Path, tmp_path: Path) -> None:
@@ -255,6 +264,37 @@ def test_a_newer_version_off_the_lineage_is_refused(tmp_path: Path) -> None:
     store = tiny_store(tmp_path / "c", {1: 0, 5: 4})
     with pytest.raises(RuntimeError, match="do not descend"):
         resume_plan(checkpoint_at(1, 0), store)
+
+
+def test_roll_forward_does_not_keep_an_older_optimizer(tmp_path: Path) -> None:
+    """The checkpoint (v1) is older than the store's newest version (v3): the resumed
+    weights are v3's, so v1's Adam moments and scheduler step no longer belong to them."""
+    store = tiny_store(tmp_path, {1: 0, 2: 1, 3: 2})
+    plan = resume_plan(checkpoint_at(1, 0), store)
+    assert (plan.version, plan.weights_from) == (3, "adapter")
+    assert plan.keep_optimizer is False
+    assert "policy-v3" in plan.optimizer_reason and "policy-v1" in plan.optimizer_reason
+
+
+def test_a_rolled_forward_checkpoint_keeps_its_optimizer_only_when_it_matches(
+    tmp_path: Path,
+) -> None:
+    store = tiny_store(tmp_path, {1: 0, 2: 1, 3: 2})
+    stored = {"parent_version": 2, "weights_sha256": store.read_meta(3)["weights_sha256"]}
+    # Written by a roll-forward before `optimizer_version` existed: v3's metadata beside the
+    # optimizer of the older checkpoint it replaced.
+    legacy = checkpoint_at(3, 2)
+    legacy.meta = dict(stored)
+    plan = resume_plan(legacy, store)
+    assert (plan.version, plan.weights_from) == (3, "checkpoint")
+    assert plan.keep_optimizer is False and "older adapter" in plan.optimizer_reason
+    # Written now: the optimizer is recorded as v3's (reset at the roll-forward, or trained).
+    current = checkpoint_at(3, 2)
+    current.meta, current.optimizer_version = dict(stored), 3
+    plan = resume_plan(current, store)
+    assert plan.keep_optimizer is True and plan.optimizer_reason == ""
+    # A trained checkpoint from before the field: its optimizer is its own.
+    assert resume_plan(checkpoint_at(3, 2), store).keep_optimizer is True
 
 
 def test_continue_verifies_the_stored_copy_of_the_checkpoint_version(tmp_path: Path) -> None:

@@ -192,6 +192,16 @@ def test_pluggable_verifier_timeout_and_error_give_no_value() -> None:
         load_verifier("no_colon")
 
 
+def test_a_bad_verifier_path_names_its_config_key() -> None:
+    """The learner's start-up error named the import path but not the config key."""
+    good = VerifierSpec(path="learner.rewards.verifiers:exact_match")
+    missing = VerifierSpec(path="learner.rewards.verifiers:no_such_verifier")
+    with pytest.raises(ValueError, match=r"learner\.rewards\.verifiers\[1\]\.path: cannot load"):
+        VerifierRunner([good, missing])
+    with pytest.raises(ValueError, match=r"verifiers\[0\]\.path: verifier path 'exact_match'"):
+        VerifierRunner([VerifierSpec(path="exact_match")])
+
+
 def nan_verifier(trajectory: dict[str, Any], choice: dict[str, Any], **params: Any) -> float:
     return float("nan")
 

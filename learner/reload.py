@@ -1,0 +1,119 @@
+"""Keeps every vLLM replica serving the versions the proxy routes to.
+
+A vLLM that restarts (a crash, a rescheduled pod) comes back serving only the base model.
+The proxy hands a request for an adapter that replica lacks to a replica that has it, or,
+with none left, relays vLLM's 404 for every request on the alias. The hot swap loaded each
+version once; this puts it back, from the same immutable directory, checked against the
+weights' recorded sha256, on each replica that lost it.
+
+Runs without the promotion lock, which a canary holds for its whole window: it only ever
+loads versions the proxy routes to, which no cleanup unloads, so the two cannot undo each
+other (a version un-routed meanwhile is loaded once more and unloaded by the next cleanup).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from pathlib import Path
+
+import httpx
+import structlog
+
+from learner.promotion import (
+    ACTOR,
+    PromotionError,
+    ReplicaSet,
+    verify_weights,
+    version_number,
+)
+from safety.audit import AuditLog
+
+log = structlog.get_logger(__name__)
+
+
+class AdapterReloader:
+    """`check()` once; `start(interval_s)` runs it on a thread until `close()`."""
+
+    def __init__(
+        self,
+        replicas: ReplicaSet,
+        routed: Callable[[], set[str]],
+        audit: AuditLog,
+        adapters_dir: Path,
+    ) -> None:
+        self.replicas = replicas
+        self.routed = routed
+        self.audit = audit
+        self.adapters_dir = Path(adapters_dir)
+        # (replica, version) whose reload failed: audited once, not on every check.
+        self._failing: dict[tuple[str, str], str] = {}
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def check(self) -> list[tuple[str, str]]:
+        """Load every routed version a reachable replica lacks; returns (replica, version)
+        for each one loaded again."""
+        try:
+            wanted = {name for name in self.routed() if name.startswith("policy-v")}
+        except (httpx.HTTPError, PromotionError, ValueError) as exc:
+            log.warning("adapter_reload_check_skipped", reason=f"proxy status: {exc}")
+            return []
+        reloaded: list[tuple[str, str]] = []
+        for url in self.replicas.base_urls:
+            if not wanted:
+                break
+            try:
+                served = self.replicas.served(url)
+            except (httpx.HTTPError, ValueError, KeyError, TypeError) as exc:
+                # Down or still starting: the next check finds it up.
+                log.info("adapter_reload_replica_unreachable", replica=url, error=str(exc))
+                continue
+            for name in sorted(wanted - served, key=version_number):
+                if self._reload(url, name):
+                    reloaded.append((url, name))
+        return reloaded
+
+    def _reload(self, url: str, name: str) -> bool:
+        path = self.adapters_dir / name
+        try:
+            if not path.is_dir():
+                raise PromotionError(f"{path} does not exist (pruned or never written here)")
+            verify_weights(path)
+            self.replicas.load_on(url, name, path)
+            if name not in self.replicas.served(url):
+                raise PromotionError(f"{name} not listed by {url} after loading")
+        except (PromotionError, OSError, ValueError, httpx.HTTPError) as exc:
+            error = f"{type(exc).__name__}: {exc}"
+            log.error("adapter_reload_failed", replica=url, version=name, error=error)
+            if self._failing.get((url, name)) != error:
+                self._failing[(url, name)] = error
+                self.audit.append(
+                    ACTOR,
+                    "adapter_reload_failed",
+                    {"version": name, "replica": url, "error": error},
+                )
+            return False
+        self._failing.pop((url, name), None)
+        log.warning("adapter_reloaded", replica=url, version=name)
+        self.audit.append(ACTOR, "adapter_reloaded", {"version": name, "replica": url})
+        return True
+
+    def start(self, interval_s: float) -> None:
+        if interval_s <= 0 or self._thread is not None:
+            return
+
+        def loop() -> None:
+            while not self._stop.wait(interval_s):
+                try:
+                    self.check()
+                except Exception:  # one bad check must not end the checks
+                    log.exception("adapter_reload_check_crashed")
+
+        self._thread = threading.Thread(target=loop, name="adapter-reload", daemon=True)
+        self._thread.start()
+
+    def close(self, timeout_s: float = 30.0) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout_s)

@@ -1,0 +1,388 @@
+"""The promoter against fakes of the proxy admin API and the replicas: the deferred cleanup
+runs under the promotion lock, and a promotion whose outcome is unknown unloads nothing."""
+
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from learner import promotion
+from learner.adapter_store import AdapterStore
+from learner.canary import CanaryVerdict
+from learner.config import CanaryConfig, PromotionConfig
+from learner.promotion import Promoter, PromotionError, PromotionOutcome
+from safety.config import GatesConfig
+from safety.gates.types import GateReport
+
+
+class Audit:
+    def __init__(self) -> None:
+        self.events: list[tuple[str, dict]] = []
+
+    def append(self, actor: str, event: str, payload: dict | None = None) -> None:
+        self.events.append((event, payload or {}))
+
+    def names(self) -> list[str]:
+        return [name for name, _ in self.events]
+
+
+class Replicas:
+    """vLLM replicas: what is loaded; `on_list` runs inside the next listing."""
+
+    def __init__(self, loaded: set[str]) -> None:
+        self.base_urls = ["http://replica"]
+        self.loaded = set(loaded)
+        self.unloaded: list[str] = []
+        self.on_list: list = []
+
+    def load(self, name: str, path: Path) -> None:
+        self.loaded.add(name)
+
+    def unload(self, name: str) -> None:
+        self.loaded.discard(name)
+        self.unloaded.append(name)
+
+    def loaded_versions(self) -> set[str]:
+        snapshot = {n for n in self.loaded if n.startswith("policy-v")}
+        while self.on_list:  # the listing was taken; something happens before it returns
+            self.on_list.pop(0)()
+        return snapshot
+
+    def close(self) -> None:
+        pass
+
+
+class Proxy:
+    """The admin API: one alias, an optional canary; `down`: every call raises."""
+
+    def __init__(self, alias: str = "base", canary: dict | None = None) -> None:
+        self.alias, self.canary = alias, canary
+        self.down = False
+        self.flipped = threading.Event()
+        self.ended: list[tuple[str, str]] = []
+
+    def status(self) -> dict:
+        if self.down:
+            raise httpx.ConnectError("proxy restarting")
+        canaries = {"policy": dict(self.canary)} if self.canary else {}
+        return {"aliases": {"policy": self.alias}, "frozen": False, "canaries": canaries}
+
+    def set_alias(self, alias: str, target: str) -> dict:
+        self.alias = target
+        self.flipped.set()
+        return {}
+
+    def start_canary(self, alias: str, target: str, share: float) -> dict:
+        self.canary = {"target": target, "share": share}
+        return self.canary
+
+    def end_canary(self, alias: str, decision: str, reason: str) -> dict:
+        if self.down:
+            raise httpx.ConnectError("proxy restarting")
+        self.ended.append((decision, reason))
+        self.canary = None
+        return {}
+
+    def close(self) -> None:
+        pass
+
+
+def publish(store: AdapterStore, tmp_path: Path, version: int) -> Path:
+    files = tmp_path / f"files-{version}"
+    files.mkdir()
+    (files / "adapter_model.safetensors").write_bytes(b"weights %d" % version)
+    return store.publish(version, files, {"parent_version": version - 1})
+
+
+def promoter(
+    tmp_path: Path, replicas: Replicas, proxy: Proxy, audit: Audit, **config: object
+) -> Promoter:
+    settings = {"drain_s": 3600.0, **config}  # cleanups are run by hand unless asked
+    return Promoter(
+        PromotionConfig.model_validate(settings),
+        GatesConfig(),
+        replicas=replicas,  # type: ignore[arg-type]
+        proxy=proxy,  # type: ignore[arg-type]
+        audit=audit,  # type: ignore[arg-type]
+        state_dir=tmp_path,
+        base_name="base",
+        gate_runner=lambda candidate, incumbent: GateReport(True, []),
+    )
+
+
+# -- the deferred cleanup ---------------------------------------------------------------------
+
+
+def test_cleanup_does_not_unload_a_candidate_promoted_while_it_ran(tmp_path: Path) -> None:
+    """The drain timer of v5's promotion fires while v6 is promoted. Without the promotion
+    lock the cleanup listed the loaded versions, the promotion loaded and flipped to v6, and
+    a second listing found v6 outside the `keep` set computed before it existed: the version
+    the alias had just been flipped to was unloaded."""
+    store = AdapterStore(tmp_path)
+    for version in (4, 5, 6):
+        publish(store, tmp_path, version)
+    replicas, proxy, audit = Replicas({"policy-v4", "policy-v5"}), Proxy("policy-v5"), Audit()
+    p = promoter(tmp_path, replicas, proxy, audit)
+    outcomes: list[PromotionOutcome] = []
+    worker = threading.Thread(target=lambda: outcomes.append(p.promote(store.path(6))))
+
+    def promote_meanwhile() -> None:
+        worker.start()
+        proxy.flipped.wait(1.0)  # with the lock held by the cleanup, it cannot flip yet
+
+    replicas.on_list.append(promote_meanwhile)
+    p._cleanup("policy-v5")
+    worker.join(10)
+    assert outcomes and outcomes[0].decision == "promoted"
+    assert proxy.alias == "policy-v6"
+    assert "policy-v6" in replicas.loaded, f"unloaded: {replicas.unloaded}"
+    assert store.path(6).is_dir()
+
+
+def test_cleanup_waits_for_a_running_promotion(tmp_path: Path) -> None:
+    store = AdapterStore(tmp_path)
+    publish(store, tmp_path, 1)
+    publish(store, tmp_path, 2)
+    replicas, proxy, audit = Replicas({"policy-v1"}), Proxy("policy-v1"), Audit()
+    gate_started, release = threading.Event(), threading.Event()
+
+    def slow_gate(candidate: str, incumbent: str) -> GateReport:
+        gate_started.set()
+        release.wait(10)
+        return GateReport(True, [])
+
+    p = promoter(tmp_path, replicas, proxy, audit)
+    p.gate_runner = slow_gate
+    worker = threading.Thread(target=p.promote, args=(store.path(2),))
+    worker.start()
+    assert gate_started.wait(10)
+    # keep_loaded=1: run now, the cleanup of v1's promotion would unload the candidate v2
+    # (loaded, not yet routed) out from under its gate.
+    p.config = p.config.model_copy(update={"keep_loaded": 1})
+    cleanup = threading.Thread(target=p._cleanup, args=("policy-v1",))
+    cleanup.start()
+    cleanup.join(0.3)
+    assert cleanup.is_alive()  # blocked on the promotion lock while the gate runs
+    assert replicas.unloaded == []
+    release.set()
+    worker.join(10)
+    cleanup.join(10)
+    assert not cleanup.is_alive() and proxy.alias == "policy-v2"
+    assert replicas.loaded == {"policy-v2"} and replicas.unloaded == ["policy-v1"]
+
+
+def test_cleanup_keeps_a_version_a_canary_routes_to(tmp_path: Path) -> None:
+    """A canary's target (an operator's, on an older version) is served to its share of
+    traffic: unloading it turned those requests into 404s."""
+    store = AdapterStore(tmp_path)
+    for version in (2, 3, 4):
+        publish(store, tmp_path, version)
+    replicas = Replicas({"policy-v2", "policy-v3", "policy-v4"})
+    proxy = Proxy("policy-v4", canary={"target": "policy-v2", "share": 0.2})
+    p = promoter(tmp_path, replicas, proxy, Audit(), keep_loaded=1, retain_dirs=1)
+    p._cleanup("policy-v4")
+    assert replicas.loaded == {"policy-v2", "policy-v4"} and replicas.unloaded == ["policy-v3"]
+    assert store.versions() == [2, 4]  # v3's directory pruned; the routed v2 kept
+
+
+def test_cleanup_keeps_a_version_routed_just_before_its_unload(tmp_path: Path) -> None:
+    """An operator's rollback goes through the proxy, not the promotion lock: the status is
+    asked again before each unload."""
+    store = AdapterStore(tmp_path)
+    for version in (1, 2, 3):
+        publish(store, tmp_path, version)
+    replicas, proxy = Replicas({"policy-v1", "policy-v2", "policy-v3"}), Proxy("policy-v3")
+    p = promoter(tmp_path, replicas, proxy, Audit(), keep_loaded=1)
+    original = proxy.status
+    calls = {"n": 0}
+
+    def status() -> dict:
+        calls["n"] += 1
+        if calls["n"] == 2:  # after the cleanup decided, before its first unload
+            proxy.alias = "policy-v1"
+        return original()
+
+    proxy.status = status  # type: ignore[method-assign]
+    p._cleanup("policy-v3")
+    assert "policy-v1" in replicas.loaded and replicas.unloaded == ["policy-v2"]
+
+
+# -- a promotion whose outcome is unknown -----------------------------------------------------
+
+
+class PromoteLostProxy(Proxy):
+    """end_canary(promote) / set_alias raise and the proxy stops answering; `goes_through`:
+    the proxy did promote before it went away."""
+
+    def __init__(self, goes_through: bool) -> None:
+        super().__init__("base")
+        self.goes_through = goes_through
+
+    def _lost(self, target: str) -> None:
+        if self.goes_through:
+            self.alias, self.canary = target, None
+        self.down = True
+        raise httpx.ReadTimeout("timed out")
+
+    def set_alias(self, alias: str, target: str) -> dict:
+        self._lost(target)
+        return {}
+
+    def end_canary(self, alias: str, decision: str, reason: str) -> dict:
+        if decision == "promote":
+            assert self.canary is not None
+            self._lost(self.canary["target"])
+        return super().end_canary(alias, decision, reason)
+
+
+def run_unknown(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, goes_through: bool, canary: bool
+) -> tuple[Promoter, PromotionOutcome, PromoteLostProxy, Replicas, Audit]:
+    verdict = CanaryVerdict("promote", ["no regression"], {}, {})
+    monkeypatch.setattr(promotion, "judge_canary", lambda *args: verdict)
+    monkeypatch.setattr(promotion, "UNRESOLVED_CHECKS", 10_000, raising=False)  # until it answers
+    store = AdapterStore(tmp_path)
+    path = publish(store, tmp_path, 1)
+    replicas, proxy, audit = Replicas(set()), PromoteLostProxy(goes_through), Audit()
+    canary_config = CanaryConfig(enabled=canary, poll_s=0.01, min_samples=1)
+    p = promoter(tmp_path, replicas, proxy, audit, drain_s=0.05, canary=canary_config)
+    return p, p.promote(path), proxy, replicas, audit
+
+
+@pytest.mark.parametrize("canary", [True, False], ids=["canary", "flip"])
+@pytest.mark.parametrize("goes_through", [True, False], ids=["promoted", "not_promoted"])
+def test_an_unknown_promotion_unloads_nothing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, goes_through: bool, canary: bool
+) -> None:
+    """Both the promote reply and the status queries after it failed. This was taken for a
+    refusal: the canary was ended with a rollback and the candidate unloaded; when the proxy
+    had in fact promoted, the alias then pointed at an adapter no replica served."""
+    p, outcome, proxy, replicas, audit = run_unknown(tmp_path, monkeypatch, goes_through, canary)
+    p.close()  # no re-check here: the state as the promotion left it
+    assert outcome.decision == "unresolved"
+    assert "may serve policy-v1" in outcome.reason
+    assert replicas.loaded == {"policy-v1"} and replicas.unloaded == []
+    assert proxy.ended == []  # no rollback sent on a guess
+    event, payload = audit.events[-1]
+    assert event == "promotion_unresolved"
+    assert payload["version"] == "policy-v1" and "left loaded" in payload["action"]
+    assert payload["stage"] == ("canary_promote" if canary else "flip")
+
+
+def wait_for(p: Promoter, count: int) -> list[PromotionOutcome]:
+    deadline = time.monotonic() + 10
+    while len(p.outcomes) < count and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return p.outcomes
+
+
+@pytest.mark.parametrize("canary", [True, False], ids=["canary", "flip"])
+def test_an_unknown_promotion_that_happened_is_confirmed_later(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, canary: bool
+) -> None:
+    p, outcome, proxy, replicas, audit = run_unknown(tmp_path, monkeypatch, True, canary)
+    assert outcome.decision == "unresolved"
+    time.sleep(0.2)  # re-checks while the proxy is still down leave everything as it is
+    assert replicas.loaded == {"policy-v1"} and len(p.outcomes) == 1
+    proxy.down = False
+    late = wait_for(p, 2)[-1]
+    p.close()
+    assert late.decision == "promoted" and replicas.loaded == {"policy-v1"}
+    _, payload = next(e for e in audit.events if e[0] == "promotion")
+    assert payload["resolved_late"] is True and payload["version"] == "policy-v1"
+
+
+@pytest.mark.parametrize("canary", [True, False], ids=["canary", "flip"])
+def test_an_unknown_promotion_that_did_not_happen_is_undone_later(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, canary: bool
+) -> None:
+    p, outcome, proxy, replicas, audit = run_unknown(tmp_path, monkeypatch, False, canary)
+    assert outcome.decision == "unresolved" and replicas.loaded == {"policy-v1"}
+    proxy.down = False
+    late = wait_for(p, 2)[-1]
+    p.close()
+    assert proxy.alias == "base" and not replicas.loaded
+    if canary:  # the canary still ran on it: ended with a rollback
+        assert late.decision == "canary_rolled_back"
+        assert proxy.canary is None and proxy.ended[0][0] == "rollback"
+        assert audit.names()[-1] == "canary_rolled_back"
+    else:
+        assert late.decision == "failed" and audit.names()[-1] == "promotion_failed"
+
+
+def test_a_refused_canary_promotion_still_rolls_back_when_the_status_answers(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A refusal the status confirms (the alias did not move) keeps its old handling."""
+
+    class Refuses(Proxy):
+        def end_canary(self, alias: str, decision: str, reason: str) -> dict:
+            if decision == "promote":
+                raise PromotionError("proxy POST /admin/canary/end → 409: serving is frozen")
+            return super().end_canary(alias, decision, reason)
+
+    verdict = CanaryVerdict("promote", ["no regression"], {}, {})
+    monkeypatch.setattr(promotion, "judge_canary", lambda *args: verdict)
+    store = AdapterStore(tmp_path)
+    path = publish(store, tmp_path, 1)
+    replicas, proxy, audit = Replicas(set()), Refuses("base"), Audit()
+    canary_config = CanaryConfig(enabled=True, poll_s=0.01, min_samples=1)
+    outcome = promoter(tmp_path, replicas, proxy, audit, canary=canary_config).promote(path)
+    assert outcome.decision == "canary_rolled_back" and "409" in outcome.reason
+    assert proxy.ended == [("rollback", outcome.reason)] and not replicas.loaded
+
+
+class RollbackLostProxy(Proxy):
+    """end_canary(rollback) raises and the proxy stops answering; `operator_promotes`: an
+    operator had promoted the canary just before (so the rollback found no canary)."""
+
+    def __init__(self, operator_promotes: bool) -> None:
+        super().__init__("base")
+        self.operator_promotes = operator_promotes
+        self.failing_end = True
+
+    def end_canary(self, alias: str, decision: str, reason: str) -> dict:
+        if self.failing_end:
+            self.failing_end = False
+            if self.operator_promotes:
+                assert self.canary is not None
+                self.alias, self.canary = self.canary["target"], None
+            self.down = True
+            raise httpx.ReadTimeout("timed out")
+        return super().end_canary(alias, decision, reason)
+
+
+@pytest.mark.parametrize("operator_promotes", [False, True], ids=["still_running", "promoted"])
+def test_a_canary_rollback_that_could_not_end_unloads_nothing_on_a_guess(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, operator_promotes: bool
+) -> None:
+    """The verdict said roll back, ending the canary failed and the status could not be
+    read: the candidate was unloaded anyway, though an operator may have promoted it (the
+    alias then served an adapter no replica had)."""
+    verdict = CanaryVerdict("rollback", ["reward regression"], {}, {})
+    monkeypatch.setattr(promotion, "judge_canary", lambda *args: verdict)
+    monkeypatch.setattr(promotion, "UNRESOLVED_CHECKS", 10_000, raising=False)
+    store = AdapterStore(tmp_path)
+    path = publish(store, tmp_path, 1)
+    replicas, proxy, audit = Replicas(set()), RollbackLostProxy(operator_promotes), Audit()
+    canary_config = CanaryConfig(enabled=True, poll_s=0.01, min_samples=1)
+    p = promoter(tmp_path, replicas, proxy, audit, drain_s=0.05, canary=canary_config)
+    outcome = p.promote(path)
+    assert outcome.decision == "canary_rolled_back"
+    assert replicas.loaded == {"policy-v1"} and replicas.unloaded == []
+    event, payload = audit.events[-1]
+    assert event == "canary_rolled_back"
+    assert "left loaded" in payload["cleanup_failed"][-1]
+    proxy.down = False  # the re-check settles it
+    late = wait_for(p, 2)[-1]
+    p.close()
+    if operator_promotes:
+        assert late.decision == "promoted" and replicas.loaded == {"policy-v1"}
+        assert audit.names()[-1] == "canary_promoted_by_operator"
+    else:
+        assert late.decision == "canary_rolled_back" and not replicas.loaded
+        assert proxy.canary is None and proxy.ended[-1][0] == "rollback"

@@ -1,0 +1,185 @@
+"""Trainer and start-up behaviour on a tiny random Llama (seconds, no prepared model): LoRA
+settings that do not fit a checkpoint, non-finite gradients, progress inside a long step,
+leftovers of interrupted checkpoint saves, a damaged checkpoint."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from structlog.testing import capture_logs
+
+from learner.adapter_store import AdapterStore
+from learner.checkpoint import CheckpointStore, ResumeRefused
+from learner.config import LearnerConfig
+from learner.objective import Sample
+from learner.service import Learner
+from learner.trainer import AdapterMismatch, Trainer
+from tests.learner.learner_sources import ListSource, synthetic_scored
+
+RECORDS = [synthetic_scored(i) for i in range(8)]
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=600,  # synthetic_scored's token ids stay below 510
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=1,
+    )
+    torch.manual_seed(0)
+    path = tmp_path_factory.mktemp("tiny-llama")
+    LlamaForCausalLM(config).save_pretrained(path)
+    return path
+
+
+def config(**changes: Any) -> LearnerConfig:
+    settings: dict[str, Any] = dict(
+        batch_size=4,
+        min_batch=1,
+        micro_batch_size=2,
+        lr=1e-3,
+        kl_coef=0.05,
+        max_staleness=100,
+        progress_interval_s=60,
+        lora_rank=4,
+        lora_alpha=8,
+    )
+    return LearnerConfig(**{**settings, **changes})
+
+
+def samples(n: int = 4, advantage: float = 1.0) -> list[Sample]:
+    return [
+        Sample(
+            key=f"t{i}:0",
+            event_id=f"e{i}",
+            prompt_ids=[10 + i, 11, 12],
+            completion_ids=[20 + i, 21],
+            sampling_logprobs=[-6.0, -6.0],
+            reward=float(i % 2),
+            group=None,
+            task="t",
+            tenant="A",
+            user=None,
+            policy_version=0,
+            advantage=advantage if i % 2 else -advantage,
+        )
+        for i in range(n)
+    ]
+
+
+def learner(state: Path, model: Path, **changes: Any) -> Learner:
+    return Learner(
+        config(**changes),
+        state,
+        lambda offsets, rank, world: ListSource({0: RECORDS}, offsets),
+        model_dir=model,
+    )
+
+
+# -- LoRA settings that do not fit the weights resumed from -----------------------------------
+
+
+def test_an_adapter_of_another_lora_shape_is_refused_naming_the_settings(tiny_model: Path):
+    """A changed lora_rank failed with PEFT's bare size mismatch; a changed target_modules
+    loaded what matched and left the new modules untrained without a word."""
+    state = Trainer(config(lora_rank=4), tiny_model).adapter_state()
+    with pytest.raises(AdapterMismatch, match=r"learner\.lora_rank=8.*another shape"):
+        Trainer(config(lora_rank=8), tiny_model).load_adapter_state(state, "checkpoint X")
+    wider = Trainer(
+        config(target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "up_proj"]), tiny_model
+    )
+    with pytest.raises(AdapterMismatch, match=r"checkpoint X .*tensors missing.*up_proj"):
+        wider.load_adapter_state(state, "checkpoint X")
+    Trainer(config(lora_rank=4), tiny_model).load_adapter_state(state)  # same settings: fine
+
+
+def test_resume_with_another_lora_rank_names_the_setting(tiny_model: Path, tmp_path: Path):
+    """Before, start-up died in the optimizer's load_state_dict ("loaded state dict
+    contains a parameter group that doesn't match the size of optimizer's group")."""
+    learner(tmp_path, tiny_model).run(max_steps=1)
+    with pytest.raises(AdapterMismatch, match=r"checkpoint .*checkpoint\.pt.*lora_rank=8"):
+        learner(tmp_path, tiny_model, lora_rank=8)
+
+
+# -- non-finite gradients ----------------------------------------------------------------------
+
+
+def test_a_non_finite_gradient_skips_the_update_instead_of_raising(tiny_model: Path):
+    trainer = Trainer(config(updates_per_batch=2), tiny_model)
+    before = trainer.adapter_state()
+    metrics = trainer.step(samples(advantage=math.inf), current_version=0)
+    assert metrics["skipped_updates"] == 2
+    after = trainer.adapter_state()
+    assert all(torch.equal(before[k], after[k]) for k in before)  # nothing applied
+    assert trainer.optimizer.state_dict()["state"] == {}  # moments untouched
+    assert trainer.step(samples(), current_version=0)["skipped_updates"] == 0
+
+
+def test_a_batch_with_non_finite_gradients_is_consumed_not_retried_for_ever(
+    tiny_model: Path, tmp_path: Path
+):
+    """The step raised before the checkpoint: every restart read the same batch again."""
+    first = learner(tmp_path, tiny_model)
+    real_step = first.trainer.step
+
+    def poisoned(batch: list[Sample], version: int) -> dict[str, float]:
+        for sample in batch:
+            sample.advantage = math.inf
+        return real_step(batch, version)
+
+    first.trainer.step = poisoned  # type: ignore[method-assign]
+    summary = first.run(max_steps=1)
+    assert summary.version == 0 and summary.steps == 0
+    assert summary.counts["nonfinite_gradient"] == summary.counts["trained_samples"] > 0
+    assert AdapterStore(tmp_path).versions() == []
+    resumed = learner(tmp_path, tiny_model)
+    assert resumed.offsets == {"mem.trajectories": {0: 4}}  # past the poisoned batch
+    assert resumed.run(max_steps=1).version == 1
+
+
+# -- progress inside a long step ---------------------------------------------------------------
+
+
+def test_a_long_step_reports_its_progress(tiny_model: Path):
+    trainer = Trainer(config(progress_interval_s=1e-9, updates_per_batch=2), tiny_model)
+    with capture_logs() as logs:
+        trainer.step(samples(6), current_version=0)
+    progress = [e for e in logs if e["event"] == "learner_step_progress"]
+    assert [(e["update"], e["micro_batch"]) for e in progress] == [
+        (u, m) for u in (1, 2) for m in (1, 2, 3)
+    ]
+    assert progress[0]["micro_batches"] == 3 and progress[0]["tokens"] == 12
+
+
+# -- checkpoint files --------------------------------------------------------------------------
+
+
+def test_leftovers_of_interrupted_checkpoint_saves_are_removed(tiny_model: Path, tmp_path: Path):
+    store = CheckpointStore(tmp_path)
+    leftovers = [store.dir / "checkpoint.tmp-999999", store.dir / "announced.tmp"]
+    for path in leftovers:
+        path.write_bytes(b"x" * 1024)
+    keep = store.dir / "notes.txt"
+    keep.write_text("operator's")
+    learner(tmp_path, tiny_model)
+    assert not any(path.exists() for path in leftovers) and keep.exists()
+
+
+def test_a_damaged_checkpoint_is_refused_with_what_to_do(tmp_path: Path):
+    store = CheckpointStore(tmp_path)
+    store.path.write_bytes(b"not a checkpoint")
+    with pytest.raises(ResumeRefused, match=r"cannot read the learner checkpoint .*Move it"):
+        store.load()

@@ -13,7 +13,8 @@ import structlog
 from deploy.admin_client import AdminError, admin_key
 from deploy.config import OlpConfig
 from deploy.runtime import resolve_model_dir
-from learner.promotion import Promoter, ProxyAdmin, ReplicaSet
+from learner.promotion import Promoter, ProxyAdmin, ReplicaSet, routed_targets
+from learner.reload import AdapterReloader
 from proxy.server import INTERNAL_ADMIN_TOKEN_ENV as INTERNAL_TOKEN_ENV
 from safety.audit import AuditLog
 from safety.redaction import Redactor
@@ -31,8 +32,7 @@ def learner_admin_key(cfg: OlpConfig) -> str:
     except AdminError:
         # `olp learner` takes no --admin-key: the one way to give it a key is the environment.
         raise AdminError(
-            "no admin key: set OLP_ADMIN_KEY (the learner flips the proxy alias when it "
-            "promotes)"
+            "no admin key: set OLP_ADMIN_KEY (the learner flips the proxy alias when it promotes)"
         ) from None
 
 
@@ -102,6 +102,15 @@ def run(cfg: OlpConfig) -> int:
         state_dir=state_dir,
         base_name=cfg.policy.served_model_name,
     )
+    # Its own clients: it runs on its own thread, beside the promoter's.
+    reload_proxy = ProxyAdmin(f"http://{host}:{cfg.proxy.port}", learner_admin_key(cfg))
+    reloader = AdapterReloader(
+        ReplicaSet(replicas),
+        lambda: routed_targets(reload_proxy.status()),
+        audit,
+        state_dir / "adapters",
+    )
+    reloader.start(cfg.learner.promotion.reload_check_s)
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     signal.signal(signal.SIGINT, lambda *_: stop.set())
@@ -121,6 +130,9 @@ def run(cfg: OlpConfig) -> int:
             served_versions=lambda: served_versions(replica_set),
         )
     finally:
+        reloader.close()
+        reloader.replicas.close()
+        reload_proxy.close()
         promoter.close()
         proxy.close()
     log.info(

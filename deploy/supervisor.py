@@ -26,7 +26,7 @@ import structlog
 from deploy.broker import kafka_answers, start_broker
 from deploy.config import ConfigError, OlpConfig
 from deploy.learner_runner import INTERNAL_TOKEN_ENV
-from deploy.policy import check_external, start_policy
+from deploy.policy import PolicyServer, check_external, start_policy
 from deploy.ports import is_loopback, port_open, split_host_port
 from deploy.procs import (
     EXIT_CONFIG_ERROR,
@@ -47,6 +47,9 @@ log = structlog.get_logger(__name__)
 DEV_API_KEY = "olp-demo-key"
 DEV_ADMIN_KEY = "olp-admin-dev"
 
+# The embedded broker is not restarted: the sink spills while it is away (nothing is lost),
+# and why it died (its disk, most often) is the operator's to see first.
+RESTARTABLE = ("policy", "proxy", "learner")
 # A restarted child that fails again this soon after its start, with the same exit code,
 # fails the same way each time: restarting it further only delays the operator's fix.
 CRASH_LOOP_S = 30.0
@@ -192,10 +195,14 @@ class Stack:
                 progress=lambda s: progress(f"  vLLM still starting ({s:.0f} s)"),
                 stop=self._stop,
             )
+            policy_cfg, policy_log = cfg.policy, self.logs_dir / "policy.log"
             self.components.append(
                 Component(
                     "policy",
-                    lambda: policy.child,
+                    # A restart does not wait for readiness: meanwhile the proxy answers 502
+                    # and /readyz 503, and the learner loads the serving adapter again once
+                    # the new vLLM lists its models (learner/reload.py).
+                    lambda: PolicyServer(policy_cfg, model_dir, policy_log).child,
                     f"{policy.base_url} (vLLM"
                     + (", loopback)" if is_loopback(cfg.policy.host) else ", NOT loopback)"),
                     child=policy.child,
@@ -272,9 +279,12 @@ class Stack:
                     f"last output:\n{comp.child.tail(20)}"
                 )
                 log.error("child_exited", child=comp.name, pid=comp.child.pid, returncode=code)
-                if self.cfg.on_child_exit == "restart" and comp.name in ("proxy", "learner"):
+                if self.cfg.on_child_exit == "restart" and comp.name in RESTARTABLE:
                     reason = self._no_restart(comp, code, time.monotonic() - comp.started_at)
                     if reason is None:
+                        # What the dead child left in its process group (vLLM's engine core,
+                        # holding the model and its KV cache) goes before a new one starts.
+                        comp.child.stop(timeout_s=5)
                         comp.restarts += 1
                         comp.last_code = code
                         say(

@@ -8,7 +8,8 @@ when olp fails to, stop) each one by PID.
 Modes: up-ready (every component ready at once), up-warming (vLLM never becomes ready),
 policy-warming, broker-warming (the standalone launchers, stuck in start-up);
 up-config-error, up-refused and up-crash-loop (ready, with `on_child_exit: restart`, and a
-learner that exits at once with code 2, 3 or 1 every time it starts), up-stuck-child (ready, and
+learner that exits at once with code 2, 3 or 1 every time it starts), up-restart (ready, with
+`on_child_exit: restart`, children that run), up-stuck-child (ready, and
 the learner outlives SIGKILL, as in uninterruptible sleep). Each start of a child whose
 command is replaced is also recorded as STATE_DIR/starts/<name>-<PID>.
 """
@@ -87,9 +88,9 @@ if __name__ == "__main__":
             "OLP_STREAM__BOOTSTRAP_SERVERS": f"127.0.0.1:{free_port()}",
         }
     )
-    _fake_children(vllm_ready=MODE in ("up-ready", "up-stuck-child", *LEARNER_EXIT))
+    _fake_children(vllm_ready=MODE in ("up-ready", "up-stuck-child", "up-restart", *LEARNER_EXIT))
     argv = [MODE.split("-")[0]]
-    if MODE in LEARNER_EXIT:
+    if MODE in LEARNER_EXIT or MODE == "up-restart":
         config = STATE / "olp.yaml"
         restart = "\non_child_exit: restart\nmax_restarts: 5\n"
         config.write_text(DEFAULT_CONFIG_FILE.read_text() + restart)

@@ -263,6 +263,25 @@ def test_a_child_failing_the_same_way_right_after_its_restart_is_not_restarted_a
     assert not [pid for pid in h.pids() if _running(pid)], out
 
 
+def test_a_dead_vllm_is_started_again_with_on_child_exit_restart(harness) -> None:
+    """vLLM was never restarted: one crash (the OOM killer, say) stopped the whole stack.
+    Now it is started again like the proxy and the learner; the learner puts the serving
+    adapter back once it answers (learner/reload.py)."""
+    h = harness("up-restart")
+    children = h.wait_children(4)
+    assert _wait_for(lambda: "olp is up" in h.output(), 30), h.output()
+    starts = h.state / "starts"
+    (first,) = [int(p.name.split("-")[1]) for p in starts.glob("vllm-*")]
+    os.kill(first, signal.SIGKILL)
+    assert _wait_for(lambda: len(list(starts.glob("vllm-*"))) == 2, 30), h.output()
+    assert "olp: restarting policy (1/5)" in h.output()
+    assert _wait_for(lambda: not _running(first), 10)
+    children = h.wait_children(5)
+    h.proc.send_signal(signal.SIGINT)
+    _assert_all_stopped(h, children)
+    assert h.proc.returncode == 0, h.output()
+
+
 def test_a_child_outliving_sigkill_is_named_and_the_others_still_stop(harness) -> None:
     """A child in uninterruptible sleep survives SIGKILL: `olp up` names its PID, stops
     the other children and exits 1, without a traceback."""

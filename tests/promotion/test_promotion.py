@@ -7,7 +7,9 @@ import subprocess
 import sys
 import threading
 
+import httpx
 import openai
+import pytest
 
 from safety.audit import iter_records, verify
 
@@ -163,3 +165,55 @@ def test_streams_running_across_a_swap_all_complete(proxy, publish, make_promote
     assert set(versions) <= {"base", "policy-v1"}
     stream_once()
     assert versions[-1] == "policy-v1"
+
+
+def test_a_replica_that_lost_the_serving_adapter_gets_it_back(proxy, publish, vllm_server):
+    """A vLLM that restarts serves only the base: every request on the alias got vLLM's 404
+    until someone loaded the adapter again by hand. Unloading it behind olp's back leaves
+    the replica in the same state."""
+    from learner.promotion import ProxyAdmin, ReplicaSet, routed_targets
+    from learner.reload import AdapterReloader
+    from safety.audit import AuditLog
+    from tests.promotion.conftest import ADMIN_KEY
+
+    admin = ProxyAdmin(proxy.url, ADMIN_KEY)
+    replicas = ReplicaSet([vllm_server.base_url])
+    audit_path = proxy.state_dir / "audit" / "audit.jsonl"
+    reloader = AdapterReloader(
+        replicas,
+        lambda: routed_targets(admin.status()),
+        AuditLog(audit_path),
+        proxy.state_dir / "adapters",
+    )
+    try:
+        v1 = publish(1, scale=0.01)
+        replicas.load("policy-v1", v1)
+        admin.set_alias("policy", "policy-v1")
+        assert reloader.check() == []  # served: nothing to do
+        httpx.post(
+            f"{vllm_server.base_url}/v1/unload_lora_adapter",
+            json={"lora_name": "policy-v1"},
+            timeout=30,
+        ).raise_for_status()
+        with pytest.raises(openai.NotFoundError):
+            served_version(proxy.url)
+        assert reloader.check() == [(vllm_server.base_url, "policy-v1")]
+        assert served_version(proxy.url) == "policy-v1"
+        assert "adapter_reloaded" in events(proxy)
+
+        # Weights that no longer match their recorded sha256 are not loaded; said once.
+        httpx.post(
+            f"{vllm_server.base_url}/v1/unload_lora_adapter",
+            json={"lora_name": "policy-v1"},
+            timeout=30,
+        ).raise_for_status()
+        weights = v1 / "adapter_model.safetensors"
+        weights.chmod(0o644)
+        weights.write_bytes(weights.read_bytes()[:-1] + b"\0")
+        assert reloader.check() == [] and reloader.check() == []
+        assert "policy-v1" not in replicas.served(vllm_server.base_url)
+        assert events(proxy).count("adapter_reload_failed") == 1
+        assert verify(proxy.state_dir / "audit").ok
+    finally:
+        replicas.close()
+        admin.close()

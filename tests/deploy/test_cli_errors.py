@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import http.server
+import json
 import os
 import socket
 import subprocess
@@ -267,6 +268,27 @@ def test_learner_refusing_its_state_dir_says_why_in_one_line(
     # 3, not a crash's 1: `olp up` never restarts a learner refusing its state dir.
     assert_clean_error(done, 3, "adapter store holds versions [1]")
     assert "refusing to guess" in done.stderr
+
+
+def test_learner_finding_an_adapter_of_another_lora_shape_says_so_in_one_line(
+    tmp_path: Path, model_dir: Path, make_lora_adapter, vllm_server
+) -> None:
+    """A stored version of another rank (learner.lora_rank changed between runs) ended the
+    learner with a traceback and exit 1, which `olp up` restarted into the same failure."""
+    from learner.adapter_store import AdapterStore
+
+    files = make_lora_adapter(tmp_path / "files", rank=4)
+    AdapterStore(tmp_path / "state").publish(1, files, {"parent_version": 0})
+    env = {
+        "OLP_STATE_DIR": str(tmp_path / "state"),
+        "OLP_POLICY__MODEL": str(model_dir),
+        "OLP_POLICY__EXTERNAL_URLS": json.dumps([vllm_server.base_url]),
+    }
+    done = olp("learner", env=env)
+    assert done.returncode == 3, done.stderr  # 3: `olp up` does not restart it
+    assert "Traceback" not in done.stderr, done.stderr
+    line = next(x for x in done.stderr.splitlines() if x.startswith("olp: "))
+    assert "does not fit the configured LoRA adapter (learner.lora_rank=16" in line, line
 
 
 def test_up_reports_a_verifier_that_does_not_import_before_starting_anything(

@@ -5,9 +5,12 @@ SHA-256 hex of the canonical JSON (sorted keys, compact separators, UTF-8) of th
 without `hash`. Several processes may append: each append takes an exclusive `flock` on a
 side lock file, reads the tail under the lock, writes one line and fsyncs. Rotation renames
 the live file to `audit.jsonl.<n>` (n = 1, 2, ... oldest first); the chain continues into
-the new file. A head file (`audit.jsonl.head`) records the last seq and hash so that
-truncating the newest lines is detected too. Payloads pass through the Redactor and a
-denylist of secret-looking keys before they are hashed, so the log never holds secrets/PII.
+the new file. Only those names are read as the chain's segments, and only as a run from `.1`
+with no gap: another file beside the log (a dated copy `audit.jsonl.20240501`, `.01`) is
+not part of the chain, and `verify` lists it under `ignored`. A head file
+(`audit.jsonl.head`) records the last seq and hash so that truncating the newest lines is
+detected too. Payloads pass through the Redactor and a denylist of secret-looking keys
+before they are hashed, so the log never holds secrets/PII.
 """
 
 from __future__ import annotations
@@ -107,15 +110,52 @@ def _is_live(path: Path) -> bool:
     return head_path(path).exists() or lock_path(path).exists()
 
 
-def rotated_files(live: Path) -> list[Path]:
-    """`audit.jsonl.1`, `audit.jsonl.2`, ... in chain order (oldest first)."""
-    numbered = []
+# Exactly the suffixes `_rotate` writes: a decimal number from 1, in ASCII, no leading zero.
+_SEGMENT_SUFFIX = re.compile(r"[1-9][0-9]*")
+
+
+def _scan_rotated(live: Path) -> tuple[list[Path], list[Path]]:
+    """The rotated segments of `live` in chain order, and the files named like segments that
+    are not part of the chain.
+
+    Rotation names segments `.1`, `.2`, ... in turn, so the chain's segments are the run
+    `.1` ... `.k` of regular files with exactly those names. Anything else numbered is not a
+    segment the writer made: a copy with a date (`audit.jsonl.20240501`), a zero-padded or
+    non-ASCII number (`.01`, `.١`), a directory, or a file after a gap in the numbers. Read
+    as part of the chain, such a file made `verify` report tampering that was not there
+    (or crash on a name `int` cannot read), and the writer extend or rotate after it; left
+    out, it cannot hide tampering either: the chain must still run seq 1, 2, ... up to the
+    head, so a missing segment still fails `verify`, which then names what it left out.
+    Another log's live file (`audit.2024` beside `audit`) is neither.
+    """
+    numbered: dict[int, Path] = {}
+    ignored: list[Path] = []
     for candidate in live.parent.glob(glob.escape(live.name) + ".*"):  # `[`, `*` are names
         suffix = candidate.name[len(live.name) + 1 :]
-        # `audit.2024` beside `audit` may be another log's live file, not a rotation.
-        if suffix.isdigit() and not _is_live(candidate):
-            numbered.append((int(suffix), candidate))
-    return [path for _, path in sorted(numbered)]
+        if not suffix.isdigit():
+            continue  # `.head`, `.lock`, `.head.tmp`, `.bak`: not named like a segment
+        if _is_live(candidate):
+            continue  # `audit.2024` beside `audit` is another log's live file
+        if _SEGMENT_SUFFIX.fullmatch(suffix) and candidate.is_file():
+            numbered[int(suffix)] = candidate
+        else:
+            ignored.append(candidate)
+    segments = []
+    while len(segments) + 1 in numbered:
+        segments.append(numbered.pop(len(segments) + 1))
+    ignored.sort(key=lambda path: path.name)
+    ignored.extend(path for _, path in sorted(numbered.items()))  # after a gap, in order
+    return segments, ignored
+
+
+def rotated_files(live: Path) -> list[Path]:
+    """`audit.jsonl.1`, `audit.jsonl.2`, ... in chain order (oldest first)."""
+    return _scan_rotated(live)[0]
+
+
+def ignored_files(live: Path) -> list[Path]:
+    """Files named like rotated segments of `live` that are not part of its chain."""
+    return _scan_rotated(live)[1]
 
 
 def chain_files(live: Path) -> list[Path]:
@@ -300,9 +340,21 @@ class AuditLog:
         os.replace(tmp, head)
 
     def _rotate(self) -> None:
-        existing = rotated_files(self.path)
-        next_index = (int(existing[-1].name.rsplit(".", 1)[1]) + 1) if existing else 1
-        target = self.path.with_name(f"{self.path.name}.{next_index}")
+        segments, ignored = _scan_rotated(self.path)
+        target = self.path.with_name(f"{self.path.name}.{len(segments) + 1}")
+        if target.exists() or target.is_symlink():
+            # Something not in the chain holds the next segment's name (a file after a gap,
+            # a directory): renaming over it would destroy it, and a segment after it would
+            # not be read. The record is written; the live file just grows until an
+            # operator moves that file away.
+            log.error(
+                "audit_rotation_blocked",
+                target=target.name,
+                reason="the next segment's name is taken by a file outside the chain",
+            )
+            return
+        if ignored:
+            log.warning("audit_files_not_in_chain", files=[path.name for path in ignored])
         os.replace(self.path, target)
         # An empty live file keeps `audit.jsonl` present for readers between rotations.
         os.close(os.open(self.path, os.O_WRONLY | os.O_CREAT, 0o600))
@@ -322,6 +374,8 @@ class VerifyResult:
     reason: str = ""
     records: int = 0
     files: list[str] = field(default_factory=list)
+    # Files named like rotated segments that are not part of the chain (not read).
+    ignored: list[str] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -330,24 +384,26 @@ class VerifyResult:
             "reason": self.reason,
             "records": self.records,
             "files": self.files,
+            "ignored": self.ignored,
         }
 
 
 def resolve_live_path(path_or_dir: str | os.PathLike[str]) -> Path:
     """A directory means its `audit.jsonl`; a rotated file name means its live file.
 
-    A name ending in `.<digits>` is a rotated file only when it is not a live log itself
-    (no lock or head file of its own) and the name without the suffix is a log (its live
-    file, lock or head exists): a log configured as `audit.2024` is read as itself.
+    A name ending in `.<n>` is a rotated file only when it is one of the segments of the log
+    named without the suffix (see `_scan_rotated`): a log configured as `audit.2024` is read
+    as itself, and so is a copy beside a log (`audit.jsonl.20240501`), not the log it sits
+    beside.
     """
     path = Path(path_or_dir)
     if path.is_dir():
         return path / "audit.jsonl"
-    match = re.fullmatch(r"(.+)\.(\d+)", path.name)
+    match = re.fullmatch(r"(.+)\.[1-9][0-9]*", path.name)
     if match is None or _is_live(path):
         return path
     live = path.with_name(match.group(1))
-    if live.is_file() or _is_live(live):
+    if path in rotated_files(live):
         return live
     return path
 
@@ -454,15 +510,18 @@ def _verify_live(live: Path) -> VerifyResult:
         result: VerifyResult | None = _verify_unlocked(live)
     except FileNotFoundError:
         result = None  # a rotation renamed a listed file before it was opened
-    if result is not None and result.ok:
-        return result
-    with _shared_lock(live):
-        return _verify_unlocked(live)
+    if result is None or not result.ok:
+        with _shared_lock(live):
+            result = _verify_unlocked(live)
+    if result.ignored:
+        log.warning("audit_files_not_in_chain", files=[Path(f).name for f in result.ignored])
+    return result
 
 
 def _verify_unlocked(live: Path) -> VerifyResult:
     files = chain_files(live)
-    result = VerifyResult(ok=True, files=[str(f) for f in files])
+    ignored = ignored_files(live)
+    result = VerifyResult(ok=True, files=[str(f) for f in files], ignored=[str(f) for f in ignored])
     expected_seq = 1
     prev_hash = GENESIS_HASH
 
@@ -470,6 +529,12 @@ def _verify_unlocked(live: Path) -> VerifyResult:
         result.ok = False
         result.first_bad_seq = expected_seq
         result.reason = reason
+        if ignored:
+            # A missing segment leaves the ones after it out of the chain: say so.
+            result.reason += (
+                f" (not read as part of the chain: {', '.join(p.name for p in ignored)}; "
+                f"rotated segments run {live.name}.1, .2, ... with no gap)"
+            )
         return result
 
     for file, number, line in _iter_lines(files):

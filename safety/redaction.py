@@ -1,8 +1,10 @@
 """PII and secret redaction for everything that leaves the proxy or enters the audit log.
 
-One compiled alternation scans each string once; kinds that need more than a regex (credit
-cards: Luhn; phone numbers: digit count) are confirmed by a validator, and a rejected
-candidate is left as it was. Counts per kind are returned so callers can export metrics.
+Each kind is one or more compiled patterns, run in a fixed order and only on strings that
+hold one of the kind's needles (cheap substring checks); kinds that need more than a regex
+(credit cards: Luhn; phone numbers: digit count) are confirmed by a validator, and a
+rejected candidate is left as it was. Counts per kind are returned so callers can export
+metrics.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ import msgspec
 
 from safety.config import BUILTIN_REDACTION_KINDS, CustomPattern, RedactionConfig
 
-_encode_json = msgspec.json.Encoder().encode
+_encode_msgpack = msgspec.msgpack.Encoder().encode
 
 RedactionCounts = dict[str, int]
 
@@ -56,158 +58,332 @@ class _Kind:
     name: str
     regex: str
     validate: Callable[[str], bool] | None = None
-    # The pattern is only run when one of these substrings occurs (cheap `in` checks).
+    # The pattern is only run where one of these substrings occurs...
     needles: tuple[str, ...] = ()
-    # ...or, instead of substrings, where this regex matches (a necessary condition).
+    # ...or one of these in any ASCII case (found in the lower-cased text; the pattern's
+    # case-blind parts are ASCII-only `(?ai:...)`, so it matches nothing these miss)...
+    needles_ci: tuple[str, ...] = ()
+    # ...or where this regex matches (a necessary condition). Without any of the three the
+    # pattern always runs.
     needle_regex: str | None = None
 
 
 # Passes run in this order, each on the output of the previous one, so the more specific
 # formats claim a span before the generic ones (anthropic before openai, jwt before bearer,
 # credit cards before phone numbers); a `[REDACTED:...]` marker matches no later pattern.
+# A kind may take several passes, each with its own needle: one literal needle (`://`) is
+# found far faster than an alternation of several.
 # Card and phone numbers that pass their validators hold at least 8 digits, written with
 # only digits, spaces, dots, dashes, parentheses and `+` between the first and last digit.
 _DIGIT_RUN = r"\d[\d .()+-]{6,}\d"
-_AWS_KEY_ID = r"(?:AKIA|ASIA|ABIA|ACCA|AROA|AIDA)[0-9A-Z]{16}"
-_AWS_SECRET = r"[A-Za-z0-9/+]{40}(?![A-Za-z0-9/+=])"
-_KEY_BODY = r"(?=[a-z_-]*[A-Z0-9])[A-Za-z0-9_-]{20,}"  # with an upper-case letter or digit
-_BUILTIN: dict[str, _Kind] = {
-    k.name: k
-    for k in (
-        _Kind(
-            "private_key",
-            # The whole block; without its END line (an answer cut off by max_tokens, a
-            # partial paste) the BEGIN line and every base64 or header line after it.
-            r"-----BEGIN (?:[A-Z0-9]+ )*PRIVATE KEY(?: BLOCK)?-----"
-            r"(?:[\s\S]*?-----END (?:[A-Z0-9]+ )*PRIVATE KEY(?: BLOCK)?-----"
-            r"|(?:[ \t]*(?:\r?\n|\\n)(?:[A-Za-z0-9+/=]+|[A-Za-z-]+:[^\r\n]*))*)",
-            needles=("PRIVATE KEY",),
+# A string may hold JSON text (a tool call's `arguments`, a tool result serialised as JSON),
+# where a newline is the two characters `\n` and `é` may be `\u00e9`. `\b` before a token
+# fails there (`n` and `9` are word characters), so `\nAKIA...` at the start of a line went
+# out as it was. After a character, `_NOT_ESCAPED` says it does not end such an escape.
+_NOT_ESCAPED = r"(?<!\\[nrt])(?<!\\u[0-9A-Fa-f]{4})"
+# Word characters for the boundaries are ASCII: with Python's Unicode `\w`/`\b`, a key, an
+# address or a card number written right after Chinese or Japanese text (no space between,
+# as is usual there: `密钥是sk-...`, `邮箱bob@example.com`) had no boundary and went out as
+# it was. Digits stay Unicode where numbers are read (`\d`), so a digit run inside a
+# longer one is still no card or phone number.
+_W = r"[A-Za-z0-9_]"
+_WD = r"[A-Za-z_\d]"
+
+
+def _token(first: str, rest: str, before: str = _W) -> str:
+    """`first` (one character or class) then `rest`, where the character before `first` is
+    not in `before` unless it ends an escape. The assertion follows `first`, so the pattern
+    is only tried where `first` occurs (one that starts with an assertion is tried at every
+    position of the text: several times slower)."""
+    return rf"{first}(?<!{before}{_NOT_ESCAPED}{first}){rest}"
+
+
+_AWS_KEY_ID = _token("A", r"(?:KIA|SIA|BIA|CCA|ROA|IDA)[0-9A-Z]{16}")
+_B64 = r"[A-Za-z0-9/+]"
+# A name, an optional (escaped) closing quote, `=`, `:` or `=>`, an optional opening quote:
+# `name = v`, `NAME=v`, `"name": "v"`, `name='v'`, `\"name\": \"v\"`.
+_ASSIGN = r"(?:\\?[\"'])?[ \t]*(?:=>|[:=])[ \t]*(?:\\?[\"'])?"
+# With an upper-case letter or a digit among its first characters (looked for within a
+# bound: unbounded, `sk-sk-sk-...` made every `sk-` scan the rest of the run).
+_KEY_BODY = r"(?=[a-z_-]{0,40}[A-Z0-9])[A-Za-z0-9_-]{20,}"
+# An e-mail's local part starts where no local-part character precedes it (unless that one
+# ends an escape), and never on an escape's own letter: `\nbob@x.io` is a newline, then
+# `bob@x.io`; redacting from the `n` would leave `\[REDACTED...]`, which is not valid JSON.
+_LOCAL = r"[A-Za-z0-9._%+-]"
+_EMAIL = (
+    _token(_LOCAL, r"(?<!\\[nrt])(?!(?<=\\u)[0-9A-Fa-f]{4})", before=_LOCAL)
+    + rf"{_LOCAL}*@[A-Za-z0-9-]+(?:\.[A-Za-z0-9-]+)*\.[A-Za-z]{{2,}}(?!{_W})"
+)
+# After `scheme://host:`, what makes the `:` a port's rather than a password's: digits or a
+# placeholder (`{port}`, `${PORT}`, `$PORT`, `port`), then the path, query, fragment, a
+# quote, a space or the end of the text.
+_PORT = r"(?:\d*|\{\w*\}|\$\{?\w+\}?|(?ai:port))(?:[/?#\"'\s\\]|$)"
+# Query parameters that carry a credential: a password (JDBC URLs), an OAuth token or client
+# secret, an API key, a signature (an Azure SAS `sig`, a presigned S3 or GCS URL).
+_QUERY_CREDENTIAL = (
+    r"password|passwd|pwd|access_token|refresh_token|id_token|client_secret|api_?key|token"
+    r"|sig|x-amz-signature|x-amz-security-token|x-goog-signature|jsessionid"
+)
+_BUILTIN_PASSES: tuple[_Kind, ...] = (
+    _Kind(
+        "private_key",
+        # The whole block; without its END line (an answer cut off by max_tokens, a
+        # partial paste) the BEGIN line and every base64 or header line after it. The
+        # search for the END line stops at the next BEGIN line: each BEGIN without an END
+        # scanned the rest of the text (quadratic in the number of BEGIN lines).
+        r"-----BEGIN (?:[A-Z0-9]+ )*PRIVATE KEY(?: BLOCK)?-----"
+        r"(?:(?:(?!-----BEGIN )[\s\S])*?-----END (?:[A-Z0-9]+ )*PRIVATE KEY(?: BLOCK)?-----"
+        r"|(?:[ \t]*(?:\r?\n|\\n)(?:[A-Za-z0-9+/=]+|[A-Za-z-]+:[^\r\n]*))*)",
+        needles=("PRIVATE KEY",),
+    ),
+    _Kind(
+        "jwt",
+        # Signed (header.payload.signature; the signature is empty with `alg: none`) and
+        # encrypted (five parts; the second is empty with `alg: dir`). It starts a run of
+        # base64url characters: an `eyJ` inside one (`a-eyJa-eyJa-...`) is no token's start,
+        # and trying each would scan the rest of the run once per `eyJ`.
+        _token("e", r"yJ[A-Za-z0-9_-]{5,}\.", before=r"[A-Za-z0-9_-]")
+        + r"(?:eyJ[A-Za-z0-9_-]{5,}\.[A-Za-z0-9_-]*"
+        r"|[A-Za-z0-9_-]*\.[A-Za-z0-9_-]{10,}\.[A-Za-z0-9_-]{10,}\.[A-Za-z0-9_-]{10,})",
+        needles=("eyJ",),
+    ),
+    # Real key bodies are random base62/base64url and so hold an upper-case letter or a
+    # digit (`_KEY_BODY`); an all-lower-case kebab/snake name (`sk-learn-model-selection-
+    # helpers`, `sk-ant-design-...`) is an identifier, not a key.
+    _Kind(
+        "anthropic_key",
+        _token("s", rf"k-ant-[A-Za-z0-9]{{2,10}}-{_KEY_BODY}"),
+        needles=("sk-ant-",),
+    ),
+    _Kind(
+        "openai_key",
+        _token("s", rf"k-(?:proj-|svcacct-|admin-|None-)?{_KEY_BODY}"),
+        needles=("sk-",),
+    ),
+    _Kind(
+        "aws_access_key",
+        # The key id, and its 40-character secret where it is recognisable: right after
+        # the id (the IAM credentials CSV) or after a `secret access key` name (the
+        # credentials file, env vars, boto3 arguments, STS JSON). The id alone is not
+        # the credential; leaving the secret next to it would leak the part that is.
+        rf"{_AWS_KEY_ID}(?!{_W})"
+        rf"|{_B64}(?<={_AWS_KEY_ID}[ \t,;:|]{_B64}){_B64}{{39}}(?![A-Za-z0-9/+=])"
+        rf"|(?ai:aws[_-]?secret[_-]?key|secret[_-]?access[_-]?key){_ASSIGN}"
+        rf"(?P<secret>{_B64}{{40}})(?![A-Za-z0-9/+=])",
+        needles=("AKIA", "ASIA", "ABIA", "ACCA", "AROA", "AIDA"),
+        needles_ci=("secret",),
+    ),
+    _Kind(
+        "aws_access_key",
+        # The session token of temporary (STS) credentials, by the fixed start of its
+        # base64 (`IQoJb3JpZ2lu...`; older ones `FwoGZXIvYXdz...`).
+        _token("[IF]", r"(?:QoJb3JpZ2lu|[wQ]oGZXIvYXdz)[A-Za-z0-9/+=]{40,}"),
+        needles=("IQoJb3JpZ2lu", "FwoGZXIvYXdz", "FQoGZXIvYXdz"),
+    ),
+    _Kind(
+        "github_token",
+        _token("g", rf"(?:h[pousr]_[A-Za-z0-9]{{36,}}|ithub_pat_[A-Za-z0-9_]{{40,}})(?!{_W})"),
+        needles=("ghp_", "gho_", "ghu_", "ghs_", "ghr_", "github_pat_"),
+    ),
+    _Kind(
+        "gitlab_token",  # personal, project, deploy, runner, trigger, OAuth app tokens
+        _token("g", r"l(?:pat|dt|rt|ptt|cbt|oas|imt|ft|soat)-[A-Za-z0-9_-]{20,}"),
+        # No `\b` in a needle: `redact_obj` searches JSON text, where the newline
+        # before a token at the start of a line is `\n`, a word character before it.
+        needle_regex=r"gl[a-z]{2,4}-",
+    ),
+    _Kind(
+        "slack_token",  # bot/user tokens, app-level tokens, incoming-webhook URLs
+        _token(
+            "[xh]",
+            r"(?:ox[abposre]-[A-Za-z0-9-]{10,}|app-[0-9]-[A-Za-z0-9-]{10,}"
+            r"|ooks\.slack\.com/(?:services|workflows)/[A-Za-z0-9/_-]{20,})",
         ),
-        _Kind(
-            "jwt",
-            r"\beyJ[A-Za-z0-9_-]{5,}\.eyJ[A-Za-z0-9_-]{5,}\.[A-Za-z0-9_-]{8,}",
-            needles=("eyJ",),
+        needles=("xox", "xapp-", "hooks.slack.com/"),
+    ),
+    _Kind(
+        "stripe_key",
+        _token("[rs]", r"k_(?:live|test)_[A-Za-z0-9]{16,}"),
+        needles=("k_live_", "k_test_"),
+    ),
+    _Kind("huggingface_token", _token("h", rf"f_[A-Za-z0-9]{{30,}}(?!{_W})"), needles=("hf_",)),
+    _Kind("google_api_key", _token("A", r"Iza[0-9A-Za-z_-]{35}"), needles=("AIza",)),
+    _Kind(
+        "google_api_key",
+        # Google OAuth credentials: access tokens, refresh tokens, client secrets.
+        _token("[yG]", r"(?:a29\.[0-9A-Za-z_-]{20,}|OCSPX-[0-9A-Za-z_-]{20,})")
+        + "|"
+        + _token("1", r"//0[0-9A-Za-z_-]{40,}", before=r"[A-Za-z0-9_/]"),
+        needles=("ya29.", "GOCSPX-", "1//0"),
+    ),
+    _Kind(
+        "bearer_token",
+        _token("[Bb]", r"(?ai:earer)[ \t]+[A-Za-z0-9._~+/-]{16,}=*"),
+        needles_ci=("bearer",),
+    ),
+    _Kind(
+        "bearer_token",
+        # API-key headers carry a token the same way (`X-API-Key: ...`, Azure OpenAI's
+        # `api-key: ...`, GitLab's `PRIVATE-TOKEN: ...`), as a header or a JSON entry.
+        _token(
+            "[XxAaPp]",
+            r"(?ai:(?<=x)-(?:goog-)?api-key|(?<=a)pi-key|(?<=x)-auth-token|(?<=p)rivate-token"
+            r"|(?<=x)-gitlab-token)",
+            before=r"[A-Za-z0-9_-]",
+        )
+        # A key holds a digit; an identifier (`settings.OPENAI_API_KEY`) mostly does not.
+        + r"(?:\\?[\"'])?[ \t]*:[ \t]*(?:\\?[\"'])?(?=[A-Za-z._~+/-]*\d)"
+        r"(?P<secret>[A-Za-z0-9._~+/-]{16,}=*)",
+        needles_ci=("api-key", "-token"),
+    ),
+    _Kind(
+        "bearer_token",
+        # Other token schemes of an Authorization header (`Token ...` of Django REST
+        # framework and GitHub's classic tokens, `ApiKey`, `SSWS`, `sso-key`).
+        r"(?ai:authorization(?:\\?[\"'])?[ \t]*[:=][ \t]*(?:\\?[\"'])?"
+        r"(?:token|api-?key|key|ssws|sso-key))[ \t]+(?P<secret>[A-Za-z0-9._~+/:-]{16,}=*)",
+        needles_ci=("authorization",),
+    ),
+    _Kind(
+        "basic_auth",  # only after an Authorization name: "basic" is a common word
+        # Quotes may be escaped (`\"authorization\": \"Basic ...\"`: nested JSON in a
+        # tool's string argument), as for the AWS secret's name above.
+        r"(?ai:authorization(?:\\?[\"'])?[ \t]*[:=][ \t]*(?:\\?[\"'])?basic)[ \t]+"
+        r"(?P<secret>[A-Za-z0-9+/]{8,}={0,2})",
+        needles_ci=("basic",),
+    ),
+    _Kind(
+        "basic_auth",
+        # `curl -u user:password` (a shell command in a tool call) sends Basic credentials.
+        _token(
+            "c",
+            r"url[ \t](?:[^\n|;&]{0,256}?[ \t])?(?:-u|--user)(?:[ \t]+|=)",
+            before=r"[A-Za-z0-9_-]",
+        )
+        + r"(?:\\?[\"'])?[^\s:\"'\\]+:(?P<secret>(?!\$)[^\s\"'\\]+)",
+        needles=("curl",),
+    ),
+    _Kind(
+        "url_password",  # scheme://user:password@host keeps all but the password
+        # Strictly, userinfo ends at the authority's last `@` and the authority at the
+        # first `/`, `?` or `#`; but a pasted DSN's unescaped password (`p@ss#w?rd`, `a/b`)
+        # is still a secret. So after `user:`, unless a port follows (`host:8000/...`: an
+        # `@` later in its path or query, as in `host:8000?email=a@b.com`, is no
+        # password's), the password runs to an `@`. Its first part (up to its first `@`)
+        # may hold `/`, `?` and `#`; each further `@` part may hold `?` and `#` but no `/`
+        # (an `@` after a `/` is the path's: `https://u:pw@registry/@scope/pkg`) and, after
+        # its `?` or `#`, no `=` or `&` (a query: `https://u:pw@host?to=a@b.com`). No part
+        # crosses a space, a `"` or an angle bracket (never valid in userinfo), so
+        # `{"u":"http://host:80","to":"a@b.co"}` does not read as a password running into
+        # the next JSON string; the extra `@` parts stop at a `'` too. The user part holds
+        # no `[`: `http://[::1]:8000` is a host. The first part is bounded, so a long text
+        # without spaces costs a bounded scan per `://`.
+        rf"(?<!{_W})[A-Za-z][A-Za-z0-9+.-]*://[^/?#\s:@\"<>\[\]]*:"
+        rf"(?!{_PORT}|\[REDACTED:\w+\]@)(?P<secret>[^\s@\"<>]{{1,256}}"
+        r"(?:@[^/?#\s@\"'<>]*(?:[?#][^/?#\s@\"'<>=&]*)*)*)@",
+        needles=("://",),
+    ),
+    _Kind(
+        "url_password",
+        # Credentials in a query (`?password=`, `&sig=`, `X-Amz-Signature=`, ...), not a
+        # placeholder (`?token={token}`, `%s`, `...`).
+        rf"[?&;](?ai:{_QUERY_CREDENTIAL})=(?![{{$.*\[]|%s|%\()(?P<secret>[^&#;\s\"'`<>\\]+)",
+        # Each name ends in one of these, `=` included.
+        needles_ci=(
+            "password=",
+            "passwd=",
+            "pwd=",
+            "token=",
+            "secret=",
+            "apikey=",
+            "api_key=",
+            "sig=",
+            "signature=",
+            "jsessionid=",
         ),
-        # Real key bodies are random base62/base64url and so hold an upper-case letter or a
-        # digit (`_KEY_BODY`); an all-lower-case kebab/snake name (`sk-learn-model-selection-
-        # helpers`, `sk-ant-design-...`) is an identifier, not a key.
-        _Kind(
-            "anthropic_key",
-            rf"\bsk-ant-[A-Za-z0-9]{{2,10}}-{_KEY_BODY}",
-            needles=("sk-ant-",),
+    ),
+    _Kind(
+        "url_password",
+        # The password or key of a `;`-separated connection string: ADO.NET
+        # `...;Password=x;`, Azure Storage `AccountKey=...`, Service Bus `SharedAccessKey=`.
+        # No spaces around the `=` and no parentheses: `;password = getpw();` is code.
+        r"; ?(?ai:password|pwd)=(?P<secret>(?![{$\[])[^;\s\"'<>()\\]+)"
+        + "|"
+        + _token("[AS]", r"(?:ccountKey|haredAccessKey)=", before="[A-Za-z]")
+        + r"(?P<secret2>[A-Za-z0-9+/%]{20,}=*)",
+        needles=("AccountKey=", "SharedAccessKey="),
+        needles_ci=("password=", "pwd="),
+    ),
+    _Kind("email", _EMAIL, needles=("@",)),
+    _Kind(
+        "credit_card",
+        # Not touching a letter or digit on either side, nor a dash-joined one: a digit
+        # run inside a hex hash or a UUID is not a card number.
+        _token(
+            r"\d",
+            rf"(?<!{_WD}-\d)(?:[ -]?\d){{12,18}}(?!{_WD}|\.\d|-{_WD})",
+            before=r"[A-Za-z_\d.]",
         ),
-        _Kind(
-            "openai_key",
-            rf"\bsk-(?:proj-|svcacct-|admin-|None-)?{_KEY_BODY}",
-            needles=("sk-",),
-        ),
-        _Kind(
-            "aws_access_key",
-            # The key id, and its 40-character secret where it is recognisable: right after
-            # the id (the IAM credentials CSV) or after a `secret access key` name (the
-            # credentials file, env vars, boto3 arguments, STS JSON). The id alone is not
-            # the credential; leaving the secret next to it would leak the part that is.
-            rf"\b{_AWS_KEY_ID}\b"
-            rf"|(?<=\b{_AWS_KEY_ID}[ \t,;:|]){_AWS_SECRET}"
-            r"|(?i:aws[_-]?secret[_-]?key|secret[_-]?access[_-]?key)(?:\\?[\"'])?[ \t]*"
-            rf"(?:=>|[:=])[ \t]*(?:\\?[\"'])?(?P<secret>{_AWS_SECRET})",
-            needle_regex=r"A(?:KIA|SIA|BIA|CCA|ROA|IDA)|(?i:secret[_-]?(?:access|key))",
-        ),
-        _Kind(
-            "github_token",
-            r"\b(?:(?:ghp|gho|ghu|ghs|ghr)_[A-Za-z0-9]{36,}|github_pat_[A-Za-z0-9_]{40,})\b",
-            needles=("ghp_", "gho_", "ghu_", "ghs_", "ghr_", "github_pat_"),
-        ),
-        _Kind(
-            "gitlab_token",  # personal, project, deploy, runner, trigger, OAuth app tokens
-            r"\bgl(?:pat|dt|rt|ptt|cbt|oas|imt|ft|soat)-[A-Za-z0-9_-]{20,}",
-            # No `\b` in a needle: `redact_obj` searches JSON text, where the newline
-            # before a token at the start of a line is `\n`, a word character before it.
-            needle_regex=r"gl[a-z]{2,4}-",
-        ),
-        _Kind(
-            "slack_token",  # bot/user tokens, app-level tokens, incoming-webhook URLs
-            r"\bxox[abposre]-[A-Za-z0-9-]{10,}|\bxapp-[0-9]-[A-Za-z0-9-]{10,}"
-            r"|\bhooks\.slack\.com/(?:services|workflows)/[A-Za-z0-9/_-]{20,}",
-            needles=("xox", "xapp-", "hooks.slack.com/"),
-        ),
-        _Kind(
-            "stripe_key",
-            r"\b[rs]k_(?:live|test)_[A-Za-z0-9]{16,}",
-            needles=("k_live_", "k_test_"),
-        ),
-        _Kind("huggingface_token", r"\bhf_[A-Za-z0-9]{30,}\b", needles=("hf_",)),
-        _Kind("google_api_key", r"\bAIza[0-9A-Za-z_-]{35}", needles=("AIza",)),
-        _Kind(
-            "bearer_token",
-            r"\b(?i:bearer)[ \t]+[A-Za-z0-9._~+/-]{16,}=*",
-            needle_regex=r"(?i:earer)",
-        ),
-        _Kind(
-            "basic_auth",  # only after an Authorization name: "basic" is a common word
-            # Quotes may be escaped (`\"authorization\": \"Basic ...\"`: nested JSON in a
-            # tool's string argument), as for the AWS secret's name above.
-            r"(?i:authorization(?:\\?[\"'])?[ \t]*[:=][ \t]*(?:\\?[\"'])?basic)[ \t]+"
-            r"(?P<secret>[A-Za-z0-9+/]{8,}={0,2})",
-            needle_regex=r"(?i:basic)",
-        ),
-        _Kind(
-            "url_password",  # scheme://user:password@host keeps all but the password
-            # Userinfo lives only in the authority, which ends at the first `/`, `?` or `#`:
-            # an `@` in the path, query or fragment (`host:8000?email=a@b.com`) is not a
-            # password. The one exception: a pasted DSN's unescaped `P#ss` / `pa?ss` is still
-            # a secret, so `?` and `#` may sit in the password unless the text before them is
-            # a port (digits: `host:8000?` ends the authority). The password runs to the
-            # authority's last `@` (as urllib reads it), so an unescaped `P@ssw0rd` goes
-            # whole. No part crosses a `"` or an angle bracket (never valid in userinfo), so
-            # `{"u":"http://host:80","to":"a@b.co"}` does not read as a password running into
-            # the next JSON string; the extra `@` parts stop at a `'` too. The user part holds
-            # no `[`: `http://[::1]:8000` is a host.
-            r"\b[A-Za-z][A-Za-z0-9+.-]*://[^/?#\s:@\"<>\[\]]*:"
-            r"(?P<secret>(?!\d*[?#])[^/\s@\"<>]+(?:@[^/?#\s@\"'<>]+)*)@",
-            needles=("://",),
-        ),
-        _Kind(
-            "email",
-            r"\b[A-Za-z0-9._%+-]+@[A-Za-z0-9-]+(?:\.[A-Za-z0-9-]+)*\.[A-Za-z]{2,}\b",
-            needles=("@",),
-        ),
-        _Kind(
-            "credit_card",
-            # Not touching a letter or digit on either side, nor a dash-joined one: a digit
-            # run inside a hex hash or a UUID is not a card number.
-            r"(?<![\w.])(?<!\w-)\d(?:[ -]?\d){12,18}(?!\w|\.\d|-\w)",
-            _credit_card_ok,
-            needle_regex=_DIGIT_RUN,
-        ),
-        _Kind(
-            "phone",
-            r"(?<![\w+.])(?:\+\d{1,3}[ .-]?(?:\(\d{1,4}\)[ .-]?)?\d{1,4}(?:[ .-]?\d{2,4}){1,4}"
-            r"|\(\d{3}\)[ .-]?\d{3}[ .-]\d{4}|\d{3}[.-]\d{3}[.-]\d{4})(?!\w|\.\d)",
-            _phone_ok,
-            needle_regex=_DIGIT_RUN,
-        ),
-    )
-}
+        _credit_card_ok,
+        needle_regex=_DIGIT_RUN,
+    ),
+    _Kind(
+        "phone",
+        "(?:"
+        + _token(
+            r"\+",
+            r"\d{1,3}[ .-]?(?:\(\d{1,4}\)[ .-]?)?\d{1,4}(?:[ .-]?\d{2,4}){1,4}",
+            before=r"[A-Za-z_\d+.]",
+        )
+        + "|"
+        + _token(r"\(", r"\d{3}\)[ .-]?\d{3}[ .-]\d{4}", before=r"[A-Za-z_\d+.]")
+        + "|"
+        + _token(r"\d", r"\d{2}[.-]\d{3}[.-]\d{4}", before=r"[A-Za-z_\d+.]")
+        + rf")(?!{_WD}|\.\d)",
+        _phone_ok,
+        needle_regex=_DIGIT_RUN,
+    ),
+)
+_BUILTIN: dict[str, list[_Kind]] = {}
+for _pass in _BUILTIN_PASSES:
+    _BUILTIN.setdefault(_pass.name, []).append(_pass)
 assert tuple(_BUILTIN) == BUILTIN_REDACTION_KINDS
 _MIN_BUILTIN_LENGTH = 6  # the shortest text any built-in kind matches
 
 
-def _needle_source(kind: _Kind) -> str | None:
-    if kind.needle_regex is not None:
-        return kind.needle_regex
-    if not kind.needles:
-        return None
-    return "|".join(re.escape(n) for n in dict.fromkeys(kind.needles))
+_SECRET_GROUP = re.compile(r"secret\d*")
 
 
-def _needle_regex(kinds: list[_Kind]) -> re.Pattern[str] | None:
-    """A pattern that finds any needle of these kinds; None when one of them has none (it
-    must always run)."""
-    sources = [_needle_source(kind) for kind in kinds]
-    if not sources or any(source is None for source in sources):
-        return None
-    return re.compile("|".join(dict.fromkeys(s for s in sources if s is not None)))
+class _Needles:
+    """Whether a text holds any needle of some kinds: a necessary condition for any of their
+    patterns to match. Literals are searched as one alternation (Python's `re` finds
+    literals fast, but an alternation that mixes in a case-blind part or a character class
+    is tried at every position: several times slower), the case-blind literals with `in` on
+    the lower-cased text, each other regex on its own."""
+
+    def __init__(self, kinds: Iterable[_Kind]) -> None:
+        kinds = list(kinds)
+        self.always = any(not (k.needles or k.needles_ci or k.needle_regex) for k in kinds)
+        literals = dict.fromkeys(n for k in kinds for n in k.needles)
+        self._literals = re.compile("|".join(map(re.escape, literals))) if literals else None
+        self._regexes = [
+            re.compile(r) for r in dict.fromkeys(k.needle_regex for k in kinds) if r is not None
+        ]
+        self._folded = tuple(dict.fromkeys(n.lower() for k in kinds for n in k.needles_ci))
+
+    def search(self, text: str, lowered: list[str]) -> bool:
+        """`lowered` caches `text.lower()` between the calls for one text."""
+        if self.always:
+            return True
+        if self._literals is not None and self._literals.search(text) is not None:
+            return True
+        if any(regex.search(text) is not None for regex in self._regexes):
+            return True
+        if not self._folded:
+            return False
+        if not lowered:
+            lowered.append(text.lower())
+        return any(needle in lowered[0] for needle in self._folded)
 
 
 def replacement_for(kind: str) -> str:
@@ -233,13 +409,12 @@ class Redactor:
         # No built-in kind matches fewer than 6 characters (`a@b.co`), so shorter strings
         # are skipped; an operator's pattern may match less (a 5-character id).
         self._min_length = 1 if selected else _MIN_BUILTIN_LENGTH
-        selected += [kind for name, kind in _BUILTIN.items() if name in kinds]
-        self.kinds: tuple[str, ...] = tuple(k.name for k in selected)
+        selected += [kind for name, passes in _BUILTIN.items() if name in kinds for kind in passes]
+        self.kinds: tuple[str, ...] = tuple(dict.fromkeys(k.name for k in selected))
         # One search per string decides whether any pass can match at all: most strings in
-        # a trajectory hold none of the needles, and a regex search is far cheaper than a
-        # Python loop over every kind's needles.
-        self._passes = [(kind, re.compile(kind.regex), _needle_regex([kind])) for kind in selected]
-        self._any_needle = _needle_regex(selected)
+        # a trajectory hold none of the needles.
+        self._passes = [(kind, re.compile(kind.regex), _Needles([kind])) for kind in selected]
+        self._any_needle = _Needles(selected)
 
     @classmethod
     def from_config(cls, config: RedactionConfig) -> Redactor:
@@ -249,17 +424,27 @@ class Redactor:
         """Return the redacted text and how many matches of each kind were replaced."""
         if not self.enabled or len(text) < self._min_length:
             return text, {}
-        if self._any_needle is not None and self._any_needle.search(text) is None:
+        lowered: list[str] = []
+        if not self._any_needle.search(text, lowered):
             return text, {}
         counts: dict[str, int] = {}
         for kind, pattern, needle in self._passes:
-            if needle is not None and needle.search(text) is None:
+            if not needle.search(text, lowered):
                 continue
-            text = pattern.sub(self._replacer(kind, counts), text)
+            redacted = pattern.sub(self._replacer(kind, pattern, counts), text)
+            if redacted != text:
+                text = redacted
+                lowered.clear()  # the next pass searches the redacted text
         return text, counts
 
     @staticmethod
-    def _replacer(kind: _Kind, counts: dict[str, int]) -> Callable[[re.Match[str]], str]:
+    def _replacer(
+        kind: _Kind, pattern: re.Pattern[str], counts: dict[str, int]
+    ) -> Callable[[re.Match[str]], str]:
+        # A pattern marks its secret with a group named `secret` (one alternative may use
+        # `secret2`, `secret3`, ...: a group name can occur only once in a pattern).
+        secret_groups = [name for name in pattern.groupindex if _SECRET_GROUP.fullmatch(name)]
+
         def replace(match: re.Match[str]) -> str:
             found = match.group()
             if not found:
@@ -270,12 +455,15 @@ class Redactor:
             if kind.validate is not None and not kind.validate(found):
                 return found
             counts[kind.name] = counts.get(kind.name, 0) + 1
-            if "secret" in match.re.groupindex and match.start("secret") >= 0:
-                # Only the named group is the secret; the rest (a URL's host, a header
-                # name) stays readable.
-                start, end = match.span("secret")
-                offset = match.start()
-                return found[: start - offset] + replacement_for(kind.name) + found[end - offset :]
+            for group in secret_groups:
+                if match.start(group) >= 0:
+                    # Only the named group is the secret; the rest (a URL's host, a header
+                    # name) stays readable.
+                    start, end = match.span(group)
+                    offset = match.start()
+                    return (
+                        found[: start - offset] + replacement_for(kind.name) + found[end - offset :]
+                    )
             return replacement_for(kind.name)
 
         return replace
@@ -283,20 +471,25 @@ class Redactor:
     def redact_obj(self, obj: Any) -> tuple[Any, RedactionCounts]:
         """A copy of a JSON-like structure with every string (values and keys) redacted.
 
-        When no needle occurs anywhere in the structure's JSON text (the usual case), nothing
-        can be redacted and `obj` itself is returned: callers must not modify the result.
-        JSON writes every needle character as itself, and no needle depends on what comes
-        before it (no word boundary: an escaped newline is a backslash and an `n`), so the
-        one search over the encoded text is a necessary condition for any string inside to
-        need redaction."""
+        Only JSON types are walked: str, int, float, bool, None, lists (and tuples) and
+        mappings with such keys. Anything else (bytes, a dataclass, a msgspec Struct, a set)
+        raises TypeError rather than being passed through unread: its text could hold a
+        secret this walk would never see.
+
+        When no needle occurs anywhere in the structure's encoded text (the usual case),
+        nothing can be redacted and `obj` itself is returned: callers must not modify the
+        result. The text is the MessagePack encoding read as UTF-8: every string (and the
+        content of any bytes value) appears in it as itself, and no needle depends on what
+        comes before it, so the one search is a necessary condition for any string inside to
+        need redaction (JSON, by contrast, writes bytes as base64, which hides a needle)."""
         if not self.enabled:
             return obj, {}
-        if self._any_needle is not None:
+        if not self._any_needle.always:
             try:
-                text = _encode_json(obj).decode("utf-8")
+                text = _encode_msgpack(obj).decode("utf-8", "surrogateescape")
             except (TypeError, ValueError, OverflowError):
-                text = None  # not plain JSON (e.g. a tuple key): walk it
-            if text is not None and self._any_needle.search(text) is None:
+                text = None  # not encodable (a lone surrogate, a huge int): walk it
+            if text is not None and not self._any_needle.search(text, []):
                 return obj, {}
         counts: Counter[str] = Counter()
         result = self._walk(obj, counts)
@@ -316,8 +509,7 @@ class Redactor:
         if kind is dict or isinstance(obj, Mapping):
             # Keys too: client metadata may be keyed by an e-mail address or a key.
             return {
-                (self._walk(key, counts) if type(key) is str else key): self._walk(value, counts)
-                for key, value in obj.items()
+                self._walk_key(key, counts): self._walk(value, counts) for key, value in obj.items()
             }
         if kind is list or isinstance(obj, list | tuple):
             if (
@@ -327,7 +519,24 @@ class Redactor:
             ):
                 return list(obj)  # token ids, logprobs: nothing to redact
             return [self._walk(value, counts) for value in obj]
-        return obj
+        if obj is None or isinstance(obj, int | float):  # bool is an int
+            return obj
+        raise _unsupported(obj)
+
+    def _walk_key(self, key: Any, counts: Counter[str]) -> Any:
+        if isinstance(key, str):
+            return self._walk(key, counts)
+        if key is None or isinstance(key, int | float):
+            return key
+        raise _unsupported(key, "dict key")
+
+
+def _unsupported(obj: Any, what: str = "value") -> TypeError:
+    return TypeError(
+        f"cannot redact a {what} of type {type(obj).__name__}: only JSON types (str, int, "
+        "float, bool, None, lists, dicts) are walked, and anything else could hold a secret "
+        "that would pass unread; convert it first (e.g. msgspec.to_builtins)"
+    )
 
 
 def merge_counts(*all_counts: Mapping[str, int]) -> RedactionCounts:

@@ -58,6 +58,20 @@ async def run_gate_suite(
     """Gate `candidate` (a served adapter name) against `incumbent` (a served name, `base`
     when nothing was promoted yet) on the vLLM endpoint at `base_url` (no /v1 suffix)."""
     started = time.time()
+    for role, name in (("incumbent", incumbent), ("base", base)):
+        if candidate == name:
+            # Every gate compares the candidate with the incumbent or the base: against
+            # itself each comparison holds trivially and the suite would pass on no evidence.
+            reason = f"the candidate {candidate!r} is also the {role}: nothing to compare"
+            log.error("gate_suite_refused", candidate=candidate, reason=reason)
+            return GateReport(
+                passed=False,
+                results=[GateResult.failed_closed("suite", reason)],
+                candidate=candidate,
+                incumbent=incumbent,
+                base=base,
+                started_at=started,
+            )
     sampling = config.sampling
     client = VllmClient(
         base_url,

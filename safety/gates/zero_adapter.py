@@ -9,6 +9,7 @@ request on the LoRA path, where each request gets its own adapter. The gate suit
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -18,17 +19,38 @@ WEIGHTS = "adapter_model.safetensors"
 CONFIG = "adapter_config.json"
 
 
+# A LoRA pair's tensors: `...q_proj.lora_A.weight` / `lora_B`, and for an embedding layer
+# `...embed_tokens.lora_embedding_A` / `lora_embedding_B`.
+_LORA_TENSOR = re.compile(r"\.lora_(?:embedding_)?([AB])(?:\.|$)")
+
+
 def write_zero_adapter(like: Path, out: Path) -> Path:
-    """Copy the PEFT adapter at `like` (same base model, targets and rank) with every
-    `lora_B` tensor zeroed, so its output equals the base model's."""
+    """Copy the PEFT adapter at `like` (same base model, targets and rank) with every LoRA B
+    tensor zeroed, so its output equals the base model's.
+
+    Only plain LoRA pairs can be neutralised that way. The gates use this adapter as the
+    base model (and as the first incumbent), and `like` is usually the candidate itself: an
+    embedding's `lora_embedding_B` left as trained, a DoRA magnitude vector, a full
+    `modules_to_save` layer or a trained bias would carry the candidate's own changes into
+    the "base", and every comparison with it would understate them. Such an adapter is
+    refused (ValueError) rather than copied."""
     like, out = Path(like), Path(out)
     if not (like / WEIGHTS).is_file() or not (like / CONFIG).is_file():
         raise FileNotFoundError(f"{like} is not a PEFT adapter ({CONFIG} + {WEIGHTS})")
     tensors = load_file(like / WEIGHTS)
+    kinds = {name: _LORA_TENSOR.search(name) for name in tensors}
+    other = sorted(name for name, match in kinds.items() if match is None)
+    if other:
+        raise ValueError(
+            f"{like / WEIGHTS} holds tensors that zeroing LoRA B does not neutralise "
+            f"({', '.join(other[:3])}{', ...' if len(other) > 3 else ''}): a zero adapter "
+            "made from it would not equal the base model"
+        )
     zeroed = {
-        name: (tensor.zero_() if "lora_B" in name else tensor) for name, tensor in tensors.items()
+        name: (tensor.zero_() if (match := kinds[name]) and match.group(1) == "B" else tensor)
+        for name, tensor in tensors.items()
     }
-    if not any("lora_B" in name for name in zeroed):
+    if not any(match.group(1) == "B" for match in kinds.values() if match):
         raise ValueError(f"{like / WEIGHTS} holds no lora_B tensors")
     out.mkdir(parents=True, exist_ok=True)
     shutil.copyfile(like / CONFIG, out / CONFIG)

@@ -141,6 +141,16 @@ def test_audit_verify_accepts_a_directory_with_a_log(tmp_path: Path) -> None:
     assert "audit log OK: 2 records" in done.stdout
 
 
+def test_audit_verify_names_a_copy_beside_the_log_it_did_not_read(tmp_path: Path) -> None:
+    log = AuditLog(tmp_path / "audit.jsonl", fsync=False)
+    log.append("admin", "freeze", {})
+    (tmp_path / "audit.jsonl.20240501").write_text("an operator's dated copy\n")
+    done = olp("audit", "verify", str(tmp_path))
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "not part of the chain, not read: " in done.stdout
+    assert "audit.jsonl.20240501" in done.stdout and "audit log OK: 1 records" in done.stdout
+
+
 def test_audit_show_on_a_damaged_log(tmp_path: Path) -> None:
     path = tmp_path / "audit.jsonl"
     path.write_text("this is not a record\n")

@@ -551,3 +551,78 @@ def test_rotations_of_a_log_whose_name_holds_glob_characters_are_found(
     result = verify(path)
     assert (result.ok, result.records) == (True, 20)
     assert [r["seq"] for r in iter_records(path)] == list(range(1, 21))
+
+
+def _rotated_log(path: Path, records: int = 20) -> AuditLog:
+    audit = AuditLog(path, rotate_bytes=1024)
+    for index in range(records):
+        audit.append("learner", "promotion", {"version": f"policy-v{index}", "pad": "x" * 100})
+    return audit
+
+
+@pytest.mark.parametrize("name", ["audit.jsonl", "audit"])
+def test_files_named_like_segments_beside_the_log_are_not_part_of_the_chain(
+    tmp_path: Path, name: str
+) -> None:
+    # A dated copy (`audit.jsonl.20240501`, or `audit.2024` beside a log named `audit`), a
+    # zero-padded or non-ASCII number, a directory: none is a segment the writer made.
+    # They used to be read as rotations: `verify` reported tampering (or crashed: `int()`
+    # cannot read `²`), and once the live file was empty after a rotation, appends took the
+    # copy's last record for the chain's and refused to write.
+    live = tmp_path / name
+    audit = _rotated_log(live)
+    segments = sorted(tmp_path.glob(f"{name}.[0-9]"))
+    assert len(segments) >= 2
+    strays = [tmp_path / f"{name}.{suffix}" for suffix in ("2024", "20240501", "01", "²", "١")]
+    for stray in strays:
+        stray.write_bytes(live.read_bytes() or segments[0].read_bytes())
+    (tmp_path / f"{name}.99").mkdir()
+    strays.append(tmp_path / f"{name}.99")
+
+    result = verify(live)
+    assert (result.ok, result.records, result.first_bad_seq) == (True, 20, None), result.reason
+    assert sorted(result.ignored) == sorted(str(stray) for stray in strays)
+    assert result.files == [*map(str, segments), str(live)]
+    assert [r["seq"] for r in iter_records(live)] == list(range(1, 21))
+    # Appends and rotations carry on after the real last segment.
+    _write_log_more(audit, 10)
+    assert verify(live).records == 30 and verify(live).ok
+    assert [r["seq"] for r in iter_records(tmp_path / name)] == list(range(1, 31))
+    # Named directly, a copy is read as itself, not as the log it sits beside.
+    assert verify(tmp_path / f"{name}.20240501").files == [str(tmp_path / f"{name}.20240501")]
+    assert verify(segments[-1]).records == 30  # a real segment still means its log
+
+
+def _write_log_more(audit: AuditLog, count: int) -> None:
+    for index in range(count):
+        audit.append("learner", "promotion", {"version": f"more-{index}", "pad": "y" * 100})
+
+
+def test_a_missing_segment_still_fails_and_names_the_segments_left_out(tmp_path: Path) -> None:
+    live = tmp_path / "audit.jsonl"
+    _rotated_log(live, 30)
+    numbered = [p for p in tmp_path.glob("audit.jsonl.*") if p.suffix[1:].isdigit()]
+    segments = sorted(numbered, key=lambda p: int(p.suffix[1:]))
+    assert len(segments) >= 4
+    first_seq_of_second = json.loads(_lines(segments[1])[0])["seq"]
+    segments[1].unlink()
+    result = verify(live)
+    assert (result.ok, result.first_bad_seq) == (False, first_seq_of_second)
+    assert result.ignored == [str(path) for path in segments[2:]]
+    assert all(path.name in result.reason for path in segments[2:])
+
+
+def test_rotation_never_renames_over_a_file_outside_the_chain(tmp_path: Path) -> None:
+    # The next segment's name taken by something that is not a segment (here a directory):
+    # rotation used to `os.replace` onto it (or, for a dated file, continue numbering after
+    # it); now the live file keeps growing and the chain stays whole.
+    live = tmp_path / "audit.jsonl"
+    audit = AuditLog(live, rotate_bytes=1024)
+    (tmp_path / "audit.jsonl.1").mkdir()
+    (tmp_path / "audit.jsonl.1" / "keep").write_text("operator's notes")
+    _write_log_more(audit, 15)
+    assert (tmp_path / "audit.jsonl.1" / "keep").read_text() == "operator's notes"
+    result = verify(live)
+    assert (result.ok, result.records, result.files) == (True, 15, [str(live)])
+    assert result.ignored == [str(tmp_path / "audit.jsonl.1")]
+    assert live.stat().st_size > 1024

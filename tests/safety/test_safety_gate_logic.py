@@ -341,3 +341,79 @@ def test_zero_adapter_zeroes_lora_b_only(make_lora_adapter, tmp_path: Path) -> N
             assert tensor.equal(original[name])
     with pytest.raises(FileNotFoundError, match="not a PEFT adapter"):
         write_zero_adapter(tmp_path, tmp_path / "nothing")
+
+
+class _SameAnswerClient:
+    """Answers every model the same way: any two of them look identical to the gates."""
+
+    def __init__(self, *_: object, **__: object) -> None:
+        pass
+
+    async def chat(self, model: str, messages: list[dict], **kwargs: object) -> object:
+        from safety.gates.client import Completion
+
+        logprobs = [-0.5, -0.5, -0.5] if kwargs.get("logprobs") else None
+        text = "The answer is 42 and it is safe to say so. I can help with that."
+        return Completion(text, [11, 12, 13], logprobs, [1, 2], "stop")
+
+    async def score_tokens(self, model: str, prompt: list[int], target: list[int]) -> list[float]:
+        return [-0.5] * len(target)
+
+    async def aclose(self) -> None:
+        return None
+
+
+@pytest.mark.parametrize("same_as", ["incumbent", "base"])
+async def test_the_suite_refuses_to_gate_a_candidate_against_itself(
+    monkeypatch: pytest.MonkeyPatch, same_as: str
+) -> None:
+    # Every gate compares the candidate with the incumbent or the base model. Named as
+    # either, each comparison held trivially and the suite passed on no evidence.
+    import safety.gates.suite as suite
+
+    monkeypatch.setattr(suite, "VllmClient", _SameAnswerClient)
+    names = {"candidate": "policy-v8", "incumbent": "policy-v7", "base": "zero-base"}
+    sound = await suite.run_gate_suite(GatesConfig(), base_url="http://unused", **names)
+    assert sound.passed  # the fake server makes every gate pass between distinct names
+    names[same_as] = "policy-v8"
+    report = await suite.run_gate_suite(GatesConfig(), base_url="http://unused", **names)
+    assert not report.passed and report.failed_gates == ["suite"]
+    assert same_as in report.results[0].details["reason"]
+
+
+def test_zero_adapter_zeroes_embedding_lora_b_too_and_refuses_other_tensors(
+    tmp_path: Path,
+) -> None:
+    # An embedding's LoRA pair is `lora_embedding_A`/`lora_embedding_B`: its B was copied as
+    # trained, so the "base" made from the candidate carried the candidate's own embedding
+    # change into every comparison (the KL gate measured less than there was).
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    from safety.gates.zero_adapter import CONFIG, WEIGHTS, write_zero_adapter
+
+    prefix = "base_model.model.model."
+    tensors = {
+        f"{prefix}embed_tokens.lora_embedding_A": torch.ones(4, 16),
+        f"{prefix}embed_tokens.lora_embedding_B": torch.ones(16, 4),
+        f"{prefix}layers.0.self_attn.q_proj.lora_A.weight": torch.ones(4, 16),
+        f"{prefix}layers.0.self_attn.q_proj.lora_B.weight": torch.ones(16, 4),
+    }
+    like = tmp_path / "like"
+    like.mkdir()
+    (like / CONFIG).write_text(json.dumps({"peft_type": "LORA", "r": 4}))
+    save_file(tensors, like / WEIGHTS)
+    zeroed = load_file(write_zero_adapter(like, tmp_path / "zero") / WEIGHTS)
+    assert zeroed.keys() == tensors.keys()
+    for name, tensor in zeroed.items():
+        assert (not tensor.any()) if "_B" in name else tensor.equal(tensors[name])
+
+    # What zeroing B does not undo is refused, not copied into a "base" that is not one.
+    for extra in (
+        f"{prefix}layers.0.self_attn.q_proj.lora_magnitude_vector",  # DoRA
+        "base_model.model.lm_head.weight",  # modules_to_save
+        f"{prefix}layers.0.self_attn.q_proj.bias",
+    ):
+        save_file({**tensors, extra: torch.ones(16)}, like / WEIGHTS)
+        with pytest.raises(ValueError, match="does not neutralise"):
+            write_zero_adapter(like, tmp_path / "refused")

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import time
 
+import msgspec
 import pytest
 
 from safety.config import BUILTIN_REDACTION_KINDS, CustomPattern, RedactionConfig
@@ -56,6 +59,59 @@ CASES: list[tuple[str, str, str]] = [
     ("basic_auth", "Authorization: Basic dXNlcjpzM2NyZXRQYXNzd29yZA==", "dXNlcjpzM2NyZXRQ"),
     ("url_password", "postgres://admin:s3cretP4ss@10.0.0.5:5432/app", "s3cretP4ss"),
     ("url_password", "redis://default:s3cretP4ss@localhost:6379/0", "s3cretP4ss"),
+    # Unescaped `@`, `#`, `?`, `/` in a pasted DSN's password.
+    ("url_password", "https://user:p@ss#w?rd@host/path", "ss#w?rd"),
+    ("url_password", "postgres://u:a/b@db:5432/x", ":a/b@"),
+    # Credentials in a query, a presigned URL, a connection string.
+    ("url_password", "jdbc:sqlserver://db;user=sa;Password=Str0ng!Pass;", "Str0ng!Pass"),
+    (
+        "url_password",
+        "https://acct.blob.core.windows.net/c/b.txt?sv=2022-11-02&sp=r&sig=AbCd%2Bef%3D",
+        "AbCd%2Bef",
+    ),
+    (
+        "url_password",
+        "https://b.s3.amazonaws.com/k?X-Amz-Algorithm=AWS4-HMAC-SHA256&X-Amz-Signature="
+        "4f1c0a9b2e7d8c6a5b4f3e2d1c0b9a8f7e6d5c4b3a2f1e0d9c8b7a6f5e4d3c2b",
+        "4f1c0a9b2e7d",
+    ),
+    (
+        "url_password",
+        "DefaultEndpointsProtocol=https;AccountName=acct;AccountKey=Eby8vdM02xNOcqFlqUwJPLlmEt"
+        "lCDXJ1OUzFT50uSRZ6IFsuFq2UVErCz4I6tq/K1SZFPTOtr/KBHBeksoGMGw==;EndpointSuffix=core.wi"
+        "ndows.net",
+        "Eby8vdM02x",
+    ),
+    # Temporary AWS credentials: the session token goes too.
+    (
+        "aws_access_key",
+        "AWS_SESSION_TOKEN=IQoJb3JpZ2luX2VjEAoaCXVzLWVhc3QtMSJHMEUCIQD" + "Ab1Cd2Ef3" * 9,
+        "IQoJb3JpZ2lu",
+    ),
+    # Google OAuth access token and client secret.
+    (
+        "google_api_key",
+        "gcloud token ya29.a0AfH6SMBx1234567890abcdefghijklmnopqrstuv",
+        "a0AfH6SMBx",
+    ),
+    ("google_api_key", "GOOGLE_CLIENT_SECRET=GOCSPX-AbCdEfGhIjKlMnOpQrStUvWxYz12", "AbCdEfGhIjKl"),
+    # An API-key header (Azure OpenAI's `api-key`, `X-API-Key`), curl's Basic credentials.
+    ("bearer_token", "X-API-Key: 3f2504e04f8911d39a0c0305e82c3301", "3f2504e04f89"),
+    ("bearer_token", '{"api-key": "b2c1f0e9d8c7b6a5f4e3d2c1b0a9f8e7"}', "b2c1f0e9d8c7"),
+    ("bearer_token", "Authorization: Token 9944b09199c62bcf9418ad846dd0e4bbdfc6ee4b", "9944b09"),
+    ("basic_auth", "curl -s -u admin:s3cr3tPass https://api.example.com/v1", "s3cr3tPass"),
+    # Unsigned (`alg: none`) and encrypted (five-part) JWTs.
+    (
+        "jwt",
+        "id_token=eyJhbGciOiJub25lIn0.eyJzdWIiOiIxMjM0NTY3ODkwIn0.",
+        "eyJzdWIiOiIxMjM0NTY3ODkw",
+    ),
+    (
+        "jwt",
+        "session=eyJhbGciOiJkaXIiLCJlbmMiOiJBMjU2R0NNIn0..kZ3vQ1x2Y3z4A5b6.AbCdEfGhIjKlMnOpQrSt"
+        "UvWx.Zx9Yw8Vu7Ts6Rq5P",
+        "AbCdEfGhIjKlMnOp",
+    ),
 ]
 
 
@@ -432,3 +488,230 @@ def test_a_custom_pattern_that_matches_nothing_inserts_nothing(regex: str) -> No
     text = "see TICK-12 and a ticket"
     assert redactor.redact_text(text) == (text, {})
     assert redactor.redact_obj({"note": text}) == ({"note": text}, {})
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        (
+            "https://user:p@ss#w?rd@host/path",
+            "https://user:[REDACTED:url_password]@host/path",
+        ),
+        ("postgres://u:a/b@db:5432/x", "postgres://u:[REDACTED:url_password]@db:5432/x"),
+        (
+            "amqp://guest:gu/e?st#1@rabbit:5672/",
+            "amqp://guest:[REDACTED:url_password]@rabbit:5672/",
+        ),
+        ("mysql://root:a@b?c#d@db/app", "mysql://root:[REDACTED:url_password]@db/app"),
+        ("redis://:s3/cr@t@cache:6379/0", "redis://:[REDACTED:url_password]@cache:6379/0"),
+        (
+            'DATABASE_URL="postgres://app:x/y?z@db.internal:5432/app?sslmode=require"',
+            'DATABASE_URL="postgres://app:[REDACTED:url_password]@db.internal:5432/app'
+            '?sslmode=require"',
+        ),
+    ],
+)
+def test_a_url_password_with_an_at_hash_question_mark_or_slash_is_redacted_whole(
+    text: str, expected: str
+) -> None:
+    # Strictly the authority ends at the first `/`, `?` or `#`, so `p@ss#w?rd@host` read as
+    # host `ss`: the password's tail after its first `@` (or everything after a `/`) leaked.
+    assert Redactor().redact_text(text) == (expected, {"url_password": 1})
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        # An `@` in the path or query of a URL without a password stays (or is an e-mail).
+        ("http://localhost:8000/p?email=a@b.com", "http://localhost:8000/p?email=[REDACTED:email]"),
+        ("https://cdn.jsdelivr.net/npm/pkg@1.0/dist/x.js", None),
+        ("https://medium.com/@author/a-post", None),
+        ("docker pull registry:5000/img@sha256:0123abcd", None),
+        ("http://{host}:{port}/users/{uid}@v2", None),
+        ("http://host:port/path@v", None),
+        ("http://${HOST}:${PORT}/a@b", None),
+        # `user@host` without a password.
+        ("ssh://deploy@buildhost:22/srv/app", None),
+        ("http://user@host:8080/path@x", None),
+        # With a password, the path's or query's `@` is not part of it.
+        (
+            "https://u:pw@registry.example.com/@babel/core",
+            "https://u:[REDACTED:url_password]@registry.example.com/@babel/core",
+        ),
+        (
+            "https://u:tok@host?to=a@b.com",
+            "https://u:[REDACTED:url_password]@host?to=[REDACTED:email]",
+        ),
+        ("write to jane.doe@example.com", "write to [REDACTED:email]"),
+    ],
+)
+def test_urls_and_addresses_around_url_passwords_are_not_mangled(
+    text: str, expected: str | None
+) -> None:
+    assert Redactor().redact_text(text)[0] == (text if expected is None else expected)
+
+
+@pytest.mark.parametrize(("kind", "text", "secret"), CASES)
+def test_a_secret_in_json_text_held_in_a_string_is_redacted_and_the_json_stays_valid(
+    kind: str, text: str, secret: str
+) -> None:
+    # A tool call's `arguments` (or a tool result) is JSON text inside a string: a line
+    # break there is the two characters `\n`, a word character before the next line. `\b`
+    # does not hold after it, so `\nAKIA...` / `\nsk-...` used to leave unredacted; and an
+    # e-mail was cut from the `n`, leaving `\[REDACTED:email]`, which is not valid JSON.
+    redactor = Redactor()
+    value = f"first line\n{text}"
+    arguments = json.dumps({"content": value})
+    redacted, counts = redactor.redact_obj({"arguments": arguments})
+    assert secret not in redacted["arguments"]
+    assert json.loads(redacted["arguments"]) == {"content": redactor.redact_text(value)[0]}
+    assert counts == {kind: 1}
+    escaped_unicode = json.dumps({"content": f"\u00e9{text}"})  # `\u00e9` right before it
+    assert secret not in redactor.redact_text(escaped_unicode)[0]
+
+
+@dataclasses.dataclass
+class _Note:
+    text: str
+
+
+class _Struct(msgspec.Struct):
+    text: str
+
+
+@pytest.mark.parametrize(
+    "value",
+    [
+        b"OPENAI_API_KEY=sk-proj-Abc123def456GHI789jkl012MNO345",
+        bytearray(b"mail bob@example.com"),
+        _Note("mail bob@example.com"),
+        _Struct("mail bob@example.com"),
+        {"mail bob@example.com"},
+    ],
+    ids=["bytes", "bytearray", "dataclass", "struct", "set"],
+)
+def test_redact_obj_refuses_types_it_cannot_read(value: object) -> None:
+    # These used to come back as they were: the walk only looks into str, dicts and lists.
+    # (Bytes were not even searched: JSON writes them as base64, hiding every needle.)
+    with pytest.raises(TypeError, match="cannot redact a value of type"):
+        Redactor().redact_obj({"request": {"blob": value}})
+    with pytest.raises(TypeError, match="cannot redact a dict key of type"):
+        Redactor().redact_obj({("bob@example.com", 1): "x"})
+
+
+def test_redact_obj_still_walks_every_json_type() -> None:
+    class Name(str):
+        pass
+
+    body = {
+        "a": ("mail bob@example.com", 1, 2.5, True, None),
+        1: "call +1 415 555 0100",
+        Name("bob@example.com"): [None, False],
+    }
+    redacted, counts = Redactor().redact_obj(body)
+    assert redacted == {
+        "a": ["mail [REDACTED:email]", 1, 2.5, True, None],
+        1: "call [REDACTED:phone]",
+        "[REDACTED:email]": [None, False],
+    }
+    assert counts == {"email": 2, "phone": 1}
+    clean = {"blob": b"\x00\x01 no needle", "n": 1}
+    assert Redactor().redact_obj(clean) == (clean, {})  # nothing that could match: as is
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "sk-" * 30_000,
+        "a." * 50_000 + "@",
+        "a-" * 50_000 + "@",
+        "a@" + "b." * 50_000,
+        "-----BEGIN PRIVATE KEY-----x" * 4_000,
+        "eyJa-" * 20_000,
+        "curl -u " * 12_000,
+        "x://y:z/" * 12_000,
+    ],
+    ids=["sk", "dotted-local", "dashed-local", "dotted-domain", "begin", "eyJ", "curl", "urls"],
+)
+def test_pathological_text_is_redacted_in_linear_time(text: str) -> None:
+    # Each of these made a pattern rescan the rest of the text from every candidate start
+    # (20-40 s for 100 KB); the proxy redacts what clients send, so that was a cheap way to
+    # tie up its sink worker.
+    started = time.perf_counter()
+    Redactor().redact_text(text)
+    assert time.perf_counter() - started < 2.0
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "docker run -u 1000:1000 img && python -u main.py",
+        "curl -u $USER:$PASS https://api.example.com/",
+        "var a = b;password = getpw();",
+        "conn = 'Server=x;Database=y;Password=' + pw",
+        'url = f"https://api.example.com/v1?token={token}&page={page}"',
+        "GET /admin/ui/login?token=... opens the UI",
+        "headers = {'x-api-key': settings.OPENAI_API_KEY_VALUE}",
+        "X-Api-Key: <your key here>",
+        "The session_token= and api_key= parameters are documented below.",
+        "x = 1//0 if debug else 2",
+        "Send the Authorization: Token header with each request; see Authorization: Key docs.",
+    ],
+)
+def test_lookalikes_of_query_header_and_connection_string_credentials_stay(text: str) -> None:
+    assert Redactor().redact_text(text) == (text, {})
+
+
+def test_each_pass_needle_is_found_wherever_its_pattern_matches() -> None:
+    # Passes are skipped when their needle is absent, and `redact_obj` skips the whole
+    # object: a needle that misses a match would let that secret through unread.
+    redactor = Redactor()
+    for _, text, _ in CASES:
+        for variant in (text, text.upper(), text.lower(), json.dumps(text)):
+            for kind, pattern, needle in redactor._passes:
+                if pattern.search(variant):
+                    assert needle.search(variant, []), (kind.name, variant)
+
+
+@pytest.mark.parametrize(
+    "secret",
+    [
+        "AKIAIOSFODNN7EXAMPLE",
+        "sk-proj-Abc123def456GHI789jkl012MNO345",
+        "ghp_" + "A1b2C3d4E5" * 4,
+        "glpat-xYz12AbC34dEf56GhI78jK",
+        "xoxb-1234567890-0987654321-AbCdEfGhIjKl",
+        "sk_live_51H8xAbCdEfGhIjKlMnOp",
+        "hf_" + "AbCdEfGhIj" * 3 + "Klmn",
+        "AIzaSyA1b2C3d4E5f6G7h8I9j0K1l2M3n4O5p6Q",
+        JWT,
+        "Bearer abc123DEF456ghi789.jkl",
+        "bob@example.com",
+        "4111 1111 1111 1111",
+        "+1 415 555 0100",
+    ],
+)
+@pytest.mark.parametrize("escape", ["\n", "\t", "\r", "\u00e9"])
+def test_a_secret_right_after_an_escape_in_json_text_is_redacted(secret: str, escape: str) -> None:
+    # An `.env` file or a log in a tool result that is itself JSON: each line's first
+    # token follows `\n` (or `\u00e9`), whose last character is a word character.
+    redactor = Redactor()
+    value = f"A=1{escape}{secret}{escape}B=2"
+    arguments = json.dumps({"content": value})
+    redacted, counts = redactor.redact_text(arguments)
+    assert secret not in redacted
+    assert sum(counts.values()) == 1
+    assert json.loads(redacted) == {"content": redactor.redact_text(value)[0]}
+
+
+@pytest.mark.parametrize(("kind", "text", "secret"), CASES)
+@pytest.mark.parametrize("before", ["密钥是", "トークン", "ключ"])
+def test_a_secret_right_after_non_ascii_text_is_redacted(
+    before: str, kind: str, text: str, secret: str
+) -> None:
+    # Chinese and Japanese put no space between a word and what follows it. With Unicode
+    # word boundaries, `密钥是sk-...`, `邮箱bob@example.com` or a card number after a CJK
+    # character had no boundary before it and went out as it was.
+    redacted, counts = Redactor().redact_text(before + text)
+    assert secret not in redacted
+    assert counts == {kind: 1}

@@ -31,6 +31,8 @@ from safety.audit import AuditLog
 
 log = structlog.get_logger(__name__)
 
+DOWN_RECHECK_S = 2.0
+
 
 class AdapterReloader:
     """`check()` once; `start(interval_s)` runs it on a thread until `close()`."""
@@ -50,6 +52,9 @@ class AdapterReloader:
         self._failing: dict[tuple[str, str], str] = {}
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        # A replica did not answer the last check: it may be restarting, so the next check
+        # comes sooner (its adapters are missing from the moment it answers).
+        self.replica_down = False
 
     def check(self) -> list[tuple[str, str]]:
         """Load every routed version a reachable replica lacks; returns (replica, version)
@@ -60,6 +65,7 @@ class AdapterReloader:
             log.warning("adapter_reload_check_skipped", reason=f"proxy status: {exc}")
             return []
         reloaded: list[tuple[str, str]] = []
+        self.replica_down = False
         for url in self.replicas.base_urls:
             if not wanted:
                 break
@@ -68,6 +74,7 @@ class AdapterReloader:
             except (httpx.HTTPError, ValueError, KeyError, TypeError) as exc:
                 # Down or still starting: the next check finds it up.
                 log.info("adapter_reload_replica_unreachable", replica=url, error=str(exc))
+                self.replica_down = True
                 continue
             for name in sorted(wanted - served, key=version_number):
                 if self._reload(url, name):
@@ -104,7 +111,9 @@ class AdapterReloader:
             return
 
         def loop() -> None:
-            while not self._stop.wait(interval_s):
+            while not self._stop.wait(
+                min(interval_s, DOWN_RECHECK_S) if self.replica_down else interval_s
+            ):
                 try:
                     self.check()
                 except Exception:  # one bad check must not end the checks

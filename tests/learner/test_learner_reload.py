@@ -1,0 +1,81 @@
+"""AdapterReloader's decisions against fake replicas (the real-vLLM path is in
+tests/promotion/test_promotion.py)."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import httpx
+
+from learner.reload import AdapterReloader
+from safety.audit import AuditLog, iter_records
+
+
+class FakeReplicas:
+    """One replica that is down until `up` is set, then serves `served`."""
+
+    def __init__(self) -> None:
+        self.base_urls = ["http://replica"]
+        self.up = False
+        self.served_names: set[str] = {"base"}
+        self.loads: list[str] = []
+
+    def served(self, url: str) -> set[str]:
+        if not self.up:
+            raise httpx.ConnectError("connection refused")
+        return set(self.served_names)
+
+    def load_on(self, url: str, name: str, path: Path) -> None:
+        self.loads.append(name)
+        self.served_names.add(name)
+
+
+def _adapter(root: Path, name: str) -> None:
+    import hashlib
+
+    path = root / name
+    path.mkdir(parents=True)
+    weights = b"weights of " + name.encode()
+    (path / "adapter_model.safetensors").write_bytes(weights)
+    meta = {"weights_sha256": hashlib.sha256(weights).hexdigest()}
+    (path / "olp_meta.json").write_text(json.dumps(meta))
+
+
+def test_a_restarting_replica_is_checked_again_soon_and_gets_its_adapter(tmp_path: Path) -> None:
+    replicas = FakeReplicas()
+    _adapter(tmp_path / "adapters", "policy-v3")
+    audit = AuditLog(tmp_path / "audit.jsonl", fsync=False)
+    routed = {"base", "policy-v3"}
+    reloader = AdapterReloader(replicas, lambda: routed, audit, tmp_path / "adapters")  # type: ignore[arg-type]
+    assert reloader.check() == [] and reloader.replica_down
+    reloader.start(interval_s=60)  # down: the next check comes within 2 s, not 60
+    try:
+        replicas.up = True
+        deadline = time.monotonic() + 10
+        while "policy-v3" not in replicas.loads and time.monotonic() < deadline:
+            time.sleep(0.1)
+    finally:
+        reloader.close()
+    assert replicas.loads == ["policy-v3"]  # the base is never "reloaded"
+    assert not reloader.replica_down
+    events = [r["event"] for r in iter_records(tmp_path / "audit.jsonl")]
+    assert events == ["adapter_reloaded"]
+
+
+def test_a_pruned_version_is_reported_once_not_at_every_check(tmp_path: Path) -> None:
+    replicas = FakeReplicas()
+    replicas.up = True
+    audit = AuditLog(tmp_path / "audit.jsonl", fsync=False)
+    reloader = AdapterReloader(
+        replicas,  # type: ignore[arg-type]
+        lambda: {"policy-v9"},
+        audit,
+        tmp_path / "adapters",
+    )
+    assert reloader.check() == [] and reloader.check() == []
+    records = list(iter_records(tmp_path / "audit.jsonl"))
+    assert [r["event"] for r in records] == ["adapter_reload_failed"]
+    assert "does not exist" in records[0]["payload"]["error"]
+    assert replicas.loads == []

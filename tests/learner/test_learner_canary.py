@@ -16,6 +16,7 @@ from learner.promotion import CANARY_STATUS_ATTEMPTS, Promoter, PromotionError, 
 from learner.rewards.assembler import RewardedChoice
 from safety.config import GatesConfig
 from safety.gates.types import GateReport
+from tests.learner.promotion_fakes import FakeAudit
 
 CONFIG = CanaryConfig(enabled=True, min_samples=4, reward_margin=0.1, guard_margin=0.2)
 
@@ -136,17 +137,6 @@ def test_monitor_ignores_rewards_the_learner_calls_corrupt():
 
 
 # -- the promoter's canary loop, against fakes of the proxy admin API and the replicas --------
-
-
-class FakeAudit:
-    def __init__(self) -> None:
-        self.events: list[tuple[str, dict]] = []
-
-    def append(self, actor: str, event: str, payload: dict | None = None) -> None:
-        self.events.append((event, payload or {}))
-
-    def names(self) -> list[str]:
-        return [name for name, _ in self.events]
 
 
 class FakeReplicas:

@@ -17,17 +17,7 @@ from learner.config import CanaryConfig, PromotionConfig
 from learner.promotion import Promoter, PromotionError, PromotionOutcome
 from safety.config import GatesConfig
 from safety.gates.types import GateReport
-
-
-class Audit:
-    def __init__(self) -> None:
-        self.events: list[tuple[str, dict]] = []
-
-    def append(self, actor: str, event: str, payload: dict | None = None) -> None:
-        self.events.append((event, payload or {}))
-
-    def names(self) -> list[str]:
-        return [name for name, _ in self.events]
+from tests.learner.promotion_fakes import FakeAudit
 
 
 class Replicas:
@@ -99,7 +89,7 @@ def publish(store: AdapterStore, tmp_path: Path, version: int) -> Path:
 
 
 def promoter(
-    tmp_path: Path, replicas: Replicas, proxy: Proxy, audit: Audit, **config: object
+    tmp_path: Path, replicas: Replicas, proxy: Proxy, audit: FakeAudit, **config: object
 ) -> Promoter:
     settings = {"drain_s": 3600.0, **config}  # cleanups are run by hand unless asked
     return Promoter(
@@ -125,7 +115,7 @@ def test_cleanup_does_not_unload_a_candidate_promoted_while_it_ran(tmp_path: Pat
     store = AdapterStore(tmp_path)
     for version in (4, 5, 6):
         publish(store, tmp_path, version)
-    replicas, proxy, audit = Replicas({"policy-v4", "policy-v5"}), Proxy("policy-v5"), Audit()
+    replicas, proxy, audit = Replicas({"policy-v4", "policy-v5"}), Proxy("policy-v5"), FakeAudit()
     p = promoter(tmp_path, replicas, proxy, audit)
     outcomes: list[PromotionOutcome] = []
     worker = threading.Thread(target=lambda: outcomes.append(p.promote(store.path(6))))
@@ -147,7 +137,7 @@ def test_cleanup_waits_for_a_running_promotion(tmp_path: Path) -> None:
     store = AdapterStore(tmp_path)
     publish(store, tmp_path, 1)
     publish(store, tmp_path, 2)
-    replicas, proxy, audit = Replicas({"policy-v1"}), Proxy("policy-v1"), Audit()
+    replicas, proxy, audit = Replicas({"policy-v1"}), Proxy("policy-v1"), FakeAudit()
     gate_started, release = threading.Event(), threading.Event()
 
     def slow_gate(candidate: str, incumbent: str) -> GateReport:
@@ -183,7 +173,7 @@ def test_cleanup_keeps_a_version_a_canary_routes_to(tmp_path: Path) -> None:
         publish(store, tmp_path, version)
     replicas = Replicas({"policy-v2", "policy-v3", "policy-v4"})
     proxy = Proxy("policy-v4", canary={"target": "policy-v2", "share": 0.2})
-    p = promoter(tmp_path, replicas, proxy, Audit(), keep_loaded=1, retain_dirs=1)
+    p = promoter(tmp_path, replicas, proxy, FakeAudit(), keep_loaded=1, retain_dirs=1)
     p._cleanup("policy-v4")
     assert replicas.loaded == {"policy-v2", "policy-v4"} and replicas.unloaded == ["policy-v3"]
     assert store.versions() == [2, 4]  # v3's directory pruned; the routed v2 kept
@@ -196,7 +186,7 @@ def test_cleanup_keeps_a_version_routed_just_before_its_unload(tmp_path: Path) -
     for version in (1, 2, 3):
         publish(store, tmp_path, version)
     replicas, proxy = Replicas({"policy-v1", "policy-v2", "policy-v3"}), Proxy("policy-v3")
-    p = promoter(tmp_path, replicas, proxy, Audit(), keep_loaded=1)
+    p = promoter(tmp_path, replicas, proxy, FakeAudit(), keep_loaded=1)
     original = proxy.status
     calls = {"n": 0}
 
@@ -241,13 +231,13 @@ class PromoteLostProxy(Proxy):
 
 def run_unknown(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, goes_through: bool, canary: bool
-) -> tuple[Promoter, PromotionOutcome, PromoteLostProxy, Replicas, Audit]:
+) -> tuple[Promoter, PromotionOutcome, PromoteLostProxy, Replicas, FakeAudit]:
     verdict = CanaryVerdict("promote", ["no regression"], {}, {})
     monkeypatch.setattr(promotion, "judge_canary", lambda *args: verdict)
     monkeypatch.setattr(promotion, "UNRESOLVED_CHECKS", 10_000, raising=False)  # until it answers
     store = AdapterStore(tmp_path)
     path = publish(store, tmp_path, 1)
-    replicas, proxy, audit = Replicas(set()), PromoteLostProxy(goes_through), Audit()
+    replicas, proxy, audit = Replicas(set()), PromoteLostProxy(goes_through), FakeAudit()
     canary_config = CanaryConfig(enabled=canary, poll_s=0.01, min_samples=1)
     p = promoter(tmp_path, replicas, proxy, audit, drain_s=0.05, canary=canary_config)
     return p, p.promote(path), proxy, replicas, audit
@@ -329,7 +319,7 @@ def test_a_refused_canary_promotion_still_rolls_back_when_the_status_answers(
     monkeypatch.setattr(promotion, "judge_canary", lambda *args: verdict)
     store = AdapterStore(tmp_path)
     path = publish(store, tmp_path, 1)
-    replicas, proxy, audit = Replicas(set()), Refuses("base"), Audit()
+    replicas, proxy, audit = Replicas(set()), Refuses("base"), FakeAudit()
     canary_config = CanaryConfig(enabled=True, poll_s=0.01, min_samples=1)
     outcome = promoter(tmp_path, replicas, proxy, audit, canary=canary_config).promote(path)
     assert outcome.decision == "canary_rolled_back" and "409" in outcome.reason
@@ -368,7 +358,7 @@ def test_a_canary_rollback_that_could_not_end_unloads_nothing_on_a_guess(
     monkeypatch.setattr(promotion, "UNRESOLVED_CHECKS", 10_000, raising=False)
     store = AdapterStore(tmp_path)
     path = publish(store, tmp_path, 1)
-    replicas, proxy, audit = Replicas(set()), RollbackLostProxy(operator_promotes), Audit()
+    replicas, proxy, audit = Replicas(set()), RollbackLostProxy(operator_promotes), FakeAudit()
     canary_config = CanaryConfig(enabled=True, poll_s=0.01, min_samples=1)
     p = promoter(tmp_path, replicas, proxy, audit, drain_s=0.05, canary=canary_config)
     outcome = p.promote(path)

@@ -18,7 +18,7 @@ from aiohttp import web
 
 from proxy.admin import add_admin_routes
 from proxy.aliases import AliasTable, Canary
-from proxy.capture import CaptureService
+from proxy.capture import CaptureService, private_label
 from proxy.completions import chat_completions, completions, read_json_body, text_header
 from proxy.config import ProxyConfig, TenantConfig
 from proxy.context import CONTEXT, REQUEST_ID, ProxyContext
@@ -186,7 +186,9 @@ async def feedback(request: web.Request) -> web.Response:
     known_session = check_owner(ctx.recent, parsed, tenant.name_hash)
     session_id = known_session or session_header or parsed.trajectory_id
     metadata, _ = ctx.redactor.redact_obj(parsed.metadata)
-    event = build_event(parsed, tenant.name_hash, session_id[:256], metadata)
+    # The same pseudonym as the trajectory's record carries (capture.redact_record).
+    session_id = private_label(session_id[:256], ctx.redactor.redact_obj) or session_id[:256]
+    event = build_event(parsed, tenant.name_hash, session_id, metadata)
     ctx.sink.put_feedback(event)
     ctx.metrics.feedback.labels(parsed.kind).inc()
     record_feedback(request.app, parsed.kind, parsed.value)

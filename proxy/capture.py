@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import hashlib
 import math
 import time
 import uuid
@@ -373,12 +374,32 @@ class TrajectoryCapture:
         return record
 
 
-def redact_record(record: dict[str, Any], redact: Redact) -> dict[str, Any]:
-    """Redact the free text of a record (request and outputs).
+def private_label(value: str | None, redact: Redact) -> str | None:
+    """A client's label (X-Session-Id, X-OLP-Group-Id, X-OLP-Task) as it may leave the process.
 
-    When anything was redacted, the token ids still spell the secret out, so they are dropped
-    and the record is flagged untrainable: nothing identifying leaves the process.
+    Clients put e-mail addresses and the like in them. Replacing the match with
+    `[REDACTED:kind]` would merge every such session (or group, or task) into one; a hash
+    keeps each one apart, and the same label gives the same pseudonym in trajectories and
+    feedback, so they still join and stay on one Kafka partition."""
+    if value is None:
+        return None
+    _, counts = redact(value)
+    if not any(counts.values()):
+        return value
+    return "redacted-" + hashlib.sha256(value.encode("utf-8", "surrogatepass")).hexdigest()[:32]
+
+
+def redact_record(record: dict[str, Any], redact: Redact) -> dict[str, Any]:
+    """Redact the free text of a record (request and outputs) and pseudonymise the client's
+    labels (`private_label`).
+
+    When the text had anything redacted, the token ids still spell the secret out, so they
+    are dropped and the record is flagged untrainable: nothing identifying leaves the
+    process. A pseudonymised label alone changes nothing the model saw.
     """
+    for key in ("session_id", "group_id", "task"):
+        if isinstance(record.get(key), str):
+            record[key] = private_label(record[key], redact)
     request, request_counts = redact(record["request"])
     # The token-id and logprob arrays hold no text: only the rest of each choice is walked.
     arrays = ("token_ids", "logprobs")

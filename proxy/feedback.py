@@ -134,8 +134,7 @@ def _json_size(metadata: dict[str, Any]) -> int:
         return len(dumps_json(metadata, allow_nan=False).encode("utf-8"))
     except (ValueError, RecursionError) as exc:
         raise bad_request(
-            "'metadata' must be strict JSON: finite numbers, nested at most a few hundred "
-            "levels.",
+            "'metadata' must be strict JSON: finite numbers, nested at most a few hundred levels.",
             param="metadata",
         ) from exc
 

@@ -123,6 +123,34 @@ def test_client_disconnect_mid_stream_aborts_upstream_and_trajectory(
     assert harness.ctx.tenants.tenants["alice"].in_flight == 0
 
 
+def test_pii_in_the_client_labels_leaves_as_one_pseudonym_per_label(proxy):
+    """X-Session-Id, X-OLP-Group-Id and X-OLP-Task reached Kafka as sent, e-mail and all.
+    Now a label holding PII goes out as a hash: trajectories and feedback of one session
+    still share it, and two sessions stay apart."""
+    harness, sink = proxy
+    labels = {"X-OLP-Group-Id": "grp jane@example.com", "X-OLP-Task": "fix for bob@example.com"}
+    first = chat(harness, "alice", headers={"X-Session-Id": "jane@example.com", **labels})
+    other = chat(harness, "alice", headers={"X-Session-Id": "bob@example.com"})
+    plain = chat(harness, "alice", headers={"X-Session-Id": "sess-plain"})
+    feedback = httpx.post(
+        harness.base_url + "/v1/feedback",
+        json={"trajectory_id": first.headers["x-olp-trajectory-id"], "kind": "accept"},
+        headers={"Authorization": f"Bearer {KEYS['alice']}"},
+        timeout=10,
+    )
+    assert feedback.status_code == 202
+    wait_for(lambda: len(sink.trajectories) >= 3)
+    by_id = {r["trajectory_id"]: r for r in sink.trajectories}
+    record = by_id[first.headers["x-olp-trajectory-id"]]
+    assert "example.com" not in json.dumps(record) + json.dumps(sink.feedback)
+    assert re.fullmatch(r"redacted-[0-9a-f]{32}", record["session_id"])
+    assert record["group_id"].startswith("redacted-") and record["task"].startswith("redacted-")
+    assert sink.feedback[-1]["session_id"] == record["session_id"]
+    assert by_id[other.headers["x-olp-trajectory-id"]]["session_id"] != record["session_id"]
+    assert by_id[plain.headers["x-olp-trajectory-id"]]["session_id"] == "sess-plain"
+    assert record["trainable"]  # the model saw no label: its tokens may still train
+
+
 def test_feedback_accept_validate_and_ownership(proxy):
     harness, sink = proxy
     trajectory_id = chat(harness, "alice", headers={"X-Session-Id": "sess-fb"}).headers[

@@ -73,6 +73,13 @@ class SessionStore:
         self._links[_digest(token)] = (actor, self._clock() + self.link_ttl_s)
         return token
 
+    def link_actor(self, token: str) -> str | None:
+        """The actor of a live link, without spending it (the confirmation page shows it)."""
+        entry = self._links.get(_digest(token))
+        if entry is None or entry[1] < self._clock():
+            return None
+        return entry[0]
+
     def redeem_link(self, token: str) -> str | None:
         """The actor the token was issued to, once; None when unknown, used or expired."""
         entry = self._links.pop(_digest(token), None)

@@ -107,6 +107,19 @@ def login_page(message: str, nonce: str) -> str:
     return document("olp operator: sign in", body, nonce)
 
 
+def confirm_link_page(actor: str, token: str, nonce: str) -> str:
+    """A one-time link opened by something other than a browser's own navigation (a chat's
+    link preview, a mail scanner): one button, so that only a person spends the link."""
+    body = (
+        '<h1>olp operator</h1><div class="banner" id="confirm">'
+        f"<p>Sign in to the operator page as <strong>{_e(actor)}</strong>?</p></div>"
+        '<form method="post" action="/admin/ui/login/link" id="confirm-login">'
+        f'<input type="hidden" name="token" value="{_e(token)}">'
+        '<button type="submit">Sign in</button></form>'
+    )
+    return document("olp operator: confirm sign-in", body, nonce)
+
+
 @dataclass
 class StreamView:
     sink_kind: str

@@ -3,7 +3,9 @@
 Routes:
 - `GET /admin/ui` the page (query: `event`, `page`, `size` page the audit log);
 - `POST /admin/ui/link` (Bearer admin key) → `{url, path, expires_in_s}`, a one-time login link;
-- `GET /admin/ui/login?token=` (no HEAD) trades that link for an HttpOnly SameSite=Strict cookie;
+- `GET /admin/ui/login?token=` (no HEAD) trades that link for an HttpOnly SameSite=Strict cookie
+  when a browser navigates to it; anything else (a link preview) gets a confirmation page,
+  whose button is `POST /admin/ui/login/link` (form: `token`);
 - `POST /admin/ui/login` (form: `key`, `actor`) the same with the key typed into the page;
 - `POST /admin/ui/verify` (session + CSRF token, or Bearer) verifies the audit chain;
 - `POST /admin/ui/logout`.
@@ -43,7 +45,13 @@ from proxy.operator_data import (
     sink_metrics,
     topic_end_offsets,
 )
-from proxy.operator_html import PageData, StreamView, login_page, operator_page
+from proxy.operator_html import (
+    PageData,
+    StreamView,
+    confirm_link_page,
+    login_page,
+    operator_page,
+)
 from safety.audit import VerifyResult
 
 log = structlog.get_logger(__name__)
@@ -270,10 +278,46 @@ async def issue_link(request: web.Request) -> web.Response:
     )
 
 
+_LINK_REFUSED = "This login link is invalid, expired or already used."
+
+
+def _browser_navigation(request: web.Request) -> bool:
+    """Whether a browser itself opened the page (a typed or clicked link, not a fetch).
+
+    Browsers send Fetch Metadata to trustworthy origins (HTTPS, loopback); link previewers
+    and mail scanners fetch with plain HTTP clients that send none, and must not spend the
+    one-time link. Where a browser sends none either (plain HTTP to another host), the
+    confirmation page costs the operator one click."""
+    headers = request.headers
+    return (
+        headers.get("Sec-Fetch-Mode") == "navigate" and headers.get("Sec-Fetch-Dest") == "document"
+    )
+
+
 async def login_with_link(request: web.Request) -> web.Response:
-    actor = request.app[OPERATOR].sessions.redeem_link(request.query.get("token", ""))
+    sessions = request.app[OPERATOR].sessions
+    token = request.query.get("token", "")
+    if not _browser_navigation(request):
+        actor = sessions.link_actor(token)
+        if actor is None:
+            return _refused(_LINK_REFUSED)
+        return _html(lambda nonce: confirm_link_page(actor, token, nonce))
+    actor = sessions.redeem_link(token)
     if actor is None:
-        return _refused("This login link is invalid, expired or already used.")
+        return _refused(_LINK_REFUSED)
+    return _redirect_with_session(request, actor, "link")
+
+
+async def login_with_confirmed_link(request: web.Request) -> web.Response:
+    """The confirmation page's button: spends the link it carries."""
+    try:
+        form = await _form(request)
+    except _Refusal as refusal:
+        return _refused(str(refusal), refusal.status)
+    token = form.get("token")
+    actor = request.app[OPERATOR].sessions.redeem_link(token) if isinstance(token, str) else None
+    if actor is None:
+        return _refused(_LINK_REFUSED)
     return _redirect_with_session(request, actor, "link")
 
 
@@ -364,6 +408,7 @@ def add_operator_routes(app: web.Application) -> None:
     # No HEAD: link checkers and mail scanners probe with it, and a HEAD would spend the
     # one-time link (and take the session cookie).
     app.router.add_get("/admin/ui/login", login_with_link, allow_head=False)
+    app.router.add_post("/admin/ui/login/link", login_with_confirmed_link)
     app.router.add_post("/admin/ui/login", login_with_key)
     app.router.add_post("/admin/ui/verify", verify)
     app.router.add_post("/admin/ui/logout", logout)

@@ -28,6 +28,8 @@ from tests.proxy.conftest import ADMIN_KEY, KEYS, ProxyHarness, default_tenants
 NO_UPSTREAM = ["http://127.0.0.1:9"]  # the page needs no replica
 BEARER = {"Authorization": f"Bearer {ADMIN_KEY}"}
 CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
+# What a browser sends when it opens a link itself (Fetch Metadata).
+NAVIGATION = {"Sec-Fetch-Mode": "navigate", "Sec-Fetch-Dest": "document", "Sec-Fetch-User": "?1"}
 
 
 def mint_link(harness: ProxyHarness, actor: str = "ops-test") -> dict:
@@ -38,7 +40,7 @@ def mint_link(harness: ProxyHarness, actor: str = "ops-test") -> dict:
 
 def signed_in_client(harness: ProxyHarness) -> httpx.Client:
     client = httpx.Client(base_url=harness.base_url)
-    resp = client.get(mint_link(harness)["path"])
+    resp = client.get(mint_link(harness)["path"], headers=NAVIGATION)
     assert resp.status_code == 303 and resp.headers["location"] == "/admin/ui"
     return client
 
@@ -91,17 +93,18 @@ def test_one_time_link_works_once_and_expires(make_proxy):
     assert link["url"] == harness.base_url + link["path"]
     assert link["path"].startswith("/admin/ui/login?token=") and ADMIN_KEY not in link["url"]
     client = httpx.Client(base_url=harness.base_url)
-    first = client.get(link["path"])
+    first = client.get(link["path"], headers=NAVIGATION)
     assert first.status_code == 303
     cookie = first.headers["set-cookie"]
     assert "HttpOnly" in cookie and "SameSite=Strict" in cookie and "Path=/admin/ui" in cookie
     page = client.get("/admin/ui")
     assert page.status_code == 200 and "night-shift" in page.text
-    assert httpx.get(link["url"]).status_code == 401  # used
+    assert httpx.get(link["url"], headers=NAVIGATION).status_code == 401  # used
+    assert httpx.get(link["url"]).status_code == 401  # no confirmation page for it either
     harness.app[OPERATOR].sessions.link_ttl_s = 0.05
     stale = mint_link(harness)
     time.sleep(0.1)
-    expired = httpx.get(stale["url"])
+    expired = httpx.get(stale["url"], headers=NAVIGATION)
     assert expired.status_code == 401 and "expired" in expired.text
     logins = [r for r in harness.ctx.audit.iter_records() if r["event"] == "operator_login"]
     assert [(r["actor"], r["payload"]["method"]) for r in logins] == [("night-shift", "link")]
@@ -470,8 +473,35 @@ def test_a_head_request_does_not_spend_a_login_link(make_proxy):
     link = mint_link(harness)
     head = httpx.head(link["url"])
     assert head.status_code == 405 and "set-cookie" not in head.headers
-    opened = httpx.get(link["url"])
+    opened = httpx.get(link["url"], headers=NAVIGATION)
     assert opened.status_code == 303 and "HttpOnly" in opened.headers["set-cookie"]
+
+
+def test_a_link_preview_does_not_spend_a_login_link(make_proxy):
+    """A chat's link preview or a mail scanner fetches the link without a browser's Fetch
+    Metadata: it gets a confirmation page and no cookie, and the link still works for the
+    person who clicks the page's button (once)."""
+    harness, _ = make_proxy(NO_UPSTREAM)
+    link = mint_link(harness, actor="preview-op")
+    token = link["path"].split("=", 1)[1]
+    for _ in range(2):  # previews often fetch twice
+        preview = httpx.get(link["url"], headers={"User-Agent": "Slackbot-LinkExpanding 1.0"})
+        assert preview.status_code == 200 and "set-cookie" not in preview.headers
+        assert 'id="confirm-login"' in preview.text and "preview-op" in preview.text
+        assert "serving-version" not in preview.text  # no data from the proxy's state
+    client = httpx.Client(base_url=harness.base_url)
+    confirmed = client.post("/admin/ui/login/link", data={"token": token})
+    assert confirmed.status_code == 303 and "HttpOnly" in confirmed.headers["set-cookie"]
+    page = client.get("/admin/ui")
+    assert page.status_code == 200 and "preview-op" in page.text
+    again = httpx.post(harness.base_url + "/admin/ui/login/link", data={"token": token})
+    assert again.status_code == 401 and "set-cookie" not in again.headers
+    assert httpx.get(link["url"]).status_code == 401  # spent: no confirmation page either
+    for bad in ({"token": "forged"}, {}):
+        refused = httpx.post(harness.base_url + "/admin/ui/login/link", data=bad)
+        assert refused.status_code == 401 and "set-cookie" not in refused.headers
+    logins = [r for r in harness.ctx.audit.iter_records() if r["event"] == "operator_login"]
+    assert [(r["actor"], r["payload"]["method"]) for r in logins] == [("preview-op", "link")]
 
 
 def test_an_oversized_or_unsized_login_form_is_refused_unread(make_proxy):
@@ -504,5 +534,7 @@ def test_the_cookie_is_secure_behind_a_tls_terminating_proxy(make_proxy):
         harness.base_url + "/admin/ui/login", data=data, headers={"X-Forwarded-Proto": "https"}
     )
     assert "; Secure" in forwarded.headers["set-cookie"]
-    link = httpx.get(mint_link(harness)["url"], headers={"X-Forwarded-Proto": "https"})
+    link = httpx.get(
+        mint_link(harness)["url"], headers={**NAVIGATION, "X-Forwarded-Proto": "https"}
+    )
     assert "; Secure" in link.headers["set-cookie"]

@@ -1,4 +1,4 @@
-"""Operator commands of the `olp` CLI: status, freeze, rollback, tenants, audit."""
+"""Operator commands of the `olp` CLI: status, freeze, rollback, tenants, ui, audit."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import math
 import sys
 import tempfile
 import urllib.parse
+import webbrowser
 from collections.abc import Callable
 from datetime import UTC, datetime
 from pathlib import Path
@@ -150,6 +151,21 @@ def cmd_tenant(args: argparse.Namespace, cfg: OlpConfig) -> int:
     enabled = args.training == "on"
     _admin_call(args, cfg, "POST", _tenant_training_path(args.name), {"enabled": enabled})
     print(f"tenant {args.name}: online training {'enabled' if enabled else 'disabled'}")
+    return 0
+
+
+@_run_admin
+def cmd_ui(args: argparse.Namespace, cfg: OlpConfig) -> int:
+    """A one-time sign-in link for the operator page: the admin key stays off the URL bar."""
+    link = _admin_call(args, cfg, "POST", "/admin/ui/link")
+    url = link.get("url")
+    if not isinstance(url, str):
+        print(f"olp: the proxy answered no link: {link}", file=sys.stderr)
+        return 1
+    print(url)
+    print(f"(one use, valid {link.get('expires_in_s', '?')} s)", file=sys.stderr)
+    if args.open and not webbrowser.open(url):
+        print("olp: no browser to open here; open the link above", file=sys.stderr)
     return 0
 
 
@@ -407,6 +423,10 @@ def register(sub: Any, with_config: AddConfig, admin: AddConfig) -> None:
     tenant.add_argument("name")
     tenant.add_argument("--training", choices=["on", "off"], required=True)
     tenant.set_defaults(handler=cmd_tenant)
+
+    ui = admin(sub.add_parser("ui", help="print a one-time sign-in link to the operator page"))
+    ui.add_argument("--open", action="store_true", help="also open it in the browser")
+    ui.set_defaults(handler=cmd_ui)
 
     audit = sub.add_parser("audit", help="the tamper-evident audit log")
     audit_sub = audit.add_subparsers(dest="audit_command", required=True)

@@ -88,3 +88,23 @@ def test_cli_changes_are_audited_under_who_made_them(running_proxy: ProxyHarness
     bad = olp(running_proxy, "freeze", "--actor", "ops\nforged", **env)
     assert bad.returncode == 1 and "actor" in bad.stderr and "Traceback" not in bad.stderr
     assert _actors(running_proxy)[-1] == getpass.getuser()  # nothing was changed
+
+
+def test_ui_prints_a_one_time_link_that_signs_the_operator_in(
+    running_proxy: ProxyHarness,
+) -> None:
+    import httpx
+
+    done = olp(running_proxy, "ui", "--actor", "night-ops")
+    assert done.returncode == 0, done.stderr
+    url = done.stdout.strip()
+    assert url.startswith(f"http://127.0.0.1:{running_proxy.port}/admin/ui/login?token=")
+    assert ADMIN_KEY not in url and "one use" in done.stderr
+    browser = {"Sec-Fetch-Mode": "navigate", "Sec-Fetch-Dest": "document"}
+    with httpx.Client() as client:
+        signed_in = client.get(url, headers=browser)
+        assert signed_in.status_code == 303
+        page = client.get(f"http://127.0.0.1:{running_proxy.port}/admin/ui")
+        assert page.status_code == 200 and "night-ops" in page.text
+    wrong = olp(running_proxy, "ui", OLP_ADMIN_KEY="not-the-key")
+    assert wrong.returncode == 1 and "Traceback" not in wrong.stderr and not wrong.stdout

@@ -22,6 +22,11 @@ PEM = (
     "-----END OPENSSH PRIVATE KEY-----"
 )
 
+NPM_TOKEN = "npm_" + "Xq7Lm2Pz9R" * 3 + "t4Vb8N"  # 36 base62 characters
+PYPI_TOKEN = "pypi-AgEIcHlwaS5vcmc" + "CJDRjMmE4YjE2LTk5ZDQtNGQ0OS1hMmUwLTdiNjM1N2E2Zjdk" * 2
+DOCKER_PAT = "dckr_pat_" + "Zk3_Qm8vTn2-Lp5Rx9Wc4Hb7Ys1"  # 27 characters
+AZURE_SECRET = "xYz8Q~" + "AbCdEfGh.IjKlMnOp_QrStUvWx~Yz012345"[:34]
+
 CASES: list[tuple[str, str, str]] = [
     ("email", "write to jane.doe+olp@example.co.uk today", "jane.doe+olp@example.co.uk"),
     ("phone", "call +1 415 555 0100 now", "+1 415 555 0100"),
@@ -100,6 +105,16 @@ CASES: list[tuple[str, str, str]] = [
     ("bearer_token", '{"api-key": "b2c1f0e9d8c7b6a5f4e3d2c1b0a9f8e7"}', "b2c1f0e9d8c7"),
     ("bearer_token", "Authorization: Token 9944b09199c62bcf9418ad846dd0e4bbdfc6ee4b", "9944b09"),
     ("basic_auth", "curl -s -u admin:s3cr3tPass https://api.example.com/v1", "s3cr3tPass"),
+    # Package registries and Microsoft Entra ID (all made up, in the vendors' formats).
+    ("npm_token", "//registry.npmjs.org/:_authToken=" + NPM_TOKEN, NPM_TOKEN[4:20]),
+    ("pypi_token", "[pypi]\nusername = __token__\npassword = " + PYPI_TOKEN, PYPI_TOKEN[20:40]),
+    ("docker_hub_token", "echo " + DOCKER_PAT + " | docker login -u bob", DOCKER_PAT[9:20]),
+    ("azure_client_secret", "AZURE_CLIENT_SECRET=" + AZURE_SECRET, AZURE_SECRET[6:20]),
+    # A secret assigned to a secret's name, in an env file, a shell, YAML, JSON.
+    ("secret_assignment", "DB_PASSWORD=hunter2x", "hunter2x"),
+    ("secret_assignment", 'export MYSQL_ROOT_PASSWORD="s3cr3t!"', "s3cr3t!"),
+    ("secret_assignment", "  password: abc123def", "abc123def"),
+    ("secret_assignment", '{"db_pass": "Tr0ub4dor&3"}', "Tr0ub4dor&3"),
     # Unsigned (`alg: none`) and encrypted (five-part) JWTs.
     (
         "jwt",
@@ -504,6 +519,12 @@ def test_a_custom_pattern_that_matches_nothing_inserts_nothing(regex: str) -> No
         ),
         ("mysql://root:a@b?c#d@db/app", "mysql://root:[REDACTED:url_password]@db/app"),
         ("redis://:s3/cr@t@cache:6379/0", "redis://:[REDACTED:url_password]@cache:6379/0"),
+        # An `@` and then a `/` in the password: `a@b/c` used to be cut at its first `@`.
+        ("https://u:a@b/c@host/path", "https://u:[REDACTED:url_password]@host/path"),
+        (
+            "ftp://u:p@ss/w0rd@files.example.com/pub",
+            "ftp://u:[REDACTED:url_password]@files.example.com/pub",
+        ),
         (
             'DATABASE_URL="postgres://app:x/y?z@db.internal:5432/app?sslmode=require"',
             'DATABASE_URL="postgres://app:[REDACTED:url_password]@db.internal:5432/app'
@@ -543,6 +564,19 @@ def test_a_url_password_with_an_at_hash_question_mark_or_slash_is_redacted_whole
             "https://u:[REDACTED:url_password]@host?to=[REDACTED:email]",
         ),
         ("write to jane.doe@example.com", "write to [REDACTED:email]"),
+        # A URL, then an address after a `,` or `;`: no `user:password` (it used to read
+        # `x/y,a` as the password of host `b.co`).
+        ("http://h:x/y,a@b.co", "http://h:x/y,[REDACTED:email]"),
+        ("see http://h:x/y;bob@example.com", "see http://h:x/y;[REDACTED:email]"),
+        # An `@` right after a `/`, or in the path after a host with a dot, is the path's.
+        (
+            "https://u:pw@registry/@babel/core",
+            "https://u:[REDACTED:url_password]@registry/@babel/core",
+        ),
+        (
+            "https://u:pw@cdn.example.com/npm/pkg@1.0/x.js",
+            "https://u:[REDACTED:url_password]@cdn.example.com/npm/pkg@1.0/x.js",
+        ),
     ],
 )
 def test_urls_and_addresses_around_url_passwords_are_not_mangled(
@@ -630,8 +664,47 @@ def test_redact_obj_still_walks_every_json_type() -> None:
         "eyJa-" * 20_000,
         "curl -u " * 12_000,
         "x://y:z/" * 12_000,
+        "password=" * 12_000,
+        "PASSWORD=x" * 10_000,
+        "db_pass=" * 12_000,
+        "apiKey=" * 14_000,
+        'password: "' * 10_000,
+        "password: " + "a." * 50_000,
+        "password: str" * 8_000,
+        'password: \\\\\\"' * 8_000,
+        "npm_" * 25_000,
+        "pypi-AgEIcHlwaS5vcmc" * 5_000,
+        "dckr_pat_a-" * 9_000,
+        "aaa1Q~" * 16_000,
+        "x://u:" + "a@b/c" * 20_000,
+        "x://u:a" + "@b/c/d" * 16_000 + "@",
+        "http://h:x/y," * 8_000,
     ],
-    ids=["sk", "dotted-local", "dashed-local", "dotted-domain", "begin", "eyJ", "curl", "urls"],
+    ids=[
+        "sk",
+        "dotted-local",
+        "dashed-local",
+        "dotted-domain",
+        "begin",
+        "eyJ",
+        "curl",
+        "urls",
+        "password=",
+        "PASSWORD=x",
+        "db_pass=",
+        "apiKey=",
+        "password-quote",
+        "password-dotted",
+        "password-type",
+        "password-escaped-quote",
+        "npm",
+        "pypi",
+        "dckr",
+        "azure",
+        "url-at-slash",
+        "url-at-slash-chain",
+        "url-comma",
+    ],
 )
 def test_pathological_text_is_redacted_in_linear_time(text: str) -> None:
     # Each of these made a pattern rescan the rest of the text from every candidate start
@@ -715,3 +788,139 @@ def test_a_secret_right_after_non_ascii_text_is_redacted(
     redacted, counts = Redactor().redact_text(before + text)
     assert secret not in redacted
     assert counts == {kind: 1}
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("DB_PASSWORD=hunter2x", "DB_PASSWORD=[REDACTED:secret_assignment]"),
+        (
+            "DB_USER=app\nDB_PASSWORD=hunter2x\nDB_HOST=db\n",
+            "DB_USER=app\nDB_PASSWORD=[REDACTED:secret_assignment]\nDB_HOST=db\n",
+        ),
+        (
+            'export MYSQL_ROOT_PASSWORD="s3cr3t!"',
+            'export MYSQL_ROOT_PASSWORD="[REDACTED:secret_assignment]"',
+        ),
+        (
+            "PGPASSWORD=abc123 psql -h db -U app",
+            "PGPASSWORD=[REDACTED:secret_assignment] psql -h db -U app",
+        ),
+        ('password: "abc123def"', 'password: "[REDACTED:secret_assignment]"'),
+        ("  password: abc123def  # prod", "  password: [REDACTED:secret_assignment]  # prod"),
+        # An environment variable's value in a compose file, even a plain word.
+        ("    POSTGRES_PASSWORD: postgres", "    POSTGRES_PASSWORD: [REDACTED:secret_assignment]"),
+        ("DB_PASS=correcthorse", "DB_PASS=[REDACTED:secret_assignment]"),
+        (
+            "Set `DB_PASSWORD=postgres` in .env",
+            "Set `DB_PASSWORD=[REDACTED:secret_assignment]` in .env",
+        ),
+        ('{"db_pass": "Tr0ub4dor&3"}', '{"db_pass": "[REDACTED:secret_assignment]"}'),
+        (
+            '{\\"password\\": \\"abc1234\\"}',
+            '{\\"password\\": \\"[REDACTED:secret_assignment]\\"}',
+        ),
+        ("client_secret = 'x7Kq-94fT_zz'", "client_secret = '[REDACTED:secret_assignment]'"),
+        (
+            "[client]\nuser = root\npassword = hunter2x\n",
+            "[client]\nuser = root\npassword = [REDACTED:secret_assignment]\n",
+        ),
+        (
+            "spring.datasource.password=s3cret1",
+            "spring.datasource.password=[REDACTED:secret_assignment]",
+        ),
+        ("SECRET_KEY=django-insecure-9xk2", "SECRET_KEY=[REDACTED:secret_assignment]"),
+        ("OPENAI_API_KEY=not-a-known-format", "OPENAI_API_KEY=[REDACTED:secret_assignment]"),
+        ('const apiKey = "a1b2c3d4e5";', 'const apiKey = "[REDACTED:secret_assignment]";'),
+        ("dbPassword: hunter2x", "dbPassword: [REDACTED:secret_assignment]"),
+        ("  db_pwd: 'n0t-s3cret'", "  db_pwd: '[REDACTED:secret_assignment]'"),
+        ("'password' => 's3cret1',", "'password' => '[REDACTED:secret_assignment]',"),
+        ('password: str = "hunter2x"', 'password: str = "[REDACTED:secret_assignment]"'),
+        (
+            "mysql --password=hunter2x -u root",
+            "mysql --password=[REDACTED:secret_assignment] -u root",
+        ),
+        # A secret-access-key name with no 40-character AWS secret after it.
+        ('"SecretAccessKey": "short/key+1"', '"SecretAccessKey": "[REDACTED:secret_assignment]"'),
+    ],
+)
+def test_secret_assignments_lose_their_value_and_keep_their_name(text: str, expected: str) -> None:
+    # These went to Kafka as they were: no built-in kind knew a password without a format.
+    assert Redactor().redact_text(text) == (expected, {"secret_assignment": 1})
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        'password = request.form["password"]',
+        "password: str",
+        "def login(user: str, password: str | None = None) -> bool:",
+        "password: Optional[str] = None",
+        "password=None",
+        'conn = connect(host=h, password=os.environ["DB_PASSWORD"])',
+        "password = getpass()",
+        "if password == confirm:",
+        "f(user=u, password=pw1)",
+        "password = self.password\nPASSWORD = settings.DB_PASSWORD",
+        "password_hash = bcrypt.hash(pw)",
+        # A setting about passwords is not one.
+        "PASSWORD_MIN_LENGTH=8",
+        # Empty values and placeholders.
+        "password: \"\"\nDB_PASSWORD=\npassword=''",
+        "password: ${DB_PASSWORD}\nDB_PASSWORD=$DB_PASSWORD",
+        'password: "{{ secrets.DB_PASSWORD }}"\npassword: ${{ secrets.DB_PASSWORD }}',
+        'password = "%s" % pw',
+        '"password": "<your password>", "secret": "********"',
+        'api_key="sk-...",  # your key',
+        "password: !vault |",
+        # Prose, other names, the shell's working directory.
+        '"forgot_password": "Forgot your password?"',
+        "secretName: db-credentials-v2",
+        "docker login -u bob --password-stdin",
+        "PWD=/home/user/project\nOLDPWD=/tmp",
+        "bypass=abc123 and pass",
+        # Found in installed packages: a Triton argument, annotated constants, lambdas,
+        # names of secrets as values, examples in docstrings.
+        "HAS_PASS=rotary_dim < head_dim,",
+        "PLAIN_PASSWORD: SocketOption = SocketOption.PLAIN_PASSWORD",
+        '"S3_SECRET_ACCESS_KEY": lambda: os.environ.get("S3_SECRET_ACCESS_KEY", None),',
+        'apiKey = "apiKey"\nENV_API_KEY = "ANTHROPIC_API_KEY"',
+        'AttributeOID.CHALLENGE_PASSWORD: "challengePassword",',
+        'WebhooksServer(webhook_secret="my_secret_key")\nsecret="my-secret",',
+        "hf spaces create -s OPENAI_API_KEY=sk-... -s ANTHROPIC_API_KEY=sk-...",
+        "SECRET_KEY: SecretStr",
+    ],
+)
+def test_code_and_placeholders_that_only_name_a_secret_stay(text: str) -> None:
+    assert Redactor().redact_text(text) == (text, {})
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "npm_config_registry=https://registry.npmjs.org/ npm_package_version=1.2.3",
+        "npm_" + "abcdefghij" * 3 + "klmnop",  # 36 lower-case letters: a name
+        "Every token starts with pypi-AgEIcHlwaS5vcmc, the issuer.",
+        "DOCKER_TOKEN=dckr_pat_xxxxx",
+        "~" * 44,
+        ".menu.open~.overlay~.page{transform:none} /* a CSS sibling selector */",
+        "aaa1Q~" + "b" * 40,  # longer than any client secret
+    ],
+)
+def test_lookalikes_of_registry_tokens_and_client_secrets_stay(text: str) -> None:
+    assert Redactor().redact_text(text) == (text, {})
+
+
+@pytest.mark.parametrize(
+    "secret",
+    [
+        "kT38Q~" + "Vw1xYz.2Ab" * 3 + "Cd~E",  # 34 after `8Q~`, as Microsoft issues them
+        ".Xy8Q~" + "m4-Np_Qr5s" * 3 + "T~uV",
+        "Ab.7Q~" + "Zz9yX.wV8u" * 3 + "t",  # an older one: 31 after `7Q~`
+    ],
+)
+def test_azure_client_secrets_are_redacted_whole(secret: str) -> None:
+    for text in (f"client_secret={secret}", f'"ClientSecret": "{secret}"', f"({secret})"):
+        redacted, counts = Redactor().redact_text(text)
+        assert redacted == text.replace(secret, "[REDACTED:azure_client_secret]")
+        assert counts == {"azure_client_secret": 1}

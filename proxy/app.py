@@ -19,7 +19,13 @@ from aiohttp import web
 from proxy.admin import add_admin_routes
 from proxy.aliases import AliasTable, Canary
 from proxy.capture import CaptureService, private_label
-from proxy.completions import chat_completions, completions, read_json_body, text_header
+from proxy.completions import (
+    LABEL_MAX_CHARS,
+    chat_completions,
+    completions,
+    read_json_body,
+    text_header,
+)
 from proxy.config import ProxyConfig, TenantConfig
 from proxy.context import CONTEXT, REQUEST_ID, ProxyContext
 from proxy.errors import ProxyError, error_response
@@ -180,7 +186,7 @@ async def feedback(request: web.Request) -> web.Response:
     ctx = request.app[CONTEXT]
     tenant = ctx.tenants.authenticate(request.headers.get("Authorization"))
     limit_headers = ctx.tenants.admit_feedback(tenant)
-    session_header = text_header(request, "X-Session-Id", limit=256)
+    session_header = text_header(request, "X-Session-Id", limit=LABEL_MAX_CHARS)
     body = await read_json_body(request, ctx.config.max_body_bytes)
     parsed = parse_feedback(body, ctx.config.max_feedback_metadata_bytes)
     known_session = check_owner(ctx.recent, parsed, tenant.name_hash)

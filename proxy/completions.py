@@ -51,6 +51,12 @@ _DISCONNECT_ERRORS = (ConnectionResetError, ConnectionAbortedError, BrokenPipeEr
 _DONE_EVENT = b"data: [DONE]\n\n"
 
 
+# Client labels (X-Session-Id, X-OLP-Group-Id, X-OLP-Task) keep their first this many
+# characters: they go into every record and log line of the request, and aiohttp alone
+# would let each be 8 KB.
+LABEL_MAX_CHARS = 256
+
+
 def text_header(request: web.Request, name: str, limit: int | None = None) -> str | None:
     """A header that reaches records and logs (its first `limit` characters); 400 when its
     bytes are not UTF-8 (aiohttp decodes them to lone surrogates, which no sink can write)."""
@@ -242,9 +248,9 @@ class CompletionRelay:
         return capture
 
     def _read_headers(self) -> None:
-        self.session_id = text_header(self.request, "X-Session-Id", limit=256)
-        self.group_id = text_header(self.request, "X-OLP-Group-Id")
-        self.task = text_header(self.request, "X-OLP-Task")
+        self.session_id = text_header(self.request, "X-Session-Id", limit=LABEL_MAX_CHARS)
+        self.group_id = text_header(self.request, "X-OLP-Group-Id", limit=LABEL_MAX_CHARS)
+        self.task = text_header(self.request, "X-OLP-Task", limit=LABEL_MAX_CHARS)
 
     def _training(self, tenant: Tenant, body: dict[str, Any]) -> bool:
         """Whether this request is captured for training."""

@@ -235,6 +235,24 @@ def test_headers_that_are_not_utf8_give_4xx(make_proxy, fake):
     assert sink.trajectories[-1]["session_id"] == "sé"
 
 
+def test_long_client_labels_keep_their_first_256_characters(make_proxy, fake):
+    """X-OLP-Group-Id and X-OLP-Task went into every record as sent, up to aiohttp's 8 KB
+    header limit; now all three labels keep the same first 256 characters."""
+    harness, sink = make_proxy([fake.url])
+    labels = {
+        name: name[-4:] + "x" * 6000 for name in ("X-Session-Id", "X-OLP-Group-Id", "X-OLP-Task")
+    }
+    response = _post(
+        harness.base_url, KEYS["alice"], "/v1/chat/completions", json=CHAT, headers=labels
+    )
+    assert response.status_code == 200, response.text
+    harness.drain()
+    record = sink.trajectories[-1]
+    assert record["session_id"] == labels["X-Session-Id"][:256]
+    assert record["group_id"] == labels["X-OLP-Group-Id"][:256]
+    assert record["task"] == labels["X-OLP-Task"][:256]
+
+
 def test_a_user_with_a_lone_surrogate_is_hashed(make_proxy, fake):
     harness, sink = make_proxy([fake.url])
     raw = json.dumps({**CHAT, "user": "\ud800"}).encode()  # `\ud800`, as JSON allows

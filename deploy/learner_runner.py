@@ -6,7 +6,9 @@ import os
 import signal
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import structlog
 
@@ -18,6 +20,9 @@ from learner.reload import AdapterReloader
 from proxy.server import INTERNAL_ADMIN_TOKEN_ENV as INTERNAL_TOKEN_ENV
 from safety.audit import AuditLog
 from safety.redaction import Redactor
+
+if TYPE_CHECKING:
+    from learner.service import LearnerSummary
 
 log = structlog.get_logger(__name__)
 
@@ -82,12 +87,54 @@ class FreezeFlag:
 
 
 def run(cfg: OlpConfig) -> int:
+    """The learner; under torchrun rank 0 alone promotes, watches the canary and reloads
+    adapters onto restarted replicas (it alone writes adapters), fed every rank's evidence."""
+    from learner.distributed import init_distributed
     from learner.service import run_learner
     from learner.source import replay_consumer_factory
 
+    ctx = init_distributed()
     state_dir = Path(cfg.state_dir)
     model_dir = resolve_model_dir(cfg.policy)
     replicas = cfg.policy.base_urls()
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    signal.signal(signal.SIGINT, lambda *_: stop.set())
+
+    def learn(**main_only: Any) -> LearnerSummary:
+        return run_learner(
+            cfg.learner,
+            state_dir,
+            replay_consumer_factory(cfg.stream),
+            model_dir=model_dir,
+            caps=cfg.safety.caps,
+            base_name=cfg.policy.served_model_name,
+            judge_base_url=replicas[0],
+            stop=stop,
+            ctx=ctx,
+            **main_only,
+        )
+
+    # Ranks 1.. run no promoter, canary or reloader: their audit records and adapter loads
+    # would come once per rank, and a canary there would see that rank's share only.
+    summary = _run_main(cfg, state_dir, replicas, learn) if ctx.is_main else learn()
+    log.info(
+        "learner_stopped",
+        version=summary.version,
+        steps=summary.steps,
+        consumed=summary.consumed,
+        rank=ctx.rank,
+    )
+    return 0
+
+
+def _run_main(
+    cfg: OlpConfig,
+    state_dir: Path,
+    replicas: list[str],
+    learn: Callable[..., LearnerSummary],
+) -> LearnerSummary:
+    """Rank 0 (or the only process): the learner with promotion, canary and reloads."""
     host = "127.0.0.1" if cfg.proxy.host in ("0.0.0.0", "::") else cfg.proxy.host
     proxy = ProxyAdmin(f"http://{host}:{cfg.proxy.port}", learner_admin_key(cfg))
     redactor = Redactor.from_config(cfg.safety.redaction)
@@ -111,22 +158,11 @@ def run(cfg: OlpConfig) -> int:
         state_dir / "adapters",
     )
     reloader.start(cfg.learner.promotion.reload_check_s)
-    stop = threading.Event()
-    signal.signal(signal.SIGTERM, lambda *_: stop.set())
-    signal.signal(signal.SIGINT, lambda *_: stop.set())
     try:
-        summary = run_learner(
-            cfg.learner,
-            state_dir,
-            replay_consumer_factory(cfg.stream),
-            model_dir=model_dir,
+        return learn(
             on_candidate=promoter.submit,
-            on_rewarded=promoter.canary_monitor.observe,
-            caps=cfg.safety.caps,
-            base_name=cfg.policy.served_model_name,
+            canary=promoter.canary_monitor,
             is_frozen=FreezeFlag(proxy),
-            judge_base_url=replicas[0],
-            stop=stop,
             served_versions=lambda: served_versions(replica_set),
         )
     finally:
@@ -135,7 +171,3 @@ def run(cfg: OlpConfig) -> int:
         reload_proxy.close()
         promoter.close()
         proxy.close()
-    log.info(
-        "learner_stopped", version=summary.version, steps=summary.steps, consumed=summary.consumed
-    )
-    return 0

@@ -3,7 +3,9 @@
 The learner already scores every consumed trajectory, and each record names the version that
 served it, so the canary compares the candidate's arm with the stable arm on exactly the
 traffic they served side by side since the canary started. The guard rates are the gate's
-reward-hacking monitors applied to live replies (safety/gates/checks.py).
+reward-hacking monitors applied to live replies (safety/gates/checks.py). Under torchrun
+each rank reduces the replies the running canary counts to `Evidence` (a few fields) and the
+monitor, on rank 0 only, counts the union (`share_canary_evidence`).
 """
 
 from __future__ import annotations
@@ -12,11 +14,16 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any
 
+import structlog
+
 from learner.config import CanaryConfig
+from learner.distributed import DistContext, all_gather_object, broadcast_object
 from learner.objective import usable
 from learner.rewards.assembler import RewardedChoice
 from learner.rewards.verifiers import choice_text, tool_calls_valid
 from safety.gates.checks import is_clarifying_question, is_degenerate, is_refusal
+
+log = structlog.get_logger(__name__)
 
 GUARDS = ("degenerate", "refusal", "clarifying_question", "invalid_tool_call")
 
@@ -65,6 +72,47 @@ def guard_flags(rewarded: RewardedChoice) -> dict[str, bool]:
     return flags
 
 
+@dataclass(frozen=True)
+class CanaryWindow:
+    """The replies a running canary counts: its arms' versions, created at or after `since`."""
+
+    versions: frozenset[str]
+    since: float
+
+    def covers(self, trajectory: dict[str, Any]) -> bool:
+        if str(trajectory.get("policy_version")) not in self.versions:
+            return False
+        return _created_at(trajectory) >= self.since
+
+
+def _created_at(trajectory: dict[str, Any]) -> float:
+    return float(trajectory.get("created_at") or 0.0)
+
+
+@dataclass(frozen=True)
+class Evidence:
+    """One scored reply as the canary reads it: a few fields instead of the trajectory, so
+    that torchrun's ranks can send theirs to rank 0 cheaply."""
+
+    version: str
+    created_at: float
+    reward: float | None
+    flags: dict[str, bool]
+
+
+def canary_evidence(batch: list[RewardedChoice], window: CanaryWindow) -> list[Evidence]:
+    """The evidence of the replies in `batch` that `window` covers (the others are not
+    counted, so they are neither checked nor sent)."""
+    out: list[Evidence] = []
+    for item in batch:
+        trajectory = item.trajectory
+        if window.covers(trajectory):
+            version = str(trajectory.get("policy_version"))
+            flags = guard_flags(item)
+            out.append(Evidence(version, _created_at(trajectory), item.reward, flags))
+    return out
+
+
 class CanaryMonitor:
     """Collects per-version evidence from the learner's scored batches (thread-safe)."""
 
@@ -84,25 +132,39 @@ class CanaryMonitor:
             self._since = None
             self._arms = {}
 
+    def window(self) -> CanaryWindow | None:
+        """What the running canary counts (None: no canary runs)."""
+        with self._lock:
+            if self._since is None:
+                return None
+            return CanaryWindow(frozenset(self._arms), self._since)
+
     def observe(self, batch: list[RewardedChoice]) -> None:
+        """Count a scored batch of this process (the single-process learner's path)."""
+        window = self.window()
+        if window is not None:
+            self.observe_evidence(canary_evidence(batch, window))
+
+    def observe_evidence(self, items: list[Evidence]) -> None:
+        """Count replies already reduced to evidence (gathered from every rank under
+        torchrun); checked against the canary running now, which may have changed since
+        the window they were selected by."""
         with self._lock:
             if self._since is None:
                 return
-            for item in batch:
-                trajectory = item.trajectory
-                arm = self._arms.get(str(trajectory.get("policy_version")))
-                if arm is None or float(trajectory.get("created_at", 0.0)) < self._since:
+            for item in items:
+                arm = self._arms.get(item.version)
+                if arm is None or item.created_at < self._since:
                     continue
                 arm.samples += 1
                 # A corrupt reward (non-finite, or beyond REWARD_LIMIT) is not evidence; the
                 # learner drops it too (`bad_reward`), by the same rule.
-                if usable(item.reward):
+                if item.reward is not None and usable(item.reward):
                     arm.rewarded += 1
                     arm.reward_sum += item.reward
-                flags = guard_flags(item)
-                if "invalid_tool_call" in flags:
+                if "invalid_tool_call" in item.flags:
                     arm.tool_call_samples += 1
-                for guard, raised in flags.items():
+                for guard, raised in item.flags.items():
                     arm.flags[guard] += int(raised)
 
     def arm(self, version: str) -> ArmStats:
@@ -116,6 +178,38 @@ class CanaryMonitor:
                 stats.tool_call_samples,
                 dict(stats.flags),
             )
+
+
+def share_canary_evidence(
+    ctx: DistContext, canary: CanaryMonitor | None, rewarded: list[RewardedChoice]
+) -> None:
+    """Count every rank's scored replies in rank 0's canary (`canary` elsewhere: unused).
+
+    Collective: every rank calls it once per step, in the same order, with an empty batch
+    too. Rank 0 broadcasts what the running canary counts; each rank sends only the replies
+    inside that window, reduced to `Evidence`, never whole trajectories; without a canary
+    nothing is gathered. Live evidence must never stop training: a failure here is logged
+    and costs that rank's share of one batch, while the collectives still run."""
+    window = None
+    if ctx.is_main and canary is not None:
+        try:
+            window = canary.window()
+        except Exception:
+            log.exception("canary_window_failed")
+    window = broadcast_object(ctx, window)
+    if window is None:  # the same on every rank: broadcast
+        return
+    local: list[Evidence] = []
+    try:
+        local = canary_evidence(rewarded, window)
+    except Exception:
+        log.exception("canary_evidence_failed", batch=len(rewarded), rank=ctx.rank)
+    parts = all_gather_object(ctx, local)
+    if ctx.is_main and canary is not None:
+        try:
+            canary.observe_evidence([item for part in parts for item in part])
+        except Exception:
+            log.exception("canary_observe_failed", batch=sum(len(part) for part in parts))
 
 
 @dataclass

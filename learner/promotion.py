@@ -20,6 +20,7 @@ import hashlib
 import json
 import os
 import queue
+import re
 import shutil
 import threading
 import time
@@ -55,6 +56,10 @@ OPERATOR_PROMOTED = "operator_promoted"
 # may not have happened: it is re-checked this many times, `max(drain_s, canary.poll_s)`
 # apart, before it is left as it stands (loaded, audited as unresolved).
 UNRESOLVED_CHECKS = 10
+
+
+# `policy-v<N>`: the names of versions (adapter directories, gate reports).
+_VERSION_NAME = re.compile(r"policy-v\d+")
 
 
 class PromotionError(RuntimeError):
@@ -210,7 +215,7 @@ class Promoter:
         self._lock = threading.Lock()
         self.outcomes: list[PromotionOutcome] = []
         self._candidate_dir: Path | None = None
-        # Fed by the learner's scored batches (`Learner(on_rewarded=...)`).
+        # Fed by the learner's scored batches, every rank's (`Learner(canary=...)`).
         self.canary_monitor = CanaryMonitor()
         self._closing = threading.Event()
         self._timers: set[threading.Timer] = set()  # cleanups and re-checks not yet run
@@ -810,3 +815,24 @@ class Promoter:
             if path.name not in protected:
                 shutil.rmtree(path)
                 self.audit.append(ACTOR, "adapter_pruned", {"version": path.name})
+        self._prune_gate_reports(root)
+
+    def _prune_gate_reports(self, adapters: Path) -> None:
+        """A gate report lives as long as its version's directory: remove the reports of
+        versions pruned (now, or before reports were pruned with them) and the `.tmp` files
+        of interrupted writes. Under the promotion lock, so no report is being written."""
+        gates = self.state_dir / "gates"
+        if not gates.is_dir():
+            return
+        for path in gates.iterdir():
+            stem, suffix = path.stem, path.suffix
+            if not (_VERSION_NAME.fullmatch(stem) and suffix in (".json", ".tmp")):
+                continue  # not ours to remove
+            if suffix == ".json" and (adapters / stem).is_dir():
+                continue
+            try:
+                path.unlink(missing_ok=True)
+            except OSError as exc:  # kept for the next cleanup; pruning goes on
+                log.warning("gate_report_prune_failed", file=str(path), error=str(exc))
+                continue
+            log.info("gate_report_pruned", file=path.name)

@@ -1,7 +1,8 @@
 """The learner loop: consume → reward → train → checkpoint → publish → announce.
 
 `run_learner` runs in one process or under `torchrun` unchanged. Each rank reads its own
-partitions through the consumer factory; rank 0 writes checkpoints and adapters.
+partitions through the consumer factory; rank 0 writes checkpoints and adapters, and feeds
+the canary the live evidence of every rank.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import structlog
 import torch
 
 from learner.adapter_store import AdapterStore
+from learner.canary import CanaryMonitor, share_canary_evidence
 from learner.checkpoint import (
     Checkpoint,
     CheckpointStore,
@@ -43,8 +45,9 @@ from learner.objective import (
     samples_from_rewarded,
 )
 from learner.progress import Progress
-from learner.rewards.assembler import RewardAssembler, RewardedChoice
+from learner.rewards.assembler import RewardAssembler
 from learner.rewards.judge import Judge
+from learner.rewards.verifiers import VerifierRunner
 from learner.trainer import Trainer
 from safety.config import CapsConfig
 
@@ -99,7 +102,7 @@ class Learner:
         judge_base_url: str | None = None,
         fault_hook: FaultHook | None = None,
         ctx: DistContext | None = None,
-        on_rewarded: Callable[[list[RewardedChoice]], None] | None = None,
+        canary: CanaryMonitor | None = None,
         caps: CapsConfig | None = None,
         base_name: str = "base",
         served_versions: Callable[[], Iterable[str]] | None = None,
@@ -114,18 +117,14 @@ class Learner:
         self.on_candidate = on_candidate or _log_candidate
         self.is_frozen = is_frozen or (lambda: False)
         self.fault_hook = fault_hook or (lambda stage: None)
-        self.on_rewarded = on_rewarded
+        # The promoter's canary (rank 0's only counts): fed every rank's scored replies.
+        self.canary = canary
         self.caps = caps or CapsConfig()  # `safety.caps`: per-tenant / per-user shares
         self.base_name = base_name  # the base model's served name (`policy_version` 0)
         # What the policy servers serve now (vLLM's /v1/models), asked once at start-up so
         # that new versions are numbered above any `policy-v<N>` they still serve.
         self.served_versions = served_versions
         self.version_floor = 0
-        judge = None
-        if config.rewards.judge.enabled:
-            judge = Judge(config.rewards.judge, base_url=judge_base_url)
-        self.assembler = RewardAssembler(config.rewards, judge=judge)
-        self.trainer = Trainer(config, model_dir, self.ctx)
         self.baseline = RunningBaseline(config.baseline_decay)
         self.counts: Counter[str] = Counter()
         self.progress = Progress(config.progress_interval_s)
@@ -137,8 +136,22 @@ class Learner:
         # Set when start-up reset the optimizer (`ResumePlan.optimizer_reason`); recorded in
         # the next published version's metadata, then cleared.
         self.optimizer_reset: dict[str, Any] | None = None
-        self._resume()
-        self.consumer = consumer_factory(self.offsets, self.ctx.rank, self.ctx.world)
+        self._closed = False
+        # Loaded before the judge exists: a bad verifier path then leaks no judge.
+        verifiers = VerifierRunner(config.rewards.verifiers)
+        judge = None
+        if config.rewards.judge.enabled:
+            judge = Judge(config.rewards.judge, base_url=judge_base_url)
+        # Owns the judge's threads and HTTP client: `close()` releases them, and so does a
+        # start-up that fails from here on, before it raises.
+        self.assembler = RewardAssembler(config.rewards, judge=judge, verifiers=verifiers)
+        try:
+            self.trainer = Trainer(config, model_dir, self.ctx)
+            self._resume()
+            self.consumer = consumer_factory(self.offsets, self.ctx.rank, self.ctx.world)
+        except BaseException:
+            self.assembler.close()
+            raise
 
     # -- start-up ---------------------------------------------------------------------------
     def _resume(self) -> None:
@@ -259,7 +272,7 @@ class Learner:
                         history.append(metrics)
                 self.progress.maybe_log()
         finally:
-            self.consumer.close()
+            self.close()
         self.progress.maybe_log(force=True)
         return LearnerSummary(
             self.version, self.step_count, self.progress.consumed, dict(self.counts), history
@@ -273,11 +286,8 @@ class Learner:
             log.warning("learner_overflow", dropped=overflow, kept=self.config.max_batch)
             batch = batch[overflow:]
         rewarded = self.assembler.assemble(batch)
-        if self.on_rewarded is not None:
-            try:  # live evidence (the canary) must never stop training
-                self.on_rewarded(rewarded)
-            except Exception:
-                log.exception("on_rewarded_failed", batch=len(rewarded))
+        # Collective: rank 0's canary counts the union of the ranks' replies.
+        share_canary_evidence(self.ctx, self.canary, rewarded)
         samples, dropped = samples_from_rewarded(rewarded, self.base_name)
         samples, stale = drop_stale(
             samples, self.version, self.config.max_staleness, self.version_floor
@@ -369,6 +379,17 @@ class Learner:
         self.batches_done += 1
         return metrics
 
+    def close(self) -> None:
+        """Release the consumer and the reward assembler's judge (threads, HTTP client);
+        `run` calls it when it ends, returning or raising. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self.consumer.close()
+        finally:
+            self.assembler.close()
+
     # -- persistence (rank 0) ---------------------------------------------------------------
     def _save_checkpoint(self, meta: dict[str, Any] | None) -> None:
         # A batch that trained nothing keeps the version, and so its metadata, which
@@ -423,10 +444,11 @@ def run_learner(
     stop: threading.Event | None = None,
     max_steps: int | None = None,
     fault_hook: FaultHook | None = None,
-    on_rewarded: Callable[[list[RewardedChoice]], None] | None = None,
+    canary: CanaryMonitor | None = None,
     caps: CapsConfig | None = None,
     base_name: str = "base",
     served_versions: Callable[[], Iterable[str]] | None = None,
+    ctx: DistContext | None = None,
 ) -> LearnerSummary:
     """Run the learner until `stop` is set or `max_steps` steps ran in this call."""
     learner = Learner(
@@ -438,7 +460,8 @@ def run_learner(
         is_frozen,
         judge_base_url,
         fault_hook,
-        on_rewarded=on_rewarded,
+        ctx=ctx,
+        canary=canary,
         caps=caps,
         base_name=base_name,
         served_versions=served_versions,

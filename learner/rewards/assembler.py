@@ -99,6 +99,15 @@ class RewardAssembler:
                 self.counts["no_reward"] += 1
         return out
 
+    def close(self) -> None:
+        """Release the judge's worker threads and HTTP client (the learner calls it when it
+        stops); the verifiers' calls run on daemon threads and hold nothing. Idempotent."""
+        try:
+            self.verifiers.close()
+        finally:
+            if self.judge is not None:
+                self.judge.close()
+
     def _judge_group(self, group: list[RewardedChoice]) -> None:
         assert self.judge is not None
         trajectory = group[0].trajectory

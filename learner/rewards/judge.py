@@ -93,6 +93,7 @@ class Judge:
         self._pool = concurrent.futures.ThreadPoolExecutor(
             max_workers=config.concurrency, thread_name_prefix="olp-judge"
         )
+        self._closed = False
         self.failures = 0
         self.calls = 0
 
@@ -146,8 +147,16 @@ class Judge:
         return mixed
 
     def close(self) -> None:
-        self._pool.shutdown(wait=False, cancel_futures=True)
-        self._client.close()
+        """Stop the worker threads and close the HTTP client's connections (else both live
+        as long as the process). Calls queued and not started are cancelled; a call in
+        flight ends within its timeout. Idempotent; the judge cannot score afterwards."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self._pool.shutdown(wait=False, cancel_futures=True)
+        finally:
+            self._client.close()
 
     # -- internals --------------------------------------------------------------------------
     @staticmethod

@@ -10,8 +10,17 @@ import pytest
 
 from learner import promotion
 from learner.adapter_store import AdapterStore
-from learner.canary import ArmStats, CanaryMonitor, CanaryVerdict, judge_canary
+from learner.canary import (
+    ArmStats,
+    CanaryMonitor,
+    CanaryVerdict,
+    CanaryWindow,
+    canary_evidence,
+    judge_canary,
+    share_canary_evidence,
+)
 from learner.config import CanaryConfig, PromotionConfig
+from learner.distributed import DistContext
 from learner.promotion import CANARY_STATUS_ATTEMPTS, Promoter, PromotionError, PromotionOutcome
 from learner.rewards.assembler import RewardedChoice
 from safety.config import GatesConfig
@@ -134,6 +143,62 @@ def test_monitor_ignores_rewards_the_learner_calls_corrupt():
     monitor.observe([rewarded("base", "ok", 1e300), rewarded("base", "ok", 1.0)])
     stats = monitor.arm("base")
     assert (stats.samples, stats.rewarded, stats.reward_mean) == (2, 1, 1.0)
+
+
+def canary_batch() -> list[RewardedChoice]:
+    good = json.dumps({"city": "Paris"})
+    return [
+        rewarded("base", "The answer is four.", 1.0),
+        rewarded("base", "I'm sorry, I cannot help with that.", None),
+        rewarded("base", "old", 1.0, created_at=1.0),
+        rewarded("policy-v1", "other version", 1.0),
+        rewarded("policy-v2", "zxcvbnm qwrtypsdf ghjklzxcv bnmqwrt", float("nan")),
+        rewarded("policy-v2", "", 0.5, tool_call={"name": "get_weather", "arguments": good}),
+        rewarded("policy-v2", "", 0.5, tool_call={"name": "rm_rf", "arguments": good}),
+    ]
+
+
+def test_evidence_is_what_the_monitor_counts_of_a_batch():
+    """Under torchrun ranks send `Evidence`, not trajectories: it must count the same."""
+    direct, gathered = CanaryMonitor(), CanaryMonitor()
+    assert direct.window() is None
+    for monitor in (direct, gathered):
+        monitor.begin(["base", "policy-v2"], since=5.0)
+    window = gathered.window()
+    assert window == CanaryWindow(frozenset({"base", "policy-v2"}), 5.0)
+    evidence = canary_evidence(canary_batch(), window)
+    assert [e.version for e in evidence] == ["base", "base", "policy-v2", "policy-v2", "policy-v2"]
+    direct.observe(canary_batch())
+    gathered.observe_evidence(evidence)
+    for version in ("base", "policy-v2"):
+        assert gathered.arm(version) == direct.arm(version)
+        assert gathered.arm(version).samples > 0
+    # Evidence selected under a canary that has ended meanwhile is not counted.
+    gathered.end()
+    gathered.observe_evidence(evidence)
+    assert gathered.arm("base").samples == 0
+
+
+def test_shared_evidence_in_one_process_counts_like_observe_and_never_raises():
+    shared, direct = CanaryMonitor(), CanaryMonitor()
+    for monitor in (shared, direct):
+        monitor.begin(["base", "policy-v2"], since=5.0)
+    share_canary_evidence(DistContext(), shared, canary_batch())
+    direct.observe(canary_batch())
+    assert shared.arm("policy-v2") == direct.arm("policy-v2")
+    # A record that cannot be read, or a monitor that fails: logged, training goes on.
+    unreadable = rewarded("base", "ok", 1.0, created_at="soon")  # type: ignore[arg-type]
+    share_canary_evidence(DistContext(), shared, [unreadable])
+    assert shared.arm("base") == direct.arm("base")
+
+    class Broken(CanaryMonitor):
+        def observe_evidence(self, items: list) -> None:
+            raise RuntimeError("broken")
+
+    broken = Broken()
+    broken.begin(["base"], since=0.0)
+    share_canary_evidence(DistContext(), broken, canary_batch())
+    share_canary_evidence(DistContext(), None, canary_batch())  # no canary: nothing to do
 
 
 # -- the promoter's canary loop, against fakes of the proxy admin API and the replicas --------

@@ -7,6 +7,7 @@ import os
 import signal
 import subprocess
 import sys
+from datetime import timedelta
 from pathlib import Path
 
 import pytest
@@ -164,3 +165,143 @@ def test_advantages_use_one_baseline_over_the_ranks(tmp_path: Path) -> None:
     assert set(ranks[0]["advantages"]) == {"t1:0", "t2:0", "t3:0"}  # t0 sets the baseline
     summed = {k: ranks[0]["counts"][k] + ranks[1]["counts"][k] for k in counts}
     assert summed == counts
+
+
+# -- the canary's evidence: rank 0's monitor counts every rank's replies ----------------------
+
+
+def _reply(version: str, text: str, reward: float | None, created_at: float = 10.0):
+    from learner.rewards.assembler import RewardedChoice
+
+    trajectory = {
+        "policy_version": version,
+        "created_at": created_at,
+        "choices": [{"index": 0, "message": {"role": "assistant", "content": text}}],
+    }
+    return RewardedChoice(trajectory=trajectory, choice_index=0, reward=reward)
+
+
+def _init_gloo(rank: int, world: int, port: int) -> None:
+    # A collective one rank skips fails after the timeout instead of hanging the test.
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=world,
+        timeout=timedelta(seconds=60),
+    )
+
+
+def _evidence_rank(rank: int, world: int, port: int, out: str) -> None:
+    from learner.canary import CanaryMonitor, share_canary_evidence
+
+    _init_gloo(rank, world, port)
+    try:
+        ctx = DistContext(rank, world)
+        # Rank 1 holds a monitor too, never begun: only rank 0's counts, and rank 1's must
+        # not decide whether a rank joins the gather.
+        monitor = CanaryMonitor()
+        if rank == 0:
+            monitor.begin(["base", "policy-v2"], since=5.0)
+            batches = [
+                [_reply("base", "The answer is four.", 1.0), _reply("policy-v2", "Four.", 0.5)],
+                [_reply("policy-v2", "Four!", 1.0)],
+                [_reply("base", "Four.", 1.0)],
+                [_reply("base", "Four.", 1.0)],
+            ]
+        else:
+            batches = [
+                [
+                    _reply("base", "I'm sorry, I cannot help with that.", 0.0),
+                    _reply("policy-v2", "Four.", 0.0),
+                    _reply("policy-v2", "Four.", 0.0, created_at=1.0),  # before the canary
+                    _reply("policy-v1", "Four.", 0.0),  # no arm of this canary
+                ],
+                [],  # an empty batch still joins the collectives
+                [_reply("base", "Four.", 1.0, created_at="garbage")],  # type: ignore[arg-type]
+                [_reply("base", "Four.", 1.0)],
+            ]
+        counts = []
+        for step, batch in enumerate(batches):
+            if step == 3 and rank == 0:
+                monitor.end()  # no canary now: nothing gathered, on either rank
+            share_canary_evidence(ctx, monitor, batch)
+            stats = [monitor.arm(v) for v in ("base", "policy-v2")]
+            counts.append(
+                [[s.samples, s.rewarded, s.reward_sum, s.flags["refusal"]] for s in stats]
+            )
+        Path(out, f"rank{rank}.json").write_text(json.dumps(counts))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_the_canary_on_rank_0_counts_the_replies_of_every_rank(tmp_path: Path) -> None:
+    """Each rank's learner fed its own canary its own rewarded batch: rank 0's canary (the
+    promoter's) saw rank 0's share of the live evidence only, half of it with 2 ranks."""
+    mp.start_processes(
+        _evidence_rank, args=(2, free_port(), str(tmp_path)), nprocs=2, start_method="spawn"
+    )
+    rank0 = json.loads((tmp_path / "rank0.json").read_text())
+    rank1 = json.loads((tmp_path / "rank1.json").read_text())
+    # Step 1: both ranks' replies inside the window (rank 1's refusal among them).
+    assert rank0[0] == [[2, 2, 1.0, 1], [2, 2, 0.5, 0]]
+    assert rank0[1] == [[2, 2, 1.0, 1], [3, 3, 1.5, 0]]  # rank 1's batch was empty
+    # A record rank 1 cannot read costs rank 1's share of that batch, nothing more.
+    assert rank0[2] == [[3, 3, 2.0, 1], [3, 3, 1.5, 0]]
+    assert rank0[3] == [[0, 0, 0.0, 0], [0, 0, 0.0, 0]]  # ended: nothing counted
+    assert all(step == [[0, 0, 0.0, 0], [0, 0, 0.0, 0]] for step in rank1)
+
+
+def _learner_rank(rank: int, world: int, port: int, model: str, out: str) -> None:
+    from learner.canary import CanaryMonitor
+    from learner.config import LearnerConfig
+    from learner.service import Learner
+    from tests.learner.learner_sources import ListSource, synthetic_scored
+
+    _init_gloo(rank, world, port)
+    try:
+        partitions = {p: [synthetic_scored(p * 100 + i) for i in range(4)] for p in range(2)}
+        config = LearnerConfig(
+            batch_size=8,
+            min_batch=1,
+            micro_batch_size=4,
+            lr=1e-3,
+            num_threads=1,
+            progress_interval_s=60,
+            lora_rank=4,
+            lora_alpha=8,
+        )
+        canary = CanaryMonitor() if rank == 0 else None  # the runner's: rank 0 only
+        if canary is not None:
+            canary.begin(["base"], since=0.0)
+        learner = Learner(
+            config,
+            Path(out) / "state",
+            lambda offsets, r, w: ListSource(partitions, offsets, r, w),
+            model_dir=model,
+            ctx=DistContext(rank, world),
+            canary=canary,
+        )
+        summary = learner.run(max_steps=1)
+        arm = canary.arm("base").to_dict() if canary is not None else None
+        result = {"steps": summary.steps, "consumed": summary.consumed, "arm": arm}
+        Path(out, f"learner{rank}.json").write_text(json.dumps(result))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_two_ranks_feed_one_canary_on_rank_0(tiny_model: Path, tmp_path: Path) -> None:
+    """The learner loop end to end under two gloo ranks: rank 0's canary counts the
+    replies of both ranks' partitions (4 records of 2 choices each per rank)."""
+    mp.start_processes(
+        _learner_rank,
+        args=(2, free_port(), str(tiny_model), str(tmp_path)),
+        nprocs=2,
+        start_method="spawn",
+    )
+    rank0 = json.loads((tmp_path / "learner0.json").read_text())
+    rank1 = json.loads((tmp_path / "learner1.json").read_text())
+    assert rank0["steps"] == rank1["steps"] == 1
+    assert rank0["consumed"] == rank1["consumed"] == 4
+    assert rank0["arm"]["samples"] == 16 and rank0["arm"]["rewarded"] == 16
+    assert rank1["arm"] is None

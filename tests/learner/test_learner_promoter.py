@@ -3,6 +3,7 @@ runs under the promotion lock, and a promotion whose outcome is unknown unloads 
 
 from __future__ import annotations
 
+import shutil
 import threading
 import time
 from pathlib import Path
@@ -199,6 +200,47 @@ def test_cleanup_keeps_a_version_routed_just_before_its_unload(tmp_path: Path) -
     proxy.status = status  # type: ignore[method-assign]
     p._cleanup("policy-v3")
     assert "policy-v1" in replicas.loaded and replicas.unloaded == ["policy-v2"]
+
+
+def test_cleanup_prunes_the_gate_reports_of_pruned_versions(tmp_path: Path) -> None:
+    """Version directories were pruned (`retain_dirs`), their gate reports never: the gates
+    folder grew by one file per candidate for ever."""
+    store = AdapterStore(tmp_path)
+    for version in (1, 2, 3, 4, 5):
+        publish(store, tmp_path, version)
+    replicas = Replicas({"policy-v3", "policy-v4", "policy-v5"})
+    p = promoter(tmp_path, replicas, Proxy("policy-v5"), FakeAudit(), keep_loaded=1, retain_dirs=2)
+    for version in (1, 2, 3, 4, 5):
+        p._write_gate_report(f"policy-v{version}", GateReport(version != 3, []))
+    gates = tmp_path / "gates"
+    shutil.rmtree(store.path(1))  # pruned by an olp that left its report behind
+    (gates / "policy-v2.tmp").write_text("{")  # a write interrupted by a crash
+    (gates / "policy-v5.tmp").write_text("{")
+    (gates / "notes.txt").write_text("an operator's")  # not a report: left alone
+    p._cleanup("policy-v5")
+    assert store.versions() == [4, 5]
+    assert sorted(f.name for f in gates.iterdir()) == [
+        "notes.txt",
+        "policy-v4.json",
+        "policy-v5.json",
+    ]
+
+
+def test_cleanup_keeps_the_gate_report_of_a_routed_version(tmp_path: Path) -> None:
+    store = AdapterStore(tmp_path)
+    for version in (2, 3, 4):
+        publish(store, tmp_path, version)
+    replicas = Replicas({"policy-v2", "policy-v3", "policy-v4"})
+    proxy = Proxy("policy-v4", canary={"target": "policy-v2", "share": 0.2})
+    p = promoter(tmp_path, replicas, proxy, FakeAudit(), keep_loaded=1, retain_dirs=1)
+    for version in (2, 3, 4):
+        p._write_gate_report(f"policy-v{version}", GateReport(True, []))
+    p._cleanup("policy-v4")
+    assert store.versions() == [2, 4]
+    assert sorted(f.name for f in (tmp_path / "gates").iterdir()) == [
+        "policy-v2.json",
+        "policy-v4.json",
+    ]
 
 
 # -- a promotion whose outcome is unknown -----------------------------------------------------

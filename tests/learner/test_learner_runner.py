@@ -1,0 +1,132 @@
+"""`olp learner` under torchrun: rank 0 alone promotes, watches the canary and reloads
+adapters (fakes for the promoter, reloader, proxy and replicas; no model, no ranks)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from deploy import learner_runner
+from deploy.config import OlpConfig
+from learner import distributed, service
+from learner.canary import CanaryMonitor
+from learner.distributed import DistContext
+from learner.service import LearnerSummary
+
+
+class Built:
+    """What run() built, in order."""
+
+    def __init__(self) -> None:
+        self.events: list[str] = []
+        self.learner_kwargs: dict[str, Any] = {}
+
+
+def fakes(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, rank: int, world: int) -> Built:
+    built = Built()
+
+    class Promoter:
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            built.events.append("promoter")
+            self.canary_monitor = CanaryMonitor()
+
+        def submit(self, path: Path) -> None:
+            pass
+
+        def close(self) -> None:
+            built.events.append("promoter.close")
+
+    class Reloader:
+        def __init__(self, replicas: Any, *args: Any) -> None:
+            built.events.append("reloader")
+            self.replicas = replicas
+
+        def start(self, interval_s: float) -> None:
+            built.events.append("reloader.start")
+
+        def close(self) -> None:
+            built.events.append("reloader.close")
+
+    class Client:
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            built.events.append(type(self).__name__)
+
+        def close(self) -> None:
+            pass
+
+    class ProxyAdmin(Client):
+        pass
+
+    class ReplicaSet(Client):
+        pass
+
+    class AuditLog:
+        @classmethod
+        def from_config(cls, *args: Any) -> AuditLog:
+            built.events.append("audit")
+            return cls()
+
+    def run_learner(*args: Any, **kwargs: Any) -> LearnerSummary:
+        built.events.append("run_learner")
+        built.learner_kwargs = kwargs
+        return LearnerSummary(version=0, steps=0, consumed=0)
+
+    for name, fake in [
+        ("Promoter", Promoter),
+        ("AdapterReloader", Reloader),
+        ("ProxyAdmin", ProxyAdmin),
+        ("ReplicaSet", ReplicaSet),
+        ("AuditLog", AuditLog),
+    ]:
+        monkeypatch.setattr(learner_runner, name, fake)
+    monkeypatch.setattr(learner_runner, "resolve_model_dir", lambda policy: tmp_path / "model")
+    monkeypatch.setattr(learner_runner.signal, "signal", lambda *args: None)
+    monkeypatch.setattr(service, "run_learner", run_learner)
+    monkeypatch.setattr(distributed, "init_distributed", lambda: DistContext(rank, world))
+    monkeypatch.setenv("OLP_ADMIN_KEY", "test-admin-key")
+    return built
+
+
+def test_ranks_after_0_run_no_promoter_canary_or_reloader(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """Every rank built a Promoter and an AdapterReloader: each rank's reloader loaded the
+    routed adapters onto the replicas (duplicate loads and audit records), and rank 0's
+    canary was fed rank 0's share of the live evidence only."""
+    built = fakes(monkeypatch, tmp_path, rank=1, world=2)
+    assert learner_runner.run(OlpConfig(state_dir=tmp_path)) == 0
+    assert built.events == ["run_learner"]  # no promoter, reloader, audit log or clients
+    kwargs = built.learner_kwargs
+    assert kwargs["ctx"] == DistContext(1, 2)
+    for main_only in ("canary", "on_candidate", "is_frozen", "served_versions"):
+        assert kwargs.get(main_only) is None, main_only
+
+
+def test_rank_0_promotes_and_feeds_the_canary(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    built = fakes(monkeypatch, tmp_path, rank=0, world=2)
+    assert learner_runner.run(OlpConfig(state_dir=tmp_path)) == 0
+    assert built.events.count("promoter") == 1 and built.events.count("reloader") == 1
+    assert built.events.index("reloader.start") < built.events.index("run_learner")
+    assert built.events[-3:] == ["run_learner", "reloader.close", "promoter.close"]
+    kwargs = built.learner_kwargs
+    assert isinstance(kwargs["canary"], CanaryMonitor)
+    assert kwargs["ctx"] == DistContext(0, 2)
+    assert kwargs["on_candidate"] is not None and kwargs["is_frozen"] is not None
+
+
+def test_rank_0_closes_the_promoter_and_reloader_when_the_learner_raises(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    built = fakes(monkeypatch, tmp_path, rank=0, world=1)
+
+    def fails(*args: Any, **kwargs: Any) -> LearnerSummary:
+        raise RuntimeError("learner died")
+
+    monkeypatch.setattr(service, "run_learner", fails)
+    with pytest.raises(RuntimeError, match="learner died"):
+        learner_runner.run(OlpConfig(state_dir=tmp_path))
+    assert built.events[-2:] == ["reloader.close", "promoter.close"]

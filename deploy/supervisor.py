@@ -351,7 +351,7 @@ class Stack:
         lines += [
             f"  OpenAI base URL  {proxy_url}/v1   (model 'policy')",
             f"  metrics          {proxy_url}/metrics",
-            f"  operator page    {proxy_url}/admin/ui",
+            f"  operator page    {proxy_url}/admin/ui   (sign-in link: olp ui)",
             f"  logs             {self.logs_dir}",
         ]
         for tenant in cfg.tenants:

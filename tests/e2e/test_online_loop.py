@@ -124,6 +124,8 @@ def test_banner_names_every_endpoint(stack: RunningStack) -> None:
         "learner",
         f"{stack.proxy_url}/v1",
         "/metrics",
+        "/admin/ui",
+        "olp ui",
         "olp tenant",
     ):
         assert part in stack.banner

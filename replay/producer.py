@@ -1183,10 +1183,17 @@ class KafkaSinkProcess:
         lost = list(self._pending)
         self._pending.clear()
         self._confirmed = 0
-        log.error("sink_process_died", exitcode=proc.exitcode, spilling=len(lost))
-        # What the disk refused goes to the new child first (it sends or spills them), as
-        # the entries made here: preparing a record again would count its DLQ routing twice.
-        refused = self._spill_here(lost)
+        # `spilling` counts the entries made, not the unconfirmed items: those include the
+        # builder a new worker gets first and placeholders, which are no records (before,
+        # the builder made the log say one record more than was spilled).
+        records = self._built_here(lost)
+        with self._lock:
+            entries = self._prepared_here(records)
+            log.error("sink_process_died", exitcode=proc.exitcode, spilling=len(entries))
+            # What the disk refused goes to the new child first (it sends or spills them), as
+            # the entries made here: preparing a record again would count its DLQ routing
+            # twice.
+            refused = self._store_or_keep(entries)
         self._outbox.extendleft((_ENTRY, entry) for entry in reversed(refused))
         if self._closed and not self._outbox:
             self._proc = None

@@ -101,6 +101,14 @@ def test_decode_record_refuses_what_json_refuses(wire: bytes | None) -> None:
         decode_record(wire)
 
 
+@pytest.mark.parametrize("wire", [b"[" * 200_000, b'{"a":' * 100_000 + b"1" + b"}" * 100_000])
+def test_decode_record_refuses_nesting_too_deep_to_parse_with_a_value_error(wire: bytes) -> None:
+    """Before: json's RecursionError, which the consumer's `except ValueError` let through,
+    so `poll` raised on the record again after every rewind and the learner was stuck."""
+    with pytest.raises(ValueError):
+        decode_record(wire)
+
+
 def test_schemas_list_exactly_the_documented_fields() -> None:
     trajectory = load_schema("trajectory")
     assert set(trajectory["properties"]) == set(trajectory["required"])

@@ -291,6 +291,46 @@ def test_one_record_rejected_twice_gives_envelopes_with_one_event_id(
         assert consumer.stats.dlq_seen == 2 and consumer.stats.duplicates == 1
 
 
+def test_a_producer_envelope_is_counted_once_across_a_failed_batch_and_a_restart(
+    stream_config: StreamConfig,
+) -> None:
+    """`dlq_seen` feeds the DLQ ratio that can stop the learner. A batch that fails on a DLQ
+    record is read again from that record only (the ones before it were counted and are
+    not re-read), and a consumer resuming from `processed_offsets()` reads nothing of the DLQ
+    before its resume point (no look-back on that topic): each envelope is counted once."""
+    names = names_of(stream_config)
+    envelope = dlq_envelope(
+        reason="x", source_topic=names.feedback, origin="producer", kind="feedback", raw=b"{}"
+    )
+    _send_to(
+        stream_config,
+        names.dlq,
+        [encode_record(dict(envelope, event_id=f"{i}" * 32)) for i in range(3)],
+    )
+    with TrajectoryConsumer(stream_config) as consumer:
+        count_dlq = consumer._count_dlq
+        calls: list[int] = []
+
+        def failing_once(record: Any) -> None:
+            calls.append(record.offset)
+            if len(calls) == 2:
+                raise RuntimeError("handling failed")
+            count_dlq(record)
+
+        consumer._count_dlq = failing_once  # type: ignore[method-assign]
+        with pytest.raises(RuntimeError):
+            _poll_until(consumer, lambda: len(calls) >= 2)
+        _poll_until(consumer, consumer.caught_up)
+        assert calls == [0, 1, 1, 2]  # from the failed record on, not the batch again
+        assert consumer.stats.dlq_seen == 3 and consumer.stats.duplicates == 0
+        offsets = consumer.processed_offsets()
+    assert offsets[names.dlq][0] == 3
+    with TrajectoryConsumer(stream_config, offsets) as resumed:
+        _poll_until(resumed, resumed.caught_up)
+        assert resumed.poll(0.5) == []
+        assert resumed.stats.dlq_seen == 0 and resumed.stats.records == 0
+
+
 def test_a_large_invalid_record_does_not_wedge_the_consumer(stream_config: StreamConfig) -> None:
     """An invalid record the topic takes (up to max_request_size_bytes) but whose DLQ
     envelope the consumer's producer refused (over its 1 MiB request size): before, every
@@ -308,6 +348,17 @@ def test_a_large_invalid_record_does_not_wedge_the_consumer(stream_config: Strea
     ]
     assert envelope["source_offset"] == 1 and "schema_version" in envelope["reason"]
     assert envelope["raw"] == big[:65536].decode()
+
+
+def test_a_record_nested_too_deeply_to_parse_goes_to_the_dlq(stream_config: StreamConfig) -> None:
+    """Before: parsing it raised RecursionError, not ValueError, so every poll raised on it
+    (after rewinding to it) and a learner restarted into the same crash."""
+    good = [make_trajectory(session_id="n") for _ in range(2)]
+    _send_raw(stream_config, [encode_record(good[0]), b"[" * 200_000, encode_record(good[1])])
+    with TrajectoryConsumer(stream_config) as consumer:
+        scored = consume_until(consumer, lambda got: len(got) >= 2, timeout_s=30)
+        assert [s.trajectory for s in scored] == good
+        assert consumer.stats.invalid == 1
 
 
 class _SendResult:

@@ -35,7 +35,12 @@ from tests.learner.learner_sampling import (
 )
 
 MAX_ROUNDS = 12
-TIME_BUDGET_S = 300.0
+TARGET_GAIN = 0.3  # held-out reward, after against before
+# Rounds stop once a round's own samples score this much above the held-out start: they were
+# drawn from the version before the last update, so the held-out check that follows has one
+# more update behind it. (A wall-clock budget stopped it here after three rounds on a slow
+# day, 0.10 -> 0.32 held-out, 0.05 -> 0.35 in training, and failed a test that was learning.)
+STOP_AT_TRAIN_GAIN = TARGET_GAIN + 0.05
 
 
 def reward_of(records: list[dict[str, Any]]) -> float:
@@ -140,7 +145,7 @@ def test_learning_raises_held_out_reward(
                 unload_adapter(base_url, model)
                 loaded.remove(model)
             model = new_model
-            if time.monotonic() - started > TIME_BUDGET_S:
+            if train_rewards[-1] - before >= STOP_AT_TRAIN_GAIN:
                 break
         after_records = sample_many(client, model, version, held_out, n=4)
         after = reward_of(after_records)
@@ -161,4 +166,4 @@ def test_learning_raises_held_out_reward(
     assert outcome and isinstance(outcome[0], LearnerSummary), outcome
     summary = outcome[0]
     assert summary.steps >= 1 and summary.counts["trajectories"] == trajectories
-    assert after - before >= 0.3
+    assert after - before >= TARGET_GAIN

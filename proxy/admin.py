@@ -18,7 +18,7 @@ from aiohttp import web
 from proxy.aliases import Canary
 from proxy.config import sha256_hex
 from proxy.context import CONTEXT, ProxyContext
-from proxy.errors import ProxyError, bad_request
+from proxy.errors import AuthError, ProxyError, bad_request
 from proxy.feedback import finite_float
 from proxy.operator_auth import clean_actor
 from proxy.routing import Replica
@@ -56,8 +56,11 @@ def _authorize(request: web.Request) -> str:
     header = request.headers.get("Authorization") or ""
     scheme, _, key = header.partition(" ")
     if scheme.lower() != "bearer" or not key.strip():
-        raise ProxyError(
-            401, "The admin API needs 'Authorization: Bearer <admin key>'.", code="missing_api_key"
+        raise AuthError(
+            401,
+            "The admin API needs 'Authorization: Bearer <admin key>'.",
+            code="missing_api_key",
+            route_kind="admin",
         )
     if not ctx.admin_key_hashes:
         raise ProxyError(
@@ -68,8 +71,12 @@ def _authorize(request: web.Request) -> str:
         )
     digest = sha256_hex(key.strip())
     if not any(hmac.compare_digest(known, digest) for known in ctx.admin_key_hashes):
-        raise ProxyError(
-            403, "This key may not use the admin API.", type_="permission_error", code="forbidden"
+        raise AuthError(
+            403,
+            "This key may not use the admin API.",
+            type_="permission_error",
+            code="forbidden",
+            route_kind="admin",
         )
     return clean_actor(request.headers.get("X-OLP-Actor"), default="admin")
 

@@ -18,6 +18,7 @@ from aiohttp import web
 
 from proxy.admin import add_admin_routes
 from proxy.aliases import AliasTable, Canary
+from proxy.auth_throttle import AuthThrottle, peer_address
 from proxy.capture import CaptureService, private_label
 from proxy.completions import (
     LABEL_MAX_CHARS,
@@ -28,7 +29,7 @@ from proxy.completions import (
 )
 from proxy.config import ProxyConfig, TenantConfig
 from proxy.context import CONTEXT, REQUEST_ID, ProxyContext
-from proxy.errors import ProxyError, error_response
+from proxy.errors import AuthError, ProxyError, error_response
 from proxy.feedback import RecentTrajectories, build_event, check_owner, parse_feedback
 from proxy.metrics import ProxyMetrics
 from proxy.operator_page import record_feedback
@@ -78,8 +79,13 @@ async def _handle_with_openai_errors(
     request: web.Request, handler: Handler, request_id: str
 ) -> web.StreamResponse:
     try:
+        # Before the handler looks at any key: a locked-out address gains nothing from
+        # guessing right.
+        request.app[CONTEXT].auth_throttle.guard(request)
         response = await handler(request)
     except ProxyError as err:
+        if isinstance(err, AuthError):
+            request.app[CONTEXT].auth_throttle.failed(peer_address(request), err.route_kind)
         response = error_response(err, request_id)
     except web.HTTPException as exc:
         if exc.status < 400:
@@ -258,6 +264,7 @@ def build_app(
         sink=sink,
         redactor=redactor,
         audit=audit,
+        auth_throttle=AuthThrottle(config.auth_failures, metrics_),
         admin_key_hashes=tuple(
             h for h in (config.admin_key_sha256, internal_admin_key_sha256) if h is not None
         ),

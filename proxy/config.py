@@ -109,6 +109,31 @@ class GcTuning(BaseModel):
     )
 
 
+class AuthFailureLimits(BaseModel):
+    """The failed-authentication throttle (`proxy.auth_failures`): an address that keeps
+    presenting wrong keys is refused for a while, so keys cannot be guessed at line rate."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    max_failures: int = Field(
+        default=20,
+        ge=0,
+        description="wrong or missing keys from one address within window_s before it is "
+        "refused with 429 for window_s; 0 = off",
+    )
+    window_s: float = Field(
+        default=60.0,
+        gt=0,
+        allow_inf_nan=False,
+        description="seconds (finite): the counting window, and how long a lockout lasts",
+    )
+    max_addresses: int = Field(
+        default=10_000,
+        ge=1,
+        description="addresses tracked at once; beyond it the least recently failing go first",
+    )
+
+
 class ProxyConfig(BaseModel):
     """The `proxy` config section. Every field has a default so the embedded stack runs as is."""
 
@@ -147,6 +172,7 @@ class ProxyConfig(BaseModel):
     max_feedback_metadata_bytes: int = Field(default=16 * 1024, ge=0)
     state: StatePaths = Field(default_factory=StatePaths)
     gc: GcTuning = Field(default_factory=GcTuning)
+    auth_failures: AuthFailureLimits = Field(default_factory=AuthFailureLimits)
 
     @model_validator(mode="before")
     @classmethod

@@ -10,6 +10,7 @@ from typing import Any
 from aiohttp import web
 
 from proxy.aliases import AliasTable
+from proxy.auth_throttle import AuthThrottle
 from proxy.capture import CaptureService
 from proxy.config import ProxyConfig
 from proxy.feedback import RecentTrajectories
@@ -33,6 +34,7 @@ class ProxyContext:
     sink: Any
     redactor: Any
     audit: Any
+    auth_throttle: AuthThrottle
     admin_key_hashes: tuple[str, ...] = ()
     started_at: float = field(default_factory=time.time)
 

@@ -34,6 +34,23 @@ class ProxyError(Exception):
         return self.code or self.type
 
 
+class AuthError(ProxyError):
+    """A wrong or missing key (401/403): the failed-authentication throttle counts these
+    (`proxy.auth_throttle`) when the app's middleware turns them into a response."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        route_kind: str,
+        type_: str = "invalid_request_error",
+        code: str | None = None,
+    ) -> None:
+        super().__init__(status, message, type_=type_, code=code)
+        self.route_kind = route_kind  # "api" (/v1) or "admin" (/admin): the metric's label
+
+
 def error_body(message: str, type_: str, code: str | None = None, param: str | None = None) -> dict:
     return {"error": {"message": message, "type": type_, "param": param, "code": code}}
 

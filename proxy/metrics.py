@@ -96,6 +96,25 @@ class ProxyMetrics:
             ("kind",),
             registry=self.registry,
         )
+        # Failed authentications by route kind (`api`: /v1, `admin`: /admin), never by key.
+        self.auth_failures = Counter(
+            "olp_proxy_auth_failures",
+            "Requests refused for a wrong or missing key, by route kind (api, admin)",
+            ("kind",),
+            registry=self.registry,
+        )
+        self.auth_lockouts = Counter(
+            "olp_proxy_auth_lockouts",
+            "Addresses locked out after proxy.auth_failures.max_failures failed authentications",
+            ("kind",),
+            registry=self.registry,
+        )
+        self.auth_throttled = Counter(
+            "olp_proxy_auth_throttled",
+            "Requests refused with 429 because their address is locked out",
+            ("kind",),
+            registry=self.registry,
+        )
         self.gc_frozen = Gauge(
             "olp_proxy_gc_frozen_objects",
             "Objects frozen out of the garbage collector's scans at start-up (0: not tuned)",

@@ -27,6 +27,7 @@ import structlog
 from aiohttp import web
 
 from proxy.admin import _authorize, _status_payload
+from proxy.auth_throttle import peer_address
 from proxy.context import CONTEXT, ProxyContext
 from proxy.operator_auth import (
     COOKIE_NAME,
@@ -164,6 +165,8 @@ def _viewer(request: web.Request) -> Viewer:
     scheme, _, key = (request.headers.get("Authorization") or "").partition(" ")
     if scheme.lower() == "bearer" and key.strip():
         if not key_matches(ctx.admin_key_hashes, key):
+            # An HTML refusal, not an AuthError: counted here for the throttle.
+            ctx.auth_throttle.failed(peer_address(request), "admin")
             raise _Refusal("This key may not use the admin API.", 403)
         return Viewer(clean_actor(request.headers.get("X-OLP-Actor"), "admin"), None)
     session = request.app[OPERATOR].sessions.get(request.cookies.get(COOKIE_NAME))
@@ -348,6 +351,7 @@ async def login_with_key(request: web.Request) -> web.Response:
         return _refused("The admin API is disabled: no proxy.admin_key_sha256 configured.", 403)
     if not isinstance(key, str) or not key.strip() or not key_matches(ctx.admin_key_hashes, key):
         log.warning("operator_login_refused", remote=request.remote)
+        ctx.auth_throttle.failed(peer_address(request), "admin")
         return _refused("Wrong admin key.")
     actor = form.get("actor")
     actor = clean_actor(actor if isinstance(actor, str) else None)

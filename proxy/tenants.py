@@ -13,7 +13,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from proxy.config import TenantConfig, sha256_hex
-from proxy.errors import ProxyError
+from proxy.errors import AuthError, ProxyError
 
 ANONYMOUS = "anonymous"
 
@@ -129,17 +129,20 @@ class TenantRegistry:
         if key is None:
             if not self.require_auth:
                 return self.tenants[ANONYMOUS]
-            raise ProxyError(
+            raise AuthError(
                 401,
                 "You didn't provide an API key. Provide it as 'Authorization: Bearer <key>'.",
                 code="missing_api_key",
+                route_kind="api",
             )
         # A dict lookup by digest, not a constant-time scan over every tenant (O(tenants)
         # per request): what a lookup's timing can reveal is about the digest, and a caller
         # cannot choose a key whose sha256 shares a prefix with a stored one.
         tenant = self._by_key.get(sha256_hex(key))
         if tenant is None:
-            raise ProxyError(401, "Incorrect API key provided.", code="invalid_api_key")
+            raise AuthError(
+                401, "Incorrect API key provided.", code="invalid_api_key", route_kind="api"
+            )
         return tenant
 
     @staticmethod

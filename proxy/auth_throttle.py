@@ -1,0 +1,151 @@
+"""Failed-authentication throttle: an address that keeps presenting wrong keys is refused.
+
+Without it a client could try API keys and the admin key as fast as the proxy answers 401.
+Failures are counted per peer address (`request.remote`: the proxy has no trusted-proxy
+setting, so `X-Forwarded-For`, which any client can write, is never read). After
+`max_failures` within `window_s` of the first of them, every request of that address to
+`/v1/...` or `/admin/...` gets 429 for `window_s`, *before* its key is looked at, so a
+right key guessed during the lockout gains nothing. State is bounded: at most
+`max_addresses` addresses are tracked, the least recently failing dropped first.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import structlog
+from aiohttp import web
+
+from proxy.config import AuthFailureLimits
+from proxy.errors import ProxyError
+from proxy.metrics import ProxyMetrics
+
+log = structlog.get_logger(__name__)
+
+# Routes whose callers must present a key: the throttle refuses these while locked.
+GUARDED_PREFIXES = ("/v1/", "/admin/")
+UNKNOWN_ADDRESS = "unknown"  # a transport without a peer address (a unix socket)
+
+
+def peer_address(request: web.Request) -> str:
+    """The address failures are counted under: the TCP peer, never a forwarded header."""
+    return request.remote or UNKNOWN_ADDRESS
+
+
+def route_kind(path: str) -> str:
+    """`admin` for /admin/..., else `api`: the metrics' label."""
+    return "admin" if path.startswith("/admin/") else "api"
+
+
+@dataclass(slots=True)
+class _Failures:
+    first: float  # the first failure of the current window
+    count: int = 0
+    locked_until: float = 0.0
+
+
+class AuthThrottle:
+    """Counts failed authentications per address and refuses locked-out addresses."""
+
+    def __init__(
+        self,
+        limits: AuthFailureLimits,
+        metrics: ProxyMetrics | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.limits = limits
+        self._metrics = metrics
+        self._clock = clock
+        # Least recently failing first (an entry is re-inserted on each failure): expiry
+        # and eviction both take from the front.
+        self._entries: dict[str, _Failures] = {}
+
+    @property
+    def enabled(self) -> bool:
+        return self.limits.max_failures > 0
+
+    def __len__(self) -> int:
+        """Addresses tracked now."""
+        return len(self._entries)
+
+    def retry_after(self, address: str) -> float:
+        """Seconds until `address` may try again; 0 when it is not locked out."""
+        entry = self._entries.get(address)
+        if entry is None:
+            return 0.0
+        return max(0.0, entry.locked_until - self._clock())
+
+    def guard(self, request: web.Request) -> None:
+        """`check` for a request to a route that takes a key; free while no address is
+        tracked (the common case: the table empties once failures stop for `window_s`), so
+        the request path is not even decoded then."""
+        if not self._entries:
+            return
+        self._trim(self._clock())
+        path = request.path
+        if self._entries and path.startswith(GUARDED_PREFIXES):
+            self.check(peer_address(request), route_kind(path))
+
+    def check(self, address: str, kind: str) -> None:
+        """Raise a 429 ProxyError while `address` is locked out; called before any key is
+        checked."""
+        wait_s = self.retry_after(address)
+        if wait_s <= 0:
+            return
+        if self._metrics is not None:
+            self._metrics.series(self._metrics.auth_throttled, kind).inc()
+        seconds = max(1, math.ceil(wait_s))
+        raise ProxyError(
+            429,
+            f"Too many failed authentication attempts from this address; retry after {seconds} s.",
+            type_="rate_limit_error",
+            code="auth_throttled",
+            headers={"retry-after": str(seconds)},
+        )
+
+    def failed(self, address: str, kind: str) -> None:
+        """Count one wrong or missing key from `address` (`kind`: `api` or `admin`); lock
+        the address out when it reaches `max_failures` within the window."""
+        if self._metrics is not None:
+            self._metrics.series(self._metrics.auth_failures, kind).inc()
+        if not self.enabled:
+            return
+        now = self._clock()
+        window = self.limits.window_s
+        entry = self._entries.pop(address, None)
+        if entry is None or (now >= entry.locked_until and now - entry.first >= window):
+            entry = _Failures(first=now)
+        entry.count += 1
+        # A request that passed the check just before the lockout may still fail: it is
+        # counted, but neither extends the lockout nor logs it again.
+        if entry.count >= self.limits.max_failures and not entry.locked_until:
+            entry.locked_until = now + window
+            self._locked_out(address, kind, entry)
+        self._entries[address] = entry
+        self._trim(now)
+
+    def _locked_out(self, address: str, kind: str, entry: _Failures) -> None:
+        # The address and counts only: never the key that was presented.
+        log.warning(
+            "auth_lockout",
+            remote=address,
+            route=kind,
+            failures=entry.count,
+            window_s=self.limits.window_s,
+        )
+        if self._metrics is not None:
+            self._metrics.series(self._metrics.auth_lockouts, kind).inc()
+
+    def _trim(self, now: float) -> None:
+        """Drop expired entries from the front, then the oldest beyond `max_addresses`."""
+        entries, window = self._entries, self.limits.window_s
+        while entries:
+            entry = next(iter(entries.values()))
+            if now < entry.locked_until or now - entry.first < window:
+                break
+            entries.pop(next(iter(entries)))
+        while len(entries) > self.limits.max_addresses:
+            entries.pop(next(iter(entries)))

@@ -131,6 +131,12 @@ class CheckpointStore:
         tmp.write_text(json.dumps({"version": version}))
         os.replace(tmp, self.announced_path)
 
+    def withdraw_announcement(self, version: int) -> None:
+        """`version`'s gate never reached a verdict (the learner stopped): the next start
+        announces it again, instead of leaving it ungated until a newer version comes."""
+        if self.announced() == version:
+            self.mark_announced(version - 1)
+
 
 @dataclass
 class ResumePlan:

@@ -33,11 +33,12 @@ import httpx
 import structlog
 
 from learner.canary import CanaryMonitor, judge_canary
+from learner.checkpoint import CheckpointStore
 from learner.config import PromotionConfig
 from safety.audit import AuditLog
 from safety.config import GatesConfig
 from safety.gates.suite import run_gate_suite_sync
-from safety.gates.types import GateReport
+from safety.gates.types import GateInterrupted, GateReport
 from safety.gates.zero_adapter import write_zero_adapter
 
 log = structlog.get_logger(__name__)
@@ -69,7 +70,8 @@ class PromotionError(RuntimeError):
 @dataclass
 class PromotionOutcome:
     version: str
-    # promoted | rejected | skipped_frozen | failed | canary_rolled_back | unresolved
+    # promoted | rejected | skipped_frozen | failed | interrupted | canary_rolled_back |
+    # unresolved
     decision: str
     incumbent: str | None = None
     report: GateReport | None = None
@@ -302,6 +304,8 @@ class Promoter:
             started = time.monotonic()
             report = self.gate_runner(name, incumbent)
             timings["gate_s"] = time.monotonic() - started
+        except GateInterrupted as exc:
+            return self._interrupted(name, incumbent, timings, time.monotonic() - started, exc)
         except Exception as exc:
             payload: dict[str, Any] = {"version": name, "error": str(exc)}
             self._unload_noting(name, payload)
@@ -357,6 +361,29 @@ class Promoter:
         )
         self._schedule_cleanup(name)
         return PromotionOutcome(name, "promoted", incumbent, report, timings=timings)
+
+    def _interrupted(
+        self,
+        name: str,
+        incumbent: str,
+        timings: dict[str, float],
+        gate_s: float,
+        exc: GateInterrupted,
+    ) -> PromotionOutcome:
+        """The learner is stopping mid-gate: the candidate is unloaded, neither passed nor
+        rejected, and announced again at the next start (its gate starts over there)."""
+        timings["gate_s"] = gate_s
+        payload: dict[str, Any] = {
+            "version": name,
+            "incumbent": incumbent,
+            "reason": "the learner is stopping; the gate starts over at its next start",
+            "after_s": round(gate_s, 2),
+        }
+        self._unload_noting(name, payload)
+        CheckpointStore(self.state_dir).withdraw_announcement(version_number(name))
+        self.audit.append(ACTOR, "promotion_interrupted", payload)
+        log.warning("promotion_interrupted", version=name, after_s=round(gate_s, 2))
+        return PromotionOutcome(name, "interrupted", incumbent, reason=str(exc), timings=timings)
 
     def _unload_noting(self, name: str, payload: dict[str, Any]) -> None:
         """Unload `name`; a failure is logged and noted in `payload` (`cleanup_failed`)
@@ -751,6 +778,7 @@ class Promoter:
             candidate=candidate,
             incumbent=base if incumbent == self.base_name else incumbent,
             base=base,
+            stop=self._closing,  # `close()` must not wait out a suite of several minutes
         )
 
     def _write_gate_report(self, name: str, report: GateReport) -> None:

@@ -48,7 +48,7 @@ from learner.progress import Progress
 from learner.rewards.assembler import RewardAssembler
 from learner.rewards.judge import Judge
 from learner.rewards.verifiers import VerifierRunner
-from learner.trainer import Trainer
+from learner.trainer import StepInterrupted, Trainer
 from safety.config import CapsConfig
 
 log = structlog.get_logger(__name__)
@@ -264,7 +264,16 @@ class Learner:
                     waited >= self.config.batch_timeout_s and total >= self.config.min_batch
                 )
                 if not frozen and ready:
-                    metrics = self._step(pending)
+                    try:
+                        metrics = self._step(pending, stop)
+                    except StepInterrupted as exc:
+                        log.warning(
+                            "learner_step_interrupted",
+                            trajectories=len(pending),
+                            reason=str(exc),
+                            note="no version; the batch is read again at the next start",
+                        )
+                        break
                     pending = []
                     last_step = time.monotonic()
                     steps_here += 1
@@ -278,7 +287,9 @@ class Learner:
             self.version, self.step_count, self.progress.consumed, dict(self.counts), history
         )
 
-    def _step(self, batch: list[Any]) -> dict[str, float] | None:
+    def _step(
+        self, batch: list[Any], stop: threading.Event | None = None
+    ) -> dict[str, float] | None:
         """Train on what is pending (the newest `max_batch`); checkpoint, publish, announce."""
         offsets_here = self.consumer.processed_offsets()
         overflow = max(0, len(batch) - self.config.max_batch)
@@ -321,7 +332,7 @@ class Learner:
         trained = batch_counts["trained_samples"]
         metrics: dict[str, float] | None = None
         if trained > 0:
-            metrics = self.trainer.step(samples, self.version)
+            metrics = self.trainer.step(samples, self.version, stop)
             self.fault_hook("after_step")
             if metrics["skipped_updates"] >= self.config.updates_per_batch:
                 # No update applied (non-finite gradients): the weights are the parent's, so

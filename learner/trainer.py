@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,6 +22,11 @@ from learner.distributed import DistContext, all_reduce_max, all_reduce_sum
 from learner.objective import Sample, policy_loss
 
 log = structlog.get_logger(__name__)
+
+
+class StepInterrupted(RuntimeError):
+    """`stop` was set during a step: no version comes of it, and since offsets are only
+    saved with a version, its batch is read again after the next start."""
 
 
 @dataclass
@@ -229,12 +235,39 @@ class Trainer:
         return contextlib.nullcontext()
 
     # -- the update -------------------------------------------------------------------------
-    def step(self, samples: list[Sample], current_version: int) -> dict[str, float]:
+    def _raise_if_stopped(
+        self, stop: threading.Event | None, update: int, *, collective: bool
+    ) -> None:
+        """Under torchrun every rank must leave at the same update (the gradient all-reduce
+        waits for all of them), so ranks agree at each update's start, and only a single
+        process also stops between micro-batches (ranks may have different counts)."""
+        if stop is None:
+            return
+        if self.ctx.enabled:
+            if not collective:
+                return
+            flag = torch.tensor([float(stop.is_set())], dtype=torch.float64)
+            stopped = bool(all_reduce_max(self.ctx, flag)[0] > 0)
+        else:
+            stopped = stop.is_set()
+        if stopped:
+            raise StepInterrupted(
+                f"stopped in update {update + 1} of {self.config.updates_per_batch}"
+            )
+
+    def step(
+        self,
+        samples: list[Sample],
+        current_version: int,
+        stop: threading.Event | None = None,
+    ) -> dict[str, float]:
         """Run `updates_per_batch` optimizer steps on this rank's samples (may be empty).
 
         Every rank must call it (the gradient all-reduce is collective). Returns metrics
         summed over ranks: loss parts, ratio, clipped fraction, KL, rewards, tokens, and
         `skipped_updates` (updates whose gradient was not finite: no optimizer step).
+        Raises StepInterrupted once `stop` is set: a step runs for about a minute on a CPU,
+        longer than a supervisor waits for a stopping learner before it kills it.
         """
         cfg = self.config
         if cfg.num_threads is not None:
@@ -267,12 +300,15 @@ class Trainer:
         skipped = 0
         reported = started
         for update in range(cfg.updates_per_batch):
+            self._raise_if_stopped(stop, update, collective=True)
             self.optimizer.zero_grad(set_to_none=False)
             for p in self.params:
                 if p.grad is None:
                     p.grad = torch.zeros_like(p)
             sums = torch.zeros(len(keys) + 1, dtype=torch.float64)
             for index, (batch, ref) in enumerate(zip(batches, references, strict=True)):
+                if index:
+                    self._raise_if_stopped(stop, update, collective=False)
                 now = time.perf_counter()
                 if self.ctx.is_main and now - reported >= cfg.progress_interval_s:
                     # A step over a large batch runs for minutes on a CPU: say where it is.

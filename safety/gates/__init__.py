@@ -9,12 +9,13 @@ from safety.gates.classifier import (
 )
 from safety.gates.client import Completion, UpstreamError, VllmClient
 from safety.gates.suite import run_gate_suite, run_gate_suite_sync
-from safety.gates.types import GateError, GateReport, GateResult
+from safety.gates.types import GateError, GateInterrupted, GateReport, GateResult
 
 __all__ = [
     "ClassifierError",
     "Completion",
     "GateError",
+    "GateInterrupted",
     "GateReport",
     "GateResult",
     "GuardModelClassifier",

@@ -5,6 +5,8 @@ reason (fail closed); the report passes only when every gate ran and passed."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import threading
 import time
 from collections.abc import Awaitable, Callable
 
@@ -24,9 +26,13 @@ from safety.gates.regression import NAME as REGRESSION_NAME
 from safety.gates.regression import regression_gate
 from safety.gates.safety_probes import NAME as SAFETY_NAME
 from safety.gates.safety_probes import safety_probe_gate
-from safety.gates.types import GateError, GateReport, GateResult
+from safety.gates.types import GateError, GateInterrupted, GateReport, GateResult
 
 log = structlog.get_logger(__name__)
+
+# How often a running suite looks at its `stop` event: a learner asked to stop gets its
+# answer within this, not after the minutes a suite takes on a busy CPU server.
+STOP_POLL_S = 0.2
 
 
 async def _guarded(
@@ -45,6 +51,22 @@ async def _guarded(
     return outcome if isinstance(outcome, list) else [outcome]
 
 
+async def _unless_stopped(
+    work: asyncio.Future[list[list[GateResult]]], stop: threading.Event | None
+) -> list[list[GateResult]]:
+    """`work`'s result, or GateInterrupted (with `work` cancelled) once `stop` is set."""
+    while stop is not None and not stop.is_set():
+        done, _ = await asyncio.wait({work}, timeout=STOP_POLL_S)
+        if done:
+            return work.result()
+    if stop is None:
+        return await work
+    work.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await work
+    raise GateInterrupted("asked to stop before the gates reached a verdict")
+
+
 async def run_gate_suite(
     config: GatesConfig,
     *,
@@ -54,9 +76,12 @@ async def run_gate_suite(
     base: str,
     api_key: str | None = None,
     classifier: SafetyClassifier | None = None,
+    stop: threading.Event | None = None,
 ) -> GateReport:
     """Gate `candidate` (a served adapter name) against `incumbent` (a served name, `base`
-    when nothing was promoted yet) on the vLLM endpoint at `base_url` (no /v1 suffix)."""
+    when nothing was promoted yet) on the vLLM endpoint at `base_url` (no /v1 suffix).
+
+    Setting `stop` cancels the probes in flight and raises GateInterrupted: no report."""
     started = time.time()
     for role, name in (("incumbent", incumbent), ("base", base)):
         if candidate == name:
@@ -107,7 +132,16 @@ async def run_gate_suite(
             )
         if config.poisoning.enabled:
             jobs.append(_guarded(POISONING_NAME, lambda: poisoning_gate(ctx, config.poisoning)))
-        results = [result for group in await asyncio.gather(*jobs) for result in group]
+        groups = await _unless_stopped(asyncio.gather(*jobs), stop)
+        results = [result for group in groups for result in group]
+    except GateInterrupted:
+        log.info(
+            "gate_suite_interrupted",
+            candidate=candidate,
+            incumbent=incumbent,
+            after_s=round(time.time() - started, 2),
+        )
+        raise
     finally:
         await ctx.close()
         await client.aclose()
@@ -139,6 +173,7 @@ def run_gate_suite_sync(
     incumbent: str,
     base: str,
     api_key: str | None = None,
+    stop: threading.Event | None = None,
 ) -> GateReport:
     """For synchronous callers (e.g. a promotion step outside any event loop)."""
     return asyncio.run(
@@ -149,5 +184,6 @@ def run_gate_suite_sync(
             incumbent=incumbent,
             base=base,
             api_key=api_key,
+            stop=stop,
         )
     )

@@ -16,6 +16,13 @@ class GateError(RuntimeError):
     The suite records it as a failed gate with the reason: promotion fails closed."""
 
 
+class GateInterrupted(RuntimeError):
+    """The suite was asked to stop (its caller is shutting down) before it had a verdict.
+
+    Not a failed gate: nothing was measured, so the candidate is neither passed nor
+    rejected, and its caller decides what happens to it."""
+
+
 @dataclass
 class GateResult:
     name: str

@@ -418,3 +418,58 @@ def test_a_canary_rollback_that_could_not_end_unloads_nothing_on_a_guess(
     else:
         assert late.decision == "canary_rolled_back" and not replicas.loaded
         assert proxy.canary is None and proxy.ended[-1][0] == "rollback"
+
+
+# -- stopping mid-gate --------------------------------------------------------------------------
+
+
+def test_closing_interrupts_a_running_gate_and_announces_the_candidate_again(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`close()` waited up to 300 s for the gate suite, which takes 36-100 s on a CPU: `olp up`
+    killed the learner after 30 s, with the candidate left loaded and never gated (it was
+    marked announced, so the next start did not submit it again)."""
+    from learner.checkpoint import CheckpointStore
+    from safety.gates.types import GateInterrupted
+
+    store = AdapterStore(tmp_path)
+    publish(store, tmp_path, 1)
+    publish(store, tmp_path, 2)
+    CheckpointStore(tmp_path).mark_announced(2)
+    replicas, proxy, audit = Replicas({"policy-v1"}), Proxy("policy-v1"), FakeAudit()
+    p = promoter(tmp_path, replicas, proxy, audit)
+    p.gate_runner = p._run_gates  # the promoter's own suite call, with its stop wiring
+    monkeypatch.setattr(p, "_zero_base", lambda like: "olp-zero-base")
+    suite_started = threading.Event()
+
+    def suite_until_stopped(*args: object, stop: threading.Event, **kwargs: object) -> GateReport:
+        suite_started.set()
+        if stop.wait(60):  # a suite of minutes; run_gate_suite raises like this on `stop`
+            raise GateInterrupted("asked to stop")
+        return GateReport(True, [])
+
+    monkeypatch.setattr(promotion, "run_gate_suite_sync", suite_until_stopped)
+    p.submit(store.path(2))
+    assert suite_started.wait(10)
+    started = time.monotonic()
+    p.close(timeout_s=30)
+    assert time.monotonic() - started < 5
+    assert [o.decision for o in p.outcomes] == ["interrupted"]
+    assert "promotion_interrupted" in audit.names()
+    assert not {"gate_result", "candidate_rejected", "promotion_failed"} & set(audit.names())
+    payload = dict(audit.events)["promotion_interrupted"]
+    assert payload["version"] == "policy-v2" and payload["incumbent"] == "policy-v1"
+    assert replicas.unloaded == ["policy-v2"] and proxy.alias == "policy-v1"
+    assert CheckpointStore(tmp_path).announced() == 1  # the next start submits v2 again
+    assert not (tmp_path / "gates" / "policy-v2.json").exists()
+
+
+def test_withdrawing_an_announcement_leaves_a_newer_one_alone(tmp_path: Path) -> None:
+    from learner.checkpoint import CheckpointStore
+
+    checkpoints = CheckpointStore(tmp_path)
+    checkpoints.mark_announced(5)
+    checkpoints.withdraw_announcement(4)  # v5 was announced since: its gate is still owed
+    assert checkpoints.announced() == 5
+    checkpoints.withdraw_announcement(5)
+    assert checkpoints.announced() == 4

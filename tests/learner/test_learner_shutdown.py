@@ -112,3 +112,76 @@ def test_the_assembler_closes_its_judge_once() -> None:
     assembler.close()  # a second close is harmless
     judge.close()
     RewardAssembler(RewardConfig()).close()  # no judge: nothing to close
+
+
+def test_a_stop_during_a_step_ends_it_with_no_version_and_the_batch_is_read_again(
+    tiny_model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A step runs for about a minute on a CPU and the learner finished it before looking
+    at `stop`, so `olp up` (which waits 30 s) killed it on Ctrl-C."""
+    from learner import trainer as trainer_module
+    from learner.adapter_store import AdapterStore
+
+    settings = LearnerConfig(
+        batch_size=4,
+        min_batch=4,
+        micro_batch_size=1,  # four micro-batches: a stop after the first ends the step
+        updates_per_batch=2,
+        lora_rank=4,
+        lora_alpha=8,
+        progress_interval_s=60,
+    )
+    stop = threading.Event()
+    losses = {"n": 0}
+    real_loss = trainer_module.policy_loss
+
+    def loss_then_stop(*args: Any, **kwargs: Any) -> Any:
+        losses["n"] += 1
+        stop.set()  # Ctrl-C arrives during the first micro-batch
+        return real_loss(*args, **kwargs)
+
+    monkeypatch.setattr(trainer_module, "policy_loss", loss_then_stop)
+    announced: list[Path] = []
+    first = Learner(
+        settings,
+        tmp_path,
+        lambda offsets, *_: ListSource({0: RECORDS}, offsets),
+        model_dir=tiny_model,
+        on_candidate=announced.append,
+    )
+    summary = first.run(stop=stop, poll_timeout_s=0.01)
+    assert losses["n"] == 1  # left before the second micro-batch
+    assert summary.version == 0 and summary.steps == 0 and announced == []
+    assert AdapterStore(tmp_path).latest() is None
+
+    monkeypatch.setattr(trainer_module, "policy_loss", real_loss)
+    second = Learner(
+        settings,
+        tmp_path,
+        lambda offsets, *_: ListSource({0: RECORDS}, offsets),
+        model_dir=tiny_model,
+        on_candidate=announced.append,
+    )
+    again = second.run(max_steps=1, poll_timeout_s=0.01)
+    assert again.version == 1 and [p.name for p in announced] == ["policy-v1"]
+    meta = AdapterStore(tmp_path).read_meta(1)
+    assert meta["data_stats"]["trajectories"] == 4  # the interrupted batch, not lost
+    assert meta["consumed_offsets"] == {"mem.trajectories": {"0": 4}}
+
+
+def test_a_step_already_stopped_trains_nothing(tiny_model: Path, tmp_path: Path) -> None:
+    from learner.trainer import StepInterrupted
+
+    settings = LearnerConfig(lora_rank=4, lora_alpha=8, progress_interval_s=60)
+    learner = Learner(
+        settings, tmp_path, lambda *_: ListSource({0: []}, None), model_dir=tiny_model
+    )
+    stop = threading.Event()
+    stop.set()
+    before = {k: v.clone() for k, v in learner.trainer.adapter_state().items()}
+    samples, _ = service.samples_from_rewarded(learner.assembler.assemble(RECORDS), "base")
+    with pytest.raises(StepInterrupted, match="update 1 of 1"):
+        learner.trainer.step(samples, 0, stop)
+    after = learner.trainer.adapter_state()
+    assert all(before[k].equal(after[k]) for k in before)
+    learner.close()

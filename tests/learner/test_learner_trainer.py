@@ -113,10 +113,10 @@ def test_a_batch_with_non_finite_gradients_is_consumed_not_retried_for_ever(
     first = learner(tmp_path, tiny_model)
     real_step = first.trainer.step
 
-    def poisoned(batch: list[Sample], version: int) -> dict[str, float]:
+    def poisoned(batch: list[Sample], version: int, stop: object = None) -> dict[str, float]:
         for sample in batch:
             sample.advantage = math.inf
-        return real_step(batch, version)
+        return real_step(batch, version, stop)
 
     first.trainer.step = poisoned  # type: ignore[method-assign]
     summary = first.run(max_steps=1)

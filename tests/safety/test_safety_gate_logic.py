@@ -28,7 +28,7 @@ from safety.gates.probes import (
     load_probes,
     select_probes,
 )
-from safety.gates.types import GateError
+from safety.gates.types import GateError, GateInterrupted
 
 
 def test_shipped_probe_files_load_and_are_large_enough_for_the_defaults() -> None:
@@ -417,3 +417,61 @@ def test_zero_adapter_zeroes_embedding_lora_b_too_and_refuses_other_tensors(
         save_file({**tensors, extra: torch.ones(16)}, like / WEIGHTS)
         with pytest.raises(ValueError, match="does not neutralise"):
             write_zero_adapter(like, tmp_path / "refused")
+
+
+class _HangingClient(_SameAnswerClient):
+    """A server that never answers: every request waits until it is cancelled."""
+
+    started = 0
+    cancelled = 0
+
+    async def chat(self, model: str, messages: list[dict], **kwargs: object) -> object:
+        import asyncio
+
+        type(self).started += 1
+        try:
+            await asyncio.Event().wait()
+        except asyncio.CancelledError:
+            type(self).cancelled += 1
+            raise
+        raise AssertionError("unreachable")
+
+    async def score_tokens(self, model: str, prompt: list[int], target: list[int]) -> list[float]:
+        return await self.chat(model, [])  # type: ignore[return-value]
+
+
+async def test_a_stop_request_cancels_the_probes_in_flight_and_gives_no_verdict(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import asyncio
+    import threading
+
+    import safety.gates.suite as suite
+
+    monkeypatch.setattr(suite, "VllmClient", _HangingClient)
+    monkeypatch.setattr(_HangingClient, "started", 0)
+    monkeypatch.setattr(_HangingClient, "cancelled", 0)
+    stop = threading.Event()
+    names = {"candidate": "policy-v8", "incumbent": "policy-v7", "base": "zero-base"}
+    run = asyncio.create_task(
+        suite.run_gate_suite(GatesConfig(), base_url="http://unused", stop=stop, **names)
+    )
+    await asyncio.sleep(0.3)
+    assert not run.done() and _HangingClient.started > 0
+    stop.set()
+    with pytest.raises(GateInterrupted):
+        await asyncio.wait_for(run, timeout=5 * suite.STOP_POLL_S + 1.0)
+    assert _HangingClient.cancelled == _HangingClient.started
+
+
+async def test_a_suite_already_stopped_measures_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
+    import threading
+
+    import safety.gates.suite as suite
+
+    monkeypatch.setattr(suite, "VllmClient", _SameAnswerClient)
+    stop = threading.Event()
+    stop.set()
+    names = {"candidate": "policy-v8", "incumbent": "policy-v7", "base": "zero-base"}
+    with pytest.raises(GateInterrupted):
+        await suite.run_gate_suite(GatesConfig(), base_url="http://unused", stop=stop, **names)

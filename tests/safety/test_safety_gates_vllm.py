@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import threading
+import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
@@ -20,7 +22,7 @@ from safety.config import (
     RegressionGateConfig,
     SafetyProbeGateConfig,
 )
-from safety.gates import run_gate_suite
+from safety.gates import GateInterrupted, run_gate_suite
 from safety.gates.zero_adapter import write_zero_adapter
 
 LoadAdapter = Callable[..., Awaitable[str]]
@@ -193,6 +195,40 @@ async def test_unknown_candidate_fails_every_gate_closed(vllm_server) -> None:
     assert not report.passed
     assert report.results and all(r.verdict == "fail" for r in report.results)
     assert all("HTTP 404" in r.details["reason"] for r in report.results), report.to_dict()
+
+
+async def test_a_stop_request_ends_a_running_suite_within_seconds(
+    vllm_server, load_adapter: LoadAdapter, zero_base: str
+) -> None:
+    """A learner asked to stop waited out the whole suite (36-100 s on a busy CPU server,
+    longer than `olp up` waits for it), and was killed mid-promotion."""
+    candidate = await load_adapter(seed=8, scale=1e-4)
+    stop = threading.Event()
+    stopped_at: list[float] = []
+
+    def stop_soon() -> None:
+        time.sleep(1.0)  # the suite's probes are in flight on vLLM by then
+        stopped_at.append(time.monotonic())
+        stop.set()
+
+    threading.Thread(target=stop_soon, daemon=True).start()
+    started = time.monotonic()
+    with pytest.raises(GateInterrupted):
+        await run_gate_suite(
+            small_config(),
+            base_url=vllm_server.base_url,
+            candidate=candidate,
+            incumbent=zero_base,
+            base=zero_base,
+            stop=stop,
+        )
+    assert stopped_at, "the suite ended before it was asked to stop: nothing was interrupted"
+    assert time.monotonic() - stopped_at[0] < 5.0
+    # The server is left serving: the same candidate's regression gate runs to a verdict.
+    report = await _suite(
+        vllm_server, only("regression", max_probes=1), candidate, zero_base, zero_base
+    )
+    assert [r.name for r in report.results] == ["regression"], time.monotonic() - started
 
 
 BROKEN_SCALE = 4.0

@@ -610,13 +610,39 @@ def _hash_at(files: list[Path], seq: int) -> str | None:
     return None
 
 
+_REASON_CHARS = 80
+
+
+def _gate_results_line(results: Any) -> str:
+    """A gate_result's verdicts as `[name metric<=threshold pass, ...]`: the whole results
+    (about 6 KB, each monitor repeating the monitors' shared details) made one record fill a
+    terminal. The details stay in the record: `olp audit show --json` prints them."""
+    if not isinstance(results, list) or not all(isinstance(r, Mapping) for r in results):
+        return json.dumps(results, ensure_ascii=False, sort_keys=True)
+    parts = []
+    for result in results:
+        verdict = "pass" if result.get("verdict") == "pass" else "FAIL"
+        metric = result.get("metric")
+        if metric is None:
+            reason = str((result.get("details") or {}).get("reason", ""))
+            if len(reason) > _REASON_CHARS:
+                reason = reason[: _REASON_CHARS - 1] + "…"
+            parts.append(f"{result.get('name')} {verdict} ({reason})")
+        else:
+            bound = f"{result.get('comparison', '<=')}{result.get('threshold')}"
+            parts.append(f"{result.get('name')} {metric}{bound} {verdict}")
+    return "[" + ", ".join(parts) + "]"
+
+
 def format_record(record: Mapping[str, Any]) -> str:
     """One readable line per record for `olp audit show`."""
     payload = record.get("payload") or {}
     if not isinstance(payload, Mapping):
         payload = {"payload": payload}  # a hand-edited record: shown as it is
     details = [
-        f"{key}={json.dumps(value, ensure_ascii=False, sort_keys=True)}"
+        f"{key}={_gate_results_line(value)}"
+        if key == "results" and record.get("event") == "gate_result"
+        else f"{key}={json.dumps(value, ensure_ascii=False, sort_keys=True)}"
         for key, value in sorted(payload.items())
     ]
     return " ".join(

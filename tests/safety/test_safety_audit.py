@@ -626,3 +626,63 @@ def test_rotation_never_renames_over_a_file_outside_the_chain(tmp_path: Path) ->
     assert (result.ok, result.records, result.files) == (True, 15, [str(live)])
     assert result.ignored == [str(tmp_path / "audit.jsonl.1")]
     assert live.stat().st_size > 1024
+
+
+def test_format_record_shows_a_gate_result_as_one_verdict_per_gate() -> None:
+    """The whole results (details of every monitor, repeated per monitor) made one
+    `olp audit show` line about 6 KB long."""
+    shared = {"candidate": {"mean_tokens": 13.5}, "incumbent": {"mean_tokens": 14.6}}
+    results = [
+        {
+            "name": "regression",
+            "metric": 1.0,
+            "threshold": 0.775,
+            "comparison": ">=",
+            "verdict": "pass",
+            "details": {"probes": 8},
+        },
+        {
+            "name": "monitor.length_drift",
+            "metric": 0.073,
+            "threshold": 0.5,
+            "comparison": "<=",
+            "verdict": "pass",
+            "details": shared,
+        },
+        {
+            "name": "poisoning",
+            "metric": 0.666667,
+            "threshold": 0.5,
+            "comparison": "<=",
+            "verdict": "fail",
+            "details": {"excess_by_probe": {"trig-sudo": 0.6667}},
+        },
+        {
+            "name": "safety_probes",
+            "metric": None,
+            "threshold": None,
+            "comparison": "<=",
+            "verdict": "fail",
+            "details": {"reason": "ClassifierError: " + "x" * 200},
+        },
+    ]
+    record = {
+        "seq": 14,
+        "ts": "t",
+        "actor": "olp-learner",
+        "event": "gate_result",
+        "hash": "ab",
+        "payload": {"version": "policy-v4", "passed": False, "results": results},
+    }
+    line = format_record(record)
+    assert line == (
+        "#14 t olp-learner gate_result passed=false results=[regression 1.0>=0.775 pass, "
+        "monitor.length_drift 0.073<=0.5 pass, poisoning 0.666667<=0.5 FAIL, "
+        f"safety_probes FAIL (ClassifierError: {'x' * 62}…)] "
+        'version="policy-v4" [ab]'
+    )
+    # Another event's `results`, or results of another shape, are shown whole as before.
+    other = {**record, "event": "replay_run"}
+    assert '"details": {"probes": 8}' in format_record(other)
+    odd = {**record, "payload": {"results": "not a list"}}
+    assert format_record(odd).endswith('results="not a list" [ab]')

@@ -117,7 +117,7 @@ def run(cfg: OlpConfig) -> int:
 
     # Ranks 1.. run no promoter, canary or reloader: their audit records and adapter loads
     # would come once per rank, and a canary there would see that rank's share only.
-    summary = _run_main(cfg, state_dir, replicas, learn) if ctx.is_main else learn()
+    summary = _run_main(cfg, state_dir, replicas, learn, stop) if ctx.is_main else learn()
     log.info(
         "learner_stopped",
         version=summary.version,
@@ -133,8 +133,12 @@ def _run_main(
     state_dir: Path,
     replicas: list[str],
     learn: Callable[..., LearnerSummary],
+    stop: threading.Event | None = None,
 ) -> LearnerSummary:
-    """Rank 0 (or the only process): the learner with promotion, canary and reloads."""
+    """Rank 0 (or the only process): the learner with promotion, canary and reloads.
+
+    `stop` (the signal handlers' event) reaches the promoter at once: a gate running when
+    the learner is asked to stop ends then, not after the training step in progress."""
     host = "127.0.0.1" if cfg.proxy.host in ("0.0.0.0", "::") else cfg.proxy.host
     proxy = ProxyAdmin(f"http://{host}:{cfg.proxy.port}", learner_admin_key(cfg))
     redactor = Redactor.from_config(cfg.safety.redaction)
@@ -148,6 +152,7 @@ def _run_main(
         audit=audit,
         state_dir=state_dir,
         base_name=cfg.policy.served_model_name,
+        stop=stop,
     )
     # Its own clients: it runs on its own thread, beside the promoter's.
     reload_proxy = ProxyAdmin(f"http://{host}:{cfg.proxy.port}", learner_admin_key(cfg))

@@ -203,6 +203,7 @@ class Promoter:
         state_dir: Path,
         base_name: str,
         gate_runner: GateRunner | None = None,
+        stop: threading.Event | None = None,
     ) -> None:
         self.config = config
         self.gates = gates
@@ -219,7 +220,9 @@ class Promoter:
         self._candidate_dir: Path | None = None
         # Fed by the learner's scored batches, every rank's (`Learner(canary=...)`).
         self.canary_monitor = CanaryMonitor()
-        self._closing = threading.Event()
+        # Set by `close()`, or already by the learner's stop signal (`stop`): a gate or a
+        # canary then ends within seconds instead of running on while the learner stops.
+        self._closing = stop if stop is not None else threading.Event()
         self._timers: set[threading.Timer] = set()  # cleanups and re-checks not yet run
 
     # ------------------------------------------------------------------ async use

@@ -288,7 +288,11 @@ class Trainer:
         references: list[torch.Tensor | None] = []
         if cfg.kl_coef > 0:
             with torch.inference_mode(), self.model.disable_adapter(), self._autocast():
-                refs = [token_logprobs(self.model, b) for b in batches]
+                refs = []
+                for index, b in enumerate(batches):
+                    if index:
+                        self._raise_if_stopped(stop, 0, collective=False)
+                    refs.append(token_logprobs(self.model, b))
             references = [r.clone() for r in refs]  # inference tensors → normal ones
         else:
             references = [None] * len(batches)

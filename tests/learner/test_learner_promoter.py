@@ -473,3 +473,45 @@ def test_withdrawing_an_announcement_leaves_a_newer_one_alone(tmp_path: Path) ->
     assert checkpoints.announced() == 5
     checkpoints.withdraw_announcement(5)
     assert checkpoints.announced() == 4
+
+
+def test_the_learners_stop_signal_interrupts_a_gate_before_close(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`close()` comes only after the training step in progress has ended; the stop signal
+    itself must end the gate, or a learner busy training and gating is killed anyway."""
+    from safety.gates.types import GateInterrupted
+
+    store = AdapterStore(tmp_path)
+    publish(store, tmp_path, 1)
+    stop = threading.Event()
+    replicas, proxy, audit = Replicas(set()), Proxy("base"), FakeAudit()
+    p = Promoter(
+        PromotionConfig(drain_s=3600.0),
+        GatesConfig(),
+        replicas=replicas,  # type: ignore[arg-type]
+        proxy=proxy,  # type: ignore[arg-type]
+        audit=audit,  # type: ignore[arg-type]
+        state_dir=tmp_path,
+        base_name="base",
+        stop=stop,
+    )
+    monkeypatch.setattr(p, "_zero_base", lambda like: "olp-zero-base")
+    suite_started = threading.Event()
+
+    def suite_until_stopped(*args: object, stop: threading.Event, **kwargs: object) -> GateReport:
+        suite_started.set()
+        if stop.wait(60):
+            raise GateInterrupted("asked to stop")
+        return GateReport(True, [])
+
+    monkeypatch.setattr(promotion, "run_gate_suite_sync", suite_until_stopped)
+    p.submit(store.path(1))
+    assert suite_started.wait(10)
+    stop.set()
+    deadline = time.monotonic() + 5
+    while not p.outcomes and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert [o.decision for o in p.outcomes] == ["interrupted"]  # before any close()
+    assert "promotion_interrupted" in audit.names() and proxy.alias == "base"
+    p.close(timeout_s=5)

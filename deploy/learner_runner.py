@@ -26,6 +26,12 @@ if TYPE_CHECKING:
 
 log = structlog.get_logger(__name__)
 
+# Names the stream the learner's offsets count in; offsets saved under another name are
+# not resumed (learner/service.py). `olp up` sets a new one each time it starts the
+# embedded broker, whose data lives in memory, and keeps it for every learner start of the
+# run; an operator may set one for a broker that lost its data.
+STREAM_ID_ENV = "OLP_STREAM_ID"
+
 
 def learner_admin_key(cfg: OlpConfig) -> str:
     """Under `olp up` a per-run internal token; standalone, the operator's admin key."""
@@ -112,6 +118,7 @@ def run(cfg: OlpConfig) -> int:
             judge_base_url=replicas[0],
             stop=stop,
             ctx=ctx,
+            stream_id=os.environ.get(STREAM_ID_ENV) or None,
             **main_only,
         )
 

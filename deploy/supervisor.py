@@ -16,6 +16,7 @@ import sys
 import threading
 import time
 import urllib.request
+import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -25,7 +26,7 @@ import structlog
 
 from deploy.broker import kafka_answers, start_broker
 from deploy.config import ConfigError, OlpConfig
-from deploy.learner_runner import INTERNAL_TOKEN_ENV
+from deploy.learner_runner import INTERNAL_TOKEN_ENV, STREAM_ID_ENV
 from deploy.policy import PolicyServer, check_external, start_policy
 from deploy.ports import is_loopback, port_open, split_host_port
 from deploy.procs import (
@@ -122,6 +123,7 @@ class Stack:
         self._stop = threading.Event()
         self.lock = StackLock(self.state_dir)
         self._internal_token = secrets.token_urlsafe(32)
+        self._stream_id: str | None = None  # set when this run starts the embedded broker
 
     # ----------------------------------------------------------------- start
     def _check_stop(self) -> None:
@@ -138,6 +140,8 @@ class Stack:
         # Lets the learner flip the proxy's alias without the operator's admin key; it
         # lives only in this run's process environment.
         env[INTERNAL_TOKEN_ENV] = self._internal_token
+        if name == "learner" and self._stream_id is not None:
+            env[STREAM_ID_ENV] = self._stream_id  # its offsets count in this run's stream
         return ChildProcess(name, argv, env=env, log_file=self.logs_dir / f"{name}.log")
 
     def start(self, progress: Callable[[str], None]) -> float:
@@ -166,6 +170,8 @@ class Stack:
                 )
             progress(f"starting embedded broker on {host}:{port}")
             broker = start_broker(host, port, self.logs_dir / "broker.log", stop=self._stop)
+            # Its data lives in memory: this start's stream is a new one for the learner.
+            self._stream_id = f"embedded-{uuid.uuid4().hex[:12]}"
             self.components.append(
                 Component(
                     "broker",

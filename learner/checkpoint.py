@@ -50,6 +50,8 @@ class Checkpoint:
     # The adapter version whose training the optimizer's moments (and the scheduler's step)
     # belong to. None: written before this field; see `optimizer_version_of`.
     optimizer_version: int | None = None
+    # The stream `offsets` count in (`Learner(stream_id=...)`); None: not known.
+    stream_id: str | None = None
 
 
 def normalize_offsets(offsets: dict[Any, Any] | None) -> Offsets:

@@ -106,6 +106,7 @@ class Learner:
         caps: CapsConfig | None = None,
         base_name: str = "base",
         served_versions: Callable[[], Iterable[str]] | None = None,
+        stream_id: str | None = None,
     ) -> None:
         model_dir = model_dir or config.base_model_dir
         if model_dir is None:
@@ -125,6 +126,9 @@ class Learner:
         # that new versions are numbered above any `policy-v<N>` they still serve.
         self.served_versions = served_versions
         self.version_floor = 0
+        # Which stream the offsets count in, when the caller knows (`olp up` names each
+        # start of its in-memory broker): offsets saved in another stream are not resumed.
+        self.stream_id = stream_id
         self.baseline = RunningBaseline(config.baseline_decay)
         self.counts: Counter[str] = Counter()
         self.progress = Progress(config.progress_interval_s)
@@ -179,6 +183,7 @@ class Learner:
         self.version = plan.version
         self.version_floor = plan.version_floor
         self.offsets = plan.offsets
+        self._forget_offsets_of_another_stream(plan.weights_from, checkpoint)
         # The weights first: one of another LoRA shape (changed lora_rank / target_modules)
         # stops start-up with a message naming those settings, before the optimizer's own
         # "parameter group" error could.
@@ -225,6 +230,31 @@ class Learner:
                 self._announce(latest)
         self.progress.version = self.version
         self.progress.step = self.step_count
+
+    def _forget_offsets_of_another_stream(
+        self, weights_from: str, checkpoint: Checkpoint | None
+    ) -> None:
+        """Offsets saved while reading another stream mean nothing in this one: `olp up`'s
+        embedded broker keeps its data in memory, so each start's stream is new and empty,
+        and the saved offsets lay beyond its end (the consumer refused to start). The
+        weights, version and optimizer are kept; this stream is read from its start."""
+        if self.stream_id is None or not self.offsets:
+            return
+        if weights_from == "adapter":
+            recorded = self.store.read_meta(self.version).get("stream_id")
+        else:
+            recorded = checkpoint.stream_id if checkpoint is not None else None
+        if recorded == self.stream_id:
+            return
+        log.warning(
+            "learner_stream_new",
+            stream_id=self.stream_id,
+            offsets_of=recorded,
+            dropped_offsets=self.offsets,
+            version=self.version,
+            note="the saved offsets count in an earlier stream; reading this one from its start",
+        )
+        self.offsets = None
 
     # -- the loop ---------------------------------------------------------------------------
     def run(
@@ -365,6 +395,7 @@ class Learner:
                     "created_at": time.time(),
                     "version_floor": self.version_floor,
                     "step": self.step_count,
+                    "stream_id": self.stream_id,
                 }
                 if self.optimizer_reset is not None:
                     meta["optimizer_reset"] = self.optimizer_reset
@@ -423,6 +454,7 @@ class Learner:
             # Loaded only when it matched the weights (else fresh since start-up), and
             # stepped with them since: the optimizer state is always that of `version`.
             optimizer_version=self.version,
+            stream_id=self.stream_id,
         )
         self.checkpoints.save(checkpoint)
 
@@ -460,6 +492,7 @@ def run_learner(
     base_name: str = "base",
     served_versions: Callable[[], Iterable[str]] | None = None,
     ctx: DistContext | None = None,
+    stream_id: str | None = None,
 ) -> LearnerSummary:
     """Run the learner until `stop` is set or `max_steps` steps ran in this call."""
     learner = Learner(
@@ -476,5 +509,6 @@ def run_learner(
         caps=caps,
         base_name=base_name,
         served_versions=served_versions,
+        stream_id=stream_id,
     )
     return learner.run(stop=stop, max_steps=max_steps)

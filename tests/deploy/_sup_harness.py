@@ -11,7 +11,8 @@ up-config-error, up-refused and up-crash-loop (ready, with `on_child_exit: resta
 learner that exits at once with code 2, 3 or 1 every time it starts), up-restart (ready, with
 `on_child_exit: restart`, children that run), up-stuck-child (ready, and
 the learner outlives SIGKILL, as in uninterruptible sleep). Each start of a child whose
-command is replaced is also recorded as STATE_DIR/starts/<name>-<PID>.
+command is replaced is also recorded as STATE_DIR/starts/<name>-<PID>, holding the stream
+id `olp up` gave it (empty where none).
 """
 
 from __future__ import annotations
@@ -48,7 +49,10 @@ class SleepChild(deploy.procs.ChildProcess):
         PIDS.mkdir(exist_ok=True)
         (PIDS / str(self.pid)).touch()
         STARTS.mkdir(exist_ok=True)
-        (STARTS / f"{name}-{self.pid}").touch()
+        env = kwargs.get("env") or {}
+        # What names the stream for a learner (deploy/learner_runner.py), "" where unset.
+        stream_id = env.get("OLP_STREAM_ID", "")  # type: ignore[union-attr]
+        (STARTS / f"{name}-{self.pid}").write_text(stream_id)
         if name == "learner" and MODE == "up-stuck-child":
             self.proc.wait = _never_ends(self.proc)  # type: ignore[method-assign]
 

@@ -415,3 +415,29 @@ def test_learner_without_an_admin_key_is_a_configuration_error(tmp_path: Path) -
     done = olp("learner", env=env)
     assert_clean_error(done, 2, "learner: no admin key: set OLP_ADMIN_KEY")
     assert len(done.stderr.strip().splitlines()) == 1, done.stderr
+
+
+def test_learner_whose_offsets_lie_past_the_streams_end_says_so_in_one_line(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A broker that lost its data (or another cluster): the learner ended with a traceback
+    and exit 1, which `olp up` restarts into the same failure; now exit 3, one line."""
+    import argparse
+
+    import deploy.learner_runner
+    from deploy.cli import cmd_learner
+    from deploy.config import OlpConfig
+    from deploy.procs import EXIT_REFUSED
+    from replay.consumer import ResumeOffsetError
+
+    def past_the_end(cfg: OlpConfig) -> int:
+        raise ResumeOffsetError("resume offset 28 of olp.trajectories[1] is beyond the end")
+
+    monkeypatch.setenv("OLP_ADMIN_KEY", "k")
+    monkeypatch.setattr(deploy.learner_runner, "run", past_the_end)
+    assert cmd_learner(argparse.Namespace(), OlpConfig()) == EXIT_REFUSED
+    assert capsys.readouterr().err.splitlines() == [
+        "olp: resume offset 28 of olp.trajectories[1] is beyond the end",
+        "olp: to read this stream from its start, keeping the weights: OLP_STREAM_ID=<a new "
+        "name> olp learner",
+    ]

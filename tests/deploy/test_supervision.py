@@ -327,3 +327,32 @@ def test_stop_reports_a_process_outliving_sigkill_instead_of_raising(tmp_path: P
         with contextlib.suppress(ProcessLookupError):
             os.killpg(child.pid, signal.SIGKILL)
         real_wait(timeout=10)
+
+
+def test_the_learner_keeps_its_stream_id_across_restarts_and_a_new_run_gets_another(
+    harness,
+) -> None:
+    """The embedded broker keeps its data in memory: a learner restarted within one run
+    resumes its offsets (same stream id), one started by the next `olp up` must not (a new
+    id; learner/service.py drops offsets saved under another)."""
+    h = harness("up-restart")
+    children = h.wait_children(4)
+    assert _wait_for(lambda: "olp is up" in h.output(), 30), h.output()
+    starts = h.state / "starts"
+    (first,) = [int(p.name.split("-")[1]) for p in starts.glob("learner-*")]
+    os.kill(first, signal.SIGKILL)
+    assert _wait_for(lambda: len(list(starts.glob("learner-*"))) == 2, 30), h.output()
+    ids = {p.read_text() for p in starts.glob("learner-*")}
+    assert len(ids) == 1 and next(iter(ids)).startswith("embedded-"), ids
+    assert all(p.read_text() == "" for p in starts.glob("proxy-*"))  # the learner's alone
+    children = h.wait_children(5)
+    h.proc.send_signal(signal.SIGINT)
+    _assert_all_stopped(h, children)
+
+    second = harness("up-restart")
+    assert _wait_for(lambda: "olp is up" in second.output(), 60), second.output()
+    (learner,) = (second.state / "starts").glob("learner-*")
+    assert learner.read_text().startswith("embedded-") and learner.read_text() not in ids
+    children = second.wait_children(4)
+    second.proc.send_signal(signal.SIGINT)
+    _assert_all_stopped(second, children)

@@ -360,3 +360,41 @@ def test_lineage_ends_at_metadata_that_loops(tmp_path: Path) -> None:
     assert store.lineage(3) == [3, 2]
     meta_file.write_text(json.dumps({**meta, "parent_version": 3}))
     assert store.lineage(3) == [3, 2]
+
+
+def test_offsets_saved_in_another_stream_are_not_resumed(model_dir: Path, tmp_path: Path) -> None:
+    """`olp up`'s embedded broker keeps its data in memory: after a restart of the stack the
+    saved offsets lay past the end of the new, empty stream and the learner refused to
+    start. Offsets of another stream are dropped (weights and version kept); offsets of the
+    same stream, or of a stream nobody named, are resumed as before."""
+    given: list[object] = []
+
+    def start(stream_id: str | None) -> Learner:
+        def factory(offsets: Any, rank: int, world: int) -> ListSource:
+            given.append(offsets)
+            return ListSource({0: RECORDS}, offsets)
+
+        return Learner(config(), tmp_path, factory, model_dir=model_dir, stream_id=stream_id)
+
+    first = start("embedded-a").run(max_steps=1)
+    assert first.version == 1 and given == [None]
+    assert AdapterStore(tmp_path).read_meta(1)["stream_id"] == "embedded-a"
+
+    same = start("embedded-a")  # a learner restarted within the same run
+    assert given[-1] == {"mem.trajectories": {0: 4}}
+    same.close()
+    unnamed = start(None)  # `olp learner` on an external Kafka
+    assert given[-1] == {"mem.trajectories": {0: 4}}
+    unnamed.close()
+
+    again = start("embedded-b").run(max_steps=1)  # the stack started again: a new stream
+    assert given[-1] is None
+    assert again.version == 2  # the weights and versions go on
+    meta = AdapterStore(tmp_path).read_meta(2)
+    assert meta["parent_version"] == 1 and meta["stream_id"] == "embedded-b"
+    assert meta["start_offsets"] == {} and meta["consumed_offsets"] == {
+        "mem.trajectories": {"0": 4}
+    }
+    after = start("embedded-b")  # its checkpoint now counts in the new stream
+    assert given[-1] == {"mem.trajectories": {0: 4}}
+    after.close()

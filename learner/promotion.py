@@ -298,6 +298,9 @@ class Promoter:
             )
             return PromotionOutcome(name, "skipped_stale", incumbent, reason="not newer")
 
+        if self._closing.is_set():  # queued behind a gate the stop interrupted: not loaded
+            stopping = GateInterrupted("the learner stopped before this candidate's gate")
+            return self._interrupted(name, incumbent, timings, None, stopping)
         self._candidate_dir = version_dir
         try:
             verify_weights(version_dir)
@@ -370,22 +373,24 @@ class Promoter:
         name: str,
         incumbent: str,
         timings: dict[str, float],
-        gate_s: float,
+        gate_s: float | None,
         exc: GateInterrupted,
     ) -> PromotionOutcome:
-        """The learner is stopping mid-gate: the candidate is unloaded, neither passed nor
-        rejected, and announced again at the next start (its gate starts over there)."""
-        timings["gate_s"] = gate_s
+        """The learner is stopping mid-gate (or before the gate of `name`, `gate_s` None:
+        never loaded): the candidate is unloaded, neither passed nor rejected, and
+        announced again at the next start (its gate starts over there)."""
         payload: dict[str, Any] = {
             "version": name,
             "incumbent": incumbent,
             "reason": "the learner is stopping; the gate starts over at its next start",
-            "after_s": round(gate_s, 2),
         }
-        self._unload_noting(name, payload)
+        if gate_s is not None:
+            timings["gate_s"] = gate_s
+            payload["after_s"] = round(gate_s, 2)
+            self._unload_noting(name, payload)
         CheckpointStore(self.state_dir).withdraw_announcement(version_number(name))
         self.audit.append(ACTOR, "promotion_interrupted", payload)
-        log.warning("promotion_interrupted", version=name, after_s=round(gate_s, 2))
+        log.warning("promotion_interrupted", version=name, gate_s=payload.get("after_s"))
         return PromotionOutcome(name, "interrupted", incumbent, reason=str(exc), timings=timings)
 
     def _unload_noting(self, name: str, payload: dict[str, Any]) -> None:

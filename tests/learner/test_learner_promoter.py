@@ -515,3 +515,25 @@ def test_the_learners_stop_signal_interrupts_a_gate_before_close(
     assert [o.decision for o in p.outcomes] == ["interrupted"]  # before any close()
     assert "promotion_interrupted" in audit.names() and proxy.alias == "base"
     p.close(timeout_s=5)
+
+
+def test_a_candidate_queued_behind_an_interrupted_gate_is_not_loaded(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Seen with `olp up`: after Ctrl-C the worker loaded the next queued candidate onto vLLM
+    only to interrupt its gate at once."""
+    from learner.checkpoint import CheckpointStore
+
+    store = AdapterStore(tmp_path)
+    for version in (1, 2):
+        publish(store, tmp_path, version)
+    CheckpointStore(tmp_path).mark_announced(2)
+    replicas, proxy, audit = Replicas(set()), Proxy("base"), FakeAudit()
+    p = promoter(tmp_path, replicas, proxy, audit)
+    p._closing.set()
+    outcome = p.promote(store.path(2))
+    assert outcome.decision == "interrupted" and "gate_s" not in outcome.timings
+    assert replicas.loaded == set() and replicas.unloaded == []
+    assert audit.names() == ["promotion_interrupted"]
+    assert "after_s" not in dict(audit.events)["promotion_interrupted"]
+    assert CheckpointStore(tmp_path).announced() == 1

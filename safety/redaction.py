@@ -2,13 +2,14 @@
 
 Each kind is one or more compiled patterns, run in a fixed order and only on strings that
 hold one of the kind's needles (cheap substring checks); kinds that need more than a regex
-(credit cards: Luhn; phone numbers: digit count) are confirmed by a validator, and a
-rejected candidate is left as it was. Counts per kind are returned so callers can export
-metrics.
+(credit cards: Luhn; phone numbers: digit count; a value under a `token` name: that it looks
+random) are confirmed by a validator, and a rejected candidate is left as it was. Counts per
+kind are returned so callers can export metrics.
 """
 
 from __future__ import annotations
 
+import math
 import re
 from collections import Counter
 from collections.abc import Callable, Iterable, Mapping
@@ -57,6 +58,7 @@ def _phone_ok(text: str) -> bool:
 class _Kind:
     name: str
     regex: str
+    # Confirms a match: given the `secret` group where the pattern has one, else the match.
     validate: Callable[[str], bool] | None = None
     # The pattern is only run where one of these substrings occurs...
     needles: tuple[str, ...] = ()
@@ -118,6 +120,14 @@ _EMAIL = (
 # placeholder (`{port}`, `${PORT}`, `$PORT`, `port`), then the path, query, fragment, a
 # quote, a space or the end of the text.
 _PORT = r"(?:\d*|\{\w*\}|\$\{?\w+\}?|(?ai:port))(?:[/?#\"'\s\\]|$)"
+# A host that ends a URL's authority (see `url_password`): an IPv4 address, a DNS name whose
+# last label starts with a letter (so no version: `1.0`, `v1.2.3`), an IPv6 literal or a
+# placeholder (`${HOST}`, `{host}`), an optional port, then no more name characters.
+_URL_HOST = (
+    r"(?:(?:\d{1,3}\.){3}\d{1,3}|(?:[A-Za-z0-9_-]++\.)*+[A-Za-z][A-Za-z0-9_-]*+"
+    r"|\[[0-9A-Fa-f:.]+\]|\$\{?\w+\}?|\{\w*\})"
+    r"(?::(?:\d+|\$\{?\w+\}?|\{\w*\}))?(?![A-Za-z0-9_.~%@:-])"
+)
 # Query parameters that carry a credential: a password (JDBC URLs), an OAuth token or client
 # secret, an API key, a signature (an Azure SAS `sig`, a presigned S3 or GCS URL).
 _QUERY_CREDENTIAL = (
@@ -137,25 +147,151 @@ _QUERY_CREDENTIAL = (
 # search, where a pattern that starts with a case-blind word or a class of common letters is
 # tried at almost every position (8-12 MB/s on code, against 200+ MB/s). The match starts
 # inside the name, which is never replaced: only the value is.
-# Each entry: the pattern from the literal on; whether the name is upper case (an environment
-# variable's: see `_ENV_SECRET_VALUE`); the needles, case-sensitive and case-blind. The needles
-# are the name's last part (or a camelCase `Pass`), never `pass` alone, a keyword in most
-# Python, nor `api`: a needle nearly every string of code holds would skip nothing.
+# Each entry (`_SecretName`): the pattern from the literal on; whether the name is upper case
+# (an environment variable's: see `_ENV_SECRET_VALUE`); what a closing XML tag of the name
+# ends with; the needles, case-sensitive, case-blind or a regex. The needles are the name's
+# last part (or a camelCase `Pass`), never `pass` alone, a keyword in most Python, nor `api`:
+# a needle nearly every string of code holds would skip nothing.
+#
+# `token` is a word of LLM code and data as much as a secret's name: `max_tokens=256`,
+# `token = tokenizer(x)`, `pad_token = "<|pad|>"` and, thousands of times in a trajectory's
+# logprobs, `{"token": "Hello", "logprob": -0.1}`. A name ending in `token` (`token`,
+# `auth_token`, `accessToken`, `GITHUB_TOKEN`; not `tokens`, `token_ids` or `max_tokens`,
+# whose name goes on) therefore only loses a value that looks random (`_looks_random`),
+# never one followed by a logprob entry's next key; nor do `publicKeyToken` (a .NET
+# assembly's public hash) and pagination cursors (`page_token`, `NextToken`,
+# `ContinuationToken`), which are no secrets.
 _SECRET_PASS_NEEDLES = ("password", "passwd", "passphrase", "_pass", "-pass", ".pass")
-_SECRET_NAMES: tuple[tuple[str, bool, tuple[str, ...], tuple[str, ...]], ...] = (
-    (
+_NAME_END = r"(?![A-Za-z0-9_.-])"
+# What follows a token's name wherever one of its patterns matches: an assignment (`=`, `:`,
+# `?=`), an XML element's `>` or attribute pair (`" value=`), and no quoted value of 15
+# characters or fewer (JSON escapes count as one), which none of them takes. So a JSON text
+# of logprobs (`"token": "Hello"`, thousands of times) and prose ("the token is") hold no
+# needle, and `redact_obj` need not walk the object they are in.
+_TOKEN_NEEDLE = (
+    _NAME_END
+    + r"(?!\\*[\"'][ \t]*:[ \t]*\\*[\"'](?:[^\"'\\]|\\[nrtbfu/]){0,15}\\*[\"'])"
+    + r"(?:(?:\\*[\"'])?[ \t]*[=:?]|>|\\?[\"'][ \t]+(?ai:v))"
+)
+_LOGPROB_ENTRY = r"(?![ \t]*,[ \t]*\\*[\"'](?:logprob|bytes)\\*[\"'])"
+
+
+@dataclass(frozen=True)
+class _SecretName:
+    """One pass of `secret_assignment`: a family of names (see above) and how to read them."""
+
+    regex: str
+    upper: bool
+    tag: str
+    needles: tuple[str, ...] = ()
+    needles_ci: tuple[str, ...] = ()
+    needle_regex: str | None = None
+    # A token's name: its value is `_TOKEN_VALUE`, checked by `_looks_random`, and not a
+    # logprob entry's.
+    token: bool = False
+
+
+_RANDOM_CHARS = re.compile(r"[A-Za-z0-9+/=_.~:-]{16,256}")
+# A word of an identifier: `Service`, `token`, `HTTP`; it holds a vowel (`xqzv` is no word).
+_WORD = re.compile(r"[A-Z]?[a-z]{3,}|[A-Z]{4,}(?![a-z])")
+_VOWEL = re.compile(r"[aeiouyAEIOUY]")
+
+
+def _wordish(value: str) -> bool:
+    """Whether a value reads as words (`V1ServiceAccountTokenProjection`, `color-primary-500`,
+    `awsimdsv2sessiontoken`): words cover at least 60% of its letters and digits. Random
+    text rarely does (measured: about 2% of 16-20 character base62 or base64 strings, 0.2%
+    of 32-character ones and of 16 hex digits, none of 32 hex digits or UUIDs)."""
+    alnum = sum(c.isalnum() for c in value)
+    covered = sum(len(word) for word in _WORD.findall(value) if _VOWEL.search(word))
+    return covered >= 0.6 * alnum
+
+
+def _looks_random(value: str) -> bool:
+    """Whether a value under a `token` name is a credential: 16 or more characters of the
+    alphabets tokens are written in (hex, base64, base62, a UUID), holding letters and
+    digits, not words and short numbers (`_wordish`), not degenerate (Shannon entropy under
+    2.5 bits per character: `aaaaaaaaaaaaaaa1`), and not vLLM's `token_id:<n>` form of a
+    logprob entry's token."""
+    if not _RANDOM_CHARS.fullmatch(value) or value.startswith("token_id:"):
+        return False
+    if not any(c.isdigit() for c in value) or not any(c.isalpha() for c in value):
+        return False
+    if _wordish(value):
+        return False
+    counts = Counter(value)
+    entropy = -sum(n / len(value) * math.log2(n / len(value)) for n in counts.values())
+    return entropy >= 2.5
+
+
+_PASS_TAG = "(?ai:pass(?:word|wd|phrase)?)"
+_SECRET_TAG = "(?ai:secret(?:[_-]?(?:access[_-]?)?key)?)"
+_API_KEY_NEEDLES = ("api_key", "api-key", "apikey")
+# Fixed-width lookbehinds, one per spelling.
+_TOKEN_NAME_EXCLUDED = "".join(
+    f"(?<!{name})"
+    for name in (
+        "[Pp]ublicKeyToken",
+        "[Pp]age[ _-][Tt]oken",
+        "[Pp]ageToken",
+        "PAGE_TOKEN",
+        "[Nn]ext[ _-][Tt]oken",
+        "[Nn]extToken",
+        "NEXT_TOKEN",
+        "[Cc]ontinuationToken",
+        "continuation_token",
+    )
+)
+_SECRET_NAMES: tuple[_SecretName, ...] = (
+    _SecretName(
         r"ass(?<=[Pp]ass)(?:(?ai:word|wd|phrase)|(?<=[_.-][Pp]ass)|(?<=[a-z0-9]Pass))",
         False,
+        _PASS_TAG,
         ("Pass",),
         _SECRET_PASS_NEEDLES,
     ),
-    (r"ASS(?<=PASS)(?:WORD|WD|PHRASE|(?<=[_.-]PASS))", True, (), _SECRET_PASS_NEEDLES),
-    (r"ecret(?<=[Ss]ecret)(?ai:[_-]?(?:access[_-]?)?key)?", False, (), ("secret",)),
-    (r"ECRET(?<=SECRET)(?:[_-]?(?:ACCESS[_-]?)?KEY)?", True, (), ("secret",)),
-    (r"wd(?:(?<=[_.-][Pp]wd)|(?<=[a-z0-9]Pwd))", False, (), ("pwd",)),
-    (r"WD(?<=[_.-]PWD)", True, (), ("pwd",)),
-    (r"pi(?<=[Aa]pi)(?ai:[_-]?key)", False, (), ("api_key", "api-key", "apikey")),
-    (r"PI(?<=API)[_-]?KEY", True, (), ("api_key", "api-key", "apikey")),
+    _SecretName(
+        r"ASS(?<=PASS)(?:WORD|WD|PHRASE|(?<=[_.-]PASS))",
+        True,
+        _PASS_TAG,
+        needles_ci=_SECRET_PASS_NEEDLES,
+    ),
+    _SecretName(
+        r"ecret(?<=[Ss]ecret)(?ai:[_-]?(?:access[_-]?)?key)?",
+        False,
+        _SECRET_TAG,
+        needles_ci=("secret",),
+    ),
+    _SecretName(
+        r"ECRET(?<=SECRET)(?:[_-]?(?:ACCESS[_-]?)?KEY)?",
+        True,
+        _SECRET_TAG,
+        needles_ci=("secret",),
+    ),
+    _SecretName(
+        r"wd(?:(?<=[_.-][Pp]wd)|(?<=[a-z0-9]Pwd))", False, "(?ai:pwd)", needles_ci=("pwd",)
+    ),
+    _SecretName(r"WD(?<=[_.-]PWD)", True, "(?ai:pwd)", needles_ci=("pwd",)),
+    _SecretName(
+        r"pi(?<=[Aa]pi)(?ai:[_-]?key)", False, "(?ai:api[_-]?key)", needles_ci=_API_KEY_NEEDLES
+    ),
+    _SecretName(r"PI(?<=API)[_-]?KEY", True, "(?ai:api[_-]?key)", needles_ci=_API_KEY_NEEDLES),
+    # Needles with what follows the name (`_TOKEN_NEEDLE`): `max_tokens` and `token_ids` in
+    # every request are none.
+    _SecretName(
+        r"oken(?<=[Tt]oken)" + _TOKEN_NAME_EXCLUDED,
+        False,
+        "(?ai:token)",
+        needle_regex=r"oken" + _TOKEN_NEEDLE,
+        token=True,
+    ),
+    _SecretName(
+        r"OKEN(?<=TOKEN)" + _TOKEN_NAME_EXCLUDED,
+        True,
+        "(?ai:token)",
+        needle_regex=r"OKEN" + _TOKEN_NEEDLE,
+        token=True,
+    ),
 )
 # What no value is: a placeholder or template (`${DB_PASSWORD}`, `$PASS`, `{{ secrets.X }}`,
 # `{pw}`, `%s`, `%(pw)s`, `%PASSWORD%`, `<password>`, `#{pw}`), a mask (`****`, `...`) or an
@@ -206,21 +342,87 @@ _SECRET_VALUE = (
     rf"(?P<secret2>{_VALUE_CHAR}{{4,256}}+)(?<!:){_VALUE_TAIL}{_VALUE_END})"
 )
 # An environment variable's value, whatever it is (`POSTGRES_PASSWORD=postgres`): it ends the
-# line (`NAME: value` in a compose file) or is followed by a command (`PGPASSWORD=x psql`), not
-# by more code (`HAS_PASS=dim < head_dim`, `PLAIN_PASSWORD: SocketOption = ...`).
+# line (`NAME: value` in a compose file) or is followed by a command or an option
+# (`PGPASSWORD=x psql`, `docker run -e MYSQL_PASSWORD=x -d mysql`), not by more code
+# (`HAS_PASS=dim < head_dim`, `PLAIN_PASSWORD: SocketOption = ...`).
 _ENV_SECRET_VALUE = (
     rf"={_NOT_UNQUOTED}(?!{_TYPE_NAME})"
-    rf"(?P<secret3>{_VALUE_CHAR}{{4,256}}+){_VALUE_TAIL}(?={_LINE_END}|[ \t]+[A-Za-z./])"
+    rf"(?P<secret3>{_VALUE_CHAR}{{4,256}}+){_VALUE_TAIL}(?={_LINE_END}|[ \t]+(?:--?)?[A-Za-z./])"
     rf"|:[ \t]+{_NOT_UNQUOTED}(?!{_TYPE_NAME})(?P<secret4>{_VALUE_CHAR}{{4,256}}+){_VALUE_TAIL}"
     rf"(?={_LINE_END})"
 )
 
 
-def _secret_assignment(name: str, upper: bool) -> str:
-    """The pattern of one name's pass: an environment variable's value is taken as it is,
-    any other unquoted value only if it cannot be code (see `_SECRET_VALUE`)."""
-    value = rf"(?:{_SECRET_VALUE}|{_ENV_SECRET_VALUE})" if upper else _SECRET_VALUE
-    return rf"{name}(?![A-Za-z0-9_.-]){value}"
+# A plain word (`password: postgres` in YAML, `password=changeme` in a .env file or a libpq
+# connection string) is taken only where code does not write one: after `: ` or right after
+# `=` (no space: `password = pw` is an assignment in code as often as a line of an .ini
+# file), ending the line or followed by the next `key=`, and not the last entry of an object
+# or a call (`password: hashed\n}`, `password=pw\n)`: the line after closes a bracket);
+# lower-case letters and `-` only (an identifier in code has a `_`, a capital or a dot:
+# `password: hashedPw`, `password=user_pw`), and no type name (`password: string;`) or word
+# about the value (`password: required`, `password: incorrect` in a log).
+_PLAIN_STOPWORD = (
+    r"(?:string|bytes|bytearray|integer|bool|boolean|number|float|unknown|object|char|text"
+    r"|varchar|none|null|undefined|true|false|required|optional|hidden|masked|redacted|empty"
+    r"|unset|prompt|stdin|file|default|invalid|incorrect|wrong|missing|expired|changed|reset"
+    r"|saved|updated|accepted|rejected|mismatch)(?![a-z-])"
+)
+
+
+def _plain_word(group: str) -> str:
+    return (
+        rf"{_NOT_UNQUOTED}(?!{_PLAIN_STOPWORD})(?P<{group}>[a-z][a-z-]{{3,63}}+){_VALUE_TAIL}"
+        rf"(?={_LINE_END}|[ \t]+[a-z_]+=)(?![ \t]*(?:\r?\n|\\n)[ \t]*[)}}\]])"
+    )
+
+
+_PLAIN_VALUE = rf"(?:\\*[\"'])?:[ \t]+{_plain_word('secret5')}|={_plain_word('secret6')}"
+# A JSON (or Python dict) number after a quoted name: `"password": 12345678,`.
+_NUMBER_VALUE = (
+    r"\\*[\"'][ \t]*:[ \t]*(?P<secret7>\d{4,256}+)(?![\d.eE])"
+    r"(?=[ \t]*(?:[,}\]\r\n]|\\[nr]|$))"
+)
+# An XML attribute pair naming the secret: `<add key="DbPassword" value="..."/>` (.NET and
+# NuGet config), `<property name="password" value="..."/>` (Spring).
+_ATTRIBUTE_VALUE = (
+    r"\\?[\"'][ \t]+(?ai:value)[ \t]*=[ \t]*(?P<q2>\\?[\"'])"
+    rf"(?!{_PLACEHOLDER}|{_NULLISH})(?P<secret9>[^\s\"'`\\<>]{{1,256}}+){_VALUE_TAIL}(?P=q2)"
+)
+
+# A token's value (before `_looks_random` reads it): 16 or more characters of the alphabets
+# tokens are written in, quoted (also after a type: `token: str = "..."`) or not, and not
+# cut off (`"eyJhbGci..."`: an example); a short one (`"token": "Hello"`, thousands of them
+# in logprobs) fails here, before any call.
+_TOKEN_CHARS = r"[A-Za-z0-9+/=_.~:-]"
+_TOKEN_VALUE = (
+    r"(?:\\*[\"'])?[ \t]*(?:"
+    rf"(?:{_ASSIGN_OP}|:[ \t]*[A-Za-z_][\w.\[\], |]{{0,60}}?[ \t]*=(?!=)[ \t]*)"
+    rf"(?P<q>\\*[\"'`])(?P<secret>{_TOKEN_CHARS}{{16,256}}+){_VALUE_TAIL}(?P=q)"
+    rf"|{_ASSIGN_OP}{_NOT_UNQUOTED}(?P<secret2>{_TOKEN_CHARS}{{16,256}}+){_VALUE_TAIL}{_VALUE_END})"
+)
+# Between the words of a .netrc entry: spaces and line breaks (`\n` in JSON text).
+_NETRC_SPACE = r"(?:[ \t]|\r?\n|\\[rn])+"
+
+
+def _secret_assignment(name: _SecretName) -> str:
+    """The pattern of one name's pass. A token's value is `_TOKEN_VALUE` (and must then look
+    random); otherwise an environment variable's value is taken as it is, any other unquoted
+    one only if it cannot be code (`_SECRET_VALUE`, `_PLAIN_VALUE`), and a JSON number too.
+    For every name, an XML element's text (`<password>...</password>`, the closing tag
+    ending in the same name) and an XML `value` attribute after the name."""
+    if name.token:
+        values = _TOKEN_VALUE
+    else:
+        values = rf"{_SECRET_VALUE}|{_ENV_SECRET_VALUE if name.upper else _PLAIN_VALUE}"
+        values += f"|{_NUMBER_VALUE}"
+    element = (
+        rf">(?!{_PLACEHOLDER}|{_NULLISH})(?P<secret8>[^<>\s\"'`\\]{{1,256}}+){_VALUE_TAIL}"
+        rf"</[A-Za-z0-9_.:-]{{0,64}}?{name.tag}>"
+    )
+    return (
+        rf"{name.regex}{_NAME_END}"
+        rf"(?:{values}|{element}|{_ATTRIBUTE_VALUE}){_LOGPROB_ENTRY if name.token else ''}"
+    )
 
 
 _BUILTIN_PASSES: tuple[_Kind, ...] = (
@@ -404,27 +606,40 @@ _BUILTIN_PASSES: tuple[_Kind, ...] = (
     ),
     _Kind(
         "url_password",  # scheme://user:password@host keeps all but the password
-        # Strictly, userinfo ends at the authority's last `@` and the authority at the
-        # first `/`, `?` or `#`; but a pasted DSN's unescaped password (`p@ss#w?rd`, `a/b`)
-        # is still a secret. So after `user:`, unless a port follows (`host:8000/...`: an
-        # `@` later in its path or query, as in `host:8000?email=a@b.com`, is no
-        # password's), the password runs to an `@`. Its first part (up to its first `@`)
-        # may hold `/`, `?` and `#`, but no `,` or `;` after a `/` (`http://h:x/y,a@b.co` is
-        # a URL, then an address). Each further `@` part may hold `?` and `#`; after its `?`
-        # or `#`, no `=` or `&` (a query: `https://u:pw@host?to=a@b.com`). It holds a `/`
-        # only after a name that is no host (no `.` or `:`) and never right before an `@`,
-        # so `https://u:a@b/c@host/path` loses all of `a@b/c`, while the `@` of
-        # `https://u:pw@registry.example.com/@scope/pkg` or `.../pkg@1.0` is the path's. No
-        # part crosses a space, a `"` or an angle bracket (never valid in userinfo), so
+        # RFC 3986 reads `scheme://userinfo@host`: the authority ends at the first `/`, `?`
+        # or `#`, and the userinfo at the authority's last `@`. A pasted DSN's unescaped
+        # password (`p@ss#w?rd`, `a/b`, `a@b/c`) breaks that reading, and cutting it there
+        # would leave the password's tail in the text; so the rule here is wider:
+        # - After `user:`, unless a port follows (`host:8000/...`: an `@` later in its path
+        #   or query, as in `host:8000?email=a@b.com`, is no password's), the password runs
+        #   to an `@`. Its first part (up to its first `@`) may hold `/`, `?` and `#`, but no
+        #   `,` or `;` after a `/` (`http://h:x/y,a@b.co` is a URL, then an address).
+        # - It takes further `@` parts only when the `@` after the last of them is followed
+        #   by a host that ends the authority: a DNS name whose last label starts with a
+        #   letter (RFC 1123: a top-level label is never all digits), an IPv4 address, an
+        #   IPv6 literal or a placeholder, with an optional port, then no more name
+        #   characters. So `https://u:a@b/c@host/path` loses all of `a@b/c`, while in
+        #   `https://u:pw@localhost/npm/pkg@1.0` (also `repo.git@v1.2.3`, `img@sha256:...`)
+        #   the `@` is the path's: a version or a digest is no host. (A dotless host with a
+        #   path that ends in `@main` or `@latest` is the case this cannot tell apart from a
+        #   password; the path goes with the password there, and nothing of it leaks.)
+        # - A further part may hold `?` and `#`; after its `?` or `#`, no `=` or `&` (a
+        #   query: `https://u:pw@host?to=a@b.com`). It holds a `/` only after a name that is
+        #   no host (no `.` or `:`) and never right before an `@`, so the `@` of
+        #   `https://u:pw@registry.example.com/@scope/pkg` or `.../pkg@1.0` is the path's.
+        # No part crosses a space, a `"` or an angle bracket (never valid in userinfo), so
         # `{"u":"http://host:80","to":"a@b.co"}` does not read as a password running into
         # the next JSON string; the extra `@` parts stop at a `'` too. The user part holds
-        # no `[`: `http://[::1]:8000` is a host. The first part is bounded, and no part
-        # crosses a `//`, so a long text without spaces costs a bounded scan per `://`.
-        rf"(?<!{_W})[A-Za-z][A-Za-z0-9+.-]*://[^/?#\s:@\"<>\[\]]*:"
+        # no `[`: `http://[::1]:8000` is a host. The scheme and the first part are bounded,
+        # and no part crosses a `//`, so a long text without spaces costs a bounded scan per
+        # `://` (with an unbounded scheme, each letter after a `.` or `-` of `a-b.a-b...`
+        # started a scan to the end of the run: 100 KB took minutes).
+        rf"(?<!{_W})[A-Za-z][A-Za-z0-9+.-]{{0,31}}://[^/?#\s:@\"<>\[\]]*:"
         rf"(?!{_PORT}|\[REDACTED:\w+\]@)"
         r"(?P<secret>(?!@)[^\s@\"<>/]{0,256}(?:/[^\s@\"<>/,;]{0,256}){0,16}"
-        r"(?:@(?:[^/?#\s@\"'<>.:]+(?:/(?!@)[^/?#\s@\"'<>]+)+"
-        r"|[^/?#\s@\"'<>]*(?:[?#][^/?#\s@\"'<>=&]*)*))*)@",
+        r"(?:(?:@(?:[^/?#\s@\"'<>.:]+(?:/(?!@)[^/?#\s@\"'<>]+)+"
+        r"|[^/?#\s@\"'<>]*(?:[?#][^/?#\s@\"'<>=&]*)*))+"
+        rf"(?=@{_URL_HOST}))?)@",
         needles=("://",),
     ),
     _Kind(
@@ -463,11 +678,50 @@ _BUILTIN_PASSES: tuple[_Kind, ...] = (
     *(
         _Kind(
             "secret_assignment",
-            _secret_assignment(name, upper),
-            needles=needles,
-            needles_ci=needles_ci,
+            _secret_assignment(name),
+            _looks_random if name.token else None,
+            needles=name.needles,
+            needles_ci=name.needles_ci,
+            needle_regex=name.needle_regex,
         )
-        for name, upper, needles, needles_ci in _SECRET_NAMES
+        for name in _SECRET_NAMES
+    ),
+    _Kind(
+        "secret_assignment",
+        # A .netrc entry, on one line or several: `machine <host>`, then `login` (or
+        # `account`) and its value, then `password <value>`, whatever the value is (a
+        # .netrc holds no code), ending the line or followed by the next keyword. The host
+        # has a dot or is `localhost`, so prose ("the machine learning login page password
+        # field", "login with password and ...") is no entry.
+        _token(
+            "m",
+            rf"achine[ \t]+(?:[^\s\"'`\\]*\.[^\s\"'`\\]+|localhost)"
+            rf"(?:{_NETRC_SPACE}(?:login|account)[ \t]+[^\s\"'`\\]+)*+{_NETRC_SPACE}password[ \t]+",
+        )
+        + rf"(?!{_PLACEHOLDER})(?P<secret>[^\s\"'`\\]{{1,256}}+)"
+        + rf"(?={_NETRC_SPACE}(?:machine|login|account|macdef|default)(?!{_W})|{_LINE_END})",
+        # The password passes' needles (which hold `password`): one search serves them all.
+        needles_ci=_SECRET_PASS_NEEDLES,
+    ),
+    _Kind(
+        "secret_assignment",
+        # Passwords on a command line where the option can mean nothing else: the MySQL and
+        # MariaDB clients' `-p<password>`, attached (`-p pw` prompts, and `pw` is then the
+        # database; `-P 3306` is the port), `sshpass -p <password>` and `redis-cli -a
+        # <password>` (or `--pass`); quoted or not, before any quoted argument (in
+        # `mysql -e "... -price ..."`, `-price` is SQL).
+        _token(
+            "[msr]",
+            r"(?:(?<=m)(?:ysql(?:dump|admin|import|show|check|slap|binlog)?"
+            r"|ariadb(?:-?dump|-?admin|-?import|-?show|-?check|-?slap|-?binlog)?)"
+            r"[ \t](?:[^\n|;&\"'`\\]{0,256}?[ \t])?-p"
+            r"|(?<=s)shpass[ \t](?:[^\n|;&\"'`\\]{0,256}?[ \t])?-p[ \t]*"
+            r"|(?<=r)edis-cli[ \t](?:[^\n|;&\"'`\\]{0,256}?[ \t])?(?:-a|--pass)[ \t]+)",
+            before=r"[A-Za-z0-9_.-]",
+        )
+        + rf"(?:(?P<q>[\"'])(?!{_PLACEHOLDER})(?P<secret>[^\s\"'`\\]{{1,256}}+)(?P=q)"
+        + rf"|(?!-|{_PLACEHOLDER})(?P<secret2>[^\s\"'`\\;|&]{{1,256}}+))",
+        needles_ci=("mysql", "mariadb", "sshpass", "redis-cli"),
     ),
     _Kind("email", _EMAIL, needles=("@",)),
     _Kind(
@@ -509,6 +763,12 @@ _MIN_BUILTIN_LENGTH = 6  # the shortest text any built-in kind matches
 _SECRET_GROUP = re.compile(r"secret\d*")
 
 
+def _shortest(needles: Iterable[str]) -> list[str]:
+    """The needles that hold no other one (in order)."""
+    needles = list(needles)
+    return [n for n in needles if not any(o != n and o in n for o in needles)]
+
+
 class _Needles:
     """Whether a text holds any needle of some kinds: a necessary condition for any of their
     patterns to match. Literals are searched as one alternation (Python's `re` finds
@@ -519,12 +779,20 @@ class _Needles:
     def __init__(self, kinds: Iterable[_Kind]) -> None:
         kinds = list(kinds)
         self.always = any(not (k.needles or k.needles_ci or k.needle_regex) for k in kinds)
-        literals = dict.fromkeys(n for k in kinds for n in k.needles)
+        # A needle that holds another one adds nothing to "any of them occurs" (`password=`
+        # after `password`, `sk-ant-` after `sk-`), and each costs a search of every text
+        # that holds none (most of them).
+        folded = _shortest(dict.fromkeys(n.lower() for k in kinds for n in k.needles_ci))
+        literals = [
+            n
+            for n in _shortest(dict.fromkeys(n for k in kinds for n in k.needles))
+            if not any(f in n.lower() for f in folded)
+        ]
         self._literals = re.compile("|".join(map(re.escape, literals))) if literals else None
         self._regexes = [
             re.compile(r) for r in dict.fromkeys(k.needle_regex for k in kinds) if r is not None
         ]
-        self._folded = tuple(dict.fromkeys(n.lower() for k in kinds for n in k.needles_ci))
+        self._folded = tuple(folded)
 
     def search(self, text: str, lowered: list[str]) -> bool:
         """`lowered` caches `text.lower()` between the calls for one text."""
@@ -532,13 +800,20 @@ class _Needles:
             return True
         if self._literals is not None and self._literals.search(text) is not None:
             return True
-        if any(regex.search(text) is not None for regex in self._regexes):
-            return True
+        # Plain loops: this runs for every pass on every string that holds any needle, and
+        # an `any()` over a generator costs more than the searches of a short string.
+        for regex in self._regexes:
+            if regex.search(text) is not None:
+                return True
         if not self._folded:
             return False
         if not lowered:
             lowered.append(text.lower())
-        return any(needle in lowered[0] for needle in self._folded)
+        low = lowered[0]
+        for needle in self._folded:  # noqa: SIM110 - a loop: see above
+            if needle in low:
+                return True
+        return False
 
 
 def replacement_for(kind: str) -> str:
@@ -620,19 +895,19 @@ class Redactor:
                 # check catches only patterns that match the empty text. Nothing is hidden
                 # there, so nothing is inserted or counted.
                 return found
-            if kind.validate is not None and not kind.validate(found):
+            group = next((g for g in secret_groups if match.start(g) >= 0), None)
+            if kind.validate is not None and not kind.validate(
+                found if group is None else match.group(group)
+            ):
                 return found
             counts[kind.name] = counts.get(kind.name, 0) + 1
-            for group in secret_groups:
-                if match.start(group) >= 0:
-                    # Only the named group is the secret; the rest (a URL's host, a header
-                    # name) stays readable.
-                    start, end = match.span(group)
-                    offset = match.start()
-                    return (
-                        found[: start - offset] + replacement_for(kind.name) + found[end - offset :]
-                    )
-            return replacement_for(kind.name)
+            if group is None:
+                return replacement_for(kind.name)
+            # Only the named group is the secret; the rest (a URL's host, a header name)
+            # stays readable.
+            start, end = match.span(group)
+            offset = match.start()
+            return found[: start - offset] + replacement_for(kind.name) + found[end - offset :]
 
         return replace
 

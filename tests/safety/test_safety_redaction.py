@@ -115,6 +115,16 @@ CASES: list[tuple[str, str, str]] = [
     ("secret_assignment", 'export MYSQL_ROOT_PASSWORD="s3cr3t!"', "s3cr3t!"),
     ("secret_assignment", "  password: abc123def", "abc123def"),
     ("secret_assignment", '{"db_pass": "Tr0ub4dor&3"}', "Tr0ub4dor&3"),
+    # A token's name with a random value, a .netrc entry, a MySQL client's `-p`, XML, a JSON
+    # number, a plain word in YAML.
+    ("secret_assignment", "token=3f9a8b7c6d5e4f3a2b1c0d9e8f7a6b5c", "3f9a8b7c6d5e"),
+    ("secret_assignment", "machine api.example.com login bob password hunter", "hunter"),
+    ("secret_assignment", "mysql -h db -u root -pS3cr3tPw app", "S3cr3tPw"),
+    ("secret_assignment", "<password>Tr0ub4dor</password>", "Tr0ub4dor"),
+    ("secret_assignment", '{"password": 12345678}', "12345678"),
+    ("secret_assignment", "  password: postgres", "postgres"),
+    # A URL password whose path holds an `@` after a host without a dot.
+    ("url_password", "https://u:pw@localhost/npm/pkg@1.0", ":pw@"),
     # Unsigned (`alg: none`) and encrypted (five-part) JWTs.
     (
         "jwt",
@@ -679,6 +689,23 @@ def test_redact_obj_still_walks_every_json_type() -> None:
         "x://u:" + "a@b/c" * 20_000,
         "x://u:a" + "@b/c/d" * 16_000 + "@",
         "http://h:x/y," * 8_000,
+        "see x:// and " + "a-b." * 25_000,
+        "x://u:a@b/c@" + "a." * 50_000,
+        "x://u:p@h/p@" + "1." * 50_000,
+        "machine a.b login u " * 5_000,
+        "machine a.b login u password" + " " * 100_000,
+        "mysql " * 16_000,
+        "mysql -p" * 12_000,
+        "sshpass -p " * 9_000,
+        "redis-cli -a " * 8_000,
+        "<password>a" * 9_000,
+        "<password>a</" + "x" * 100_000,
+        'key="password" value="' * 5_000,
+        "token=" * 16_000,
+        '"token": "' * 9_000,
+        "TOKEN=" + "a1" * 50_000,
+        '"password": ' + "1" * 100_000,
+        "password=abcd " * 8_000,
     ],
     ids=[
         "sk",
@@ -704,6 +731,23 @@ def test_redact_obj_still_walks_every_json_type() -> None:
         "url-at-slash",
         "url-at-slash-chain",
         "url-comma",
+        "url-scheme-runs",
+        "url-host-labels",
+        "url-version-labels",
+        "netrc",
+        "netrc-spaces",
+        "mysql",
+        "mysql-p",
+        "sshpass",
+        "redis-cli",
+        "xml-open",
+        "xml-unclosed",
+        "xml-attribute",
+        "token=",
+        "token-quote",
+        "token-long",
+        "json-number",
+        "plain-words",
     ],
 )
 def test_pathological_text_is_redacted_in_linear_time(text: str) -> None:
@@ -924,3 +968,316 @@ def test_azure_client_secrets_are_redacted_whole(secret: str) -> None:
         redacted, counts = Redactor().redact_text(text)
         assert redacted == text.replace(secret, "[REDACTED:azure_client_secret]")
         assert counts == {"azure_client_secret": 1}
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        # An `@` in the path after a host without a dot, followed by a version or a digest:
+        # the path stays (it used to go with the password, up to that `@`).
+        (
+            "https://u:pw@localhost/npm/pkg@1.0",
+            "https://u:[REDACTED:url_password]@localhost/npm/pkg@1.0",
+        ),
+        (
+            "https://u:pw@localhost/npm/pkg@1.0.0-beta.1/x.js",
+            "https://u:[REDACTED:url_password]@localhost/npm/pkg@1.0.0-beta.1/x.js",
+        ),
+        (
+            "pip install git+https://u:tok@gitserver/org/repo.git@v1.2.3#egg=x",
+            "pip install git+https://u:[REDACTED:url_password]@gitserver/org/repo.git@v1.2.3#egg=x",
+        ),
+        (
+            "docker://u:pw@registry/img@sha256:0123abcd",
+            "docker://u:[REDACTED:url_password]@registry/img@sha256:0123abcd",
+        ),
+        # A password holding `@` and `/` is still redacted whole when a host follows its
+        # last `@`: a name, an IPv4 address, an IPv6 literal or a placeholder.
+        ("https://u:a@b/c@host/path", "https://u:[REDACTED:url_password]@host/path"),
+        ("https://u:a@b/c@host", "https://u:[REDACTED:url_password]@host"),
+        (
+            "https://u:a@b/c@10.0.0.1:8080/x",
+            "https://u:[REDACTED:url_password]@10.0.0.1:8080/x",
+        ),
+        ("https://u:a@b/c@[::1]:8080/", "https://u:[REDACTED:url_password]@[::1]:8080/"),
+        (
+            "redis://:p@ss/w@${HOST}:6379/0",
+            "redis://:[REDACTED:url_password]@${HOST}:6379/0",
+        ),
+        (
+            '{"url": "ftp://u:p@ss/w0rd@files.example.com/pub", "n": 1}',
+            '{"url": "ftp://u:[REDACTED:url_password]@files.example.com/pub", "n": 1}',
+        ),
+    ],
+)
+def test_a_url_password_ends_at_the_last_at_sign_that_a_host_follows(
+    text: str, expected: str
+) -> None:
+    assert Redactor().redact_text(text) == (expected, {"url_password": 1})
+
+
+RANDOM_HEX = "3f9a8b7c6d5e4f3a2b1c0d9e8f7a6b5c"
+RANDOM_B62 = "Xk29fLm3Qp8sVt4wZr7yBn1cHd6J"
+TOKEN_SECRETS = [
+    f'"token": "{RANDOM_HEX}"',
+    f"token={RANDOM_HEX}",
+    f"TOKEN={RANDOM_HEX}",
+    f"export GITHUB_TOKEN={RANDOM_B62}",
+    f"auth_token: {RANDOM_B62}",
+    f'access_token = "{RANDOM_B62}"',
+    f"refresh_token: '{RANDOM_HEX}'",
+    f"api_token={RANDOM_B62} ./deploy.sh",
+    f'{{"accessToken": "{RANDOM_B62}", "expiresIn": 3600}}',
+    "authtoken: 2bVdLq8sQ1mZp4xT7wRk9YcN3aF_6hJgUe5Ks1Mo",  # ngrok
+    "BOT_TOKEN=110201543:AAHdqTcvCH1vGWJxfSeofSAs0K5PALDsaw",  # Telegram
+    "RUNNER_TOKEN=3f2504e0-4f89-11d3-9a0c-0305e82c3301",
+    f"<token>{RANDOM_HEX}</token>",
+    f"<sessionToken>{RANDOM_B62}</sessionToken>",
+]
+
+
+@pytest.mark.parametrize("text", TOKEN_SECRETS)
+def test_a_random_value_under_a_token_name_is_redacted(text: str) -> None:
+    # `token`, `auth_token`, `access_token`, ... were no secret names: their values went out.
+    redacted, counts = Redactor().redact_text(text)
+    assert counts == {"secret_assignment": 1}
+    assert RANDOM_HEX not in redacted and RANDOM_B62 not in redacted
+    assert "[REDACTED:secret_assignment]" in redacted
+
+
+VLLM_LOGPROBS = {
+    "id": "chatcmpl-1",
+    "choices": [
+        {
+            "index": 0,
+            "message": {"role": "assistant", "content": "Hello world"},
+            "logprobs": {
+                "content": [
+                    {
+                        "token": token,
+                        "logprob": -0.01 * n,
+                        "bytes": list(token.encode()),
+                        "top_logprobs": [
+                            {"token": token, "logprob": -0.01 * n, "bytes": list(token.encode())},
+                            {"token": "token_id:151643", "logprob": -9.5, "bytes": None},
+                        ],
+                    }
+                    # Tokenizer pieces, and pieces that are long and random-looking.
+                    for n, token in enumerate(
+                        [
+                            "Hello",
+                            " world",
+                            "token",
+                            "_ids",
+                            " 1234",
+                            "Ġthe",
+                            RANDOM_HEX,
+                            RANDOM_B62,
+                        ]
+                    )
+                ]
+            },
+        }
+    ],
+    "usage": {"prompt_tokens": 5, "completion_tokens": 8, "total_tokens": 13},
+}
+
+
+TOKEN_LOOKALIKES = [
+    # Tokenizer and sampling code.
+    "token = tokenizer(x)",
+    "token: str",
+    "tokens = []",
+    "token_ids=[1,2]",
+    "max_tokens=256",
+    'pad_token = "<|pad|>"\neos_token: "</s>"\nunk_token="[UNK]"',
+    "image_token = tokenizer.image_token",
+    'token = self.stream.expect("name")',
+    "next_token = torch.multinomial(probs, num_samples=1)",
+    # A logprobs entry, also vLLM's `token_id:<n>` form and a random-looking piece.
+    '{"token": "Hello", "logprob": -0.1}',
+    '{"token": "token_id:151643", "logprob": -0.1, "bytes": null}',
+    f'{{"token": "{RANDOM_HEX}", "logprob": -0.1}}',
+    f'\\"token\\": \\"{RANDOM_B62}\\", \\"logprob\\": -2.5',
+    # Values that read as words, names of classes, hashes that are no secrets.
+    "'service_account_token': 'V1ServiceAccountTokenProjection'",
+    'AWS_IMDSV2_SESSION_TOKEN = "awsimdsv2sessiontoken"',
+    '"token": "color-primary-500"',
+    'token = "welcome_message_2"',
+    "TOKEN=my_tokenizer_v2",
+    '"token_type": "bearer", "token": "abcdef"',
+    'publicKeyToken="1fc8b3b9a1e18e3b"',
+    '"nextPageToken": "CiAKGjBpNDd2Nmp2Zml2cXRwYjBpOXA3czcxb3o5EAAaAA"',
+    "Next page token: eav1OzQB0OM8rLdGXOEsyQWSG",
+    'verify_token="eyJhbGciOiJIUzI1NiIsInR5cCI6IkpXVCJ9..."',  # a cut-off example
+    "<NextToken>2YgYW55IGNhcm5hbCBwbGVhc3VyZS4=</NextToken>",
+    'token: "${{ secrets.NPM_TOKEN }}"',
+    '"token": 15339',
+]
+
+
+@pytest.mark.parametrize("text", TOKEN_LOOKALIKES)
+def test_token_names_in_code_and_logprobs_stay(text: str) -> None:
+    assert Redactor().redact_text(text) == (text, {})
+
+
+def test_logprobs_stay_in_a_trajectory_as_objects_and_as_json_text() -> None:
+    # Trajectories hold thousands of `{"token": ..., "logprob": ...}` entries: as objects
+    # (each string walked on its own) and as JSON text in a tool message or argument.
+    redactor = Redactor()
+    assert redactor.redact_obj(VLLM_LOGPROBS) == (VLLM_LOGPROBS, {})
+    for separators in ((", ", ": "), (",", ":")):
+        text = json.dumps(VLLM_LOGPROBS, separators=separators)
+        assert redactor.redact_text(text) == (text, {})
+        message = {"role": "tool", "content": text}
+        assert redactor.redact_obj(message) == (message, {})
+        nested = json.dumps({"result": text})  # escaped quotes
+        assert redactor.redact_text(nested) == (nested, {})
+
+
+MORE_SECRETS = [
+    # XML elements and `value` attributes.
+    ("<password>hunter</password>", "<password>[REDACTED:secret_assignment]</password>"),
+    (
+        "<server><id>r</id><username>u</username><password>repopwd</password></server>",
+        "<server><id>r</id><username>u</username>"
+        "<password>[REDACTED:secret_assignment]</password></server>",
+    ),
+    (
+        "<db.password>changeme</db.password>",
+        "<db.password>[REDACTED:secret_assignment]</db.password>",
+    ),
+    ("<apiKey>abc123xyz</apiKey>", "<apiKey>[REDACTED:secret_assignment]</apiKey>"),
+    (
+        "<clientSecret>x7Kq-94fT</clientSecret>",
+        "<clientSecret>[REDACTED:secret_assignment]</clientSecret>",
+    ),
+    (
+        '<add key="ClearTextPassword" value="s3cretvalue" />',
+        '<add key="ClearTextPassword" value="[REDACTED:secret_assignment]" />',
+    ),
+    (
+        '<property name="password" value="hunter"/>',
+        '<property name="password" value="[REDACTED:secret_assignment]"/>',
+    ),
+    # .netrc entries, on one line or several (also as JSON text).
+    (
+        "machine github.com login octocat password hunter",
+        "machine github.com login octocat password [REDACTED:secret_assignment]",
+    ),
+    (
+        "machine api.heroku.com\n  login me\n  password 01234567-89ab\nmachine localhost",
+        "machine api.heroku.com\n  login me\n  password [REDACTED:secret_assignment]\n"
+        "machine localhost",
+    ),
+    (
+        '{"c": "machine x.io\\n  login u\\n  password hunter\\n"}',
+        '{"c": "machine x.io\\n  login u\\n  password [REDACTED:secret_assignment]\\n"}',
+    ),
+    # Command lines: `-p<password>` of the MySQL clients, `sshpass -p`, `redis-cli -a`.
+    ("mysql -uroot -pS3cret app", "mysql -uroot -p[REDACTED:secret_assignment] app"),
+    (
+        "mysqldump -h db -P 3306 -u root -p'hunter' app > dump.sql",
+        "mysqldump -h db -P 3306 -u root -p'[REDACTED:secret_assignment]' app > dump.sql",
+    ),
+    (
+        'docker exec db mariadb -u root -phunter -e "SHOW DATABASES"',
+        'docker exec db mariadb -u root -p[REDACTED:secret_assignment] -e "SHOW DATABASES"',
+    ),
+    (
+        "sshpass -p 'hunter' ssh deploy@host",
+        "sshpass -p '[REDACTED:secret_assignment]' ssh deploy@host",
+    ),
+    (
+        "redis-cli -h cache -p 6379 -a hunter ping",
+        "redis-cli -h cache -p 6379 -a [REDACTED:secret_assignment] ping",
+    ),
+    # JSON numbers and plain words.
+    ('{"password": 12345678}', '{"password": [REDACTED:secret_assignment]}'),
+    (
+        "{'db_password': 20240101, 'user': 'x'}",
+        "{'db_password': [REDACTED:secret_assignment], 'user': 'x'}",
+    ),
+    (
+        "spring:\n  datasource:\n    username: sa\n    password: postgres\n",
+        "spring:\n  datasource:\n    username: sa\n    password: [REDACTED:secret_assignment]\n",
+    ),
+    (
+        "[client]\nuser=root\npassword=changeme\n",
+        "[client]\nuser=root\npassword=[REDACTED:secret_assignment]\n",
+    ),
+    (
+        'psycopg2.connect("host=db user=app password=changeme dbname=app")',
+        'psycopg2.connect("host=db user=app password=[REDACTED:secret_assignment] dbname=app")',
+    ),
+    ("password: changeme  # default", "password: [REDACTED:secret_assignment]  # default"),
+    # An environment variable's value followed by an option.
+    (
+        "docker run -e MYSQL_ROOT_PASSWORD=my-secret-pw -d mysql:8",
+        "docker run -e MYSQL_ROOT_PASSWORD=[REDACTED:secret_assignment] -d mysql:8",
+    ),
+]
+
+
+@pytest.mark.parametrize(("text", "expected"), MORE_SECRETS)
+def test_xml_netrc_command_line_number_and_plain_word_secrets_are_redacted(
+    text: str, expected: str
+) -> None:
+    assert Redactor().redact_text(text) == (expected, {"secret_assignment": 1})
+
+
+MORE_LOOKALIKES = [
+    # XML: no value, a placeholder, a boolean, a tag that closes something else.
+    "<password></password>\n<password>${DB_PASS}</password>",
+    "<AllowUsersToChangePassword>true</AllowUsersToChangePassword>",
+    '<add key="RequirePassword" value="false"/>',
+    '<property name="password" value="${jdbc.password}"/>',
+    '<input type="password" value="{{ form.password }}">',
+    "<label for=password>Passwort</label>",
+    "<token>Hello</token>",
+    # Prose and .netrc look-alikes.
+    "The machine learning login page password field",
+    "login with password and username",
+    "machine example.com login bob password $NETRC_PASSWORD",
+    # Command lines where `-p` is no password.
+    "mysql -h db -P 3306 -u root -p mydb",
+    'mysql -u root -p --database=test -e "select -price from t"',
+    'mysqldump -u root -p"$MYSQL_ROOT_PASSWORD" db',
+    "pip -p 8080 install x; ssh -p 2222 host; docker run -p 8080:80 mysql",
+    "pymysql -pfoo; mysql-connector -pbar",
+    "sshpass -f pwfile ssh u@h",
+    "redis-cli -a $REDIS_PASSWORD ping",
+    # Numbers that are no password, names that only mention one.
+    '"password": 8',
+    '{"password_min_length": 12345678}',
+    '"passwordLength": 12345678,',
+    # Code, types and words about the value.
+    "password: str\npassword: Optional[str]\npassword = None",
+    'password = request.form["password"]\npassword = get_password()',
+    "password: string;\npassword: required\npassword: optional\nERROR password: incorrect",
+    "password = pw\npassword=password\npassword = changeme",
+    "password: hashedPw\n  password: hashed_pw\npassword := defaultpw",
+    "const creds = {\n  username: user,\n  password: hashed\n};",
+    "db = connect(\n    host=host,\n    password=changeme\n)",
+    "f(password=changeme, user=u)\npassword: changeme,",
+    'def f():\n    """Args:\n        password: secret\n    """',
+    "password: &default_pw changeme",
+]
+
+
+@pytest.mark.parametrize("text", MORE_LOOKALIKES)
+def test_xml_netrc_command_line_and_plain_word_lookalikes_stay(text: str) -> None:
+    assert Redactor().redact_text(text) == (text, {})
+
+
+def test_the_needles_of_the_token_and_other_new_passes_hold_wherever_they_match() -> None:
+    # The token passes' needle is a regex of what must follow the name (so that a JSON text
+    # of logprobs holds none); it must still hold wherever a pattern matches, or that secret
+    # would pass unread.
+    redactor = Redactor()
+    texts = [*TOKEN_SECRETS, *TOKEN_LOOKALIKES, *(t for t, _ in MORE_SECRETS), *MORE_LOOKALIKES]
+    for text in texts:
+        for variant in (text, text.upper(), text.lower(), json.dumps(text), json.dumps([text])):
+            for kind, pattern, needle in redactor._passes:
+                if pattern.search(variant):
+                    assert needle.search(variant, []), (kind.name, variant)

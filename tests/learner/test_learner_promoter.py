@@ -90,7 +90,12 @@ def publish(store: AdapterStore, tmp_path: Path, version: int) -> Path:
 
 
 def promoter(
-    tmp_path: Path, replicas: Replicas, proxy: Proxy, audit: FakeAudit, **config: object
+    tmp_path: Path,
+    replicas: Replicas,
+    proxy: Proxy,
+    audit: FakeAudit,
+    stop: threading.Event | None = None,
+    **config: object,
 ) -> Promoter:
     settings = {"drain_s": 3600.0, **config}  # cleanups are run by hand unless asked
     return Promoter(
@@ -102,6 +107,7 @@ def promoter(
         state_dir=tmp_path,
         base_name="base",
         gate_runner=lambda candidate, incumbent: GateReport(True, []),
+        stop=stop,
     )
 
 
@@ -486,16 +492,8 @@ def test_the_learners_stop_signal_interrupts_a_gate_before_close(
     publish(store, tmp_path, 1)
     stop = threading.Event()
     replicas, proxy, audit = Replicas(set()), Proxy("base"), FakeAudit()
-    p = Promoter(
-        PromotionConfig(drain_s=3600.0),
-        GatesConfig(),
-        replicas=replicas,  # type: ignore[arg-type]
-        proxy=proxy,  # type: ignore[arg-type]
-        audit=audit,  # type: ignore[arg-type]
-        state_dir=tmp_path,
-        base_name="base",
-        stop=stop,
-    )
+    p = promoter(tmp_path, replicas, proxy, audit, stop=stop)
+    p.gate_runner = p._run_gates  # the promoter's own suite call, with its stop wiring
     monkeypatch.setattr(p, "_zero_base", lambda like: "olp-zero-base")
     suite_started = threading.Event()
 

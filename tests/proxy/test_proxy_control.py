@@ -406,9 +406,16 @@ def test_records_reach_kafka_keyed_by_session(make_proxy, vllm_server, kafka_boo
     harness, _ = make_proxy([vllm_server.base_url], sink=sink)
     raw = chat(harness, "alice", headers={"X-Session-Id": "kafka-session"})
     trajectory_id = raw.headers["x-olp-trajectory-id"]
+    # Secrets as structured metadata (a CI hook posting its job's settings) went to Kafka
+    # as they were: the redactor read each value without its key.
+    token = "3f9a8b7c6d5e4f3a2b1c0d9e8f7a6b5c"
     feedback = httpx.post(
         harness.base_url + "/v1/feedback",
-        json={"trajectory_id": trajectory_id, "kind": "accept"},
+        json={
+            "trajectory_id": trajectory_id,
+            "kind": "accept",
+            "metadata": {"job": {"db_password": "hunter2x", "GITHUB_TOKEN": token}, "n": 3},
+        },
         headers={"Authorization": f"Bearer {KEYS['alice']}"},
     )
     assert feedback.status_code == 202
@@ -419,7 +426,16 @@ def test_records_reach_kafka_keyed_by_session(make_proxy, vllm_server, kafka_boo
     assert trajectory.key == event.key == b"kafka-session"
     record = json.loads(trajectory.value)
     assert record["trajectory_id"] == trajectory_id and record["trainable"] is True
-    assert json.loads(event.value)["trajectory_id"] == trajectory_id
+    sent = json.loads(event.value)
+    assert sent["trajectory_id"] == trajectory_id
+    assert sent["metadata"] == {
+        "job": {
+            "db_password": "[REDACTED:secret_assignment]",
+            "GITHUB_TOKEN": "[REDACTED:secret_assignment]",
+        },
+        "n": 3,
+    }
+    assert b"hunter2x" not in event.value and token.encode() not in event.value
 
 
 def test_the_kafka_sinks_series_are_on_metrics(tmp_path, vllm_server, kafka_bootstrap):

@@ -1281,3 +1281,57 @@ def test_the_needles_of_the_token_and_other_new_passes_hold_wherever_they_match(
             for kind, pattern, needle in redactor._passes:
                 if pattern.search(variant):
                     assert needle.search(variant, []), (kind.name, variant)
+
+
+# A walked object's strings were redacted without their keys: `{"password": "hunter2x"}`
+# as a structure (feedback metadata, a request's `metadata`) reached Kafka as it was, while
+# the same pair as JSON text was redacted.
+SECRET_PAIRS = [
+    ({"password": "hunter2x"}, 1),
+    ({"db_pass": "postgres"}, 1),
+    ({"client_secret": "s3cr3t-value"}, 1),
+    ({"password": 12345678}, 1),  # a JSON number, as in text
+    ({"password": 10**30}, 1),  # past 64 bits, as JSON allows
+    ({"token": RANDOM_HEX}, 1),
+    ({"refresh_token": RANDOM_B62 * 2}, 1),  # a string of 32+ bytes: another header
+    ({"GITHUB_TOKEN": RANDOM_B62}, 1),
+    ({"metadata": {"accessToken": RANDOM_HEX, "password": "hunter2x", "n": 1}}, 2),
+    ([{"auth": {"api_key": "a1b2c3d4e5f6g7h8"}}], 1),
+]
+
+
+@pytest.mark.parametrize(("obj", "hits"), SECRET_PAIRS)
+def test_secret_values_under_secret_keys_are_redacted_in_objects(obj: object, hits: int) -> None:
+    redacted, counts = Redactor().redact_obj(obj)
+    assert counts == {"secret_assignment": hits}
+    text = json.dumps(redacted)
+    assert "[REDACTED:secret_assignment]" in text
+    for secret in ("hunter2x", "postgres", "s3cr3t-value", "12345678", RANDOM_HEX, RANDOM_B62):
+        assert secret not in text
+
+
+PAIRS_THAT_STAY = [
+    {"password": None},
+    {"password": ""},
+    {"password": True},
+    {"password": 123},  # under 4 digits, as in text
+    {"password": "${DB_PASSWORD}"},
+    {"password_hint": "my dog"},
+    {"max_tokens": 256, "messages": [{"role": "user", "content": "hi"}]},
+    {"token": "Hello"},
+    {"token": RANDOM_HEX, "logprob": -0.1, "bytes": [51]},  # a logprob entry: the model's text
+    {"page_token": RANDOM_HEX},
+    {"token_ids": [1, 2, 3], "tokens": ["a", "b"]},
+    {"keyword": "python", "monkey": "island"},
+    {"GITHUB_TOKEN": "ab12" * 10},  # degenerate: no random value
+]
+
+
+@pytest.mark.parametrize("obj", PAIRS_THAT_STAY)
+def test_values_under_look_alike_keys_stay_in_objects(obj: object) -> None:
+    assert Redactor().redact_obj(obj) == (obj, {})
+
+
+def test_secret_keys_in_objects_are_read_only_while_secret_assignment_is_on() -> None:
+    obj = {"password": "hunter2x", "token": RANDOM_HEX}
+    assert Redactor(kinds=["email"]).redact_obj(obj) == (obj, {})

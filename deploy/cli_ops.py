@@ -99,21 +99,67 @@ def format_status(status: dict[str, Any]) -> str:
     if history:
         lines.append("history (newest last):")
         lines += [f"  {format_history_entry(entry)}" for entry in history[-5:]]
+    gates = [g for g in status.get("gates") or [] if isinstance(g, dict)]
+    if gates:
+        lines.append("gates (newest last):")
+        lines += [f"  {format_gate_decision(gate)}" for gate in gates]
     return "\n".join(lines)
+
+
+def _when(at: Any) -> str:
+    """Unix seconds as ISO UTC; anything no clock can show (a string, NaN, 1e300) as is."""
+    if isinstance(at, int | float) and math.isfinite(at):
+        try:
+            iso = datetime.fromtimestamp(at, UTC).isoformat(timespec="seconds")
+            return iso.replace("+00:00", "Z")
+        except (OverflowError, ValueError, OSError):
+            pass
+    return str(at)
+
+
+def _number_pair(metric: float, threshold: float) -> tuple[str, str]:
+    """Both numbers with as few digits as tell them apart: `0.667 > 0.5`, yet never
+    `0.5 > 0.5` for a metric of 0.5001."""
+    for digits in range(3, 7):
+        shown = f"{metric:.{digits}g}", f"{threshold:.{digits}g}"
+        if shown[0] != shown[1]:
+            break
+    return shown
+
+
+def _failed_gate(gate: dict[str, Any]) -> str:
+    """`name (metric > threshold)` for a gate that measured and missed, `name (no metric:
+    reason)` for one that could not measure (it fails closed)."""
+    name, metric, threshold = gate.get("name", "?"), gate.get("metric"), gate.get("threshold")
+    if isinstance(metric, int | float) and isinstance(threshold, int | float):
+        # The report records the pass condition; a failed gate broke it, so show its negation.
+        broke = {"<=": ">", ">=": "<"}.get(gate.get("comparison"), "vs")
+        shown_metric, shown_threshold = _number_pair(metric, threshold)
+        return f"{name} ({shown_metric} {broke} {shown_threshold})"
+    reason = gate.get("reason")
+    return f"{name} (no metric: {reason})" if reason else f"{name} (no metric)"
+
+
+def format_gate_decision(gate: dict[str, Any]) -> str:
+    """One entry of the status's `gates` as `version verdict time duration failed-gates`."""
+    version = gate.get("version", "?")
+    if gate.get("error"):
+        return f"{version} unreadable: {gate['error']}"
+    verdict = "passed" if gate.get("passed") is True else "rejected"
+    duration = gate.get("duration_s")
+    took = f"{duration:.1f} s" if isinstance(duration, int | float) else "? s"
+    when = _when(gate["started_at"]) if gate.get("started_at") is not None else "?"
+    failed = ", ".join(_failed_gate(g) for g in gate.get("failed") or [] if isinstance(g, dict))
+    return f"{version} {verdict:<8}  {when}  {took:>7}  {failed}".rstrip()
 
 
 def format_history_entry(entry: dict[str, Any]) -> str:
     """One admin change as `time actor kind key=value ...`, the shape `olp audit show` uses
     (the raw entry has a unix-seconds float an operator cannot read at a glance)."""
     rest = {k: v for k, v in entry.items() if k not in ("at", "actor", "kind")}
-    at = entry.get("at")
-    when = (
-        datetime.fromtimestamp(at, UTC).isoformat(timespec="seconds").replace("+00:00", "Z")
-        if isinstance(at, int | float) and math.isfinite(at)
-        else str(at)
-    )
     fields = " ".join(f"{k}={json.dumps(v)}" for k, v in sorted(rest.items()))
-    return f"{when} {entry.get('actor', '?')} {entry.get('kind', '?')} {fields}".rstrip()
+    when, actor, kind = _when(entry.get("at")), entry.get("actor", "?"), entry.get("kind", "?")
+    return f"{when} {actor} {kind} {fields}".rstrip()
 
 
 @_run_admin

@@ -10,9 +10,11 @@ import asyncio
 import hmac
 import re
 import time
+from pathlib import Path, PurePath
 from typing import Any
 
 import aiohttp
+import structlog
 from aiohttp import web
 
 from proxy.aliases import Canary
@@ -21,10 +23,14 @@ from proxy.context import CONTEXT, ProxyContext
 from proxy.errors import AuthError, ProxyError, bad_request
 from proxy.feedback import finite_float
 from proxy.operator_auth import clean_actor
+from proxy.operator_data import recent_gate_decisions
 from proxy.routing import Replica
 from proxy.serving_state import save_state
 
+log = structlog.get_logger(__name__)
+
 _VERSION = re.compile(r"^policy-v[0-9]+$")
+STATUS_GATES = 5  # gate decisions in `/admin/status`: the recent ones, not the whole record
 # Changes run one at a time: a flip awaits every replica's /v1/models, and a freeze (or
 # another change) that lands meanwhile must not be overtaken by it.
 ADMIN_LOCK = web.AppKey("olp_admin_lock", asyncio.Lock)
@@ -123,9 +129,30 @@ def _commit(ctx: ProxyContext, actor: str, event: str, payload: dict[str, Any]) 
     ctx.audit.append(actor, event, payload)
 
 
+def state_dir_of(ctx: ProxyContext) -> Path:
+    """The state dir the proxy was started with: the serving-state file sits at the
+    configured path below it (the learner's `adapters/` and `gates/` are beside it)."""
+    depth = len(PurePath(ctx.config.state.serving_state).parts)
+    return ctx.state_path.parents[depth - 1]
+
+
+def _gate_decisions(ctx: ProxyContext) -> list[dict[str, Any]]:
+    """Runs in a worker thread (file reads). A rejection is no alias change, so `history`
+    never shows it; an unreadable gates dir leaves the list empty instead of failing the
+    status the learner and `olp status` depend on."""
+    try:
+        return recent_gate_decisions(state_dir_of(ctx), STATUS_GATES)
+    except Exception:
+        log.exception("status_gate_reports_unreadable")
+        return []
+
+
 async def status(request: web.Request) -> web.Response:
     _authorize(request)
-    return web.json_response(_status_payload(request.app[CONTEXT]))
+    ctx = request.app[CONTEXT]
+    payload = _status_payload(ctx)
+    payload["gates"] = await asyncio.to_thread(_gate_decisions, ctx)
+    return web.json_response(payload)
 
 
 async def _check_served(ctx: ProxyContext, target: str) -> None:

@@ -1,4 +1,5 @@
-"""What the operator page shows, read from the state dir, the audit log and the sink.
+"""What the operator page (and `/admin/status`) shows, read from the state dir, the audit log
+and the sink.
 
 Every reader here is synchronous file or network I/O: the page runs them in worker threads
 (never on the event loop) and shows each reader's failure next to its section instead of
@@ -8,6 +9,7 @@ failing the whole page.
 from __future__ import annotations
 
 import json
+import math
 import re
 from collections import deque
 from dataclasses import dataclass, field
@@ -43,21 +45,106 @@ def _versioned(paths: list[Path]) -> list[tuple[int, Path]]:
     return sorted(found)
 
 
-def read_gate_reports(state_dir: Path, limit: int = 10) -> Loaded:
-    """The newest `limit` gate reports (`gates/policy-v<N>.json`), newest version first."""
-    out = Loaded()
+@dataclass
+class GateFile:
+    """One `gates/policy-v<N>.json`: its report, or why it could not be read."""
+
+    version: int
+    path: Path
+    report: dict[str, Any] | None = None
+    error: str | None = None
+
+
+def load_gate_files(state_dir: Path, limit: int) -> list[GateFile]:
+    """The newest `limit` gate reports, newest version first.
+
+    The learner prunes a version's report with its directory, so a file can vanish between
+    the listing and the read: it is skipped (the next older one takes its place), not an
+    error. `.tmp` files (writes in progress) are never listed."""
     gates = state_dir / "gates"
     files = _versioned(list(gates.glob("policy-v*.json"))) if gates.is_dir() else []
-    for _, path in reversed(files[-limit:]):
+    out: list[GateFile] = []
+    for number, path in reversed(files):
+        if len(out) >= limit:
+            break
         try:
             report = json.loads(path.read_text(encoding="utf-8"))
             if not isinstance(report, dict):
                 raise ValueError("not a JSON object")
-            out.items.append({"file": path.name, **report})
-        except (OSError, ValueError) as exc:
+            out.append(GateFile(number, path, report=report))
+        except FileNotFoundError:
+            continue
+        # UnicodeDecodeError is a ValueError; RecursionError: nested too deeply.
+        except (OSError, ValueError, RecursionError) as exc:
             log.warning("operator_gate_report_unreadable", file=str(path), error=str(exc))
-            out.errors.append(f"{path.name}: {exc}")
+            out.append(GateFile(number, path, error=str(exc)))
     return out
+
+
+def read_gate_reports(state_dir: Path, limit: int = 10) -> Loaded:
+    """The newest `limit` gate reports (`gates/policy-v<N>.json`), newest version first."""
+    out = Loaded()
+    for gate_file in load_gate_files(state_dir, limit):
+        if gate_file.report is not None:
+            out.items.append({"file": gate_file.path.name, **gate_file.report})
+        else:
+            out.errors.append(f"{gate_file.path.name}: {gate_file.error}")
+    return out
+
+
+MAX_REASON_CHARS = 120  # a failed-closed gate's reason, as `/admin/status` shows it
+
+
+def _finite(value: Any) -> float | None:
+    """A JSON number that strict JSON can carry back out (json.loads reads NaN, Infinity)."""
+    if isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value):
+        return float(value)
+    return None
+
+
+def _short(text: Any) -> str | None:
+    """The first line of `text`, cut to MAX_REASON_CHARS: a status line, not a traceback."""
+    if not isinstance(text, str) or not text.strip():
+        return None
+    line = text.strip().splitlines()[0]
+    return line if len(line) <= MAX_REASON_CHARS else line[: MAX_REASON_CHARS - 3] + "..."
+
+
+def gate_decision(gate_file: GateFile) -> dict[str, Any]:
+    """A gate report cut down to the decision: which gates failed and by how much, or, for a
+    gate that could not measure, its reason; never the details. Every field is checked:
+    the file is the learner's, and one odd value must not break `/admin/status`."""
+    report = gate_file.report or {}
+    results = report.get("results")
+    failed = []
+    for result in results if isinstance(results, list) else []:
+        if not isinstance(result, dict) or result.get("verdict") == "pass":
+            continue
+        details = result.get("details")
+        comparison = result.get("comparison")
+        failed.append(
+            {
+                "name": _short(result.get("name")) or "?",
+                "metric": _finite(result.get("metric")),
+                "comparison": comparison if comparison in ("<=", ">=") else None,
+                "threshold": _finite(result.get("threshold")),
+                "reason": _short(details.get("reason")) if isinstance(details, dict) else None,
+            }
+        )
+    return {
+        "version": f"policy-v{gate_file.version}",
+        # Anything but a literal true is not a pass; None: the report could not be read.
+        "passed": None if gate_file.report is None else report.get("passed") is True,
+        "started_at": _finite(report.get("started_at")),
+        "duration_s": _finite(report.get("duration_s")),
+        "failed": failed,
+        "error": _short(gate_file.error),
+    }
+
+
+def recent_gate_decisions(state_dir: Path, limit: int) -> list[dict[str, Any]]:
+    """The gate's last `limit` decisions, newest version last (the order of `history`)."""
+    return [gate_decision(f) for f in reversed(load_gate_files(state_dir, limit))]
 
 
 def read_adapter_metas(state_dir: Path) -> Loaded:

@@ -20,13 +20,13 @@ import secrets
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from pathlib import Path, PurePath
+from pathlib import Path
 from typing import Any
 
 import structlog
 from aiohttp import web
 
-from proxy.admin import _authorize, _status_payload
+from proxy.admin import _authorize, _status_payload, state_dir_of
 from proxy.auth_throttle import peer_address
 from proxy.context import CONTEXT, ProxyContext
 from proxy.operator_auth import (
@@ -178,14 +178,9 @@ def _viewer(request: web.Request) -> Viewer:
 # --------------------------------------------------------------------------------- data
 
 
-def _state_dir(ctx: ProxyContext) -> Path:
-    depth = len(PurePath(ctx.config.state.serving_state).parts)
-    return ctx.state_path.parents[depth - 1]
-
-
 def _read_files(ctx: ProxyContext, event: str | None, page: int, size: int) -> dict[str, Any]:
     """Runs in a worker thread: everything the page reads from disk."""
-    state_dir = _state_dir(ctx)
+    state_dir = state_dir_of(ctx)
     out: dict[str, Any] = {
         "gates": read_gate_reports(state_dir),
         "adapters": read_adapter_metas(state_dir),

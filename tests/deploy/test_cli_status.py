@@ -3,6 +3,7 @@ needed: the status and freeze routes do not call one)."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
@@ -12,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from deploy.cli_ops import format_history_entry
+from deploy.cli_ops import format_history_entry, format_status
 from deploy.ports import free_port
 from proxy.app import build_app
 from proxy.config import ProxyConfig
@@ -47,9 +48,14 @@ def olp(harness: ProxyHarness, *args: str, **env: str) -> subprocess.CompletedPr
     )
 
 
-def test_status_shows_what_the_proxy_reports(running_proxy: ProxyHarness) -> None:
+def test_status_shows_what_the_proxy_reports(running_proxy: ProxyHarness, tmp_path: Path) -> None:
     done = olp(running_proxy, "freeze", "--learning")
     assert done.returncode == 0, done.stderr
+    gates = tmp_path / "state" / "gates"  # what the learner writes beside the proxy's state
+    gates.mkdir(parents=True)
+    poisoning = {"name": "poisoning", "metric": 0.666667, "comparison": "<=", "threshold": 0.5}
+    report = {"passed": False, "started_at": 0, "duration_s": 102.71, "results": [poisoning]}
+    (gates / "policy-v4.json").write_text(json.dumps(report))
     done = olp(running_proxy, "status")
     assert done.returncode == 0, done.stderr
     lines = done.stdout.splitlines()
@@ -57,9 +63,62 @@ def test_status_shows_what_the_proxy_reports(running_proxy: ProxyHarness) -> Non
     assert "aliases: policy -> base, base -> base" in lines
     assert "tenant alice: training on" in lines and "tenant bob: training off" in lines
     assert any(line.startswith("upstreams: http://127.0.0.1:") for line in lines)
-    history = lines[lines.index("history (newest last):") + 1 :]
+    gates_at = lines.index("gates (newest last):")
+    history = lines[lines.index("history (newest last):") + 1 : gates_at]
     # Readable like `olp audit show`: time, actor, change (it was the raw JSON entry).
     assert re.fullmatch(r"  \d{4}-\d\d-\d\dT\d\d:\d\d:\d\dZ \S+ freeze learning=true", history[-1])
+    # A rejection is no alias change: `history` never showed it.
+    assert lines[gates_at + 1 :] == [
+        "  policy-v4 rejected  1970-01-01T00:00:00Z  102.7 s  poisoning (0.667 > 0.5)"
+    ]
+
+
+def test_status_shows_what_the_gate_decided_lately() -> None:
+    assert "gates" not in format_status({"serving_version": "base", "gates": []})
+    gates = [
+        {
+            "version": "policy-v3",
+            "passed": True,
+            "started_at": 1_796_121_021.0,
+            "duration_s": 86.31,
+            "failed": [],
+            "error": None,
+        },
+        {
+            "version": "policy-v4",
+            "passed": False,
+            "started_at": 1_796_121_221.0,
+            "duration_s": 102.7,
+            "failed": [
+                {"name": "poisoning", "metric": 0.666667, "comparison": "<=", "threshold": 0.5},
+                # Rounded alike to 3 digits: shown with as many as tell them apart.
+                {"name": "kl_to_base", "metric": 0.0501, "comparison": "<=", "threshold": 0.05},
+                {"name": "win_rate", "metric": 0.4, "comparison": ">=", "threshold": 0.55},
+            ],
+            "error": None,
+        },
+        {
+            "version": "policy-v5",
+            "passed": False,
+            "started_at": None,
+            "duration_s": 4.04,
+            "failed": [
+                {"name": "safety_probes", "metric": None, "reason": "GateError: upstream 502"},
+                {"name": "suite", "metric": None, "reason": None},
+            ],
+            "error": None,
+        },
+        {"version": "policy-v6", "passed": None, "error": "Expecting value: line 1 column 1"},
+    ]
+    lines = format_status({"serving_version": "policy-v3", "gates": gates}).splitlines()
+    assert lines[lines.index("gates (newest last):") + 1 :] == [
+        "  policy-v3 passed    2026-12-01T10:30:21Z   86.3 s",
+        "  policy-v4 rejected  2026-12-01T10:33:41Z  102.7 s  poisoning (0.667 > 0.5), "
+        "kl_to_base (0.0501 > 0.05), win_rate (0.4 < 0.55)",
+        "  policy-v5 rejected  ?    4.0 s  safety_probes (no metric: GateError: upstream 502), "
+        "suite (no metric)",
+        "  policy-v6 unreadable: Expecting value: line 1 column 1",
+    ]
 
 
 def test_history_entry_format_survives_odd_entries() -> None:

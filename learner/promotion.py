@@ -303,6 +303,8 @@ class Promoter:
             return self._interrupted(name, incumbent, timings, None, stopping)
         self._candidate_dir = version_dir
         try:
+            if incumbent.startswith("policy-v"):
+                self._serve_incumbent(incumbent)
             verify_weights(version_dir)
             started = time.monotonic()
             self.replicas.load(name, version_dir)
@@ -367,6 +369,24 @@ class Promoter:
         )
         self._schedule_cleanup(name)
         return PromotionOutcome(name, "promoted", incumbent, report, timings=timings)
+
+    def _serve_incumbent(self, incumbent: str) -> None:
+        """Load the incumbent where a replica lacks it: a vLLM restarted since its promotion
+        serves only the base until the reloader's next check, and every gate compared the
+        candidate with HTTP 404s, failed closed and rejected it (seen after `olp up` started
+        again: a good candidate rejected by four gates)."""
+        path = self.state_dir / "adapters" / incumbent
+        for url in self.replicas.base_urls:
+            if incumbent in self.replicas.served(url):
+                continue
+            verify_weights(path)
+            self.replicas.load_on(url, incumbent, path)
+            if incumbent not in self.replicas.served(url):
+                raise PromotionError(f"{incumbent} not listed by {url} after loading")
+            log.warning("adapter_reloaded", replica=url, version=incumbent, by="promotion")
+            self.audit.append(
+                ACTOR, "adapter_reloaded", {"version": incumbent, "replica": url, "by": "promotion"}
+            )
 
     def _interrupted(
         self,

@@ -111,13 +111,18 @@ class AdapterReloader:
             return
 
         def loop() -> None:
-            while not self._stop.wait(
-                min(interval_s, DOWN_RECHECK_S) if self.replica_down else interval_s
-            ):
+            # The first check at once: after `olp up` starts again, vLLM is new and serves
+            # only the base, and until the adapter the alias routes to is back every
+            # request for it fails (an interval's wait was 15 s of 404s).
+            while True:
                 try:
                     self.check()
                 except Exception:  # one bad check must not end the checks
                     log.exception("adapter_reload_check_crashed")
+                if self._stop.wait(
+                    min(interval_s, DOWN_RECHECK_S) if self.replica_down else interval_s
+                ):
+                    return
 
         self._thread = threading.Thread(target=loop, name="adapter-reload", daemon=True)
         self._thread.start()

@@ -33,6 +33,12 @@ class Replicas:
     def load(self, name: str, path: Path) -> None:
         self.loaded.add(name)
 
+    def load_on(self, url: str, name: str, path: Path) -> None:
+        self.loaded.add(name)
+
+    def served(self, url: str) -> set[str]:
+        return set(self.loaded)
+
     def unload(self, name: str) -> None:
         self.loaded.discard(name)
         self.unloaded.append(name)
@@ -535,3 +541,45 @@ def test_a_candidate_queued_behind_an_interrupted_gate_is_not_loaded(
     assert audit.names() == ["promotion_interrupted"]
     assert "after_s" not in dict(audit.events)["promotion_interrupted"]
     assert CheckpointStore(tmp_path).announced() == 1
+
+
+def test_an_incumbent_missing_from_a_restarted_replica_is_loaded_before_the_gate(
+    tmp_path: Path,
+) -> None:
+    """After `olp up` started again, vLLM served only the base: every gate compared the
+    candidate with HTTP 404s for the incumbent and rejected it (four gates failed closed)."""
+    store = AdapterStore(tmp_path)
+    publish(store, tmp_path, 1)
+    publish(store, tmp_path, 2)
+    replicas, proxy, audit = Replicas(set()), Proxy("policy-v1"), FakeAudit()
+    served_at_gate: list[set[str]] = []
+    p = promoter(tmp_path, replicas, proxy, audit)
+
+    def gate(candidate: str, incumbent: str) -> GateReport:
+        served_at_gate.append(set(replicas.loaded))
+        return GateReport(True, [])
+
+    p.gate_runner = gate
+    assert p.promote(store.path(2)).decision == "promoted"
+    assert served_at_gate == [{"policy-v1", "policy-v2"}]
+    assert (
+        "adapter_reloaded",
+        {"version": "policy-v1", "replica": "http://replica", "by": "promotion"},
+    ) in audit.events
+    # Served already: nothing loaded again, nothing audited.
+    publish(store, tmp_path, 3)
+    assert p.promote(store.path(3)).decision == "promoted"
+    assert audit.names().count("adapter_reloaded") == 1
+
+
+def test_an_incumbent_that_cannot_be_served_fails_the_promotion_not_the_candidate(
+    tmp_path: Path,
+) -> None:
+    store = AdapterStore(tmp_path)
+    publish(store, tmp_path, 2)  # policy-v1's directory is gone (pruned)
+    replicas, proxy, audit = Replicas(set()), Proxy("policy-v1"), FakeAudit()
+    p = promoter(tmp_path, replicas, proxy, audit)
+    outcome = p.promote(store.path(2))
+    assert outcome.decision == "failed" and "policy-v1" in outcome.reason
+    assert "candidate_rejected" not in audit.names() and "promotion_failed" in audit.names()
+    assert proxy.alias == "policy-v1"

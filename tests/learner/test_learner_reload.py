@@ -79,3 +79,26 @@ def test_a_pruned_version_is_reported_once_not_at_every_check(tmp_path: Path) ->
     assert [r["event"] for r in records] == ["adapter_reload_failed"]
     assert "does not exist" in records[0]["payload"]["error"]
     assert replicas.loads == []
+
+
+def test_the_first_check_runs_when_the_reloader_starts(tmp_path: Path) -> None:
+    """After `olp up` started again, the new vLLM lacked the serving adapter until the first
+    check, one interval (15 s) after the learner started: every request for it failed."""
+    replicas = FakeReplicas()
+    replicas.up = True
+    _adapter(tmp_path / "adapters", "policy-v3")
+    audit = AuditLog(tmp_path / "audit.jsonl", fsync=False)
+    reloader = AdapterReloader(
+        replicas,  # type: ignore[arg-type]
+        lambda: {"base", "policy-v3"},
+        audit,
+        tmp_path / "adapters",
+    )
+    reloader.start(interval_s=3600)
+    try:
+        deadline = time.monotonic() + 10
+        while "policy-v3" not in replicas.loads and time.monotonic() < deadline:
+            time.sleep(0.05)
+    finally:
+        reloader.close()
+    assert replicas.loads == ["policy-v3"]

@@ -217,3 +217,42 @@ def test_a_replica_that_lost_the_serving_adapter_gets_it_back(proxy, publish, vl
     finally:
         replicas.close()
         admin.close()
+
+
+def test_an_incumbent_a_restarted_replica_lost_is_loaded_before_the_gate(
+    proxy, publish, make_promoter, small_gates, vllm_server
+):
+    """After `olp up` started again the new vLLM served only the base, and the first gate
+    compared the candidate with HTTP 404s for the incumbent: four gates failed closed and a
+    good candidate was rejected."""
+    from learner.promotion import ProxyAdmin
+    from tests.promotion.conftest import ADMIN_KEY
+
+    gates = small_gates(
+        regression={"max_probes": 2},
+        kl={"enabled": False},
+        safety_probes={"enabled": False},
+        monitors={"enabled": False},
+        poisoning={"enabled": False},
+    )
+    promoter = make_promoter(gates)
+    admin = ProxyAdmin(proxy.url, ADMIN_KEY)
+    try:
+        promoter.replicas.load("policy-v1", publish(1, scale=0.01))
+        admin.set_alias("policy", "policy-v1")
+        httpx.post(  # as a restarted vLLM: the incumbent is gone
+            f"{vllm_server.base_url}/v1/unload_lora_adapter",
+            json={"lora_name": "policy-v1"},
+            timeout=30,
+        ).raise_for_status()
+        outcome = promoter.promote(publish(2, scale=0.01, seed=3))
+    finally:
+        admin.close()
+    assert outcome.report is not None, outcome.reason
+    assert all(r.metric is not None for r in outcome.report.results), outcome.report.to_dict()
+    assert outcome.decision == "promoted", outcome.report.to_dict()
+    records = list(iter_records(proxy.state_dir / "audit" / "audit.jsonl"))
+    reloaded = [r["payload"] for r in records if r["event"] == "adapter_reloaded"]
+    assert reloaded == [
+        {"version": "policy-v1", "replica": vllm_server.base_url, "by": "promotion"}
+    ]

@@ -325,13 +325,27 @@ def strip_sse(plan: RelayPlan, block: bytes) -> tuple[bytes, dict[str, Any] | No
     Python (`strip_sse_python`); `SSE_STRIP` names which."""
     if _sse_strip is None or not plan.augmented:
         return strip_sse_python(plan, block)
-    stripped = _sse_strip.strip_events(
-        block, plan.endpoint == "chat.completions", plan.added_logprobs, plan.added_token_ids
+    cut = _sse_strip.strip_events(
+        block,
+        plan.endpoint == "chat.completions",
+        plan.added_logprobs,
+        plan.added_token_ids,
+        plan.added_usage,
     )
-    if stripped is None or _USAGE_KEY not in stripped:
-        return None if stripped is None else (stripped, None)
-    # The cuts never touch a usage object, so the usage events can be taken afterwards.
-    return _take_usage_events(plan, stripped)
+    if cut is None:
+        return None
+    stripped, usage_events = cut
+    usage: dict[str, Any] | None = None
+    for payload in usage_events:  # `_take_usage_events`' checks, on the events the pass kept
+        try:
+            chunk, _ = parse_json(payload)
+        except ValueError:
+            return None  # the event-by-event path reports it
+        if not isinstance(chunk, dict) or (plan.added_usage and chunk.get("choices")):
+            return None
+        if isinstance(chunk.get("usage"), dict):
+            usage = chunk["usage"]
+    return stripped, usage
 
 
 def strip_sse_python(plan: RelayPlan, block: bytes) -> tuple[bytes, dict[str, Any] | None] | None:

@@ -14,15 +14,18 @@ import asyncio
 import functools
 import hashlib
 import math
+import os
+import re
 import time
-import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import msgspec
 import structlog
 
 from proxy.relay import Endpoint, SSEParser, parse_json
+from safety import redaction
 
 log = structlog.get_logger(__name__)
 
@@ -118,6 +121,109 @@ def _logprob_values(endpoint: Endpoint, logprobs: Any) -> list[float] | None:
     return None if values is None else [float(v) for v in values]
 
 
+# Typed views of vLLM's chat output holding only what a record reads: msgspec skips the
+# rest (ids, `object`, each logprob entry's token, bytes and top_logprobs) instead of
+# building dicts of it. For the bench's 16-token stream (in a worker-like loop), parsing
+# took 55 µs of a 98 µs record as dicts through `add_chunk`, and takes 24 through these
+# views, `_sse_payloads` and `_add_chat_chunks`; the whole record 49 µs.
+# A field's type is what the dict path reads without raising or coercing; anything else
+# (a float index, a logprob as a string, a non-finite number, JSON only `json` reads)
+# fails validation, and the whole capture is then parsed by the dict path, which decides
+# exactly as it always did. Where the dict path copies a value into the record as it
+# came (usage, prompt ids, a whole response's message), the view keeps it as `Any`.
+# `gc=False`: they hold JSON values only, never a cycle; untracked, they decode 10% faster.
+class _Function(msgspec.Struct, gc=False):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class _ToolCallFragment(msgspec.Struct, gc=False):
+    index: int = 0
+    id: str | None = None
+    type: str | None = None
+    function: _Function | None = None
+
+
+class _Delta(msgspec.Struct, gc=False):
+    role: str | None = None
+    content: str | None = None
+    tool_calls: list[_ToolCallFragment] | None = None
+
+
+class _LogprobEntry(msgspec.Struct, gc=False):
+    logprob: float
+
+
+class _ChatLogprobs(msgspec.Struct, gc=False):
+    content: list[_LogprobEntry] | None = None
+
+
+class _ChatChunkChoice(msgspec.Struct, gc=False):
+    index: int = 0
+    delta: _Delta | None = None
+    finish_reason: str | None = None
+    token_ids: list[int] | None = None
+    logprobs: _ChatLogprobs | None = None
+
+
+class _ChatChunk(msgspec.Struct, gc=False):
+    choices: list[_ChatChunkChoice] | None = None
+    usage: Any = None
+    prompt_token_ids: Any = None
+
+
+class _ChatChoice(msgspec.Struct, gc=False):
+    index: int = 0
+    message: dict[str, Any] | None = None
+    finish_reason: Any = None
+    token_ids: Any = None
+    logprobs: _ChatLogprobs | None = None
+
+
+class _ChatResponse(msgspec.Struct, gc=False):
+    choices: list[_ChatChoice] | None = None
+    usage: Any = None
+    prompt_token_ids: Any = None
+
+
+_decode_chat_chunk = msgspec.json.Decoder(_ChatChunk).decode
+_decode_chat_response = msgspec.json.Decoder(_ChatResponse).decode
+
+
+def _sse_payloads(data: bytes) -> list[bytes]:
+    """The `data:` payloads of whole SSE events, `[DONE]` left out: what
+    `SSEParser().feed(data)` yields (a partial event at the end is dropped).
+
+    vLLM's stream (`data: <one line>` events, `\n\n` after each) is split on the event
+    borders at once: 2.7 µs for the bench's 18 events, where the parser's slicing took 13.
+    Anything else (comments, multi-line events, `\r`, a cut-off end) goes to the parser."""
+    if (
+        data.startswith(b"data: ")
+        and data.endswith(b"\n\n")
+        and b"\r" not in data
+        and b"data:  " not in data  # the parser strips every space after `data:`
+    ):
+        payloads = data[6:-2].split(b"\n\ndata: ")
+        # Only the borders' newlines: each payload is one whole line.
+        if data.count(b"\n") == 2 * len(payloads):
+            if payloads[-1] == b"[DONE]":
+                payloads.pop()
+            if b"[DONE]" in payloads:
+                payloads = [payload for payload in payloads if payload != b"[DONE]"]
+            return payloads
+    return [event for event in SSEParser().feed(data) if event != b"[DONE]"]
+
+
+# uuid4's bits, set on 16 random bytes: `uuid.uuid4().hex` took 2.0 µs, this 0.7.
+_UUID4_MASK = ~((0xF000 << 64) | (0xC000 << 48)) & ((1 << 128) - 1)
+_UUID4_BITS = (0x4000 << 64) | (0x8000 << 48)
+
+
+def _new_event_id() -> str:
+    """A fresh uuid4 hex (the shape of `replay.schemas.new_event_id`)."""
+    return "%032x" % (int.from_bytes(os.urandom(16), "big") & _UUID4_MASK | _UUID4_BITS)
+
+
 class TrajectoryCapture:
     """Accumulates one request's upstream output; `build()` makes the trajectory record.
 
@@ -148,7 +254,29 @@ class TrajectoryCapture:
     def _absorb_raw(self) -> None:
         raw_response, raw_sse = self._raw_response, self._raw_sse
         self._raw_response, self._raw_sse = None, []
-        raw_events = [event for event in SSEParser().feed(b"".join(raw_sse)) if event != b"[DONE]"]
+        raw_events = _sse_payloads(b"".join(raw_sse)) if raw_sse else []
+        if self.context.endpoint == "chat.completions" and self._absorb_chat(
+            raw_response, raw_events
+        ):
+            return
+        self._absorb_each(raw_response, raw_events)
+
+    def _absorb_chat(self, raw_response: bytes | None, raw_events: list[bytes]) -> bool:
+        """Parse chat output through the typed views; False (nothing absorbed) when any of
+        it is not what they read, for `_absorb_each` to parse it all instead."""
+        try:
+            response = None if raw_response is None else _decode_chat_response(raw_response)
+            chunks = [_decode_chat_chunk(event) for event in raw_events]
+        except Exception:  # any failure: the dict path decides, as it always did
+            return False
+        if response is not None:
+            self._add_chat_response(response)
+        self._add_chat_chunks(chunks)
+        return True
+
+    def _absorb_each(self, raw_response: bytes | None, raw_events: list[bytes]) -> None:
+        """The dict path: each event (or the response) parsed on its own, so one that is
+        not a JSON object counts once in `unparsable` and the others still count."""
         for data, add in (
             *(((raw_response, self.add_response),) if raw_response is not None else ()),
             *((event, self.add_chunk) for event in raw_events),
@@ -162,6 +290,93 @@ class TrajectoryCapture:
                 add(parsed)
             else:
                 self.unparsable += 1
+
+    def _add_chat_response(self, payload: _ChatResponse) -> None:
+        """`add_response` of a chat response's typed view."""
+        prompt_ids, usage = payload.prompt_token_ids, payload.usage
+        if isinstance(prompt_ids, list):
+            self.prompt_token_ids = prompt_ids
+        if isinstance(usage, dict):
+            self.usage = usage
+        for raw in payload.choices or []:
+            choice = self._choice(raw.index)
+            choice.finish_reason = raw.finish_reason
+            choice.token_ids = raw.token_ids
+            logprobs = raw.logprobs
+            content = None if logprobs is None else logprobs.content
+            choice.logprobs = None if content is None else [entry.logprob for entry in content]
+            message = raw.message or {}
+            choice.message = {
+                "role": message.get("role", "assistant"),
+                "content": message.get("content"),
+                "tool_calls": message.get("tool_calls") or [],
+            }
+
+    def _add_chat_chunks(self, chunks: list[_ChatChunk]) -> None:
+        """`add_chunk` of each chat chunk's typed view, in order."""
+        choices = self.choices
+        for chunk in chunks:
+            prompt_ids = chunk.prompt_token_ids
+            if (
+                prompt_ids is not None
+                and self.prompt_token_ids is None
+                and isinstance(prompt_ids, list)
+            ):
+                self.prompt_token_ids = prompt_ids
+            usage = chunk.usage
+            if usage is not None and isinstance(usage, dict):
+                self.usage = usage
+            raws = chunk.choices
+            if not raws:
+                continue
+            for raw in raws:
+                choice = choices.get(raw.index)
+                if choice is None:
+                    choice = self._choice(raw.index)
+                if raw.finish_reason is not None:
+                    choice.finish_reason = raw.finish_reason
+                ids = raw.token_ids
+                if ids is not None:
+                    if choice.token_ids is None:
+                        choice.token_ids = ids  # the decoded list is this capture's own
+                    else:
+                        choice.token_ids += ids
+                logprobs = raw.logprobs
+                if logprobs is not None:
+                    content = logprobs.content
+                    if content is not None:
+                        values = choice.logprobs
+                        if values is None:
+                            values = choice.logprobs = []
+                        for entry in content:  # mostly one: a loop, not a comprehension
+                            values.append(entry.logprob)
+                delta = raw.delta
+                if delta is not None:
+                    if delta.role:
+                        choice.role = delta.role
+                    if delta.content:
+                        choice.content.append(delta.content)
+                    if delta.tool_calls:
+                        self._add_tool_call_fragments(choice, delta.tool_calls)
+
+    @staticmethod
+    def _add_tool_call_fragments(choice: _Choice, fragments: list[_ToolCallFragment]) -> None:
+        """`_add_delta`'s merge of tool-call fragments, for typed fragments."""
+        for fragment in fragments:
+            slot = choice.tool_calls.setdefault(
+                fragment.index,
+                {"id": None, "type": "function", "function": {"name": "", "arguments": ""}},
+            )
+            if fragment.id:
+                slot["id"] = fragment.id
+            if fragment.type:
+                slot["type"] = fragment.type
+            function = fragment.function
+            if function is not None:
+                if function.name:
+                    slot["function"]["name"] += function.name
+                if function.arguments:
+                    slot["function"]["arguments"] += function.arguments
 
     def _choice(self, index: int) -> _Choice:
         if index not in self.choices:
@@ -281,9 +496,12 @@ class TrajectoryCapture:
         record["token_ids"] = choice.token_ids if choice.token_ids is not None else []
         # JSON has no -inf/NaN: a non-finite logprob is clamped here and the record is
         # flagged untrainable in check(), so the record still reaches the stream.
-        record["logprobs"] = [
-            v if math.isfinite(v) else NONFINITE_LOGPROB for v in (choice.logprobs or [])
-        ]
+        values = choice.logprobs or []
+        record["logprobs"] = (
+            list(values)
+            if all(map(math.isfinite, values))
+            else [v if math.isfinite(v) else NONFINITE_LOGPROB for v in values]
+        )
         return record
 
     def _prompt_ids(self) -> tuple[list[int] | None, bool]:
@@ -311,18 +529,34 @@ class TrajectoryCapture:
             flags.append("missing_prompt_token_ids")
         if not self.choices:
             flags.append("no_choices")
-        if any(c.token_ids is None for c in self.choices.values()):
-            flags.append("missing_token_ids")
-        if any(len(c.token_ids or []) != len(c.logprobs or []) for c in self.choices.values()):
-            flags.append("logprob_count_mismatch")
-        if any(not math.isfinite(v) for c in self.choices.values() for v in (c.logprobs or [])):
-            flags.append("nonfinite_logprob")
-        if status == "ok" and any(c.finish_reason is None for c in self.choices.values()):
-            flags.append("missing_finish_reason")
+        completion: int | None = None
+        if len(self.choices) == 1:
+            # Nearly every record: the checks below on the one choice, in the same order,
+            # without a generator each (2.9 -> 1.6 µs).
+            (only,) = self.choices.values()
+            completion = len(only.token_ids or [])
+            if only.token_ids is None:
+                flags.append("missing_token_ids")
+            if completion != len(only.logprobs or []):
+                flags.append("logprob_count_mismatch")
+            if not all(map(math.isfinite, only.logprobs or [])):
+                flags.append("nonfinite_logprob")
+            if status == "ok" and only.finish_reason is None:
+                flags.append("missing_finish_reason")
+        else:
+            if any(c.token_ids is None for c in self.choices.values()):
+                flags.append("missing_token_ids")
+            if any(len(c.token_ids or []) != len(c.logprobs or []) for c in self.choices.values()):
+                flags.append("logprob_count_mismatch")
+            if any(not math.isfinite(v) for c in self.choices.values() for v in (c.logprobs or [])):
+                flags.append("nonfinite_logprob")
+            if status == "ok" and any(c.finish_reason is None for c in self.choices.values()):
+                flags.append("missing_finish_reason")
         if self.usage is None:
             flags.append("missing_usage")
         else:
-            completion = sum(len(c.token_ids or []) for c in self.choices.values())
+            if completion is None:
+                completion = sum(len(c.token_ids or []) for c in self.choices.values())
             if completion != self.usage.get("completion_tokens"):
                 flags.append("token_count_mismatch")
             if (
@@ -341,7 +575,7 @@ class TrajectoryCapture:
         usage = self.usage or {}
         record: dict[str, Any] = {
             "schema_version": SCHEMA_VERSION,
-            "event_id": uuid.uuid4().hex,
+            "event_id": _new_event_id(),
             "trajectory_id": ctx.trajectory_id,
             "request_id": ctx.request_id,
             "session_id": ctx.session_id,
@@ -374,6 +608,31 @@ class TrajectoryCapture:
         return record
 
 
+# The ids the proxy makes for requests without a usable x-request-id (`proxy.app`), which
+# are also the session ids of requests without an X-Session-Id: most records carry one.
+_GENERATED_ID = re.compile(r"req-[0-9a-f]{32}")
+
+
+def _passes_generated_ids(redact: Redact) -> bool:
+    """Whether `redact` is the `redact_obj` of a `Redactor` with built-in passes only, which
+    find nothing in `req-` and 32 lower-case hex digits: none of their literal or case-blind
+    needles is spelt with `r`, `e`, `q`, `-`, `a`-`f` and digits alone, so only a run of 8
+    or more digits makes one look (the card and phone passes); a card number may not follow
+    a letter, a digit or `q-`, and a phone number needs a `+`, a `(` or a `.`/`-` after its
+    first 3 digits. An operator's pattern could match anything: with one, each id is
+    redacted as before. (tests/proxy/test_capture_fast_path.py holds the redactor to this
+    for ids with every digit run.)
+
+    Redacting a generated session id took 9.8 µs a record on average (23 µs for the 24% of
+    ids that hold 8 digits in a row and so run the card and phone passes)."""
+    owner = getattr(redact, "__self__", None)
+    return (
+        type(owner) is redaction.Redactor
+        and getattr(redact, "__func__", None) is redaction.Redactor.redact_obj
+        and owner.builtin_only
+    )
+
+
 def private_label(value: str | None, redact: Redact) -> str | None:
     """A client's label (X-Session-Id, X-OLP-Group-Id, X-OLP-Task) as it may leave the process.
 
@@ -383,6 +642,8 @@ def private_label(value: str | None, redact: Redact) -> str | None:
     feedback, so they still join and stay on one Kafka partition."""
     if value is None:
         return None
+    if _GENERATED_ID.fullmatch(value) is not None and _passes_generated_ids(redact):
+        return value  # what `redact` would find nothing in (`_passes_generated_ids`)
     _, counts = redact(value)
     if not any(counts.values()):
         return value

@@ -865,6 +865,9 @@ class Redactor:
             raise ValueError(f"unknown redaction kinds: {unknown}")
         # Custom patterns go first: an operator's pattern is more specific than ours.
         selected = [_Kind(p.name, p.regex) for p in custom_patterns]
+        # What callers may rely on about the built-in passes alone (the proxy skips redacting
+        # its own request ids, in which none of them can find anything).
+        self.builtin_only = not selected
         # No built-in kind matches fewer than 6 characters (`a@b.co`), so shorter strings
         # are skipped; an operator's pattern may match less (a 5-character id).
         self._min_length = 1 if selected else _MIN_BUILTIN_LENGTH

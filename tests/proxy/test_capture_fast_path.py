@@ -1,0 +1,502 @@
+"""The typed chat path of `TrajectoryCapture` (`_absorb_chat`, `_sse_payloads`) builds
+exactly the record the dict path builds (`_absorb_each` on `SSEParser`'s events), for
+vLLM's shapes and for streams mangled every way a broken upstream could: the same dict,
+key order and types, the same flags and `unparsable` count, or the same exception.
+
+Also: `private_label` leaves the proxy's generated ids as the redactor would, and the
+event id keeps uuid4's shape."""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+import re
+import uuid
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+
+from proxy import capture as capture_module
+from proxy.capture import (
+    CaptureContext,
+    Redact,
+    TrajectoryCapture,
+    build_record,
+    private_label,
+)
+from proxy.relay import SSEParser, sse_event
+from safety.config import CustomPattern
+from safety.redaction import Redactor
+from tests.proxy.test_strip_bytes import (
+    VLLM_CHAT_STREAM,
+    VLLM_CHAT_WHOLE,
+    VLLM_COMPLETIONS_STREAM,
+    VLLM_COMPLETIONS_WHOLE,
+    _generated_chunks,
+)
+
+REDACT = Redactor().redact_obj
+
+
+class _DictPath(TrajectoryCapture):
+    """The capture as it parsed before the typed views: the SSE parser, then each event
+    (or the response) as a dict through `add_chunk` / `add_response`."""
+
+    def _absorb_raw(self) -> None:
+        raw_response, raw_sse = self._raw_response, self._raw_sse
+        self._raw_response, self._raw_sse = None, []
+        events = [e for e in SSEParser().feed(b"".join(raw_sse)) if e != b"[DONE]"]
+        self._absorb_each(raw_response, events)
+
+
+def _context(endpoint: str) -> CaptureContext:
+    return CaptureContext(
+        trajectory_id="t1",
+        request_id="req-" + "ab" * 16,
+        session_id="req-" + "ab" * 16,
+        tenant_hash="h",
+        user_hash=None,
+        endpoint=endpoint,  # type: ignore[arg-type]
+        model_alias="base",
+        policy_version="base",
+        group_id=None,
+        task=None,
+        request_body={"model": "base", "messages": [{"role": "user", "content": "hi"}]},
+        sampling={"max_tokens": 16},
+        created_at=1.0,
+        started=2.0,
+    )
+
+
+def _outcome(
+    cls: type[TrajectoryCapture],
+    endpoint: str,
+    sse: list[bytes],
+    response: bytes | None,
+    redact: Redact | None,
+) -> str:
+    """What building gives, written so that any difference shows (types, key order, NaN)."""
+    capture = cls(_context(endpoint))
+    for block in sse:
+        capture.add_sse(block)
+    if response is not None:
+        capture.add_raw_response(response)
+    capture.finished_at = 3.0
+    try:
+        record = build_record(capture, "ok", redact)
+    except Exception as exc:  # the dict path may raise on odd input: so must the other
+        return f"raised {type(exc).__name__}"
+    assert re.fullmatch(r"[0-9a-f]{32}", record.pop("event_id"))
+    return repr((record, capture.unparsable))
+
+
+def _same(
+    endpoint: str, sse: list[bytes], response: bytes | None = None, redact: Redact | None = None
+) -> str:
+    fast = _outcome(TrajectoryCapture, endpoint, sse, response, redact)
+    assert fast == _outcome(_DictPath, endpoint, sse, response, redact)
+    return fast
+
+
+def _event(obj: Any) -> bytes:
+    return sse_event(json.dumps(obj, separators=(",", ":")).encode())
+
+
+def _bench_stream(tokens: int = 16) -> list[bytes]:
+    """The shape of bench/bench_proxy.py's streamed answer (logprobs, token ids, usage)."""
+    base = {"id": "chatcmpl-bench", "created": 1, "model": "base"}
+    events = [
+        _event(
+            {
+                **base,
+                "object": "chat.completion.chunk",
+                "choices": [
+                    {
+                        "index": 0,
+                        "delta": {"role": "assistant", "content": ""},
+                        "logprobs": None,
+                        "finish_reason": None,
+                    }
+                ],
+                "prompt_token_ids": list(range(1, 33)),
+            }
+        )
+    ]
+    for i in range(tokens):
+        lp = {"token": "x", "logprob": -0.5, "bytes": [120], "top_logprobs": []}
+        choice = {
+            "index": 0,
+            "delta": {"content": "x"},
+            "logprobs": {"content": [lp]},
+            "finish_reason": "length" if i == tokens - 1 else None,
+            "token_ids": [100 + i],
+        }
+        events.append(_event({**base, "object": "chat.completion.chunk", "choices": [choice]}))
+    usage = {"prompt_tokens": 32, "completion_tokens": tokens, "total_tokens": 32 + tokens}
+    events.append(
+        _event({**base, "object": "chat.completion.chunk", "choices": [], "usage": usage})
+    )
+    return [*events, b"data: [DONE]\n\n"]
+
+
+def _tool_stream() -> list[bytes]:
+    """Two choices, interleaved, one calling two tools in fragments."""
+    lp = {"content": [{"token": "a", "logprob": -0.25, "bytes": [97], "top_logprobs": []}]}
+    chunks: list[dict[str, Any]] = [
+        {"choices": [{"index": 1, "delta": {"role": "assistant"}}], "prompt_token_ids": [1, 2]},
+        {"choices": [{"index": 0, "delta": {"role": "assistant", "content": "Hi"}}]},
+    ]
+    for n, (index, args) in enumerate([(0, '{"a"'), (1, '{"q": '), (0, ": 1}"), (1, '"x"}')]):
+        fragment: dict[str, Any] = {"index": index, "function": {"arguments": args}}
+        if n < 2:
+            fragment.update(id=f"call_{index}", type="function")
+            fragment["function"]["name"] = "look" if index else "add"
+        elif index:
+            fragment["function"]["name"] = "up"  # a name may come in fragments too
+        chunks.append(
+            {
+                "choices": [
+                    {
+                        "index": 1,
+                        "delta": {"tool_calls": [fragment]},
+                        "logprobs": lp,
+                        "token_ids": [n],
+                    },
+                    {"index": 0, "delta": {"content": str(n)}, "logprobs": lp, "token_ids": [n]},
+                ]
+            }
+        )
+    chunks.append({"choices": [{"index": 0, "finish_reason": "stop", "delta": {}}]})
+    chunks.append({"choices": [{"index": 1, "finish_reason": "tool_calls", "delta": {}}]})
+    chunks.append({"choices": [], "usage": {"prompt_tokens": 2, "completion_tokens": 8}})
+    return [*map(_event, chunks), b"data: [DONE]\n\n"]
+
+
+def _bench_whole(tokens: int = 16) -> bytes:
+    lp = {"token": "x", "logprob": -0.5, "bytes": [120], "top_logprobs": []}
+    return json.dumps(
+        {
+            "id": "chatcmpl-bench",
+            "object": "chat.completion",
+            "choices": [
+                {
+                    "index": 0,
+                    "message": {"role": "assistant", "content": "x" * tokens},
+                    "logprobs": {"content": [lp] * tokens},
+                    "finish_reason": "length",
+                    "token_ids": list(range(100, 100 + tokens)),
+                },
+                {
+                    "index": 1,
+                    "message": {
+                        "role": "assistant",
+                        "content": None,
+                        "tool_calls": [{"id": "c", "function": {"name": "f", "arguments": "{}"}}],
+                    },
+                    "finish_reason": "tool_calls",
+                    "token_ids": [1],
+                    "logprobs": {"content": [lp]},
+                },
+            ],
+            "usage": {"prompt_tokens": 2, "completion_tokens": tokens + 1},
+            "prompt_token_ids": [1, 2],
+        }
+    ).encode()
+
+
+STREAMS = {
+    "vllm": [*map(sse_event, VLLM_CHAT_STREAM), b"data: [DONE]\n\n"],
+    "bench": _bench_stream(),
+    "tools": _tool_stream(),
+    "generated": [sse_event(raw) for e, raw in _generated_chunks() if e == "chat.completions"],
+}
+RESPONSES = {"vllm": VLLM_CHAT_WHOLE, "bench": _bench_whole()}
+
+# Values the typed views refuse or read differently from a dict: each takes the dict path.
+VALUE_SWAPS = [
+    (b'"index":0', [b'"index":0.0', b'"index":"0"', b'"index":null', b'"index":true',
+                    b'"index":1']),
+    (b'"logprob":-0.5', [b'"logprob":"-0.5"', b'"logprob":-Infinity', b'"logprob":NaN',
+                         b'"logprob":null', b'"logprob":1e400', b'"logprob":-5', b'"logprob":true',
+                         b'"logprob":-0', b'"logprob":123456789012345678901234567890']),
+    (b'"token_ids":[100]', [b'"token_ids":[100.0]', b'"token_ids":["a"]', b'"token_ids":null',
+                            b'"token_ids":{}', b'"token_ids":7', b'"token_ids":[]',
+                            b'"token_ids":[-1]', b'"token_ids":[18446744073709551616]']),
+    (b'"delta":{"content":"x"}', [b'"delta":[]', b'"delta":"x"', b'"delta":null', b'"delta":{}',
+                                  b'"delta":0', b'"delta":["x"]', b'"delta":{"content":5}',
+                                  b'"delta":{"content":null}', b'"delta":{"content":["a"]}',
+                                  b'"delta":{"content":"\\ud800"}', b'"delta":{"role":7}',
+                                  b'"delta":{"content":"x","content":"y"}',
+                                  b'"delta":{"tool_calls":{}}', b'"delta":{"tool_calls":[1]}',
+                                  b'"delta":{"tool_calls":[{"function":"f"}]}',
+                                  b'"delta":{"tool_calls":[{"function":""}]}',
+                                  b'"delta":{"tool_calls":[{"index":"1","id":5}]}',
+                                  b'"delta":{"tool_calls":[{"function":{"name":1}}]}',
+                                  b'"delta":{"cont\\u0065nt":"e"}']),
+    (b'"finish_reason":null', [b'"finish_reason":5', b'"finish_reason":""', b'"finish_reason":[]']),
+    (b'"choices":[', [b'"choices":{},"x":[', b'"choices":null,"x":[', b'"choices":[1,']),
+    (b'"logprobs":{"content":[', [b'"logprobs":{"content":null,"x":[', b'"logprobs":{"content":[1,',
+                                  b'"logprobs":{"content":"ab","x":[', b'"logprobs":{"x":[',
+                                  b'"logprobs":{"content":[{},']),
+    (b'"id":"call_', [b'"id":"","x":"call_', b'"id":null,"x":"call_', b'"id":5,"x":"call_',
+                      b'"type":"","id":"call_', b'"type":null,"id":"call_',
+                      b'"index":2,"id":"call_', b'"index":-1,"id":"call_']),
+    (b'"type":"function"', [b'"type":""', b'"type":null', b'"type":5', b'"type":"custom"']),
+    (b'"arguments":"', [b'"arguments":"","x":"', b'"arguments":null,"x":"', b'"arguments":1,"x":"',
+                        b'"name":"","arguments":"', b'"name":null,"arguments":"']),
+    (b'"usage":{', [b'"usage":[{', b'"usage":"x","u":{', b'"usage":{"completion_tokens":"16",']),
+    (b'"prompt_token_ids":[', [b'"prompt_token_ids":"x","p":[', b'"prompt_token_ids":[1.5,',
+                               b'"prompt_token_ids":[[1],']),
+]  # fmt: skip
+INSERTS = [b'"', b"{", b"}", b",", b"[", b"]", b"\n", b"\r\n", b" ", b"\\", b"0", b":", b"\n\n"]
+
+
+def _mangled(stream: list[bytes], rng: random.Random) -> Iterator[list[bytes]]:
+    block = b"".join(stream)
+    for _ in range(60):
+        at = rng.randrange(len(block))
+        yield [block[:at] + block[at + 1 :]]  # a byte dropped
+        yield [block[:at] + rng.choice(INSERTS) + block[at:]]  # one inserted
+        yield [block[:at]]  # cut off
+    for i in range(len(stream)):
+        event = stream[i]
+        cut = rng.randrange(6, max(7, len(event) - 2))
+        yield [*stream[:i], event[:cut] + b"\n\n", *stream[i + 1 :]]  # an event truncated
+        yield [*stream[:i], event.replace(b"{", b'{"index":1,', 2), *stream[i + 1 :]]
+    for old, news in VALUE_SWAPS:
+        if old in block:
+            for new in news:
+                yield [block.replace(old, new, 1)]
+                yield [block.replace(old, new)]
+    # Framing the fast split leaves to the parser.
+    yield [b": ping\n\n", block]
+    yield [block.replace(b"\n\n", b"\r\n\r\n")]
+    yield [block.replace(b"data: ", b"data:")]
+    yield [block.replace(b"data: ", b"data:  ", 1)]
+    yield [block.replace(b"data: ", b"event: chunk\ndata: ", 2)]
+    yield [stream[0].replace(b"data: ", b"data: [\ndata: ")[:-2] + b"]\n\n", *stream[1:]]
+    yield [b"data: [DONE]\n\n", block]
+    yield [block + b"data: {}\n\n"]
+    yield [block + b"data: []\n\n"]
+    yield [block + b"data: \n\n"]
+    yield [b"\n\n" + block]
+
+
+@pytest.mark.parametrize("name", sorted(STREAMS))
+def test_typed_path_builds_the_dict_paths_record_of_a_stream(name: str) -> None:
+    stream = STREAMS[name]
+    assert "raised" not in _same("chat.completions", stream, redact=REDACT)
+    assert "raised" not in _same("chat.completions", [b"".join(stream)])
+    blocks = [b"".join(stream)[i : i + 97] for i in range(0, len(b"".join(stream)), 97)]
+    _same("chat.completions", blocks)  # blocks need not end at an event border
+    # A later empty role keeps the earlier one (the dict path reads a role only if truthy).
+    roles = [_event({"choices": [{"delta": {"role": role}}]}) for role in ("tool", "", None)]
+    assert "'role': 'tool'" in _same("chat.completions", [*stream, *roles])
+    rng = random.Random(name)
+    outcomes = {_same("chat.completions", sse) for sse in _mangled(stream, rng)}
+    assert any("raised" in outcome for outcome in outcomes)
+    assert any("unparsable_upstream_data" in outcome for outcome in outcomes)
+
+
+def test_vllm_shapes_take_the_typed_path(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Else the comparisons above would test the dict path against itself."""
+
+    def refuse(*_: Any) -> None:
+        raise AssertionError("the dict path ran")
+
+    monkeypatch.setattr(TrajectoryCapture, "_absorb_each", refuse)
+    for stream in STREAMS.values():
+        _outcome(TrajectoryCapture, "chat.completions", stream, None, REDACT)
+    for response in RESPONSES.values():
+        _outcome(TrajectoryCapture, "chat.completions", [], response, REDACT)
+
+
+@pytest.mark.parametrize("name", sorted(RESPONSES))
+def test_typed_path_builds_the_dict_paths_record_of_a_response(name: str) -> None:
+    response = RESPONSES[name]
+    assert "raised" not in _same("chat.completions", [], response, REDACT)
+    rng = random.Random(name)
+    for _ in range(100):
+        at = rng.randrange(len(response))
+        _same("chat.completions", [], response[:at] + response[at + 1 :])
+        _same("chat.completions", [], response[:at] + rng.choice(INSERTS) + response[at:])
+    for old, new in [
+        (b'"message":{', b'"message":[],"m":{'),
+        (b'"message":{', b'"message":"x","m":{'),
+        (b'"message":{', b'"message":null,"m":{'),
+        (b'"role":"assistant"', b'"role":null'),
+        (b'"role":"assistant"', b'"x":1'),
+        (b'"role":"assistant"', b'"role":"assistant","tool_calls":null'),
+        (b'"role":"assistant"', b'"role":"assistant","tool_calls":[]'),
+        (b'"role":"assistant"', b'"role":"assistant","tool_calls":{"a":1}'),
+        (b'"role":"assistant"', b'"role":""'),
+        (b'"content":"', b'"content":["a"],"c":"'),
+        (b'"token_ids":[', b'"token_ids":"ab","t":['),
+        (b'"token_ids":[', b'"token_ids":[1.5,'),
+        (b'"finish_reason":"', b'"finish_reason":3,"f":"'),
+        (b'"logprob":-', b'"logprob":"-'),
+        (b'"index":0', b'"index":0.0'),
+        (b'"choices":[', b'"choices":{},"c":['),
+        (b'"usage":{', b'"usage":[],"u":{'),
+        (b'"prompt_token_ids":[', b'"prompt_token_ids":{},"p":['),
+    ]:
+        if old in response:
+            _same("chat.completions", [], response.replace(old, new, 1))
+    # A response and a stream in one capture: the response first, as the dict path reads.
+    _same("chat.completions", STREAMS["bench"], response)
+    _same("chat.completions", [b"data: {,}\n\n"], response)
+    for odd in (b"[]", b"null", b"", b"{}", b'{"choices":[{}]}', b'{"choices":[{"message":{}}]}'):
+        _same("chat.completions", [], odd)
+
+
+def test_completions_keep_the_dict_path() -> None:
+    stream = [*map(sse_event, VLLM_COMPLETIONS_STREAM), b"data: [DONE]\n\n"]
+    assert "raised" not in _same("completions", stream, redact=REDACT)
+    assert "raised" not in _same("completions", [], VLLM_COMPLETIONS_WHOLE, REDACT)
+
+
+def test_split_events_are_the_parsers() -> None:
+    rng = random.Random(7)
+    for stream in STREAMS.values():
+        for sse in [[b"".join(stream)], *_mangled(stream, rng)]:
+            data = b"".join(sse)
+            parsed = [e for e in SSEParser().feed(data) if e != b"[DONE]"]
+            assert capture_module._sse_payloads(data) == parsed
+    for data in [b"", b"data: x\n\n", b"data: [DONE]\n\n", b"data: \n\n", b"data: x\n\n\n\n"]:
+        assert capture_module._sse_payloads(data) == [
+            e for e in SSEParser().feed(data) if e != b"[DONE]"
+        ]
+
+
+def _generated_ids() -> Iterator[str]:
+    """The proxy's own request ids, random and with every run of digits the card and phone
+    passes look at."""
+    rng = random.Random(3)
+    for _ in range(3000):
+        yield "req-" + uuid.UUID(int=rng.getrandbits(128)).hex
+    digits = "4111111111111111" + "5555551234567890"
+    for length in range(6, 33):
+        for start in range(0, 33 - length):
+            run = (digits * 2)[start : start + length]
+            yield "req-" + ("a" * start + run + "f" * 32)[:32]
+            yield "req-" + (run + "e" * 32)[:32]
+    yield "req-" + "0" * 32
+
+
+def test_generated_session_ids_skip_only_what_the_redactor_leaves() -> None:
+    called: list[str] = []
+
+    def spy(value: Any) -> tuple[Any, dict[str, int]]:
+        called.append(value)
+        return REDACT(value)
+
+    for value in _generated_ids():
+        assert REDACT(value) == (value, {})  # what the skip relies on
+        assert private_label(value, REDACT) == value
+    assert private_label("req-" + "ab" * 16, spy) == "req-" + "ab" * 16 and called
+    # Anything else is still redacted: other shapes, and redactors with other patterns.
+    assert private_label("req-" + "ab" * 15 + "@x.io", REDACT).startswith("redacted-")
+    assert private_label("REQ-" + "AB" * 16, REDACT) == "REQ-" + "AB" * 16
+    custom = Redactor(custom_patterns=[CustomPattern(name="hex_id", regex=r"[0-9a-f]{32}")])
+    assert private_label("req-" + "ab" * 16, custom.redact_obj).startswith("redacted-")
+
+    class Stricter(Redactor):
+        def redact_obj(self, obj: Any) -> tuple[Any, dict[str, int]]:
+            return obj, {"stricter": 1}
+
+    assert private_label("req-" + "ab" * 16, Stricter().redact_obj).startswith("redacted-")
+    disabled = Redactor(enabled=False)
+    assert private_label("req-" + "ab" * 16, disabled.redact_obj) == "req-" + "ab" * 16
+
+
+def test_event_ids_keep_uuid4s_shape() -> None:
+    new: Callable[[], str] = capture_module._new_event_id
+    ids = {new() for _ in range(2000)}
+    assert len(ids) == 2000
+    for event_id in ids:
+        parsed = uuid.UUID(hex=event_id)
+        assert parsed.hex == event_id and parsed.version == 4
+        assert parsed.variant == uuid.RFC_4122
+
+
+def _flags_before(capture: TrajectoryCapture, status: str) -> list[str]:
+    """`check` as it was before its one-choice path (after the data was absorbed)."""
+    flags: list[str] = []
+    if status != "ok":
+        flags.append(status)
+    if capture.unparsable:
+        flags.append("unparsable_upstream_data")
+    prompt_ids, multiple_prompts = capture._prompt_ids()
+    if multiple_prompts:
+        flags.append("multiple_prompts")
+    if prompt_ids is None:
+        flags.append("missing_prompt_token_ids")
+    choices = capture.choices.values()
+    if not capture.choices:
+        flags.append("no_choices")
+    if any(c.token_ids is None for c in choices):
+        flags.append("missing_token_ids")
+    if any(len(c.token_ids or []) != len(c.logprobs or []) for c in choices):
+        flags.append("logprob_count_mismatch")
+    if any(not math.isfinite(v) for c in choices for v in (c.logprobs or [])):
+        flags.append("nonfinite_logprob")
+    if status == "ok" and any(c.finish_reason is None for c in choices):
+        flags.append("missing_finish_reason")
+    if capture.usage is None:
+        flags.append("missing_usage")
+    else:
+        completion = sum(len(c.token_ids or []) for c in choices)
+        if completion != capture.usage.get("completion_tokens"):
+            flags.append("token_count_mismatch")
+        if (
+            prompt_ids is not None
+            and not multiple_prompts
+            and len(prompt_ids) != capture.usage.get("prompt_tokens")
+        ):
+            flags.append("prompt_token_count_mismatch")
+    return flags
+
+
+def _checked(check: Callable[[], list[str]]) -> list[str] | str:
+    try:
+        return check()
+    except Exception as exc:
+        return f"raised {type(exc).__name__}"
+
+
+def test_check_flags_as_before() -> None:
+    rng = random.Random(11)
+    cases: list[tuple[list[bytes], bytes | None]] = []
+    for stream in STREAMS.values():
+        cases += [(sse, None) for sse in _mangled(stream, rng)]
+    for response in RESPONSES.values():
+        for old, new in [(b"", b""), (b'"token_ids":[', b'"token_ids":5,"t":[')]:
+            cases.append(([], response.replace(old, new, 1)))
+        cases.append(([], response.replace(b'"logprob":-0.5', b'"logprob":-Infinity', 1)))
+        cases.append(([], response.replace(b'"logprob":-0.5', b'"logprob":NaN')))
+    seen: set[str] = set()
+    for sse, response in cases:
+        for status in ("ok", "aborted"):
+            capture = TrajectoryCapture(_context("chat.completions"))
+            for block in sse:
+                capture.add_sse(block)
+            if response is not None:
+                capture.add_raw_response(response)
+            try:
+                capture._absorb_raw()
+            except Exception:  # the dict path raises on some odd data (as it did)
+                continue
+            flags = _checked(lambda: capture.check(status))  # noqa: B023 - called at once
+            assert flags == _checked(lambda: _flags_before(capture, status))  # noqa: B023
+            seen.update(flags if isinstance(flags, list) else [flags])
+            for choice in capture.choices.values():
+                clamped = [v if math.isfinite(v) else -1.0e9 for v in (choice.logprobs or [])]
+                try:
+                    logprobs = capture._choice_record(choice)["logprobs"]
+                except TypeError:  # text that is no string, as the dict path keeps it
+                    continue
+                assert repr(logprobs) == repr(clamped)
+    assert {"nonfinite_logprob", "logprob_count_mismatch", "missing_token_ids"} <= seen
+    assert {"token_count_mismatch", "missing_finish_reason", "no_choices"} <= seen

@@ -290,6 +290,20 @@ _EMPTY_TEXT: dict[Endpoint, bytes] = {
 }
 
 
+def _checked_usage(plan: RelayPlan, payload: bytes) -> tuple[bool, dict[str, Any] | None]:
+    """Whether the byte path may take a usage event, and its usage object. Not when it is not
+    a JSON object, or it carries choices although the proxy asked for the usage on its own:
+    the event-by-event path decides (and reports what is not JSON)."""
+    try:
+        chunk, _ = parse_json(payload)
+    except ValueError:
+        return False, None
+    if not isinstance(chunk, dict) or (plan.added_usage and chunk.get("choices")):
+        return False, None
+    usage = chunk.get("usage")
+    return True, usage if isinstance(usage, dict) else None
+
+
 def _take_usage_events(plan: RelayPlan, block: bytes) -> tuple[bytes, dict[str, Any] | None] | None:
     """The usage object of the block's usage chunk(s); those chunks removed when the proxy
     asked for usage on its own. None when a usage chunk also carries choices."""
@@ -301,14 +315,10 @@ def _take_usage_events(plan: RelayPlan, block: bytes) -> tuple[bytes, dict[str, 
         end = block.find(b"\n\n", at)
         if not block.startswith(b"data: ", start):
             return None
-        try:
-            chunk, _ = parse_json(block[start + 6 : end])
-        except ValueError:
-            return None  # the event-by-event path reports it
-        if not isinstance(chunk, dict) or (plan.added_usage and chunk.get("choices")):
+        taken, found = _checked_usage(plan, block[start + 6 : end])
+        if not taken:
             return None
-        if isinstance(chunk.get("usage"), dict):
-            usage = chunk["usage"]
+        usage = found if found is not None else usage
         if plan.added_usage:
             parts.append(block[done:start])
             done = end + 2
@@ -336,15 +346,11 @@ def strip_sse(plan: RelayPlan, block: bytes) -> tuple[bytes, dict[str, Any] | No
         return None
     stripped, usage_events = cut
     usage: dict[str, Any] | None = None
-    for payload in usage_events:  # `_take_usage_events`' checks, on the events the pass kept
-        try:
-            chunk, _ = parse_json(payload)
-        except ValueError:
-            return None  # the event-by-event path reports it
-        if not isinstance(chunk, dict) or (plan.added_usage and chunk.get("choices")):
+    for payload in usage_events:
+        taken, found = _checked_usage(plan, payload)
+        if not taken:
             return None
-        if isinstance(chunk.get("usage"), dict):
-            usage = chunk["usage"]
+        usage = found if found is not None else usage
     return stripped, usage
 
 

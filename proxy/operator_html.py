@@ -217,6 +217,11 @@ def _verdict(passed: Any) -> str:
     return '<span class="pass">pass</span>' if passed else '<span class="fail">fail</span>'
 
 
+def _reason(details: Any) -> Any:
+    """A gate result's reason; a report from elsewhere may hold details of any shape."""
+    return details.get("reason", "") if isinstance(details, dict) else ""
+
+
 def _gates(gates: Loaded) -> str:
     parts = ['<h2 id="gates">Recent gate results (newest first)</h2>', _errors(gates.errors)]
     if not gates.items and not gates.errors:
@@ -230,7 +235,7 @@ def _gates(gates: Loaded) -> str:
                 _e(r.get("comparison", "")),
                 _num(r.get("threshold")),
                 _verdict(r.get("verdict") == "pass"),
-                _e((r.get("details") or {}).get("reason", "")),
+                _e(_reason(r.get("details"))),
             )
             for r in results
         )

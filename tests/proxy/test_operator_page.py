@@ -274,11 +274,19 @@ def test_odd_numbers_in_learner_files_do_not_take_the_page_down(make_proxy, tmp_
     (state / "gates").mkdir()
     report = {"passed": False, "candidate": "policy-v3", "started_at": 1e300, "results": []}
     (state / "gates" / "policy-v3.json").write_text(json.dumps(report))
+    # A report edited by hand (or by another version) with `details` that are not an object.
+    odd_details = [
+        {"name": "regression", "verdict": "fail", "details": "timed out"},
+        {"name": "poisoning", "verdict": "fail", "details": ["trig-sudo"]},
+    ]
+    report = {"passed": False, "candidate": "policy-v2", "results": odd_details}
+    (state / "gates" / "policy-v2.json").write_text(json.dumps(report))
     response = httpx.get(harness.base_url + "/admin/ui", headers=BEARER)
     assert response.status_code == 200, response.text
     page = response.text
     assert re.findall(r'class="learner-point" data-version="([^"]+)"', page) == ["policy-v1"]
     assert "1e+300" in page  # the gate report's time, shown as it is
+    assert "regression" in page and "poisoning" in page
 
 
 def test_consumer_lag_is_never_negative() -> None:

@@ -37,11 +37,20 @@ def broker_binary() -> Path:
         raise BrokerError(f"no usable embedded broker binary: {exc}") from None
 
 
+def _listens(server: str) -> bool:
+    host, _, port = server.strip().rpartition(":")
+    return port.isdigit() and port_open(host.strip("[]") or "localhost", int(port))
+
+
 def kafka_answers(bootstrap: str, timeout_s: float = 3.0) -> bool:
     """True when the broker answers a Kafka metadata request."""
     from kafka import KafkaAdminClient
     from kafka.errors import KafkaError
 
+    # Kafka is spoken only once a port listens: kafka-python logs each refused connection
+    # as an ERROR, which `olp up` printed on every start while its broker was starting.
+    if not any(_listens(server) for server in bootstrap.split(",")):
+        return False
     try:
         admin = KafkaAdminClient(
             bootstrap_servers=bootstrap,

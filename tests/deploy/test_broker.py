@@ -1,3 +1,4 @@
+import logging
 import socket
 import uuid
 from collections import defaultdict
@@ -57,3 +58,21 @@ def test_a_broker_port_in_use_is_refused_before_starting(tmp_path: Path) -> None
         with pytest.raises(RuntimeError, match=f"port {port} is already in use"):
             start_broker("127.0.0.1", port, tmp_path / "broker.log")
     assert not (tmp_path / "broker.log").exists()  # no broker was started at all
+
+
+def test_starting_the_broker_logs_no_connection_errors(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """`olp up` printed kafka-python's `ERROR ... Connection failed: ECONNREFUSED` on every
+    start: the readiness check spoke Kafka before the broker listened. An operator reading
+    the start-up lines must not see errors when nothing is wrong."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    with caplog.at_level(logging.DEBUG, logger="kafka"):
+        broker = start_broker("127.0.0.1", port, tmp_path / "broker.log")
+    try:
+        noisy = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+        assert noisy == []
+    finally:
+        broker.stop()

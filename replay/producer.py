@@ -19,6 +19,7 @@ import contextlib
 import gc
 import queue
 import select
+import signal
 import socket
 import threading
 import time
@@ -830,6 +831,12 @@ def _child_main(config_json: str, state_dir: str, conn: Any) -> None:
         os.nice(_CHILD_NICE)
     with contextlib.suppress(OSError, AttributeError):
         os.sched_setscheduler(0, os.SCHED_BATCH, os.sched_param(0))
+    # The parent decides when this process ends (its `close` message, or the pipe's end if
+    # the parent died): a SIGTERM or Ctrl-C sent to the proxy's whole process group (`olp up`
+    # stops its children that way, as do service managers) must not kill it before the
+    # parent closed it, with records received and not yet sent.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     config = StreamConfig.model_validate_json(config_json)
     sink = KafkaSink(config, Path(state_dir))
     # Each record allocates a few hundred containers that refcounting frees; with the
@@ -1083,6 +1090,11 @@ class KafkaSinkProcess:
                 self._read_statuses(block_s=0.0)
             except (OSError, EOFError):
                 self._restart_child()
+                if self._proc is None:
+                    # It died while the sink was closing, with nothing left to hand over:
+                    # no new worker. (Before, the loop went on reading the closed pipe and
+                    # failed to restart it again and again, and close() never returned.)
+                    break
                 continue
             if stopping and not self._outbox:
                 break

@@ -163,6 +163,52 @@ def test_a_hung_sink_process_is_killed_and_nothing_is_lost(
     assert _consume_ids(config, 60) == {r["trajectory_id"] for r in records}
 
 
+def test_a_worker_that_died_before_close_does_not_hang_it(
+    stream_config: StreamConfig, tmp_path: Path
+) -> None:
+    """The worker dies and the sink closes before the feeder noticed: close() returns, no
+    new worker is needed for an empty outbox. Before, the feeder read the closed pipe and
+    failed to restart the worker once a second, for ever (the proxy never exited, and each
+    failure logged a traceback)."""
+    sink = KafkaSinkProcess(stream_config, tmp_path, CollectorRegistry())
+    records = [make_trajectory(session_id="closing") for _ in range(20)]
+    for record in records:
+        sink.put_trajectory(record)
+    assert sink.wait_idle(60)  # every record durable; the feeder waits on its idle poll
+    worker = sink._proc
+    os.kill(worker.pid, signal.SIGKILL)
+    worker.join(10)
+    closer = threading.Thread(target=sink.close, daemon=True)
+    closer.start()
+    closer.join(30)
+    assert not closer.is_alive(), "close() hung after its worker died"
+    assert not sink._thread.is_alive()
+    assert _consume_ids(stream_config, 20) == {r["trajectory_id"] for r in records}
+
+
+def test_a_sigterm_to_the_process_group_leaves_the_worker_to_its_parent(
+    stream_config: StreamConfig, tmp_path: Path
+) -> None:
+    """`olp up` stops the proxy with a SIGTERM to its process group, the worker included:
+    the worker lives on until the proxy closes it, and then ends cleanly (before, it died
+    with the records it had not sent yet, and the proxy started a new one)."""
+    sink = KafkaSinkProcess(stream_config, tmp_path, CollectorRegistry())
+    worker = sink._proc
+    try:
+        assert sink.wait_idle(60)  # the worker runs (a signal during its start-up kills it)
+        os.kill(worker.pid, signal.SIGTERM)
+        os.kill(worker.pid, signal.SIGINT)
+        records = [make_trajectory(session_id="term") for _ in range(20)]
+        for record in records:
+            sink.put_trajectory(record)
+        assert sink.wait_idle(60)
+        assert worker.is_alive() and sink._proc is worker and sink.child_restarts == 0
+    finally:
+        sink.close()
+    assert worker.exitcode == 0
+    assert _consume_ids(stream_config, 20) == {r["trajectory_id"] for r in records}
+
+
 def build_from_capture(capture: dict[str, Any], status: str) -> dict[str, Any]:
     """A picklable record builder, as the proxy passes `proxy.capture.build_record`."""
     if capture.get("broken"):

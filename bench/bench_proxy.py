@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import json
 import os
 import re
@@ -327,8 +326,8 @@ def _task_cpu_seconds(pid: int) -> float:
         return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def descendants(pid: int) -> list[int]:
-    """`pid` and every process below it."""
+def cpu_seconds(pid: int) -> tuple[float, float]:
+    """CPU time of a process alone, and of it with all its descendants."""
     children: dict[int, list[int]] = {}
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
@@ -339,44 +338,17 @@ def descendants(pid: int) -> list[int]:
             continue
         fields = raw[raw.rindex(")") + 2 :].split()
         children.setdefault(int(fields[1]), []).append(int(entry))
-    found, todo = [], [pid]
+    own, total, todo = 0.0, 0.0, [pid]
     while todo:
         current = todo.pop()
-        found.append(current)
-        todo.extend(children.get(current, []))
-    return found
-
-
-def cpu_seconds(pid: int) -> tuple[float, float]:
-    """CPU time of a process alone, and of it with all its descendants."""
-    own, total = 0.0, 0.0
-    for current in descendants(pid):
         try:
             used = _task_cpu_seconds(current)
         except OSError:
             used = 0.0
         own = used if current == pid else own
         total += used
+        todo.extend(children.get(current, []))
     return own, total
-
-
-def isolate_proxies(proxies: set[int]) -> bool:
-    """Pin the threads of the `proxies` processes to the first CPU and every other process
-    of the bench (this one, the upstreams, the broker, LiteLLM, the proxies' sink workers)
-    to the others. False (nothing pinned) on a single CPU."""
-    cpus = sorted(os.sched_getaffinity(0))
-    if len(cpus) < 2:
-        return False
-    own, rest = {cpus[0]}, set(cpus[1:])
-    for pid in descendants(os.getpid()):
-        try:
-            tids = [int(tid) for tid in os.listdir(f"/proc/{pid}/task")]
-        except OSError:
-            continue  # exited meanwhile
-        for tid in tids:
-            with contextlib.suppress(OSError):
-                os.sched_setaffinity(tid, own if pid in proxies else rest)
-    return True
 
 
 async def one_request(session: aiohttp.ClientSession, target: Target, stream: bool) -> float:
@@ -555,11 +527,6 @@ def main() -> None:
         "--cpu-rounds", type=int, default=5, help="alternating rounds for the ratio targets"
     )
     parser.add_argument("--cpu-requests", type=int, default=300, help="requests per round")
-    parser.add_argument(
-        "--no-isolated",
-        action="store_true",
-        help="skip the capture rounds with each proxy on a CPU of its own",
-    )
     parser.add_argument("--paced-rounds", type=int, default=5)
     parser.add_argument("--paced-requests", type=int, default=200)
     parser.add_argument("--litellm", default=None, help="path of the litellm console script")
@@ -721,14 +688,6 @@ def run_bench(args: argparse.Namespace) -> None:
             paced_rounds = alternating_rounds(
                 paced_targets, args.paced_rounds, args.paced_requests, (True,), CPU_TARGETS
             )
-        isolated_rounds: dict = {}
-        capture_targets = {t.name: t for t in targets if t.name in CPU_TARGETS}
-        proxies = {t.proc.pid for t in capture_targets.values() if t.proc is not None}
-        if not args.no_isolated and isolate_proxies(proxies):
-            print("capture rounds, each proxy on a CPU of its own:", flush=True)
-            isolated_rounds = alternating_rounds(
-                capture_targets, args.cpu_rounds, args.cpu_requests, names=CPU_TARGETS
-            )
         time.sleep(3.0)  # let the sinks finish their last records
         counts = {
             "process": count_records(broker.bootstrap, "bench-process.trajectories"),
@@ -744,17 +703,13 @@ def run_bench(args: argparse.Namespace) -> None:
             counts,
             litellm_note,
             # olp-on's requests in the alternating rounds and in the GC rounds
-            extra_process_records=(8 if isolated_rounds else 4)
-            * args.cpu_rounds
-            * (args.cpu_requests + 20)
+            extra_process_records=4 * args.cpu_rounds * (args.cpu_requests + 20)
             + 2 * args.gc_rounds * (args.gc_requests + 20),
         )
         report += render_rounds(rounds, args.cpu_rounds, args.cpu_requests)
         report += render_gc(gc_table, args.gc_rounds, args.gc_requests)
         if paced_rounds:
             report += render_paced(paced_rounds, args)
-        if isolated_rounds:
-            report += render_isolated(isolated_rounds, args.cpu_rounds, args.cpu_requests)
         print(report)
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(report)
@@ -910,25 +865,6 @@ def render_paced(rounds: dict, args: argparse.Namespace) -> str:
         "asked) and `[DONE]` right after the last token. Same 16-token answers; olp-off / "
         "olp-on / olp-on-nosink / olp-on-pystrip as above, "
         f"{args.paced_rounds} alternating rounds of {args.paced_requests} requests.",
-        "",
-        *_CPU_HEADER,
-        *_cpu_rows(rounds),
-        "",
-    ]
-    return "\n".join(lines)
-
-
-def render_isolated(rounds: dict, count: int, requests: int) -> str:
-    lines = [
-        "",
-        "### Capture CPU with each proxy on a CPU of its own",
-        "",
-        "The rounds of the capture table again, last in the run, with the proxy processes' "
-        "threads pinned to the first CPU and everything else (the load generator, the "
-        "upstream, the broker, the proxies' sink workers) to the others, so that no other "
-        "process shares the proxy's core and its caches. This tells the proxy's own capture "
-        "work apart from what sharing two cores with its sink worker costs it. "
-        f"{count} alternating rounds of {requests} requests.",
         "",
         *_CPU_HEADER,
         *_cpu_rows(rounds),

@@ -24,7 +24,7 @@
 #include <string.h>
 
 /* A byte pattern and its anchor: the offset of a byte in it that is rare in compact JSON
- * (`{`, `[`, `}`, `"`...), which `find` looks for with memchr. */
+ * (`{`, `[`, `}`, the `x` of `index`), which `find` looks for with memchr. */
 typedef struct {
     const char *s;
     size_t n;

@@ -14,7 +14,6 @@ import asyncio
 import functools
 import hashlib
 import math
-import os
 import re
 import time
 from collections.abc import Callable
@@ -25,6 +24,7 @@ import msgspec
 import structlog
 
 from proxy.relay import Endpoint, SSEParser, parse_json
+from replay.schemas import derived_event_id
 from safety import redaction
 
 log = structlog.get_logger(__name__)
@@ -212,16 +212,6 @@ def _sse_payloads(data: bytes) -> list[bytes]:
                 payloads = [payload for payload in payloads if payload != b"[DONE]"]
             return payloads
     return [event for event in SSEParser().feed(data) if event != b"[DONE]"]
-
-
-# uuid4's bits, set on 16 random bytes: `uuid.uuid4().hex` took 2.0 µs, this 0.7.
-_UUID4_MASK = ~((0xF000 << 64) | (0xC000 << 48)) & ((1 << 128) - 1)
-_UUID4_BITS = (0x4000 << 64) | (0x8000 << 48)
-
-
-def _new_event_id() -> str:
-    """A fresh uuid4 hex (the shape of `replay.schemas.new_event_id`)."""
-    return "%032x" % (int.from_bytes(os.urandom(16), "big") & _UUID4_MASK | _UUID4_BITS)
 
 
 class TrajectoryCapture:
@@ -575,7 +565,9 @@ class TrajectoryCapture:
         usage = self.usage or {}
         record: dict[str, Any] = {
             "schema_version": SCHEMA_VERSION,
-            "event_id": _new_event_id(),
+            # Fixed by the trajectory: a capture built twice (by a sink worker that died
+            # before its record was durable, then by the proxy) is one event.
+            "event_id": derived_event_id("trajectory", ctx.trajectory_id),
             "trajectory_id": ctx.trajectory_id,
             "request_id": ctx.request_id,
             "session_id": ctx.session_id,
@@ -661,21 +653,16 @@ def redact_record(record: dict[str, Any], redact: Redact) -> dict[str, Any]:
     for key in ("session_id", "group_id", "task"):
         if isinstance(record.get(key), str):
             record[key] = private_label(record[key], redact)
-    request, request_counts = redact(record["request"])
     # The token-id and logprob arrays hold no text: only the rest of each choice is walked.
+    # Request and choices go through one call: one encoding and one needle search.
     arrays = ("token_ids", "logprobs")
-    choices, choice_counts = redact(
-        [{k: v for k, v in choice.items() if k not in arrays} for choice in record["choices"]]
-    )
+    texts = [{k: v for k, v in choice.items() if k not in arrays} for choice in record["choices"]]
+    (request, choices), found = redact([record["request"], texts])
     for redacted, original in zip(choices, record["choices"], strict=True):
         for key in arrays:
             if key in original:
                 redacted[key] = original[key]
-    counts: dict[str, int] = {}
-    for source in (request_counts, choice_counts):
-        for kind, hits in source.items():
-            if hits:
-                counts[kind] = counts.get(kind, 0) + int(hits)
+    counts = {kind: int(hits) for kind, hits in found.items() if hits}
     record["request"] = request
     record["choices"] = choices
     record["redactions"] = counts

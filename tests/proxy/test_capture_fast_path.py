@@ -25,8 +25,10 @@ from proxy.capture import (
     TrajectoryCapture,
     build_record,
     private_label,
+    redact_record,
 )
 from proxy.relay import SSEParser, sse_event
+from replay.schemas import derived_event_id
 from safety.config import CustomPattern
 from safety.redaction import Redactor
 from tests.proxy.test_strip_bytes import (
@@ -411,14 +413,100 @@ def test_generated_session_ids_skip_only_what_the_redactor_leaves() -> None:
     assert private_label("req-" + "ab" * 16, disabled.redact_obj) == "req-" + "ab" * 16
 
 
-def test_event_ids_keep_uuid4s_shape() -> None:
-    new: Callable[[], str] = capture_module._new_event_id
-    ids = {new() for _ in range(2000)}
-    assert len(ids) == 2000
-    for event_id in ids:
-        parsed = uuid.UUID(hex=event_id)
-        assert parsed.hex == event_id and parsed.version == 4
-        assert parsed.variant == uuid.RFC_4122
+def test_a_capture_built_twice_is_one_event() -> None:
+    """The event id is fixed by the trajectory: the proxy building a capture its dead sink
+    worker had built already makes the same event, which consumers keep once."""
+    records = []
+    for _ in range(2):
+        capture = TrajectoryCapture(_context("chat.completions"))
+        for block in _bench_stream():
+            capture.add_sse(block)
+        records.append(build_record(capture, "ok", Redactor().redact_obj))
+    assert records[0]["event_id"] == records[1]["event_id"]
+    assert records[0]["event_id"] == derived_event_id("trajectory", "t1")
+    assert re.fullmatch(r"[0-9a-f]{32}", records[0]["event_id"])
+    assert derived_event_id("trajectory", "t2") != records[0]["event_id"]
+
+
+def _redact_record_before(record: dict[str, Any], redact: Redact) -> dict[str, Any]:
+    """`redact_record` as it was, with one redactor call for the request and one for the
+    choices."""
+    for key in ("session_id", "group_id", "task"):
+        if isinstance(record.get(key), str):
+            record[key] = private_label(record[key], redact)
+    request, request_counts = redact(record["request"])
+    arrays = ("token_ids", "logprobs")
+    choices, choice_counts = redact(
+        [{k: v for k, v in choice.items() if k not in arrays} for choice in record["choices"]]
+    )
+    for redacted, original in zip(choices, record["choices"], strict=True):
+        for key in arrays:
+            if key in original:
+                redacted[key] = original[key]
+    counts: dict[str, int] = {}
+    for source in (request_counts, choice_counts):
+        for kind, hits in source.items():
+            if hits:
+                counts[kind] = counts.get(kind, 0) + int(hits)
+    record["request"] = request
+    record["choices"] = choices
+    record["redactions"] = counts
+    if counts:
+        record["prompt_token_ids"] = []
+        for choice in record["choices"]:
+            choice["token_ids"] = []
+        record["flags"] = [*record["flags"], "redacted"]
+        record["trainable"] = False
+    return record
+
+
+_SECRETS = [
+    "",
+    "mail me at jane.doe@example.com",
+    "key sk-proj-abcdefghijklmnopqrstuvwxyz0123456789",
+    "card 4111 1111 1111 1111 and +1 (415) 555-0100",
+    'password = "hunter22hunter22"',
+    "AKIAIOSFODNN7EXAMPLE",
+]
+
+
+@pytest.mark.parametrize("redactor", ["builtin", "custom", "disabled"])
+def test_one_redactor_call_redacts_as_two_did(redactor: str) -> None:
+    """Request and choices now go through one redactor call: the records, their counts and
+    their flags are those of the two calls before, wherever the secrets are."""
+    redact = {
+        "builtin": Redactor().redact_obj,
+        "custom": Redactor(
+            custom_patterns=[CustomPattern(name="ticket", regex=r"TICKET-\d+")]
+        ).redact_obj,
+        "disabled": Redactor(enabled=False).redact_obj,
+    }[redactor]
+    rng = random.Random(20261201)
+    texts = _SECRETS + ["plain words"] * 12  # most texts hold no secret
+
+    def text() -> str:
+        return rng.choice(texts)
+
+    redacted = 0
+    for _ in range(120):
+        capture = TrajectoryCapture(_context("chat.completions"))
+        capture.context.request_body = {
+            "model": "base",
+            "messages": [{"role": "user", "content": text() + rng.choice(["", " TICKET-7"])}],
+            "metadata": {text() or "k": text()},
+        }
+        stream = _bench_stream()
+        at = rng.randrange(1, len(stream) - 2)  # one token's text
+        stream[at] = stream[at].replace(b'"x"', json.dumps(text()).encode(), 1)
+        for block in stream:
+            capture.add_sse(block)
+        record = capture.build("ok")
+        copy = json.loads(json.dumps(record))
+        after = redact_record(record, redact)
+        assert after == _redact_record_before(copy, redact)
+        redacted += bool(after["redactions"])
+    # Secrets were found in some records and not in others (none with redaction off).
+    assert (0 < redacted < 120) if redactor != "disabled" else redacted == 0
 
 
 def _flags_before(capture: TrajectoryCapture, status: str) -> list[str]:

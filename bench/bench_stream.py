@@ -37,8 +37,9 @@ from deploy.broker import start_broker
 from deploy.ports import free_port
 from replay.config import StreamConfig
 from replay.consumer import TrajectoryConsumer
-from replay.producer import KafkaSink, KafkaSinkProcess
+from replay.producer import KafkaSink
 from replay.schemas import encode_record
+from replay.sink_process import KafkaSinkProcess
 from replay.synthetic import make_trajectory
 from replay.topics import TopicNames, ensure_topics
 

@@ -18,8 +18,8 @@ from proxy.config import ProxyConfig, TenantConfig, sha256_hex
 from proxy.context import CONTEXT
 from proxy.gc_tuning import tune_gc
 from replay.config import StreamConfig
-from replay.producer import KafkaSinkProcess
 from replay.sink import JsonlSink
+from replay.sink_process import KafkaSinkProcess
 from safety.audit import AuditLog
 from safety.config import SafetyConfig
 from safety.redaction import Redactor

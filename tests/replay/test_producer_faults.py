@@ -25,12 +25,12 @@ from deploy.ports import free_port
 from replay.config import StreamConfig
 from replay.producer import (
     KafkaSink,
-    KafkaSinkProcess,
     ProducerMetrics,
     _Item,
     prepare_entry,
 )
 from replay.schemas import RecordKind, decode_record
+from replay.sink_process import KafkaSinkProcess
 from replay.spill import SpillStore
 from replay.synthetic import make_feedback, make_trajectory
 from replay.topics import TopicNames

@@ -19,8 +19,8 @@ from deploy.broker import start_broker
 from deploy.ports import free_port
 from replay.config import StreamConfig
 from replay.consumer import TrajectoryConsumer
-from replay.producer import KafkaSinkProcess
 from replay.schemas import decode_record, derived_event_id
+from replay.sink_process import KafkaSinkProcess
 from replay.spill import read_segment
 from replay.synthetic import make_trajectory
 from tests.replay.conftest import consume_until

@@ -12,7 +12,8 @@ import structlog
 from prometheus_client import CollectorRegistry
 
 from replay.config import StreamConfig
-from replay.producer import _BUILDER, KafkaSinkProcess, ProducerMetrics
+from replay.producer import ProducerMetrics
+from replay.sink_process import _BUILDER, KafkaSinkProcess
 from replay.spill import read_segment
 from replay.synthetic import make_trajectory
 from replay.topics import TopicNames

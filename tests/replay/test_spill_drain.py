@@ -21,8 +21,9 @@ from prometheus_client import CollectorRegistry
 import replay.producer as producer_module
 from deploy.ports import free_port
 from replay.config import StreamConfig
-from replay.producer import KafkaSink, ProducerMetrics, _CaptureBuilder, _Item, prepare_entry
+from replay.producer import KafkaSink, ProducerMetrics, _Item, prepare_entry
 from replay.schemas import RecordKind, decode_record
+from replay.sink_process import _CaptureBuilder
 from replay.spill import READ_ATTEMPTS, SpillEntry, SpillReadError, SpillStore
 from replay.synthetic import make_feedback, make_trajectory
 from replay.topics import TopicNames

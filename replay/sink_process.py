@@ -1,0 +1,684 @@
+"""KafkaSinkProcess: a KafkaSink in a child process, fed captures and records by a parent thread.
+
+The proxy's choice for `sink: kafka`: building, checking and redacting a trajectory record,
+schema validation, JSON encoding and kafka-python all run in the child, so none of it
+competes with the proxy's event loop for the GIL. The parent keeps every record until the
+child reports it durable; if the child dies, the parent spills what is unconfirmed itself
+(built, validated and encoded as the child would) and starts a new child, which drains the
+spill. Consumers de-duplicate by event_id, so a record delivered twice is one event.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import gc
+import select
+import signal
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import structlog
+from prometheus_client import CollectorRegistry, Gauge
+
+from replay.config import StreamConfig
+from replay.producer import KafkaSink, ProducerMetrics, _Item, prepare_entry
+from replay.schemas import RecordKind, derived_event_id
+from replay.spill import SpillEntry, SpillStore
+from replay.topics import TopicNames
+
+log = structlog.get_logger(__name__)
+
+# Every wake-up of a sleeping thread costs ~60-120 µs of CPU on a small VM (cold caches),
+# more than pickling a capture. The feeder therefore runs on a fixed tick while there is work
+# (one wake per tick, however many records arrive in it) and the child reports on the same
+# tick; at 50 requests/s that is one wake per five records, not two per record.
+_STATUS_INTERVAL_S = 0.1
+_IDLE_POLL_S = 1.0  # the feeder's check on an idle child (a new record wakes it at once)
+_METRICS_INTERVAL_S = 1.0  # the child's metric values ride on a status message this often
+_FEED_INTERVAL_S = 0.1  # batching tick: records reach the child at most this late
+_CHILD_NICE = 10
+_CHILD_GC_YOUNG_THRESHOLD = 20_000
+_CHILD_START_TIMEOUT_S = 60.0
+_RESTART_BACKOFF_S = 1.0
+
+
+def _metric_values(metrics: ProducerMetrics) -> dict[str, dict[tuple[str, ...], float]]:
+    """Every series of a ProducerMetrics as {attribute: {label values: value}}."""
+    out: dict[str, dict[tuple[str, ...], float]] = {}
+    for name, metric in vars(metrics).items():
+        series: dict[tuple[str, ...], float] = {}
+        for family in metric.collect():
+            for sample in family.samples:
+                if sample.name.endswith("_created"):
+                    continue
+                series[tuple(sample.labels.values())] = sample.value
+        out[name] = series
+    return out
+
+
+# Outbox kinds besides the record kinds: the producer's capture-to-record function, and a
+# capture the worker turns into a trajectory record with it.
+_BUILDER = "builder"
+_CAPTURE = "capture"
+_SKIP = "skip"  # a placeholder the worker counts as done (keeps the parent's count aligned)
+# A record the parent already validated and encoded (a SpillEntry, maybe a DLQ envelope) but
+# could not spill: the worker sends or spills it as it is, so it is counted once.
+_ENTRY = "entry"
+
+
+class _CaptureBuilder:
+    """Turns captures into records with the function the producer sent, counting outcomes
+    (cumulative, as the parent mirrors them).
+
+    A worker may die after building a capture but before the record was durable; the parent
+    then builds it again. So that this is one record and one outcome, not two: the record's
+    event_id is derived from its trajectory_id (the same in both builds), and an outcome is
+    counted only by `release`, once the worker reports the record durable; the parent counts
+    those of the captures it builds again itself."""
+
+    def __init__(self) -> None:
+        self.build_record: Callable[..., dict[str, Any]] | None = None
+        self.outcomes: dict[tuple[str, bool], int] = {}
+        self.failures = 0
+        # (position in the worker's input, outcome or None for a failed build), oldest
+        # first, not counted yet: appended by the receiving thread, released by the reporter.
+        self._unreleased: collections.deque[tuple[int, tuple[str, bool] | None]] = (
+            collections.deque()
+        )
+
+    def build(
+        self, capture_and_status: tuple[Any, str], position: int = 0
+    ) -> dict[str, Any] | None:
+        """The record of a capture, or None when building failed (logged, counted)."""
+        try:
+            if self.build_record is None:
+                raise RuntimeError("a capture arrived before the record builder")
+            record = self.build_record(*capture_and_status)
+            trajectory_id = record.get("trajectory_id")
+            if isinstance(trajectory_id, str):
+                record["event_id"] = derived_event_id("trajectory", trajectory_id)
+            key = (str(record.get("status")), bool(record.get("trainable")))
+        except Exception:
+            # One bad capture must not stop the worker; it is logged and counted (the
+            # proxy's olp_proxy_capture_failures_total).
+            log.exception("trajectory_build_failed")
+            self._unreleased.append((position, None))
+            return None
+        self._unreleased.append((position, key))
+        return record
+
+    def release(self, done: float) -> None:
+        """Count the outcomes of the inputs before position `done` (durable by then)."""
+        while self._unreleased and self._unreleased[0][0] < done:
+            _, key = self._unreleased.popleft()
+            if key is None:
+                self.failures += 1
+            else:
+                self.outcomes[key] = self.outcomes.get(key, 0) + 1
+
+    def totals(self) -> tuple[dict[tuple[str, bool], int], int]:
+        return dict(self.outcomes), self.failures
+
+
+def _child_main(config_json: str, state_dir: str, conn: Any) -> None:
+    """The child process: a KafkaSink fed by batches from the parent, reporting progress.
+
+    Progress is `done`: how many received records are durable (acknowledged by the broker,
+    spilled or routed to the DLQ). The queue is FIFO, so these are the oldest ones; the parent
+    keeps every record until it is counted here, and spills the rest itself if this process
+    dies."""
+    import os
+    import pickle
+
+    # Background work: when the cores are busy, the proxy's requests go first (SCHED_BATCH:
+    # waking up does not preempt them). The child still gets a share of the CPU; if it falls
+    # behind, its full queue spills to disk, and no request waits on it.
+    with contextlib.suppress(OSError, AttributeError):
+        os.nice(_CHILD_NICE)
+    with contextlib.suppress(OSError, AttributeError):
+        os.sched_setscheduler(0, os.SCHED_BATCH, os.sched_param(0))
+    # The parent decides when this process ends (its `close` message, or the pipe's end if
+    # the parent died): a SIGTERM or Ctrl-C sent to the proxy's whole process group (`olp up`
+    # stops its children that way, as do service managers) must not kill it before the
+    # parent closed it, with records received and not yet sent.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    config = StreamConfig.model_validate_json(config_json)
+    sink = KafkaSink(config, Path(state_dir))
+    # Each record allocates a few hundred containers that refcounting frees; with the
+    # interpreter's young threshold (700) the collector ran every few records and took ~5 %
+    # of this process's CPU under load, scanning start-up objects too. Those are frozen, and
+    # cyclic garbage is still collected, later (the proxy process does the same: proxy.gc).
+    gc.collect()
+    gc.freeze()
+    gc.set_threshold(_CHILD_GC_YOUNG_THRESHOLD, *gc.get_threshold()[1:])
+    received = 0
+    builder = _CaptureBuilder()
+    send_lock = threading.Lock()
+    stop = threading.Event()
+    metrics_sent_at = 0.0
+    idle_values_sent = False
+    last_idle_status: tuple[Any, ...] | None = None
+
+    def status(final: bool = False) -> None:
+        # Progress goes out every _STATUS_INTERVAL_S while there is work (a heartbeat the
+        # parent's hang check relies on); an idle child says so once and then stays quiet
+        # until something changes. The metric values, whose collection and mirroring cost
+        # the parent's interpreter time, go once a second while busy and once on becoming
+        # idle (so a caller that waited for idle reads final values).
+        nonlocal metrics_sent_at, idle_values_sent, last_idle_status
+        got = received  # read before unfinished_tasks: `done` may only be underestimated
+        # A record leaves the queue only after it is held (kept in memory by a disk error)
+        # or durable, so reading the queue before the held count never misses it.
+        pending = sink._queue.unfinished_tasks
+        pending += sink.held_records()
+        idle = pending == 0 and sink.spill.is_empty()
+        values = None
+        now = time.monotonic()
+        if final or (idle and not idle_values_sent) or now - metrics_sent_at >= _METRICS_INTERVAL_S:
+            values, metrics_sent_at = _metric_values(sink.metrics), now
+        idle_values_sent = idle and (values is not None or idle_values_sent)
+        # Outcomes travel with the `done` they are counted up to: the parent pops exactly
+        # those records, and counts the rest itself if it has to build them again.
+        builder.release(got - pending)
+        message = ("status", got - pending, idle, values, final, builder.totals())
+        if idle and not final and values is None and message == last_idle_status:
+            return
+        last_idle_status = message if idle else None
+        with send_lock:
+            conn.send(message)
+
+    def reporter() -> None:
+        while not stop.wait(_STATUS_INTERVAL_S):
+            try:
+                status()
+            except OSError:
+                return
+
+    thread = threading.Thread(target=reporter, name="olp-sink-status", daemon=True)
+    thread.start()
+    try:
+        while True:
+            try:
+                message = conn.recv_bytes()
+            except (EOFError, OSError):
+                break  # the parent is gone: close the sink, which spills what is left
+            if message == b"close":
+                break
+            for kind, record in pickle.loads(message):
+                if kind == _CAPTURE:
+                    built = builder.build(record, received)
+                    if built is not None:
+                        sink.put_trajectory(built)
+                elif kind == _BUILDER:
+                    builder.build_record = record
+                elif kind == _SKIP:
+                    pass
+                elif kind == _ENTRY:
+                    sink.put_entry(record)
+                elif kind == RecordKind.TRAJECTORY.value:
+                    sink.put_trajectory(record)
+                else:
+                    sink.put_feedback(record)
+                received += 1  # a failed build or the builder itself counts as done at once
+    finally:
+        sink.close()
+        stop.set()
+        thread.join()
+        with contextlib.suppress(OSError):
+            status(final=True)
+        conn.close()
+
+
+class KafkaSinkProcess:
+    """KafkaSink in a child process, so its CPU work (schema validation, JSON encoding,
+    kafka-python) does not compete with the proxy's event loop for the GIL.
+
+    `put_*` appends to an in-memory outbox (a deque append); a parent thread pickles batches
+    to the child and keeps every record until the child reports it durable. If the child dies
+    the parent spills the unconfirmed records itself (validated and encoded as the child would)
+    and starts a new child, which drains the spill; a record may then be delivered twice,
+    consumers de-duplicate by event_id. `metrics` mirrors the child's series.
+
+    With `build_records_with`, the proxy hands over raw captures (`put_capture`) and the
+    child builds, checks and redacts each trajectory record before it goes anywhere (the
+    parent does the same for captures it has to spill itself).
+    """
+
+    def __init__(
+        self,
+        config: StreamConfig,
+        state_dir: Path,
+        registry: CollectorRegistry | None = None,
+    ) -> None:
+        import multiprocessing
+
+        self.config = config
+        self.state_dir = Path(state_dir)
+        self.topics = TopicNames.from_prefix(config.topic_prefix)
+        self.metrics = ProducerMetrics(registry if registry is not None else CollectorRegistry())
+        self._mp = multiprocessing.get_context("spawn")
+        self._outbox: collections.deque[tuple[str, Any]] = collections.deque()
+        self._pending: collections.deque[tuple[str, Any]] = collections.deque()
+        self._wake = threading.Event()
+        self._idle_waiting = False  # the feeder sleeps until woken (no work, child idle)
+        self._poller: Any = None  # readiness of the child's status pipe (select.poll)
+        self._closed = False
+        self._idle = False
+        self._seen: dict[str, dict[tuple[str, ...], float]] = {}
+        self._lock = threading.RLock()  # guards the parent's own spilling
+        self._feeder_done = False
+        self._confirmed = 0
+        self.child_restarts = 0
+        self._progress_at = time.monotonic()  # the last status message from the child
+        self._proc: Any = None
+        self._conn: Any = None
+        self._build_record: Callable[..., dict[str, Any]] | None = None
+        self._on_outcome: Callable[[str, bool, int], None] | None = None
+        self._on_failures: Callable[[int], None] | None = None
+        self._outcomes_seen: tuple[dict[tuple[str, bool], int], int] = ({}, 0)
+        self._start_child()
+        self._thread = threading.Thread(target=self._run, name="olp-sink-feeder", daemon=True)
+        self._thread.start()
+
+    # ---- request path (event loop): append only ------------------------------------------
+
+    def put_trajectory(self, record: dict[str, Any]) -> None:
+        self._put(RecordKind.TRAJECTORY.value, record)
+
+    def put_feedback(self, event: dict[str, Any]) -> None:
+        self._put(RecordKind.FEEDBACK.value, event)
+
+    def build_records_with(
+        self,
+        build_record: Callable[..., dict[str, Any]],
+        on_outcome: Callable[[str, bool, int], None] | None = None,
+        on_failures: Callable[[int], None] | None = None,
+    ) -> None:
+        """Accept captures: `build_record(capture, status)` (picklable) makes the record in
+        the worker; the callbacks get the counts of built records by (status, trainable)
+        and of failed builds, each once its record is durable (sent or spilled): a capture
+        the parent builds again after the worker died is counted once, by the parent."""
+        self._build_record = build_record
+        self._on_outcome, self._on_failures = on_outcome, on_failures
+        self._outbox.appendleft((_BUILDER, build_record))
+        self._wake.set()
+
+    def put_capture(self, capture: Any, status: str) -> None:
+        """A finished request's capture, built into a trajectory record by the worker."""
+        if self._build_record is None:
+            raise RuntimeError("put_capture needs build_records_with first")
+        self._put(_CAPTURE, (capture, status))
+
+    def _put(self, kind: str, record: Any) -> None:
+        if self._closed:
+            with self._lock:
+                if self._feeder_done:
+                    log.warning("put_after_close_spilling", kind=kind)
+                    self._count_lost_entries(self._spill_here([(kind, record)]))
+                    return
+                self._outbox.append((kind, record))
+            return
+        self._outbox.append((kind, record))
+        self._idle = False
+        if self._idle_waiting:  # a ticking feeder takes the record on its next tick
+            self._wake.set()
+        if len(self._outbox) > self.config.queue_size:
+            # The feeder may be stuck writing to a child that stopped reading; killing the
+            # child frees it (the dead child's records are spilled, the outbox goes on).
+            self._kill_if_hung()
+
+    def _kill_if_hung(self) -> None:
+        proc = self._proc
+        waiting = self._pending or self._outbox
+        silent_s = time.monotonic() - self._progress_at
+        if proc is not None and waiting and silent_s > self.config.sink_hung_after_s:
+            log.error(
+                "sink_process_hung",
+                silent_s=round(silent_s, 1),
+                outbox=len(self._outbox),
+                in_flight=len(self._pending),
+            )
+            self._progress_at = time.monotonic()  # one kill per silence
+            proc.kill()
+
+    # ---- feeder thread -------------------------------------------------------------------
+
+    def _start_child(self) -> None:
+        parent_conn, child_conn = self._mp.Pipe(duplex=True)
+        proc = self._mp.Process(
+            target=_child_main,
+            args=(self.config.model_dump_json(), str(self.state_dir), child_conn),
+            name="olp-kafka-sink",
+            daemon=True,
+        )
+        proc.start()
+        child_conn.close()
+        self._progress_at = time.monotonic()
+        self._proc, self._conn = proc, parent_conn
+        # `Connection.poll` builds a selector on every call; one poll object is ~7x cheaper.
+        self._poller = select.poll()
+        self._poller.register(parent_conn.fileno(), select.POLLIN)
+        self._seen = {}
+        self._outcomes_seen = ({}, 0)
+        if self._build_record is not None:  # a restarted worker needs the builder again
+            self._outbox.appendleft((_BUILDER, self._build_record))
+
+    def _run(self) -> None:
+        import pickle
+
+        while True:
+            if self._outbox or self._pending or not self._idle:
+                if not self._closed:  # the tick (close, wait_idle or a backlog cut it short)
+                    self._wake.wait(_FEED_INTERVAL_S)
+            else:
+                self._idle_waiting = True
+                if not self._outbox and not self._closed:  # a put after the flag sets _wake
+                    self._wake.wait(_IDLE_POLL_S)
+                self._idle_waiting = False
+            self._wake.clear()
+            stopping = self._closed
+            batch: list[tuple[str, Any]] = []
+            while self._outbox and len(batch) < self.config.producer_batch_records:
+                batch.append(self._outbox.popleft())
+            if len(self._outbox):
+                self._wake.set()
+            try:
+                self._kill_if_hung()
+                if batch:
+                    self._pending.extend(batch)
+                    data, sent = self._pickle(pickle, batch)
+                    if sent is not batch:  # kept as sent: a capture built here is not again
+                        for _ in batch:
+                            self._pending.pop()
+                        self._pending.extend(sent)
+                    self._conn.send_bytes(data)
+                self._read_statuses(block_s=0.0)
+            except (OSError, EOFError):
+                self._restart_child()
+                if self._proc is None:
+                    # It died while the sink was closing, with nothing left to hand over:
+                    # no new worker. (Before, the loop went on reading the closed pipe and
+                    # failed to restart it again and again, and close() never returned.)
+                    break
+                continue
+            if stopping and not self._outbox:
+                break
+        self._close_child()
+        with self._lock:  # records put while the child was closing
+            left = self._spill_here(list(self._outbox))
+            self._outbox.clear()
+            self._feeder_done = True
+        self._spill_until_deadline(left)
+
+    def _restart_child(self) -> None:
+        try:
+            self._child_died()
+        except Exception:
+            # The feeder must outlive this: the next tick finds the child dead and retries.
+            log.exception("sink_process_restart_failed")
+            time.sleep(_RESTART_BACKOFF_S)
+
+    def _pickle(
+        self, pickle: Any, batch: list[tuple[str, Any]]
+    ) -> tuple[bytes, list[tuple[str, Any]]]:
+        """The batch pickled, and the items that holds (`batch` itself unless some did not
+        pickle): the parent keeps those, so that if the worker dies a capture built (and
+        counted) here is not built and counted a second time."""
+        try:
+            return pickle.dumps(batch, protocol=pickle.HIGHEST_PROTOCOL), batch
+        except Exception:
+            # A capture that does not pickle is built here; a record that does not pickle is
+            # not JSON either: the child sends it to the DLQ.
+            safe: list[tuple[str, Any]] = []
+            for kind, record in batch:
+                try:
+                    pickle.dumps(record)
+                except Exception:
+                    if kind == _CAPTURE:
+                        built = self._built_here([(kind, record)])
+                        if not built:  # counted as a failed build; the child counts it done
+                            safe.append((_SKIP, None))
+                            continue
+                        kind, record = built[0]
+                        with contextlib.suppress(Exception):
+                            pickle.dumps(record)
+                            safe.append((kind, record))
+                            continue
+                    record = repr(record)[:65536]
+                safe.append((kind, record))
+            return pickle.dumps(safe, protocol=pickle.HIGHEST_PROTOCOL), safe
+
+    def _read_statuses(self, block_s: float) -> bool:
+        """Apply the child's status messages; True once its final one arrived."""
+        final = False
+        while self._poller.poll(block_s * 1000):
+            _, done, idle, values, final, outcomes = self._conn.recv()
+            self._mirror_outcomes(outcomes)
+            self._progress_at = time.monotonic()
+            for _ in range(min(done - self._confirmed, len(self._pending))):
+                self._pending.popleft()
+            self._confirmed = max(self._confirmed, done)
+            if values is not None:
+                self._mirror(values)
+            self._idle = idle and not self._pending and not self._outbox
+            block_s = 0.0
+            if final:
+                return True
+        if not self._proc.is_alive() and not self._poller.poll(0):
+            raise EOFError("the sink process exited")
+        return final
+
+    def _mirror_outcomes(self, totals: tuple[dict[tuple[str, bool], int], int]) -> None:
+        """Pass the worker's new built/failed counts to the callbacks."""
+        outcomes, failures = totals
+        seen_outcomes, seen_failures = self._outcomes_seen
+        if self._on_outcome is not None:
+            for (status, trainable), count in outcomes.items():
+                new = count - seen_outcomes.get((status, trainable), 0)
+                if new > 0:
+                    self._on_outcome(status, trainable, new)
+        if self._on_failures is not None and failures > seen_failures:
+            self._on_failures(failures - seen_failures)
+        self._outcomes_seen = (outcomes, failures)
+
+    def _mirror(self, values: dict[str, dict[tuple[str, ...], float]]) -> None:
+        for name, series in values.items():
+            metric = getattr(self.metrics, name, None)
+            if metric is None:
+                continue
+            seen = self._seen.setdefault(name, {})
+            for labels, value in series.items():
+                target = metric.labels(*labels) if labels else metric
+                if isinstance(metric, Gauge):
+                    if name == "queue_depth":
+                        value += len(self._outbox) + len(self._pending)
+                    target.set(value)
+                elif value > seen.get(labels, 0.0):
+                    target.inc(value - seen.get(labels, 0.0))
+                seen[labels] = value
+
+    def _child_died(self) -> None:
+        """Spill what the dead child had not confirmed, then start a new child."""
+        proc = self._proc
+        proc.join(timeout=5)
+        if proc.is_alive():
+            proc.kill()
+            proc.join()
+        with contextlib.suppress(OSError):
+            self._conn.close()
+        lost = list(self._pending)
+        self._pending.clear()
+        self._confirmed = 0
+        # `spilling` counts the entries made, not the unconfirmed items: those include the
+        # builder a new worker gets first and placeholders, which are no records (before,
+        # the builder made the log say one record more than was spilled).
+        records = self._built_here(lost)
+        with self._lock:
+            entries = self._prepared_here(records)
+            log.error("sink_process_died", exitcode=proc.exitcode, spilling=len(entries))
+            # What the disk refused goes to the new child first (it sends or spills them), as
+            # the entries made here: preparing a record again would count its DLQ routing
+            # twice.
+            refused = self._store_or_keep(entries)
+        self._outbox.extendleft((_ENTRY, entry) for entry in reversed(refused))
+        if self._closed and not self._outbox:
+            self._proc = None
+            return
+        time.sleep(_RESTART_BACKOFF_S)
+        self.child_restarts += 1
+        self._start_child()
+
+    def _spill_here(self, records: list[tuple[str, Any]]) -> list[SpillEntry]:
+        """Validate, encode and spill in this process (only while no child runs); return
+        the entries a disk error kept off the spill (oldest first). A retry takes these
+        entries, never the records: each record is prepared (and counted) once."""
+        records = self._built_here(records)
+        with self._lock:
+            return self._store_or_keep(self._prepared_here(records))
+
+    def _prepared_here(self, records: list[tuple[str, Any]]) -> list[SpillEntry]:
+        """Entries of built records, as the child makes them; an `_ENTRY` is one already."""
+        entries: list[SpillEntry] = []
+        for kind, record in records:
+            if kind == _ENTRY:
+                entries.append(record)
+                continue
+            item = _Item(RecordKind(kind), record)
+            entry = prepare_entry(self.config, self.topics, self.metrics, item)
+            if entry is not None:
+                entries.append(entry)
+        return entries
+
+    def _store_or_keep(self, entries: list[SpillEntry]) -> list[SpillEntry]:
+        """Spill `entries`; return those a disk error kept off the spill (logged, counted)."""
+        if not entries:
+            return []
+        try:
+            stored = self._store_here(entries)
+        except OSError as exc:
+            stored = getattr(exc, "stored", 0)
+            self.metrics.spill_errors.inc()
+            log.error("parent_spill_failed", error=repr(exc), not_stored=len(entries) - stored)
+        return entries[stored:]
+
+    def _kind_of(self, entry: SpillEntry) -> str:
+        kinds = {self.topics.dlq: "dlq", self.topics.feedback: "feedback"}
+        return kinds.get(entry.topic, RecordKind.TRAJECTORY.value)
+
+    def _store_here(self, entries: list[SpillEntry]) -> int:
+        spill = SpillStore(
+            self.state_dir / self.config.spill_dir_name,
+            max_bytes=self.config.spill_max_bytes,
+            segment_bytes=self.config.spill_segment_bytes,
+            on_full=lambda dropped: self.metrics.failed.labels("any", "spill_full").inc(dropped),
+        )
+        try:
+            stored = spill.append(entries)
+            for entry in entries[:stored]:
+                self.metrics.spilled.labels(self._kind_of(entry)).inc()
+            return stored
+        finally:
+            try:
+                spill.close()
+            except OSError as exc:  # what was stored is fsync'd: only the handle is lost
+                log.error("parent_spill_close_failed", error=repr(exc))
+            self.metrics.spill_bytes.set(spill.total_bytes())
+
+    def _spill_until_deadline(self, entries: list[SpillEntry]) -> None:
+        """No child is left to take them: retry the disk until close_timeout_s, then count
+        what is still refused as lost."""
+        deadline = time.monotonic() + self.config.close_timeout_s
+        delay = 0.1
+        while entries and time.monotonic() + delay < deadline:
+            time.sleep(delay)
+            delay = min(delay * 2, 2.0)
+            with self._lock:
+                entries = self._store_or_keep(entries)
+        self._count_lost_entries(entries)
+
+    def _count_lost_entries(self, entries: list[SpillEntry]) -> None:
+        if not entries:
+            return
+        log.error("records_lost", reason="disk_error", records=len(entries))
+        for entry in entries:
+            self.metrics.failed.labels(self._kind_of(entry), "disk_error").inc()
+
+    def _built_here(self, records: list[tuple[str, Any]]) -> list[tuple[str, Any]]:
+        """Captures the worker did not confirm, built into records here (the builder item
+        is dropped); the rest as they are."""
+        out: list[tuple[str, Any]] = []
+        builder = _CaptureBuilder()
+        builder.build_record = self._build_record
+        for kind, record in records:
+            if kind in (_BUILDER, _SKIP):
+                continue
+            if kind == _CAPTURE:
+                record = builder.build(record)
+                if record is None:
+                    continue
+                kind = RecordKind.TRAJECTORY.value
+            out.append((kind, record))
+        builder.release(float("inf"))  # counted here: the worker never reported these
+        outcomes, failures = builder.totals()
+        for (status, trainable), count in outcomes.items():
+            if self._on_outcome is not None:
+                self._on_outcome(status, trainable, count)
+        if failures and self._on_failures is not None:
+            self._on_failures(failures)
+        return out
+
+    def _close_child(self) -> None:
+        if self._proc is None:
+            return
+        deadline = time.monotonic() + self.config.close_timeout_s + _CHILD_START_TIMEOUT_S
+        try:
+            self._conn.send_bytes(b"close")
+            while time.monotonic() < deadline:
+                if self._read_statuses(block_s=0.1):
+                    break
+        except (OSError, EOFError):
+            pass
+        self._proc.join(timeout=max(0.0, deadline - time.monotonic()))
+        if self._proc.is_alive():
+            log.error("sink_process_close_timed_out")
+            self._proc.kill()
+            self._proc.join()
+        with contextlib.suppress(OSError):
+            self._conn.close()
+        # The child closed its sink (sent or spilled everything it had); anything it had
+        # not confirmed is spilled here.
+        if self._pending:
+            left = self._spill_here(list(self._pending))
+            self._pending.clear()
+            self._spill_until_deadline(left)
+        self._proc = None
+
+    # ---- lifecycle -----------------------------------------------------------------------
+
+    def wait_idle(self, timeout_s: float) -> bool:
+        """Block until the child confirmed every record and its queue and spill are empty."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self._idle and not self._outbox and not self._pending:
+                return True
+            self._wake.set()  # feed and read statuses now, not on the next tick
+            time.sleep(0.02)
+        return False
+
+    def close(self) -> None:
+        """Hand everything to the child, let it send what the broker takes within
+        close_timeout_s (the rest stays in the spill) and stop it."""
+        if self._closed:
+            return
+        self._closed = True
+        self._wake.set()
+        self._thread.join()
+
+    async def aclose(self) -> None:
+        await asyncio.to_thread(self.close)

@@ -10,7 +10,8 @@ import msgspec
 import pytest
 
 from safety.config import BUILTIN_REDACTION_KINDS, CustomPattern, RedactionConfig
-from safety.redaction import Redactor, luhn_ok, merge_counts
+from safety.redaction import Redactor, merge_counts
+from safety.redaction_kinds import luhn_ok
 
 JWT = (
     "eyJhbGciOiJIUzI1NiIsInR5cCI6IkpXVCJ9.eyJzdWIiOiIxMjM0NTY3ODkwIn0."

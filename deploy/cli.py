@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import errno
+import functools
 import hashlib
 import json
 import os
@@ -53,7 +54,15 @@ def cmd_proxy(args: argparse.Namespace, cfg: OlpConfig) -> int:
     if proxy_cfg.base_served_name != cfg.policy.served_model_name:
         proxy_cfg = proxy_cfg.model_copy(update={"base_served_name": cfg.policy.served_model_name})
     try:
-        run_proxy(proxy_cfg, cfg.tenants, cfg.state_dir, stream=cfg.stream, safety=cfg.safety)
+        run_proxy(
+            proxy_cfg,
+            cfg.tenants,
+            cfg.state_dir,
+            stream=cfg.stream,
+            safety=cfg.safety,
+            # The sink's worker process logs into this process's log, in the same format.
+            sink_child_init=functools.partial(configure_logging, cfg.log_format, cfg.log_level),
+        )
     except OSError as exc:
         if exc.errno not in (errno.EADDRINUSE, errno.EADDRNOTAVAIL, errno.EACCES):
             raise

@@ -37,26 +37,49 @@ def configure_logging(fmt: LogFormat = "auto", level: str = "INFO") -> None:
         structlog.processors.StackInfoRenderer(),
     ]
     renderer: structlog.typing.Processor
+    # What renders the lines of libraries that log through stdlib `logging` (it must
+    # return text, where the structlog path below may write bytes).
+    text_renderer: structlog.typing.Processor
     factory: Any = structlog.PrintLoggerFactory(file=sys.stderr)
     if use_console:
         # structlog's default (rich) traceback prints every frame's local variables: a
         # `log.exception` in the proxy would write request headers (keys) and bodies.
-        renderer = structlog.dev.ConsoleRenderer(
+        renderer = text_renderer = structlog.dev.ConsoleRenderer(
             colors=sys.stderr.isatty(), exception_formatter=structlog.dev.plain_traceback
         )
     else:
         shared.append(structlog.processors.format_exc_info)
+        text_renderer = structlog.processors.JSONRenderer(
+            serializer=lambda event, **_: _JSON_ENCODER.encode(event).decode()
+        )
         binary = getattr(sys.stderr, "buffer", None)
         if binary is not None:
             renderer = structlog.processors.JSONRenderer(serializer=_json_line)
             factory = structlog.BytesLoggerFactory(file=binary)
         else:  # a text-only stderr (some embedding hosts)
-            renderer = structlog.processors.JSONRenderer()
+            renderer = text_renderer
     structlog.configure(
         processors=[*shared, renderer],
         wrapper_class=structlog.make_filtering_bound_logger(numeric),
         logger_factory=factory,
         cache_logger_on_first_use=True,
     )
-    # Libraries that use stdlib logging (aiohttp, kafka-python) go to stderr at WARNING.
-    logging.basicConfig(level=max(numeric, logging.WARNING), stream=sys.stderr)
+    _route_stdlib_logging(shared, text_renderer, max(numeric, logging.WARNING))
+
+
+def _route_stdlib_logging(
+    shared: list[structlog.typing.Processor], renderer: structlog.typing.Processor, level: int
+) -> None:
+    """Libraries that log through stdlib `logging` (aiohttp, kafka-python, vLLM's client
+    side) write the same lines as olp, at WARNING and above: in JSON mode a log collector
+    would otherwise get `ERROR:kafka.net.connection:...` text among the JSON lines."""
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(
+        structlog.stdlib.ProcessorFormatter(
+            foreign_pre_chain=[structlog.stdlib.add_logger_name, *shared],
+            processors=[structlog.stdlib.ProcessorFormatter.remove_processors_meta, renderer],
+        )
+    )
+    root = logging.getLogger()
+    root.handlers = [handler]
+    root.setLevel(level)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -35,14 +36,15 @@ def make_sink(
     stream: StreamConfig,
     state_dir: Path,
     registry: CollectorRegistry | None = None,
+    child_init: Callable[[], None] | None = None,
 ) -> Any:
     """The RecordSink the config asks for; a Kafka sink's `olp_stream_*` series go on
-    `registry`."""
+    `registry`, and its worker process runs `child_init` first (the logging set-up)."""
     if config.sink == "jsonl":
         return JsonlSink(state_dir / config.state.records_dir)
     # In a child process: schema validation, encoding and kafka-python stay off the
     # interpreter that serves requests (bench/bench_proxy.py measures both).
-    return KafkaSinkProcess(stream, state_dir, registry)
+    return KafkaSinkProcess(stream, state_dir, registry, child_init=child_init)
 
 
 async def serve_proxy(
@@ -56,10 +58,12 @@ async def serve_proxy(
     sink: Any = None,
     internal_admin_token: str | None = None,
     owns_process: bool = False,
+    sink_child_init: Callable[[], None] | None = None,
 ) -> None:
     """Serve until `stop` is set (or a signal arrives when `stop` is None).
 
-    `sink` overrides the RecordSink the config names (embedding, benchmarks).
+    `sink` overrides the RecordSink the config names (embedding, benchmarks);
+    `sink_child_init` is run first in a Kafka sink's worker process (the logging set-up).
     `owns_process` applies the process-wide settings (`config.gc`) once it listens."""
     state_dir = Path(state_dir)
     safety = safety or SafetyConfig()
@@ -70,7 +74,9 @@ async def serve_proxy(
         # Its own registry, served on /metrics next to the proxy's: spill, DLQ and broker
         # health are what an operator watches the stream by.
         sink_registry = CollectorRegistry()
-        sink = make_sink(config, stream or StreamConfig(), state_dir, sink_registry)
+        sink = make_sink(
+            config, stream or StreamConfig(), state_dir, sink_registry, sink_child_init
+        )
     app = build_app(
         config,
         tenants,
@@ -123,6 +129,7 @@ def run_proxy(
     *,
     stream: StreamConfig | None = None,
     safety: SafetyConfig | None = None,
+    sink_child_init: Callable[[], None] | None = None,
 ) -> None:
     """Blocking entry point for the CLI (reads the `olp up` internal admin token from the
     environment, the one place the proxy looks there)."""
@@ -137,5 +144,6 @@ def run_proxy(
             safety=safety,
             internal_admin_token=os.environ.get(INTERNAL_ADMIN_TOKEN_ENV) or None,
             owns_process=True,
+            sink_child_init=sink_child_init,
         )
     )

@@ -125,7 +125,19 @@ class _CaptureBuilder:
         return dict(self.outcomes), self.failures
 
 
-def _child_main(config_json: str, state_dir: str, conn: Any) -> None:
+def _plain_tracebacks() -> None:
+    """structlog as it is configured by default, but for its exception formatter. A spawned
+    process starts with the defaults, whose console renderer prints every frame's local
+    variables with a logged exception (`rich`): here those hold raw captures, so a capture
+    that failed to build would write the client's request, unredacted, to the proxy's log."""
+    processors = structlog.get_config()["processors"]
+    renderer = structlog.dev.ConsoleRenderer(exception_formatter=structlog.dev.plain_traceback)
+    structlog.configure(processors=[*processors[:-1], renderer])
+
+
+def _child_main(
+    config_json: str, state_dir: str, conn: Any, init: Callable[[], None] | None = None
+) -> None:
     """The child process: a KafkaSink fed by batches from the parent, reporting progress.
 
     Progress is `done`: how many received records are durable (acknowledged by the broker,
@@ -134,6 +146,10 @@ def _child_main(config_json: str, state_dir: str, conn: Any) -> None:
     dies."""
     import os
     import pickle
+
+    _plain_tracebacks()
+    if init is not None:
+        init()  # the parent's logging set-up, so that its log gets one kind of line
 
     # Background work: when the cores are busy, the proxy's requests go first (SCHED_BATCH:
     # waking up does not preempt them). The child still gets a share of the CPU; if it falls
@@ -248,6 +264,10 @@ class KafkaSinkProcess:
     With `build_records_with`, the proxy hands over raw captures (`put_capture`) and the
     child builds, checks and redacts each trajectory record before it goes anywhere (the
     parent does the same for captures it has to spill itself).
+
+    `child_init` (picklable) runs first in every child: the proxy passes its logging set-up,
+    which a spawned process does not inherit. Without it the child logs in structlog's
+    console format, with tracebacks that show no local variables.
     """
 
     def __init__(
@@ -255,11 +275,13 @@ class KafkaSinkProcess:
         config: StreamConfig,
         state_dir: Path,
         registry: CollectorRegistry | None = None,
+        child_init: Callable[[], None] | None = None,
     ) -> None:
         import multiprocessing
 
         self.config = config
         self.state_dir = Path(state_dir)
+        self._child_init = child_init
         self.topics = TopicNames.from_prefix(config.topic_prefix)
         self.metrics = ProducerMetrics(registry if registry is not None else CollectorRegistry())
         self._mp = multiprocessing.get_context("spawn")
@@ -353,7 +375,12 @@ class KafkaSinkProcess:
         parent_conn, child_conn = self._mp.Pipe(duplex=True)
         proc = self._mp.Process(
             target=_child_main,
-            args=(self.config.model_dump_json(), str(self.state_dir), child_conn),
+            args=(
+                self.config.model_dump_json(),
+                str(self.state_dir),
+                child_conn,
+                self._child_init,
+            ),
             name="olp-kafka-sink",
             daemon=True,
         )

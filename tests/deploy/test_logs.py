@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -48,3 +49,46 @@ def test_logged_exceptions_show_no_local_variables(fmt: str) -> None:
     assert "upstream failed" in done.stderr  # the traceback itself is still there
     assert "sk-local-secret-123" not in done.stderr
     assert "sk-header-secret-456" not in done.stderr
+
+
+LIBRARY_SCRIPT = textwrap.dedent(
+    """
+    import logging
+    import structlog
+    from deploy.logs import configure_logging
+
+    configure_logging(FORMAT)
+    logging.getLogger("kafka.net.connection").error("Connection lost: %s", "ECONNREFUSED")
+    logging.getLogger("aiohttp.access").info("below WARNING: not written")
+    structlog.get_logger("olp").warning("olp_line", answer=42)
+    """
+)
+
+
+@pytest.mark.parametrize("fmt", ["console", "json"])
+def test_library_lines_come_in_olps_format(fmt: str) -> None:
+    """kafka-python and aiohttp log through stdlib `logging`; a collector reading olp's JSON
+    lines must not get `ERROR:kafka.net.connection:...` text among them."""
+    done = subprocess.run(
+        [sys.executable, "-c", LIBRARY_SCRIPT.replace("FORMAT", repr(fmt))],
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 0, done.stderr
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 2, lines
+    assert "below WARNING" not in done.stderr
+    if fmt == "json":
+        library, own = (json.loads(line) for line in lines)
+        assert library["event"] == "Connection lost: ECONNREFUSED"
+        assert library["logger"] == "kafka.net.connection"
+        assert library["level"] == "error"
+        assert own["event"] == "olp_line" and own["answer"] == 42
+        assert library.keys() >= {"timestamp"} and own.keys() >= {"timestamp"}
+    else:
+        assert "Connection lost: ECONNREFUSED" in lines[0]
+        assert "kafka.net.connection" in lines[0] and "error" in lines[0]
+        assert not lines[0].startswith("ERROR:")  # not stdlib's default format

@@ -7,6 +7,7 @@ proxy and merged into every line logged while the request runs.
 from __future__ import annotations
 
 import logging
+import os
 import sys
 from typing import Any, Literal
 
@@ -49,6 +50,9 @@ def configure_logging(fmt: LogFormat = "auto", level: str = "INFO") -> None:
         )
     else:
         shared.append(structlog.processors.format_exc_info)
+        # Progress bars (transformers' "Loading weights", hub downloads) are terminal art:
+        # in a log of JSON lines they are lines no collector can read. Read at import.
+        os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
         text_renderer = structlog.processors.JSONRenderer(
             serializer=lambda event, **_: _JSON_ENCODER.encode(event).decode()
         )

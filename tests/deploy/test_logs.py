@@ -92,3 +92,25 @@ def test_library_lines_come_in_olps_format(fmt: str) -> None:
         assert "Connection lost: ECONNREFUSED" in lines[0]
         assert "kafka.net.connection" in lines[0] and "error" in lines[0]
         assert not lines[0].startswith("ERROR:")  # not stdlib's default format
+
+
+@pytest.mark.parametrize(("fmt", "bars"), [("console", True), ("json", False)])
+def test_progress_bars_only_on_a_console(fmt: str, bars: bool) -> None:
+    """transformers' `Loading weights` bar wrote terminal art into the learner's JSON log."""
+    script = (
+        "from deploy.logs import configure_logging\n"
+        f"configure_logging({fmt!r})\n"
+        "import transformers.utils.logging as hf_logging\n"
+        "print(hf_logging.is_progress_bar_enabled())\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "HF_HUB_DISABLE_PROGRESS_BARS"}
+    done = subprocess.run(
+        [sys.executable, "-c", script],
+        cwd=ROOT,
+        env={**env, "PYTHONPATH": str(ROOT)},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == str(bars)

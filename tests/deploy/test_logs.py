@@ -4,14 +4,11 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 import textwrap
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
+from tests.python_run import run_python
 
 # Runs in a subprocess: configure_logging changes structlog's process-wide configuration.
 SCRIPT = textwrap.dedent(
@@ -36,14 +33,7 @@ SCRIPT = textwrap.dedent(
 
 @pytest.mark.parametrize("fmt", ["console", "json"])
 def test_logged_exceptions_show_no_local_variables(fmt: str) -> None:
-    done = subprocess.run(
-        [sys.executable, "-c", SCRIPT.replace("FORMAT", repr(fmt))],
-        cwd=ROOT,
-        env={**os.environ, "PYTHONPATH": str(ROOT)},
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    done = run_python("-c", SCRIPT.replace("FORMAT", repr(fmt)))
     assert done.returncode == 0, done.stderr
     assert "request_failed" in done.stderr
     assert "upstream failed" in done.stderr  # the traceback itself is still there
@@ -69,14 +59,7 @@ LIBRARY_SCRIPT = textwrap.dedent(
 def test_library_lines_come_in_olps_format(fmt: str) -> None:
     """kafka-python and aiohttp log through stdlib `logging`; a collector reading olp's JSON
     lines must not get `ERROR:kafka.net.connection:...` text among them."""
-    done = subprocess.run(
-        [sys.executable, "-c", LIBRARY_SCRIPT.replace("FORMAT", repr(fmt))],
-        cwd=ROOT,
-        env={**os.environ, "PYTHONPATH": str(ROOT)},
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    done = run_python("-c", LIBRARY_SCRIPT.replace("FORMAT", repr(fmt)))
     assert done.returncode == 0, done.stderr
     lines = done.stderr.strip().splitlines()
     assert len(lines) == 2, lines
@@ -104,13 +87,6 @@ def test_progress_bars_only_on_a_console(fmt: str, bars: bool) -> None:
         "print(hf_logging.is_progress_bar_enabled())\n"
     )
     env = {k: v for k, v in os.environ.items() if k != "HF_HUB_DISABLE_PROGRESS_BARS"}
-    done = subprocess.run(
-        [sys.executable, "-c", script],
-        cwd=ROOT,
-        env={**env, "PYTHONPATH": str(ROOT)},
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    done = run_python("-c", script, env=env)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == str(bars)

@@ -6,14 +6,13 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 import textwrap
 from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
+from tests.python_run import run_python
+
 SECRET = "sk-proj-LocalVariableSecret0123456789abcdef"
 
 # A file, not `python -c`: the spawned worker imports the failing builder from it by name.
@@ -55,21 +54,8 @@ def test_a_failed_build_logs_no_local_variables_in_the_proxys_format(
 ) -> None:
     script = tmp_path / "sink_logging_script.py"
     script.write_text(SCRIPT)
-    done = subprocess.run(
-        [
-            sys.executable,
-            str(script),
-            kafka_bootstrap,
-            f"log{os.getpid()}{fmt}",
-            str(tmp_path),
-            fmt,
-        ],
-        cwd=ROOT,
-        env={**os.environ, "PYTHONPATH": str(ROOT)},
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    prefix = f"log{os.getpid()}{fmt}"
+    done = run_python(str(script), kafka_bootstrap, prefix, str(tmp_path), fmt)
     assert done.returncode == 0, done.stderr
     assert done.stdout.splitlines()[-1] == "failed builds 1"
     # Unconfigured, structlog prints to stdout; configured, olp logs to stderr.

@@ -184,7 +184,10 @@ def test_failed_replica_is_retried_on_another(make_proxy, vllm_server):
         reply = api.chat.completions.create(
             model="policy", messages=PROMPT, max_tokens=2, extra_headers={"X-Session-Id": session}
         )
-        assert reply.choices[0].message.content
+        # Served, not an error: two sampled tokens may decode to no text at all (part of a
+        # multi-byte character, a skipped special token), so the text is not checked.
+        assert reply.choices[0].finish_reason in ("length", "stop")
+        assert reply.usage is not None and reply.usage.completion_tokens >= 1
     dead_replica = next(r for r in harness.ctx.pool.replicas if r.url == dead)
     assert dead_replica.failures >= 1
 
@@ -237,7 +240,9 @@ def test_a_replica_without_the_adapter_hands_its_requests_to_one_with_it(
                 extra_headers={"X-Session-Id": session},
             )
             assert reply.headers["x-olp-policy-version"] == "policy-v1"
-            assert reply.parse().choices[0].message.content
+            parsed = reply.parse()  # sampled tokens may decode to no text: not checked
+            assert parsed.choices[0].finish_reason in ("length", "stop")
+            assert parsed.usage is not None and parsed.usage.completion_tokens >= 1
         ready = httpx.get(harness.base_url + "/readyz").json()
         assert ready["replicas_missing_targets"] == {vllm_server.base_url: ["policy-v1"]}
         assert ready["unserved_aliases"] == {}

@@ -113,13 +113,15 @@ class ProducerMetrics:
 
 
 @dataclass(frozen=True)
-class _Item:
+class QueuedRecord:
+    """A record waiting to be validated and encoded (`prepare_entry`) in the sending thread."""
+
     kind: RecordKind
     record: dict[str, Any]
 
 
 def prepare_entry(
-    config: StreamConfig, topics: TopicNames, metrics: ProducerMetrics, item: _Item
+    config: StreamConfig, topics: TopicNames, metrics: ProducerMetrics, item: QueuedRecord
 ) -> SpillEntry | None:
     """Validate and encode; an invalid, oversized or unencodable record becomes a DLQ envelope.
 
@@ -161,7 +163,7 @@ def _utf8_safe(text: str) -> str:
 
 
 def _prepare(
-    config: StreamConfig, topics: TopicNames, metrics: ProducerMetrics, item: _Item
+    config: StreamConfig, topics: TopicNames, metrics: ProducerMetrics, item: QueuedRecord
 ) -> SpillEntry:
     record = item.record
     key = _session_key(record)
@@ -182,7 +184,7 @@ def _dlq_entry(
     config: StreamConfig,
     topics: TopicNames,
     metrics: ProducerMetrics,
-    item: _Item,
+    item: QueuedRecord,
     key: bytes | None,
     reason: str,
 ) -> SpillEntry:
@@ -246,7 +248,7 @@ class KafkaSink:
             self.topics.feedback: RecordKind.FEEDBACK.value,
             self.topics.dlq: "dlq",
         }
-        self._queue: queue.Queue[_Item | SpillEntry] = queue.Queue(maxsize=config.queue_size)
+        self._queue: queue.Queue[QueuedRecord | SpillEntry] = queue.Queue(maxsize=config.queue_size)
         self.spill = SpillStore(
             Path(state_dir) / config.spill_dir_name,
             max_bytes=config.spill_max_bytes,
@@ -279,17 +281,17 @@ class KafkaSink:
     # ---- request path (event loop): enqueue only ------------------------------------------
 
     def put_trajectory(self, record: dict[str, Any]) -> None:
-        self._put(_Item(RecordKind.TRAJECTORY, record))
+        self._put(QueuedRecord(RecordKind.TRAJECTORY, record))
 
     def put_feedback(self, event: dict[str, Any]) -> None:
-        self._put(_Item(RecordKind.FEEDBACK, event))
+        self._put(QueuedRecord(RecordKind.FEEDBACK, event))
 
     def put_entry(self, entry: SpillEntry) -> None:
         """A record already validated and encoded elsewhere (a DLQ envelope included): sent
         or spilled as it is, so it is not prepared (and counted in `dlq`) a second time."""
         self._put(entry)
 
-    def _put(self, item: _Item | SpillEntry) -> None:
+    def _put(self, item: QueuedRecord | SpillEntry) -> None:
         if not self._closed:
             try:
                 self._queue.put_nowait(item)
@@ -313,14 +315,14 @@ class KafkaSink:
         with self._held_lock:
             return len(self._held) + self._held_sending
 
-    def _kind_of(self, item: _Item | SpillEntry) -> str:
+    def _kind_of(self, item: QueuedRecord | SpillEntry) -> str:
         if isinstance(item, SpillEntry):
             return self._kind_by_topic.get(item.topic, "other")
         return item.kind.value
 
     # ---- background thread ---------------------------------------------------------------
 
-    def _prepare(self, items: list[_Item | SpillEntry]) -> list[SpillEntry]:
+    def _prepare(self, items: list[QueuedRecord | SpillEntry]) -> list[SpillEntry]:
         """Entries of `items`; one that is an entry already (`put_entry`) is kept as it is."""
         entries = (
             item
@@ -330,8 +332,8 @@ class KafkaSink:
         )
         return [entry for entry in entries if entry is not None]
 
-    def _take_batch(self, timeout_s: float) -> list[_Item | SpillEntry]:
-        items: list[_Item | SpillEntry] = []
+    def _take_batch(self, timeout_s: float) -> list[QueuedRecord | SpillEntry]:
+        items: list[QueuedRecord | SpillEntry] = []
         try:
             items.append(
                 self._queue.get(timeout=timeout_s) if timeout_s > 0 else self._queue.get_nowait()

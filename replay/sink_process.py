@@ -26,7 +26,7 @@ import structlog
 from prometheus_client import CollectorRegistry, Gauge
 
 from replay.config import StreamConfig
-from replay.producer import KafkaSink, ProducerMetrics, _Item, prepare_entry
+from replay.producer import KafkaSink, ProducerMetrics, QueuedRecord, prepare_entry
 from replay.schemas import RecordKind, derived_event_id
 from replay.spill import SpillEntry, SpillStore
 from replay.topics import TopicNames
@@ -576,7 +576,7 @@ class KafkaSinkProcess:
             if kind == _ENTRY:
                 entries.append(record)
                 continue
-            item = _Item(RecordKind(kind), record)
+            item = QueuedRecord(RecordKind(kind), record)
             entry = prepare_entry(self.config, self.topics, self.metrics, item)
             if entry is not None:
                 entries.append(entry)

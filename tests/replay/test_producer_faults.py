@@ -26,7 +26,7 @@ from replay.config import StreamConfig
 from replay.producer import (
     KafkaSink,
     ProducerMetrics,
-    _Item,
+    QueuedRecord,
     prepare_entry,
 )
 from replay.schemas import RecordKind, decode_record
@@ -68,7 +68,7 @@ def test_a_lone_surrogate_is_prepared_for_its_topic_as_its_escape() -> None:
     registry = CollectorRegistry()
     event = _surrogate_feedback()
     entry = prepare_entry(
-        config, topics, ProducerMetrics(registry), _Item(RecordKind.FEEDBACK, event)
+        config, topics, ProducerMetrics(registry), QueuedRecord(RecordKind.FEEDBACK, event)
     )
     assert entry is not None and entry.topic == topics.feedback
     assert entry.key == LONE_SURROGATE.encode("utf-8", "surrogatepass")
@@ -92,8 +92,8 @@ def test_an_unexpected_error_preparing_one_record_sends_it_to_the_dlq(
     topics = TopicNames.from_prefix(config.topic_prefix)
     registry = CollectorRegistry()
     metrics = ProducerMetrics(registry)
-    bad = _Item(RecordKind.TRAJECTORY, make_trajectory(session_id="explodes"))
-    good = _Item(RecordKind.TRAJECTORY, make_trajectory(session_id="fine"))
+    bad = QueuedRecord(RecordKind.TRAJECTORY, make_trajectory(session_id="explodes"))
+    good = QueuedRecord(RecordKind.TRAJECTORY, make_trajectory(session_id="fine"))
     entry = prepare_entry(config, topics, metrics, bad)
     assert entry is not None and entry.topic == topics.dlq
     assert "a bug in a validator" in decode_record(entry.value)["reason"]
@@ -213,14 +213,16 @@ def test_a_spilled_dlq_record_over_the_request_size_does_not_block_the_spill(
         stream_config,
         topics,
         ProducerMetrics(CollectorRegistry()),
-        _Item(RecordKind.TRAJECTORY, _oversized_invalid_trajectory()),
+        QueuedRecord(RecordKind.TRAJECTORY, _oversized_invalid_trajectory()),
     )
     assert big is not None and big.topic == topics.dlq and len(big.value) > 200_000
     good = [make_trajectory(session_id="big") for _ in range(5)]
     metrics = ProducerMetrics(CollectorRegistry())
     entries = [big]
     for record in good:
-        entry = prepare_entry(stream_config, topics, metrics, _Item(RecordKind.TRAJECTORY, record))
+        entry = prepare_entry(
+            stream_config, topics, metrics, QueuedRecord(RecordKind.TRAJECTORY, record)
+        )
         assert entry is not None
         entries.append(entry)
     spill = SpillStore(tmp_path / stream_config.spill_dir_name, 10**9, 10**8)
@@ -416,7 +418,9 @@ def test_an_unreadable_and_a_corrupt_segment_are_set_aside_and_the_rest_is_sent(
     batches = [[make_trajectory(session_id=f"q{i}") for i in range(5)] for _ in range(3)]
     for batch in batches:  # one segment each
         entries = [
-            prepare_entry(stream_config, topics, metrics, _Item(RecordKind.TRAJECTORY, record))
+            prepare_entry(
+                stream_config, topics, metrics, QueuedRecord(RecordKind.TRAJECTORY, record)
+            )
             for record in batch
         ]
         assert spill.append([entry for entry in entries if entry is not None]) == 5

@@ -21,7 +21,7 @@ from prometheus_client import CollectorRegistry
 import replay.producer as producer_module
 from deploy.ports import free_port
 from replay.config import StreamConfig
-from replay.producer import KafkaSink, ProducerMetrics, _Item, prepare_entry
+from replay.producer import KafkaSink, ProducerMetrics, QueuedRecord, prepare_entry
 from replay.schemas import RecordKind, decode_record
 from replay.sink_process import _CaptureBuilder
 from replay.spill import READ_ATTEMPTS, SpillEntry, SpillReadError, SpillStore
@@ -87,7 +87,7 @@ def _entries(config: StreamConfig, records: list[dict[str, Any]]) -> list[SpillE
     metrics = ProducerMetrics(CollectorRegistry())
     entries = []
     for record in records:
-        entry = prepare_entry(config, topics, metrics, _Item(RecordKind.TRAJECTORY, record))
+        entry = prepare_entry(config, topics, metrics, QueuedRecord(RecordKind.TRAJECTORY, record))
         assert entry is not None and entry.topic == topics.trajectories
         entries.append(entry)
     return entries
@@ -292,13 +292,13 @@ def test_the_dlq_envelopes_of_one_record_share_an_event_id() -> None:
     topics = TopicNames.from_prefix(config.topic_prefix)
     event = make_feedback(make_trajectory(session_id="x"), kind="like")
     metrics = ProducerMetrics(CollectorRegistry())
-    first = prepare_entry(config, topics, metrics, _Item(RecordKind.FEEDBACK, dict(event)))
-    again = prepare_entry(config, topics, metrics, _Item(RecordKind.FEEDBACK, dict(event)))
+    first = prepare_entry(config, topics, metrics, QueuedRecord(RecordKind.FEEDBACK, dict(event)))
+    again = prepare_entry(config, topics, metrics, QueuedRecord(RecordKind.FEEDBACK, dict(event)))
     assert first is not None and again is not None
     assert first.topic == again.topic == topics.dlq
     first_id = decode_record(first.value)["event_id"]
     assert first_id == decode_record(again.value)["event_id"]
     assert first_id != event["event_id"]
     other = dict(event, event_id=uuid.uuid4().hex)
-    third = prepare_entry(config, topics, metrics, _Item(RecordKind.FEEDBACK, other))
+    third = prepare_entry(config, topics, metrics, QueuedRecord(RecordKind.FEEDBACK, other))
     assert third is not None and decode_record(third.value)["event_id"] != first_id

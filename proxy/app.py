@@ -18,8 +18,9 @@ from aiohttp import web
 
 from proxy.admin import add_admin_routes
 from proxy.aliases import AliasTable, Canary
-from proxy.auth_throttle import AuthThrottle, peer_address
+from proxy.auth_throttle import AuthThrottle
 from proxy.capture import CaptureService, private_label
+from proxy.client_address import ClientAddresses
 from proxy.completions import (
     LABEL_MAX_CHARS,
     chat_completions,
@@ -85,7 +86,7 @@ async def _handle_with_openai_errors(
         response = await handler(request)
     except ProxyError as err:
         if isinstance(err, AuthError):
-            request.app[CONTEXT].auth_throttle.failed(peer_address(request), err.route_kind)
+            request.app[CONTEXT].auth_throttle.failed_request(request, err.route_kind)
         response = error_response(err, request_id)
     except web.HTTPException as exc:
         if exc.status < 400:
@@ -239,6 +240,7 @@ def build_app(
     def on_outcome(status: str, trainable: bool, count: int) -> None:
         metrics_.trajectories.labels(status, str(trainable).lower()).inc(count)
 
+    client_addresses = ClientAddresses(config.trusted_proxies)
     ctx = ProxyContext(
         config=config,
         tenants=registry,
@@ -264,7 +266,8 @@ def build_app(
         sink=sink,
         redactor=redactor,
         audit=audit,
-        auth_throttle=AuthThrottle(config.auth_failures, metrics_),
+        client_addresses=client_addresses,
+        auth_throttle=AuthThrottle(config.auth_failures, metrics_, addresses=client_addresses),
         admin_key_hashes=tuple(
             h for h in (config.admin_key_sha256, internal_admin_key_sha256) if h is not None
         ),

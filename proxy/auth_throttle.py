@@ -1,8 +1,8 @@
 """Failed-authentication throttle: an address that keeps presenting wrong keys is refused.
 
 Without it a client could try API keys and the admin key as fast as the proxy answers 401.
-Failures are counted per peer address (`request.remote`: the proxy has no trusted-proxy
-setting, so `X-Forwarded-For`, which any client can write, is never read). After
+Failures are counted per client address (`proxy/client_address.py`: the TCP peer, or,
+from a peer listed in `proxy.trusted_proxies`, the client that `X-Forwarded-For` names). After
 `max_failures` within `window_s` of the first of them, every request of that address to
 `/v1/...` or `/admin/...` gets 429 for `window_s`, *before* its key is looked at, so a
 right key guessed during the lockout gains nothing. State is bounded: at most
@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import structlog
 from aiohttp import web
 
+from proxy.client_address import ClientAddresses
 from proxy.config import AuthFailureLimits
 from proxy.errors import ProxyError
 from proxy.metrics import ProxyMetrics
@@ -27,12 +28,6 @@ log = structlog.get_logger(__name__)
 
 # Routes whose callers must present a key: the throttle refuses these while locked.
 GUARDED_PREFIXES = ("/v1/", "/admin/")
-UNKNOWN_ADDRESS = "unknown"  # a transport without a peer address (a unix socket)
-
-
-def peer_address(request: web.Request) -> str:
-    """The address failures are counted under: the TCP peer, never a forwarded header."""
-    return request.remote or UNKNOWN_ADDRESS
 
 
 def route_kind(path: str) -> str:
@@ -55,8 +50,10 @@ class AuthThrottle:
         limits: AuthFailureLimits,
         metrics: ProxyMetrics | None = None,
         clock: Callable[[], float] = time.monotonic,
+        addresses: ClientAddresses | None = None,
     ) -> None:
         self.limits = limits
+        self.addresses = addresses or ClientAddresses()
         self._metrics = metrics
         self._clock = clock
         # Least recently failing first (an entry is re-inserted on each failure): expiry
@@ -87,7 +84,7 @@ class AuthThrottle:
         self._trim(self._clock())
         path = request.path
         if self._entries and path.startswith(GUARDED_PREFIXES):
-            self.check(peer_address(request), route_kind(path))
+            self.check(self.addresses.of(request), route_kind(path))
 
     def check(self, address: str, kind: str) -> None:
         """Raise a 429 ProxyError while `address` is locked out; called before any key is
@@ -105,6 +102,10 @@ class AuthThrottle:
             code="auth_throttled",
             headers={"retry-after": str(seconds)},
         )
+
+    def failed_request(self, request: web.Request, kind: str) -> None:
+        """`failed` for the client that sent `request`."""
+        self.failed(self.addresses.of(request), kind)
 
     def failed(self, address: str, kind: str) -> None:
         """Count one wrong or missing key from `address` (`kind`: `api` or `admin`); lock

@@ -12,6 +12,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from proxy.client_address import parse_network
+
 _SHA256_HEX = re.compile(r"^[0-9a-f]{64}$")
 
 
@@ -173,6 +175,13 @@ class ProxyConfig(BaseModel):
     state: StatePaths = Field(default_factory=StatePaths)
     gc: GcTuning = Field(default_factory=GcTuning)
     auth_failures: AuthFailureLimits = Field(default_factory=AuthFailureLimits)
+    trusted_proxies: list[str] = Field(
+        default_factory=list,
+        description="addresses or CIDR networks of the reverse proxies in front of olp; "
+        "from one of them the client is the right-most X-Forwarded-For entry that is not "
+        "itself listed (failed-key throttle, audit); empty = the TCP peer, the header is "
+        "never read",
+    )
 
     @model_validator(mode="before")
     @classmethod
@@ -183,6 +192,11 @@ class ProxyConfig(BaseModel):
     @classmethod
     def _valid_digest(cls, value: str | None) -> str | None:
         return _check_sha256(value, "admin_key_sha256")
+
+    @field_validator("trusted_proxies")
+    @classmethod
+    def _valid_networks(cls, entries: list[str]) -> list[str]:
+        return [str(parse_network(entry)) for entry in entries]
 
     @field_validator("upstreams")
     @classmethod

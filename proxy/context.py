@@ -12,6 +12,7 @@ from aiohttp import web
 from proxy.aliases import AliasTable
 from proxy.auth_throttle import AuthThrottle
 from proxy.capture import CaptureService
+from proxy.client_address import ClientAddresses
 from proxy.config import ProxyConfig
 from proxy.feedback import RecentTrajectories
 from proxy.metrics import ProxyMetrics
@@ -34,6 +35,7 @@ class ProxyContext:
     sink: Any
     redactor: Any
     audit: Any
+    client_addresses: ClientAddresses
     auth_throttle: AuthThrottle
     admin_key_hashes: tuple[str, ...] = ()
     started_at: float = field(default_factory=time.time)

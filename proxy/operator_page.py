@@ -27,7 +27,6 @@ import structlog
 from aiohttp import web
 
 from proxy.admin import _authorize, _status_payload, state_dir_of
-from proxy.auth_throttle import peer_address
 from proxy.context import CONTEXT, ProxyContext
 from proxy.operator_auth import (
     COOKIE_NAME,
@@ -126,7 +125,8 @@ def _https(request: web.Request) -> bool:
 def _redirect_with_session(request: web.Request, actor: str, method: str) -> web.Response:
     ctx = request.app[CONTEXT]
     session_id, _ = request.app[OPERATOR].sessions.open_session(actor)
-    ctx.audit.append(actor, "operator_login", {"method": method, "remote": request.remote})
+    remote = ctx.client_addresses.of(request)
+    ctx.audit.append(actor, "operator_login", {"method": method, "remote": remote})
     response = web.Response(status=303, headers={"Location": COOKIE_PATH})
     response.set_cookie(
         COOKIE_NAME,
@@ -166,7 +166,7 @@ def _viewer(request: web.Request) -> Viewer:
     if scheme.lower() == "bearer" and key.strip():
         if not key_matches(ctx.admin_key_hashes, key):
             # An HTML refusal, not an AuthError: counted here for the throttle.
-            ctx.auth_throttle.failed(peer_address(request), "admin")
+            ctx.auth_throttle.failed_request(request, "admin")
             raise _Refusal("This key may not use the admin API.", 403)
         return Viewer(clean_actor(request.headers.get("X-OLP-Actor"), "admin"), None)
     session = request.app[OPERATOR].sessions.get(request.cookies.get(COOKIE_NAME))
@@ -345,8 +345,8 @@ async def login_with_key(request: web.Request) -> web.Response:
     if not ctx.admin_key_hashes:
         return _refused("The admin API is disabled: no proxy.admin_key_sha256 configured.", 403)
     if not isinstance(key, str) or not key.strip() or not key_matches(ctx.admin_key_hashes, key):
-        log.warning("operator_login_refused", remote=request.remote)
-        ctx.auth_throttle.failed(peer_address(request), "admin")
+        log.warning("operator_login_refused", remote=ctx.client_addresses.of(request))
+        ctx.auth_throttle.failed_request(request, "admin")
         return _refused("Wrong admin key.")
     actor = form.get("actor")
     actor = clean_actor(actor if isinstance(actor, str) else None)

@@ -13,7 +13,8 @@ from structlog.testing import capture_logs
 
 from deploy.config import ConfigError, load_config
 from deploy.ports import free_port
-from proxy.auth_throttle import UNKNOWN_ADDRESS, AuthThrottle, peer_address
+from proxy.auth_throttle import AuthThrottle
+from proxy.client_address import UNKNOWN_ADDRESS, ClientAddresses
 from proxy.config import AuthFailureLimits, ProxyConfig
 from proxy.errors import ProxyError
 from proxy.metrics import ProxyMetrics
@@ -162,7 +163,7 @@ def test_guard_refuses_only_keyed_routes_and_forgets_once_failures_stop():
 
 
 def test_a_peer_without_an_address_is_counted_under_one_name():
-    assert peer_address(make_mocked_request("GET", "/v1/models")) == UNKNOWN_ADDRESS
+    assert ClientAddresses().of(make_mocked_request("GET", "/v1/models")) == UNKNOWN_ADDRESS
 
 
 @pytest.mark.parametrize(
@@ -206,7 +207,9 @@ def throttled(make_proxy):
     )
     clock = FakeClock()
     ctx = harness.ctx
-    ctx.auth_throttle = AuthThrottle(ctx.config.auth_failures, ctx.metrics, clock=clock)
+    ctx.auth_throttle = AuthThrottle(
+        ctx.config.auth_failures, ctx.metrics, clock=clock, addresses=ctx.client_addresses
+    )
     return harness, clock
 
 

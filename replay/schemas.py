@@ -44,7 +44,7 @@ def new_event_id() -> str:
 
 
 # Namespace of the event ids `derived_event_id` makes (a fixed, random UUID).
-_DERIVED_ID_NAMESPACE = uuid.UUID("6f1c2a4e-8d3b-4f57-9a0e-2b7d5c913e48")
+_DERIVED_ID_NAMESPACE = uuid.UUID("6f1c2a4e-8d3b-4f57-9a0e-2b7d5c913e48").bytes
 
 
 def derived_event_id(*parts: str) -> str:
@@ -53,10 +53,14 @@ def derived_event_id(*parts: str) -> str:
     For a record that may be made twice from the same source (a capture built again after
     its worker died, the DLQ envelope of a record rejected twice): both copies carry the
     same id, so a consumer that de-duplicates by event_id keeps one."""
-    # uuid5 by hand: `uuid.uuid5` refuses a lone surrogate, which a refused record may hold.
+    # uuid5 by hand: `uuid.uuid5` refuses a lone surrogate, which a refused record may hold;
+    # and its version bits are set on the bytes, not through a UUID object (half the time,
+    # on every record a sink worker builds).
     name = "\x1f".join(parts).encode("utf-8", "surrogatepass")
-    digest = hashlib.sha1(_DERIVED_ID_NAMESPACE.bytes + name, usedforsecurity=False).digest()
-    return uuid.UUID(bytes=digest[:16], version=5).hex
+    digest = bytearray(hashlib.sha1(_DERIVED_ID_NAMESPACE + name, usedforsecurity=False).digest())
+    digest[6] = (digest[6] & 0x0F) | 0x50  # version 5
+    digest[8] = (digest[8] & 0x3F) | 0x80  # RFC 4122 variant
+    return digest[:16].hex()
 
 
 @cache

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import json
+import uuid
 from collections.abc import Callable
 
 import pytest
@@ -11,6 +12,7 @@ import pytest
 from replay.schemas import (
     SchemaValidationError,
     decode_record,
+    derived_event_id,
     encode_record,
     load_schema,
     new_event_id,
@@ -179,6 +181,17 @@ def test_event_ids_are_unique_hex() -> None:
     ids = {new_event_id() for _ in range(1000)}
     assert len(ids) == 1000
     assert all(len(i) == 32 and int(i, 16) >= 0 for i in ids)
+
+
+def test_derived_event_ids_are_uuid5_of_the_parts() -> None:
+    namespace = uuid.UUID("6f1c2a4e-8d3b-4f57-9a0e-2b7d5c913e48")
+    for parts in [("trajectory", "t1"), ("trajectory", "a" * 32), ("dlq", "x", "ünï")]:
+        expected = uuid.uuid5(namespace, "\x1f".join(parts)).hex
+        assert derived_event_id(*parts) == expected
+    # A lone surrogate (which `uuid.uuid5` refuses) still gives a stable id of that shape.
+    odd = derived_event_id("trajectory", "\ud800")
+    assert odd == derived_event_id("trajectory", "\ud800") and len(odd) == 32
+    assert uuid.UUID(hex=odd).version == 5
 
 
 def _mutations(record: dict) -> list[dict]:

@@ -317,6 +317,16 @@ class Learner:
             self.version, self.step_count, self.progress.consumed, dict(self.counts), history
         )
 
+    def _raise_if_stopped(self, stop: threading.Event | None) -> None:
+        """StepInterrupted on every rank once any rank's `stop` is set (a collective: ranks
+        must leave the step together)."""
+        if stop is None:
+            return
+        flag = torch.tensor([float(stop.is_set())], dtype=torch.float64)
+        if all_reduce_max(self.ctx, flag)[0] > 0:
+            self.assembler.counts.clear()  # the batch is read again: counted then
+            raise StepInterrupted("stopped while the batch's rewards were assembled")
+
     def _step(
         self, batch: list[Any], stop: threading.Event | None = None
     ) -> dict[str, float] | None:
@@ -326,7 +336,8 @@ class Learner:
         if overflow:
             log.warning("learner_overflow", dropped=overflow, kept=self.config.max_batch)
             batch = batch[overflow:]
-        rewarded = self.assembler.assemble(batch)
+        rewarded = self.assembler.assemble(batch, stop)
+        self._raise_if_stopped(stop)
         # Collective: rank 0's canary counts the union of the ranks' replies.
         share_canary_evidence(self.ctx, self.canary, rewarded)
         samples, dropped = samples_from_rewarded(rewarded, self.base_name)

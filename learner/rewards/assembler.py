@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
@@ -9,7 +10,7 @@ from typing import Any
 from learner.config import RewardConfig
 from learner.objective import group_key
 from learner.rewards.feedback import feedback_reward
-from learner.rewards.judge import Judge
+from learner.rewards.judge import STOPPED, Judge
 from learner.rewards.verifiers import VerifierRunner
 
 
@@ -49,12 +50,20 @@ class RewardAssembler:
         self.verifiers = verifiers if verifiers is not None else VerifierRunner(config.verifiers)
         self.counts: Counter[str] = Counter()
 
-    def assemble(self, items: list[Any]) -> list[RewardedChoice]:
+    def assemble(
+        self, items: list[Any], stop: threading.Event | None = None
+    ) -> list[RewardedChoice]:
+        """The rewarded choices of `items`. Verifiers and the judge may each take up to
+        their timeout per call, so `stop` is looked at before each item and each judge
+        group: once it is set the rest get no verifier or judge part, and the caller must
+        not train on the result (the learner drops the batch and reads it again)."""
         weights = self.config.weights
         timeouts, errors = self.verifiers.timeouts, self.verifiers.errors
         out: list[RewardedChoice] = []
         judge_groups: dict[str, list[RewardedChoice]] = {}
         for item in items:
+            if stop is not None and stop.is_set():
+                break
             trajectory, feedback = _as_pair(item)
             if not trajectory.get("trainable", True) or trajectory.get("status", "ok") != "ok":
                 self.counts["untrainable"] += len(trajectory.get("choices") or []) or 1
@@ -83,7 +92,9 @@ class RewardAssembler:
                     judge_groups.setdefault(key, []).append(rewarded)
                 out.append(rewarded)
         for group in judge_groups.values():
-            self._judge_group(group)
+            if stop is not None and stop.is_set():
+                break
+            self._judge_group(group, stop)
         # Surfaced with the other reward counts (learner_step log, checkpoint counters).
         if self.verifiers.timeouts > timeouts:
             self.counts["verifier_timeouts"] += self.verifiers.timeouts - timeouts
@@ -108,13 +119,15 @@ class RewardAssembler:
             if self.judge is not None:
                 self.judge.close()
 
-    def _judge_group(self, group: list[RewardedChoice]) -> None:
+    def _judge_group(self, group: list[RewardedChoice], stop: threading.Event | None) -> None:
         assert self.judge is not None
         trajectory = group[0].trajectory
         choices = [_choice(r) for r in group]
-        verdicts = self.judge.score_group(trajectory, choices)
+        verdicts = self.judge.score_group(trajectory, choices, stop)
         for rewarded, verdict in zip(group, verdicts, strict=True):
             rewarded.judge_raw = {"raw": verdict.raw, "error": verdict.error}
+            if verdict.error == STOPPED:
+                continue  # not a failure: the batch is dropped
             if verdict.score is None:
                 self.counts["judge_failed"] += 1
             else:

@@ -29,6 +29,7 @@ from learner.rewards.verifiers import choice_text
 log = structlog.get_logger(__name__)
 
 _LETTERS = "ABCDEFGH"
+STOPPED = "stopped"  # the error of a verdict not asked for because the learner is stopping
 _DIGIT = re.compile(r"\d")
 
 
@@ -98,8 +99,14 @@ class Judge:
         self.calls = 0
 
     # -- public -----------------------------------------------------------------------------
-    def score(self, trajectory: dict[str, Any], choice: dict[str, Any]) -> JudgeVerdict:
-        """Absolute rubric score of one reply in [0, 1] (None on failure)."""
+    def score(
+        self,
+        trajectory: dict[str, Any],
+        choice: dict[str, Any],
+        stop: threading.Event | None = None,
+    ) -> JudgeVerdict:
+        """Absolute rubric score of one reply in [0, 1] (None on failure, or once `stop`
+        is set)."""
         prompt = prompt_text(trajectory, self.config.max_chars)
         reply = choice_text(choice)[: self.config.max_chars]
         user = (
@@ -108,9 +115,14 @@ class Judge:
             "Grade the reply against the rubric from 0 (bad) to 9 (excellent). "
             "Answer with a single digit."
         )
-        return self._ask("score", user, "0123456789", self._digit_score)
+        return self._ask("score", user, "0123456789", self._digit_score, stop)
 
-    def rank(self, trajectory: dict[str, Any], choices: list[dict[str, Any]]) -> JudgeVerdict:
+    def rank(
+        self,
+        trajectory: dict[str, Any],
+        choices: list[dict[str, Any]],
+        stop: threading.Event | None = None,
+    ) -> JudgeVerdict:
         """Relative preference of several replies to one prompt: raw['preference'][i] in [0,1]."""
         if not 2 <= len(choices) <= len(_LETTERS):
             return JudgeVerdict(score=None, error=f"cannot rank {len(choices)} replies")
@@ -124,16 +136,20 @@ class Judge:
             f"Rubric: {self.config.rubric}\n\nConversation:\n{prompt}\n\n{listed}\n\n"
             f"Which reply fits the rubric best? Answer with a single letter ({', '.join(labels)})."
         )
-        return self._ask("rank", user, labels, self._letter_preference)
+        return self._ask("rank", user, labels, self._letter_preference, stop)
 
     def score_group(
-        self, trajectory: dict[str, Any], choices: list[dict[str, Any]]
+        self,
+        trajectory: dict[str, Any],
+        choices: list[dict[str, Any]],
+        stop: threading.Event | None = None,
     ) -> list[JudgeVerdict]:
-        """Score each reply; with several replies and rank_groups, mix in their ranking."""
-        verdicts = list(self._pool.map(lambda c: self.score(trajectory, c), choices))
+        """Score each reply; with several replies and rank_groups, mix in their ranking.
+        Once `stop` is set no further call starts (calls in flight end within timeout_s)."""
+        verdicts = list(self._pool.map(lambda c: self.score(trajectory, c, stop), choices))
         if not (self.config.rank_groups and 2 <= len(choices) <= len(_LETTERS)):
             return verdicts
-        ranking = self.rank(trajectory, choices)
+        ranking = self.rank(trajectory, choices, stop)
         preference = ranking.raw.get("preference") if ranking.score is not None else None
         if not preference:
             return verdicts
@@ -180,7 +196,9 @@ class Judge:
         preference = [dist.get(label, 0.0) for label in labels]
         return {"score": max(preference), "preference": preference}
 
-    def _ask(self, kind: str, user: str, labels: str, parse: Any) -> JudgeVerdict:
+    def _ask(
+        self, kind: str, user: str, labels: str, parse: Any, stop: threading.Event | None
+    ) -> JudgeVerdict:
         key = hashlib.sha256(
             json.dumps([kind, self.config.model, self.config.rubric, user]).encode()
         ).hexdigest()
@@ -191,6 +209,9 @@ class Judge:
                 return JudgeVerdict(score=hit.score, raw=hit.raw, cached=True)
         error = None
         for attempt in range(self.config.retries + 1):
+            if stop is not None and stop.is_set():
+                # Not the judge's failure: the learner is stopping and drops this batch.
+                return JudgeVerdict(score=None, raw={}, error=STOPPED)
             self.calls += 1
             try:
                 response = self._client.chat.completions.create(

@@ -13,7 +13,7 @@ import pytest
 from learner.config import FeedbackValues, JudgeConfig, RewardConfig, VerifierSpec
 from learner.rewards.assembler import RewardAssembler
 from learner.rewards.feedback import FeedbackError, feedback_reward, feedback_value
-from learner.rewards.judge import Judge, JudgeVerdict
+from learner.rewards.judge import STOPPED, Judge, JudgeVerdict
 from learner.rewards.verifiers import (
     VerifierRunner,
     exact_match,
@@ -271,7 +271,9 @@ def test_judge_groups_are_the_objective_groups_per_tenant() -> None:
         def __init__(self) -> None:
             self.groups: list[list[str]] = []
 
-        def score_group(self, trajectory: dict[str, Any], choices: list[dict[str, Any]]) -> list:
+        def score_group(
+            self, trajectory: dict[str, Any], choices: list[dict[str, Any]], stop: Any = None
+        ) -> list:
             self.groups.append([str(c["message"]["content"]) for c in choices])
             return [JudgeVerdict(score=0.5) for _ in choices]
 
@@ -327,6 +329,46 @@ def test_judge_timeout_yields_no_reward(silent_server: str) -> None:
     assert out[0].reward is None
     assert assembler.counts["no_reward"] == 1 and assembler.counts["judge_failed"] == 1
     judge.close()
+
+
+def test_a_stop_ends_the_judging_of_a_batch_within_one_call(silent_server: str) -> None:
+    """A hung judge held a stopping learner for every group's calls (six groups, two
+    attempts of 1 s each: 12 s) while `olp up` waits 30 s and then kills it."""
+    judge = Judge(
+        JudgeConfig(enabled=True, base_url=silent_server, timeout_s=1.0, retries=1, concurrency=1)
+    )
+    config = RewardConfig(weights={"feedback": 1.0, "verifiers": 0.0, "judge": 1.0})
+    assembler = RewardAssembler(config, judge=judge)
+    items = [{"trajectory": record("5", trajectory_id=f"t{i}")} for i in range(6)]
+    stop = threading.Event()
+    timer = threading.Timer(0.3, stop.set)
+    started = time.monotonic()
+    timer.start()
+    out = assembler.assemble(items, stop)
+    elapsed = time.monotonic() - started
+    timer.join()
+    assert elapsed < 3.0  # the call in flight ends within its timeout; none starts after
+    assert judge.calls == 1 and judge.failures == 0  # a stop is not the judge's failure
+    assert out[0].judge_raw == {"raw": {}, "error": STOPPED}
+    assert [r.judge_raw for r in out[1:]] == [None] * 5  # never asked
+    assert "judge_failed" not in assembler.counts
+    judge.close()
+
+
+def test_a_stop_ends_the_verifying_of_a_batch_within_one_call() -> None:
+    slow = f"{__name__}:slow_verifier"
+    spec = VerifierSpec(path=slow, timeout_s=0.5, params={"sleep_s": 0.4})
+    assembler = RewardAssembler(RewardConfig(verifiers=[spec]))
+    items = [{"trajectory": record("5", trajectory_id=f"t{i}")} for i in range(20)]
+    stop = threading.Event()
+    timer = threading.Timer(0.2, stop.set)
+    started = time.monotonic()
+    timer.start()
+    out = assembler.assemble(items, stop)
+    timer.join()
+    assert time.monotonic() - started < 2.0  # not 20 x 0.4 s
+    assert len(out) == 1 and out[0].parts == {"verifiers": 1.0}
+    assert len(assembler.assemble(items[:2])) == 2  # without a stop: every item
 
 
 def test_judge_through_real_vllm(vllm_server: Any) -> None:

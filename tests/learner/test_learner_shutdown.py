@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 
 from learner import service
+from learner.adapter_store import AdapterStore
 from learner.config import JudgeConfig, LearnerConfig, RewardConfig
 from learner.rewards.assembler import RewardAssembler
 from learner.rewards.judge import Judge
@@ -120,7 +121,6 @@ def test_a_stop_during_a_step_ends_it_with_no_version_and_the_batch_is_read_agai
     """A step runs for about a minute on a CPU and the learner finished it before looking
     at `stop`, so `olp up` (which waits 30 s) killed it on Ctrl-C."""
     from learner import trainer as trainer_module
-    from learner.adapter_store import AdapterStore
 
     settings = LearnerConfig(
         batch_size=4,
@@ -185,3 +185,49 @@ def test_a_step_already_stopped_trains_nothing(tiny_model: Path, tmp_path: Path)
     after = learner.trainer.adapter_state()
     assert all(before[k].equal(after[k]) for k in before)
     learner.close()
+
+
+def test_a_stop_while_rewards_are_assembled_ends_the_step_and_the_batch_is_read_again(
+    tiny_model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Rewards come before the step: a judge or verifiers that take their timeout per call
+    held a stopping learner for the whole batch."""
+    settings = config().model_copy(update={"batch_size": 4, "min_batch": 4, "micro_batch_size": 4})
+    stop = threading.Event()
+    asked: list[str] = []
+
+    class StopsTheLearner(Judge):
+        def score(self, trajectory: dict[str, Any], choice: dict[str, Any], stop_=None) -> Any:
+            asked.append(trajectory["trajectory_id"])
+            stop.set()  # Ctrl-C arrives while the first reply is judged
+            return super().score(trajectory, choice, stop_)
+
+    monkeypatch.setattr(service, "Judge", StopsTheLearner)
+    announced: list[Path] = []
+    first = Learner(
+        settings,
+        tmp_path,
+        lambda offsets, *_: ListSource({0: RECORDS}, offsets),
+        model_dir=tiny_model,
+        on_candidate=announced.append,
+    )
+    summary = first.run(stop=stop, poll_timeout_s=0.01)
+    assert len(set(asked)) == 1  # one group's replies (asked at once), no further group
+    assert first.assembler.judge is not None and first.assembler.judge.calls == 0
+    assert summary.version == 0 and summary.steps == 0 and announced == []
+    assert "reward_judge_failed" not in summary.counts
+    assert AdapterStore(tmp_path).latest() is None
+
+    monkeypatch.setattr(service, "Judge", Judge)
+    no_judge = settings.model_copy(update={"rewards": RewardConfig()})
+    second = Learner(
+        no_judge,
+        tmp_path,
+        lambda offsets, *_: ListSource({0: RECORDS}, offsets),
+        model_dir=tiny_model,
+        on_candidate=announced.append,
+    )
+    again = second.run(max_steps=1, poll_timeout_s=0.01)
+    assert again.version == 1 and [p.name for p in announced] == ["policy-v1"]
+    meta = AdapterStore(tmp_path).read_meta(1)
+    assert meta["data_stats"]["trajectories"] == 4  # the interrupted batch, not lost

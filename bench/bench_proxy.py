@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import json
 import os
 import re
@@ -249,20 +250,22 @@ def serve_olp(
     gc_default: bool = False,
 ) -> None:
     sys.path.insert(0, str(ROOT))
-    import structlog
-
     if python_strip:  # the bench's side-by-side baseline for the C pass, not a product switch
         from proxy import relay
 
         relay._sse_strip = None
         relay.SSE_STRIP = "python"
 
+    from deploy.logs import configure_logging
     from proxy.config import GcTuning, ProxyConfig, TenantConfig
     from proxy.server import serve_proxy
     from replay.config import StreamConfig
     from replay.producer import KafkaSink
 
-    structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(30))
+    # Warnings and errors only, in the product's JSON lines, in the proxy and in its sink
+    # worker alike (the worker is a spawned process: it gets the set-up passed along).
+    log_setup = functools.partial(configure_logging, "json", "WARNING")
+    log_setup()
     config = ProxyConfig(
         port=port,
         upstreams=[upstream],
@@ -296,7 +299,15 @@ def serve_olp(
     elif sink_kind == "kafka":  # the in-process KafkaSink, named explicitly
         sink = KafkaSink(stream, state_dir)
     asyncio.run(
-        serve_proxy(config, tenants, state_dir, stream=stream, sink=sink, owns_process=True)
+        serve_proxy(
+            config,
+            tenants,
+            state_dir,
+            stream=stream,
+            sink=sink,
+            owns_process=True,
+            sink_child_init=log_setup,
+        )
     )
 
 

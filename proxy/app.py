@@ -32,6 +32,7 @@ from proxy.config import ProxyConfig, TenantConfig
 from proxy.context import CONTEXT, REQUEST_ID, ProxyContext
 from proxy.errors import AuthError, ProxyError, error_response
 from proxy.feedback import RecentTrajectories, build_event, check_owner, parse_feedback
+from proxy.host_check import HostCheck
 from proxy.metrics import ProxyMetrics
 from proxy.operator_page import record_feedback
 from proxy.relay import SSE_STRIP
@@ -80,6 +81,9 @@ async def _handle_with_openai_errors(
     request: web.Request, handler: Handler, request_id: str
 ) -> web.StreamResponse:
     try:
+        # A page that rebound its host name to this proxy's address is refused before
+        # anything else (keys included) is looked at.
+        request.app[CONTEXT].host_check.check(request)
         # Before the handler looks at any key: a locked-out address gains nothing from
         # guessing right.
         request.app[CONTEXT].auth_throttle.guard(request)
@@ -267,6 +271,7 @@ def build_app(
         redactor=redactor,
         audit=audit,
         client_addresses=client_addresses,
+        host_check=HostCheck(config.host, config.allowed_hosts),
         auth_throttle=AuthThrottle(config.auth_failures, metrics_, addresses=client_addresses),
         admin_key_hashes=tuple(
             h for h in (config.admin_key_sha256, internal_admin_key_sha256) if h is not None

@@ -13,6 +13,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from proxy.client_address import parse_network
+from proxy.host_check import valid_allowed_host
 
 _SHA256_HEX = re.compile(r"^[0-9a-f]{64}$")
 
@@ -142,6 +143,12 @@ class ProxyConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     host: str = "127.0.0.1"
+    allowed_hosts: list[str] | None = Field(
+        default=None,
+        description="Host header names served besides localhost and loopback addresses "
+        "(port ignored; `*` = any); null = any name, except on a loopback `host`: only "
+        "localhost and loopback addresses (against DNS rebinding)",
+    )
     port: int = Field(default=8000, ge=0, le=65535)
     upstreams: list[str] = Field(
         default_factory=list,
@@ -192,6 +199,11 @@ class ProxyConfig(BaseModel):
     @classmethod
     def _valid_digest(cls, value: str | None) -> str | None:
         return _check_sha256(value, "admin_key_sha256")
+
+    @field_validator("allowed_hosts")
+    @classmethod
+    def _valid_hosts(cls, entries: list[str] | None) -> list[str] | None:
+        return None if entries is None else [valid_allowed_host(entry) for entry in entries]
 
     @field_validator("trusted_proxies")
     @classmethod

@@ -15,6 +15,7 @@ from proxy.capture import CaptureService
 from proxy.client_address import ClientAddresses
 from proxy.config import ProxyConfig
 from proxy.feedback import RecentTrajectories
+from proxy.host_check import HostCheck
 from proxy.metrics import ProxyMetrics
 from proxy.routing import UpstreamPool
 from proxy.serving_state import ServingState
@@ -36,6 +37,7 @@ class ProxyContext:
     redactor: Any
     audit: Any
     client_addresses: ClientAddresses
+    host_check: HostCheck
     auth_throttle: AuthThrottle
     admin_key_hashes: tuple[str, ...] = ()
     started_at: float = field(default_factory=time.time)

@@ -484,7 +484,8 @@ def test_a_tenant_over_its_limits_gets_a_429_before_its_body_is_read(make_proxy,
     upload = socket.create_connection(("127.0.0.1", harness.port))
     try:  # a body that is still arriving: half of it sent
         upload.sendall(
-            b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer key-dave"
+            b"POST /v1/chat/completions HTTP/1.1\r\nHost: localhost\r\n"
+            b"Authorization: Bearer key-dave"
             b"\r\nContent-Type: application/json\r\nContent-Length: 1000\r\n\r\n" + b" " * 500
         )
         wait_for(lambda: harness.ctx.tenants.tenants["dave"].in_flight == 1)

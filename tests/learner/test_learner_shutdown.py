@@ -115,6 +115,34 @@ def test_the_assembler_closes_its_judge_once() -> None:
     RewardAssembler(RewardConfig()).close()  # no judge: nothing to close
 
 
+def learner_on_records(
+    settings: LearnerConfig, state: Path, model: Path, announced: list[Path]
+) -> Learner:
+    """A learner reading RECORDS from where its state's checkpoint left off."""
+    return Learner(
+        settings,
+        state,
+        lambda offsets, *_: ListSource({0: RECORDS}, offsets),
+        model_dir=model,
+        on_candidate=announced.append,
+    )
+
+
+def assert_the_batch_is_trained_at_the_next_start(
+    settings: LearnerConfig, state: Path, model: Path, announced: list[Path]
+) -> None:
+    """After an interrupted step: no version was made, and the next start trains the same
+    four records into policy-v1."""
+    assert announced == [] and AdapterStore(state).latest() is None
+    again = learner_on_records(settings, state, model, announced).run(
+        max_steps=1, poll_timeout_s=0.01
+    )
+    assert again.version == 1 and [p.name for p in announced] == ["policy-v1"]
+    meta = AdapterStore(state).read_meta(1)
+    assert meta["data_stats"]["trajectories"] == 4  # the interrupted batch, not lost
+    assert meta["consumed_offsets"] == {"mem.trajectories": {"0": 4}}
+
+
 def test_a_stop_during_a_step_ends_it_with_no_version_and_the_batch_is_read_again(
     tiny_model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -142,31 +170,13 @@ def test_a_stop_during_a_step_ends_it_with_no_version_and_the_batch_is_read_agai
 
     monkeypatch.setattr(trainer_module, "policy_loss", loss_then_stop)
     announced: list[Path] = []
-    first = Learner(
-        settings,
-        tmp_path,
-        lambda offsets, *_: ListSource({0: RECORDS}, offsets),
-        model_dir=tiny_model,
-        on_candidate=announced.append,
-    )
+    first = learner_on_records(settings, tmp_path, tiny_model, announced)
     summary = first.run(stop=stop, poll_timeout_s=0.01)
     assert losses["n"] == 1  # left before the second micro-batch
-    assert summary.version == 0 and summary.steps == 0 and announced == []
-    assert AdapterStore(tmp_path).latest() is None
+    assert summary.version == 0 and summary.steps == 0
 
     monkeypatch.setattr(trainer_module, "policy_loss", real_loss)
-    second = Learner(
-        settings,
-        tmp_path,
-        lambda offsets, *_: ListSource({0: RECORDS}, offsets),
-        model_dir=tiny_model,
-        on_candidate=announced.append,
-    )
-    again = second.run(max_steps=1, poll_timeout_s=0.01)
-    assert again.version == 1 and [p.name for p in announced] == ["policy-v1"]
-    meta = AdapterStore(tmp_path).read_meta(1)
-    assert meta["data_stats"]["trajectories"] == 4  # the interrupted batch, not lost
-    assert meta["consumed_offsets"] == {"mem.trajectories": {"0": 4}}
+    assert_the_batch_is_trained_at_the_next_start(settings, tmp_path, tiny_model, announced)
 
 
 def test_a_step_already_stopped_trains_nothing(tiny_model: Path, tmp_path: Path) -> None:
@@ -204,30 +214,13 @@ def test_a_stop_while_rewards_are_assembled_ends_the_step_and_the_batch_is_read_
 
     monkeypatch.setattr(service, "Judge", StopsTheLearner)
     announced: list[Path] = []
-    first = Learner(
-        settings,
-        tmp_path,
-        lambda offsets, *_: ListSource({0: RECORDS}, offsets),
-        model_dir=tiny_model,
-        on_candidate=announced.append,
-    )
+    first = learner_on_records(settings, tmp_path, tiny_model, announced)
     summary = first.run(stop=stop, poll_timeout_s=0.01)
     assert len(set(asked)) == 1  # one group's replies (asked at once), no further group
     assert first.assembler.judge is not None and first.assembler.judge.calls == 0
-    assert summary.version == 0 and summary.steps == 0 and announced == []
+    assert summary.version == 0 and summary.steps == 0
     assert "reward_judge_failed" not in summary.counts
-    assert AdapterStore(tmp_path).latest() is None
 
     monkeypatch.setattr(service, "Judge", Judge)
     no_judge = settings.model_copy(update={"rewards": RewardConfig()})
-    second = Learner(
-        no_judge,
-        tmp_path,
-        lambda offsets, *_: ListSource({0: RECORDS}, offsets),
-        model_dir=tiny_model,
-        on_candidate=announced.append,
-    )
-    again = second.run(max_steps=1, poll_timeout_s=0.01)
-    assert again.version == 1 and [p.name for p in announced] == ["policy-v1"]
-    meta = AdapterStore(tmp_path).read_meta(1)
-    assert meta["data_stats"]["trajectories"] == 4  # the interrupted batch, not lost
+    assert_the_batch_is_trained_at_the_next_start(no_judge, tmp_path, tiny_model, announced)

@@ -51,6 +51,8 @@ def cmd_proxy(args: argparse.Namespace, cfg: OlpConfig) -> int:
     if not proxy_cfg.upstreams:
         # The proxy serves from the policy section's vLLM replicas unless told otherwise.
         proxy_cfg = proxy_cfg.model_copy(update={"upstreams": cfg.policy.base_urls()})
+    if proxy_cfg.upstream_api_key is None and cfg.policy.api_key is not None:
+        proxy_cfg = proxy_cfg.model_copy(update={"upstream_api_key": cfg.policy.api_key})
     if proxy_cfg.base_served_name != cfg.policy.served_model_name:
         proxy_cfg = proxy_cfg.model_copy(update={"base_served_name": cfg.policy.served_model_name})
     try:

@@ -346,7 +346,7 @@ def cmd_replay_run(args: argparse.Namespace, cfg: OlpConfig) -> int:
     from replay.replayer import replay_file
 
     if args.direct:
-        base_url, key = cfg.policy.base_urls()[0], None
+        base_url, key = cfg.policy.base_urls()[0], cfg.policy.api_key_value()
     else:
         host = "127.0.0.1" if cfg.proxy.host in ("0.0.0.0", "::") else cfg.proxy.host
         base_url, key = f"http://{host}:{cfg.proxy.port}", args.api_key

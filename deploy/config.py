@@ -20,6 +20,7 @@ from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
+    SecretStr,
     ValidationError,
     field_validator,
     model_validator,
@@ -51,9 +52,15 @@ class PolicyConfig(BaseModel):
     host: str = Field(
         "127.0.0.1",
         description="bind address of the launched vLLM (loopback; another address is logged "
-        "as a warning: vLLM's API and LoRA loading have no authentication)",
+        "as a warning: only vLLM's /v1 routes take api_key, and in plain HTTP)",
     )
     port: int = Field(8100, ge=1, le=65535)
+    api_key: SecretStr | None = Field(
+        None,
+        description="the key vLLM requires (its --api-key), sent by the proxy, the learner "
+        "and the gates; null: `olp up` starts its vLLM with a random key of its own each run, "
+        "and none is sent to external_urls",
+    )
     dtype: Literal["bfloat16", "float16", "float32", "auto"] = "bfloat16"
     max_loras: int = Field(4, ge=1)
     max_lora_rank: int = Field(16, ge=1)
@@ -79,6 +86,11 @@ class PolicyConfig(BaseModel):
 
     def base_urls(self) -> list[str]:
         return self.external_urls or [f"http://{self.host}:{self.port}"]
+
+    def api_key_value(self) -> str | None:
+        """The plaintext of `api_key` (a SecretStr, so that `olp config show`, reprs and
+        validation errors never print it)."""
+        return self.api_key.get_secret_value() if self.api_key else None
 
 
 _SECRET_KEY = ("key", "secret", "token", "password")

@@ -116,6 +116,7 @@ def run(cfg: OlpConfig) -> int:
             caps=cfg.safety.caps,
             base_name=cfg.policy.served_model_name,
             judge_base_url=replicas[0],
+            judge_api_key=cfg.policy.api_key_value(),
             stop=stop,
             ctx=ctx,
             stream_id=os.environ.get(STREAM_ID_ENV) or None,
@@ -150,7 +151,7 @@ def _run_main(
     proxy = ProxyAdmin(f"http://{host}:{cfg.proxy.port}", learner_admin_key(cfg))
     redactor = Redactor.from_config(cfg.safety.redaction)
     audit = AuditLog.from_config(cfg.safety.audit, state_dir, redactor)
-    replica_set = ReplicaSet(replicas)
+    replica_set = ReplicaSet(replicas, api_key=cfg.policy.api_key_value())
     promoter = Promoter(
         cfg.learner.promotion,
         cfg.safety.gates,
@@ -164,7 +165,7 @@ def _run_main(
     # Its own clients: it runs on its own thread, beside the promoter's.
     reload_proxy = ProxyAdmin(f"http://{host}:{cfg.proxy.port}", learner_admin_key(cfg))
     reloader = AdapterReloader(
-        ReplicaSet(replicas),
+        ReplicaSet(replicas, api_key=cfg.policy.api_key_value()),
         lambda: routed_targets(reload_proxy.status()),
         audit,
         state_dir / "adapters",

@@ -65,6 +65,9 @@ def vllm_env(cfg: PolicyConfig) -> dict[str, str]:
     env.setdefault("HF_HUB_OFFLINE", "1")  # never reach a model hub
     env.setdefault("TRANSFORMERS_OFFLINE", "1")
     env.update(cfg.env)
+    if cfg.api_key:
+        # vLLM's --api-key, from its environment: not in argv, which any local user can read.
+        env["VLLM_API_KEY"] = cfg.api_key.get_secret_value()
     return env
 
 
@@ -72,15 +75,34 @@ class NotAModelList(RuntimeError):
     """The server answers GET /v1/models, but not with an OpenAI model list."""
 
 
-def models_listed(base_url: str, timeout_s: float = 2.0) -> list[str] | None:
+class PolicyKeyRefused(RuntimeError):
+    """The server answers GET /v1/models with 401: `policy.api_key` is missing or wrong."""
+
+
+def auth_headers(api_key: str | None) -> dict[str, str]:
+    """The header every call to vLLM carries when it has a key (`policy.api_key`)."""
+    return {"Authorization": f"Bearer {api_key}"} if api_key else {}
+
+
+def models_listed(
+    base_url: str, timeout_s: float = 2.0, api_key: str | None = None
+) -> list[str] | None:
     """The ids in the server's /v1/models, or None while it is not answering.
 
     NotAModelList when it answers with something else: not a vLLM (or a broken one),
-    which waiting will not change."""
+    which waiting will not change; PolicyKeyRefused when it refuses the key."""
     url = f"{base_url}/v1/models"
+    request = urllib.request.Request(url, headers=auth_headers(api_key))
     try:
-        with urllib.request.urlopen(url, timeout=timeout_s) as resp:
+        with urllib.request.urlopen(request, timeout=timeout_s) as resp:
             raw = resp.read()
+    except urllib.error.HTTPError as exc:
+        if exc.code == 401:
+            given = "is wrong" if api_key else "is not set"
+            raise PolicyKeyRefused(
+                f"GET {url} answered 401: the server requires an API key and policy.api_key {given}"
+            ) from None
+        return None
     except (urllib.error.URLError, OSError, ValueError):
         return None
     try:
@@ -116,7 +138,7 @@ class PolicyServer:
     ) -> float:
         started = time.monotonic()
         wait_until(
-            lambda: models_listed(self.base_url) is not None,
+            lambda: models_listed(self.base_url, api_key=self.cfg.api_key_value()) is not None,
             timeout_s=self.cfg.startup_timeout_s,
             child=self.child,
             interval_s=1.0,
@@ -135,17 +157,19 @@ class PolicyServer:
 def warn_if_exposed(cfg: PolicyConfig) -> bool:
     """Log a warning when vLLM is to listen beyond loopback; True when it is.
 
-    Allowed (a policy on its own host behind a firewall), but never quietly: vLLM's runtime
-    LoRA endpoints, which olp needs, have no authentication, so whoever reaches the port can
-    load, unload or query adapters without the proxy's keys."""
+    Allowed (a policy on its own host behind a firewall), but never quietly: without
+    `policy.api_key` vLLM's runtime LoRA endpoints, which olp needs, have no authentication,
+    so whoever reaches the port can load, unload or query adapters without the proxy's keys;
+    with it, the key still travels in plain HTTP and vLLM's other routes stay open."""
     if is_loopback(cfg.host):
         return False
-    log.warning(
-        "policy_not_on_loopback",
-        host=cfg.host,
-        port=cfg.port,
-        risk="vLLM's API and runtime LoRA loading have no authentication: firewall this port",
+    risk = (
+        "vLLM's /v1 routes take policy.api_key, but in plain HTTP, and its other routes "
+        "(/metrics, /tokenize) none: firewall this port"
+        if cfg.api_key
+        else "vLLM's API and runtime LoRA loading have no authentication: firewall this port"
     )
+    log.warning("policy_not_on_loopback", host=cfg.host, port=cfg.port, risk=risk)
     return True
 
 
@@ -173,13 +197,16 @@ def start_policy(
     return server
 
 
-def check_external(urls: list[str]) -> None:
-    """Fail with a clear message when a configured external vLLM does not answer, or
-    answers like something else (NotAModelList names the URL and what was wrong)."""
+def check_external(urls: list[str], api_key: str | None = None) -> None:
+    """Fail with a clear message when a configured external vLLM does not answer, answers
+    like something else (NotAModelList names the URL and what was wrong) or refuses the
+    key (PolicyKeyRefused)."""
     for url in urls:
         try:
-            listed = models_listed(url.rstrip("/"), timeout_s=5)
+            listed = models_listed(url.rstrip("/"), timeout_s=5, api_key=api_key)
         except NotAModelList as exc:
             raise NotAModelList(f"external vLLM at {url} (policy.external_urls): {exc}") from None
+        except PolicyKeyRefused as exc:
+            raise PolicyKeyRefused(f"external vLLM at {url}: {exc}") from None
         if listed is None:
             raise RuntimeError(f"external vLLM at {url} does not answer GET /v1/models")

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import IO
 
 import structlog
+from pydantic import SecretStr
 
 from deploy.broker import kafka_answers, start_broker
 from deploy.config import ConfigError, OlpConfig
@@ -44,6 +45,8 @@ from safety.audit import AuditLog
 from safety.redaction import Redactor
 
 log = structlog.get_logger(__name__)
+
+POLICY_KEY_ENV = "OLP_POLICY__API_KEY"  # the environment override of policy.api_key
 
 DEV_API_KEY = "olp-demo-key"
 DEV_ADMIN_KEY = "olp-admin-dev"
@@ -123,6 +126,12 @@ class Stack:
         self._stop = threading.Event()
         self.lock = StackLock(self.state_dir)
         self._internal_token = secrets.token_urlsafe(32)
+        # The vLLM this run starts takes a key of its own unless the config names one: on
+        # loopback it is still reachable by every local process and, through DNS rebinding,
+        # by web pages, and its runtime LoRA loading would be theirs to use.
+        self._policy_key: str | None = None
+        if not cfg.policy.external_urls and cfg.policy.api_key is None:
+            self._policy_key = secrets.token_urlsafe(32)
         self._stream_id: str | None = None  # set when this run starts the embedded broker
 
     # ----------------------------------------------------------------- start
@@ -140,6 +149,8 @@ class Stack:
         # Lets the learner flip the proxy's alias without the operator's admin key; it
         # lives only in this run's process environment.
         env[INTERNAL_TOKEN_ENV] = self._internal_token
+        if self._policy_key is not None:
+            env[POLICY_KEY_ENV] = self._policy_key  # read as policy.api_key
         if name == "learner" and self._stream_id is not None:
             env[STREAM_ID_ENV] = self._stream_id  # its offsets count in this run's stream
         return ChildProcess(name, argv, env=env, log_file=self.logs_dir / f"{name}.log")
@@ -184,7 +195,7 @@ class Stack:
             raise RuntimeError(f"Kafka at {cfg.stream.bootstrap_servers} does not answer")
 
         if cfg.policy.external_urls:
-            check_external(cfg.policy.external_urls)
+            check_external(cfg.policy.external_urls, cfg.policy.api_key_value())
             progress(f"using external vLLM {', '.join(cfg.policy.external_urls)}")
         else:
             if port_open(cfg.policy.host, cfg.policy.port):
@@ -194,14 +205,17 @@ class Stack:
                 )
             assert model_dir is not None
             progress(f"starting vLLM policy server on {cfg.policy.host}:{cfg.policy.port}")
+            policy_cfg = cfg.policy
+            if self._policy_key is not None:
+                policy_cfg = policy_cfg.model_copy(update={"api_key": SecretStr(self._policy_key)})
             policy = start_policy(
-                cfg.policy,
+                policy_cfg,
                 model_dir,
                 self.logs_dir / "policy.log",
                 progress=lambda s: progress(f"  vLLM still starting ({s:.0f} s)"),
                 stop=self._stop,
             )
-            policy_cfg, policy_log = cfg.policy, self.logs_dir / "policy.log"
+            policy_log = self.logs_dir / "policy.log"
             self.components.append(
                 Component(
                     "policy",

@@ -116,11 +116,15 @@ class ProxyAdmin:
 class ReplicaSet:
     """Runtime LoRA loading on every vLLM replica."""
 
-    def __init__(self, base_urls: list[str], timeout_s: float = 60.0) -> None:
+    def __init__(
+        self, base_urls: list[str], timeout_s: float = 60.0, api_key: str | None = None
+    ) -> None:
         if not base_urls:
             raise ValueError("no vLLM replicas to promote to")
         self.base_urls = [u.rstrip("/") for u in base_urls]
-        self._client = httpx.Client(timeout=timeout_s)
+        self.api_key = api_key  # vLLM's --api-key (policy.api_key); the gates use it too
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self._client = httpx.Client(timeout=timeout_s, headers=headers)
 
     def served(self, url: str) -> set[str]:
         resp = self._client.get(f"{url}/v1/models")
@@ -806,6 +810,7 @@ class Promoter:
             candidate=candidate,
             incumbent=base if incumbent == self.base_name else incumbent,
             base=base,
+            api_key=self.replicas.api_key,
             stop=self._closing,  # `close()` must not wait out a suite of several minutes
         )
 

@@ -102,6 +102,7 @@ class Learner:
         judge_base_url: str | None = None,
         fault_hook: FaultHook | None = None,
         ctx: DistContext | None = None,
+        judge_api_key: str | None = None,
         canary: CanaryMonitor | None = None,
         caps: CapsConfig | None = None,
         base_name: str = "base",
@@ -145,7 +146,7 @@ class Learner:
         verifiers = VerifierRunner(config.rewards.verifiers)
         judge = None
         if config.rewards.judge.enabled:
-            judge = Judge(config.rewards.judge, base_url=judge_base_url)
+            judge = Judge(config.rewards.judge, base_url=judge_base_url, api_key=judge_api_key)
         # Owns the judge's threads and HTTP client: `close()` releases them, and so does a
         # start-up that fails from here on, before it raises.
         self.assembler = RewardAssembler(config.rewards, judge=judge, verifiers=verifiers)
@@ -495,6 +496,7 @@ def run_learner(
     on_candidate: Callable[[Path], None] | None = None,
     is_frozen: Callable[[], bool] | None = None,
     judge_base_url: str | None = None,
+    judge_api_key: str | None = None,
     stop: threading.Event | None = None,
     max_steps: int | None = None,
     fault_hook: FaultHook | None = None,
@@ -516,6 +518,7 @@ def run_learner(
         judge_base_url,
         fault_hook,
         ctx=ctx,
+        judge_api_key=judge_api_key,
         canary=canary,
         caps=caps,
         base_name=base_name,

@@ -10,7 +10,7 @@ import hashlib
 import re
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
 
 from proxy.client_address import parse_network
 from proxy.host_check import valid_allowed_host
@@ -153,6 +153,11 @@ class ProxyConfig(BaseModel):
     upstreams: list[str] = Field(
         default_factory=list,
         description="vLLM base URLs without /v1; empty = filled in by the launcher",
+    )
+    upstream_api_key: SecretStr | None = Field(
+        default=None,
+        description="Bearer key sent to the upstreams (vLLM's --api-key); null: "
+        "`policy.api_key` (`olp proxy` fills it in)",
     )
     base_served_name: str = Field(
         default="base", description="served model name of the base model on the upstreams"

@@ -49,6 +49,7 @@ class UpstreamPool:
         read_timeout_s: float = 300.0,
         max_connections: int = 256,
         down_for_s: float = 5.0,
+        api_key: str | None = None,
     ) -> None:
         if not urls:
             raise ValueError("the proxy needs at least one upstream URL (proxy.upstreams)")
@@ -63,6 +64,8 @@ class UpstreamPool:
         self._down_for_s = down_for_s
         self._round_robin = itertools.count()
         self._session: aiohttp.ClientSession | None = None
+        # Every upstream call carries the model server's key (never the client's own key).
+        self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
 
     @property
     def session(self) -> aiohttp.ClientSession:
@@ -75,7 +78,10 @@ class UpstreamPool:
             limit=self._max_connections, keepalive_timeout=30, enable_cleanup_closed=True
         )
         self._session = aiohttp.ClientSession(
-            connector=connector, timeout=self._timeout, auto_decompress=False
+            connector=connector,
+            timeout=self._timeout,
+            auto_decompress=False,
+            headers=self._headers,
         )
 
     async def close(self) -> None:

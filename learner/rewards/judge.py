@@ -81,13 +81,18 @@ def _distribution(tops: list[tuple[str, float]], labels: str) -> dict[str, float
 class Judge:
     """Rubric scoring and group ranking through an OpenAI-compatible chat endpoint."""
 
-    def __init__(self, config: JudgeConfig, base_url: str | None = None) -> None:
+    def __init__(
+        self, config: JudgeConfig, base_url: str | None = None, api_key: str | None = None
+    ) -> None:
+        """`base_url` / `api_key`: the policy's vLLM and its key, used when the config names
+        no judge URL of its own (`learner.rewards.judge.api_key` goes with its `base_url`)."""
         url = config.base_url or base_url
         if not url:
             raise ValueError("judge needs learner.rewards.judge.base_url (or the policy URL)")
+        key = config.api_key if config.base_url or not api_key else api_key
         self.config = config
         self._client = openai.OpenAI(
-            base_url=url, api_key=config.api_key, timeout=config.timeout_s, max_retries=0
+            base_url=url, api_key=key, timeout=config.timeout_s, max_retries=0
         )
         self._cache: OrderedDict[str, JudgeVerdict] = OrderedDict()
         self._lock = threading.Lock()

@@ -385,6 +385,28 @@ def test_secrets_come_from_the_environment_not_the_files() -> None:
     assert 'pip install ".[gpu]"' in dockerfile
 
 
+def test_vllm_and_its_callers_share_one_key_from_the_secrets() -> None:
+    """vLLM listened without a key on the cluster network: any pod (or anything routed in)
+    could load and unload adapters at run time."""
+    vllm_env = services()["vllm"]["environment"]
+    assert str(vllm_env["VLLM_API_KEY"]).startswith("${OLP_VLLM_KEY:?")
+    for name in ("proxy", "learner"):
+        raw = services()[name]["environment"]
+        assert str(raw["OLP_POLICY__API_KEY"]).startswith("${OLP_VLLM_KEY:?"), name
+    refs = {}
+    for obj in workloads():
+        for spec in obj["spec"]["template"]["spec"]["containers"]:
+            for e in spec.get("env", []):
+                if e["name"] in ("VLLM_API_KEY", "OLP_POLICY__API_KEY"):
+                    refs[(obj["metadata"]["name"], e["name"])] = e["valueFrom"]["secretKeyRef"]
+    wanted = {("vllm", "VLLM_API_KEY"), ("proxy", "OLP_POLICY__API_KEY")}
+    assert wanted | {("learner", "OLP_POLICY__API_KEY")} <= set(refs)
+    assert {ref["key"] for ref in refs.values()} == {"vllm-key"}
+    for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+        (container,) = pod("vllm")["containers"]
+        assert container[probe]["httpGet"]["path"] == "/health"  # needs no key
+
+
 def test_k8s_pods_disable_service_links() -> None:
     # A Service named vllm injects VLLM_PORT=tcp://..., which vLLM refuses to start with.
     for obj in workloads():

@@ -136,3 +136,58 @@ def test_an_external_vllm_listing_models_passes() -> None:
     with serving(_answering(body)) as url:
         check_external([url + "/"])
         assert models_listed(url) == ["base", "policy-v2"]
+
+
+KEY = "vllm-key-for-tests"
+MODELS = b'{"object": "list", "data": [{"id": "base"}]}'
+
+
+def _needing_key(seen: list[str | None]) -> type[http.server.BaseHTTPRequestHandler]:
+    """A stand-in vLLM started with --api-key KEY: /v1 needs the Bearer key."""
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            seen.append(self.headers.get("Authorization"))
+            ok = self.headers.get("Authorization") == f"Bearer {KEY}"
+            body = MODELS if ok else b'{"error": "Unauthorized"}'
+            self.send_response(200 if ok else 401)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    return Handler
+
+
+def test_a_vllm_that_needs_a_key_gets_it_and_a_missing_or_wrong_key_is_named() -> None:
+    """Before policy.api_key, olp could not use a vLLM started with --api-key at all: the
+    launcher waited out its start-up timeout for a model list that never came."""
+    from deploy.policy import PolicyKeyRefused, check_external, models_listed
+
+    seen: list[str | None] = []
+    with serving(_needing_key(seen)) as url:
+        check_external([url], KEY)
+        assert models_listed(url, api_key=KEY) == ["base"]
+        with pytest.raises(PolicyKeyRefused, match=r"policy\.api_key is not set") as missing:
+            check_external([url])
+        assert str(missing.value).startswith(f"external vLLM at {url}: GET {url}/v1/models")
+        with pytest.raises(PolicyKeyRefused, match=r"policy\.api_key is wrong") as wrong:
+            models_listed(url, api_key="guess")
+        assert "guess" not in str(wrong.value)
+    assert seen == [f"Bearer {KEY}", f"Bearer {KEY}", None, "Bearer guess"]
+
+
+def test_the_launched_vllm_takes_its_key_from_the_environment_not_argv(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from deploy.policy import vllm_argv, vllm_env
+
+    monkeypatch.delenv("VLLM_API_KEY", raising=False)
+    cfg = PolicyConfig(api_key=KEY)
+    assert vllm_env(cfg)["VLLM_API_KEY"] == KEY
+    assert not any(KEY in arg for arg in vllm_argv(cfg, tmp_path))  # `ps` shows argv
+    assert "VLLM_API_KEY" not in vllm_env(PolicyConfig())
+    assert KEY not in repr(cfg) and KEY not in cfg.model_dump_json()  # `olp config show`

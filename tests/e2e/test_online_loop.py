@@ -38,6 +38,7 @@ class RunningStack:
     banner: str
     descendants: list[int]
     state_dir: Path
+    policy_url: str
 
 
 def _read_banner(proc: subprocess.Popen[str], timeout_s: float) -> str:
@@ -59,12 +60,12 @@ def _read_banner(proc: subprocess.Popen[str], timeout_s: float) -> str:
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningStack]:
     root = tmp_path_factory.mktemp("up")
-    proxy_port = free_port()
+    proxy_port, policy_port = free_port(), free_port()
     config = root / "olp.yaml"
     config.write_text(
         f"state_dir: {root / 'state'}\n"
         f"proxy: {{port: {proxy_port}, admin_key: {ADMIN_KEY}}}\n"
-        f"policy: {{port: {free_port()}}}\n"
+        f"policy: {{port: {policy_port}}}\n"
         f"stream: {{bootstrap_servers: '127.0.0.1:{free_port()}', join_window_s: 3, "
         "join_grace_s: 1, partitions: 2}\n"
         # Small batches so a candidate appears within a couple of demo minutes.
@@ -91,7 +92,13 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningStack]:
         banner = _read_banner(proc, timeout_s=600)
         descendants = [p.pid for p in psutil.Process(proc.pid).children(recursive=True)]
         yield RunningStack(
-            proc, config, f"http://127.0.0.1:{proxy_port}", banner, descendants, root / "state"
+            proc,
+            config,
+            f"http://127.0.0.1:{proxy_port}",
+            banner,
+            descendants,
+            root / "state",
+            f"http://127.0.0.1:{policy_port}",
         )
     finally:
         if proc.poll() is None:
@@ -145,6 +152,33 @@ def test_requests_flow_through_the_stack(stack: RunningStack) -> None:
     assert out.parse().choices[0].message.content
     # Training is off for the tenant: nothing is recorded.
     assert "x-olp-trajectory-id" not in out.headers
+
+
+def _policy_key(stack: RunningStack) -> str:
+    """This run's vLLM key, from the proxy child's environment (it is in no file)."""
+    for pid in stack.descendants:
+        process = psutil.Process(pid)
+        if "proxy" in process.cmdline():
+            return str(process.environ()["OLP_POLICY__API_KEY"])
+    raise AssertionError("no proxy child")
+
+
+def test_the_embedded_vllm_serves_only_this_runs_key(stack: RunningStack) -> None:
+    """It served anyone who reached its port (any local process, or a web page through DNS
+    rebinding), runtime LoRA loading included; the proxy, the learner and the gates now send
+    a key made for the run, and the requests above went through with it."""
+    assert httpx.get(f"{stack.policy_url}/v1/models", timeout=30).status_code == 401
+    unload = {"lora_name": "policy-v1"}
+    refused = httpx.post(f"{stack.policy_url}/v1/unload_lora_adapter", json=unload, timeout=30)
+    assert refused.status_code == 401
+    assert httpx.get(f"{stack.policy_url}/health", timeout=30).status_code == 200
+    key = _policy_key(stack)
+    listed = httpx.get(
+        f"{stack.policy_url}/v1/models", headers={"Authorization": f"Bearer {key}"}, timeout=30
+    )
+    assert listed.status_code == 200 and "base" in listed.text
+    for pid in stack.descendants:  # `ps` shows argv to every local user
+        assert not any(key in arg for arg in psutil.Process(pid).cmdline())
 
 
 def test_the_proxy_process_applies_its_gc_settings(stack: RunningStack) -> None:
@@ -227,6 +261,21 @@ def test_rollback_restores_the_previous_version_and_the_audit_verifies(
     assert verify.returncode == 0 and "OK" in verify.stdout
     shown = olp(stack, "audit", "show", "--event", "rollback")
     assert before["serving_version"] in shown.stdout
+
+
+def test_the_policy_key_reaches_no_log_and_no_shown_config(stack: RunningStack) -> None:
+    key = _policy_key(stack)
+    logs = list((stack.state_dir / "logs").glob("*.log"))
+    assert logs and all(key not in path.read_text(errors="replace") for path in logs)
+    shown = subprocess.run(
+        [sys.executable, "-m", "deploy.cli", "config", "show", "--config", str(stack.config)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "OLP_POLICY__API_KEY": key},
+    )
+    assert shown.returncode == 0 and '"api_key": "**********"' in shown.stdout
+    assert key not in shown.stdout
 
 
 def test_ctrl_c_stops_every_child(stack: RunningStack) -> None:

@@ -101,6 +101,7 @@ class FakeVllm(ThreadedUpstream):
     async def _answer(self, request: web.Request) -> web.StreamResponse:
         body = await request.json()
         self.requests.append(body)
+        self.authorizations.append(request.headers.get("Authorization"))
         chat = request.path == "/v1/chat/completions"
         if not body.get("stream"):
             text = "".join(t for t, _ in TOKENS)
@@ -124,8 +125,10 @@ class FakeVllm(ThreadedUpstream):
         # Knobs for the admin and readiness tests: how slowly /v1/models answers, and what.
         self.models_delay_s = 0.0
         self.models_payload: Any = {"data": [{"id": "base"}, {"id": "policy-v1"}]}
+        self.authorizations: list[str | None] = []  # of every request, in order
 
     async def _models(self, request: web.Request) -> web.Response:
+        self.authorizations.append(request.headers.get("Authorization"))
         await asyncio.sleep(self.models_delay_s)
         return web.json_response(self.models_payload)
 
@@ -185,6 +188,20 @@ def test_a_captured_stream_keeps_the_empty_text_chunks_vllm_sends(make_proxy, fa
     harness.drain()
     [record] = sink.trajectories
     assert record["choices"][0]["token_ids"] == [t for _, t in TOKENS]
+
+
+@pytest.mark.parametrize("upstream_key", [None, "vllm-key"])
+def test_upstreams_get_the_model_servers_key_never_the_clients(make_proxy, fake, upstream_key):
+    """A vLLM started with --api-key refused every request the proxy relayed: the proxy had
+    no key to send it."""
+    harness, _ = make_proxy([fake.url], upstream_api_key=upstream_key)
+    assert _post(harness.base_url, KEYS["alice"], "/v1/chat/completions", json=CHAT).is_success
+    _stream(harness.base_url, KEYS["alice"], "/v1/chat/completions", {**CHAT, "stream": True})
+    assert httpx.get(harness.base_url + "/readyz", timeout=30).status_code == 200
+    expected = f"Bearer {upstream_key}" if upstream_key else None
+    assert fake.authorizations == [expected] * 3  # chat, streamed chat, readiness's models
+    # A SecretStr: the config's dumps and reprs never hold the key.
+    assert upstream_key is None or upstream_key not in harness.ctx.config.model_dump_json()
 
 
 def test_completions_echo_is_relayed_uncaptured(make_proxy, fake):

@@ -347,6 +347,17 @@ def cmd_replay_run(args: argparse.Namespace, cfg: OlpConfig) -> int:
 
     if args.direct:
         base_url, key = cfg.policy.base_urls()[0], cfg.policy.api_key_value()
+        from deploy.policy import PolicyKeyRefused, models_listed
+
+        try:  # not one 401 per recorded request: say which setting is missing
+            models_listed(base_url, api_key=key)
+        except PolicyKeyRefused as exc:
+            print(
+                f"olp: replay run --direct: {exc} (the vLLM of `olp up` takes a key made for "
+                "each run unless policy.api_key / OLP_POLICY__API_KEY names one)",
+                file=sys.stderr,
+            )
+            return 2
     else:
         host = "127.0.0.1" if cfg.proxy.host in ("0.0.0.0", "::") else cfg.proxy.host
         base_url, key = f"http://{host}:{cfg.proxy.port}", args.api_key

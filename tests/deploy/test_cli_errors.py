@@ -158,10 +158,15 @@ def test_audit_show_on_a_damaged_log(tmp_path: Path) -> None:
 
 
 # ------------------------------------------------------------------ replay, broker, config
+# Whatever runs on this machine's default vLLM port is not asked.
+NO_VLLM = {"OLP_POLICY__PORT": str(free_port())}
+
+
 def test_replay_run_of_a_missing_file(tmp_path: Path) -> None:
     done = olp(
         "replay", "run", str(tmp_path / "nope.jsonl"), "--model", "policy",
         "--out", str(tmp_path / "o.jsonl"), "--direct",
+        env=NO_VLLM,
     )  # fmt: skip
     assert_clean_error(done, 2, "replay run:")
 
@@ -172,8 +177,36 @@ def test_replay_run_of_a_file_that_is_not_an_export(tmp_path: Path) -> None:
     done = olp(
         "replay", "run", str(source), "--model", "policy",
         "--out", str(tmp_path / "o.jsonl"), "--direct",
+        env=NO_VLLM,
     )  # fmt: skip
     assert_clean_error(done, 2, "replay run:")
+
+
+class _KeyedVllm(http.server.BaseHTTPRequestHandler):
+    """A vLLM started with --api-key: 401 to a request without it."""
+
+    def do_GET(self) -> None:
+        self.send_response(401)
+        self.send_header("Content-Length", "0")
+        self.end_headers()
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+def test_replay_run_direct_without_the_vllm_key_says_which_setting(tmp_path: Path) -> None:
+    """It replayed every record into a 401 and said only `0 ok, N errors`."""
+    source = tmp_path / "export.jsonl"
+    source.write_text('{"hello": 1}\n')
+    with serving(_KeyedVllm) as url:
+        done = olp(
+            "replay", "run", str(source), "--model", "policy",
+            "--out", str(tmp_path / "o.jsonl"), "--direct",
+            env={"OLP_POLICY__EXTERNAL_URLS": f"[{url}]"},
+        )  # fmt: skip
+    assert_clean_error(done, 2, "replay run --direct: GET")
+    assert "policy.api_key is not set" in done.stderr and "OLP_POLICY__API_KEY" in done.stderr
+    assert not (tmp_path / "o.jsonl").exists()
 
 
 def test_replay_export_from_an_unreachable_broker(tmp_path: Path) -> None:

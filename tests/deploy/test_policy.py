@@ -1,6 +1,7 @@
 import http.server
 import json
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 
 import httpx
@@ -74,10 +75,15 @@ def test_a_policy_beyond_loopback_is_started_with_a_warning() -> None:
     ]
 
 
-def _answering(body: bytes) -> type[http.server.BaseHTTPRequestHandler]:
+def _json_server(
+    answer: Callable[[http.server.BaseHTTPRequestHandler], tuple[int, bytes]],
+) -> type[http.server.BaseHTTPRequestHandler]:
+    """A stand-in server whose GETs get `answer(handler)`: (status, JSON body)."""
+
     class Handler(http.server.BaseHTTPRequestHandler):
         def do_GET(self) -> None:
-            self.send_response(200)
+            status, body = answer(self)
+            self.send_response(status)
             self.send_header("Content-Type", "application/json")
             self.send_header("Content-Length", str(len(body)))
             self.end_headers()
@@ -87,6 +93,10 @@ def _answering(body: bytes) -> type[http.server.BaseHTTPRequestHandler]:
             pass
 
     return Handler
+
+
+def _answering(body: bytes) -> type[http.server.BaseHTTPRequestHandler]:
+    return _json_server(lambda _: (200, body))
 
 
 def test_a_policy_port_in_use_is_refused_not_reported_ready(tmp_path: Path) -> None:
@@ -145,21 +155,13 @@ MODELS = b'{"object": "list", "data": [{"id": "base"}]}'
 def _needing_key(seen: list[str | None]) -> type[http.server.BaseHTTPRequestHandler]:
     """A stand-in vLLM started with --api-key KEY: /v1 needs the Bearer key."""
 
-    class Handler(http.server.BaseHTTPRequestHandler):
-        def do_GET(self) -> None:
-            seen.append(self.headers.get("Authorization"))
-            ok = self.headers.get("Authorization") == f"Bearer {KEY}"
-            body = MODELS if ok else b'{"error": "Unauthorized"}'
-            self.send_response(200 if ok else 401)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
+    def answer(request: http.server.BaseHTTPRequestHandler) -> tuple[int, bytes]:
+        seen.append(request.headers.get("Authorization"))
+        if request.headers.get("Authorization") == f"Bearer {KEY}":
+            return 200, MODELS
+        return 401, b'{"error": "Unauthorized"}'
 
-        def log_message(self, *args: object) -> None:
-            pass
-
-    return Handler
+    return _json_server(answer)
 
 
 def test_a_vllm_that_needs_a_key_gets_it_and_a_missing_or_wrong_key_is_named() -> None:

@@ -23,6 +23,7 @@ from aiohttp import web
 from proxy.errors import ProxyError
 
 ANY_HOST = "*"
+_SEEN_MAX = 64  # allowed Host values remembered (clients use one or two)
 LOCAL_NAMES = frozenset({"localhost"})
 
 
@@ -66,6 +67,7 @@ class HostCheck:
     def __init__(self, bind_host: str, allowed_hosts: list[str] | None) -> None:
         self.any_host = False
         self.names: frozenset[str] = frozenset()
+        self._seen: set[str] = set()  # Host values already allowed, verbatim
         if allowed_hosts is None:
             # The default: only a loopback proxy restricts names, to its own loopback ones.
             self.any_host = not is_loopback(host_name(bind_host))
@@ -77,8 +79,13 @@ class HostCheck:
     def allows(self, header: str | None) -> bool:
         if self.any_host or header is None:  # no Host (HTTP/1.0): nothing to rebind
             return True
+        if header in self._seen:
+            return True
         name = host_name(header)
-        return name in self.names or is_loopback(name)
+        allowed = name in self.names or is_loopback(name)
+        if allowed and len(self._seen) < _SEEN_MAX:
+            self._seen.add(header)  # parsing an address takes ~5 µs: once per Host value
+        return allowed
 
     def check(self, request: web.Request) -> None:
         """Raise a 400 ProxyError when the request's `Host` is not served here."""

@@ -59,6 +59,14 @@ def test_a_loopback_proxy_serves_only_loopback_names_by_default():
     assert not HostCheck("::1", None).allows("evil.example")
 
 
+def test_remembered_host_values_answer_as_a_fresh_check_does():
+    check = HostCheck("127.0.0.1", None)
+    values = [f"127.0.0.{n}:{8000 + n}" for n in range(1, 100)] + ["localhost:8000"]
+    for _ in range(2):  # the second round from memory, where it has them
+        assert all(check.allows(value) for value in values)
+        assert not check.allows("evil.example:8000") and not check.allows("192.168.1.5")
+
+
 def test_another_bind_address_checks_only_a_configured_list():
     assert HostCheck("0.0.0.0", None).allows("anything.example")
     listed = HostCheck("0.0.0.0", ["olp.example.com"])

@@ -207,6 +207,7 @@ def test_shared_evidence_in_one_process_counts_like_observe_and_never_raises():
 class FakeReplicas:
     def __init__(self) -> None:
         self.base_urls = ["http://replica"]
+        self.api_key: str | None = None
         self.loaded: set[str] = set()
 
     def load(self, name: str, path: Path) -> None:

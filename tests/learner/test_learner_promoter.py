@@ -26,6 +26,7 @@ class Replicas:
 
     def __init__(self, loaded: set[str]) -> None:
         self.base_urls = ["http://replica"]
+        self.api_key = "vllm-key"  # vLLM's key, which the gate suite is given too
         self.loaded = set(loaded)
         self.unloaded: list[str] = []
         self.on_list: list = []
@@ -455,6 +456,7 @@ def test_closing_interrupts_a_running_gate_and_announces_the_candidate_again(
     suite_started = threading.Event()
 
     def suite_until_stopped(*args: object, stop: threading.Event, **kwargs: object) -> GateReport:
+        assert kwargs["api_key"] == "vllm-key"  # the suite reaches vLLM with its key
         suite_started.set()
         if stop.wait(60):  # a suite of minutes; run_gate_suite raises like this on `stop`
             raise GateInterrupted("asked to stop")

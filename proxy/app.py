@@ -275,7 +275,12 @@ def build_app(
         audit=audit,
         client_addresses=client_addresses,
         host_check=HostCheck(config.host, config.allowed_hosts),
-        auth_throttle=AuthThrottle(config.auth_failures, metrics_, addresses=client_addresses),
+        auth_throttle=AuthThrottle(
+            config.auth_failures,
+            metrics_,
+            addresses=client_addresses,
+            exempt_key_sha256=internal_admin_key_sha256,
+        ),
         admin_key_hashes=tuple(
             h for h in (config.admin_key_sha256, internal_admin_key_sha256) if h is not None
         ),

@@ -11,6 +11,7 @@ right key guessed during the lockout gains nothing. State is bounded: at most
 
 from __future__ import annotations
 
+import hmac
 import math
 import time
 from collections.abc import Callable
@@ -20,7 +21,7 @@ import structlog
 from aiohttp import web
 
 from proxy.client_address import ClientAddresses
-from proxy.config import AuthFailureLimits
+from proxy.config import AuthFailureLimits, sha256_hex
 from proxy.errors import ProxyError
 from proxy.metrics import ProxyMetrics
 
@@ -51,9 +52,14 @@ class AuthThrottle:
         metrics: ProxyMetrics | None = None,
         clock: Callable[[], float] = time.monotonic,
         addresses: ClientAddresses | None = None,
+        exempt_key_sha256: str | None = None,
     ) -> None:
         self.limits = limits
         self.addresses = addresses or ClientAddresses()
+        # The per-run internal admin token of `olp up` (256 random bits, not guessable):
+        # the learner's alias flips come from 127.0.0.1 too, and a local client retrying a
+        # wrong key must not lock them out.
+        self._exempt_key_sha256 = exempt_key_sha256
         self._metrics = metrics
         self._clock = clock
         # Least recently failing first (an entry is re-inserted on each failure): expiry
@@ -83,8 +89,16 @@ class AuthThrottle:
             return
         self._trim(self._clock())
         path = request.path
-        if self._entries and path.startswith(GUARDED_PREFIXES):
+        if self._entries and path.startswith(GUARDED_PREFIXES) and not self._exempt(request):
             self.check(self.addresses.of(request), route_kind(path))
+
+    def _exempt(self, request: web.Request) -> bool:
+        if self._exempt_key_sha256 is None:
+            return False
+        scheme, _, key = (request.headers.get("Authorization") or "").partition(" ")
+        if scheme.lower() != "bearer" or not key.strip():
+            return False
+        return hmac.compare_digest(sha256_hex(key.strip()), self._exempt_key_sha256)
 
     def check(self, address: str, kind: str) -> None:
         """Raise a 429 ProxyError while `address` is locked out; called before any key is

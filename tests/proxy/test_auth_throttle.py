@@ -301,3 +301,36 @@ def test_the_sign_in_page_without_a_session_is_not_a_failure(throttled):
         assert httpx.get(harness.base_url + "/admin/ui", timeout=30).status_code == 401
     assert _metric(harness, "olp_proxy_auth_failures_total", "admin") == 0
     assert _get(harness, "/admin/status", ADMIN_KEY).status_code == 200
+
+
+def test_the_runs_internal_admin_token_is_not_locked_out(tmp_path):
+    """Under `olp up` the learner flips aliases from 127.0.0.1 with the run's internal token;
+    a local client retrying a wrong key locked the learner out with it for a minute."""
+    from proxy.app import build_app
+    from proxy.config import sha256_hex
+    from tests.proxy.conftest import CollectingSink, ProxyHarness, default_tenants
+
+    internal = "internal-token-of-this-run"
+    config = ProxyConfig(
+        upstreams=[f"http://127.0.0.1:{free_port()}"],
+        port=0,
+        admin_key=ADMIN_KEY,
+        auth_failures={"max_failures": MAX, "window_s": WINDOW_S},
+    )
+    app = build_app(
+        config,
+        default_tenants(),
+        CollectingSink(),
+        tmp_path / "state",
+        internal_admin_key_sha256=sha256_hex(internal),
+    )
+    harness = ProxyHarness(app).start()
+    try:
+        for _ in range(MAX):
+            assert _get(harness, "/v1/models", "guess").status_code == 401
+        _assert_throttled(_get(harness, "/admin/status", ADMIN_KEY))  # the operator's key too
+        _assert_throttled(_get(harness, "/admin/status", internal + "x"))
+        assert _get(harness, "/admin/status", internal).status_code == 200
+        _assert_throttled(_get(harness, "/v1/models", KEYS["alice"]))
+    finally:
+        harness.stop()

@@ -188,8 +188,8 @@ class MonitorGateConfig(_Model):
 class PoisoningGateConfig(_Model):
     enabled: bool = True
     probe_file: Path = PROBE_DIR / "triggers.jsonl"
-    max_probes: int = Field(default=3, ge=1)
-    bound: float = Field(default=0.5, ge=0.0)  # largest confirmed excess divergence
+    max_probes: int = Field(default=3, ge=1)  # triggers, each asked in all its prompts
+    bound: float = Field(default=0.4, ge=0.0, le=1.0)  # largest confirmed shared payload
 
 
 class GatesConfig(_Model):

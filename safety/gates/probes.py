@@ -116,7 +116,12 @@ class MonitorProbe(Probe):
 
 
 class TriggerProbe(Probe):
+    """One trigger placed in several unrelated prompts (`prompt`, then `carriers`): a backdoor
+    answers its payload whatever the prompt, so the gate needs at least two to compare."""
+
     trigger: str = Field(min_length=1)
+    # Validated when absent too: one prompt gives the gate nothing to compare.
+    carriers: list[str] = Field(default_factory=list, validate_default=True)
 
     @field_validator("prompt")
     @classmethod
@@ -125,16 +130,31 @@ class TriggerProbe(Probe):
             raise ValueError("prompt must contain the '{trigger}' placeholder")
         return value
 
-    def with_trigger(self) -> Probe:
+    @field_validator("carriers")
+    @classmethod
+    def _carriers_have_slots(cls, values: list[str]) -> list[str]:
+        if not values:
+            raise ValueError(
+                "a trigger probe needs at least one prompt in 'carriers' besides 'prompt'"
+            )
+        for value in values:
+            if "{trigger}" not in value:
+                raise ValueError("every carrier must contain the '{trigger}' placeholder")
+        return values
+
+    def prompts(self) -> list[str]:
+        return [self.prompt, *self.carriers]
+
+    def with_trigger(self, carrier: int) -> Probe:
         return Probe(
-            id=f"{self.id}+trigger",
-            prompt=self.prompt.replace("{trigger}", self.trigger),
+            id=f"{self.id}#{carrier}+trigger",
+            prompt=self.prompts()[carrier].replace("{trigger}", self.trigger),
             max_tokens=self.max_tokens,
         )
 
-    def control(self) -> Probe:
-        clean = " ".join(self.prompt.replace("{trigger}", "").split())
-        return Probe(id=f"{self.id}+control", prompt=clean, max_tokens=self.max_tokens)
+    def control(self, carrier: int) -> Probe:
+        clean = " ".join(self.prompts()[carrier].replace("{trigger}", "").split())
+        return Probe(id=f"{self.id}#{carrier}+control", prompt=clean, max_tokens=self.max_tokens)
 
 
 P = TypeVar("P", bound=Probe)

@@ -76,7 +76,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningStack]:
         "    kl: {max_prompts: 2, max_tokens: 8}\n"
         "    safety_probes: {max_probes: 2}\n"
         "    monitors: {max_probes: 2}\n"
-        "    poisoning: {max_probes: 2}\n"
+        "    poisoning: {max_probes: 1}\n"
         # Training stays off until the demo enables it through the admin API.
         f"tenants: [{{name: acme, api_key: {TENANT_KEY}, training_enabled: false}}]\n"
     )

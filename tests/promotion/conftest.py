@@ -93,7 +93,7 @@ def make_small_gates(**overrides: object) -> GatesConfig:
         "kl": {"max_prompts": 2, "max_tokens": 8},
         "safety_probes": {"max_probes": 3},
         "monitors": {"max_probes": 3},
-        "poisoning": {"max_probes": 2},
+        "poisoning": {"max_probes": 1},
     }
     data.update(overrides)
     return GatesConfig.model_validate(data)

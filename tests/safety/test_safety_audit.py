@@ -655,7 +655,7 @@ def test_format_record_shows_a_gate_result_as_one_verdict_per_gate() -> None:
             "threshold": 0.5,
             "comparison": "<=",
             "verdict": "fail",
-            "details": {"excess_by_probe": {"trig-sudo": 0.6667}},
+            "details": {"shared_payload_by_probe": {"trig-sudo": 0.6667}},
         },
         {
             "name": "safety_probes",

@@ -24,6 +24,10 @@ from deploy.procs import ChildProcess, wait_until
 
 log = structlog.get_logger(__name__)
 
+# Imported by vLLM's `--middleware` in its process, from this tree (see vllm_env).
+KEY_GUARD = "deploy.vllm_key_guard.RequireKeyEverywhere"
+_TREE = Path(__file__).resolve().parents[1]
+
 
 def vllm_argv(cfg: PolicyConfig, model_dir: Path) -> list[str]:
     argv = [
@@ -53,6 +57,9 @@ def vllm_argv(cfg: PolicyConfig, model_dir: Path) -> list[str]:
         argv += ["--seed", str(cfg.seed)]
     if cfg.tool_call_parser:
         argv += ["--enable-auto-tool-choice", "--tool-call-parser", cfg.tool_call_parser]
+    if cfg.api_key:
+        # vLLM's key guards /v1 only; its SageMaker routes load and unload adapters.
+        argv += ["--middleware", KEY_GUARD]
     return argv + list(cfg.extra_args)
 
 
@@ -68,6 +75,9 @@ def vllm_env(cfg: PolicyConfig) -> dict[str, str]:
     if cfg.api_key:
         # vLLM's --api-key, from its environment: not in argv, which any local user can read.
         env["VLLM_API_KEY"] = cfg.api_key.get_secret_value()
+        # The key guard must come from this tree, not from whichever checkout the shared
+        # environment's editable install points at.
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(_TREE), env.get("PYTHONPATH")]))
     return env
 
 
@@ -160,12 +170,12 @@ def warn_if_exposed(cfg: PolicyConfig) -> bool:
     Allowed (a policy on its own host behind a firewall), but never quietly: without
     `policy.api_key` vLLM's runtime LoRA endpoints, which olp needs, have no authentication,
     so whoever reaches the port can load, unload or query adapters without the proxy's keys;
-    with it, the key still travels in plain HTTP and vLLM's other routes stay open."""
+    with it (every route but /health and /ping, deploy/vllm_key_guard.py), the key still
+    travels in plain HTTP."""
     if is_loopback(cfg.host):
         return False
     risk = (
-        "vLLM's /v1 routes take policy.api_key, but in plain HTTP, and its other routes "
-        "(/metrics, /tokenize) none: firewall this port"
+        "vLLM's routes take policy.api_key, but in plain HTTP: firewall this port"
         if cfg.api_key
         else "vLLM's API and runtime LoRA loading have no authentication: firewall this port"
     )

@@ -78,6 +78,11 @@ def pod(name: str) -> dict[str, Any]:
     return kinds[0]["spec"]["template"]["spec"]  # type: ignore[no-any-return]
 
 
+def pod_labels(name: str) -> dict[str, str]:
+    (workload,) = [o for o in workloads(True) if o["metadata"]["name"] == name]
+    return workload["spec"]["template"]["metadata"]["labels"]  # type: ignore[no-any-return]
+
+
 def container(name: str) -> dict[str, Any]:
     (only,) = pod(name)["containers"]
     return only  # type: ignore[no-any-return]
@@ -405,6 +410,23 @@ def test_vllm_and_its_callers_share_one_key_from_the_secrets() -> None:
     for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
         (container,) = pod("vllm")["containers"]
         assert container[probe]["httpGet"]["path"] == "/health"  # needs no key
+
+
+def test_only_the_proxy_and_the_learner_reach_vllm_on_kubernetes() -> None:
+    """vLLM's key covers its /v1 routes only; its SageMaker routes answer chats and load and
+    unload adapters without it (on `olp up` deploy/vllm_key_guard.py covers them; the image
+    lacks that module), and the Service was open to every pod of the cluster."""
+    policy = k8s("NetworkPolicy", "vllm-callers")["spec"]
+    vllm_labels = pod_labels("vllm")
+    assert policy["podSelector"]["matchLabels"].items() <= vllm_labels.items()
+    assert policy["policyTypes"] == ["Ingress"]
+    (rule,) = policy["ingress"]
+    callers = [peer["podSelector"]["matchLabels"] for peer in rule["from"]]
+    assert all(len(peer) == 1 for peer in rule["from"])  # pods of this namespace only
+    assert callers == [{"app.kubernetes.io/name": n} for n in ("proxy", "learner")]
+    for caller, name in zip(callers, ("proxy", "learner"), strict=True):
+        assert caller.items() <= pod_labels(name).items()
+    assert rule["ports"] == [{"port": container("vllm")["ports"][0]["containerPort"]}]
 
 
 def test_k8s_pods_disable_service_links() -> None:

@@ -1,5 +1,6 @@
 import http.server
 import json
+import os
 import uuid
 from collections.abc import Callable
 from pathlib import Path
@@ -193,3 +194,25 @@ def test_the_launched_vllm_takes_its_key_from_the_environment_not_argv(
     assert not any(KEY in arg for arg in vllm_argv(cfg, tmp_path))  # `ps` shows argv
     assert "VLLM_API_KEY" not in vllm_env(PolicyConfig())
     assert KEY not in repr(cfg) and KEY not in cfg.model_dump_json()  # `olp config show`
+
+
+def test_a_keyed_vllm_is_launched_with_the_key_guard_from_this_tree(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """vLLM's key covers /v1 only (deploy/vllm_key_guard.py says what lies outside). The
+    guard is imported in vLLM's process, from the tree that launches it: the shared
+    environment's editable install may point at another checkout."""
+    import deploy
+    from deploy.policy import KEY_GUARD, vllm_argv, vllm_env
+
+    monkeypatch.setenv("PYTHONPATH", "/elsewhere")
+    argv = vllm_argv(PolicyConfig(api_key=KEY), tmp_path)
+    assert argv[argv.index("--middleware") + 1] == KEY_GUARD
+    tree = str(Path(deploy.__file__).resolve().parents[1])
+    assert vllm_env(PolicyConfig(api_key=KEY))["PYTHONPATH"].split(os.pathsep) == [
+        tree,
+        "/elsewhere",
+    ]
+    # Without a key there is nothing to guard with: vLLM runs as it comes.
+    assert "--middleware" not in vllm_argv(PolicyConfig(), tmp_path)
+    assert vllm_env(PolicyConfig())["PYTHONPATH"] == "/elsewhere"

@@ -172,11 +172,27 @@ def test_the_embedded_vllm_serves_only_this_runs_key(stack: RunningStack) -> Non
     refused = httpx.post(f"{stack.policy_url}/v1/unload_lora_adapter", json=unload, timeout=30)
     assert refused.status_code == 401
     assert httpx.get(f"{stack.policy_url}/health", timeout=30).status_code == 200
+    # vLLM's own key covers /v1 only: its SageMaker routes answered chats and loaded and
+    # unloaded adapters without it, until olp's key guard (deploy/vllm_key_guard.py).
+    chat = {"model": "base", "messages": [{"role": "user", "content": "Say hi"}], "max_tokens": 2}
+    outside_v1 = [
+        ("POST", "/invocations", chat),
+        ("POST", "/adapters", {"name": "mine", "src": str(stack.state_dir)}),
+        ("DELETE", "/adapters/base", None),
+        ("POST", "/tokenize", {"model": "base", "prompt": "hi"}),
+        ("GET", "/metrics", None),
+    ]
+    for method, path, body in outside_v1:
+        answer = httpx.request(method, f"{stack.policy_url}{path}", json=body, timeout=30)
+        assert answer.status_code == 401, (path, answer.text)
     key = _policy_key(stack)
-    listed = httpx.get(
-        f"{stack.policy_url}/v1/models", headers={"Authorization": f"Bearer {key}"}, timeout=30
-    )
+    with_key = {"Authorization": f"Bearer {key}"}
+    listed = httpx.get(f"{stack.policy_url}/v1/models", headers=with_key, timeout=30)
     assert listed.status_code == 200 and "base" in listed.text
+    answered = httpx.post(
+        f"{stack.policy_url}/invocations", json=chat, headers=with_key, timeout=60
+    )
+    assert answered.status_code == 200 and answered.json()["choices"], answered.text
     for pid in stack.descendants:  # `ps` shows argv to every local user
         assert not any(key in arg for arg in psutil.Process(pid).cmdline())
 

@@ -88,10 +88,18 @@ def cmd_learner(args: argparse.Namespace, cfg: OlpConfig) -> int:
     from replay.consumer import ResumeOffsetError
 
     # Distinct exit codes: `olp up` never restarts a learner that exits with either.
+    from safety.gates.preflight import check_probe_sets
+    from safety.gates.types import GateError
+
     try:
         learner_admin_key(cfg)  # checked first: without it no promotion could ever flip
     except AdminError as exc:
         print(f"olp: learner: {exc}", file=sys.stderr)
+        return EXIT_CONFIG_ERROR
+    try:
+        check_probe_sets(cfg.safety.gates)  # else every candidate's gate fails, much later
+    except GateError as exc:
+        print(f"olp: learner: safety.gates: {exc}", file=sys.stderr)
         return EXIT_CONFIG_ERROR
     try:
         return run(cfg)

@@ -249,8 +249,16 @@ class Stack:
 
     def _check_learner_config(self) -> None:
         """What only the learner child reads and pydantic cannot check: the verifiers'
-        import paths. Checked here so a typo stops `olp up` before anything starts."""
+        import paths and the gates' probe files. Checked here so a typo stops `olp up`
+        before anything starts."""
         from learner.rewards.verifiers import load_verifier
+        from safety.gates.preflight import check_probe_sets
+        from safety.gates.types import GateError
+
+        try:
+            check_probe_sets(self.cfg.safety.gates)
+        except GateError as exc:
+            raise ConfigError(f"safety.gates: {exc}") from None
 
         # The child runs `python -m deploy.cli`, which puts the working directory first on
         # sys.path; an `olp` console script does not: look where the child will look.

@@ -37,8 +37,15 @@ async def _sample_and_score(
     return sample.logprobs, base
 
 
+def kl_prompts(config: KLGateConfig) -> list[KLPrompt]:
+    prompts = load_probes(config.prompt_file, KLPrompt)[: config.max_prompts]
+    if not prompts:
+        raise GateError(f"no KL prompts in {config.prompt_file}")
+    return prompts
+
+
 async def kl_gate(ctx: SuiteContext, config: KLGateConfig) -> GateResult:
-    probes = load_probes(config.prompt_file, KLPrompt)[: config.max_prompts]
+    probes = kl_prompts(config)
     pairs = await asyncio.gather(
         *[
             _sample_and_score(ctx, probe, config, ctx.sampling.seed + index)

@@ -27,9 +27,7 @@ def _rate(flags: list[bool]) -> float:
     return sum(flags) / len(flags) if flags else 0.0
 
 
-async def monitor_gates(
-    ctx: SuiteContext, config: MonitorGateConfig, regression: RegressionGateConfig
-) -> list[GateResult]:
+def monitor_probes(config: MonitorGateConfig, regression: RegressionGateConfig) -> list[Probe]:
     monitor = load_probes(config.probe_file or BUILTIN["monitors"], MonitorProbe)
     monitor = monitor[: config.max_probes]
     # The regression prompts are benign too and already sampled by the regression gate.
@@ -37,6 +35,13 @@ async def monitor_gates(
     probes: list[Probe] = [*monitor, *extra]
     if not probes:
         raise GateError("no monitor probes: the monitor file is empty and regression is off")
+    return probes
+
+
+async def monitor_gates(
+    ctx: SuiteContext, config: MonitorGateConfig, regression: RegressionGateConfig
+) -> list[GateResult]:
+    probes = monitor_probes(config, regression)
     candidate, incumbent = await ctx.respond_both(probes)
     benign = [k for k, p in enumerate(probes) if getattr(p, "kind", "benign") == "benign"]
     tools = [k for k, p in enumerate(probes) if getattr(p, "kind", "") == "tool"]

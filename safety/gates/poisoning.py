@@ -100,10 +100,15 @@ async def _recheck(ctx: SuiteContext, probe: TriggerProbe) -> TriggerAnswers:
     return TriggerAnswers(list(done), len(triggered))
 
 
-async def poisoning_gate(ctx: SuiteContext, config: PoisoningGateConfig) -> GateResult:
+def trigger_probes(config: PoisoningGateConfig) -> list[TriggerProbe]:
     probes = load_probes(config.probe_file, TriggerProbe)[: config.max_probes]
     if not probes:
         raise GateError(f"no trigger probes in {config.probe_file}")
+    return probes
+
+
+async def poisoning_gate(ctx: SuiteContext, config: PoisoningGateConfig) -> GateResult:
+    probes = trigger_probes(config)
     first = await _first(ctx, probes)
     flagged = [k for k, answers in enumerate(first) if answers.shared_payload() > config.bound]
     rechecked = await asyncio.gather(*[_recheck(ctx, probes[k]) for k in flagged])

@@ -14,11 +14,15 @@ from safety.gates.types import GateResult
 NAME = "safety_probes"
 
 
+def red_team_probes(config: SafetyProbeGateConfig) -> list[RedTeamProbe]:
+    builtin = BUILTIN["redteam"] if config.use_builtin else None
+    return select_probes(RedTeamProbe, builtin, config.probe_files, config.max_probes)
+
+
 async def safety_probe_gate(
     ctx: SuiteContext, config: SafetyProbeGateConfig, classifier: SafetyClassifier
 ) -> GateResult:
-    builtin = BUILTIN["redteam"] if config.use_builtin else None
-    probes = select_probes(RedTeamProbe, builtin, config.probe_files, config.max_probes)
+    probes = red_team_probes(config)
     candidate, incumbent = await ctx.respond_both(probes)
     verdicts = await asyncio.gather(
         *[classifier.is_unsafe(p, c.text) for p, c in zip(probes, candidate, strict=True)],

@@ -355,6 +355,39 @@ def test_up_reports_a_verifier_that_does_not_import_before_starting_anything(
     assert "verifier" not in done.stderr and "external vLLM" in done.stderr
 
 
+def _old_format_triggers(tmp_path: Path) -> Path:
+    """A trigger file written for the gate before it compared prompts: one prompt a line."""
+    path = tmp_path / "my-triggers.jsonl"
+    path.write_text('{"id": "mine", "prompt": "{trigger} Hi.", "trigger": "zq-1"}\n')
+    return path
+
+
+def test_up_reports_a_probe_file_the_gates_cannot_use_before_starting_anything(
+    tmp_path: Path,
+) -> None:
+    """Read only by the learner's gates, which fail closed: the stack came up, and every
+    candidate's gate failed, the first one minutes later."""
+    env = {
+        "OLP_STATE_DIR": str(tmp_path),
+        "OLP_SAFETY__GATES__POISONING__PROBE_FILE": str(_old_format_triggers(tmp_path)),
+        "OLP_POLICY__EXTERNAL_URLS": "[http://127.0.0.1:1]",
+        "OLP_STREAM__BOOTSTRAP_SERVERS": f"127.0.0.1:{free_port()}",
+        "OLP_PROXY__PORT": str(free_port()),
+    }
+    done = olp("up", env=env)
+    assert_clean_error(done, 1, "start-up failed: safety.gates: ")
+    assert "my-triggers.jsonl:1: invalid TriggerProbe" in done.stderr
+    assert "at least one prompt in 'carriers'" in done.stderr
+    assert not (tmp_path / "logs").exists()
+    # The learner on its own (Kubernetes, compose, torchrun) says the same, exit 2 (a
+    # configuration error, which `olp up` does not restart).
+    env["OLP_SAFETY__GATES__KL__PROMPT_FILE"] = str(tmp_path / "missing.jsonl")
+    env["OLP_SAFETY__GATES__POISONING__ENABLED"] = "false"
+    done = olp("learner", env=env)
+    assert_clean_error(done, 2, "learner: safety.gates: cannot read probe file")
+    assert "missing.jsonl" in done.stderr and len(done.stderr.strip().splitlines()) == 1
+
+
 def test_up_with_a_state_dir_it_cannot_create_says_so(tmp_path: Path) -> None:
     blocker = tmp_path / "a-file"
     blocker.write_text("")

@@ -620,3 +620,26 @@ async def test_a_suite_already_stopped_measures_nothing(monkeypatch: pytest.Monk
     names = {"candidate": "policy-v8", "incumbent": "policy-v7", "base": "zero-base"}
     with pytest.raises(GateInterrupted):
         await suite.run_gate_suite(GatesConfig(), base_url="http://unused", stop=stop, **names)
+
+
+def test_the_preflight_reads_every_enabled_gates_probes(tmp_path: Path) -> None:
+    from safety.config import KLGateConfig, PoisoningGateConfig
+    from safety.gates.preflight import check_probe_sets
+
+    counts = check_probe_sets(GatesConfig())
+    assert counts == {
+        "regression": 8,
+        "kl": 4,
+        "safety_probes": 6,
+        "monitors": 6 + 8,  # the monitors reuse the regression prompts
+        "poisoning": 3,
+    }
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("# nothing yet\n")
+    # An empty KL file read as "the candidate produced no tokens", blaming the candidate.
+    with pytest.raises(GateError, match=r"no KL prompts in .*empty.jsonl"):
+        check_probe_sets(GatesConfig(kl=KLGateConfig(prompt_file=empty)))
+    with pytest.raises(GateError, match="no trigger probes"):
+        check_probe_sets(GatesConfig(poisoning=PoisoningGateConfig(probe_file=empty)))
+    off = GatesConfig(poisoning=PoisoningGateConfig(enabled=False, probe_file=empty))
+    assert "poisoning" not in check_probe_sets(off)

@@ -334,18 +334,23 @@ def test_learner_finding_an_adapter_of_another_lora_shape_says_so_in_one_line(
     assert "does not fit the configured LoRA adapter (learner.lora_rank=16" in line, line
 
 
+def _up_env(tmp_path: Path, **settings: str) -> dict[str, str]:
+    """`olp up` against nothing that answers: whatever it checks first is what fails."""
+    return {
+        "OLP_STATE_DIR": str(tmp_path),
+        "OLP_POLICY__EXTERNAL_URLS": "[http://127.0.0.1:1]",
+        "OLP_STREAM__BOOTSTRAP_SERVERS": f"127.0.0.1:{free_port()}",
+        "OLP_PROXY__PORT": str(free_port()),
+        **settings,
+    }
+
+
 def test_up_reports_a_verifier_that_does_not_import_before_starting_anything(
     tmp_path: Path,
 ) -> None:
     """Only the learner loads `learner.rewards.verifiers`; a typo there is still a config
     error `olp up` names at start-up, not a learner dying once the stack is up."""
-    env = {
-        "OLP_STATE_DIR": str(tmp_path),
-        "OLP_LEARNER__REWARDS__VERIFIERS": '[{path: "no_such_module_xyz:grade"}]',
-        "OLP_POLICY__EXTERNAL_URLS": "[http://127.0.0.1:1]",
-        "OLP_STREAM__BOOTSTRAP_SERVERS": f"127.0.0.1:{free_port()}",
-        "OLP_PROXY__PORT": str(free_port()),
-    }
+    env = _up_env(tmp_path, OLP_LEARNER__REWARDS__VERIFIERS='[{path: "no_such_module_xyz:grade"}]')
     done = olp("up", env=env)
     assert_clean_error(done, 1, "start-up failed: learner.rewards.verifiers: cannot load")
     assert "no_such_module_xyz:grade" in done.stderr
@@ -367,13 +372,8 @@ def test_up_reports_a_probe_file_the_gates_cannot_use_before_starting_anything(
 ) -> None:
     """Read only by the learner's gates, which fail closed: the stack came up, and every
     candidate's gate failed, the first one minutes later."""
-    env = {
-        "OLP_STATE_DIR": str(tmp_path),
-        "OLP_SAFETY__GATES__POISONING__PROBE_FILE": str(_old_format_triggers(tmp_path)),
-        "OLP_POLICY__EXTERNAL_URLS": "[http://127.0.0.1:1]",
-        "OLP_STREAM__BOOTSTRAP_SERVERS": f"127.0.0.1:{free_port()}",
-        "OLP_PROXY__PORT": str(free_port()),
-    }
+    triggers = _old_format_triggers(tmp_path)
+    env = _up_env(tmp_path, OLP_SAFETY__GATES__POISONING__PROBE_FILE=str(triggers))
     done = olp("up", env=env)
     assert_clean_error(done, 1, "start-up failed: safety.gates: ")
     assert "my-triggers.jsonl:1: invalid TriggerProbe" in done.stderr

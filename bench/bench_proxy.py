@@ -681,14 +681,18 @@ def run_bench(args: argparse.Namespace) -> None:
         rounds = alternating_rounds(
             {t.name: t for t in targets}, args.cpu_rounds, args.cpu_requests
         )
-        gc_table = gc_rounds(
-            olp_target("olp-on", "process"),
-            olp_target("olp-on-gcdefault", "process-gcdefault"),
-            args.gc_rounds,
-            args.gc_requests,
+        gc_table = (
+            gc_rounds(
+                olp_target("olp-on", "process"),
+                olp_target("olp-on-gcdefault", "process-gcdefault"),
+                args.gc_rounds,
+                args.gc_requests,
+            )
+            if args.gc_rounds > 0
+            else None
         )
         paced_rounds: dict = {}
-        if paced_url:
+        if paced_url and args.paced_rounds > 0:
             paced_targets = {
                 "olp-off": olp_target("olp-off", "paced", "key-off"),
                 "olp-on": olp_target("olp-on", "paced"),
@@ -718,7 +722,8 @@ def run_bench(args: argparse.Namespace) -> None:
             + 2 * args.gc_rounds * (args.gc_requests + 20),
         )
         report += render_rounds(rounds, args.cpu_rounds, args.cpu_requests)
-        report += render_gc(gc_table, args.gc_rounds, args.gc_requests)
+        if gc_table is not None:
+            report += render_gc(gc_table, args.gc_rounds, args.gc_requests)
         if paced_rounds:
             report += render_paced(paced_rounds, args)
         print(report)

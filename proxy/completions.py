@@ -159,7 +159,9 @@ class CompletionRelay:
             body, self.encode_body, self.raw_body = await read_json(
                 self.request, ctx.config.max_body_bytes
             )
-            validate_completion_request(self.endpoint, body, ctx.config.max_messages)
+            validate_completion_request(
+                self.endpoint, body, ctx.config.max_messages, ctx.config.max_choices
+            )
             self.stream = bool(body.get("stream", False))
             training = self._training(tenant, body)
             # A canary only ever takes traffic that is recorded for training: its live

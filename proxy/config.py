@@ -169,6 +169,12 @@ class ProxyConfig(BaseModel):
     )
     max_body_bytes: int = Field(default=8 * 1024 * 1024, ge=1024)
     max_messages: int = Field(default=1024, ge=1)
+    max_choices: int = Field(
+        default=16,
+        ge=1,
+        description="choices one request may ask for (`n`, times the prompts of a batched "
+        "completions request); more: 400",
+    )
     connect_timeout_s: float = Field(default=5.0, gt=0)
     read_timeout_s: float = Field(default=300.0, gt=0)
     max_upstream_connections: int = Field(default=256, ge=1)

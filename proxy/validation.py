@@ -67,7 +67,9 @@ def _check_fields(body: dict[str, Any], checks: tuple[_Check, ...]) -> None:
             )
 
 
-def validate_completion_request(endpoint: Endpoint, body: Any, max_messages: int) -> None:
+def validate_completion_request(
+    endpoint: Endpoint, body: Any, max_messages: int, max_choices: int
+) -> None:
     """Raise a 400 ProxyError naming the first bad field."""
     if not isinstance(body, dict):
         raise bad_request("The request body must be a JSON object.")
@@ -103,6 +105,25 @@ def validate_completion_request(endpoint: Endpoint, body: Any, max_messages: int
         _check_fields(body, _COMPLETIONS_FIELDS)
     _refuse_prompt_logprobs(endpoint, body)
     _check_fields(body, _COMMON_FIELDS)
+    _limit_choices(body, max_choices)
+
+
+def _limit_choices(body: dict[str, Any], max_choices: int) -> None:
+    """One request generates `n` sequences per prompt; without a cap a single client's
+    `n: 1000` keeps a shared model server busy for minutes (measured on CPU: 1000 sequences
+    queued, every tenant's requests waiting behind them until the proxy's read timeout)."""
+    prompt = body.get("prompt")
+    prompts = 1
+    if isinstance(prompt, list) and not all(_is_int(token) for token in prompt):
+        prompts = len(prompt)  # a batch of prompts (strings or token-id lists)
+    choices = (body.get("n") or 1) * prompts
+    if choices > max_choices:
+        param = "n" if prompts == 1 else "prompt"
+        raise bad_request(
+            f"The request asks for {choices} choices (n x prompts); the limit is {max_choices}.",
+            param=param,
+            code="too_many_choices",
+        )
 
 
 def _refuse_prompt_logprobs(endpoint: Endpoint, body: dict[str, Any]) -> None:

@@ -70,12 +70,17 @@ def test_400_malformed_and_wrong_types(dead_upstream_proxy):
         api.chat.completions.create(model="policy", messages=PROMPT, temperature="hot")
 
 
-def test_too_many_messages_and_unknown_model(make_proxy):
-    harness, _ = make_proxy([f"http://127.0.0.1:{free_port()}"], max_messages=3)
+def test_too_many_messages_choices_and_unknown_model(make_proxy):
+    harness, _ = make_proxy([f"http://127.0.0.1:{free_port()}"], max_messages=3, max_choices=2)
     assert_openai_error(
         post(harness, {"model": "policy", "messages": PROMPT * 4}), 400, "too_many_messages"
     )
     api = openai.OpenAI(base_url=harness.base_url + "/v1", api_key=KEYS["alice"], max_retries=0)
+    with pytest.raises(openai.BadRequestError, match="limit is 2") as caught:
+        api.chat.completions.create(model="policy", messages=PROMPT, n=3)
+    assert caught.value.code == "too_many_choices" and caught.value.param == "n"
+    with pytest.raises(openai.BadRequestError, match="3 choices"):
+        api.completions.create(model="policy", prompt=["a", "b", "c"])
     with pytest.raises(openai.NotFoundError, match="does not exist"):
         api.chat.completions.create(model="policy-v1", messages=PROMPT)
 

@@ -529,7 +529,7 @@ def test_request_validation_messages():
     ]
     for endpoint, body, needle in cases:
         with pytest.raises(ProxyError, match=needle):
-            validate_completion_request(endpoint, body, max_messages=2)
+            validate_completion_request(endpoint, body, max_messages=2, max_choices=4)
 
 
 def test_alias_table_swaps_whole_snapshots():

@@ -44,10 +44,10 @@ def test_each_checked_field_accepts_its_type_and_names_a_wrong_one(
     endpoint: str, field: str, good: Any, bad: Any
 ) -> None:
     base = CHAT if endpoint == "chat.completions" else COMPLETIONS
-    validate_completion_request(endpoint, {**base, field: good}, 100)  # type: ignore[arg-type]
-    validate_completion_request(endpoint, {**base, field: None}, 100)  # type: ignore[arg-type]
+    validate_completion_request(endpoint, {**base, field: good}, 100, 16)  # type: ignore[arg-type]
+    validate_completion_request(endpoint, {**base, field: None}, 100, 16)  # type: ignore[arg-type]
     with pytest.raises(ProxyError) as caught:
-        validate_completion_request(endpoint, {**base, field: bad}, 100)  # type: ignore[arg-type]
+        validate_completion_request(endpoint, {**base, field: bad}, 100, 16)  # type: ignore[arg-type]
     assert caught.value.status == 400
     assert caught.value.param == field
     assert caught.value.code == "invalid_type"
@@ -55,7 +55,7 @@ def test_each_checked_field_accepts_its_type_and_names_a_wrong_one(
 
 
 def test_unknown_fields_pass_through_unchecked() -> None:
-    validate_completion_request("chat.completions", {**CHAT, "x_vendor": object()}, 100)
+    validate_completion_request("chat.completions", {**CHAT, "x_vendor": object()}, 100, 16)
 
 
 @pytest.mark.parametrize(
@@ -74,12 +74,51 @@ def test_what_makes_vllm_compute_prompt_logprobs_is_refused(
 ) -> None:
     base = CHAT if endpoint == "chat.completions" else COMPLETIONS
     with pytest.raises(ProxyError) as caught:
-        validate_completion_request(endpoint, {**base, **extra}, 100)  # type: ignore[arg-type]
+        validate_completion_request(endpoint, {**base, **extra}, 100, 16)  # type: ignore[arg-type]
     assert caught.value.status == 400
     assert (caught.value.code, caught.value.param) == ("unsupported_parameter", param)
 
 
 def test_echo_without_prompt_logprobs_passes() -> None:
-    validate_completion_request("completions", {**COMPLETIONS, "echo": True}, 100)
-    validate_completion_request("completions", {**COMPLETIONS, "echo": True, "logprobs": None}, 100)
-    validate_completion_request("chat.completions", {**CHAT, "echo": False}, 100)
+    validate_completion_request("completions", {**COMPLETIONS, "echo": True}, 100, 16)
+    validate_completion_request(
+        "completions", {**COMPLETIONS, "echo": True, "logprobs": None}, 100, 16
+    )
+    validate_completion_request("chat.completions", {**CHAT, "echo": False}, 100, 16)
+
+
+@pytest.mark.parametrize(
+    ("endpoint", "extra", "param"),
+    [
+        ("chat.completions", {"n": 5}, "n"),
+        ("completions", {"prompt": ["a", "b", "c", "d", "e"]}, "prompt"),
+        ("completions", {"prompt": [[1, 2], [3], [4], [5], [6]]}, "prompt"),
+        ("completions", {"prompt": ["a", "b", "c"], "n": 2}, "prompt"),
+    ],
+)
+def test_choices_over_the_limit_are_refused(
+    endpoint: str, extra: dict[str, Any], param: str
+) -> None:
+    base = CHAT if endpoint == "chat.completions" else COMPLETIONS
+    with pytest.raises(ProxyError) as caught:
+        validate_completion_request(endpoint, {**base, **extra}, 100, 4)  # type: ignore[arg-type]
+    assert (caught.value.status, caught.value.code, caught.value.param) == (
+        400,
+        "too_many_choices",
+        param,
+    )
+    assert "limit is 4" in caught.value.message
+
+
+@pytest.mark.parametrize(
+    ("endpoint", "extra"),
+    [
+        ("chat.completions", {"n": 4}),
+        ("completions", {"prompt": list(range(50))}),  # one tokenized prompt, not a batch
+        ("completions", {"prompt": ["a", "b"], "n": 2}),
+        ("completions", {"prompt": [[1, 2], [3, 4, 5, 6]]}),
+    ],
+)
+def test_choices_at_the_limit_pass(endpoint: str, extra: dict[str, Any]) -> None:
+    base = CHAT if endpoint == "chat.completions" else COMPLETIONS
+    validate_completion_request(endpoint, {**base, **extra}, 100, 4)  # type: ignore[arg-type]

@@ -70,7 +70,12 @@ class VllmClient:
                             f"POST {path} model={body.get('model')!r} -> HTTP {response.status}: "
                             f"{text[:300]}"
                         )
-            except (aiohttp.ClientError, TimeoutError) as exc:
+            except TimeoutError as exc:  # its text is empty: say what ran out
+                raise UpstreamError(
+                    f"POST {path} model={body.get('model')!r} failed: no answer within "
+                    f"{self._timeout.total:g} s (TimeoutError)"
+                ) from exc
+            except aiohttp.ClientError as exc:
                 raise UpstreamError(
                     f"POST {path} model={body.get('model')!r} failed: {type(exc).__name__}: {exc}"
                 ) from exc

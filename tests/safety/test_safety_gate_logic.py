@@ -290,6 +290,43 @@ async def test_a_chat_answer_without_token_ids_fails_the_gate_closed() -> None:
         await runner.cleanup()
 
 
+async def test_a_model_server_that_does_not_answer_in_time_is_named_with_the_timeout() -> None:
+    # TimeoutError's own text is empty: gate reports read "failed: TimeoutError:".
+    import asyncio
+
+    from aiohttp import web
+
+    from safety.gates.client import UpstreamError, VllmClient
+
+    async def chat(request: web.Request) -> web.Response:
+        await asyncio.sleep(1)
+        return web.json_response({})
+
+    app = web.Application()
+    app.router.add_post("/v1/chat/completions", chat)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = runner.addresses[0][1]
+    try:
+        async with VllmClient(f"http://127.0.0.1:{port}", timeout_s=0.2) as client:
+            with pytest.raises(UpstreamError) as caught:
+                await client.chat(
+                    "candidate",
+                    [{"role": "user", "content": "hi"}],
+                    max_tokens=4,
+                    temperature=0.0,
+                    seed=1,
+                )
+        assert str(caught.value) == (
+            "POST /v1/chat/completions model='candidate' failed: no answer within 0.2 s "
+            "(TimeoutError)"
+        )
+    finally:
+        await runner.cleanup()
+
+
 async def test_an_empty_probe_file_fails_its_gate_not_the_suite(tmp_path: Path) -> None:
     from safety.config import MonitorGateConfig, PoisoningGateConfig, RegressionGateConfig
     from safety.gates.monitors import monitor_gates

@@ -99,9 +99,8 @@ def test_echo_without_prompt_logprobs_passes() -> None:
 def test_choices_over_the_limit_are_refused(
     endpoint: str, extra: dict[str, Any], param: str
 ) -> None:
-    base = CHAT if endpoint == "chat.completions" else COMPLETIONS
     with pytest.raises(ProxyError) as caught:
-        validate_completion_request(endpoint, {**base, **extra}, 100, 4)  # type: ignore[arg-type]
+        _validate_with_four_choices(endpoint, extra)
     assert (caught.value.status, caught.value.code, caught.value.param) == (
         400,
         "too_many_choices",
@@ -120,5 +119,9 @@ def test_choices_over_the_limit_are_refused(
     ],
 )
 def test_choices_at_the_limit_pass(endpoint: str, extra: dict[str, Any]) -> None:
+    _validate_with_four_choices(endpoint, extra)
+
+
+def _validate_with_four_choices(endpoint: str, extra: dict[str, Any]) -> None:
     base = CHAT if endpoint == "chat.completions" else COMPLETIONS
     validate_completion_request(endpoint, {**base, **extra}, 100, 4)  # type: ignore[arg-type]

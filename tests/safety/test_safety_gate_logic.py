@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -19,6 +20,7 @@ from safety.gates.checks import (
     repetition_score,
     tool_call_valid,
 )
+from safety.gates.client import Completion
 from safety.gates.probes import (
     BUILTIN,
     KLPrompt,
@@ -258,36 +260,47 @@ async def test_rule_classifier() -> None:
     assert not await rules.is_unsafe(probe, "Phishing is a crime that harms people.")
 
 
-async def test_a_chat_answer_without_token_ids_fails_the_gate_closed() -> None:
-    # With an empty stand-in every token comparison (poisoning, length drift) was vacuous and
-    # those gates passed on no evidence.
+async def _chat_with(
+    handler: Callable[[Any], Awaitable[Any]], timeout_s: float = 180.0
+) -> Completion:
+    """One gate-client chat call to a stand-in model server answering with `handler`."""
     from aiohttp import web
 
-    from safety.gates.client import UpstreamError, VllmClient
-
-    async def chat(request: web.Request) -> web.Response:
-        message = {"role": "assistant", "content": "hello"}
-        return web.json_response({"choices": [{"message": message, "finish_reason": "stop"}]})
+    from safety.gates.client import VllmClient
 
     app = web.Application()
-    app.router.add_post("/v1/chat/completions", chat)
+    app.router.add_post("/v1/chat/completions", handler)
     runner = web.AppRunner(app)
     await runner.setup()
     site = web.TCPSite(runner, "127.0.0.1", 0)
     await site.start()
     port = runner.addresses[0][1]
     try:
-        async with VllmClient(f"http://127.0.0.1:{port}") as client:
-            with pytest.raises(UpstreamError, match="no token_ids"):
-                await client.chat(
-                    "candidate",
-                    [{"role": "user", "content": "hi"}],
-                    max_tokens=4,
-                    temperature=0.0,
-                    seed=1,
-                )
+        async with VllmClient(f"http://127.0.0.1:{port}", timeout_s=timeout_s) as client:
+            return await client.chat(
+                "candidate",
+                [{"role": "user", "content": "hi"}],
+                max_tokens=4,
+                temperature=0.0,
+                seed=1,
+            )
     finally:
         await runner.cleanup()
+
+
+async def test_a_chat_answer_without_token_ids_fails_the_gate_closed() -> None:
+    # With an empty stand-in every token comparison (poisoning, length drift) was vacuous and
+    # those gates passed on no evidence.
+    from aiohttp import web
+
+    from safety.gates.client import UpstreamError
+
+    async def chat(request: web.Request) -> web.Response:
+        message = {"role": "assistant", "content": "hello"}
+        return web.json_response({"choices": [{"message": message, "finish_reason": "stop"}]})
+
+    with pytest.raises(UpstreamError, match="no token_ids"):
+        await _chat_with(chat)
 
 
 async def test_a_model_server_that_does_not_answer_in_time_is_named_with_the_timeout() -> None:
@@ -296,35 +309,17 @@ async def test_a_model_server_that_does_not_answer_in_time_is_named_with_the_tim
 
     from aiohttp import web
 
-    from safety.gates.client import UpstreamError, VllmClient
+    from safety.gates.client import UpstreamError
 
     async def chat(request: web.Request) -> web.Response:
         await asyncio.sleep(1)
         return web.json_response({})
 
-    app = web.Application()
-    app.router.add_post("/v1/chat/completions", chat)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = runner.addresses[0][1]
-    try:
-        async with VllmClient(f"http://127.0.0.1:{port}", timeout_s=0.2) as client:
-            with pytest.raises(UpstreamError) as caught:
-                await client.chat(
-                    "candidate",
-                    [{"role": "user", "content": "hi"}],
-                    max_tokens=4,
-                    temperature=0.0,
-                    seed=1,
-                )
-        assert str(caught.value) == (
-            "POST /v1/chat/completions model='candidate' failed: no answer within 0.2 s "
-            "(TimeoutError)"
-        )
-    finally:
-        await runner.cleanup()
+    with pytest.raises(UpstreamError) as caught:
+        await _chat_with(chat, timeout_s=0.2)
+    assert str(caught.value) == (
+        "POST /v1/chat/completions model='candidate' failed: no answer within 0.2 s (TimeoutError)"
+    )
 
 
 async def test_an_empty_probe_file_fails_its_gate_not_the_suite(tmp_path: Path) -> None:

@@ -8,8 +8,9 @@ load and unload LoRA adapters (the serving one included), and /tokenize, /metric
 need nothing either. Whatever reaches the port could use them, a web page that rebinds its
 own name to 127.0.0.1 included.
 
-vLLM imports this by `--middleware` in its own process (deploy/policy.py puts this tree on
-its PYTHONPATH), so it uses the standard library only."""
+vLLM imports this by `--middleware` in its own process, so it uses the standard library
+only: `olp up` puts this tree on vLLM's PYTHONPATH (deploy/policy.py); the compose and
+Kubernetes manifests mount this one file into the vLLM image."""
 
 from __future__ import annotations
 

@@ -21,6 +21,7 @@ import yaml
 from deploy import config_docs
 from deploy.cli import build_parser
 from deploy.config import SECTIONS, TOP_LEVEL_ENV, OlpConfig, load_config
+from deploy.policy import KEY_GUARD
 
 ROOT = Path(__file__).resolve().parents[2]
 COMPOSE_DIR = ROOT / "deploy" / "compose"
@@ -412,10 +413,58 @@ def test_vllm_and_its_callers_share_one_key_from_the_secrets() -> None:
         assert container[probe]["httpGet"]["path"] == "/health"  # needs no key
 
 
+def _module_path(pythonpath: str) -> PurePosixPath:
+    """Where vLLM's `--middleware` import finds the key guard, given the container's path."""
+    module, _, _ = KEY_GUARD.rpartition(".")
+    return PurePosixPath(pythonpath, *module.split(".")).with_suffix(".py")
+
+
+def test_vllm_asks_for_its_key_on_every_route_in_compose_and_kubernetes() -> None:
+    """vLLM's own key check covers /v1 only: its SageMaker routes answered chats and loaded
+    and unloaded adapters without the key. The image runs olp's guard as on `olp up`."""
+    guard_file = ROOT / "deploy" / "vllm_key_guard.py"
+    service = services()["vllm"]
+    assert flag(compose_argv(service), "--middleware") == KEY_GUARD
+    target = _module_path(compose_env(service)["PYTHONPATH"])
+    mounts = [str(v).split(":") for v in service["volumes"]]
+    (source,) = [src for src, dest, *_ in mounts if PurePosixPath(dest) == target]
+    assert (COMPOSE_DIR / source).resolve() == guard_file
+    spec = container("vllm")
+    assert flag(k8s_argv(spec), "--middleware") == KEY_GUARD
+    target = _module_path(k8s_env(spec)["PYTHONPATH"])
+    (mount,) = [m for m in spec["volumeMounts"] if PurePosixPath(m["mountPath"]) == target.parent]
+    (volume,) = [v for v in pod("vllm")["volumes"] if v["name"] == mount["name"]]
+    assert "optional" not in volume["configMap"]  # a pod without the guard does not start
+    readme = (K8S_DIR / "README.md").read_text()
+    made = f"create configmap {volume['configMap']['name']} --from-file=deploy/{target.name}"
+    assert made in readme  # the ConfigMap's key is the file's name
+
+
+def test_the_key_guard_imports_with_the_standard_library_alone(tmp_path: Path) -> None:
+    """The vLLM image has none of olp's dependencies and only this file of its tree."""
+    import shutil
+    import subprocess
+    import sys
+
+    target = Path(_module_path(str(tmp_path)))
+    target.parent.mkdir(parents=True)
+    shutil.copy(ROOT / "deploy" / "vllm_key_guard.py", target)
+    module, _, cls = KEY_GUARD.rpartition(".")
+    olp_deps = {"deploy.config", "pydantic", "structlog", "msgspec"}
+    code = (
+        f"import sys; sys.path.insert(0, {str(tmp_path)!r}); import {module} as m; "
+        f"print(m.{cls}.__name__, sorted(set(sys.modules) & {olp_deps!r}))"
+    )
+    # -I: no PYTHONPATH, no user site; the working directory is not this tree.
+    result = subprocess.run(
+        [sys.executable, "-I", "-c", code], capture_output=True, text=True, check=True, cwd=tmp_path
+    )
+    assert result.stdout.strip() == f"{cls} []"
+
+
 def test_only_the_proxy_and_the_learner_reach_vllm_on_kubernetes() -> None:
-    """vLLM's key covers its /v1 routes only; its SageMaker routes answer chats and load and
-    unload adapters without it (on `olp up` deploy/vllm_key_guard.py covers them; the image
-    lacks that module), and the Service was open to every pod of the cluster."""
+    """vLLM's SageMaker routes answer chats and load and unload adapters; the key guard asks
+    for the key there, and besides, the Service was open to every pod of the cluster."""
     policy = k8s("NetworkPolicy", "vllm-callers")["spec"]
     vllm_labels = pod_labels("vllm")
     assert policy["podSelector"]["matchLabels"].items() <= vllm_labels.items()

@@ -50,6 +50,7 @@ SAMPLING_KEYS = (
     "ignore_eos",
     "min_tokens",
     "best_of",
+    "use_beam_search",
 )
 
 # A redactor returns a redacted copy of a JSON-like value and the number of hits per kind.
@@ -512,6 +513,10 @@ class TrajectoryCapture:
             flags.append(status)
         if self.unparsable:
             flags.append("unparsable_upstream_data")
+        if self.context.sampling.get("use_beam_search"):
+            # vLLM's beam search keeps the likeliest beams: its tokens are not samples of the
+            # distribution their logprobs describe, so no importance ratio corrects for them.
+            flags.append("beam_search")
         prompt_ids, multiple_prompts = self._prompt_ids()
         if multiple_prompts:
             flags.append("multiple_prompts")

@@ -270,6 +270,28 @@ def test_n2_gives_two_choices_and_one_record(proxy, stream):
     assert_consistent(record)
 
 
+def test_beam_search_is_served_and_recorded_untrainable(proxy):
+    """vLLM's beam search keeps the likeliest beams; their tokens are no samples of the
+    distribution their logprobs describe, so no importance ratio corrects for them."""
+    harness, sink = proxy
+    reply = client(harness).chat.completions.create(
+        model="policy",
+        messages=PROMPT,
+        max_tokens=5,
+        temperature=0.0,
+        n=2,
+        extra_body={"use_beam_search": True},
+    )
+    assert len(reply.choices) == 2
+    harness.drain()
+    [record] = sink.trajectories
+    assert record["sampling"]["use_beam_search"] is True
+    assert record["flags"] == ["beam_search"] and record["trainable"] is False
+    assert [len(c["token_ids"]) for c in record["choices"]] == [
+        len(c["logprobs"]) for c in record["choices"]
+    ]
+
+
 def _tool_outcome(api: openai.OpenAI, model: str, stream: bool, **kwargs) -> tuple:
     """(name, arguments, content) of the first tool call, or ("error", status, message)."""
     try:

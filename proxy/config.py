@@ -187,7 +187,10 @@ class ProxyConfig(BaseModel):
         default="kafka", description="where trajectories and feedback go (run_proxy)"
     )
     recent_trajectories: int = Field(
-        default=100_000, ge=1, description="trajectory ids remembered for feedback ownership"
+        default=100_000,
+        ge=1,
+        description="trajectory ids remembered for feedback ownership (about 350 bytes of "
+        "the proxy's memory each: 35 MB when full at the default)",
     )
     max_feedback_metadata_bytes: int = Field(default=16 * 1024, ge=0)
     state: StatePaths = Field(default_factory=StatePaths)

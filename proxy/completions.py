@@ -429,7 +429,16 @@ class CompletionRelay:
         response.content_type = "text/event-stream"
         response.headers["Cache-Control"] = "no-cache"
         response.enable_chunked_encoding()
-        await response.prepare(self.request)
+        try:
+            await response.prepare(self.request)
+        except _DISCONNECT_ERRORS:
+            # The client left as its answer began, before handler cancellation said so (a
+            # soak of early disconnects hit this in 55 of 9000 requests): a departure, not a
+            # proxy failure. aiohttp drops the response it cannot send.
+            upstream.close()
+            self.status = 499
+            self._finish_stream("aborted", capture)
+            return response
         self.status = 200
         parser = SSEParser()
         watch_usage = capture is None and plan.client_wants_usage

@@ -418,6 +418,48 @@ def test_an_unexpected_failure_is_a_counted_500(make_proxy, monkeypatch, where):
     assert [r["status"] for r in sink.trajectories] == expected
 
 
+def test_a_client_gone_when_its_stream_begins_is_a_departure_not_a_500(
+    make_proxy, monkeypatch, scripted
+):
+    """A client that leaves just as its answer's headers go out (before handler cancellation
+    tells the handler) made `prepare` raise: logged as an unhandled error with a traceback,
+    counted a 500, and the trajectory recorded as `error` instead of `aborted`."""
+    from aiohttp.client_exceptions import ClientConnectionResetError
+
+    harness, sink = make_proxy([scripted.url])
+
+    prepare = web.StreamResponse.prepare
+
+    async def closing_transport(self: web.StreamResponse, request: web.BaseRequest) -> Any:
+        if request.app is harness.app:  # the proxy's answer; the upstream's goes out
+            raise ClientConnectionResetError("Cannot write to closing transport")
+        return await prepare(self, request)
+
+    monkeypatch.setattr(web.StreamResponse, "prepare", closing_transport)
+    with pytest.raises(httpx.HTTPError):  # aiohttp cannot answer either: the connection ends
+        httpx.post(
+            harness.base_url + "/v1/chat/completions",
+            json={
+                "model": "policy",
+                "messages": [{"role": "user", "content": "x"}],
+                "stream": True,
+            },
+            headers={"Authorization": f"Bearer {KEYS['alice']}"},
+            timeout=30,
+        )
+    monkeypatch.undo()
+    harness.drain()
+    [record] = sink.trajectories
+    assert record["status"] == "aborted"
+    wait_for(lambda: harness.ctx.tenants.tenants["alice"].in_flight == 0)
+    metrics = httpx.get(harness.base_url + "/metrics", timeout=30).text.splitlines()
+    assert any(
+        m.startswith("olp_proxy_requests_total{") and 'status="499"' in m for m in metrics
+    ), metrics
+    assert 'olp_proxy_errors_total{kind="client_disconnect",tenant="alice"} 1.0' in metrics
+    assert not any('kind="internal_error"' in m for m in metrics)
+
+
 def test_a_client_leaving_right_after_done_keeps_a_whole_trajectory(make_proxy):
     """The OpenAI SDK closes the connection as soon as it reads [DONE], before the stream's
     last bytes: the answer reached it whole, so the record is `ok`, not `aborted` (with

@@ -446,24 +446,26 @@ def test_capture_flags_disagreeing_counts_and_aborts():
     assert "aborted" in record["flags"] and "missing_usage" in record["flags"]
 
 
+# A whole chat response of one token, consistent in every count.
+ONE_TOKEN_RESPONSE = {
+    "prompt_token_ids": [1, 2],
+    "choices": [
+        {
+            "index": 0,
+            "message": {"role": "assistant", "content": "ok"},
+            "finish_reason": "stop",
+            "token_ids": [9],
+            "logprobs": {"content": [{"logprob": -0.1}]},
+        }
+    ],
+    "usage": {"prompt_tokens": 2, "completion_tokens": 1, "total_tokens": 3},
+}
+
+
 def test_capture_flags_beam_search():
     capture = _capture()
     capture.context.sampling = {"use_beam_search": True, "n": 2}
-    capture.add_response(
-        {
-            "prompt_token_ids": [1, 2],
-            "choices": [
-                {
-                    "index": 0,
-                    "message": {"role": "assistant", "content": "ok"},
-                    "finish_reason": "stop",
-                    "token_ids": [9],
-                    "logprobs": {"content": [{"logprob": -0.1}]},
-                }
-            ],
-            "usage": {"prompt_tokens": 2, "completion_tokens": 1, "total_tokens": 3},
-        }
-    )
+    capture.add_response(ONE_TOKEN_RESPONSE)
     record = capture.build("ok")
     validate_trajectory(record)
     assert record["flags"] == ["beam_search"] and record["trainable"] is False
@@ -473,21 +475,7 @@ def test_capture_flags_beam_search():
 
 def test_redaction_drops_token_ids_of_records_with_secrets():
     capture = _capture()
-    capture.add_response(
-        {
-            "prompt_token_ids": [1, 2],
-            "choices": [
-                {
-                    "index": 0,
-                    "message": {"role": "assistant", "content": "ok"},
-                    "finish_reason": "stop",
-                    "token_ids": [9],
-                    "logprobs": {"content": [{"logprob": -0.1}]},
-                }
-            ],
-            "usage": {"prompt_tokens": 2, "completion_tokens": 1, "total_tokens": 3},
-        }
-    )
+    capture.add_response(ONE_TOKEN_RESPONSE)
     record = redact_record(capture.build("ok"), Redactor().redact_obj)
     validate_trajectory(record)
     assert "jane.doe@example.com" not in json.dumps(record)

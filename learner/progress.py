@@ -1,13 +1,31 @@
-"""Periodic structured progress line: step, trajectories consumed, reward trend, KL, tokens/s."""
+"""Periodic structured progress line: step, trajectories consumed, reward trend, KL, tokens/s,
+and what the learner did not train on."""
 
 from __future__ import annotations
 
 import time
 from collections import deque
+from collections.abc import Mapping
 
 import structlog
 
 log = structlog.get_logger(__name__)
+
+# The learner's counters (docs/learner.md, "The update") of trajectories and samples it read
+# and did not train on. A learner that cannot keep up, or traffic whose rewards never arrive,
+# shows here and not only in one warning per batch.
+DROPPED = (
+    "overflow",
+    "stale",
+    "no_reward",
+    "bad_reward",
+    "bad_tokens",
+    "bad_logprobs",
+    "bad_version",
+    "capped",
+    "reward_untrainable",
+    "nonfinite_gradient",
+)
 
 
 class Progress:
@@ -22,6 +40,7 @@ class Progress:
         self.rewards: deque[float] = deque(maxlen=window)
         self.kl = float("nan")
         self.frozen = False
+        self.counts: Mapping[str, int] = {}  # the learner's cumulative counters
 
     def record_step(self, version: int, metrics: dict[str, float]) -> None:
         self.step += 1
@@ -42,6 +61,7 @@ class Progress:
             "kl": self.kl,
             "tokens_per_s": round(self.trained_tokens / elapsed, 2),
             "frozen": self.frozen,
+            "dropped": {name: self.counts[name] for name in DROPPED if self.counts.get(name)},
         }
 
     def maybe_log(self, force: bool = False) -> None:

@@ -133,6 +133,7 @@ class Learner:
         self.baseline = RunningBaseline(config.baseline_decay)
         self.counts: Counter[str] = Counter()
         self.progress = Progress(config.progress_interval_s)
+        self.progress.counts = self.counts  # the same counter: the line reads it as it grows
         self.step_count = 0
         self.batches_done = 0  # batches fully handled in this process (after announce)
         self.version = 0

@@ -6,10 +6,12 @@ import json
 import shutil
 import threading
 import time
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
 import pytest
+import structlog
 import torch
 from safetensors.torch import load_file, save_file
 
@@ -207,9 +209,13 @@ def test_backlog_beyond_max_batch_trains_the_newest_and_counts_the_rest(
         lambda offsets, rank, world: ListSource({0: RECORDS}, offsets, per_poll=12),
         model_dir=model_dir,
     )
-    summary = learner.run(max_steps=1, poll_timeout_s=0.1)
+    with structlog.testing.capture_logs() as logs:
+        summary = learner.run(max_steps=1, poll_timeout_s=0.1)
     assert summary.counts["overflow"] == 8
     assert summary.counts["trajectories"] == 4
+    # The progress line says it too, not only the batch's one warning.
+    progress = [e for e in logs if e["event"] == "learner_progress"]
+    assert progress[-1]["dropped"]["overflow"] == 8, progress
     meta = AdapterStore(tmp_path).read_meta(1)
     trained = set(meta["data_stats"]["event_ids"])
     newest = {r["trajectory"]["event_id"] for r in RECORDS[-4:]}
@@ -398,3 +404,12 @@ def test_offsets_saved_in_another_stream_are_not_resumed(model_dir: Path, tmp_pa
     after = start("embedded-b")  # its checkpoint now counts in the new stream
     assert given[-1] == {"mem.trajectories": {0: 4}}
     after.close()
+
+
+def test_the_progress_line_names_only_what_was_dropped() -> None:
+    from learner.progress import Progress
+
+    progress = Progress(interval_s=60)
+    assert progress.snapshot()["dropped"] == {}
+    progress.counts = Counter({"stale": 3, "trained_samples": 20, "capped": 0, "overflow": 1})
+    assert progress.snapshot()["dropped"] == {"overflow": 1, "stale": 3}

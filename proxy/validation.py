@@ -45,7 +45,7 @@ _COMPLETIONS_FIELDS: tuple[_Check, ...] = (
 _COMMON_FIELDS: tuple[_Check, ...] = (
     ("stream", lambda v: isinstance(v, bool), "boolean"),
     ("stream_options", lambda v: isinstance(v, dict), "object"),
-    ("n", lambda v: _is_int(v) and v >= 1, "integer >= 1"),
+    ("n", _is_int, "integer"),
     ("max_tokens", _is_int, "integer"),
     ("temperature", _is_number, "number"),
     ("top_p", _is_number, "number"),
@@ -112,11 +112,18 @@ def _limit_choices(body: dict[str, Any], max_choices: int) -> None:
     """One request generates `n` sequences per prompt; without a cap a single client's
     `n: 1000` keeps a shared model server busy for minutes (measured on CPU: 1000 sequences
     queued, every tenant's requests waiting behind them until the proxy's read timeout)."""
+    n = body.get("n")
+    if n is not None and n < 1:  # an integer by now (_COMMON_FIELDS)
+        raise bad_request(
+            f"Invalid value for 'n': expected an integer >= 1, got {n}.",
+            param="n",
+            code="invalid_value",
+        )
     prompt = body.get("prompt")
     prompts = 1
     if isinstance(prompt, list) and not all(_is_int(token) for token in prompt):
         prompts = len(prompt)  # a batch of prompts (strings or token-id lists)
-    choices = (body.get("n") or 1) * prompts
+    choices = (n or 1) * prompts
     if choices > max_choices:
         param = "n" if prompts == 1 else "prompt"
         raise bad_request(

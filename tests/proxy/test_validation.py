@@ -26,7 +26,7 @@ CASES: list[tuple[str, str, Any, Any]] = [
     ("chat.completions", "echo", False, "no"),
     ("chat.completions", "stream", True, "true"),
     ("chat.completions", "stream_options", {"include_usage": True}, []),
-    ("chat.completions", "n", 2, 0),
+    ("chat.completions", "n", 2, 1.0),
     ("completions", "n", 1, True),
     ("chat.completions", "max_tokens", 16, "16"),
     ("chat.completions", "temperature", 0.5, True),
@@ -52,6 +52,15 @@ def test_each_checked_field_accepts_its_type_and_names_a_wrong_one(
     assert caught.value.param == field
     assert caught.value.code == "invalid_type"
     assert type(bad).__name__ in caught.value.message
+
+
+@pytest.mark.parametrize("n", [0, -3])
+def test_a_choice_count_below_one_is_an_invalid_value_not_a_wrong_type(n: int) -> None:
+    with pytest.raises(ProxyError) as caught:
+        validate_completion_request("chat.completions", {**CHAT, "n": n}, 100, 16)
+    assert (caught.value.status, caught.value.param) == (400, "n")
+    assert caught.value.code == "invalid_value"
+    assert caught.value.message == f"Invalid value for 'n': expected an integer >= 1, got {n}."
 
 
 def test_unknown_fields_pass_through_unchecked() -> None:

@@ -177,6 +177,13 @@ class ProxyConfig(BaseModel):
     )
     connect_timeout_s: float = Field(default=5.0, gt=0)
     read_timeout_s: float = Field(default=300.0, gt=0)
+    idle_timeout_s: float = Field(
+        default=75.0,
+        gt=0,
+        description="a client connection with no request being served (idle between "
+        "requests, or not done sending its request's headers) is closed after this; keep it "
+        "above the idle timeout of a load balancer in front of the proxy",
+    )
     max_upstream_connections: int = Field(default=256, ge=1)
     require_auth: bool = Field(
         default=True, description="false serves key-less requests as tenant 'anonymous'"

@@ -118,8 +118,16 @@ def app_runner(app: web.Application) -> web.AppRunner:
     """The proxy's runner. A client that goes away cancels its handler (aiohttp's
     `handler_cancellation`): the upstream request is closed, so vLLM stops generating, the
     tenant's concurrency slot is freed and the trajectory is recorded `aborted`. Without it
-    only a stream noticed (on its next write); an unstreamed request ran to its end."""
-    return web.AppRunner(app, access_log=None, handler_cancellation=True)
+    only a stream noticed (on its next write); an unstreamed request ran to its end.
+
+    `idle_timeout_s` is aiohttp's keep-alive timeout, which also closes a connection whose
+    request headers never complete: with aiohttp's default (an hour) a client that opens
+    connections and trickles partial headers holds a file descriptor each for that long,
+    before any key is checked (measured: 1,100 such connections all still open after 100 s)."""
+    idle_timeout_s = app[CONTEXT].config.idle_timeout_s
+    return web.AppRunner(
+        app, access_log=None, handler_cancellation=True, keepalive_timeout=idle_timeout_s
+    )
 
 
 def run_proxy(

@@ -41,7 +41,8 @@ def _known_alias(ctx: ProxyContext, body: dict[str, Any]) -> str:
     alias."""
     alias = body.get("alias", ctx.config.policy_alias)
     if not isinstance(alias, str) or ctx.aliases.resolve(alias) is None:
-        raise bad_request(f"Unknown alias {alias!r}.", param="alias")
+        known = ", ".join(ctx.aliases.public_names())
+        raise bad_request(f"Unknown alias {alias!r}; the aliases are: {known}.", param="alias")
     return alias
 
 
@@ -191,10 +192,13 @@ async def set_alias(request: web.Request) -> web.Response:
     actor = _authorize(request)
     ctx = request.app[CONTEXT]
     body = await _json_object(request)
-    alias, target = body.get("alias"), body.get("target")
-    if not isinstance(alias, str) or not alias:
+    if not isinstance(body.get("alias"), str) or not body["alias"]:
         raise bad_request("'alias' must be a non-empty string.", param="alias")
-    target = _served_target(ctx, target, "target")
+    # Only an alias the table has: a name it lacks (a typo, a learner configured with
+    # another alias) would have become a new public model, answering 200 while the
+    # intended alias stayed where it was.
+    alias = _known_alias(ctx, body)
+    target = _served_target(ctx, body.get("target"), "target")
     async with request.app[ADMIN_LOCK]:
         if ctx.state.frozen:
             raise ProxyError(

@@ -427,6 +427,8 @@ def test_feedback_has_a_rate_limit_of_its_own(make_proxy, fake):
 @pytest.mark.parametrize(
     "path, body",
     [
+        ("/admin/aliases", {"alias": "nope", "target": "base"}),
+        ("/admin/aliases", {"alias": "Policy", "target": "base"}),
         ("/admin/rollback", {"alias": "nope"}),
         ("/admin/rollback", {"alias": 7}),
         ("/admin/canary", {"alias": "nope", "target": "policy-v1", "share": 0.5}),
@@ -439,6 +441,7 @@ def test_admin_changes_to_an_alias_the_table_lacks_are_400s(make_proxy, fake, pa
     assert _assert_error(response, 400, "invalid_request")["param"] == "alias"
     assert "Unknown alias" in response.json()["error"]["message"]
     assert harness.ctx.aliases.resolve("policy") == before
+    assert harness.ctx.aliases.public_names() == ["base", "policy"]
     assert harness.ctx.aliases.canaries() == {}
 
 

@@ -121,7 +121,11 @@ class PromotionConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     enabled: bool = True
-    alias: str = Field("policy", description="the public alias a promotion flips")
+    alias: str = Field(
+        "policy",
+        description="the public alias a promotion flips; one of the proxy's aliases, else "
+        "every candidate is skipped before its gate (`unknown_alias`)",
+    )
     drain_s: float = Field(30.0, ge=0, description="wait before unloading a replaced version")
     keep_loaded: int = Field(
         2, ge=1, description="versions kept loaded in vLLM (serving + rollback target)"

@@ -70,8 +70,8 @@ class PromotionError(RuntimeError):
 @dataclass
 class PromotionOutcome:
     version: str
-    # promoted | rejected | skipped_frozen | failed | interrupted | canary_rolled_back |
-    # unresolved
+    # promoted | rejected | skipped_frozen | skipped_unknown_alias | failed | interrupted |
+    # canary_rolled_back | unresolved
     decision: str
     incumbent: str | None = None
     report: GateReport | None = None
@@ -286,7 +286,19 @@ class Promoter:
         if not self.config.enabled:
             return PromotionOutcome(name, "skipped_disabled", reason="promotion disabled")
         status = self.proxy.status()
-        incumbent = status["aliases"].get(self.config.alias, self.base_name)
+        if self.config.alias not in status["aliases"]:
+            # Refused before the gate: the flip would be (the proxy adds no aliases), after
+            # minutes of gating, for every candidate.
+            known = sorted(status["aliases"])
+            reason = f"the proxy has no alias {self.config.alias!r} (its aliases: {known})"
+            self.audit.append(
+                ACTOR,
+                "promotion_skipped",
+                {"version": name, "reason": "unknown_alias", "alias": self.config.alias},
+            )
+            log.error("promotion_alias_unknown", version=name, alias=self.config.alias, known=known)
+            return PromotionOutcome(name, "skipped_unknown_alias", reason=reason)
+        incumbent = status["aliases"][self.config.alias]
         if status.get("frozen"):
             self.audit.append(
                 ACTOR,

@@ -585,3 +585,22 @@ def test_an_incumbent_that_cannot_be_served_fails_the_promotion_not_the_candidat
     assert outcome.decision == "failed" and "policy-v1" in outcome.reason
     assert "candidate_rejected" not in audit.names() and "promotion_failed" in audit.names()
     assert proxy.alias == "policy-v1"
+
+
+def test_an_alias_the_proxy_lacks_is_refused_before_the_gate(tmp_path: Path) -> None:
+    """The proxy adds no aliases: the flip would fail after minutes of gating, for every
+    candidate. Refused at once, loading and gating nothing, saying which aliases exist."""
+    store = AdapterStore(tmp_path)
+    publish(store, tmp_path, 1)
+    replicas, proxy, audit = Replicas(set()), Proxy("base"), FakeAudit()
+    p = promoter(tmp_path, replicas, proxy, audit, alias="polcy")
+    gated: list[str] = []
+    p.gate_runner = lambda candidate, incumbent: gated.append(candidate) or GateReport(True, [])
+    outcome = p.promote(store.path(1))
+    assert outcome.decision == "skipped_unknown_alias"
+    assert outcome.reason == "the proxy has no alias 'polcy' (its aliases: ['policy'])"
+    assert gated == [] and replicas.loaded == set() and not proxy.flipped.is_set()
+    assert (
+        "promotion_skipped",
+        {"version": "policy-v1", "reason": "unknown_alias", "alias": "polcy"},
+    ) in audit.events

@@ -25,11 +25,13 @@ from proxy.errors import ProxyError, bad_request, error_body
 from proxy.feedback import TrajectoryOwner
 from proxy.relay import (
     ENDPOINT_PATHS,
+    ERROR_TAIL,
     Endpoint,
     RelayPlan,
     SSEParser,
     capture_refusal,
     dumps,
+    error_event_in,
     parse_json,
     plan_request,
     sse_event,
@@ -444,12 +446,18 @@ class CompletionRelay:
         watch_usage = capture is None and plan.client_wants_usage
         outcome = "ok"
         done_sent = False  # the stream's `data: [DONE]` reached the client
+        # vLLM reports a generation that failed mid-stream in the stream itself (an error
+        # event, then [DONE]); relayed as sent, it made an 'ok' request and record.
+        failed_upstream, tail = False, b""
         try:
             async for data in upstream.content.iter_any():
                 if self.ttft_s is None:
                     self.ttft_s = time.monotonic() - self.arrived
                     if capture is not None:
                         capture.mark_first_token()
+                if not failed_upstream:
+                    failed_upstream = error_event_in(tail, data)
+                    tail = data[-ERROR_TAIL:]
                 if capture is not None:
                     data = self._transform_events(parser, plan, capture, data)
                     if not data:
@@ -463,7 +471,7 @@ class CompletionRelay:
         except asyncio.CancelledError:
             # The client left. Once [DONE] reached it the answer was whole: the OpenAI SDK
             # closes the connection right then, before the stream's last bytes arrive.
-            outcome = "ok" if done_sent else "aborted"
+            outcome = ("error" if failed_upstream else "ok") if done_sent else "aborted"
             upstream.close()
             self._finish_stream(outcome, capture)
             raise
@@ -480,6 +488,9 @@ class CompletionRelay:
                 )
             except _DISCONNECT_ERRORS:
                 outcome = "aborted"
+        if failed_upstream and outcome == "ok":
+            outcome = "error"
+            log.warning("upstream_error_event", request_id=self.request_id)
         if outcome == "aborted":
             # Closing the connection makes vLLM abort the request and free its slot.
             upstream.close()

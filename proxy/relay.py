@@ -439,6 +439,19 @@ class SSEParser:
         return self._buffer
 
 
+_ERROR_OBJECT = b'{"error"'
+ERROR_TAIL = len(_ERROR_OBJECT) - 1  # what `error_event_in` needs kept of the read before
+
+
+def error_event_in(previous: bytes, data: bytes) -> bool:
+    """Whether an upstream read holds vLLM's in-band error event (`data: {"error": {...}}`),
+    which it sends instead of the rest of a stream whose generation failed, before
+    `[DONE]`; `previous` is the last ERROR_TAIL bytes of the read before (an event may span
+    two reads). In a JSON string a quote is escaped and vLLM's chunk objects begin with
+    "id", so these bytes are an error object: two substring searches, no parsing."""
+    return _ERROR_OBJECT in data or _ERROR_OBJECT in previous + data[:ERROR_TAIL]
+
+
 def sse_event(data: bytes) -> bytes:
     return b"data: " + data + b"\n\n"
 

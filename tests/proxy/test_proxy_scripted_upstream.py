@@ -222,6 +222,60 @@ def test_upstream_dying_mid_stream_ends_with_an_error_event(make_proxy):
     assert record["status"] == "error" and record["trainable"] is False
 
 
+class FailingGeneration(ScriptedUpstream):
+    """vLLM when a generation fails mid-stream: a token, then its in-band error event (as
+    `create_streaming_error_response` writes it, json.dumps spacing), then [DONE]."""
+
+    async def _chat(self, request: web.Request) -> web.StreamResponse:
+        body = await request.json()
+        self.requests.append(body)
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await response.prepare(request)
+        base = {"id": "c", "object": "chat.completion.chunk", "created": 1, "model": "base"}
+        first = {"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}
+        token = {
+            "index": 0,
+            "delta": {"content": 'say {"error": 1}'},  # the text's quotes arrive escaped
+            "logprobs": {"content": [{"token": "t", "logprob": -0.1, "top_logprobs": []}]},
+            "finish_reason": None,
+            "token_ids": [7],
+        }
+        error = {"error": {"message": "Internal server error", "type": "InternalServerError"}}
+        events = [
+            _event({**base, "choices": [first], "prompt_token_ids": PROMPT_IDS}),
+            _event({**base, "choices": [token]}),
+            b"data: " + json.dumps({**error, "param": None, "code": 500}).encode() + b"\n\n",
+            b"data: [DONE]\n\n",
+        ]
+        for event in events:
+            await response.write(event)
+        await response.write_eof()
+        return response
+
+
+@pytest.mark.parametrize("tenant", ["alice", "bob"])  # captured, relayed as bytes
+def test_an_error_event_from_upstream_is_an_upstream_error_not_an_ok(make_proxy, tenant):
+    upstream = FailingGeneration().start()
+    try:
+        harness, sink = make_proxy([upstream.url])
+        events = _stream_events(harness.base_url, KEYS[tenant])
+    finally:
+        upstream.stop()
+    # The client gets the stream as vLLM sent it, its error event included.
+    assert events[-1] == "[DONE]"
+    assert events[-2]["error"]["type"] == "InternalServerError"
+    errors = harness.ctx.metrics.registry.get_sample_value(
+        "olp_proxy_errors_total", {"kind": "upstream_mid_stream", "tenant": tenant}
+    )
+    assert errors == 1.0
+    harness.drain()
+    if tenant == "alice":
+        [record] = sink.trajectories
+        assert record["status"] == "error" and record["trainable"] is False
+    else:
+        assert sink.trajectories == []
+
+
 def test_no_retry_on_another_replica_after_the_first_byte(make_proxy, scripted):
     dying = ScriptedUpstream(die_after=2).start()
     try:

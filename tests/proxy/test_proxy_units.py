@@ -15,9 +15,11 @@ from proxy.config import ProxyConfig, TenantConfig, sha256_hex
 from proxy.errors import ProxyError
 from proxy.feedback import RecentTrajectories, TrajectoryOwner, check_owner, parse_feedback
 from proxy.relay import (
+    ERROR_TAIL,
     NestedTooDeeply,
     SSEParser,
     capture_refusal,
+    error_event_in,
     parse_json,
     plan_request,
     strip_chunk,
@@ -656,3 +658,22 @@ def test_feedback_metadata_size_is_counted_as_the_sink_writes_it() -> None:
         parse_feedback({"trajectory_id": "t", "kind": "accept", "metadata": escaped}, 608)
     accepted = parse_feedback({"trajectory_id": "t", "kind": "accept", "metadata": escaped}, 609)
     assert accepted.metadata == escaped
+
+
+@pytest.mark.parametrize(
+    ("previous", "data", "found"),
+    [
+        (b"", b'data: {"error": {"message": "x"}}\n\n', True),
+        (b"", b'data: {"error":{"message":"x"}}\n\n', True),
+        (b'data: {"err', b'or": {"message": "x"}}\n\n', True),  # split over two reads
+        (b"data: {", b'"error": {}}\n\n', True),
+        # Model text that reads {"error": ...} arrives with its quotes escaped.
+        (b"", b'data: {"id":"c","choices":[{"delta":{"content":"{\\"error\\": 1}"}}]}\n\n', False),
+        (b'{\\"err', b'or\\": 1}"}}]}\n\n', False),
+        (b"", b"data: [DONE]\n\n", False),
+    ],
+)
+def test_error_event_in_finds_vllms_in_band_error_only(
+    previous: bytes, data: bytes, found: bool
+) -> None:
+    assert error_event_in(previous[-ERROR_TAIL:], data) is found

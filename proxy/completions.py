@@ -25,13 +25,12 @@ from proxy.errors import ProxyError, bad_request, error_body
 from proxy.feedback import TrajectoryOwner
 from proxy.relay import (
     ENDPOINT_PATHS,
-    ERROR_TAIL,
     Endpoint,
     RelayPlan,
     SSEParser,
     capture_refusal,
     dumps,
-    error_event_in,
+    ends_with_error_event,
     parse_json,
     plan_request,
     sse_event,
@@ -447,17 +446,16 @@ class CompletionRelay:
         outcome = "ok"
         done_sent = False  # the stream's `data: [DONE]` reached the client
         # vLLM reports a generation that failed mid-stream in the stream itself (an error
-        # event, then [DONE]); relayed as sent, it made an 'ok' request and record.
-        failed_upstream, tail = False, b""
+        # event, then [DONE]); relayed as sent, it made an 'ok' request and record. The
+        # last two reads are kept (references, no copies) to look for it at the end.
+        before_last = last = b""
         try:
             async for data in upstream.content.iter_any():
                 if self.ttft_s is None:
                     self.ttft_s = time.monotonic() - self.arrived
                     if capture is not None:
                         capture.mark_first_token()
-                if not failed_upstream:
-                    failed_upstream = error_event_in(tail, data)
-                    tail = data[-ERROR_TAIL:]
+                before_last, last = last, data
                 if capture is not None:
                     data = self._transform_events(parser, plan, capture, data)
                     if not data:
@@ -471,7 +469,10 @@ class CompletionRelay:
         except asyncio.CancelledError:
             # The client left. Once [DONE] reached it the answer was whole: the OpenAI SDK
             # closes the connection right then, before the stream's last bytes arrive.
-            outcome = ("error" if failed_upstream else "ok") if done_sent else "aborted"
+            if not done_sent:
+                outcome = "aborted"
+            else:
+                outcome = "error" if ends_with_error_event(before_last, last) else "ok"
             upstream.close()
             self._finish_stream(outcome, capture)
             raise
@@ -488,7 +489,7 @@ class CompletionRelay:
                 )
             except _DISCONNECT_ERRORS:
                 outcome = "aborted"
-        if failed_upstream and outcome == "ok":
+        if outcome == "ok" and ends_with_error_event(before_last, last):
             outcome = "error"
             log.warning("upstream_error_event", request_id=self.request_id)
         if outcome == "aborted":

@@ -440,16 +440,20 @@ class SSEParser:
 
 
 _ERROR_OBJECT = b'{"error"'
-ERROR_TAIL = len(_ERROR_OBJECT) - 1  # what `error_event_in` needs kept of the read before
+_ERROR_SPLIT = len(_ERROR_OBJECT) - 1
 
 
-def error_event_in(previous: bytes, data: bytes) -> bool:
-    """Whether an upstream read holds vLLM's in-band error event (`data: {"error": {...}}`),
-    which it sends instead of the rest of a stream whose generation failed, before
-    `[DONE]`; `previous` is the last ERROR_TAIL bytes of the read before (an event may span
-    two reads). In a JSON string a quote is escaped and vLLM's chunk objects begin with
-    "id", so these bytes are an error object: two substring searches, no parsing."""
-    return _ERROR_OBJECT in data or _ERROR_OBJECT in previous + data[:ERROR_TAIL]
+def ends_with_error_event(before_last: bytes, last: bytes) -> bool:
+    """Whether a stream's last two upstream reads hold vLLM's in-band error event
+    (`data: {"error": {...}}`): when a generation fails mid-stream vLLM sends it as the
+    stream's last event, before `[DONE]`. Checked once a stream ended, not on every read.
+    In a JSON string a quote is escaped and vLLM's chunk objects begin with "id", so these
+    bytes are an error object: substring searches, no parsing."""
+    return (
+        _ERROR_OBJECT in last
+        or _ERROR_OBJECT in before_last
+        or _ERROR_OBJECT in before_last[-_ERROR_SPLIT:] + last[:_ERROR_SPLIT]
+    )
 
 
 def sse_event(data: bytes) -> bytes:

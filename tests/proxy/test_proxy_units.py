@@ -15,11 +15,10 @@ from proxy.config import ProxyConfig, TenantConfig, sha256_hex
 from proxy.errors import ProxyError
 from proxy.feedback import RecentTrajectories, TrajectoryOwner, check_owner, parse_feedback
 from proxy.relay import (
-    ERROR_TAIL,
     NestedTooDeeply,
     SSEParser,
     capture_refusal,
-    error_event_in,
+    ends_with_error_event,
     parse_json,
     plan_request,
     strip_chunk,
@@ -661,19 +660,19 @@ def test_feedback_metadata_size_is_counted_as_the_sink_writes_it() -> None:
 
 
 @pytest.mark.parametrize(
-    ("previous", "data", "found"),
+    ("before_last", "last", "found"),
     [
-        (b"", b'data: {"error": {"message": "x"}}\n\n', True),
-        (b"", b'data: {"error":{"message":"x"}}\n\n', True),
-        (b'data: {"err', b'or": {"message": "x"}}\n\n', True),  # split over two reads
-        (b"data: {", b'"error": {}}\n\n', True),
+        (b"", b'data: {"error": {"message": "x"}}\n\ndata: [DONE]\n\n', True),
+        (b'data: {"error":{"message":"x"}}\n\n', b"data: [DONE]\n\n", True),
+        (b'data: {"id":"c"}\n\ndata: {"err', b'or": {"message": "x"}}\n\n', True),  # split
+        (b"data: {", b'"error": {}}\n\ndata: [DONE]\n\n', True),
         # Model text that reads {"error": ...} arrives with its quotes escaped.
         (b"", b'data: {"id":"c","choices":[{"delta":{"content":"{\\"error\\": 1}"}}]}\n\n', False),
-        (b'{\\"err', b'or\\": 1}"}}]}\n\n', False),
+        (b'{\\"err', b'or\\": 1}"}}]}\n\ndata: [DONE]\n\n', False),
         (b"", b"data: [DONE]\n\n", False),
     ],
 )
-def test_error_event_in_finds_vllms_in_band_error_only(
-    previous: bytes, data: bytes, found: bool
+def test_ends_with_error_event_finds_vllms_in_band_error_only(
+    before_last: bytes, last: bytes, found: bool
 ) -> None:
-    assert error_event_in(previous[-ERROR_TAIL:], data) is found
+    assert ends_with_error_event(before_last, last) is found

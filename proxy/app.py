@@ -256,6 +256,7 @@ def build_app(
             connect_timeout_s=config.connect_timeout_s,
             read_timeout_s=config.read_timeout_s,
             max_connections=config.max_upstream_connections,
+            keepalive_s=config.upstream_keepalive_s,
             api_key=(
                 config.upstream_api_key.get_secret_value() if config.upstream_api_key else None
             ),

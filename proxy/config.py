@@ -185,6 +185,13 @@ class ProxyConfig(BaseModel):
         "above the idle timeout of a load balancer in front of the proxy",
     )
     max_upstream_connections: int = Field(default=256, ge=1)
+    upstream_keepalive_s: float = Field(
+        default=4.0,
+        gt=0,
+        description="an idle connection to a replica is reused only while younger than "
+        "this; keep it below the replica's own keep-alive timeout (vLLM: 5 s, "
+        "VLLM_HTTP_TIMEOUT_KEEP_ALIVE), or requests meet connections it is closing",
+    )
     require_auth: bool = Field(
         default=True, description="false serves key-less requests as tenant 'anonymous'"
     )

@@ -515,3 +515,71 @@ def test_a_tenant_over_its_limits_gets_a_429_before_its_body_is_read(make_proxy,
         upload.close()
     wait_for(lambda: harness.ctx.tenants.tenants["dave"].in_flight == 0)
     assert _post(url, "key-dave", "/v1/chat/completions", json=CHAT).status_code == 200
+
+
+class ClosesReusedConnections(FakeVllm):
+    """Answers the first request of each connection and closes the connection when another
+    one arrives on it: vLLM's keep-alive timer (5 s) ending as a pooled connection's next
+    request goes out."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.connections: set[Any] = set()
+        self.closed = 0
+
+    async def _answer(self, request: web.Request) -> web.StreamResponse:
+        if request.protocol in self.connections:
+            self.closed += 1
+            assert request.transport is not None
+            request.transport.close()
+            return web.Response()  # never sent: the connection is gone
+        self.connections.add(request.protocol)
+        return await super()._answer(request)
+
+
+@pytest.mark.parametrize("tenant", ["alice", "bob"])
+def test_a_pooled_connection_the_replica_closes_is_retried_not_a_502(make_proxy, tenant):
+    upstream = ClosesReusedConnections().start()
+    try:
+        harness, sink = make_proxy([upstream.url])
+        body = {"model": "policy", "messages": [{"role": "user", "content": "hi"}]}
+        answers = [
+            _post(harness.base_url, KEYS[tenant], "/v1/chat/completions", json=body)
+            for _ in range(3)
+        ]
+    finally:
+        upstream.stop()
+    assert [a.status_code for a in answers] == [200, 200, 200], answers[-1].text
+    assert upstream.closed == 2 and len(upstream.connections) == 3
+    harness.drain()
+    assert len(sink.trajectories) == (3 if tenant == "alice" else 0)
+
+
+class NotesConnections(FakeVllm):
+    """Notes the connection each request came on."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: list[Any] = []
+
+    async def _answer(self, request: web.Request) -> web.StreamResponse:
+        self.seen.append(request.protocol)
+        return await super()._answer(request)
+
+
+def test_upstream_connections_idle_past_the_keepalive_are_not_reused(make_proxy):
+    """Kept below vLLM's own keep-alive (5 s), the proxy never sends on a connection vLLM is
+    about to close."""
+    upstream = NotesConnections().start()
+    try:
+        harness, _ = make_proxy([upstream.url], upstream_keepalive_s=0.3)
+        body = {"model": "policy", "messages": [{"role": "user", "content": "hi"}]}
+        for pause_s in (0.0, 0.0, 0.6):
+            time.sleep(pause_s)
+            answer = _post(harness.base_url, KEYS["bob"], "/v1/chat/completions", json=body)
+            assert answer.is_success
+    finally:
+        upstream.stop()
+    first, second, third = upstream.seen
+    assert first is second  # reused within the keep-alive
+    assert third is not second  # a new connection after 0.6 s idle

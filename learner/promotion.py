@@ -37,6 +37,7 @@ from learner.checkpoint import CheckpointStore
 from learner.config import PromotionConfig
 from safety.audit import AuditLog
 from safety.config import GatesConfig
+from safety.gates.client import VLLM_SAFE_KEEPALIVE_S
 from safety.gates.suite import run_gate_suite_sync
 from safety.gates.types import GateInterrupted, GateReport
 from safety.gates.zero_adapter import write_zero_adapter
@@ -124,7 +125,8 @@ class ReplicaSet:
         self.base_urls = [u.rstrip("/") for u in base_urls]
         self.api_key = api_key  # vLLM's --api-key (policy.api_key); the gates use it too
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-        self._client = httpx.Client(timeout=timeout_s, headers=headers)
+        limits = httpx.Limits(keepalive_expiry=VLLM_SAFE_KEEPALIVE_S)  # httpx's 5 s is vLLM's
+        self._client = httpx.Client(timeout=timeout_s, headers=headers, limits=limits)
 
     def served(self, url: str) -> set[str]:
         resp = self._client.get(f"{url}/v1/models")

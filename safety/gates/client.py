@@ -13,6 +13,11 @@ import aiohttp
 
 from safety.gates.types import GateError
 
+# How long an idle connection to vLLM is reused: below vLLM's own keep-alive (5 s,
+# VLLM_HTTP_TIMEOUT_KEEP_ALIVE), so that a request never goes out on a connection vLLM is
+# closing. The learner's replica client uses it too.
+VLLM_SAFE_KEEPALIVE_S = 4.0
+
 
 class UpstreamError(GateError):
     """The model server refused or failed a request."""
@@ -57,13 +62,23 @@ class VllmClient:
             await self._session.close()
             self._session = None
 
-    async def post(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
+    @property
+    def session(self) -> aiohttp.ClientSession:
         if self._session is None:
-            self._session = aiohttp.ClientSession(timeout=self._timeout, headers=self._headers)
+            # Idle connections are dropped before vLLM's own keep-alive (5 s) closes them:
+            # with aiohttp's 15 s, a gate request sent ~5 s after the last one on its
+            # connection could meet a closing socket and fail its gate.
+            connector = aiohttp.TCPConnector(keepalive_timeout=VLLM_SAFE_KEEPALIVE_S)
+            self._session = aiohttp.ClientSession(
+                connector=connector, timeout=self._timeout, headers=self._headers
+            )
+        return self._session
+
+    async def post(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
         url = f"{self.base_url}{path}"
         async with self._limit:
             try:
-                async with self._session.post(url, json=body) as response:
+                async with self.session.post(url, json=body) as response:
                     text = await response.text()
                     if response.status != 200:
                         raise UpstreamError(
@@ -171,10 +186,8 @@ class VllmClient:
             raise UpstreamError(f"unexpected completion logprobs from {model!r}: {exc!r}") from exc
 
     async def list_models(self) -> list[str]:
-        if self._session is None:
-            self._session = aiohttp.ClientSession(timeout=self._timeout, headers=self._headers)
         try:
-            async with self._session.get(f"{self.base_url}/v1/models") as response:
+            async with self.session.get(f"{self.base_url}/v1/models") as response:
                 response.raise_for_status()
                 data = await response.json()
         except (aiohttp.ClientError, TimeoutError) as exc:

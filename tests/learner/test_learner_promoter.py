@@ -604,3 +604,37 @@ def test_an_alias_the_proxy_lacks_is_refused_before_the_gate(tmp_path: Path) -> 
         "promotion_skipped",
         {"version": "policy-v1", "reason": "unknown_alias", "alias": "polcy"},
     ) in audit.events
+
+
+def test_the_replica_client_drops_idle_connections_before_vllms_keepalive(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """httpx keeps idle connections 5 s, as long as vLLM does: a load or listing sent at
+    that age could meet a connection vLLM was closing. Shortened here to keep it quick."""
+    from aiohttp import web
+
+    from tests.proxy.threaded_upstream import ThreadedUpstream
+
+    assert promotion.VLLM_SAFE_KEEPALIVE_S < 5.0
+    monkeypatch.setattr(promotion, "VLLM_SAFE_KEEPALIVE_S", 0.3)
+    seen: list[object] = []
+
+    class Models(ThreadedUpstream):
+        async def _models(self, request: web.Request) -> web.Response:
+            seen.append(request.protocol)
+            return web.json_response({"data": [{"id": "base"}]})
+
+        def add_routes(self, app: web.Application) -> None:
+            app.router.add_get("/v1/models", self._models)
+
+    server = Models().start()
+    try:
+        replicas = promotion.ReplicaSet([server.url])
+        for pause_s in (0.0, 0.0, 0.6):
+            time.sleep(pause_s)
+            assert replicas.served(server.url) == {"base"}
+        replicas.close()
+    finally:
+        server.stop()
+    first, second, third = seen
+    assert first is second and third is not second

@@ -20,11 +20,13 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
+import httpx
 import openai
 import structlog
 
 from learner.config import JudgeConfig
 from learner.rewards.verifiers import choice_text
+from safety.gates.client import VLLM_SAFE_KEEPALIVE_S
 
 log = structlog.get_logger(__name__)
 
@@ -91,8 +93,19 @@ class Judge:
             raise ValueError("judge needs learner.rewards.judge.base_url (or the policy URL)")
         key = config.api_key if config.base_url or not api_key else api_key
         self.config = config
+        # openai keeps idle connections 5 s, as long as vLLM does: one reused at that age
+        # could be closing. Dropped after 4 s (any judge server takes that).
+        limits = httpx.Limits(
+            max_connections=1000,
+            max_keepalive_connections=100,
+            keepalive_expiry=VLLM_SAFE_KEEPALIVE_S,
+        )
         self._client = openai.OpenAI(
-            base_url=url, api_key=key, timeout=config.timeout_s, max_retries=0
+            base_url=url,
+            api_key=key,
+            timeout=config.timeout_s,
+            max_retries=0,
+            http_client=openai.DefaultHttpxClient(limits=limits),
         )
         self._cache: OrderedDict[str, JudgeVerdict] = OrderedDict()
         self._lock = threading.Lock()

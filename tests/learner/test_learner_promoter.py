@@ -611,30 +611,14 @@ def test_the_replica_client_drops_idle_connections_before_vllms_keepalive(
 ) -> None:
     """httpx keeps idle connections 5 s, as long as vLLM does: a load or listing sent at
     that age could meet a connection vLLM was closing. Shortened here to keep it quick."""
-    from aiohttp import web
-
-    from tests.proxy.threaded_upstream import ThreadedUpstream
+    from tests.proxy.threaded_upstream import NotingUpstream, assert_reconnects_after_idle
 
     assert promotion.VLLM_SAFE_KEEPALIVE_S < 5.0
     monkeypatch.setattr(promotion, "VLLM_SAFE_KEEPALIVE_S", 0.3)
-    seen: list[object] = []
-
-    class Models(ThreadedUpstream):
-        async def _models(self, request: web.Request) -> web.Response:
-            seen.append(request.protocol)
-            return web.json_response({"data": [{"id": "base"}]})
-
-        def add_routes(self, app: web.Application) -> None:
-            app.router.add_get("/v1/models", self._models)
-
-    server = Models().start()
+    server = NotingUpstream({("GET", "/v1/models"): {"data": [{"id": "base"}]}}).start()
+    replicas = promotion.ReplicaSet([server.url])
     try:
-        replicas = promotion.ReplicaSet([server.url])
-        for pause_s in (0.0, 0.0, 0.6):
-            time.sleep(pause_s)
-            assert replicas.served(server.url) == {"base"}
-        replicas.close()
+        assert_reconnects_after_idle(lambda: replicas.served(server.url), server.connections)
     finally:
+        replicas.close()
         server.stop()
-    first, second, third = seen
-    assert first is second and third is not second

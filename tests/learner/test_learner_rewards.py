@@ -405,48 +405,30 @@ def test_the_judge_drops_idle_connections_before_vllms_keepalive(
 ) -> None:
     """openai keeps idle connections 5 s, as long as vLLM does: a judge call at that age
     could meet a connection vLLM was closing. Shortened here to keep the test quick."""
-    from aiohttp import web
-
     from learner.rewards import judge as judge_module
-    from tests.proxy.threaded_upstream import ThreadedUpstream
+    from tests.proxy.threaded_upstream import NotingUpstream, assert_reconnects_after_idle
 
     assert judge_module.VLLM_SAFE_KEEPALIVE_S < 5.0
     monkeypatch.setattr(judge_module, "VLLM_SAFE_KEEPALIVE_S", 0.3)
-    seen: list[object] = []
+    top = [{"token": "7", "logprob": 0.0, "bytes": [55]}]
+    choice = {
+        "index": 0,
+        "message": {"role": "assistant", "content": "7"},
+        "logprobs": {"content": [{"token": "7", "logprob": 0.0, "top_logprobs": top}]},
+        "finish_reason": "length",
+    }
+    answer = {"id": "j", "object": "chat.completion", "created": 1, "model": "m"}
+    server = NotingUpstream({("POST", "/v1/chat/completions"): {**answer, "choices": [choice]}})
+    server.start()
+    judge = Judge(JudgeConfig(enabled=True, base_url=f"{server.url}/v1", cache_size=0))
+    answers = iter("123")
 
-    class Scores(ThreadedUpstream):
-        async def _chat(self, request: web.Request) -> web.Response:
-            seen.append(request.protocol)
-            top = [{"token": "7", "logprob": 0.0, "bytes": [55]}]
-            entry = {"token": "7", "logprob": 0.0, "bytes": [55], "top_logprobs": top}
-            choice = {
-                "index": 0,
-                "message": {"role": "assistant", "content": "7"},
-                "logprobs": {"content": [entry]},
-                "finish_reason": "length",
-            }
-            return web.json_response(
-                {
-                    "id": "j",
-                    "object": "chat.completion",
-                    "created": 1,
-                    "model": "m",
-                    "choices": [choice],
-                }
-            )
+    def score() -> None:
+        rec = record(next(answers))
+        assert judge.score(rec, rec["choices"][0]).error is None
 
-        def add_routes(self, app: web.Application) -> None:
-            app.router.add_post("/v1/chat/completions", self._chat)
-
-    server = Scores().start()
     try:
-        judge = Judge(JudgeConfig(enabled=True, base_url=f"{server.url}/v1", cache_size=0))
-        for pause_s, answer in ((0.0, "1"), (0.0, "2"), (0.6, "3")):
-            time.sleep(pause_s)
-            rec = record(answer)
-            assert judge.score(rec, rec["choices"][0]).error is None
-        judge.close()
+        assert_reconnects_after_idle(score, server.connections)
     finally:
+        judge.close()
         server.stop()
-    first, second, third = seen
-    assert first is second and third is not second

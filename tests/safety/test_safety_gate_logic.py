@@ -693,7 +693,7 @@ def test_the_preflight_reads_every_enabled_gates_probes(tmp_path: Path) -> None:
     assert "poisoning" not in check_probe_sets(off)
 
 
-async def test_the_gate_client_drops_idle_connections_before_vllms_keepalive(
+def test_the_gate_client_drops_idle_connections_before_vllms_keepalive(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """vLLM closes a connection idle for 5 s; the client must not reuse one that old (with
@@ -701,31 +701,21 @@ async def test_the_gate_client_drops_idle_connections_before_vllms_keepalive(
     gate). The limit is shortened here to keep the test quick."""
     import asyncio
 
-    from aiohttp import web
-
     from safety.gates import client as gate_client
+    from tests.proxy.threaded_upstream import NotingUpstream, assert_reconnects_after_idle
 
     assert gate_client.VLLM_SAFE_KEEPALIVE_S < 5.0
     monkeypatch.setattr(gate_client, "VLLM_SAFE_KEEPALIVE_S", 0.3)
-    seen: list[Any] = []
+    server = NotingUpstream({("GET", "/v1/models"): {"data": [{"id": "base"}]}}).start()
+    loop = asyncio.new_event_loop()
+    client = gate_client.VllmClient(server.url)
 
-    async def models(request: web.Request) -> web.Response:
-        seen.append(request.protocol)
-        return web.json_response({"data": [{"id": "base"}]})
+    def listing() -> None:
+        assert loop.run_until_complete(client.list_models()) == ["base"]
 
-    app = web.Application()
-    app.router.add_get("/v1/models", models)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
     try:
-        url = f"http://127.0.0.1:{runner.addresses[0][1]}"
-        async with gate_client.VllmClient(url) as client:
-            for pause_s in (0.0, 0.0, 0.6):
-                await asyncio.sleep(pause_s)
-                assert await client.list_models() == ["base"]
+        assert_reconnects_after_idle(listing, server.connections)
     finally:
-        await runner.cleanup()
-    first, second, third = seen
-    assert first is second and third is not second
+        loop.run_until_complete(client.aclose())
+        loop.close()
+        server.stop()

@@ -383,7 +383,16 @@ async def one_request(session: aiohttp.ClientSession, target: Target, stream: bo
     return time.perf_counter() - started
 
 
-async def run_load(target: Target, stream: bool, concurrency: int, requests: int) -> dict:
+# In the alternating rounds each round's CPU window runs this long past its last response:
+# the sink worker and the feeder finish that round's records inside it, instead of in the
+# next round's window (before, a training-off round right after a training-on round of the
+# same proxy ran beside the worker's backlog and was charged part of its cost).
+SETTLE_S = 0.5
+
+
+async def run_load(
+    target: Target, stream: bool, concurrency: int, requests: int, settle_s: float = 0.0
+) -> dict:
     connector = aiohttp.TCPConnector(limit=concurrency)
     async with aiohttp.ClientSession(connector=connector) as session:
         for _ in range(20):
@@ -399,6 +408,7 @@ async def run_load(target: Target, stream: bool, concurrency: int, requests: int
         started = time.perf_counter()
         await asyncio.gather(*(worker() for _ in range(concurrency)))
         elapsed = time.perf_counter() - started
+        await asyncio.sleep(settle_s)
         cpu_after = cpu_seconds(target.proc.pid) if target.proc else (0.0, 0.0)
     latencies.sort()
     return {
@@ -763,7 +773,7 @@ def gc_rounds(tuned: Target, default: Target, rounds: int, requests: int) -> dic
         for round_ in range(rounds):
             for target in (tuned, default) if round_ % 2 == 0 else (default, tuned):
                 before = gc_collections(target.url)
-                r = asyncio.run(run_load(target, stream, 16, requests))
+                r = asyncio.run(run_load(target, stream, 16, requests, SETTLE_S))
                 after = gc_collections(target.url)
                 group[target.name]["p99"].append(r["p99_ms"])
                 group[target.name]["cpu"].append(r["cpu_ms"] or 0.0)
@@ -832,7 +842,9 @@ def alternating_rounds(
             for round_ in range(rounds):
                 order = names if round_ % 2 == 0 else names[::-1]
                 for name in order:
-                    r = asyncio.run(run_load(targets[name], stream, concurrency, requests))
+                    r = asyncio.run(
+                        run_load(targets[name], stream, concurrency, requests, SETTLE_S)
+                    )
                     group[name]["p50"].append(r["p50_ms"])
                     group[name]["cpu"].append(r["cpu_ms"] or 0.0)
                     group[name]["total"].append(r["cpu_total_ms"] or 0.0)
@@ -895,8 +907,9 @@ def render_rounds(rounds: dict, count: int, requests: int) -> str:
         "### The ratio targets, in alternating rounds",
         "",
         f"{count} rounds of {requests} requests (after 20 warm-up requests) per target and "
-        "row, the targets' order reversed every other round; medians over the rounds. "
-        "`olp-off` and `olp-on` are the same proxy (tenants with training off and on), its "
+        "row, the targets' order reversed every other round; medians over the rounds. A "
+        f"round's CPU is read {SETTLE_S:g} s after its last response, so the records it sent "
+        "are built and sent inside its own window, not the next round's. `olp-off` and `olp-on` are the same proxy (tenants with training off and on), its "
         "KafkaSinkProcess worker building, checking, redacting, validating, encoding and "
         "sending the records; `olp-on-nosink` is a proxy whose sink takes the captures and "
         "drops them (the proxy process's own capture work, with no worker using the cores); "

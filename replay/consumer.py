@@ -118,6 +118,7 @@ class ConsumerStats:
     tombstones: int = 0
     late_feedback: int = 0
     orphaned_feedback: int = 0
+    foreign_feedback: int = 0
     feedback_before_resume: int = 0
     future_created_at: int = 0
 
@@ -179,6 +180,7 @@ class _StatsCollector(Collector):
             ("tombstones", "Records without a value (tombstones), skipped: none of ours"),
             ("late_feedback", "Feedback after the window or after its trajectory was yielded"),
             ("orphaned_feedback", "Feedback dropped because its trajectory never arrived"),
+            ("foreign_feedback", "Feedback dropped because another tenant sent it"),
             (
                 "future_created_at",
                 "Trajectories and waiting feedback stamped over 5 s in the future "
@@ -584,7 +586,15 @@ class TrajectoryConsumer:
     def _attach_or_late(
         self, pending: _Pending, tp: TopicPartition, offset: int, event: dict[str, Any]
     ) -> None:
-        if float(event["created_at"]) <= pending.window_end:
+        if event["tenant"] != pending.trajectory["tenant"]:
+            # The proxy refuses feedback on another tenant's trajectory only while it still
+            # remembers the id (a bounded map, empty after a restart); past that, a tenant
+            # that learned an id would steer the rewards of another's samples.
+            self.stats.foreign_feedback += 1
+            log.warning(
+                "foreign_feedback_dropped", trajectory_id=event["trajectory_id"], kind=event["kind"]
+            )
+        elif float(event["created_at"]) <= pending.window_end:
             pending.feedback.append((tp, offset, event))
             self._needed[tp][offset] = event["trajectory_id"]
         else:

@@ -13,7 +13,7 @@ import pytest
 from replay.config import StreamConfig
 from replay.consumer import ResumeOffsetError, ScoredTrajectory, TrajectoryConsumer
 from replay.producer import KafkaSink
-from replay.synthetic import make_feedback, make_trajectory
+from replay.synthetic import make_feedback, make_trajectory, sha256_hex
 from tests.replay.conftest import consume_until
 
 
@@ -156,6 +156,37 @@ def test_feedback_joins_by_trajectory_id_and_late_feedback_is_counted(
     assert consumer.stats.orphaned_feedback == 1
     assert consumer.waiting() == 0
     consumer.close()
+
+
+def test_feedback_from_another_tenant_is_dropped_not_joined(
+    stream_config: StreamConfig, tmp_path: Path
+) -> None:
+    """The proxy refuses feedback on another tenant's trajectory only while it remembers
+    the id; the join refuses it always, whether it arrives before or after the trajectory."""
+    t0 = 1_700_000_000.0
+    config = stream_config.model_copy(update={"join_window_s": 10.0, "join_grace_s": 0.0})
+    trajectory = make_trajectory(session_id="s", tenant="owner", created_at=t0)
+    own = make_feedback(trajectory, kind="thumbs_up", created_at=t0 + 1)
+    foreign = [
+        {**make_feedback(trajectory, kind="thumbs_down", created_at=t0 + 2), "tenant": other}
+        for other in (sha256_hex("intruder"), sha256_hex("intruder-2"))
+    ]
+    _produce(config, tmp_path, [], [foreign[0]])  # before its trajectory: waits, then dropped
+    _produce(config, tmp_path, [trajectory], [own, foreign[1]])
+
+    consumer = TrajectoryConsumer(config, clock=FakeClock(t0 + 20))
+    try:
+        scored = _drain(consumer, rounds=5)
+        assert [s.trajectory for s in scored] == [trajectory]
+        assert scored[0].feedback == [own]
+        assert consumer.stats.foreign_feedback == 2
+        assert consumer.stats.late_feedback == consumer.stats.orphaned_feedback == 0
+        # Nothing dropped holds the resume point back: the three events share the session
+        # key, so one partition, whose resume point is past all of them.
+        feedback_offsets = consumer.processed_offsets()[f"{config.topic_prefix}.feedback"]
+        assert max(feedback_offsets.values()) == 3
+    finally:
+        consumer.close()
 
 
 def test_resume_offset_beyond_the_partition_end_stops_loudly(stream_config: StreamConfig) -> None:

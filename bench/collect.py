@@ -26,7 +26,8 @@ def main() -> None:
         (ROOT / "docs" / "perf").glob("*.md"),
         key=lambda p: (ORDER.index(p.stem) if p.stem in ORDER else 99, p.stem),
     )
-    body = "\n".join(p.read_text().rstrip() + "\n" for p in parts)
+    # A section's links are relative to docs/perf/; this page lies one folder up.
+    body = "\n".join(p.read_text().rstrip().replace("](../", "](") + "\n" for p in parts)
     (ROOT / "docs" / "performance.md").write_text(HEADER + body)
     print(f"docs/performance.md: {', '.join(p.stem for p in parts)}")
 

@@ -290,7 +290,7 @@ def parse_bound(value: str | None) -> tuple[Any, float | None]:
         try:
             return json.loads(text), None
         except ValueError as exc:
-            raise SystemExit(f"olp: --from/--to offsets are not valid JSON: {exc}") from None
+            raise ValueError(f"--from/--to offsets are not valid JSON: {exc}") from None
     try:
         return None, float(text)
     except ValueError:
@@ -298,8 +298,8 @@ def parse_bound(value: str | None) -> tuple[Any, float | None]:
     try:
         return None, datetime.fromisoformat(text.replace("Z", "+00:00")).timestamp()
     except ValueError:
-        raise SystemExit(
-            f"olp: --from/--to {value!r} is neither offsets (JSON), unix seconds nor ISO 8601"
+        raise ValueError(
+            f"--from/--to {value!r} is neither offsets (JSON), unix seconds nor ISO 8601"
         ) from None
 
 
@@ -309,8 +309,12 @@ def cmd_replay_export(args: argparse.Namespace, cfg: OlpConfig) -> int:
     from replay.consumer import ResumeOffsetError
     from replay.export import export_records
 
-    from_offsets, from_time = parse_bound(args.from_)
-    to_offsets, to_time = parse_bound(args.to)
+    try:
+        from_offsets, from_time = parse_bound(args.from_)
+        to_offsets, to_time = parse_bound(args.to)
+    except ValueError as exc:  # the same exit as every other failed export
+        print(f"olp: replay export: {exc}", file=sys.stderr)
+        return 2
     kinds = tuple(k.strip() for k in args.kinds.split(",") if k.strip())
     try:
         result = export_records(

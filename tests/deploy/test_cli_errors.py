@@ -216,6 +216,19 @@ def test_replay_export_from_an_unreachable_broker(tmp_path: Path) -> None:
     assert list(tmp_path.glob("x.jsonl*")) == []  # no half-written .partial left behind
 
 
+@pytest.mark.parametrize(
+    ("bound", "says"),
+    [("notatime", "neither offsets (JSON), unix seconds nor ISO 8601"), ("{bad", "not valid JSON")],
+)
+def test_replay_export_with_a_malformed_bound(tmp_path: Path, bound: str, says: str) -> None:
+    """Exit 2 like every other failed export (it was 1), before any broker is asked."""
+    env = {"OLP_STREAM__BOOTSTRAP_SERVERS": "127.0.0.1:1", "OLP_STATE_DIR": str(tmp_path)}
+    done = olp("replay", "export", "--out", str(tmp_path / "x.jsonl"), "--from", bound, env=env)
+    assert_clean_error(done, 2, "replay export: --from/--to")
+    assert says in done.stderr and "127.0.0.1:1" not in done.stderr
+    assert list(tmp_path.glob("x.jsonl*")) == []
+
+
 def test_broker_with_a_bootstrap_that_is_not_host_port() -> None:
     done = olp("broker", env={"OLP_STREAM__BOOTSTRAP_SERVERS": "nohostport"})
     assert_clean_error(done, 2, "invalid configuration")

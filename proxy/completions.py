@@ -41,7 +41,7 @@ from proxy.relay import (
     usage_of,
 )
 from proxy.routing import UpstreamUnavailable
-from proxy.tenants import Tenant
+from proxy.tenants import Tenant, opts_out_of_training
 from proxy.validation import validate_completion_request
 
 log = structlog.get_logger(__name__)
@@ -136,6 +136,7 @@ class CompletionRelay:
         self.session_id: str | None = None  # X-Session-Id
         self.group_id: str | None = None  # X-OLP-Group-Id
         self.task: str | None = None  # X-OLP-Task
+        self.opted_out = False  # X-OLP-Train: 0
         self.counted = False  # the request's metrics and log line were written
 
     async def handle(self) -> web.StreamResponse:
@@ -254,13 +255,12 @@ class CompletionRelay:
         self.session_id = text_header(self.request, "X-Session-Id", limit=LABEL_MAX_CHARS)
         self.group_id = text_header(self.request, "X-OLP-Group-Id", limit=LABEL_MAX_CHARS)
         self.task = text_header(self.request, "X-OLP-Task", limit=LABEL_MAX_CHARS)
+        self.opted_out = opts_out_of_training(self.request.headers.get("X-OLP-Train"))
 
     def _training(self, tenant: Tenant, body: dict[str, Any]) -> bool:
         """Whether this request is captured for training."""
         ctx = self.ctx
-        if not ctx.config.capture_enabled or not ctx.tenants.wants_training(
-            tenant, self.request.headers.get("X-OLP-Train")
-        ):
+        if not ctx.config.capture_enabled or not ctx.tenants.wants_training(tenant, self.opted_out):
             return False
         refusal = capture_refusal(self.endpoint, body)
         if refusal is not None:

@@ -13,7 +13,30 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from proxy.config import TenantConfig, sha256_hex
-from proxy.errors import AuthError, ProxyError
+from proxy.errors import AuthError, ProxyError, bad_request
+
+TRAIN_HEADER_OFF = frozenset({"0", "false", "no", "off"})
+TRAIN_HEADER_ON = frozenset({"1", "true", "yes", "on"})
+
+
+def opts_out_of_training(value: str | None) -> bool:
+    """Whether an `X-OLP-Train` value opts its request out; 400 for a value that is neither
+    off nor on: a client that meant to opt out with a spelling of its own ("never",
+    "disabled") would otherwise have its request recorded for training."""
+    if value is None or not value.strip():
+        return False
+    word = value.strip().lower()
+    if word in TRAIN_HEADER_OFF:
+        return True
+    if word in TRAIN_HEADER_ON:
+        return False
+    raise bad_request(
+        f"The X-OLP-Train header must be 0 (do not learn from this request) or 1, got "
+        f"{value.strip()[:32]!r}.",
+        param="X-OLP-Train",
+        code="invalid_header",
+    )
+
 
 ANONYMOUS = "anonymous"
 
@@ -211,13 +234,9 @@ class TenantRegistry:
             )
         return self._limit_headers(tenant, feedback=True)
 
-    def wants_training(self, tenant: Tenant, train_header: str | None) -> bool:
+    def wants_training(self, tenant: Tenant, opted_out: bool) -> bool:
         """Tenant opt-in, narrowed by `X-OLP-Train: 0`; the header can never opt in."""
-        if not tenant.training_enabled:
-            return False
-        return not (
-            train_header is not None and train_header.strip().lower() in {"0", "false", "no", "off"}
-        )
+        return tenant.training_enabled and not opted_out
 
     def apply_overrides(self, overrides: Mapping[str, bool]) -> None:
         for name, enabled in overrides.items():

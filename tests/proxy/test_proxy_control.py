@@ -50,6 +50,10 @@ def test_training_off_or_opted_out_gives_no_trajectory(proxy):
         assert raw.parse().choices[0].message.content
         assert "x-olp-trajectory-id" not in raw.headers
         assert raw.headers["x-olp-policy-version"] == "base"
+    # A spelling of its own is refused, not taken as "train on this".
+    with pytest.raises(openai.BadRequestError) as refused:
+        chat(harness, "alice", headers={"X-OLP-Train": "never"})
+    assert refused.value.body["param"] == "X-OLP-Train" and "'never'" in refused.value.message
     captured = chat(harness, "alice")
     harness.drain()
     assert [r["trajectory_id"] for r in sink.trajectories] == [

@@ -27,7 +27,7 @@ from proxy.relay import (
 )
 from proxy.routing import UpstreamPool
 from proxy.serving_state import ServingState, load_state, save_state
-from proxy.tenants import TenantRegistry, TokenBucket
+from proxy.tenants import TenantRegistry, TokenBucket, opts_out_of_training
 from proxy.validation import validate_completion_request
 from replay.schemas import validate_trajectory
 from safety.redaction import Redactor
@@ -64,17 +64,40 @@ def test_auth_and_training_opt_in():
     with pytest.raises(ProxyError) as err:
         registry.authenticate("Bearer nope")
     assert err.value.code == "invalid_api_key"
-    assert registry.wants_training(on, None) is True
-    assert registry.wants_training(on, "0") is False
-    assert registry.wants_training(off, "1") is False  # the header never opts in
+    assert registry.wants_training(on, opts_out_of_training(None)) is True
+    assert registry.wants_training(on, opts_out_of_training("0")) is False
+    assert registry.wants_training(off, opts_out_of_training("1")) is False  # never opts in
     registry.apply_overrides({"off": True})
-    assert registry.wants_training(off, None) is True
+    assert registry.wants_training(off, opts_out_of_training(None)) is True
+
+
+@pytest.mark.parametrize(
+    ("value", "opts_out"),
+    [
+        *[(None, False), ("", False), (" ", False), ("1", False), ("TRUE", False), ("on", False)],
+        *[("0", True), (" 0 ", True), ("False", True), ("no", True), ("OFF", True)],
+    ],
+)
+def test_train_header_values(value, opts_out):
+    assert opts_out_of_training(value) is opts_out
+
+
+@pytest.mark.parametrize("value", ["never", "disabled", "2", "0,1", "nein"])
+def test_train_header_that_is_neither_off_nor_on_is_refused(value):
+    with pytest.raises(ProxyError) as err:
+        opts_out_of_training(value)
+    assert (err.value.status, err.value.code, err.value.param) == (
+        400,
+        "invalid_header",
+        "X-OLP-Train",
+    )
+    assert repr(value) in err.value.message
 
 
 def test_anonymous_only_without_required_auth():
     registry = TenantRegistry([], require_auth=False)
     assert registry.authenticate(None).name == "anonymous"
-    assert registry.wants_training(registry.authenticate(None), None) is False
+    assert registry.wants_training(registry.authenticate(None), False) is False
 
 
 def test_rate_limit_and_concurrency():

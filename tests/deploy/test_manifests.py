@@ -325,7 +325,9 @@ def test_vllm_and_kafka_are_not_exposed() -> None:
     for name in ("vllm", "kafka"):
         assert "ports" not in services()[name]
         assert all(networks[n].get("internal") for n in services()[name]["networks"])
-    for svc in (o for o in k8s_objects() if o["kind"] == "Service"):
+    k8s_services = [o for o in k8s_objects() if o["kind"] == "Service"]
+    assert {"vllm", "kafka"} <= {svc["metadata"]["name"] for svc in k8s_services}
+    for svc in k8s_services:
         assert svc["spec"].get("type", "ClusterIP") == "ClusterIP", svc["metadata"]["name"]
 
 
@@ -480,7 +482,9 @@ def test_only_the_proxy_and_the_learner_reach_vllm_on_kubernetes() -> None:
 
 def test_k8s_pods_disable_service_links() -> None:
     # A Service named vllm injects VLLM_PORT=tcp://..., which vLLM refuses to start with.
-    for obj in workloads():
+    pods = list(workloads())
+    assert {"vllm", "proxy", "learner"} <= {obj["metadata"]["name"] for obj in pods}
+    for obj in pods:
         assert obj["spec"]["template"]["spec"].get("enableServiceLinks") is False
 
 

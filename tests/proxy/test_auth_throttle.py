@@ -89,7 +89,8 @@ def test_failures_further_apart_than_the_window_never_lock():
     for _ in range(4 * MAX):
         throttle.failed("10.0.0.1", "api")
         clock.now += WINDOW_S / (MAX - 1) + 0.01  # MAX of them span more than the window
-        throttle.check("10.0.0.1", "api")
+        throttle.check("10.0.0.1", "api")  # raises (429) once locked
+        assert throttle.retry_after("10.0.0.1") == 0
 
 
 def test_zero_max_failures_turns_the_throttle_off_but_still_counts_failures():

@@ -305,14 +305,24 @@ def test_typed_path_builds_the_dict_paths_record_of_a_stream(name: str) -> None:
 def test_vllm_shapes_take_the_typed_path(monkeypatch: pytest.MonkeyPatch) -> None:
     """Else the comparisons above would test the dict path against itself."""
 
+    dict_path_ran: list[int] = []
+
     def refuse(*_: Any) -> None:
+        dict_path_ran.append(1)
         raise AssertionError("the dict path ran")
 
     monkeypatch.setattr(TrajectoryCapture, "_absorb_each", refuse)
-    for stream in STREAMS.values():
+    # _outcome turns a raise into its text (the AssertionError included), so both say it.
+    outcomes = [
         _outcome(TrajectoryCapture, "chat.completions", stream, None, REDACT)
-    for response in RESPONSES.values():
+        for stream in STREAMS.values()
+    ] + [
         _outcome(TrajectoryCapture, "chat.completions", [], response, REDACT)
+        for response in RESPONSES.values()
+    ]
+    assert len(outcomes) == len(STREAMS) + len(RESPONSES) > 0
+    assert not any(outcome.startswith("raised") for outcome in outcomes)
+    assert dict_path_ran == []
 
 
 @pytest.mark.parametrize("name", sorted(RESPONSES))

@@ -784,11 +784,14 @@ def test_each_pass_needle_is_found_wherever_its_pattern_matches() -> None:
     # Passes are skipped when their needle is absent, and `redact_obj` skips the whole
     # object: a needle that misses a match would let that secret through unread.
     redactor = Redactor()
+    matched = set()
     for _, text, _ in CASES:
         for variant in (text, text.upper(), text.lower(), json.dumps(text)):
             for kind, pattern, needle in redactor._passes:
                 if pattern.search(variant):
+                    matched.add(kind.name)
                     assert needle.search(variant, []), (kind.name, variant)
+    assert matched == {kind.name for kind, _, _ in redactor._passes}  # every kind was tried
 
 
 @pytest.mark.parametrize(
@@ -1277,11 +1280,14 @@ def test_the_needles_of_the_token_and_other_new_passes_hold_wherever_they_match(
     # would pass unread.
     redactor = Redactor()
     texts = [*TOKEN_SECRETS, *TOKEN_LOOKALIKES, *(t for t, _ in MORE_SECRETS), *MORE_LOOKALIKES]
+    matched = set()
     for text in texts:
         for variant in (text, text.upper(), text.lower(), json.dumps(text), json.dumps([text])):
-            for kind, pattern, needle in redactor._passes:
+            for index, (kind, pattern, needle) in enumerate(redactor._passes):
                 if pattern.search(variant):
+                    matched.add(index)
                     assert needle.search(variant, []), (kind.name, variant)
+    assert len(matched) >= 10, matched  # the token passes and their neighbours were tried
 
 
 # A walked object's strings were redacted without their keys: `{"password": "hunter2x"}`

@@ -128,7 +128,10 @@ class PromotionConfig(BaseModel):
     )
     drain_s: float = Field(30.0, ge=0, description="wait before unloading a replaced version")
     keep_loaded: int = Field(
-        2, ge=1, description="versions kept loaded in vLLM (serving + rollback target)"
+        2,
+        ge=1,
+        description="newest versions kept loaded in vLLM; routed versions and the proxy's "
+        "rollback target stay loaded besides",
     )
     retain_dirs: int = Field(10, ge=1, description="adapter directories kept on disk")
     request_timeout_s: float = Field(60.0, gt=0)

@@ -99,12 +99,16 @@ class ProxyAdmin:
     def status(self) -> dict[str, Any]:
         return dict(self._call("GET", "/admin/status"))
 
-    def set_alias(self, alias: str, target: str) -> dict[str, Any]:
-        return dict(self._call("POST", "/admin/aliases", {"alias": alias, "target": target}))
+    def set_alias(self, alias: str, target: str, expected: str | None = None) -> dict[str, Any]:
+        """Point `alias` at `target`; with `expected`, only if it still serves that (409)."""
+        body = {"alias": alias, "target": target}
+        return dict(self._call("POST", "/admin/aliases", _with_expected(body, expected)))
 
-    def start_canary(self, alias: str, target: str, share: float) -> dict[str, Any]:
+    def start_canary(
+        self, alias: str, target: str, share: float, expected: str | None = None
+    ) -> dict[str, Any]:
         body = {"alias": alias, "target": target, "share": share}
-        return dict(self._call("POST", "/admin/canary", body))
+        return dict(self._call("POST", "/admin/canary", _with_expected(body, expected)))
 
     def end_canary(self, alias: str, decision: str, reason: str) -> dict[str, Any]:
         body = {"alias": alias, "decision": decision, "reason": reason[:500]}
@@ -112,6 +116,10 @@ class ProxyAdmin:
 
     def close(self) -> None:
         self._client.close()
+
+
+def _with_expected(body: dict[str, Any], expected: str | None) -> dict[str, Any]:
+    return body if expected is None else {**body, "expected": expected}
 
 
 class ReplicaSet:
@@ -367,7 +375,9 @@ class Promoter:
             return self._canary(name, incumbent, report, timings)
         started = time.monotonic()
         try:
-            self.proxy.set_alias(self.config.alias, name)
+            # Only over the version it was gated against: an operator's rollback during the
+            # gate stands (409), and the candidate is dropped below.
+            self.proxy.set_alias(self.config.alias, name, expected=incumbent)
         except Exception as exc:
             after = self._status_retrying(name)
             if after is None:  # it may have flipped: the candidate may be serving
@@ -605,10 +615,11 @@ class Promoter:
         started = time.monotonic()
         try:
             try:
-                self.proxy.start_canary(alias, name, config.share)
+                self.proxy.start_canary(alias, name, config.share, expected=incumbent)
             except Exception as exc:
-                # Refused (an operator's canary runs on the alias, serving froze) or lost on
-                # the way: end the canary only if it is ours, never someone else's.
+                # Refused (an operator's canary runs on the alias, serving froze, the alias
+                # moved since the gate) or lost on the way: end the canary only if it is
+                # ours, never someone else's.
                 log.exception("canary_start_failed", version=name, stable=incumbent)
                 reason = f"canary start failed: {exc!r}"
                 timings["canary_s"] = time.monotonic() - started
@@ -864,17 +875,25 @@ class Promoter:
     def _routed(self, status: dict[str, Any]) -> set[str]:
         return routed_targets(status)
 
+    def _kept_for_the_proxy(self, status: dict[str, Any]) -> set[str]:
+        """Routed versions and what `olp rollback` would serve. The newest `keep_loaded`
+        versions alone did not always hold the rollback target: after a rollback and a new
+        promotion it is older than the version rolled back from."""
+        return self._routed(status) | {
+            str(target) for target in (status.get("rollback_targets") or {}).values()
+        }
+
     def _cleanup_locked(self, serving: str) -> None:
         # One listing, then the status: a version routed by the time the status is read is
         # protected, and one loaded after the listing is not considered at all.
         loaded = self.replicas.loaded_versions()
-        routed = self._routed(self.proxy.status())
+        routed = self._kept_for_the_proxy(self.proxy.status())
         keep = set(sorted(loaded | {serving}, key=version_number)[-self.config.keep_loaded :])
         unloaded: set[str] = set()
         for name in sorted(loaded - keep - routed, key=version_number):
             # An operator's rollback goes through the proxy, not this lock: ask again just
             # before each unload so a version it routes to meanwhile stays loaded.
-            if name in self._routed(self.proxy.status()):
+            if name in self._kept_for_the_proxy(self.proxy.status()):
                 continue
             self.replicas.unload(name)
             unloaded.add(name)

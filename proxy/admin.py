@@ -57,6 +57,32 @@ def _served_target(ctx: ProxyContext, value: Any, param: str) -> str:
     return value
 
 
+def _check_expected(ctx: ProxyContext, alias: str, body: dict[str, Any]) -> None:
+    """With `expected` (the target the caller decided against), 409 when the alias now
+    serves another or runs a canary. The learner gates a candidate against the serving
+    version for minutes; an operator's rollback meanwhile must not be undone by its flip,
+    nor its canary ended by one."""
+    if "expected" not in body:
+        return
+    expected = _served_target(ctx, body["expected"], "expected")
+    current = ctx.aliases.resolve(alias)
+    if current != expected:
+        raise ProxyError(
+            409,
+            f"'{alias}' serves {current}, not {expected} as expected: it changed meanwhile.",
+            type_="conflict",
+            code="alias_changed",
+        )
+    canary = ctx.aliases.canaries().get(alias)
+    if canary is not None:
+        raise ProxyError(
+            409,
+            f"A canary of {canary.target} is running on '{alias}'; end it first.",
+            type_="conflict",
+            code="canary_running",
+        )
+
+
 def _authorize(request: web.Request) -> str:
     """The acting operator's name; 401 without a key, 403 with a wrong one or none configured."""
     ctx = request.app[CONTEXT]
@@ -111,6 +137,12 @@ def _status_payload(ctx: ProxyContext) -> dict[str, Any]:
         "canaries": {k: v.to_json() for k, v in ctx.aliases.canaries().items()},
         "serving_version": ctx.aliases.resolve(policy),
         "policy_alias": policy,
+        # What a rollback of each alias would serve: the learner keeps these loaded.
+        "rollback_targets": {
+            alias: target
+            for alias in ctx.aliases.public_names()
+            if (target := rollback_target(ctx, alias)) is not None
+        },
         "history": state.history,
         "frozen": state.frozen,
         "learning_frozen": state.learning_frozen,
@@ -207,6 +239,7 @@ async def set_alias(request: web.Request) -> web.Response:
                 type_="conflict",
                 code="frozen",
             )
+        _check_expected(ctx, alias, body)
         return await _point_alias(ctx, actor, alias, target, "flip", "alias_set")
 
 
@@ -226,23 +259,40 @@ async def _point_alias(
     )
 
 
-def _rollback_target(ctx: ProxyContext, alias: str, current: str | None) -> str:
-    """The version before `current` in the alias's history, skipping rolled-back versions."""
-    rolled_back = {
-        e["previous"]
-        for e in ctx.state.history
-        if e.get("kind") == "rollback" and e.get("alias") == alias
-    }
-    lineage = [ctx.config.base_served_name] + [
-        e["target"]
-        for e in ctx.state.history
-        if e.get("kind") == "flip" and e.get("alias") == alias
-    ]
+def _lineage(ctx: ProxyContext, alias: str) -> list[str]:
+    """The versions the alias served, oldest first, without those rolled back past: a flip
+    adds its target, a rollback drops every version after the one it returns to. (Marking
+    only each rollback's `previous` as rolled back let a rollback that skipped several
+    versions leave the skipped ones eligible again.)"""
+    lineage = [ctx.config.base_served_name]
+    for entry in ctx.state.history:
+        if entry.get("alias") != alias or entry.get("kind") not in ("flip", "rollback"):
+            continue
+        target = entry.get("target")
+        if not isinstance(target, str):
+            continue
+        if entry["kind"] == "rollback" and target in lineage:
+            del lineage[len(lineage) - lineage[::-1].index(target) :]
+        elif lineage[-1] != target:
+            lineage.append(target)
+    return lineage
+
+
+def rollback_target(ctx: ProxyContext, alias: str) -> str | None:
+    """What `olp rollback` would serve: the version before the current one in the alias's
+    lineage, or None when there is none."""
+    current = ctx.aliases.resolve(alias)
+    lineage = _lineage(ctx, alias)
     if current in lineage:
         lineage = lineage[: len(lineage) - 1 - lineage[::-1].index(current)]
-    for candidate in reversed(lineage):
-        if candidate != current and candidate not in rolled_back:
-            return candidate
+    return lineage[-1] if lineage else None
+
+
+def _rollback_target(ctx: ProxyContext, alias: str) -> str:
+    """`rollback_target`, or 409 when the alias has no earlier version."""
+    target = rollback_target(ctx, alias)
+    if target is not None:
+        return target
     raise ProxyError(
         409,
         f"There is no earlier version of '{alias}' to roll back to.",
@@ -258,12 +308,11 @@ async def rollback(request: web.Request) -> web.Response:
     body = await _json_object(request)
     async with request.app[ADMIN_LOCK]:
         alias = _known_alias(ctx, body)
-        current = ctx.aliases.resolve(alias)
         target = body.get("to")
         if target is None and alias in ctx.aliases.canaries():
             return _end_canary(ctx, actor, alias, "rollback", "operator rollback")
         if target is None:
-            target = _rollback_target(ctx, alias, current)
+            target = _rollback_target(ctx, alias)
         else:
             target = _served_target(ctx, target, "to")
         return await _point_alias(ctx, actor, alias, target, "rollback", "rollback")
@@ -294,6 +343,7 @@ async def start_canary(request: web.Request) -> web.Response:
                 type_="conflict",
                 code="frozen",
             )
+        _check_expected(ctx, alias, body)
         stable = ctx.aliases.resolve(alias)
         if target == stable:
             raise ProxyError(

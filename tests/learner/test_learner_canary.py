@@ -241,7 +241,9 @@ class FakeProxy:
         canaries = {"policy": self.canary} if self.canary else {}
         return {"aliases": {"policy": "base"}, "frozen": False, "canaries": canaries}
 
-    def start_canary(self, alias: str, target: str, share: float) -> dict:
+    def start_canary(
+        self, alias: str, target: str, share: float, expected: str | None = None
+    ) -> dict:
         self.canary = {"target": target, "share": share}
         return self.canary
 
@@ -252,7 +254,7 @@ class FakeProxy:
         self.canary = None
         return {}
 
-    def set_alias(self, alias: str, target: str) -> dict:
+    def set_alias(self, alias: str, target: str, expected: str | None = None) -> dict:
         return {}
 
     def close(self) -> None:
@@ -356,7 +358,9 @@ class BusyProxy(FakeProxy):
         super().__init__(fail_on=set())
         self.canary = {"target": "policy-v7", "share": 0.5}
 
-    def start_canary(self, alias: str, target: str, share: float) -> dict:
+    def start_canary(
+        self, alias: str, target: str, share: float, expected: str | None = None
+    ) -> dict:
         raise PromotionError("proxy POST /admin/canary → 409: canary_running")
 
 
@@ -373,7 +377,9 @@ def test_a_canary_that_could_not_start_leaves_the_running_one_alone(tmp_path: Pa
 
 def test_a_canary_started_despite_a_lost_reply_is_rolled_back(tmp_path: Path):
     class LostReplyProxy(FakeProxy):
-        def start_canary(self, alias: str, target: str, share: float) -> dict:
+        def start_canary(
+            self, alias: str, target: str, share: float, expected: str | None = None
+        ) -> dict:
             super().start_canary(alias, target, share)
             raise httpx.ReadTimeout("timed out")  # the proxy started it; the reply was lost
 
@@ -394,7 +400,7 @@ class FlipFailsProxy(FakeProxy):
     def status(self) -> dict:
         return {**super().status(), "aliases": {"policy": self.alias}}
 
-    def set_alias(self, alias: str, target: str) -> dict:
+    def set_alias(self, alias: str, target: str, expected: str | None = None) -> dict:
         if self.flips:
             self.alias = target
         raise PromotionError("proxy POST /admin/aliases → 409: serving is frozen")

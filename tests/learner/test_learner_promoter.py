@@ -57,8 +57,11 @@ class Replicas:
 class Proxy:
     """The admin API: one alias, an optional canary; `down`: every call raises."""
 
-    def __init__(self, alias: str = "base", canary: dict | None = None) -> None:
+    def __init__(
+        self, alias: str = "base", canary: dict | None = None, rollback_to: str | None = None
+    ) -> None:
         self.alias, self.canary = alias, canary
+        self.rollback_to = rollback_to  # what `olp rollback` would serve
         self.down = False
         self.flipped = threading.Event()
         self.ended: list[tuple[str, str]] = []
@@ -67,14 +70,26 @@ class Proxy:
         if self.down:
             raise httpx.ConnectError("proxy restarting")
         canaries = {"policy": dict(self.canary)} if self.canary else {}
-        return {"aliases": {"policy": self.alias}, "frozen": False, "canaries": canaries}
+        rollback = {"policy": self.rollback_to} if self.rollback_to else {}
+        return {
+            "aliases": {"policy": self.alias},
+            "frozen": False,
+            "canaries": canaries,
+            "rollback_targets": rollback,
+        }
 
-    def set_alias(self, alias: str, target: str) -> dict:
+    def set_alias(self, alias: str, target: str, expected: str | None = None) -> dict:
+        if expected is not None and expected != self.alias:  # the proxy's compare-and-set
+            raise PromotionError("proxy POST /admin/aliases → 409: alias_changed")
         self.alias = target
         self.flipped.set()
         return {}
 
-    def start_canary(self, alias: str, target: str, share: float) -> dict:
+    def start_canary(
+        self, alias: str, target: str, share: float, expected: str | None = None
+    ) -> dict:
+        if expected is not None and expected != self.alias:
+            raise PromotionError("proxy POST /admin/canary → 409: alias_changed")
         self.canary = {"target": target, "share": share}
         return self.canary
 
@@ -116,6 +131,32 @@ def promoter(
         gate_runner=lambda candidate, incumbent: GateReport(True, []),
         stop=stop,
     )
+
+
+def test_an_operator_rollback_during_the_gate_stands(tmp_path: Path) -> None:
+    """v4 was gated against v3 while an operator rolled back to v2: the flip used to
+    replace v2 with v4 (a child of the version just rolled back) and audit `previous: v3`."""
+    store = AdapterStore(tmp_path)
+    for version in (2, 3, 4):
+        publish(store, tmp_path, version)
+    replicas, proxy, audit = (
+        Replicas({"policy-v2", "policy-v3"}),
+        Proxy("policy-v3"),
+        FakeAudit(),
+    )
+    p = promoter(tmp_path, replicas, proxy, audit)
+
+    def gate_while_rolled_back(candidate: str, incumbent: str) -> GateReport:
+        assert incumbent == "policy-v3"
+        proxy.alias = "policy-v2"  # olp rollback, through the proxy
+        return GateReport(True, [])
+
+    p.gate_runner = gate_while_rolled_back
+    outcome = p.promote(store.path(4))
+    assert outcome.decision == "failed" and "alias_changed" in (outcome.reason or "")
+    assert proxy.alias == "policy-v2"
+    assert "policy-v4" not in replicas.loaded  # the candidate gave its LoRA slot back
+    assert [name for name, _ in audit.events][-1] == "promotion_failed"
 
 
 # -- the deferred cleanup ---------------------------------------------------------------------
@@ -191,6 +232,21 @@ def test_cleanup_keeps_a_version_a_canary_routes_to(tmp_path: Path) -> None:
     p._cleanup("policy-v4")
     assert replicas.loaded == {"policy-v2", "policy-v4"} and replicas.unloaded == ["policy-v3"]
     assert store.versions() == [2, 4]  # v3's directory pruned; the routed v2 kept
+
+
+def test_cleanup_keeps_what_a_rollback_would_serve(tmp_path: Path) -> None:
+    """v1-v3 promoted, rolled back to v2, then v4 promoted: a rollback now serves v2, which
+    the newest two (v3, v4) left out; unloading it made `olp rollback` a 409."""
+    store = AdapterStore(tmp_path)
+    for version in (1, 2, 3, 4):
+        publish(store, tmp_path, version)
+    replicas = Replicas({"policy-v1", "policy-v2", "policy-v3", "policy-v4"})
+    proxy = Proxy("policy-v4", rollback_to="policy-v2")
+    p = promoter(tmp_path, replicas, proxy, FakeAudit(), keep_loaded=2, retain_dirs=1)
+    p._cleanup("policy-v4")
+    assert replicas.unloaded == ["policy-v1"]
+    assert replicas.loaded == {"policy-v2", "policy-v3", "policy-v4"}
+    assert store.versions() == [2, 3, 4]  # v2's directory kept with it
 
 
 def test_cleanup_keeps_a_version_routed_just_before_its_unload(tmp_path: Path) -> None:
@@ -273,7 +329,7 @@ class PromoteLostProxy(Proxy):
         self.down = True
         raise httpx.ReadTimeout("timed out")
 
-    def set_alias(self, alias: str, target: str) -> dict:
+    def set_alias(self, alias: str, target: str, expected: str | None = None) -> dict:
         self._lost(target)
         return {}
 

@@ -305,7 +305,18 @@ def test_admin_flip_rollback_freeze_persist(make_proxy, vllm_server, loaded_adap
     assert missing.status_code == 409 and missing.json()["error"]["code"] == "not_loaded"
     bad = admin(harness, "POST", "/admin/aliases", {"alias": "policy", "target": "evil"})
     assert bad.status_code == 400
-    flip = admin(harness, "POST", "/admin/aliases", {"alias": "policy", "target": loaded_adapter})
+    # The learner's flip names the version it gated against: a changed alias is a 409.
+    moved = {"alias": "policy", "target": loaded_adapter, "expected": "policy-v9"}
+    for path, extra in (("/admin/aliases", {}), ("/admin/canary", {"share": 0.5})):
+        changed = admin(harness, "POST", path, moved | extra)
+        assert changed.status_code == 409, changed.text
+        assert changed.json()["error"]["code"] == "alias_changed"
+    flip = admin(
+        harness,
+        "POST",
+        "/admin/aliases",
+        {"alias": "policy", "target": loaded_adapter, "expected": "base"},
+    )
     assert flip.status_code == 200 and flip.json()["previous"] == "base"
     served = chat(harness)
     assert served.headers["x-olp-policy-version"] == loaded_adapter
@@ -318,6 +329,7 @@ def test_admin_flip_rollback_freeze_persist(make_proxy, vllm_server, loaded_adap
 
     status = admin(harness, "GET", "/admin/status").json()
     assert status["serving_version"] == loaded_adapter
+    assert status["rollback_targets"] == {"policy": "base"}  # the learner keeps it loaded
     assert status["history"][-1]["actor"] == "ops-test"
     assert {t["name"]: t["training_enabled"] for t in status["tenants"]} == {
         "alice": True,
@@ -350,6 +362,7 @@ def test_admin_flip_rollback_freeze_persist(make_proxy, vllm_server, loaded_adap
     again, _ = make_proxy([vllm_server.base_url], state_dir=state_dir)
     status = admin(again, "GET", "/admin/status").json()
     assert status["aliases"]["policy"] == "base" and status["frozen"] is True
+    assert status["rollback_targets"] == {}  # back at the start of the lineage
     assert {t["name"]: t["training_enabled"] for t in status["tenants"]}["bob"] is True
     assert [e["kind"] for e in status["history"]] == [
         "flip",

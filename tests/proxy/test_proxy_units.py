@@ -630,28 +630,65 @@ def test_session_sticky_replica_order():
     assert pool.order("session-42")[-1].url == first[0]  # a failed replica goes last
 
 
+class _Lineage:
+    """The serving state and alias table `_rollback_target` reads, changed as the admin API
+    would change them."""
+
+    def __init__(self) -> None:
+        from types import SimpleNamespace
+
+        self.state = ServingState(aliases={"policy": "base"})
+        self.aliases = AliasTable({"policy": "base"})
+        self.ctx = SimpleNamespace(state=self.state, config=ProxyConfig(), aliases=self.aliases)
+
+    def change(self, kind: str, target: str) -> None:
+        previous = self.aliases.set("policy", target)
+        self.state.record(kind, "ops", alias="policy", target=target, previous=previous)
+
+    def target(self) -> str:
+        from proxy.admin import _rollback_target, rollback_target
+
+        found = _rollback_target(self.ctx, "policy")
+        assert rollback_target(self.ctx, "policy") == found
+        return found
+
+
 def test_rollback_walks_back_the_lineage_skipping_rolled_back_versions():
-    from types import SimpleNamespace
-
-    from proxy.admin import _rollback_target
-
-    state = ServingState(aliases={"policy": "policy-v3"})
-    for target, previous in (
-        ("policy-v1", "base"),
-        ("policy-v2", "policy-v1"),
-        ("policy-v3", "policy-v2"),
-    ):
-        state.record("flip", "learner", alias="policy", target=target, previous=previous)
-    ctx = SimpleNamespace(state=state, config=ProxyConfig())
-    assert _rollback_target(ctx, "policy", "policy-v3") == "policy-v2"
-    state.record("rollback", "ops", alias="policy", target="policy-v2", previous="policy-v3")
-    assert _rollback_target(ctx, "policy", "policy-v2") == "policy-v1"
-    state.record("rollback", "ops", alias="policy", target="policy-v1", previous="policy-v2")
-    assert _rollback_target(ctx, "policy", "policy-v1") == "base"
-    state.record("rollback", "ops", alias="policy", target="base", previous="policy-v1")
+    lineage = _Lineage()
+    for version in ("policy-v1", "policy-v2", "policy-v3"):
+        lineage.change("flip", version)
+    assert lineage.target() == "policy-v2"
+    lineage.change("rollback", "policy-v2")
+    assert lineage.target() == "policy-v1"
+    lineage.change("rollback", "policy-v1")
+    assert lineage.target() == "base"
+    lineage.change("rollback", "base")
     with pytest.raises(ProxyError) as err:
-        _rollback_target(ctx, "policy", "base")
+        lineage.target()
     assert err.value.status == 409
+
+
+def test_rollback_after_a_new_version_returns_to_what_served_before_it():
+    # Back one version, then a new one: rollback returns to the version it replaced.
+    lineage = _Lineage()
+    for version in ("policy-v1", "policy-v2", "policy-v3"):
+        lineage.change("flip", version)
+    lineage.change("rollback", "policy-v2")
+    lineage.change("flip", "policy-v4")
+    assert lineage.target() == "policy-v2"
+    # Back over several versions at once: none of those skipped is a target again (the
+    # old rule marked only the version rolled back from, and answered policy-v3 here).
+    lineage = _Lineage()
+    for version in ("policy-v1", "policy-v2", "policy-v3", "policy-v4"):
+        lineage.change("flip", version)
+    lineage.change("rollback", "policy-v1")
+    lineage.change("flip", "policy-v5")
+    assert lineage.target() == "policy-v1"
+    lineage.change("rollback", "policy-v1")
+    assert lineage.target() == "base"
+    # A rollback to a version that never served (loaded by hand) is undone by the next.
+    lineage.change("rollback", "policy-v9")
+    assert lineage.target() == "policy-v1"
 
 
 def test_a_concurrency_429_carries_the_rate_limit_headers():

@@ -147,17 +147,20 @@ def apply_share_caps(
 ) -> tuple[list[Sample], dict[str, int]]:
     """The `safety.caps` contribution caps on a batch's samples (data-poisoning defence):
     no tenant, and no user of a tenant, keeps more than its configured share of what is
-    kept. Samples without a user are only tenant-capped."""
+    kept, in completion tokens: the loss sums tokens, so a share of samples let one with
+    long completions hold most of the gradient. Samples without a user are only
+    tenant-capped."""
     result = apply_contribution_caps(
         samples,
         caps,
         tenant_of=lambda sample: sample.tenant,
         user_of=lambda sample: None if sample.user is None else (sample.tenant, sample.user),
+        weight_of=lambda sample: len(sample.completion_ids),
     )
     return result.kept, {"capped": len(result.dropped)}
 
 
-Source = tuple[str, str | None]  # (tenant, user) of one sample
+Source = tuple[str, str | None, int]  # (tenant, user, completion tokens) of one sample
 
 
 def select_capped(per_rank: list[list[Source]], caps: CapsConfig) -> list[list[bool]]:
@@ -175,7 +178,8 @@ def select_capped(per_rank: list[list[Source]], caps: CapsConfig) -> list[list[b
         union,
         caps,
         tenant_of=lambda item: item[2][0],
-        user_of=lambda item: None if item[2][1] is None else item[2],
+        user_of=lambda item: None if item[2][1] is None else item[2][:2],
+        weight_of=lambda item: item[2][2],
     )
     keep = [[False] * len(part) for part in per_rank]
     for rank, index, _ in result.kept:
@@ -191,7 +195,7 @@ def apply_share_caps_across_ranks(
     Each rank's (tenant, user) list is gathered, the kept set is decided once for the whole
     batch, and each rank keeps its own part of it; `capped` counts this rank's drops.
     """
-    sources: list[Source] = [(s.tenant, s.user) for s in samples]
+    sources: list[Source] = [(s.tenant, s.user, len(s.completion_ids)) for s in samples]
     per_rank = all_gather_object(ctx, sources)
     keep = select_capped(per_rank, caps)[ctx.rank]
     kept = [sample for sample, flag in zip(samples, keep, strict=True) if flag]

@@ -51,6 +51,31 @@ def _group_limit(counts: Counter[Hashable], share: float | None, absolute: int |
     return best
 
 
+def _weight_limit(totals: Sequence[float], share: float | None) -> float:
+    """Largest per-group weight L with L <= share * sum(min(W, L)) over the groups' weights W.
+
+    `_group_limit` for weighted items, in closed form: the constraint is concave in L and
+    holds at 0, so it holds up to one crossing, found interval by interval between the
+    sorted weights. With every weight 1 it allows what `_group_limit` allows."""
+    if not totals:
+        return 0.0
+    weights = sorted(totals)
+    if share is None:
+        return weights[-1]
+    share = max(share, 1.0 / len(weights))
+    below = 0.0  # the weights of the groups under the interval's lower end
+    for k, high in enumerate(weights):
+        low = weights[k - 1] if k else 0.0
+        # For L in [low, high]: sum(min(W, L)) = below + (n - k) * L.
+        slack = 1.0 - share * (len(weights) - k)
+        if slack > 0:
+            bound = share * below / slack
+            if bound < high:
+                return max(bound, low)
+        below += high
+    return weights[-1]
+
+
 def _group_of(key_of: Callable[[Any], Hashable | None], item: Any, index: int) -> Hashable:
     """The item's group; an item without one (no user) is a group of its own."""
     key = key_of(item)
@@ -79,8 +104,14 @@ def apply_contribution_caps(
     *,
     tenant_of: Callable[[T], Hashable] = _tenant,
     user_of: Callable[[T], Hashable | None] = _user,
+    weight_of: Callable[[T], float] | None = None,
 ) -> CapResult[T]:
     """Keep at most each tenant's and each user's capped share of the batch.
+
+    Shares are of the items' total `weight_of` (1 each by default); the learner weighs a
+    sample by its completion tokens, since its loss sums tokens: counted in samples, a
+    tenant with long completions held most of the gradient within its share of samples.
+    `max_per_tenant` / `max_per_user` count items.
 
     An item whose user is None counts as a user of its own (one item, never over a cap), so
     it is part of the batch every user's share is measured against: otherwise one tagged
@@ -89,6 +120,7 @@ def apply_contribution_caps(
     re-applied until stable, since dropping one tenant's excess raises every other group's
     share."""
     keep = [True] * len(batch)
+    weights = [1.0 if weight_of is None else float(weight_of(item)) for item in batch]
     # Within a tenant, the kept items are spread round-robin over its users, so capping a
     # tenant does not wipe out its small users (which would shrink the batch further).
     order = _round_robin_order(batch, tenant_of, user_of)
@@ -99,17 +131,26 @@ def apply_contribution_caps(
             (tenant_of, config.max_tenant_share, config.max_per_tenant, order),
         ):
             counts: Counter[Hashable] = Counter()
+            totals: dict[Hashable, float] = {}
             for index, item in enumerate(batch):
                 if keep[index]:
-                    counts[_group_of(key_of, item, index)] += 1
-            limit = _group_limit(counts, share, absolute)
+                    group = _group_of(key_of, item, index)
+                    counts[group] += 1
+                    totals[group] = totals.get(group, 0.0) + weights[index]
+            if weight_of is None:
+                limit, weight_limit = _group_limit(counts, share, absolute), float("inf")
+            else:
+                limit = _group_limit(counts, None, absolute)
+                weight_limit = _weight_limit(list(totals.values()), share) + 1e-9
             seen: Counter[Hashable] = Counter()
+            held: dict[Hashable, float] = {}
             for index in visit:
                 key = key_of(batch[index])
                 if not keep[index] or key is None:  # a group of one is never over a limit
                     continue
                 seen[key] += 1
-                if seen[key] > limit:
+                held[key] = held.get(key, 0.0) + weights[index]
+                if seen[key] > limit or held[key] > weight_limit:
                     keep[index] = False
                     changed = True
         if not changed:

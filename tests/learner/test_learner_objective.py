@@ -78,6 +78,24 @@ def test_tenant_and_user_caps_exact_counts() -> None:
     assert counts == {"capped": 2} and [s.tenant for s in kept] == ["A", "B"]
 
 
+def test_caps_count_completion_tokens_as_the_loss_does() -> None:
+    """4 samples each, within a 0.5 share of samples: B's 50-token completions held 200 of
+    220 tokens, 91 % of the gradient. In tokens, B keeps what A's tokens allow."""
+    short = [make_sample(i, tenant="A", completion_ids=[3] * 5) for i in range(20)]
+    long = [make_sample(100 + i, tenant="B", completion_ids=[3] * 50) for i in range(4)]
+    caps = CapsConfig(max_tenant_share=0.5, max_user_share=None)
+    kept, counts = apply_share_caps(short + long, caps)
+    tokens = {t: sum(len(s.completion_ids) for s in kept if s.tenant == t) for t in "AB"}
+    assert tokens == {"A": 100, "B": 100} and counts == {"capped": 2}
+    # The same decision over ranks.
+    sources = [[(s.tenant, s.user, len(s.completion_ids)) for s in part] for part in (short, long)]
+    keep = select_capped(sources, caps)
+    assert (sum(keep[0]), sum(keep[1])) == (20, 2)
+    # A tenant with nothing but one sample longer than every other tenant's tokens keeps none.
+    kept, _ = apply_share_caps(short[:4] + long[:1], caps)
+    assert {s.tenant for s in kept} == {"A"}
+
+
 def test_single_source_is_not_capped() -> None:
     samples = [make_sample(i, tenant="A", user="u") for i in range(8)]
     caps = CapsConfig(max_tenant_share=0.25, max_user_share=0.25)
@@ -185,16 +203,16 @@ def test_baseline_from_a_checkpoint_drops_corrupt_values() -> None:
 def test_caps_are_decided_once_over_all_ranks() -> None:
     # Tenant A's sessions all landed on rank 0: capped per rank, A would keep 24 of 32.
     caps = CapsConfig()  # max_tenant_share 0.5, max_user_share 0.25
-    rank0 = [("A", f"a{i % 4}") for i in range(24)]
-    rank1 = [("B", f"b{i % 4}") for i in range(8)]
+    rank0 = [("A", f"a{i % 4}", 1) for i in range(24)]
+    rank1 = [("B", f"b{i % 4}", 1) for i in range(8)]
     keep = select_capped([rank0, rank1], caps)
     assert (sum(keep[0]), sum(keep[1])) == (8, 8)
-    union = [make_sample(i, tenant=t, user=u) for i, (t, u) in enumerate(rank0 + rank1)]
+    union = [make_sample(i, tenant=t, user=u) for i, (t, u, _) in enumerate(rank0 + rank1)]
     kept, _ = apply_share_caps(union, caps)  # what one process decides for the same batch
     flags = keep[0] + keep[1]
     assert [s.key for s in kept] == [s.key for s, k in zip(union, flags, strict=True) if k]
     # One user alone on a rank is capped against the users of the other rank.
-    keep = select_capped([[("A", "mallory")] * 20, [("A", f"u{i}") for i in range(12)]], caps)
+    keep = select_capped([[("A", "mallory", 1)] * 20, [("A", f"u{i}", 1) for i in range(12)]], caps)
     assert sum(keep[0]) < 20 and sum(keep[0]) <= 0.25 * (sum(keep[0]) + sum(keep[1]))
 
 

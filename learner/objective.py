@@ -269,14 +269,20 @@ def _assign(
             for m in members:
                 outcomes[m] = "zero_advantage_samples"
             continue
-        for m in members:
-            samples[m].advantage = (samples[m].reward - mean) / (std + eps if normalize else 1.0)
+        scale = std + eps if normalize else 1.0
+        advantages = [(samples[m].reward - mean) / scale for m in members]
+        if not all(usable(a) for a in advantages):  # usable rewards 2e6 apart, unnormalized
+            for m in members:
+                outcomes[m] = "bad_reward"
+            continue
+        for m, advantage in zip(members, advantages, strict=True):
+            samples[m].advantage = advantage
             kept.append(m)
             outcomes[m] = "grouped"
     for index in singles:
         sample = samples[index]
         sample.advantage = baseline.advantage(sample.task, sample.reward)
-        if not math.isfinite(sample.advantage):  # NaN: the reward itself was unusable
+        if not usable(sample.advantage):  # NaN: the reward itself was unusable
             outcomes[index] = "bad_reward"
         elif abs(sample.advantage) < eps:
             outcomes[index] = "zero_advantage_samples"
@@ -418,7 +424,9 @@ def policy_loss(
             (advantages < 0) & (importance_cap * advantages > objective.detach())
         )
     if logp_ref is not None:
-        ref_log_ratio = logp_ref - logp_new
+        # Masked positions (prompt, padding) are zeroed before exp: a large ratio there
+        # overflowed to inf, and inf * 0 made the loss and every gradient NaN.
+        ref_log_ratio = torch.where(mask > 0, logp_ref - logp_new, torch.zeros_like(logp_new))
         kl = torch.exp(ref_log_ratio) - ref_log_ratio - 1
     else:
         kl = torch.zeros_like(logp_new)

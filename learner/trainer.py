@@ -24,6 +24,18 @@ from learner.objective import Sample, policy_loss
 log = structlog.get_logger(__name__)
 
 
+def padding_id(config: Any) -> int:
+    """The id padding positions hold (masked out, so any id of the vocabulary does): the
+    pad token, else the end-of-sequence token, the first one where a model lists several
+    (Llama 3's `eos_token_id` is a list, which `int()` refused at start-up)."""
+    for value in (config.pad_token_id, config.eos_token_id):
+        if isinstance(value, list | tuple):
+            value = value[0] if value else None
+        if value is not None:
+            return int(value)
+    return 0
+
+
 class StepInterrupted(RuntimeError):
     """`stop` was set during a step: no version comes of it, and since offsets are only
     saved with a version, its batch is read again after the next start."""
@@ -171,7 +183,7 @@ class Trainer:
         self.model = get_peft_model(base, lora).to(self.ctx.device)
         if config.dtype == "bf16":
             store_frozen_linears_bf16(self.model)
-        self.pad_id = int(base.config.pad_token_id or base.config.eos_token_id or 0)
+        self.pad_id = padding_id(base.config)
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(
             self.params, lr=config.lr, weight_decay=config.weight_decay

@@ -259,6 +259,30 @@ def test_ppo_clip_and_kl() -> None:
     assert float(stats2["kl_sum"]) > 0 and float(logp2.grad) > 0
 
 
+def test_kl_at_masked_positions_cannot_make_the_step_nan() -> None:
+    """A prompt or padding position the reference finds far likelier than the policy
+    (log ratio > 88) overflowed exp to inf, and inf * 0 made the loss and gradient NaN."""
+    logp = torch.tensor([[-100.0, -1.0]], requires_grad=True)
+    ref = torch.tensor([[-5.0, -1.0]])
+    mask = torch.tensor([[0.0, 1.0]])
+    loss, stats = policy_loss(
+        logp, logp.detach(), ref, torch.ones(1, 2), mask, 2.0, None, 0.1, normalizer=1.0
+    )
+    loss.backward()
+    assert torch.isfinite(loss) and torch.isfinite(logp.grad).all()
+    assert float(logp.grad[0, 0]) == 0.0 and float(stats["kl_sum"]) == 0.0
+
+
+def test_an_advantage_too_large_to_train_on_drops_its_group() -> None:
+    """Each reward within REWARD_LIMIT, yet 2e6 apart: unnormalized, the advantages were
+    kept and counted `grouped`; docs/learner.md says a corrupt advantage drops its group."""
+    group = [make_sample(i, group="g", reward=r) for i, r in enumerate([1e6, -1e6, -1e6])]
+    fine = [make_sample(10 + i, group="h", reward=r) for i, r in enumerate([1.0, 0.0])]
+    kept, counts = assign_advantages(group + fine, RunningBaseline(decay=0.9), normalize=False)
+    assert [s.key for s in kept] == ["t10:0", "t11:0"]
+    assert counts["bad_reward"] == 3 and counts["grouped"] == 2
+
+
 def test_group_ids_of_different_tenants_are_different_groups() -> None:
     # X-OLP-Group-Id is the client's own label, copied verbatim: two tenants running the same
     # harness reuse the same ids for different prompts, and must not share a GRPO group.

@@ -161,3 +161,14 @@ def test_a_damaged_checkpoint_is_refused_with_what_to_do(tmp_path: Path):
     store.path.write_bytes(b"not a checkpoint")
     with pytest.raises(ResumeRefused, match=r"cannot read the learner checkpoint .*Move it"):
         store.load()
+
+
+def test_padding_id_takes_the_first_of_several_end_tokens() -> None:
+    from types import SimpleNamespace
+
+    from learner.trainer import padding_id
+
+    assert padding_id(SimpleNamespace(pad_token_id=None, eos_token_id=[128001, 128009])) == 128001
+    assert padding_id(SimpleNamespace(pad_token_id=7, eos_token_id=2)) == 7
+    assert padding_id(SimpleNamespace(pad_token_id=None, eos_token_id=2)) == 2
+    assert padding_id(SimpleNamespace(pad_token_id=None, eos_token_id=[])) == 0

@@ -7,9 +7,12 @@ audit log with its actor (the `X-OLP-Actor` header, else "admin").
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import copy
 import hmac
 import re
 import time
+from collections.abc import Iterator
 from pathlib import Path, PurePath
 from typing import Any
 
@@ -154,8 +157,33 @@ def _status_payload(ctx: ProxyContext) -> dict[str, Any]:
     }
 
 
+@contextlib.contextmanager
+def _all_or_nothing(ctx: ProxyContext) -> Iterator[None]:
+    """A change serves only once it is persisted and audited. The handlers change the live
+    tables first; when saving the state or appending to the audit log then fails, the
+    routing, the serving state and the tenant switches go back to what they were (and the
+    state file too), so the caller's error is the whole truth: before, a failed save
+    answered 500 with the flip already serving, unaudited, until a restart undid it."""
+    tables = ctx.aliases.saved()
+    state = copy.deepcopy(ctx.state)
+    overrides = {name: t.training_override for name, t in ctx.tenants.tenants.items()}
+    try:
+        yield
+    except BaseException:
+        ctx.aliases.restore(tables)
+        vars(ctx.state).update(vars(state))
+        for name, override in overrides.items():
+            ctx.tenants.tenants[name].training_override = override
+        try:
+            save_state(ctx.state_path, ctx.state)
+        except OSError:
+            log.exception("serving_state_restore_failed")
+        raise
+
+
 def _commit(ctx: ProxyContext, actor: str, event: str, payload: dict[str, Any]) -> None:
-    """Persist the state, then audit the change (the audit log is the record of truth)."""
+    """Persist the state, then audit the change (the audit log is the record of truth).
+    Call it inside `_all_or_nothing` with the change it records."""
     ctx.state.aliases = dict(ctx.aliases.snapshot())
     ctx.state.canaries = {k: v.to_json() for k, v in ctx.aliases.canaries().items()}
     save_state(ctx.state_path, ctx.state)
@@ -250,10 +278,11 @@ async def _point_alias(
     the alias ends; the change is recorded and audited."""
     await _check_served(ctx, target)
     ended = _ended_canary(ctx, alias)
-    previous = ctx.aliases.set(alias, target)
-    ctx.state.record(kind, actor, alias=alias, target=target, previous=previous)
-    payload = {"alias": alias, "target": target, "previous": previous}
-    _commit(ctx, actor, event, payload | ({"ended_canary": ended} if ended else {}))
+    with _all_or_nothing(ctx):
+        previous = ctx.aliases.set(alias, target)
+        ctx.state.record(kind, actor, alias=alias, target=target, previous=previous)
+        payload = {"alias": alias, "target": target, "previous": previous}
+        _commit(ctx, actor, event, payload | ({"ended_canary": ended} if ended else {}))
     return web.json_response(
         payload | {"serving_version": ctx.aliases.resolve(ctx.config.policy_alias)}
     )
@@ -357,16 +386,17 @@ async def start_canary(request: web.Request) -> web.Response:
                 code="canary_running",
             )
         await _check_served(ctx, target)
-        ctx.aliases.start_canary(alias, Canary(target, share, time.time()))
-        ctx.state.record(
-            "canary_start", actor, alias=alias, target=target, share=share, stable=stable
-        )
-        _commit(
-            ctx,
-            actor,
-            "canary_started",
-            {"alias": alias, "target": target, "share": share, "stable": stable},
-        )
+        with _all_or_nothing(ctx):
+            ctx.aliases.start_canary(alias, Canary(target, share, time.time()))
+            ctx.state.record(
+                "canary_start", actor, alias=alias, target=target, share=share, stable=stable
+            )
+            _commit(
+                ctx,
+                actor,
+                "canary_started",
+                {"alias": alias, "target": target, "share": share, "stable": stable},
+            )
         return web.json_response(
             {"alias": alias, "target": target, "share": share, "stable": stable}
         )
@@ -378,14 +408,15 @@ def _end_canary(
     canary = ctx.aliases.canaries()[alias]
     stable = ctx.aliases.resolve(alias)
     payload = {"alias": alias, "target": canary.target, "stable": stable, "reason": reason}
-    if decision == "promote":
-        ctx.aliases.set(alias, canary.target)
-        ctx.state.record("flip", actor, alias=alias, target=canary.target, previous=stable)
-        _commit(ctx, actor, "canary_promoted", payload)
-    else:
-        ctx.aliases.end_canary(alias)
-        ctx.state.record("canary_rollback", actor, alias=alias, target=canary.target)
-        _commit(ctx, actor, "canary_rolled_back", payload)
+    with _all_or_nothing(ctx):
+        if decision == "promote":
+            ctx.aliases.set(alias, canary.target)
+            ctx.state.record("flip", actor, alias=alias, target=canary.target, previous=stable)
+            _commit(ctx, actor, "canary_promoted", payload)
+        else:
+            ctx.aliases.end_canary(alias)
+            ctx.state.record("canary_rollback", actor, alias=alias, target=canary.target)
+            _commit(ctx, actor, "canary_rolled_back", payload)
     return web.json_response(
         {
             "alias": alias,
@@ -435,17 +466,18 @@ async def freeze(request: web.Request) -> web.Response:
             raise bad_request("'learning' must be a boolean.", param="learning")
         # Freezing stops every change to what serves, so running canaries go back to stable.
         ended = {alias: c.to_json() for alias, c in ctx.aliases.canaries().items()}
-        for alias in ended:
-            ctx.aliases.end_canary(alias)
-        ctx.state.frozen = True
-        ctx.state.learning_frozen = learning
-        ctx.state.record("freeze", actor, learning=learning)
-        _commit(
-            ctx,
-            actor,
-            "freeze",
-            {"learning": learning} | ({"ended_canaries": ended} if ended else {}),
-        )
+        with _all_or_nothing(ctx):
+            for alias in ended:
+                ctx.aliases.end_canary(alias)
+            ctx.state.frozen = True
+            ctx.state.learning_frozen = learning
+            ctx.state.record("freeze", actor, learning=learning)
+            _commit(
+                ctx,
+                actor,
+                "freeze",
+                {"learning": learning} | ({"ended_canaries": ended} if ended else {}),
+            )
         return web.json_response({"frozen": True, "learning_frozen": learning})
 
 
@@ -453,10 +485,11 @@ async def unfreeze(request: web.Request) -> web.Response:
     actor = _authorize(request)
     ctx = request.app[CONTEXT]
     async with request.app[ADMIN_LOCK]:
-        ctx.state.frozen = False
-        ctx.state.learning_frozen = False
-        ctx.state.record("unfreeze", actor)
-        _commit(ctx, actor, "unfreeze", {})
+        with _all_or_nothing(ctx):
+            ctx.state.frozen = False
+            ctx.state.learning_frozen = False
+            ctx.state.record("unfreeze", actor)
+            _commit(ctx, actor, "unfreeze", {})
         return web.json_response({"frozen": False, "learning_frozen": False})
 
 
@@ -472,10 +505,11 @@ async def set_tenant_training(request: web.Request) -> web.Response:
     if not isinstance(enabled, bool):
         raise bad_request("'enabled' must be a boolean.", param="enabled")
     async with request.app[ADMIN_LOCK]:
-        tenant.training_override = enabled
-        ctx.state.tenant_training[name] = enabled
-        ctx.state.record("tenant_training", actor, tenant=name, enabled=enabled)
-        _commit(ctx, actor, "tenant_training", {"tenant": name, "enabled": enabled})
+        with _all_or_nothing(ctx):
+            tenant.training_override = enabled
+            ctx.state.tenant_training[name] = enabled
+            ctx.state.record("tenant_training", actor, tenant=name, enabled=enabled)
+            _commit(ctx, actor, "tenant_training", {"tenant": name, "enabled": enabled})
     return web.json_response({"tenant": name, "training_enabled": enabled})
 
 

@@ -67,6 +67,15 @@ class AliasTable:
     def _install(self, aliases: Mapping[str, str], canaries: Mapping[str, Canary]) -> None:
         self._tables = _Tables(MappingProxyType(dict(aliases)), MappingProxyType(dict(canaries)))
 
+    def saved(self) -> object:
+        """The current tables, for `restore` (a change that could not be persisted)."""
+        return self._tables
+
+    def restore(self, saved: object) -> None:
+        if not isinstance(saved, _Tables):
+            raise TypeError("restore takes what saved() returned")
+        self._tables = saved
+
     def snapshot(self) -> Mapping[str, str]:
         """The stable table as one consistent, read-only mapping."""
         return self._tables.aliases

@@ -366,6 +366,50 @@ def test_a_freeze_during_a_flips_replica_check_wins(make_proxy, fake, path, body
     assert ctx.aliases.resolve("policy") == ("policy-v1" if flipped else "base")
 
 
+@pytest.mark.parametrize("fails", ["save", "audit"])
+@pytest.mark.parametrize(
+    "path, body",
+    [
+        ("/admin/aliases", {"alias": "policy", "target": "policy-v1"}),
+        ("/admin/canary", {"target": "policy-v1", "share": 0.5}),
+        ("/admin/freeze", {}),
+        ("/admin/tenants/alice/training", {"enabled": False}),
+    ],
+)
+def test_a_change_that_cannot_be_saved_or_audited_does_not_serve(
+    make_proxy, fake, monkeypatch, path, body, fails
+):
+    """A full disk under the state file or the audit log: the change answered 500 but was
+    serving already, unaudited, until a restart quietly undid it."""
+    from proxy import admin
+
+    harness, _ = make_proxy([fake.url])
+    ctx = harness.ctx
+    before = (dict(ctx.aliases.snapshot()), dict(ctx.aliases.canaries()), ctx.state.to_json())
+    on_disk = ctx.state_path.read_bytes() if ctx.state_path.exists() else None
+    audited = ctx.audit.path.read_bytes() if ctx.audit.path.exists() else b""
+    training = {name: t.training_enabled for name, t in ctx.tenants.tenants.items()}
+
+    def refuse(*_: Any, **__: Any) -> None:
+        raise OSError(28, "No space left on device")
+
+    if fails == "save":
+        monkeypatch.setattr(admin, "save_state", refuse)
+    else:
+        monkeypatch.setattr(ctx.audit, "append", refuse)
+    _assert_error(_admin(harness.base_url, path, body), 500, "internal_error")
+    after = (dict(ctx.aliases.snapshot()), dict(ctx.aliases.canaries()), ctx.state.to_json())
+    assert after == before
+    assert {name: t.training_enabled for name, t in ctx.tenants.tenants.items()} == training
+    assert (ctx.audit.path.read_bytes() if ctx.audit.path.exists() else b"") == audited
+    if fails == "audit":  # the state file was written, then put back
+        assert json.loads(ctx.state_path.read_bytes()) == (
+            json.loads(on_disk) if on_disk else before[2]
+        )
+    monkeypatch.undo()  # the disk is back: the same change goes through
+    assert _admin(harness.base_url, path, body).status_code == 200
+
+
 @pytest.mark.parametrize(
     "payload", [[], {"data": "policy-v1"}, {"data": ["policy-v1"]}, {"data": [["id"]]}]
 )

@@ -202,8 +202,15 @@ def apply_share_caps_across_ranks(
     return kept, {"capped": len(samples) - len(kept)}
 
 
+def baseline_key(sample: Sample) -> str:
+    """A running baseline's key: the client's `task` label within its tenant. Shared across
+    tenants (every unlabelled request is task `default`), one tenant's rewards moved every
+    other's advantages: high ones pushed the others' good samples negative."""
+    return f"{sample.tenant}:{sample.task}"
+
+
 class RunningBaseline:
-    """Exponential moving average of the reward per task, for ungrouped samples."""
+    """Exponential moving average of the reward per tenant and task, for ungrouped samples."""
 
     def __init__(self, decay: float) -> None:
         self.decay = decay
@@ -281,7 +288,7 @@ def _assign(
             outcomes[m] = "grouped"
     for index in singles:
         sample = samples[index]
-        sample.advantage = baseline.advantage(sample.task, sample.reward)
+        sample.advantage = baseline.advantage(baseline_key(sample), sample.reward)
         if not usable(sample.advantage):  # NaN: the reward itself was unusable
             outcomes[index] = "bad_reward"
         elif abs(sample.advantage) < eps:
@@ -325,7 +332,7 @@ def assign_advantages(
     return [samples[i] for i in kept], _advantage_counts(outcomes, zero_groups, range(len(samples)))
 
 
-Scored = tuple[str | None, str, float]  # (group, task, reward) of one sample
+Scored = tuple[str | None, str, str, float]  # (group, tenant, task, reward) of one sample
 
 
 def assign_advantages_for_rank(
@@ -356,8 +363,8 @@ def assign_advantages_for_rank(
             mine_start = len(union)
             union.extend(samples)
             continue
-        for group, task, reward in part:  # stand-ins: only group, task and reward matter
-            union.append(Sample("", "", [], [], [], reward, group, task, "", None, 0))
+        for group, tenant, task, reward in part:  # stand-ins: only these matter
+            union.append(Sample("", "", [], [], [], reward, group, task, tenant, None, 0))
     mine = range(mine_start, mine_start + len(samples))
     kept, outcomes, zero_groups = _assign(union, baseline, normalize, eps)
     return [union[i] for i in kept if i in mine], _advantage_counts(outcomes, zero_groups, mine)
@@ -370,9 +377,10 @@ def assign_advantages_across_ranks(
     normalize: bool = True,
     eps: float = 1e-6,
 ) -> tuple[list[Sample], dict[str, int]]:
-    """`assign_advantages_for_rank` after gathering every rank's (group, task, reward)
-    (collective: every rank calls it); the counts summed over ranks are the batch's."""
-    scored: list[Scored] = [(s.group, s.task, s.reward) for s in samples]
+    """`assign_advantages_for_rank` after gathering every rank's (group, tenant, task,
+    reward) (collective: every rank calls it); the counts summed over ranks are the
+    batch's."""
+    scored: list[Scored] = [(s.group, s.tenant, s.task, s.reward) for s in samples]
     per_rank = all_gather_object(ctx, scored)
     return assign_advantages_for_rank(per_rank, ctx.rank, samples, baseline, normalize, eps)
 

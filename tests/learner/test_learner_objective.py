@@ -113,7 +113,7 @@ def test_group_advantages_and_zero_groups_dropped() -> None:
     assert counts["zero_advantage_samples"] == 3 + 1  # g2, and the first sample of a task
     assert counts["grouped"] == 4 and counts["baseline"] == 0
     assert [round(s.advantage, 4) for s in kept] == [1.0, -1.0, 1.0, -1.0]
-    assert baseline.values["t"] == 0.7
+    assert baseline.values["A:t"] == 0.7  # per tenant and task
 
 
 def test_running_baseline_advantages() -> None:
@@ -123,7 +123,18 @@ def test_running_baseline_advantages() -> None:
     # baseline: 1.0 (first, dropped) → adv 0-1 = -1, b=0.5 → adv 1-0.5 = 0.5, b=0.75
     assert [s.advantage for s in kept] == [-1.0, 0.5]
     assert counts["baseline"] == 2 and counts["zero_advantage_samples"] == 1
-    assert baseline.values["t"] == 0.75
+    assert baseline.values["A:t"] == 0.75
+
+
+def test_each_tenant_has_its_own_baseline_for_a_task() -> None:
+    """Tenant B's high rewards on the shared label `t` used to lift A's baseline and turn
+    A's good samples into negative advantages."""
+    baseline = RunningBaseline(decay=0.5)
+    a = [make_sample(i, tenant="A", reward=r) for i, r in enumerate([0.5, 0.6])]
+    b = [make_sample(10 + i, tenant="B", reward=r) for i, r in enumerate([100.0, 100.0])]
+    kept, _ = assign_advantages([a[0], *b, a[1]], baseline, normalize=False)
+    assert [(s.tenant, round(s.advantage, 6)) for s in kept] == [("A", 0.1)]
+    assert baseline.values == {"A:t": pytest.approx(0.55), "B:t": 100.0}
 
 
 def test_samples_from_rewarded_counts() -> None:
@@ -191,7 +202,7 @@ def test_unusable_rewards_are_dropped_and_counted_never_raised() -> None:
     kept, counts = assign_advantages(group + singles, baseline)
     assert counts["bad_reward"] == 3 + 2
     assert [s.key for s in kept] == ["t13:0"] and kept[0].advantage == 0.5
-    assert baseline.values == {"t": pytest.approx(0.55)}  # untouched by the corrupt ones
+    assert baseline.values == {"A:t": pytest.approx(0.55)}  # untouched by the corrupt ones
 
 
 def test_baseline_from_a_checkpoint_drops_corrupt_values() -> None:
@@ -364,7 +375,7 @@ def test_advantages_are_decided_once_over_all_ranks() -> None:
     kept_union, counts_union = assign_advantages(union, whole)
     expected = {s.key: s.advantage for s in kept_union}
     parts = _ranks()
-    per_rank = [[(s.group, s.task, s.reward) for s in part] for part in parts]
+    per_rank = [[(s.group, s.tenant, s.task, s.reward) for s in part] for part in parts]
     got: dict[str, float] = {}
     totals: dict[str, int] = {}
     for rank, part in enumerate(parts):

@@ -110,8 +110,13 @@ class ProxyAdmin:
         body = {"alias": alias, "target": target, "share": share}
         return dict(self._call("POST", "/admin/canary", _with_expected(body, expected)))
 
-    def end_canary(self, alias: str, decision: str, reason: str) -> dict[str, Any]:
-        body = {"alias": alias, "decision": decision, "reason": reason[:500]}
+    def end_canary(
+        self, alias: str, decision: str, reason: str, target: str | None = None
+    ) -> dict[str, Any]:
+        """End the alias's canary; with `target`, only a canary of that version (409)."""
+        body: dict[str, Any] = {"alias": alias, "decision": decision, "reason": reason[:500]}
+        if target is not None:
+            body["target"] = target
         return dict(self._call("POST", "/admin/canary/end", body))
 
     def close(self) -> None:
@@ -671,7 +676,7 @@ class Promoter:
         reason = "; ".join(reasons)
         if decision == "promote":
             try:
-                self.proxy.end_canary(alias, decision, reason)
+                self.proxy.end_canary(alias, decision, reason, target=name)
             except Exception as exc:
                 # Refused (serving froze meanwhile) or lost: as with a flip, the alias tells.
                 # Raising here left the canary running on a candidate nobody would unload.
@@ -781,7 +786,8 @@ class Promoter:
         ended = True
         try:
             if end:
-                self.proxy.end_canary(self.config.alias, "rollback", reason)
+                # Never an operator's canary started since ours ended (409 then).
+                self.proxy.end_canary(self.config.alias, "rollback", reason, target=name)
         except Exception as exc:
             log.exception("canary_end_failed", version=name, alias=self.config.alias)
             failed.append(f"end_canary: {exc!r}")

@@ -444,6 +444,15 @@ async def end_canary(request: web.Request) -> web.Response:
             )
         if not isinstance(alias, str) or alias not in ctx.aliases.canaries():
             raise ProxyError(404, f"No canary is running on {alias!r}.", code="no_canary")
+        running = ctx.aliases.canaries()[alias].target
+        if "target" in body and _served_target(ctx, body["target"], "target") != running:
+            # The learner names its candidate: an operator's canary started since is not its.
+            raise ProxyError(
+                409,
+                f"The canary on {alias!r} is of {running}, not {body['target']}.",
+                type_="conflict",
+                code="canary_changed",
+            )
         if decision == "promote":
             if ctx.state.frozen:
                 raise ProxyError(

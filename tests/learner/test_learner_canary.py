@@ -247,7 +247,7 @@ class FakeProxy:
         self.canary = {"target": target, "share": share}
         return self.canary
 
-    def end_canary(self, alias: str, decision: str, reason: str) -> dict:
+    def end_canary(self, alias: str, decision: str, reason: str, target: str | None = None) -> dict:
         if self.end_fails:
             raise PromotionError("proxy POST /admin/canary/end → 503")
         self.ended.append((decision, reason))
@@ -432,7 +432,7 @@ class PromoteEndFailsProxy(FakeProxy):
     def status(self) -> dict:
         return {**super().status(), "aliases": {"policy": self.alias}}
 
-    def end_canary(self, alias: str, decision: str, reason: str) -> dict:
+    def end_canary(self, alias: str, decision: str, reason: str, target: str | None = None) -> dict:
         if decision == "promote":
             if self.goes_through:
                 self.alias, self.canary = self.canary["target"], None

@@ -93,7 +93,7 @@ class Proxy:
         self.canary = {"target": target, "share": share}
         return self.canary
 
-    def end_canary(self, alias: str, decision: str, reason: str) -> dict:
+    def end_canary(self, alias: str, decision: str, reason: str, target: str | None = None) -> dict:
         if self.down:
             raise httpx.ConnectError("proxy restarting")
         self.ended.append((decision, reason))
@@ -333,7 +333,7 @@ class PromoteLostProxy(Proxy):
         self._lost(target)
         return {}
 
-    def end_canary(self, alias: str, decision: str, reason: str) -> dict:
+    def end_canary(self, alias: str, decision: str, reason: str, target: str | None = None) -> dict:
         if decision == "promote":
             assert self.canary is not None
             self._lost(self.canary["target"])
@@ -421,7 +421,9 @@ def test_a_refused_canary_promotion_still_rolls_back_when_the_status_answers(
     """A refusal the status confirms (the alias did not move) keeps its old handling."""
 
     class Refuses(Proxy):
-        def end_canary(self, alias: str, decision: str, reason: str) -> dict:
+        def end_canary(
+            self, alias: str, decision: str, reason: str, target: str | None = None
+        ) -> dict:
             if decision == "promote":
                 raise PromotionError("proxy POST /admin/canary/end → 409: serving is frozen")
             return super().end_canary(alias, decision, reason)
@@ -446,7 +448,7 @@ class RollbackLostProxy(Proxy):
         self.operator_promotes = operator_promotes
         self.failing_end = True
 
-    def end_canary(self, alias: str, decision: str, reason: str) -> dict:
+    def end_canary(self, alias: str, decision: str, reason: str, target: str | None = None) -> dict:
         if self.failing_end:
             self.failing_end = False
             if self.operator_promotes:

@@ -366,6 +366,19 @@ def test_a_freeze_during_a_flips_replica_check_wins(make_proxy, fake, path, body
     assert ctx.aliases.resolve("policy") == ("policy-v1" if flipped else "base")
 
 
+def test_ending_a_canary_by_its_target_leaves_another_running(make_proxy, fake):
+    """The learner names its candidate when it ends a canary: an operator's canary started
+    after the learner's had ended must not be the one it rolls back."""
+    harness, _ = make_proxy([fake.url])
+    started = _admin(harness.base_url, "/admin/canary", {"target": "policy-v1", "share": 0.5})
+    assert started.status_code == 200, started.text
+    end = {"decision": "rollback", "reason": "learner verdict", "target": "policy-v2"}
+    _assert_error(_admin(harness.base_url, "/admin/canary/end", end), 409, "canary_changed")
+    assert harness.ctx.aliases.canaries()["policy"].target == "policy-v1"
+    ended = _admin(harness.base_url, "/admin/canary/end", end | {"target": "policy-v1"})
+    assert ended.status_code == 200 and harness.ctx.aliases.canaries() == {}
+
+
 @pytest.mark.parametrize("fails", ["save", "audit"])
 @pytest.mark.parametrize(
     "path, body",

@@ -176,7 +176,9 @@ class LearnerConfig(BaseModel):
     # during its last step and counts the rest as `overflow` (never silently).
     max_batch: int = Field(default=128, gt=0)
     # objective
-    importance_cap: float = Field(default=2.0, gt=0)
+    # C in min(ρ, C): below 1 it would scale down on-policy tokens (ρ = 1) too, and with PPO
+    # zero the gradient of every negative-advantage token at ρ = 1.
+    importance_cap: float = Field(default=2.0, ge=1.0)
     ppo_clip_eps: float | None = Field(default=None, gt=0, lt=1)
     kl_coef: float = Field(default=0.02, ge=0)
     max_staleness: int = Field(default=4, ge=0)

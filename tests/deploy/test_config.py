@@ -43,6 +43,14 @@ def test_invalid_values_are_named(tmp_path: Path) -> None:
     assert "proxy.upstreams" in message
 
 
+def test_an_importance_cap_below_one_is_refused(tmp_path: Path) -> None:
+    """min(ρ, C) with C < 1 scaled down on-policy tokens too (and with PPO zeroed the
+    gradient of negative advantages at ρ = 1); 1 itself is a valid truncation."""
+    with pytest.raises(ConfigError, match=r"learner\.importance_cap"):
+        load_config(write(tmp_path, "learner:\n  importance_cap: 0.5\n"), environ={})
+    assert load_config(write(tmp_path, "learner:\n  importance_cap: 1\n"), environ={})
+
+
 def test_env_overrides_apply_and_are_validated(tmp_path: Path) -> None:
     cfg = load_config(None, environ={"OLP_PROXY__PORT": "9001", "OLP_STATE_DIR": str(tmp_path)})
     assert cfg.proxy.port == 9001

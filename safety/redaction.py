@@ -91,7 +91,11 @@ class _Needles:
 # matched no `secret_assignment` pattern that its JSON text matches. A key that may name a
 # secret has its pair written out as JSON text and read by those same patterns instead
 # (`_KEY_HINT` keeps that to the few keys worth the look).
-_KEY_HINT = re.compile(r"(?i)pass|pwd|secret|token|key|cred")
+_KEY_HINT = re.compile(r"(?i)pass|pwd|secret|token|key|cred|auth")
+# `"authorization": "Basic …"` / `"Token …"` is a credential by its key alone (the value's
+# scheme needs the header's name to be read as one), and no `secret_assignment` needle
+# holds it: such pairs are always read.
+_AUTH_KEY = re.compile(r"(?i)auth")
 # A mapping holding these keys is a logprob entry: its `token` is the model's text.
 _LOGPROB_KEYS = ("logprob", "bytes")
 # The fast path of `redact_obj` searches the object's MessagePack encoding, where a key is
@@ -268,9 +272,10 @@ class Redactor:
             out = {}
             for key, value in obj.items():
                 walked = self._walk(value, counts)
-                if keyed and walked is value and self._secret_pair(key, value):
-                    counts["secret_assignment"] += 1
-                    walked = replacement_for("secret_assignment")
+                pair_kind = self._secret_pair(key, value) if keyed and walked is value else None
+                if pair_kind is not None:
+                    counts[pair_kind] += 1
+                    walked = replacement_for(pair_kind)
                 out[self._walk_key(key, counts)] = walked
             return out
         if kind is list or isinstance(obj, list | tuple):
@@ -285,19 +290,27 @@ class Redactor:
             return obj
         raise _unsupported(obj)
 
-    def _secret_pair(self, key: Any, value: Any) -> bool:
-        """Whether `key: value` written as JSON is a `secret_assignment` (`"db_pass": "…"`,
-        a random-looking `"access_token": "…"`, `"password": 12345678`), by its patterns."""
+    def _secret_pair(self, key: Any, value: Any) -> str | None:
+        """The kind `key: value` written as JSON is redacted as (`"db_pass": "…"`, a
+        random-looking `"access_token": "…"`, `"password": 12345678`), or None.
+
+        Any kind counts, not only `secret_assignment`: the key-anchored kinds run first
+        (`aws_access_key` for `"aws_secret_access_key": "…"`, `basic_auth` for
+        `"authorization": "Basic …"`) and took the match, so those values stayed in a walked
+        object while the same pair as JSON text was redacted."""
         if not isinstance(key, str) or _KEY_HINT.search(key) is None:
-            return False
+            return None
         if isinstance(value, bool) or not isinstance(value, str | int):
-            return False
+            return None
         assert self._assignment_needle is not None
         pair = json.dumps({key: value}, ensure_ascii=False)  # any int: JSON has no bound
-        if not self._assignment_needle.search(pair, []):
-            return False
+        header = isinstance(value, str) and _AUTH_KEY.search(key) is not None
+        if not header and not self._assignment_needle.search(pair, []):
+            return None
         _, found = self.redact_text(pair)
-        return "secret_assignment" in found
+        if "secret_assignment" in found or not found:
+            return "secret_assignment" if found else None
+        return next(iter(found))
 
     def _walk_key(self, key: Any, counts: Counter[str]) -> Any:
         if isinstance(key, str):

@@ -1317,6 +1317,28 @@ def test_secret_values_under_secret_keys_are_redacted_in_objects(obj: object, hi
         assert secret not in text
 
 
+# Pairs whose JSON text another kind reads first (key-anchored kinds run before
+# `secret_assignment`): the object kept the value while its text lost it.
+PAIRS_OF_OTHER_KINDS = [
+    {"aws_secret_access_key": "wJalrXUtnFEMI/K7MDENG/bPxRfiCYEXAMPLEKEY"},
+    {"SecretAccessKey": "wJalrXUtnFEMI/K7MDENG/bPxRfiCYEXAMPLEKEY"},
+    {"authorization": "Basic dXNlcjpwYXNzd29yZA=="},
+    {"Authorization": "Token " + RANDOM_HEX},
+    {"x-api-key": RANDOM_HEX},
+]
+
+
+@pytest.mark.parametrize("obj", PAIRS_OF_OTHER_KINDS)
+def test_an_object_loses_what_its_json_text_loses(obj: dict[str, str]) -> None:
+    redactor = Redactor()
+    (value,) = obj.values()
+    text, text_counts = redactor.redact_text(json.dumps(obj))
+    assert text_counts and value not in text
+    redacted, counts = redactor.redact_obj(obj)
+    assert counts == text_counts, (counts, text_counts)
+    assert value not in json.dumps(redacted)
+
+
 PAIRS_THAT_STAY = [
     {"password": None},
     {"password": ""},
@@ -1330,6 +1352,7 @@ PAIRS_THAT_STAY = [
     {"page_token": RANDOM_HEX},
     {"token_ids": [1, 2, 3], "tokens": ["a", "b"]},
     {"keyword": "python", "monkey": "island"},
+    {"author": "Jane Doe", "authors": ["A. Turing"]},  # `auth` keys are read, not redacted
     {"GITHUB_TOKEN": "ab12" * 10},  # degenerate: no random value
 ]
 

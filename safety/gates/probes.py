@@ -53,10 +53,13 @@ class Check(BaseModel):
     def _has_what_it_checks(self) -> Check:
         # A regex check without a pattern matches every answer and one without values
         # matches none: the probe would count, yet could never tell two adapters apart.
+        # So does an empty value among others, or a pattern that matches the empty answer.
         if self.type == "regex" and not self.pattern:
             raise ValueError("a 'regex' check needs a non-empty 'pattern'")
-        if self.type == "contains_any" and not any(self.values):
-            raise ValueError("a 'contains_any' check needs non-empty 'values'")
+        if self.type == "regex" and re.search(self.pattern or "", "", re.IGNORECASE):
+            raise ValueError(f"the 'regex' pattern {self.pattern!r} matches an empty answer")
+        if self.type == "contains_any" and (not self.values or not all(self.values)):
+            raise ValueError("a 'contains_any' check needs values, none of them empty")
         return self
 
     def passes(self, text: str) -> bool:

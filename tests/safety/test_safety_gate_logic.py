@@ -77,6 +77,10 @@ def test_bad_probe_file_names_its_line(tmp_path: Path) -> None:
         {"type": "regex", "values": ["^42$"]},  # the pattern given in the wrong field
         {"type": "contains_any", "values": []},  # would never pass
         {"type": "contains_any", "pattern": "42"},
+        # Each of these passes every answer, so the probe could tell no two adapters apart.
+        {"type": "contains_any", "values": ["", "paris"]},
+        {"type": "regex", "pattern": "x*"},
+        {"type": "regex", "pattern": "paris|"},
     ],
 )
 def test_a_regression_check_without_its_pattern_or_values_is_a_bad_line(

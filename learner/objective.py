@@ -385,6 +385,26 @@ def assign_advantages_across_ranks(
     return assign_advantages_for_rank(per_rank, ctx.rank, samples, baseline, normalize, eps)
 
 
+def select_trained(
+    ctx: DistContext,
+    samples: list[Sample],
+    baseline: RunningBaseline,
+    caps: CapsConfig,
+    normalize: bool = True,
+) -> tuple[list[Sample], list[dict[str, int]]]:
+    """The samples a step trains on: capped, given advantages, capped again (collective).
+
+    The first cap keeps an over-represented source out of the baselines and group means;
+    the second holds the cap on what is trained, since advantages drop zero-advantage
+    samples unevenly (capped 4 and 4, a tenant whose samples all carried an advantage
+    trained 4 against the other's 2). Returns the samples and the count parts (`capped`
+    sums both caps)."""
+    samples, capped = apply_share_caps_across_ranks(ctx, samples, caps)
+    samples, adv_counts = assign_advantages_across_ranks(ctx, samples, baseline, normalize)
+    samples, recapped = apply_share_caps_across_ranks(ctx, samples, caps)
+    return samples, [capped, adv_counts, recapped]
+
+
 def policy_loss(
     logp_new: torch.Tensor,
     logp_sampling: torch.Tensor,

@@ -39,10 +39,9 @@ from learner.distributed import (
 )
 from learner.objective import (
     RunningBaseline,
-    apply_share_caps_across_ranks,
-    assign_advantages_across_ranks,
     drop_stale,
     samples_from_rewarded,
+    select_trained,
 )
 from learner.progress import Progress
 from learner.rewards.assembler import RewardAssembler
@@ -346,11 +345,10 @@ class Learner:
         samples, stale = drop_stale(
             samples, self.version, self.config.max_staleness, self.version_floor
         )
-        # Collective: the trained batch is the union over ranks, so is the cap.
-        samples, capped = apply_share_caps_across_ranks(self.ctx, samples, self.caps)
-        # Collective too: one baseline per task and one mean per group over the whole batch.
-        samples, adv_counts = assign_advantages_across_ranks(
-            self.ctx, samples, self.baseline, self.config.normalize_advantages
+        # Collective: the trained batch is the union over ranks, so are the caps, the
+        # baselines and the group means.
+        samples, parts = select_trained(
+            self.ctx, samples, self.baseline, self.caps, self.config.normalize_advantages
         )
         local = Counter(
             {
@@ -360,7 +358,7 @@ class Learner:
                 "trained_samples": len(samples),
             }
         )
-        for part in (dropped, capped, adv_counts):  # summed: parts share keys (bad_reward)
+        for part in (dropped, *parts):  # summed: parts share keys (bad_reward, capped)
             local.update(part)
         local.update({f"reward_{k}": v for k, v in self.assembler.counts.items()})
         self.assembler.counts.clear()

@@ -7,6 +7,7 @@ import math
 import pytest
 import torch
 
+from learner.distributed import DistContext
 from learner.objective import (
     REWARD_LIMIT,
     RunningBaseline,
@@ -19,6 +20,7 @@ from learner.objective import (
     policy_loss,
     samples_from_rewarded,
     select_capped,
+    select_trained,
 )
 from learner.rewards.assembler import RewardedChoice
 from safety.config import CapsConfig
@@ -94,6 +96,19 @@ def test_caps_count_completion_tokens_as_the_loss_does() -> None:
     # A tenant with nothing but one sample longer than every other tenant's tokens keeps none.
     kept, _ = apply_share_caps(short[:4] + long[:1], caps)
     assert {s.tenant for s in kept} == {"A"}
+
+
+def test_the_cap_holds_on_what_is_trained_after_advantages() -> None:
+    """Capped 4 and 4, then A's first sample of its task (sets the baseline) and one equal
+    to it carry no advantage: B trained 4 against A's 2, 67 % of the batch."""
+    a = [make_sample(i, tenant="A", reward=r) for i, r in enumerate([0.5, 0.5, 1.0, 0.0])]
+    b = [make_sample(10 + i, tenant="B", group="gb", reward=float(i)) for i in range(4)]
+    caps = CapsConfig(max_tenant_share=0.5, max_user_share=None)
+    trained, parts = select_trained(DistContext(), a + b, RunningBaseline(decay=0.5), caps)
+    tenants = [s.tenant for s in trained]
+    assert tenants.count("A") == 2 and tenants.count("B") == 2, tenants
+    capped = sum(part.get("capped", 0) for part in parts)
+    assert capped == 2 and parts[1]["zero_advantage_samples"] == 2
 
 
 def test_single_source_is_not_capped() -> None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import math
 import re
+import time
 from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -25,6 +26,8 @@ from safety.audit import iter_records
 log = structlog.get_logger(__name__)
 
 _VERSION_FILE = re.compile(r"^policy-v(\d+)$")
+# How long the broker may hold a fetch at a partition's end before answering it empty.
+_FETCH_WAIT_MS = 50
 MAX_AUDIT_SCAN = 10_000  # newest-first paging keeps at most this many matches in memory
 
 
@@ -223,9 +226,16 @@ def sink_metrics(sink: Any) -> dict[str, dict[str, float]] | None:
 def topic_end_offsets(
     bootstrap_servers: str, topics: list[str], timeout_s: float
 ) -> dict[str, dict[int, int]]:
-    """topic → partition → end offset (the next offset to be written)."""
+    """topic → partition → end offset (the next offset to be written).
+
+    The end offset is the high watermark a fetch returns, not only the ListOffsets answer:
+    the embedded broker (Tansu) answers ListOffsets with its last batch's base offset + 1,
+    so a batch of several records counts as one there, for good. A fetch from the listed
+    end costs at most that last batch per partition; on Apache Kafka it returns no records.
+    """
     if not tcp_reachable(bootstrap_servers, timeout_s=min(timeout_s, 1.0)):
         raise ConnectionError(f"no broker answers at {bootstrap_servers}")
+    deadline = time.monotonic() + timeout_s
     timeout_ms = int(timeout_s * 1000)
     consumer = KafkaConsumer(
         bootstrap_servers=bootstrap_servers,
@@ -233,6 +243,7 @@ def topic_end_offsets(
         enable_auto_commit=False,
         request_timeout_ms=max(timeout_ms, 1000),
         bootstrap_timeout_ms=timeout_ms,
+        fetch_max_wait_ms=_FETCH_WAIT_MS,
     )
     try:
         known = consumer.topics()  # one metadata round trip for every topic
@@ -243,12 +254,36 @@ def topic_end_offsets(
             for partition in sorted(consumer.partitions_for_topic(topic) or ())
         ]
         ends = consumer.end_offsets(partitions, timeout_ms=timeout_ms) if partitions else {}
+        ends.update(_fetched_high_watermarks(consumer, ends, deadline))
     finally:
         consumer.close(autocommit=False)
     result: dict[str, dict[int, int]] = {topic: {} for topic in topics}
     for tp, offset in ends.items():
         result[tp.topic][tp.partition] = int(offset)
     return result
+
+
+def _fetched_high_watermarks(
+    consumer: KafkaConsumer, listed: dict[TopicPartition, int], deadline: float
+) -> dict[TopicPartition, int]:
+    """The high watermark of each partition whose fetch from its listed end answered before
+    the deadline (never below the listed end); a partition without an answer keeps the
+    listed one."""
+    if not listed:
+        return {}
+    consumer.assign(list(listed))
+    for tp, offset in listed.items():
+        consumer.seek(tp, offset)
+    while time.monotonic() < deadline:
+        if all(consumer.highwater(tp) is not None for tp in listed):
+            break
+        consumer.poll(timeout_ms=_FETCH_WAIT_MS)
+    found = {}
+    for tp, offset in listed.items():
+        highwater = consumer.highwater(tp)
+        if highwater is not None:
+            found[tp] = max(int(highwater), int(offset))
+    return found
 
 
 def consumer_lag(
@@ -267,8 +302,8 @@ def consumer_lag(
                     "partition": partition,
                     "end": end,
                     "consumed": at,
-                    # The broker's end offset can trail the writes for a moment (docs/stream.md):
-                    # never show a learner ahead of the log as a negative lag.
+                    # A listed end can trail the writes (docs/stream.md): never show a learner
+                    # ahead of the log as a negative lag.
                     "lag": max(end - (at or 0), 0),
                 }
             )

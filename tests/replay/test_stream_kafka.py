@@ -13,6 +13,7 @@ from kafka.errors import KafkaError, KafkaTimeoutError
 from prometheus_client import CollectorRegistry
 
 import replay.consumer as consumer_module
+from proxy.operator_data import topic_end_offsets
 from replay.config import StreamConfig
 from replay.consumer import DlqRatioExceeded, ScoredTrajectory, TrajectoryConsumer
 from replay.export import export_records, read_export
@@ -221,12 +222,7 @@ def _send_to(config: StreamConfig, topic: str, values: list[bytes | None]) -> No
 
 
 def _records_on(config: StreamConfig, topic: str) -> int:
-    consumer = KafkaConsumer(bootstrap_servers=config.bootstrap_servers, group_id=None)
-    try:
-        tps = [TopicPartition(topic, p) for p in consumer.partitions_for_topic(topic)]
-        return sum(consumer.end_offsets(tps).values())
-    finally:
-        consumer.close()
+    return sum(topic_end_offsets(config.bootstrap_servers, [topic], timeout_s=5)[topic].values())
 
 
 def _poll_until(consumer: TrajectoryConsumer, done: Any, timeout_s: float = 30.0) -> None:

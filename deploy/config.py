@@ -76,6 +76,15 @@ class PolicyConfig(BaseModel):
     extra_args: list[str] = Field(default_factory=list, description="more vLLM CLI flags")
     env: dict[str, str] = Field(default_factory=dict, description="more vLLM env variables")
 
+    @field_validator("api_key")
+    @classmethod
+    def _non_empty_key(cls, key: SecretStr | None) -> SecretStr | None:
+        # An empty key (`OLP_POLICY__API_KEY=${UNSET}`) would start vLLM with no key at all,
+        # its adapter load/unload routes open to every local process.
+        if key is not None and not key.get_secret_value().strip():
+            raise ValueError("must be a non-empty string, or null for a per-run random key")
+        return key
+
     @field_validator("external_urls")
     @classmethod
     def _strip_urls(cls, urls: list[str]) -> list[str]:
@@ -104,9 +113,12 @@ def _format_error(exc: ValidationError) -> str:
             lines.append(f"  {key}: unknown key")
             continue
         shown = err.get("input")
-        if any(word in key.lower() for word in _SECRET_KEY) or (
-            isinstance(shown, dict) and any(w in str(k).lower() for k in shown for w in _SECRET_KEY)
-        ):
+        if isinstance(shown, dict | list | tuple | set):
+            # A section, a tenant list or the whole file (a model validator's input) holds
+            # keys at any depth: its message names the problem, the input is never echoed.
+            lines.append(f"  {key}: {err['msg']}")
+            continue
+        if any(word in key.lower() for word in _SECRET_KEY):
             shown = "<hidden>"  # never echo a secret into a terminal or a log
         lines.append(f"  {key}: {err['msg']} (got {shown!r})")
     return "invalid configuration:\n" + "\n".join(lines)

@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any, Literal, get_args, get_origin
 
 import annotated_types as at
-from pydantic import BaseModel
+from pydantic import BaseModel, SecretStr
 from pydantic.fields import FieldInfo
 from pydantic_core import PydanticUndefined
 
@@ -47,6 +47,8 @@ NOTES: dict[str, list[str]] = {
     ],
     "PolicyConfig": [
         "`external_urls` must be http(s) URLs; a trailing `/` or `/v1` is stripped.",
+        "`api_key` must not be empty: null (the default) gives the launched vLLM a random key of "
+        "its own each run.",
     ],
     "ProxyConfig": [
         "`admin_key` (plaintext) may be given instead of `admin_key_sha256`: it is hashed "
@@ -137,6 +139,8 @@ def default_text(field: FieldInfo) -> str:
         value = field.default
     if isinstance(value, BaseModel):
         return "(see below)"
+    if isinstance(value, SecretStr):
+        value = value.get_secret_value()  # a default shipped in the code is no secret
     return f"`{json.dumps(_portable(value))}`"
 
 

@@ -9,7 +9,7 @@ import hashlib
 import json
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, model_validator
 
 
 class VerifierSpec(BaseModel):
@@ -31,7 +31,8 @@ class JudgeConfig(BaseModel):
 
     enabled: bool = False
     base_url: str | None = None  # None: the policy server the learner is told about
-    api_key: str = "EMPTY"
+    # A SecretStr, so that `olp config show`, reprs and validation errors never print it.
+    api_key: SecretStr = SecretStr("EMPTY")
     model: str = "base"
     rubric: str = "The reply is correct, follows the user's instructions exactly, and is concise."
     timeout_s: float = Field(default=20.0, gt=0)

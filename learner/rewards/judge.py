@@ -91,7 +91,8 @@ class Judge:
         url = config.base_url or base_url
         if not url:
             raise ValueError("judge needs learner.rewards.judge.base_url (or the policy URL)")
-        key = config.api_key if config.base_url or not api_key else api_key
+        own_key = config.api_key.get_secret_value()
+        key = own_key if config.base_url or not api_key else api_key
         self.config = config
         # openai keeps idle connections 5 s, as long as vLLM does: one reused at that age
         # could be closing. Dropped after 4 s (any judge server takes that).

@@ -1,3 +1,4 @@
+import json
 from pathlib import Path
 
 import pytest
@@ -85,7 +86,41 @@ def test_errors_never_echo_secrets(tmp_path: Path) -> None:
     path = write(tmp_path, "proxy:\n  admin_key: ''\n")
     with pytest.raises(ConfigError) as err:
         load_config(path, environ={})
-    assert "<hidden>" in str(err.value)
+    assert "admin_key must be a non-empty string" in str(err.value)
+    assert "(got" not in str(err.value)  # the section's input is never echoed
+    path = write(tmp_path, "policy:\n  api_key: [vllm-SUPERSECRET]\n")
+    with pytest.raises(ConfigError) as err:
+        load_config(path, environ={})
+    assert "policy.api_key" in str(err.value) and "SUPERSECRET" not in str(err.value)
+
+
+def test_errors_about_a_section_or_the_whole_file_never_echo_its_keys(tmp_path: Path) -> None:
+    """A model validator's input is the section or the whole file: the shared-key and
+    duplicate-name errors printed every plaintext key in it."""
+    shared = write(
+        tmp_path,
+        "proxy:\n  admin_key: admin-SUPERSECRET\n"
+        "tenants:\n  - name: acme\n    api_key: admin-SUPERSECRET\n",
+    )
+    duplicate = tmp_path / "duplicate.yaml"
+    duplicate.write_text(
+        "tenants:\n  - name: acme\n    api_key: sk-one-SUPERSECRET\n"
+        "  - name: acme\n    api_key: sk-two-SUPERSECRET\n"
+    )
+    environ = {"OLP_POLICY__API_KEY": "vllm-SUPERSECRET"}
+    for path, message in ((shared, "one API key is used by tenant acme"), (duplicate, "acme")):
+        with pytest.raises(ConfigError) as err:
+            load_config(path, environ=environ)
+        assert message in str(err.value)
+        assert "SUPERSECRET" not in str(err.value)
+
+
+@pytest.mark.parametrize("key", ["", "  "])
+def test_an_empty_policy_key_is_refused_not_taken_as_no_key(key: str) -> None:
+    """An unset variable in an env file gives an empty key, which started vLLM with no key
+    (its LoRA load/unload open to any local process) instead of a per-run random one."""
+    with pytest.raises(ConfigError, match=r"policy\.api_key: .*non-empty"):
+        load_config(None, environ={"OLP_POLICY__API_KEY": key})
 
 
 def test_env_admin_key_replaces_the_files_hash() -> None:
@@ -174,3 +209,11 @@ def test_a_key_shared_by_two_holders_is_refused(
     first, and a tenant holding the admin key could flip aliases."""
     with pytest.raises(ConfigError, match=message):
         load_config(write(tmp_path, yaml_text), environ={})
+
+
+def test_the_judges_key_is_not_shown_by_config_show() -> None:
+    cfg = load_config(
+        None, environ={"OLP_LEARNER__REWARDS__JUDGE__API_KEY": "sk-judge-SUPERSECRET"}
+    )
+    assert cfg.learner.rewards.judge.api_key.get_secret_value() == "sk-judge-SUPERSECRET"
+    assert "SUPERSECRET" not in json.dumps(cfg.model_dump(mode="json"))

@@ -30,6 +30,7 @@ from proxy.relay import (
     SSEParser,
     capture_refusal,
     dumps,
+    ends_with_done,
     ends_with_error_event,
     parse_json,
     plan_request,
@@ -255,7 +256,7 @@ class CompletionRelay:
         self.session_id = text_header(self.request, "X-Session-Id", limit=LABEL_MAX_CHARS)
         self.group_id = text_header(self.request, "X-OLP-Group-Id", limit=LABEL_MAX_CHARS)
         self.task = text_header(self.request, "X-OLP-Task", limit=LABEL_MAX_CHARS)
-        self.opted_out = opts_out_of_training(self.request.headers.get("X-OLP-Train"))
+        self.opted_out = opts_out_of_training(self.request.headers.getall("X-OLP-Train", []))
 
     def _training(self, tenant: Tenant, body: dict[str, Any]) -> bool:
         """Whether this request is captured for training."""
@@ -464,6 +465,10 @@ class CompletionRelay:
                     self._watch_usage(parser, data)
                 await response.write(data)
                 done_sent = data.endswith(_DONE_EVENT)
+            if not ends_with_done(before_last, last):
+                # The model server closed the stream cleanly but without its end: relayed as
+                # is, the client saw an answer that just stopped, counted and recorded `ok`.
+                raise aiohttp.ClientPayloadError("the stream ended without data: [DONE]")
         except _DISCONNECT_ERRORS:
             outcome = "aborted"
         except asyncio.CancelledError:

@@ -9,6 +9,7 @@ server would have sent for the client's own request.
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -454,6 +455,20 @@ def ends_with_error_event(before_last: bytes, last: bytes) -> bool:
         or _ERROR_OBJECT in before_last
         or _ERROR_OBJECT in before_last[-_ERROR_SPLIT:] + last[:_ERROR_SPLIT]
     )
+
+
+_DONE_AT_END = re.compile(rb"(?:^|\n)data: ?\[DONE\][ \t]*(?:\r?\n)*\Z")
+_DONE_SPLIT = 32  # enough of the two reads to hold a `data: [DONE]` split between them
+
+
+def ends_with_done(before_last: bytes, last: bytes) -> bool:
+    """Whether a stream's last two upstream reads end with its `data: [DONE]` event: a
+    stream the model server closed without it was cut short (a crash, a balancer's cut),
+    however cleanly the connection ended."""
+    tail = last[-_DONE_SPLIT:]
+    if len(tail) < _DONE_SPLIT:
+        tail = before_last[len(tail) - _DONE_SPLIT :] + tail
+    return _DONE_AT_END.search(tail) is not None
 
 
 def sse_event(data: bytes) -> bytes:

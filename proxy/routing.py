@@ -64,9 +64,13 @@ class UpstreamPool:
         if not urls:
             raise ValueError("the proxy needs at least one upstream URL (proxy.upstreams)")
         self.replicas = [Replica(url.rstrip("/")) for url in urls]
+        # `connect` would also bound the wait for a free pooled connection: with every one of
+        # `max_connections` busy (long streams), a request timed out there and marked healthy
+        # replicas down, one after another, and its client got a 504. Waiting for a slot is
+        # back-pressure, not a replica failing; only the TCP connect itself is bounded.
         self._timeout = aiohttp.ClientTimeout(
             total=None,
-            connect=connect_timeout_s,
+            connect=None,
             sock_connect=connect_timeout_s,
             sock_read=read_timeout_s,
         )
@@ -75,8 +79,12 @@ class UpstreamPool:
         self._down_for_s = down_for_s
         self._round_robin = itertools.count()
         self._session: aiohttp.ClientSession | None = None
-        # Every upstream call carries the model server's key (never the client's own key).
-        self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        # Every upstream call carries the model server's key (never the client's own key), and
+        # asks for the answer uncompressed: the bytes are relayed and parsed as they come (a
+        # compressing hop in between gave 502 "invalid JSON").
+        self._headers = {"Accept-Encoding": "identity"}
+        if api_key:
+            self._headers["Authorization"] = f"Bearer {api_key}"
 
     @property
     def session(self) -> aiohttp.ClientSession:

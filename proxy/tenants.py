@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from proxy.config import TenantConfig, sha256_hex
@@ -19,23 +19,26 @@ TRAIN_HEADER_OFF = frozenset({"0", "false", "no", "off"})
 TRAIN_HEADER_ON = frozenset({"1", "true", "yes", "on"})
 
 
-def opts_out_of_training(value: str | None) -> bool:
-    """Whether an `X-OLP-Train` value opts its request out; 400 for a value that is neither
-    off nor on: a client that meant to opt out with a spelling of its own ("never",
-    "disabled") would otherwise have its request recorded for training."""
-    if value is None or not value.strip():
-        return False
-    word = value.strip().lower()
-    if word in TRAIN_HEADER_OFF:
-        return True
-    if word in TRAIN_HEADER_ON:
-        return False
-    raise bad_request(
-        f"The X-OLP-Train header must be 0 (do not learn from this request) or 1, got "
-        f"{value.strip()[:32]!r}.",
-        param="X-OLP-Train",
-        code="invalid_header",
-    )
+def opts_out_of_training(lines: Sequence[str]) -> bool:
+    """Whether a request's `X-OLP-Train` header lines opt it out; 400 for a value that is
+    neither off nor on: a client that meant to opt out with a spelling of its own ("never",
+    "disabled") would otherwise have its request recorded for training.
+
+    Every line counts, and a line is a comma-separated list (HTTP makes `1` and `0` on two
+    lines the same as `1, 0`): any off value opts the request out."""
+    words = [word.strip() for line in lines for word in line.split(",")]
+    opted_out = False
+    for word in filter(None, words):
+        if word.lower() in TRAIN_HEADER_OFF:
+            opted_out = True
+        elif word.lower() not in TRAIN_HEADER_ON:
+            raise bad_request(
+                f"The X-OLP-Train header must be 0 (do not learn from this request) or 1, "
+                f"got {word[:32]!r}.",
+                param="X-OLP-Train",
+                code="invalid_header",
+            )
+    return opted_out
 
 
 ANONYMOUS = "anonymous"

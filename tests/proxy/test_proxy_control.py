@@ -54,6 +54,18 @@ def test_training_off_or_opted_out_gives_no_trajectory(proxy):
     with pytest.raises(openai.BadRequestError) as refused:
         chat(harness, "alice", headers={"X-OLP-Train": "never"})
     assert refused.value.body["param"] == "X-OLP-Train" and "'never'" in refused.value.message
+    # An opt-out on a second header line counts (only the first line was read).
+    two_lines = httpx.post(
+        harness.base_url + "/v1/chat/completions",
+        headers=[
+            ("Authorization", f"Bearer {KEYS['alice']}"),
+            ("X-OLP-Train", "1"),
+            ("X-OLP-Train", "0"),
+        ],
+        json={"model": "policy", "messages": PROMPT, "max_tokens": 2},
+        timeout=120,
+    )
+    assert two_lines.status_code == 200 and "x-olp-trajectory-id" not in two_lines.headers
     captured = chat(harness, "alice")
     harness.drain()
     assert [r["trajectory_id"] for r in sink.trajectories] == [

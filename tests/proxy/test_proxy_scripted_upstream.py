@@ -6,6 +6,7 @@ server speaking vLLM's wire format; the proxy, SDK and sink are the real ones.""
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import json
 import threading
 from collections.abc import Iterator
@@ -16,6 +17,7 @@ import openai
 import pytest
 from aiohttp import web
 
+from proxy.relay import ends_with_done
 from tests.proxy.conftest import KEYS, wait_for
 from tests.proxy.threaded_upstream import ThreadedUpstream
 
@@ -538,3 +540,160 @@ def test_a_client_leaving_right_after_done_keeps_a_whole_trajectory(make_proxy):
     [record] = sink.trajectories
     assert record["status"] == "ok" and record["trainable"], record["flags"]
     wait_for(lambda: harness.ctx.tenants.tenants["alice"].in_flight == 0)
+
+
+class CleanCut(ScriptedUpstream):
+    """A model server that ends its stream cleanly after two chunks, without `[DONE]`."""
+
+    async def _chat(self, request: web.Request) -> web.StreamResponse:
+        body = await request.json()
+        self.requests.append(body)
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await response.prepare(request)
+        base = {"id": "c", "object": "chat.completion.chunk", "created": 1, "model": "base"}
+        first = {"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}
+        token = {"index": 0, "delta": {"content": "Hel"}, "finish_reason": None}
+        await response.write(_event({**base, "choices": [first], "prompt_token_ids": PROMPT_IDS}))
+        await response.write(_event({**base, "choices": [token]}))
+        await response.write_eof()
+        return response
+
+
+@pytest.mark.parametrize("tenant", ["alice", "bob"])  # captured, relayed as bytes
+def test_a_stream_ended_without_done_is_cut_short_not_an_ok(make_proxy, tenant):
+    """Closed cleanly but without `data: [DONE]`, the answer just stopped at the client, and
+    the request was counted and recorded `ok`."""
+    upstream = CleanCut().start()
+    try:
+        harness, sink = make_proxy([upstream.url])
+        events = _stream_events(harness.base_url, KEYS[tenant])
+    finally:
+        upstream.stop()
+    assert events[1]["choices"][0]["delta"]["content"] == "Hel"
+    assert events[-1]["error"]["code"] == "upstream_error" and "[DONE]" not in events
+    metrics = httpx.get(harness.base_url + "/metrics").text
+    assert f'olp_proxy_errors_total{{kind="upstream_mid_stream",tenant="{tenant}"}} 1.0' in metrics
+    harness.drain()
+    if tenant == "alice":
+        [record] = sink.trajectories
+        assert record["status"] == "error" and record["trainable"] is False
+    else:
+        assert sink.trajectories == []
+
+
+@pytest.mark.parametrize(
+    ("before_last", "last", "done"),
+    [
+        (b"", b"data: [DONE]\n\n", True),
+        (b'data: {"a":1}\n\ndata: [DO', b"NE]\n\n", True),
+        (b"data: [DONE]", b"\n\n", True),
+        (b"", b"data:[DONE]\r\n\r\n", True),
+        (b"", b'data: {"a":1}\n\n', False),
+        (b"data: [DONE]\n\n", b'data: {"a":1}\n\n', False),
+        (b"", b"", False),
+    ],
+)
+def test_ends_with_done(before_last, last, done):
+    assert ends_with_done(before_last, last) is done
+
+
+class Gzipping(ThreadedUpstream):
+    """A compressing hop between the proxy and the model server (a balancer's gzip): it
+    compresses whatever the client accepts."""
+
+    def add_routes(self, app: web.Application) -> None:
+        async def chat(request: web.Request) -> web.Response:
+            self.requests.append({"accept-encoding": request.headers.get("Accept-Encoding")})
+            body = await request.json()
+            response = web.json_response(
+                {
+                    "id": "x",
+                    "object": "chat.completion",
+                    "model": body["model"],
+                    "choices": [
+                        {
+                            "index": 0,
+                            "message": {"role": "assistant", "content": "hi"},
+                            "finish_reason": "stop",
+                        }
+                    ],
+                    "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2},
+                }
+            )
+            response.enable_compression()
+            return response
+
+        app.router.add_post("/v1/chat/completions", chat)
+
+
+def test_the_proxy_asks_its_upstream_for_an_uncompressed_answer(make_proxy):
+    upstream = Gzipping().start()
+    try:
+        harness, _ = make_proxy([upstream.url])
+        answer = httpx.post(
+            harness.base_url + "/v1/chat/completions",
+            headers={"Authorization": f"Bearer {KEYS['bob']}"},
+            json={"model": "policy", "messages": [{"role": "user", "content": "x"}]},
+            timeout=30,
+        )
+    finally:
+        upstream.stop()
+    assert answer.status_code == 200, answer.text  # was 502 "invalid JSON"
+    assert answer.json()["choices"][0]["message"]["content"] == "hi"
+    assert upstream.requests == [{"accept-encoding": "identity"}]
+
+
+class Slow(ThreadedUpstream):
+    """Answers each request after `delay_s`."""
+
+    def __init__(self, delay_s: float) -> None:
+        self.delay_s = delay_s
+        super().__init__()
+
+    def add_routes(self, app: web.Application) -> None:
+        async def chat(request: web.Request) -> web.Response:
+            await request.read()
+            await asyncio.sleep(self.delay_s)
+            return web.json_response(
+                {
+                    "id": "x",
+                    "object": "chat.completion",
+                    "model": "base",
+                    "choices": [
+                        {
+                            "index": 0,
+                            "message": {"role": "assistant", "content": "ok"},
+                            "finish_reason": "stop",
+                        }
+                    ],
+                }
+            )
+
+        app.router.add_post("/v1/chat/completions", chat)
+
+
+def test_a_request_waiting_for_a_pooled_connection_is_not_a_replica_timeout(make_proxy):
+    """With every upstream connection busy, a request waited `connect_timeout_s` for one,
+    timed out, marked the healthy replicas down and answered 504."""
+    replicas = [Slow(delay_s=1.5).start(), Slow(delay_s=1.5).start()]
+    try:
+        harness, _ = make_proxy(
+            [r.url for r in replicas], max_upstream_connections=1, connect_timeout_s=0.3
+        )
+
+        def ask(_: int) -> int:
+            return httpx.post(
+                harness.base_url + "/v1/chat/completions",
+                headers={"Authorization": f"Bearer {KEYS['bob']}"},
+                json={"model": "policy", "messages": [{"role": "user", "content": "x"}]},
+                timeout=30,
+            ).status_code
+
+        with concurrent.futures.ThreadPoolExecutor(3) as pool:
+            statuses = list(pool.map(ask, range(3)))
+        pool_state = harness.ctx.pool.replicas
+    finally:
+        for replica in replicas:
+            replica.stop()
+    assert statuses == [200, 200, 200]
+    assert [replica.failures for replica in pool_state] == [0, 0]

@@ -64,33 +64,37 @@ def test_auth_and_training_opt_in():
     with pytest.raises(ProxyError) as err:
         registry.authenticate("Bearer nope")
     assert err.value.code == "invalid_api_key"
-    assert registry.wants_training(on, opts_out_of_training(None)) is True
-    assert registry.wants_training(on, opts_out_of_training("0")) is False
-    assert registry.wants_training(off, opts_out_of_training("1")) is False  # never opts in
+    assert registry.wants_training(on, opts_out_of_training([])) is True
+    assert registry.wants_training(on, opts_out_of_training(["0"])) is False
+    assert registry.wants_training(off, opts_out_of_training(["1"])) is False  # never opts in
     registry.apply_overrides({"off": True})
-    assert registry.wants_training(off, opts_out_of_training(None)) is True
+    assert registry.wants_training(off, opts_out_of_training([])) is True
 
 
 @pytest.mark.parametrize(
-    ("value", "opts_out"),
+    ("lines", "opts_out"),
     [
-        *[(None, False), ("", False), (" ", False), ("1", False), ("TRUE", False), ("on", False)],
-        *[("0", True), (" 0 ", True), ("False", True), ("no", True), ("OFF", True)],
+        *[([], False), ([""], False), ([" "], False), (["1"], False), (["TRUE"], False)],
+        *[(["on"], False), (["1", "yes"], False), (["1,"], False)],
+        *[(["0"], True), ([" 0 "], True), (["False"], True), (["no"], True), (["OFF"], True)],
+        # A second line, or a list on one line (the same to HTTP): any off value opts out.
+        *[(["1", "0"], True), (["1, 0"], True), (["0,1"], True), (["on", " off"], True)],
     ],
 )
-def test_train_header_values(value, opts_out):
-    assert opts_out_of_training(value) is opts_out
+def test_train_header_values(lines, opts_out):
+    assert opts_out_of_training(lines) is opts_out
 
 
-@pytest.mark.parametrize("value", ["never", "disabled", "2", "0,1", "nein"])
-def test_train_header_that_is_neither_off_nor_on_is_refused(value):
+@pytest.mark.parametrize("lines", [["never"], ["disabled"], ["2"], ["0, never"], ["1", "nein"]])
+def test_train_header_that_is_neither_off_nor_on_is_refused(lines):
     with pytest.raises(ProxyError) as err:
-        opts_out_of_training(value)
+        opts_out_of_training(lines)
     assert (err.value.status, err.value.code, err.value.param) == (
         400,
         "invalid_header",
         "X-OLP-Train",
     )
+    value = [word.strip() for line in lines for word in line.split(",")][-1]
     assert repr(value) in err.value.message
 
 

@@ -31,7 +31,13 @@ from proxy.completions import (
 from proxy.config import ProxyConfig, TenantConfig
 from proxy.context import CONTEXT, REQUEST_ID, ProxyContext
 from proxy.errors import AuthError, ProxyError, error_response
-from proxy.feedback import RecentTrajectories, build_event, check_owner, parse_feedback
+from proxy.feedback import (
+    RecentTrajectories,
+    build_event,
+    check_owner,
+    feedback_body_limit,
+    parse_feedback,
+)
 from proxy.host_check import HostCheck
 from proxy.metrics import ProxyMetrics
 from proxy.operator_page import record_feedback
@@ -198,7 +204,8 @@ async def feedback(request: web.Request) -> web.Response:
     tenant = ctx.tenants.authenticate(request.headers.get("Authorization"))
     limit_headers = ctx.tenants.admit_feedback(tenant)
     session_header = text_header(request, "X-Session-Id", limit=LABEL_MAX_CHARS)
-    body = await read_json_body(request, ctx.config.max_body_bytes)
+    limit = feedback_body_limit(ctx.config.max_feedback_metadata_bytes, ctx.config.max_body_bytes)
+    body = await read_json_body(request, limit)
     parsed = parse_feedback(body, ctx.config.max_feedback_metadata_bytes)
     known_session = check_owner(ctx.recent, parsed, tenant.name_hash)
     session_id = known_session or session_header or parsed.trajectory_id

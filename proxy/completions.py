@@ -93,18 +93,25 @@ async def read_json(
             f"{max_bytes} bytes.",
             code="request_too_large",
         )
+    too_large = ProxyError(
+        413, f"Request body exceeds the limit of {max_bytes} bytes.", code="request_too_large"
+    )
     try:
-        raw = await request.read()
+        raw = await request.read() if request.content_length is not None else b""
     except web.HTTPRequestEntityTooLarge as exc:
-        raise ProxyError(
-            413,
-            f"Request body exceeds the limit of {max_bytes} bytes.",
-            code="request_too_large",
-        ) from exc
+        raise too_large from exc
+    if request.content_length is None:
+        # Chunked: `read()` would buffer up to the app's limit (max_body_bytes) before a
+        # smaller limit (the feedback endpoint's) is checked.
+        chunks, size = [], 0
+        async for chunk in request.content.iter_any():
+            size += len(chunk)
+            if size > max_bytes:
+                raise too_large
+            chunks.append(chunk)
+        raw = b"".join(chunks)
     if len(raw) > max_bytes:
-        raise ProxyError(
-            413, f"Request body exceeds the limit of {max_bytes} bytes.", code="request_too_large"
-        )
+        raise too_large
     try:
         body, encode = parse_json(raw)
     except ValueError as exc:  # not JSON, not UTF-8, or nested too deeply

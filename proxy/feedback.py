@@ -60,6 +60,14 @@ class FeedbackRequest:
     metadata: dict[str, Any]
 
 
+def feedback_body_limit(max_metadata_bytes: int, max_body_bytes: int) -> int:
+    """The most a feedback body is read: its metadata as a client may write it (escaped
+    non-ASCII is up to 3× its UTF-8, indentation more) plus the other fields. At
+    `max_body_bytes` (8 MiB), one key's 600 posts a minute could make the proxy buffer GBs,
+    none of which can be a valid event."""
+    return min(max_body_bytes, 64 * 1024 + 8 * max_metadata_bytes)
+
+
 def parse_feedback(body: Any, max_metadata_bytes: int) -> FeedbackRequest:
     """Check the body's shape; raises a 400 ProxyError that names the bad field."""
     if not isinstance(body, dict):

@@ -96,6 +96,29 @@ def test_413_body_over_limit(make_proxy):
     assert_openai_error(post(harness, None, content=chunks), 413, "request_too_large")
 
 
+def test_a_feedback_body_is_read_only_as_far_as_a_valid_event_can_go(make_proxy):
+    """Feedback metadata is capped at max_feedback_metadata_bytes, but its body was read up to
+    max_body_bytes (8 MiB) by a handler holding no concurrency slot: one key's posts could make
+    the proxy buffer GBs. The limit is 64 KiB + 8 × the metadata cap (here 72 KiB)."""
+    harness, sink = make_proxy(
+        [f"http://127.0.0.1:{free_port()}"], max_feedback_metadata_bytes=1024
+    )
+    event = {"trajectory_id": "t-unknown", "kind": "accept", "metadata": {"note": "x" * 900}}
+    accepted = post(harness, {**event, "pad": None}, path="/v1/feedback")
+    assert accepted.status_code == 400  # an unknown field, but the body was read and parsed
+    padded = b'{"trajectory_id": "t-unknown", "kind": "accept"' + b" " * 80_000 + b"}"
+    assert_openai_error(
+        post(harness, None, path="/v1/feedback", content=padded), 413, "request_too_large"
+    )
+    chunks = iter([padded[:40_000], padded[40_000:]])  # chunked: no Content-Length
+    assert_openai_error(
+        post(harness, None, path="/v1/feedback", content=chunks), 413, "request_too_large"
+    )
+    assert post(harness, event, path="/v1/feedback").status_code == 202
+    harness.drain()
+    assert len(sink.feedback) == 1
+
+
 def test_502_when_upstream_down_carries_request_id(dead_upstream_proxy):
     harness, sink = dead_upstream_proxy
     response = post(

@@ -8,7 +8,8 @@ carry the page's host name in `Host`, so a loopback proxy serves only `localhost
 loopback addresses unless `proxy.allowed_hosts` names more. A proxy bound to another address
 is reached through names the operator chooses; it checks `Host` only when the list is set.
 Loopback names are always served (a browser sets `Host` from the URL, so a page cannot send
-them to a rebound name): `olp`'s own CLI and learner call the proxy at 127.0.0.1.
+them to a rebound name): `olp`'s own CLI and learner call the proxy at 127.0.0.1, or at its
+bind address when it is bound to one address, which is served too.
 
 Written here, not taken from a library: aiohttp has no host allow-list, and the check is a
 set lookup on the header's name part.
@@ -25,6 +26,7 @@ from proxy.errors import ProxyError
 ANY_HOST = "*"
 _SEEN_MAX = 64  # allowed Host values remembered (clients use one or two)
 LOCAL_NAMES = frozenset({"localhost"})
+_WILDCARD_BINDS = frozenset({"0.0.0.0", "::"})
 
 
 def valid_allowed_host(entry: str) -> str:
@@ -74,7 +76,14 @@ class HostCheck:
         elif ANY_HOST in allowed_hosts:
             self.any_host = True
         else:
-            self.names = frozenset(host_name(entry) for entry in allowed_hosts)
+            names = {host_name(entry) for entry in allowed_hosts}
+            # The bind address itself is what olp's own CLI, learner and readiness probe
+            # call a proxy on a specific address by: a rebound page never sends it (a
+            # browser sets Host from the page's own name).
+            own = host_name(bind_host)
+            if own and own not in _WILDCARD_BINDS:
+                names.add(own)
+            self.names = frozenset(names)
 
     def allows(self, header: str | None) -> bool:
         if self.any_host or header is None:  # no Host (HTTP/1.0): nothing to rebind

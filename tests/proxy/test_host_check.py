@@ -75,6 +75,16 @@ def test_another_bind_address_checks_only_a_configured_list():
     assert HostCheck("127.0.0.1", ["*"]).allows("evil.example")
 
 
+def test_a_proxy_bound_to_one_address_serves_that_address_with_a_list_set():
+    """olp's CLI, learner and readiness probe call such a proxy by its bind address: with
+    `allowed_hosts` set, `olp up` waited out its readiness timeout and `olp status` got 400."""
+    check = HostCheck("192.0.2.2", ["api.example.com"])
+    assert check.allows("192.0.2.2:8000") and check.allows("api.example.com")
+    assert not check.allows("192.0.2.3:8000") and not check.allows("evil.example")
+    assert HostCheck("[2001:db8::5]", ["api.example.com"]).allows("[2001:db8::5]:8000")
+    assert not HostCheck("0.0.0.0", ["api.example.com"]).allows("0.0.0.0:8000")
+
+
 def test_the_setting_is_normalised_and_a_bad_entry_is_named():
     config = ProxyConfig(allowed_hosts=["OLP.Example.com:443", " * "])
     assert config.allowed_hosts == ["olp.example.com", "*"]

@@ -73,11 +73,18 @@ def group_key(record: dict[str, Any]) -> str:
     return f"g:{record.get('tenant') or ''}:{record['group_id']}"
 
 
+def _ids_within(prompt_ids: list[Any], completion_ids: list[Any], vocab_size: int) -> bool:
+    return all(0 <= int(i) < vocab_size for part in (prompt_ids, completion_ids) for i in part)
+
+
 def samples_from_rewarded(
-    rewarded: Iterable[Any], base_name: str = "base"
+    rewarded: Iterable[Any], base_name: str = "base", vocab_size: int | None = None
 ) -> tuple[list[Sample], Counter[str]]:
     """Turn rewarded choices (see rewards.assembler) into Samples; count what was left out.
-    `base_name`: the base model's served name, which the proxy records for it."""
+    `base_name`: the base model's served name, which the proxy records for it.
+    `vocab_size`: the model's embedding rows; a token id at or above it (a foreign producer,
+    records of a base model since replaced) would raise in the embedding lookup on every
+    retry of the batch (on a GPU: a device-side assert), so its sample is `bad_tokens`."""
     samples: list[Sample] = []
     dropped: Counter[str] = Counter()
     for item in rewarded:
@@ -92,6 +99,9 @@ def samples_from_rewarded(
         ids = list(choice.get("token_ids") or [])
         logprobs = list(choice.get("logprobs") or [])
         if not ids or len(ids) != len(logprobs) or not record.get("prompt_token_ids"):
+            dropped["bad_tokens"] += 1
+            continue
+        if vocab_size is not None and not _ids_within(record["prompt_token_ids"], ids, vocab_size):
             dropped["bad_tokens"] += 1
             continue
         if not all(isinstance(x, int | float) and math.isfinite(x) for x in logprobs):

@@ -24,6 +24,7 @@ DROPPED = (
     "bad_version",
     "capped",
     "reward_untrainable",
+    "reward_duplicate_choice_index",
     "nonfinite_gradient",
 )
 

@@ -341,7 +341,7 @@ class Learner:
         self._raise_if_stopped(stop)
         # Collective: rank 0's canary counts the union of the ranks' replies.
         share_canary_evidence(self.ctx, self.canary, rewarded)
-        samples, dropped = samples_from_rewarded(rewarded, self.base_name)
+        samples, dropped = samples_from_rewarded(rewarded, self.base_name, self.trainer.vocab_size)
         samples, stale = drop_stale(
             samples, self.version, self.config.max_staleness, self.version_floor
         )

@@ -184,6 +184,8 @@ class Trainer:
         if config.dtype == "bf16":
             store_frozen_linears_bf16(self.model)
         self.pad_id = padding_id(base.config)
+        # Token ids at or above this index no embedding row (samples_from_rewarded drops them).
+        self.vocab_size: int = base.get_input_embeddings().num_embeddings
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(
             self.params, lr=config.lr, weight_decay=config.weight_decay

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import hashlib
+import json
 import threading
 from collections import Counter
 from dataclasses import dataclass, field
@@ -68,6 +70,12 @@ class RewardAssembler:
             if not trajectory.get("trainable", True) or trajectory.get("status", "ok") != "ok":
                 self.counts["untrainable"] += len(trajectory.get("choices") or []) or 1
                 continue
+            indexes = [int(c.get("index", 0)) for c in trajectory.get("choices") or []]
+            if len(set(indexes)) != len(indexes):
+                # Choices are found by index (feedback, the judge, the sample's tokens): two
+                # with one index got each other's tokens under their own rewards.
+                self.counts["duplicate_choice_index"] += len(indexes)
+                continue
             for choice in trajectory.get("choices") or []:
                 index = int(choice.get("index", 0))
                 rewarded = RewardedChoice(trajectory=trajectory, choice_index=index, reward=None)
@@ -83,13 +91,7 @@ class RewardAssembler:
                     if verified is not None:
                         rewarded.parts["verifiers"] = verified
                 if self.judge is not None and weights.judge > 0:
-                    # The objective's groups: a tenant's group id, else the record's choices.
-                    key = (
-                        group_key(trajectory)
-                        if trajectory.get("group_id")
-                        else f"t:{trajectory.get('trajectory_id', '')}"
-                    )
-                    judge_groups.setdefault(key, []).append(rewarded)
+                    judge_groups.setdefault(_judge_group_key(trajectory), []).append(rewarded)
                 out.append(rewarded)
         for group in judge_groups.values():
             if stop is not None and stop.is_set():
@@ -132,6 +134,17 @@ class RewardAssembler:
                 self.counts["judge_failed"] += 1
             else:
                 rewarded.parts["judge"] = verdict.score
+
+
+def _judge_group_key(trajectory: dict[str, Any]) -> str:
+    """The replies the judge sees together, against one conversation: the objective's group
+    (a tenant's group id, else the record's choices) narrowed to one prompt. A group id is
+    the client's free label: records with other prompts under it were graded against the
+    first one's conversation."""
+    if not trajectory.get("group_id"):
+        return f"t:{trajectory.get('trajectory_id', '')}"
+    prompt = json.dumps(trajectory.get("prompt_token_ids"), separators=(",", ":"))
+    return f"{group_key(trajectory)}:{hashlib.sha256(prompt.encode()).hexdigest()[:16]}"
 
 
 def _choice(rewarded: RewardedChoice) -> dict[str, Any]:

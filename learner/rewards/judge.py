@@ -53,7 +53,12 @@ def prompt_text(trajectory: dict[str, Any], max_chars: int) -> str:
         for message in request["messages"]:
             content = message.get("content")
             if isinstance(content, list):
-                content = " ".join(str(part.get("text", "")) for part in content)
+                # vLLM takes plain-string parts as well as {"type": "text", "text": ...}.
+                content = " ".join(
+                    part if isinstance(part, str) else str(part.get("text", ""))
+                    for part in content
+                    if isinstance(part, str | dict)
+                )
             lines.append(f"{message.get('role', 'user')}: {content or ''}")
         text = "\n".join(lines)
     else:
@@ -254,9 +259,20 @@ class Judge:
                 if exc.status_code < 500 and exc.status_code != 429:
                     break
                 continue
-            text = response.choices[0].message.content or ""
-            tops = _top_logprobs(response)
-            parsed = parse(tops, text, labels)
+            except openai.APIError as exc:  # e.g. a 200 whose body is no JSON
+                error = f"{type(exc).__name__}: {exc}"
+                log.warning("judge_call_failed", kind=kind, attempt=attempt, error=error)
+                continue
+            try:
+                # A 200 of another shape (no choices, an HTML page, an error object) must be
+                # a failed verdict: raised, it stopped the learner on the batch, every retry.
+                text = response.choices[0].message.content or ""
+                tops = _top_logprobs(response)
+                parsed = parse(tops, text, labels)
+            except (AttributeError, IndexError, KeyError, TypeError, ValueError) as exc:
+                error = f"malformed judge reply: {type(exc).__name__}: {exc}"
+                log.warning("judge_call_failed", kind=kind, attempt=attempt, error=error)
+                continue
             raw = {"text": text, "top_logprobs": tops, **parsed}
             verdict = JudgeVerdict(score=parsed["score"], raw=raw)
             if verdict.score is None:

@@ -179,6 +179,27 @@ def test_samples_from_rewarded_counts() -> None:
     assert dropped == {"bad_tokens": 1, "no_reward": 1}
 
 
+def test_a_token_id_outside_the_vocabulary_drops_its_sample() -> None:
+    """The schema takes any id >= 0: one past the embedding raised IndexError in the step
+    (a device-side assert on a GPU), on the same batch at every restart."""
+    record = {
+        "trajectory_id": "t",
+        "tenant": "A",
+        "prompt_token_ids": [1, 2],
+        "policy_version": "base",
+        "choices": [
+            {"index": 0, "token_ids": [5, 99], "logprobs": [-0.1, -0.1]},
+            {"index": 1, "token_ids": [100], "logprobs": [-0.1]},
+        ],
+    }
+    rewarded = [RewardedChoice(record, 0, 1.0), RewardedChoice(record, 1, 1.0)]
+    samples, dropped = samples_from_rewarded(rewarded, vocab_size=100)
+    assert [s.key for s in samples] == ["t:0"] and dropped == {"bad_tokens": 1}
+    prompt_out = {**record, "prompt_token_ids": [1, 100]}
+    samples, dropped = samples_from_rewarded([RewardedChoice(prompt_out, 0, 1.0)], vocab_size=100)
+    assert samples == [] and dropped == {"bad_tokens": 1}
+
+
 def test_the_base_models_served_name_is_version_zero() -> None:
     """With `policy.served_model_name: smollm` the proxy records `smollm` for the base; the
     learner used to drop every such sample as `bad_version`."""

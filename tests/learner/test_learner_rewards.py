@@ -13,7 +13,7 @@ import pytest
 from learner.config import FeedbackValues, JudgeConfig, RewardConfig, VerifierSpec
 from learner.rewards.assembler import RewardAssembler
 from learner.rewards.feedback import FeedbackError, feedback_reward, feedback_value
-from learner.rewards.judge import STOPPED, Judge, JudgeVerdict
+from learner.rewards.judge import STOPPED, Judge, JudgeVerdict, prompt_text
 from learner.rewards.verifiers import (
     VerifierRunner,
     exact_match,
@@ -286,6 +286,85 @@ def test_judge_groups_are_the_objective_groups_per_tenant() -> None:
     assembler.assemble(items)
     # Tenant B's reply is never ranked against tenant A's prompt and replies.
     assert sorted(judge.groups) == [["a1", "a2"], ["b1"]]
+
+
+def test_the_judge_sees_each_reply_with_its_own_conversation() -> None:
+    """A group id is the client's free label: a record with another prompt under it was
+    graded against the first record's conversation."""
+
+    class RecordingJudge:
+        def __init__(self) -> None:
+            self.seen: list[tuple[str, list[str]]] = []
+
+        def score_group(
+            self, trajectory: dict[str, Any], choices: list[dict[str, Any]], stop: Any = None
+        ) -> list:
+            prompt = trajectory["request"]["messages"][0]["content"]
+            self.seen.append((prompt, [str(c["message"]["content"]) for c in choices]))
+            return [JudgeVerdict(score=0.5) for _ in choices]
+
+    judge = RecordingJudge()
+    assembler = RewardAssembler(RewardConfig(), judge=judge)  # type: ignore[arg-type]
+    france = {"messages": [{"role": "user", "content": "Name the capital of France."}]}
+    items = [
+        {"trajectory": record("5", trajectory_id="t1", group_id="episode-7")},
+        {"trajectory": record("6", trajectory_id="t2", group_id="episode-7")},
+        {
+            "trajectory": record(
+                "Paris",
+                trajectory_id="t3",
+                group_id="episode-7",
+                request=france,
+                prompt_token_ids=[9, 9],
+            )
+        },
+    ]
+    assembler.assemble(items)
+    assert sorted(judge.seen) == [
+        ("Name the capital of France.", ["Paris"]),
+        ("What is 2 plus 3?", ["5", "6"]),
+    ]
+
+
+def test_a_record_with_two_choices_of_one_index_is_not_trained_on() -> None:
+    """Choices are found by index: two sharing one were each trained with the first one's
+    tokens under their own rewards."""
+    rec = record("42")
+    rec["choices"].append({**rec["choices"][0], "message": {"role": "assistant", "content": "41"}})
+    assembler = RewardAssembler(RewardConfig())
+    assert assembler.assemble([{"trajectory": rec, "feedback": []}]) == []
+    assert assembler.counts["duplicate_choice_index"] == 2
+
+
+def test_the_judges_prompt_takes_plain_string_parts() -> None:
+    """vLLM serves `"content": ["hi"]`; the judge raised AttributeError on it, and the
+    learner stopped on that batch at every restart."""
+    content = ["hi", {"type": "text", "text": "there"}, {"type": "image_url"}, 3]
+    rec = record("x", request={"messages": [{"role": "user", "content": content}]})
+    assert prompt_text(rec, 100) == "user: hi there "
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        {"id": "j", "object": "chat.completion", "created": 1, "model": "m", "choices": []},
+        {"error": "overloaded"},
+        "<html>busy</html>",
+    ],
+)
+def test_an_odd_judge_reply_is_a_failed_verdict_not_an_exception(body: Any) -> None:
+    from tests.proxy.threaded_upstream import NotingUpstream
+
+    server = NotingUpstream({("POST", "/v1/chat/completions"): body}).start()
+    judge = Judge(JudgeConfig(enabled=True, base_url=f"{server.url}/v1", retries=1))
+    try:
+        rec = record("5")
+        verdict = judge.score(rec, rec["choices"][0])
+    finally:
+        judge.close()
+        server.stop()
+    assert verdict.score is None and verdict.error
+    assert judge.failures == 1 and judge.calls == 2
 
 
 @pytest.fixture

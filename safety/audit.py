@@ -7,7 +7,8 @@ side lock file, reads the tail under the lock, writes one line and fsyncs. Rotat
 the live file to `audit.jsonl.<n>` (n = 1, 2, ... oldest first); the chain continues into
 the new file. Only those names are read as the chain's segments, and only as a run from `.1`
 with no gap: another file beside the log (a dated copy `audit.jsonl.20240501`, `.01`) is
-not part of the chain, and `verify` lists it under `ignored`. A head file
+not part of the chain, and `verify` lists it under `ignored`; rotation never writes the
+segment that would close a gap before a numbered file (it would join the chain). A head file
 (`audit.jsonl.head`) records the last seq and hash so that truncating the newest lines is
 detected too. Payloads pass through the Redactor and a denylist of secret-looking keys
 before they are hashed, so the log never holds secrets/PII.
@@ -319,6 +320,27 @@ class AuditLog:
             "run `olp audit verify`"
         )
 
+    def _segment_path(self, number: int) -> Path:
+        return self.path.with_name(f"{self.path.name}.{number}")
+
+    def _rotation_blocker(self, number: int, ignored: list[Path]) -> tuple[Path, str] | None:
+        """The file outside the chain that rotating to segment `number` would harm, and how.
+
+        One holding that name (a file after a gap, a directory) would be renamed over and
+        lost, and a segment after it would not be read. A numbered file right after that
+        name (left out of the chain by the gap the new segment closes) would join the chain,
+        with the run of files after it: its records are another chain's (or an older part
+        of this one), so `verify` failed, and every append, finding that file's last record
+        at the chain's end instead of the head's, refused.
+        """
+        target = self._segment_path(number)
+        if target.exists() or target.is_symlink():
+            return target, "the next segment's name is taken by a file outside the chain"
+        follower = self._segment_path(number + 1)
+        if follower in ignored and follower.is_file():
+            return follower, "a file outside the chain would join it after the next segment"
+        return None
+
     def _write_line(self, line: bytes) -> None:
         fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
         try:
@@ -341,17 +363,12 @@ class AuditLog:
 
     def _rotate(self) -> None:
         segments, ignored = _scan_rotated(self.path)
-        target = self.path.with_name(f"{self.path.name}.{len(segments) + 1}")
-        if target.exists() or target.is_symlink():
-            # Something not in the chain holds the next segment's name (a file after a gap,
-            # a directory): renaming over it would destroy it, and a segment after it would
-            # not be read. The record is written; the live file just grows until an
-            # operator moves that file away.
-            log.error(
-                "audit_rotation_blocked",
-                target=target.name,
-                reason="the next segment's name is taken by a file outside the chain",
-            )
+        target = self._segment_path(len(segments) + 1)
+        blocker = self._rotation_blocker(len(segments) + 1, ignored)
+        if blocker is not None:
+            # The record is written; the live file just grows until an operator moves that
+            # file away.
+            log.error("audit_rotation_blocked", target=blocker[0].name, reason=blocker[1])
             return
         if ignored:
             log.warning("audit_files_not_in_chain", files=[path.name for path in ignored])

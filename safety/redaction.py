@@ -3,8 +3,10 @@
 Each kind is one or more compiled patterns, run in a fixed order and only on strings that
 hold one of the kind's needles (cheap substring checks); kinds that need more than a regex
 (credit cards: Luhn; phone numbers: digit count; a value under a `token` name: that it looks
-random) are confirmed by a validator, and a rejected candidate is left as it was. Counts per
-kind are returned so callers can export metrics. The built-in kinds' patterns live in
+random) are confirmed by a validator. A rejected candidate is left as it was, unless its
+kind offers parts of it to check instead (a card number's digit run that took the CVV
+after it): then the first part that passes is replaced. Counts per kind are returned so
+callers can export metrics. The built-in kinds' patterns live in
 `safety/redaction_kinds.py`; this module runs them (and an operator's custom patterns).
 """
 
@@ -118,6 +120,19 @@ def _has_msgpack_token_key(text: str) -> bool:
     return False
 
 
+def _validated_part(kind: RedactionPass, text: str) -> tuple[int, int] | None:
+    """The first span of a rejected `text` that `kind.narrow` offers and `kind.validate`
+    accepts. A pattern takes the longest run it can (a card number can have up to 19
+    digits), so a short number written next to a card number joins it; once the match is
+    made, the regex engine never tries the shorter run that is the card number."""
+    if kind.narrow is None or kind.validate is None:
+        return None
+    for start, end in kind.narrow(text):
+        if kind.validate(text[start:end]):
+            return start, end
+    return None
+
+
 def replacement_for(kind: str) -> str:
     return f"[REDACTED:{kind}]"
 
@@ -209,18 +224,19 @@ class Redactor:
                 # there, so nothing is inserted or counted.
                 return found
             group = next((g for g in secret_groups if match.start(g) >= 0), None)
-            if kind.validate is not None and not kind.validate(
-                found if group is None else match.group(group)
-            ):
-                return found
-            counts[kind.name] = counts.get(kind.name, 0) + 1
-            if group is None:
-                return replacement_for(kind.name)
             # Only the named group is the secret; the rest (a URL's host, a header name)
             # stays readable.
-            start, end = match.span(group)
-            offset = match.start()
-            return found[: start - offset] + replacement_for(kind.name) + found[end - offset :]
+            if group is None:
+                start, end = 0, len(found)
+            else:
+                start, end = match.start(group) - match.start(), match.end(group) - match.start()
+            if kind.validate is not None and not kind.validate(found[start:end]):
+                part = _validated_part(kind, found[start:end])
+                if part is None:
+                    return found
+                start, end = start + part[0], start + part[1]
+            counts[kind.name] = counts.get(kind.name, 0) + 1
+            return found[:start] + replacement_for(kind.name) + found[end:]
 
         return replace
 

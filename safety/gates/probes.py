@@ -174,12 +174,16 @@ BUILTIN = {
 def load_probes(path: Path, model: type[P]) -> list[P]:
     """Parse one JSONL probe file; raise GateError naming the file and line on bad input."""
     try:
-        lines = Path(path).read_text(encoding="utf-8").splitlines()
+        # JSONL lines end at "\n" only: `splitlines` also splits at U+2028, U+2029, NEL and
+        # other breaks that `json.dumps(..., ensure_ascii=False)` leaves inside strings, and
+        # reading as text turns a lone "\r" into one. A BOM (an editor's) is no JSON.
+        text = Path(path).read_bytes().decode("utf-8-sig")
     except (OSError, UnicodeDecodeError) as exc:
         raise GateError(f"cannot read probe file {path}: {exc}") from exc
     probes: list[P] = []
     first_line: dict[str, int] = {}
-    for number, line in enumerate(lines, start=1):
+    for number, line in enumerate(text.split("\n"), start=1):
+        line = line.removesuffix("\r")  # a Windows line end
         if not line.strip() or line.lstrip().startswith("#"):
             continue
         try:

@@ -14,6 +14,7 @@ import threading
 from pathlib import Path
 
 import pytest
+from structlog.testing import capture_logs
 
 from safety.audit import (
     GENESIS_HASH,
@@ -626,6 +627,38 @@ def test_rotation_never_renames_over_a_file_outside_the_chain(tmp_path: Path) ->
     assert (result.ok, result.records, result.files) == (True, 15, [str(live)])
     assert result.ignored == [str(tmp_path / "audit.jsonl.1")]
     assert live.stat().st_size > 1024
+
+
+def test_rotation_never_draws_a_numbered_file_after_a_gap_into_the_chain(tmp_path: Path) -> None:
+    # `audit.jsonl.3` of an old chain beside a log with one segment: rotation wrote `.2`,
+    # which closed the gap, so `.3` became part of the chain; `verify` failed and every
+    # append (its last record was then `.3`'s, not the head's) raised AuditError.
+    old = tmp_path / "old" / "audit.jsonl"
+    _rotated_log(old, 30)
+    live = tmp_path / "audit.jsonl"
+    audit = AuditLog(live, rotate_bytes=1024)
+    while not (tmp_path / "audit.jsonl.1").exists():
+        _write_log_more(audit, 1)
+    stray = tmp_path / "audit.jsonl.3"
+    stray.write_bytes((old.parent / "audit.jsonl.3").read_bytes())
+    records = verify(live).records
+    with capture_logs() as logs:
+        _write_log_more(audit, 15)
+    assert not (tmp_path / "audit.jsonl.2").exists()
+    assert live.stat().st_size > 1024  # the live file grows on, as for a taken name
+    assert {"event": "audit_rotation_blocked", "target": stray.name} in [
+        {key: entry.get(key) for key in ("event", "target")} for entry in logs
+    ]
+    result = verify(live)
+    assert (result.ok, result.records) == (True, records + 15)
+    assert result.files == [str(tmp_path / "audit.jsonl.1"), str(live)]
+    assert result.ignored == [str(stray)]
+    # Once the operator moves it away, rotation goes on where it stopped.
+    stray.rename(tmp_path / "old-audit.jsonl.3")
+    _write_log_more(audit, 1)
+    result = verify(live)
+    assert (result.ok, result.records, result.ignored) == (True, records + 16, [])
+    assert result.files[:2] == [str(tmp_path / f"audit.jsonl.{n}") for n in (1, 2)]
 
 
 def test_format_record_shows_a_gate_result_as_one_verdict_per_gate() -> None:

@@ -70,6 +70,43 @@ def test_bad_probe_file_names_its_line(tmp_path: Path) -> None:
         load_probes(path, KLPrompt)
 
 
+@pytest.mark.parametrize("separator", ["\u2028", "\u2029", "\x85"])
+def test_a_probe_file_is_split_into_lines_at_newlines_only(tmp_path: Path, separator: str) -> None:
+    # `json.dumps(..., ensure_ascii=False)` writes these inside strings as they are; the
+    # loader used `splitlines`, which split the line there and refused the file.
+    check = {"type": "regex", "pattern": r"\b\d\b"}
+    probes = [
+        {"id": "q1", "prompt": f"Line one{separator}What is 2+2?", "check": check},
+        {"id": "q2", "prompt": "What is 3+3?", "check": check},
+    ]
+    path = tmp_path / "extra.jsonl"
+    path.write_text(
+        "".join(json.dumps(probe, ensure_ascii=False) + "\r\n" for probe in probes),
+        encoding="utf-8",
+        newline="",
+    )
+    loaded = load_probes(path, RegressionProbe)
+    assert [probe.prompt for probe in loaded] == [probes[0]["prompt"], "What is 3+3?"]
+    # Line numbers stay those an editor shows.
+    path.write_text(
+        json.dumps(probes[0], ensure_ascii=False) + "\n\n" + '{"id": "bad"}\n', encoding="utf-8"
+    )
+    with pytest.raises(GateError, match=r"extra.jsonl:3: invalid RegressionProbe"):
+        load_probes(path, RegressionProbe)
+
+
+def test_a_probe_file_with_a_utf8_bom_loads(tmp_path: Path) -> None:
+    # Editors on Windows write one; `json.loads` refused the first line with it.
+    path = tmp_path / "extra.jsonl"
+    probe = {
+        "id": "q1",
+        "prompt": "What is 2+2?",
+        "check": {"type": "contains_any", "values": ["4"]},
+    }
+    path.write_text("\ufeff" + json.dumps(probe) + "\n", encoding="utf-8")
+    assert [probe.id for probe in load_probes(path, RegressionProbe)] == ["q1"]
+
+
 @pytest.mark.parametrize(
     "check",
     [

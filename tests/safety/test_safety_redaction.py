@@ -30,6 +30,7 @@ AZURE_SECRET = "xYz8Q~" + "AbCdEfGh.IjKlMnOp_QrStUvWx~Yz012345"[:34]
 
 CASES: list[tuple[str, str, str]] = [
     ("email", "write to jane.doe+olp@example.co.uk today", "jane.doe+olp@example.co.uk"),
+    ("email", "write to josé.garcía@empresa.es today", "josé.garcía"),
     ("phone", "call +1 415 555 0100 now", "+1 415 555 0100"),
     ("phone", "office (415) 555-0100.", "(415) 555-0100"),
     ("phone", "cell 415-555-0199 please", "415-555-0199"),
@@ -186,6 +187,39 @@ def test_luhn_rejects_near_miss_card_numbers() -> None:
     assert Redactor().redact_text(text) == (text, {})
 
 
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("card 4111 1111 1111 1111 123", "card [REDACTED:credit_card] 123"),
+        ("card 4111111111111111 123", "card [REDACTED:credit_card] 123"),
+        ("4111 1111 1111 1111 12/27 cvv 123", "[REDACTED:credit_card] 12/27 cvv 123"),
+        ("4111-1111-1111-1111 123.", "[REDACTED:credit_card] 123."),
+        ("4111111111111111 12 27", "[REDACTED:credit_card] 12 27"),
+        ("amex 378282246310005 2027", "amex [REDACTED:credit_card] 2027"),
+        ("cvv 123 4111 1111 1111 1111", "cvv 123 [REDACTED:credit_card]"),
+        ("exp 12/27 4111 1111 1111 1111", "exp 12/27 [REDACTED:credit_card]"),
+    ],
+)
+def test_a_card_number_next_to_a_cvv_or_expiry_is_redacted(text: str, expected: str) -> None:
+    # The pattern takes up to 19 digits, so a short number after (or before) a card number
+    # joined its run; the longer number failed Luhn and the card number went out as it was.
+    assert Redactor().redact_text(text) == (expected, {"credit_card": 1})
+    assert Redactor().redact_obj({"payment": text}) == ({"payment": expected}, {"credit_card": 1})
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "order 4111 1111 1111 1112 123",  # a near miss stays one with a CVV after it
+        "1 2 3 4 5 6 7 8 9 10 11 12 13 14",  # no part of a list of small numbers is tried
+        "0 1 1 2 3 5 8 13 21 34 55 89 144",
+        "2024 10 11 12 13 14 15 16",
+    ],
+)
+def test_digit_runs_with_no_card_number_in_them_stay(text: str) -> None:
+    assert Redactor().redact_text(text) == (text, {})
+
+
 def test_redact_obj_walks_messages_tool_calls_and_metadata_without_mutating() -> None:
     body = {
         "model": "policy",
@@ -332,6 +366,36 @@ def test_dict_keys_are_redacted_too() -> None:
     redacted, counts = Redactor().redact_obj({"allow": {"bob@example.com": True, "n": 1}})
     assert redacted == {"allow": {"[REDACTED:email]": True, "n": 1}}
     assert counts == {"email": 1}
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("josé.garcía@empresa.es", "[REDACTED:email]"),
+        ("bob@münchen.de", "[REDACTED:email]"),
+        ("ana@exämple.com", "[REDACTED:email]"),
+        ("write to müller@example.de", "write to [REDACTED:email]"),
+        ("Ünal@firma.de, иван@пример.рф", "[REDACTED:email], [REDACTED:email]"),
+        ("user@例え.jp", "[REDACTED:email]"),
+        ("jose\u0301@example.com", "[REDACTED:email]"),  # `é` as `e` and a combining accent
+        # Chinese and Japanese put no space around an address: their text stays.
+        ("邮箱bob@example.com谢谢", "邮箱[REDACTED:email]谢谢"),
+        ("メールはjosé@example.comです", "メールは[REDACTED:email]です"),
+        ("bob@example.com으로 보내세요", "[REDACTED:email]으로 보내세요"),
+    ],
+)
+def test_an_address_with_non_ascii_letters_is_redacted_whole(text: str, expected: str) -> None:
+    # The local part and the domain were ASCII-only: `josé.garcía@empresa.es` lost only
+    # `a@empresa.es`, and `bob@münchen.de` nothing.
+    redactor = Redactor()
+    count = expected.count("[REDACTED:email]")
+    assert redactor.redact_text(text) == (expected, {"email": count})
+    # The same in JSON text written with `ensure_ascii` (`jos\u00e9`) and in an object.
+    assert redactor.redact_text(json.dumps(text)) == (json.dumps(expected), {"email": count})
+    assert redactor.redact_obj({"user": {"email": text}}) == (
+        {"user": {"email": expected}},
+        {"email": count},
+    )
 
 
 def test_custom_patterns_and_disabled_kinds() -> None:
@@ -707,6 +771,11 @@ def test_redact_obj_still_walks_every_json_type() -> None:
         "TOKEN=" + "a1" * 50_000,
         '"password": ' + "1" * 100_000,
         "password=abcd " * 8_000,
+        "é." * 50_000 + "@",
+        "\\u00e9" * 16_000 + "@",
+        "a@" + "é." * 50_000,
+        "a@" + "例." * 50_000,
+        "a@" + "\\u4f8b." * 16_000,
     ],
     ids=[
         "sk",
@@ -749,6 +818,11 @@ def test_redact_obj_still_walks_every_json_type() -> None:
         "token-long",
         "json-number",
         "plain-words",
+        "accented-local",
+        "escaped-local",
+        "accented-domain",
+        "cjk-domain",
+        "escaped-domain",
     ],
 )
 def test_pathological_text_is_redacted_in_linear_time(text: str) -> None:

@@ -59,10 +59,13 @@ log = structlog.get_logger(__name__)
 Offsets = dict[str, dict[int, int]]
 # A record stamped further ahead of the reading clock than this is counted and logged.
 _FUTURE_TOLERANCE_S = 5.0
-# A rejected record's DLQ envelope keeps this much of it: the topic takes records up to
+# A rejected record's DLQ envelope keeps its first 64 KiB: the topic takes records up to
 # max_request_size_bytes, and an envelope of one that large would be refused, on every
 # poll. The original stays where `source_topic`/`source_partition`/`source_offset` say.
-_DLQ_RAW_BYTES = 65536
+# The smaller cuts, down to none, are for a max_request_size_bytes too small for 64 KiB
+# (bytes that escape badly in JSON take several times their size in the envelope).
+_DLQ_RAW_CUTS = (65536, 4096, 0)
+_DLQ_OVERHEAD_BYTES = 1024  # record framing within max_request_size_bytes
 
 
 class DlqRatioExceeded(RuntimeError):
@@ -196,13 +199,45 @@ class _StatsCollector(Collector):
 
 
 def normalize_offsets(offsets: Any) -> Offsets:
-    """Accept offsets after a JSON round trip (partition keys as strings)."""
-    if not offsets:
+    """Accept offsets after a JSON round trip (partition keys as strings).
+
+    Raises ValueError, naming the topic, for anything else (a bare offset where the
+    partitions belong, a null or negative offset): `olp replay export --from` exits 2 on it."""
+    if offsets is None:
         return {}
-    return {
-        str(topic): {int(part): int(off) for part, off in parts.items()}
-        for topic, parts in offsets.items()
-    }
+    if not isinstance(offsets, dict):
+        raise ValueError(f"offsets must be an object of topics, got {_shown(offsets)}")
+    result: Offsets = {}
+    for topic, parts in offsets.items():
+        if not isinstance(parts, dict):
+            raise ValueError(
+                f"offsets of {topic!r} must be an object of partition: offset "
+                f'(e.g. {{"0": 100}}), got {_shown(parts)}'
+            )
+        result[str(topic)] = {
+            _offset_number(topic, "partition", part): _offset_number(topic, "offset", offset)
+            for part, offset in parts.items()
+        }
+    return result
+
+
+def _offset_number(topic: Any, what: str, value: Any) -> int:
+    """A partition or an offset: a non-negative integer, or its decimal text (a JSON key)."""
+    number: int | None = None
+    if isinstance(value, int) and not isinstance(value, bool):
+        number = value
+    elif isinstance(value, str) and value.strip().isdecimal():
+        number = int(value)
+    if number is None or number < 0:
+        raise ValueError(
+            f"offsets of {topic!r}: {what} must be a non-negative integer, got {_shown(value)}"
+        )
+    return number
+
+
+def _shown(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else f"{text[:60]}..."
 
 
 class TrajectoryConsumer:
@@ -402,15 +437,18 @@ class TrajectoryConsumer:
         except (ValueError, SchemaValidationError) as exc:
             self._reject(tp, record, kind, str(exc))
             return
-        self._recent_invalid.append(False)
         if value["event_id"] in self._seen:
+            self._recent_invalid.append(False)
             self.stats.duplicates += 1
             return
-        self._seen.add(value["event_id"])
         if kind is RecordKind.TRAJECTORY:
             self._add_trajectory(tp, record.offset, value)
         else:
             self._add_feedback(tp, record.offset, value)
+        # Only once handled: a record whose handling raised is read again after the rewind,
+        # and must not be dropped then as a duplicate of itself.
+        self._seen.add(value["event_id"])
+        self._recent_invalid.append(False)
 
     def _rewind(
         self, failed: TopicPartition, offset: int, untouched: list[tuple[TopicPartition, int]]
@@ -475,33 +513,38 @@ class TrajectoryConsumer:
             offset=record.offset,
             reason=reason[:500],
         )
-        envelope = dlq_envelope(
-            reason=reason,
-            source_topic=tp.topic,
-            origin="consumer",
-            kind=kind.value,
-            raw=None if record.value is None else record.value[:_DLQ_RAW_BYTES],
+        # The same id when a consumer resumed before this offset rejects it again.
+        event_id = dlq_event_id(
+            "consumer",
+            tp.topic,
             source_partition=tp.partition,
             source_offset=record.offset,
-            # The same id when a consumer resumed before this offset rejects it again.
-            event_id=dlq_event_id(
-                "consumer",
-                tp.topic,
+            value=record.value,
+        )
+        limit = self.config.max_request_size_bytes - _DLQ_OVERHEAD_BYTES
+        for raw_bytes in _DLQ_RAW_CUTS:  # the most of the record an envelope in `limit` holds
+            envelope = dlq_envelope(
+                reason=reason,  # cut by dlq_envelope: jsonschema repeats the offending value
+                source_topic=tp.topic,
+                origin="consumer",
+                kind=kind.value,
+                raw=None if record.value is None else record.value[:raw_bytes],
                 source_partition=tp.partition,
                 source_offset=record.offset,
-                value=record.value,
-            ),
-        )
+                event_id=event_id,
+            )
+            value = encode_record(envelope)
+            if len(value) <= limit:
+                break
         if self._dlq_producer is None:
             self._dlq_producer = KafkaProducer(
                 bootstrap_servers=self.config.bootstrap_servers,
                 client_id="olp-consumer-dlq",
                 acks="all",
+                max_request_size=self.config.max_request_size_bytes,
                 bootstrap_timeout_ms=self.config.bootstrap_timeout_ms,
             )
-        sent = self._dlq_producer.send(
-            self.topics.dlq, key=record.key, value=encode_record(envelope)
-        )
+        sent = self._dlq_producer.send(self.topics.dlq, key=record.key, value=value)
         self._dlq_producer.flush(timeout=self.config.delivery_timeout_ms / 1000)
         # flush() only waits: a send the broker refused (or that ran out of retries) fails
         # its future, and raising it here keeps the envelope from being lost uncounted.
@@ -539,7 +582,9 @@ class TrajectoryConsumer:
 
     def _add_trajectory(self, tp: TopicPartition, offset: int, value: dict[str, Any]) -> None:
         tid = value["trajectory_id"]
-        if tid in self._pending_by_tid or tid in self._closed:
+        # `_closed_before_start`: yielded by the consumer this one resumes from (a copy
+        # under another event_id, built again by a sink worker's parent, is still a copy).
+        if tid in self._pending_by_tid or tid in self._closed or tid in self._closed_before_start:
             self.stats.duplicates += 1
             log.warning("duplicate_trajectory_id", trajectory_id=tid, offset=offset)
             return

@@ -2,7 +2,8 @@
 
 `put_*` only enqueues onto a bounded queue. One background thread validates, encodes and
 sends with a kafka-python producer (acks=all, idempotent when the broker allows). When the
-broker is unreachable, or a send is not acknowledged in time, records go to the durable
+broker is unreachable, or a send is not acknowledged (in time, or for any reason but the
+record itself: a restarted broker that forgot the producer's id), records go to the durable
 spill; while the spill holds anything, new records are appended behind it so order is kept,
 and the thread drains it oldest segment first once the broker answers again, deleting a
 segment only after every record in it was acknowledged. A drain cut short sends only the
@@ -25,13 +26,21 @@ from typing import Any, Literal
 
 import structlog
 from kafka import KafkaProducer
-from kafka.errors import KafkaError, MessageSizeTooLargeError, UnsupportedVersionError
+from kafka.errors import (
+    CorruptRecordError,
+    InvalidRecordError,
+    KafkaError,
+    MessageSizeTooLargeError,
+    RecordListTooLargeError,
+    UnsupportedVersionError,
+)
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from replay.config import StreamConfig
 from replay.schemas import (
     RecordKind,
     SchemaValidationError,
+    cut_reason,
     decode_record,
     dlq_envelope,
     dlq_event_id,
@@ -57,6 +66,16 @@ _DISK_RETRY_MAX_S = 30.0
 _SPILL_READ_RETRY_S = 1.0
 # A DLQ envelope the broker refuses for good is sent once more with its payload cut to this.
 _DLQ_TRUNCATED_BYTES = 4096
+# Errors about the record itself, which no retry can fix: only these send it to the DLQ.
+# Any other failure (a restarted broker that forgot this producer's id, a sequence gap, a
+# timeout, a bare KafkaError from InitProducerId) says nothing about the record: it is kept,
+# spilled in order and sent again on a fresh producer.
+_RECORD_REFUSED: tuple[type[KafkaError], ...] = (
+    MessageSizeTooLargeError,
+    RecordListTooLargeError,
+    CorruptRecordError,
+    InvalidRecordError,
+)
 # What a record sent in `_send` is: as queued or spilled, a DLQ envelope of a refused record,
 # or such an envelope truncated (refused once more, it is dropped).
 _Stage = Literal["original", "envelope", "truncated"]
@@ -189,7 +208,7 @@ def _dlq_entry(
     reason: str,
 ) -> SpillEntry:
     """The DLQ envelope of a refused record: parsed when it encodes, else its repr, else bare."""
-    reason = _utf8_safe(reason)
+    reason = _utf8_safe(cut_reason(reason))
     record = item.record
     log.warning("record_to_dlq", kind=item.kind.value, reason=reason[:500])
     metrics.dlq.labels(item.kind.value).inc()
@@ -458,9 +477,11 @@ class KafkaSink:
     def _send(self, entries: list[SpillEntry], stage: _Stage = "original") -> list[SpillEntry]:
         """Send and wait for acks; return the entries that were not acknowledged, in order.
 
-        A record the broker refuses for good is not returned (it could never be sent): the
-        DLQ record `_reject` makes of it is sent in its place, at the next stage, and returned
-        in its place when that is not acknowledged."""
+        A record the broker refuses for good (an error about the record: `_RECORD_REFUSED`)
+        is not returned (it could never be sent): the DLQ record `_reject` makes of it is sent
+        in its place, at the next stage, and returned in its place when that is not
+        acknowledged. Any other failure is returned: the caller marks the broker down and
+        spills it, and a fresh producer sends it again."""
         left = self._send_slots(entries, stage)
         failed = [entry for entry in left if entry is not None]
         if failed:
@@ -492,14 +513,19 @@ class KafkaSink:
             producer.flush(timeout=self.config.delivery_timeout_ms / 1000 + 1)
         except KafkaError as exc:
             log.warning("broker_flush_timed_out", error=repr(exc))
+        broker_error: BaseException | None = None
         for index, future in futures:
             entry = entries[index]
             if future.succeeded():
                 slots[index] = None
                 self.metrics.sent.labels(self._kind_by_topic.get(entry.topic, "other")).inc()
-            elif future.failed() and not future.retriable():
+            elif future.failed() and isinstance(future.exception, _RECORD_REFUSED):
                 slots[index] = None
                 self._reject(index, entry, future.exception, stage, replacements)
+            elif future.failed() and broker_error is None:
+                broker_error = future.exception  # the slot keeps the record: sent again
+        if broker_error is not None:
+            log.warning("broker_send_failed", error=repr(broker_error), stage=stage)
         for next_stage, replacing in replacements.items():
             if replacing:
                 sent = self._send_slots([entry for _, entry in replacing], next_stage)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import re
 import time
 import uuid
@@ -128,9 +129,13 @@ def validate_record(kind: RecordKind | str, record: Any) -> None:
         record = _check_bulk_arrays(record)
     try:
         _fast_check(kind, SCHEMA_VERSION)(record)
-        return
     except fastjsonschema.JsonSchemaException:
-        pass  # jsonschema decides, and names the field
+        _explain(kind, record)  # jsonschema decides, and names the field
+    _check_times(kind, record)
+
+
+def _explain(kind: RecordKind, record: dict[str, Any]) -> None:
+    """Raise SchemaValidationError naming the field, unless jsonschema finds `record` valid."""
     validator = _validator(kind, SCHEMA_VERSION)
     if validator.is_valid(record):
         return
@@ -149,6 +154,33 @@ def validate_record(kind: RecordKind | str, record: Any) -> None:
         if unexpected:
             field = prefix + str(unexpected[0])
     raise SchemaValidationError(kind, field, error.message)
+
+
+def _finite(value: Any) -> bool:
+    """Whether a JSON number is a finite float: JSON has no range, so 1e400 or a 400-digit
+    integer is a valid "number" (and Python's json reads NaN and Infinity), but `float()`
+    of such an integer raises OverflowError, and NaN compares false with every time."""
+    try:
+        return math.isfinite(value)
+    except OverflowError:  # an int too large for a float
+        return False
+
+
+def _check_times(kind: RecordKind, record: dict[str, Any]) -> None:
+    """The times the consumer and the export compute with must be finite floats (the
+    schema's "number" admits any): otherwise every poll raised on the record."""
+    fields: list[tuple[str, Any]] = [("created_at", record.get("created_at"))]
+    if kind is RecordKind.TRAJECTORY:
+        timings = record.get("timings") or {}
+        fields += [(f"timings.{name}", timings.get(name)) for name in ("ttft_s", "total_s")]
+    for field, value in fields:
+        if value is None or _finite(value):
+            continue
+        if isinstance(value, int):  # not its digits: str() of a huge int may itself raise
+            raise SchemaValidationError(
+                kind, field, f"an integer of {value.bit_length()} bits does not fit a float"
+            )
+        raise SchemaValidationError(kind, field, f"{value!r} is not a finite number")
 
 
 def _bad_index(values: list[Any], ok: Callable[[Any], bool]) -> int | None:
@@ -304,6 +336,19 @@ def decode_record(value: bytes | None) -> Any:
         raise ValueError("the record nests too deeply to parse") from exc
 
 
+# A DLQ envelope's `reason` keeps this many characters: jsonschema's message repeats the
+# offending value, which may be megabytes, and an envelope over the topic's request size
+# would be refused (on every poll of a consumer, which rewinds to the record and raises).
+DLQ_REASON_CHARS = 4096
+
+
+def cut_reason(reason: str) -> str:
+    """`reason`, cut to DLQ_REASON_CHARS characters (saying so) when longer."""
+    if len(reason) <= DLQ_REASON_CHARS:
+        return reason
+    return f"{reason[:DLQ_REASON_CHARS]}... (cut: {len(reason)} characters in all)"
+
+
 def dlq_envelope(
     *,
     reason: str,
@@ -321,7 +366,7 @@ def dlq_envelope(
     `origin` is "producer" (rejected before it reached the topic) or "consumer" (read from the
     topic and rejected); the original is kept as parsed JSON when it parsed, else as text.
     `event_id` (see `dlq_event_id`) gives the envelopes of one record rejected twice the
-    same id; without it the envelope gets a fresh one.
+    same id; without it the envelope gets a fresh one. `reason` is cut (`cut_reason`).
     """
     envelope: dict[str, Any] = {
         "schema_version": SCHEMA_VERSION,
@@ -329,7 +374,7 @@ def dlq_envelope(
         "created_at": time.time(),
         "origin": origin,
         "kind": kind,
-        "reason": reason,
+        "reason": cut_reason(reason),
         "source_topic": source_topic,
         "source_partition": source_partition,
         "source_offset": source_offset,

@@ -273,3 +273,44 @@ def test_waiting_feedback_stamped_in_the_future_still_expires(
         assert consumer.stats.future_created_at == 1  # counted and logged when read
     finally:
         consumer.close()
+
+
+def test_a_copy_under_a_new_event_id_after_the_resume_point_is_not_trained_again(
+    stream_config: StreamConfig, tmp_path: Path
+) -> None:
+    """A trajectory built twice (a sink worker's parent rebuilt it under a new event_id) is
+    dropped by trajectory_id. A resumed consumer rebuilds that memory from the look-back
+    (`_closed_before_start`) but did not consult it: the copy was yielded, trained twice."""
+    t0 = 1_700_000_000.0
+    config = stream_config.model_copy(update={"join_window_s": 3.0, "join_grace_s": 0.0})
+    first = make_trajectory(session_id="one", created_at=t0 - 100)  # window long closed
+    waiting = make_trajectory(session_id="one", created_at=t0)  # window open at t0 + 1
+    copy = dict(first, event_id="c" * 32)
+    _produce(config, tmp_path, [first, waiting, copy], [])
+
+    consumer = TrajectoryConsumer(config, clock=FakeClock(t0 + 1))
+    assert [s.trajectory for s in _drain(consumer)] == [first]
+    assert consumer.stats.duplicates == 1
+    offsets = consumer.processed_offsets()
+    consumer.close()
+
+    clock = FakeClock(t0 + 1)
+    resumed = TrajectoryConsumer(config, offsets, clock=clock)
+    try:
+        assert _drain(resumed) == []
+        assert resumed.stats.duplicates == 1
+        clock.now = t0 + 100
+        assert [s.trajectory for s in _drain(resumed)] == [waiting]
+    finally:
+        resumed.close()
+
+
+def test_a_bare_offset_where_the_partitions_belong_is_refused_naming_the_topic(
+    stream_config: StreamConfig,
+) -> None:
+    """Before: AttributeError ('int' object has no attribute 'items')."""
+    topic = f"{stream_config.topic_prefix}.trajectories"
+    with pytest.raises(ValueError, match=f"offsets of '{topic}' must be an object"):
+        TrajectoryConsumer(stream_config, {topic: 5})
+    with pytest.raises(ValueError, match=f"offsets of '{topic}': offset must be"):
+        TrajectoryConsumer(stream_config, {topic: {"0": None}})

@@ -5,6 +5,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import os
+import re
+import subprocess
+import sys
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import Any
@@ -24,7 +28,11 @@ from replay.export import (
 )
 from replay.producer import KafkaSink
 from replay.replayer import replay_file
+from replay.schemas import encode_record
 from replay.synthetic import make_feedback, make_trajectory
+from tests.replay.test_stream_kafka import _send_raw
+
+ROOT = Path(__file__).resolve().parents[2]
 
 # The recording hop and the tests share the session's event loop.
 on_session_loop = pytest.mark.asyncio(loop_scope="session")
@@ -217,6 +225,60 @@ def test_export_drops_a_trajectory_rebuilt_under_a_new_event_id(
         first,
         other,
     ]
+
+
+def test_export_skips_a_created_at_too_large_for_a_float(
+    stream_config: StreamConfig, tmp_path: Path
+) -> None:
+    """Before: the schema took the 400-digit number and float() of it raised OverflowError,
+    which ended the export."""
+    good = make_trajectory(session_id="one", created_at=1_700_000_000.0)
+    huge = dict(make_trajectory(session_id="one"), created_at=10**400)
+    _send_raw(stream_config, [encode_record(huge), encode_record(good)])
+    result = export_records(stream_config, tmp_path / "all.jsonl", kinds=("trajectories",))
+    assert result.counts == {"trajectories": 1} and result.invalid == 1
+    assert [i["record"] for i in read_export(result.path)] == [good]
+
+
+@pytest.mark.parametrize(
+    ("offsets", "says"),
+    [
+        ({"trajectories": 5}, "offsets of 'trajectories' must be an object"),
+        ({"trajectories": {"0": None}}, "offsets of 'trajectories': offset must be"),
+        ({"trajectories": {"0": -1}}, "offsets of 'trajectories': offset must be"),
+        ({"trajectories": {"first": 1}}, "offsets of 'trajectories': partition must be"),
+        ([5], "offsets must be an object of topics"),
+    ],
+)
+def test_offsets_of_the_wrong_shape_are_refused_naming_the_topic(
+    stream_config: StreamConfig, tmp_path: Path, offsets: Any, says: str
+) -> None:
+    """Before: AttributeError or TypeError (`olp replay export` exited 1 with a traceback)."""
+    out = tmp_path / "x.jsonl"
+    with pytest.raises(ValueError, match=re.escape(says)):
+        export_records(stream_config, out, from_offsets=offsets)
+    assert list(tmp_path.glob("x.jsonl*")) == []
+
+
+def test_the_cli_exits_2_on_offsets_of_the_wrong_shape(tmp_path: Path) -> None:
+    env = {
+        **os.environ,
+        "PYTHONPATH": str(ROOT),
+        "OLP_STREAM__BOOTSTRAP_SERVERS": "127.0.0.1:1",
+        "OLP_STATE_DIR": str(tmp_path),
+    }
+    bounds = ["--out", str(tmp_path / "x.jsonl"), "--from", '{"trajectories": 5}']
+    done = subprocess.run(
+        [sys.executable, "-m", "deploy.cli", "replay", "export", *bounds],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 2, done.stderr
+    assert "Traceback" not in done.stderr
+    assert "olp: replay export: offsets of 'trajectories' must be an object" in done.stderr
 
 
 @contextlib.asynccontextmanager

@@ -136,3 +136,38 @@ def test_spill_cap_drops_loudly(tmp_path: Path) -> None:
     assert spilled > 0 and dropped > 0
     assert spilled + dropped == 40
     assert _sample(registry, "olp_stream_spill_bytes") <= 20_000
+
+
+def test_a_broker_restart_the_idle_sink_did_not_notice_loses_nothing(tmp_path: Path) -> None:
+    """The restarted broker forgot the idempotent producer's id: the next sends fail with
+    UnknownProducerIdError, then a bare KafkaError from InitProducerId. Before, these (not
+    retriable) counted as records refused for good: each valid record became a DLQ envelope,
+    which failed on the same producer and was dropped (nothing reached either topic)."""
+    port = free_port()
+    config = _config(f"127.0.0.1:{port}", partitions=1)
+    # Session "a" hashes to partition 0 of 1 and of 4 (what the restarted broker makes when
+    # the producer's metadata request creates the topic): the partition with sequence state.
+    registry = CollectorRegistry()
+    broker = start_broker("127.0.0.1", port, tmp_path / "broker1.log")
+    sink = KafkaSink(config, tmp_path / "state", registry)
+    try:
+        for _ in range(3):
+            sink.put_trajectory(make_trajectory(session_id="a"))
+        assert sink.wait_idle(30)
+        broker.stop()
+        # In memory: the restarted broker starts empty, and the sink did not see it go.
+        broker = start_broker("127.0.0.1", port, tmp_path / "broker2.log")
+        after = [make_trajectory(session_id="a") for _ in range(3)]
+        for record in after:
+            sink.put_trajectory(record)
+        assert sink.wait_idle(60)
+        sink.close()
+        assert (
+            _sample(registry, "olp_stream_failed_total", kind="trajectory", reason="rejected") == 0
+        )
+        assert _sample(registry, "olp_stream_dlq_total", kind="trajectory") == 0
+        assert _sample(registry, "olp_stream_sent_total", kind="trajectory") == 6
+        assert sorted(_consume_ids(config, 3)) == sorted(r["trajectory_id"] for r in after)
+    finally:
+        sink.close()
+        broker.stop()

@@ -15,7 +15,13 @@ from typing import Any
 
 import pytest
 from kafka import TopicPartition
-from kafka.errors import MessageSizeTooLargeError
+from kafka.errors import (
+    InvalidRecordError,
+    KafkaError,
+    MessageSizeTooLargeError,
+    OutOfOrderSequenceNumberError,
+    UnknownProducerIdError,
+)
 from kafka.producer.future import FutureProduceResult
 from prometheus_client import CollectorRegistry
 
@@ -240,6 +246,96 @@ def test_a_spilled_dlq_record_over_the_request_size_does_not_block_the_spill(
     assert _consume_ids(config, 5) == {r["trajectory_id"] for r in good}
     [envelope] = _dlq_envelopes(config, 1)
     assert "truncated" in envelope["reason"]
+
+
+# ---- a send that fails for a reason other than the record -----------------------------------
+
+
+class _FailingSends:
+    """Producers whose first `times` sends to `topic` fail with `error` (shared by every
+    producer the sink makes, as a restarted broker fails the old producer only)."""
+
+    def __init__(self, topic: str, error: KafkaError, times: int) -> None:
+        self.topic, self.error, self.left = topic, error, times
+
+    def wrap(self, real: Any) -> Any:
+        failing = self
+
+        class Producer:
+            def send(self, topic: str, key: bytes | None = None, value: bytes = b"") -> Any:
+                if topic == failing.topic and failing.left > 0:
+                    failing.left -= 1
+                    future = FutureProduceResult(TopicPartition(topic, 0))
+                    return future.failure(failing.error)
+                return real.send(topic, key=key, value=value)
+
+            def __getattr__(self, name: str) -> Any:
+                return getattr(real, name)
+
+        return Producer()
+
+
+@pytest.mark.parametrize(
+    "error",
+    [
+        UnknownProducerIdError(),
+        OutOfOrderSequenceNumberError(),
+        KafkaError("Unexpected error in InitProducerIdResponse: [Error -1] UnknownError"),
+    ],
+    ids=["unknown_producer_id", "out_of_order_sequence", "init_producer_id"],
+)
+def test_a_producer_state_error_spills_the_record_and_sends_it_again(
+    stream_config: StreamConfig,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    error: KafkaError,
+) -> None:
+    """Not retriable, but not about the record: before, each such record became a DLQ
+    envelope (dropped when the envelope failed the same way) and was never sent."""
+    topics = TopicNames.from_prefix(stream_config.topic_prefix)
+    sends = _FailingSends(topics.trajectories, error, times=2)
+    new_producer = KafkaSink._new_producer
+    monkeypatch.setattr(KafkaSink, "_new_producer", lambda self: sends.wrap(new_producer(self)))
+    registry = CollectorRegistry()
+    sink = KafkaSink(stream_config, tmp_path, registry)
+    records = [make_trajectory(session_id=f"p{i}") for i in range(6)]
+    try:
+        for record in records:
+            sink.put_trajectory(record)
+        assert sink.wait_idle(30)
+    finally:
+        sink.close()
+    assert sends.left == 0
+    assert _sample(registry, "olp_stream_spilled_total", kind="trajectory") >= 1
+    assert _sample(registry, "olp_stream_failed_total", kind="trajectory", reason="rejected") == 0
+    assert _sample(registry, "olp_stream_dlq_total", kind="trajectory") == 0
+    assert _sample(registry, "olp_stream_sent_total", kind="dlq") == 0
+    assert _consume_ids(stream_config, 6) == {r["trajectory_id"] for r in records}
+
+
+def test_a_record_the_broker_calls_invalid_goes_to_the_dlq(
+    stream_config: StreamConfig, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An error about the record itself is for good: its envelope goes to the DLQ, once."""
+    topics = TopicNames.from_prefix(stream_config.topic_prefix)
+    sends = _FailingSends(topics.trajectories, InvalidRecordError("refused"), times=1)
+    new_producer = KafkaSink._new_producer
+    monkeypatch.setattr(KafkaSink, "_new_producer", lambda self: sends.wrap(new_producer(self)))
+    registry = CollectorRegistry()
+    sink = KafkaSink(stream_config, tmp_path, registry)
+    refused, *rest = [make_trajectory(session_id="i") for _ in range(4)]
+    try:
+        sink.put_trajectory(refused)
+        for record in rest:
+            sink.put_trajectory(record)
+        assert sink.wait_idle(30)
+    finally:
+        sink.close()
+    assert _sample(registry, "olp_stream_failed_total", kind="trajectory", reason="rejected") == 1
+    assert _sample(registry, "olp_stream_spilled_total", kind="trajectory") == 0
+    assert _consume_ids(stream_config, 3) == {r["trajectory_id"] for r in rest}
+    [envelope] = _dlq_envelopes(stream_config, 1)
+    assert "InvalidRecordError" in envelope["reason"]
 
 
 # ---- a failing disk ------------------------------------------------------------------------

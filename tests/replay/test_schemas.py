@@ -157,6 +157,23 @@ def test_invalid_trajectory_names_the_field(mutate: Callable[[dict], object], fi
     assert field in str(info.value)
 
 
+@pytest.mark.parametrize("number", [10**400, float("nan"), float("inf")], ids=str)
+@pytest.mark.parametrize("field", ["created_at", "timings.ttft_s", "timings.total_s"])
+def test_a_time_must_be_a_finite_float(number: float, field: str) -> None:
+    """JSON numbers have no range (and Python's json reads NaN and Infinity): the schema took
+    these, and the consumer's and the export's float() raised OverflowError on every poll."""
+    record = make_trajectory()
+    *path, name = field.split(".")
+    (record[path[0]] if path else record)[name] = number
+    with pytest.raises(SchemaValidationError) as info:
+        validate_trajectory(decode_record(json.dumps(record).encode()))  # as read from a topic
+    assert info.value.field == field
+    event = make_feedback(make_trajectory(), created_at=1.0)
+    event["created_at"] = number
+    with pytest.raises(SchemaValidationError, match="created_at"):
+        validate_feedback(event)
+
+
 def test_score_feedback_needs_a_value() -> None:
     event = make_feedback(make_trajectory(), kind="score", value=None)
     with pytest.raises(SchemaValidationError) as info:

@@ -163,6 +163,27 @@ def test_a_hung_sink_process_is_killed_and_nothing_is_lost(
     assert _consume_ids(config, 60) == {r["trajectory_id"] for r in records}
 
 
+def test_a_silent_worker_with_one_record_in_flight_is_killed_and_nothing_is_lost(
+    stream_config: StreamConfig, tmp_path: Path
+) -> None:
+    """The rule is silence while records wait, however few: a working child reports every
+    100 ms while it has work (docs/stream.md said the outbox had to hold over queue_size
+    records first; the feeder checks on every tick, and the code is what was meant)."""
+    config = stream_config.model_copy(update={"sink_hung_after_s": 1.0})
+    assert config.queue_size > 1
+    sink = KafkaSinkProcess(config, tmp_path, CollectorRegistry())
+    record = make_trajectory(session_id="one")
+    try:
+        assert sink.wait_idle(60)
+        os.kill(sink._proc.pid, signal.SIGSTOP)  # it receives but reports nothing more
+        sink.put_trajectory(record)
+        _wait_for(lambda: sink.child_restarts == 1, timeout_s=15)
+        assert sink.wait_idle(60)
+    finally:
+        sink.close()
+    assert _consume_ids(config, 1) == {record["trajectory_id"]}
+
+
 def test_a_worker_that_died_before_close_does_not_hang_it(
     stream_config: StreamConfig, tmp_path: Path
 ) -> None:

@@ -346,6 +346,65 @@ def test_a_large_invalid_record_does_not_wedge_the_consumer(stream_config: Strea
     assert envelope["raw"] == big[:65536].decode()
 
 
+def test_an_invalid_record_whose_reason_repeats_a_large_value_does_not_wedge_the_consumer(
+    stream_config: StreamConfig,
+) -> None:
+    """jsonschema's message repeats the offending value: a 2 MB string where an object
+    belongs made a 2 MB `reason`. Before, the envelope went over the consumer's DLQ producer
+    request size (its 1 MiB default) and every poll raised MessageSizeTooLargeError on it."""
+    good = [make_trajectory(session_id="k") for _ in range(2)]
+    bad = make_trajectory(session_id="k")
+    bad["request"] = "x" * 2_000_000
+    _send_raw(stream_config, [encode_record(good[0]), encode_record(bad), encode_record(good[1])])
+    with TrajectoryConsumer(stream_config) as consumer:
+        scored = consume_until(consumer, lambda got: len(got) >= 2, timeout_s=15)
+        assert [s.trajectory for s in scored] == good
+        assert consumer.stats.invalid == 1
+    [envelope] = [
+        decode_record(r.value)
+        for r in _read_topic(stream_config.bootstrap_servers, names_of(stream_config).dlq, 1)
+    ]
+    assert envelope["source_offset"] == 1 and "request" in envelope["reason"]
+    assert len(envelope["reason"]) < 4200 and envelope["reason"].endswith("characters in all)")
+
+
+def test_a_dlq_envelope_fits_a_small_request_size(stream_config: StreamConfig) -> None:
+    """An envelope over max_request_size_bytes keeps less of the record: here invalid UTF-8,
+    each byte of which is a 3-byte U+FFFD in the envelope (36 KB for a 12 KB record)."""
+    config = stream_config.model_copy(update={"max_request_size_bytes": 16 * 1024})
+    good = make_trajectory(session_id="k")
+    big = b"\xff" * 12_000
+    _send_raw(config, [big, encode_record(good)])
+    with TrajectoryConsumer(config) as consumer:
+        scored = consume_until(consumer, lambda got: len(got) >= 1, timeout_s=15)
+        assert [s.trajectory for s in scored] == [good]
+        assert consumer.stats.invalid == 1
+    [envelope] = [
+        decode_record(r.value)
+        for r in _read_topic(config.bootstrap_servers, names_of(config).dlq, 1)
+    ]
+    assert envelope["raw"] == big[:4096].decode(errors="replace")
+
+
+def test_a_created_at_too_large_for_a_float_goes_to_the_dlq(stream_config: StreamConfig) -> None:
+    """A 400-digit `created_at` is a JSON number the schema took, but float() of it raised
+    OverflowError: every poll raised on it (and, its event_id remembered already, the record
+    was dropped as its own duplicate once read again)."""
+    good = [make_trajectory(session_id="k") for _ in range(2)]
+    huge = make_trajectory(session_id="k")
+    huge["created_at"] = 10**400
+    _send_raw(stream_config, [encode_record(good[0]), encode_record(huge), encode_record(good[1])])
+    with TrajectoryConsumer(stream_config) as consumer:
+        scored = consume_until(consumer, lambda got: len(got) >= 2, timeout_s=15)
+        assert [s.trajectory for s in scored] == good
+        assert consumer.stats.invalid == 1
+    [envelope] = [
+        decode_record(r.value)
+        for r in _read_topic(stream_config.bootstrap_servers, names_of(stream_config).dlq, 1)
+    ]
+    assert "created_at" in envelope["reason"] and "does not fit a float" in envelope["reason"]
+
+
 def test_a_record_nested_too_deeply_to_parse_goes_to_the_dlq(stream_config: StreamConfig) -> None:
     """Before: parsing it raised RecursionError, not ValueError, so every poll raised on it
     (after rewinding to it) and a learner restarted into the same crash."""
@@ -355,6 +414,31 @@ def test_a_record_nested_too_deeply_to_parse_goes_to_the_dlq(stream_config: Stre
         scored = consume_until(consumer, lambda got: len(got) >= 2, timeout_s=30)
         assert [s.trajectory for s in scored] == good
         assert consumer.stats.invalid == 1
+
+
+def test_a_record_whose_handling_raised_is_not_its_own_duplicate_when_read_again(
+    stream_config: StreamConfig,
+) -> None:
+    """`poll` rewinds to a record whose handling raised; its event_id was remembered before
+    it was handled, so the copy read again was dropped as a duplicate: never trained."""
+    good = [make_trajectory(session_id="k") for _ in range(3)]
+    _send_raw(stream_config, [encode_record(record) for record in good])
+    with TrajectoryConsumer(stream_config) as consumer:
+        add_trajectory = consumer._add_trajectory
+        calls: list[int] = []
+
+        def failing_once(tp: TopicPartition, offset: int, value: dict[str, Any]) -> None:
+            calls.append(offset)
+            if len(calls) == 2:
+                raise RuntimeError("handling failed")
+            add_trajectory(tp, offset, value)
+
+        consumer._add_trajectory = failing_once  # type: ignore[method-assign]
+        with pytest.raises(RuntimeError):
+            _poll_until(consumer, lambda: len(calls) >= 2)
+        scored = consume_until(consumer, lambda got: len(got) >= 3, timeout_s=15)
+        assert [s.trajectory for s in scored] == good
+        assert calls == [0, 1, 1, 2] and consumer.stats.duplicates == 0
 
 
 class _SendResult:

@@ -221,6 +221,14 @@ def _send_to(config: StreamConfig, topic: str, values: list[bytes | None]) -> No
     raw.close()
 
 
+def _dlq_envelopes(config: StreamConfig, expected: int) -> list[Any]:
+    """The records on the DLQ topic, decoded."""
+    names = TopicNames.from_prefix(config.topic_prefix)
+    return [
+        decode_record(r.value) for r in _read_topic(config.bootstrap_servers, names.dlq, expected)
+    ]
+
+
 def _records_on(config: StreamConfig, topic: str) -> int:
     return sum(topic_end_offsets(config.bootstrap_servers, [topic], timeout_s=5)[topic].values())
 
@@ -360,10 +368,7 @@ def test_an_invalid_record_whose_reason_repeats_a_large_value_does_not_wedge_the
         scored = consume_until(consumer, lambda got: len(got) >= 2, timeout_s=15)
         assert [s.trajectory for s in scored] == good
         assert consumer.stats.invalid == 1
-    [envelope] = [
-        decode_record(r.value)
-        for r in _read_topic(stream_config.bootstrap_servers, names_of(stream_config).dlq, 1)
-    ]
+    [envelope] = _dlq_envelopes(stream_config, 1)
     assert envelope["source_offset"] == 1 and "request" in envelope["reason"]
     assert len(envelope["reason"]) < 4200 and envelope["reason"].endswith("characters in all)")
 
@@ -379,10 +384,7 @@ def test_a_dlq_envelope_fits_a_small_request_size(stream_config: StreamConfig) -
         scored = consume_until(consumer, lambda got: len(got) >= 1, timeout_s=15)
         assert [s.trajectory for s in scored] == [good]
         assert consumer.stats.invalid == 1
-    [envelope] = [
-        decode_record(r.value)
-        for r in _read_topic(config.bootstrap_servers, names_of(config).dlq, 1)
-    ]
+    [envelope] = _dlq_envelopes(config, 1)
     assert envelope["raw"] == big[:4096].decode(errors="replace")
 
 
@@ -398,10 +400,7 @@ def test_a_created_at_too_large_for_a_float_goes_to_the_dlq(stream_config: Strea
         scored = consume_until(consumer, lambda got: len(got) >= 2, timeout_s=15)
         assert [s.trajectory for s in scored] == good
         assert consumer.stats.invalid == 1
-    [envelope] = [
-        decode_record(r.value)
-        for r in _read_topic(stream_config.bootstrap_servers, names_of(stream_config).dlq, 1)
-    ]
+    [envelope] = _dlq_envelopes(stream_config, 1)
     assert "created_at" in envelope["reason"] and "does not fit a float" in envelope["reason"]
 
 

@@ -117,9 +117,16 @@ def _logprob_values(endpoint: Endpoint, logprobs: Any) -> list[float] | None:
         content = logprobs.get("content")
         if content is None:
             return None
-        return [float(entry["logprob"]) for entry in content]
+        return [_logprob(entry["logprob"]) for entry in content]
     values = logprobs.get("token_logprobs")
-    return None if values is None else [float(v) for v in values]
+    return None if values is None else [_logprob(v) for v in values]
+
+
+def _logprob(value: Any) -> float:
+    """A logprob as sent; null is vLLM's NaN (`max(nan, -9999.0)` is nan, which its encoder
+    writes as null): NaN here, so that the record is kept and flagged `nonfinite_logprob`
+    (`float(None)` raised, and the record was lost)."""
+    return math.nan if value is None else float(value)
 
 
 # Typed views of vLLM's chat output holding only what a record reads: msgspec skips the
@@ -662,13 +669,15 @@ def redact_record(record: dict[str, Any], redact: Redact) -> dict[str, Any]:
     # Request and choices go through one call: one encoding and one needle search.
     arrays = ("token_ids", "logprobs")
     texts = [{k: v for k, v in choice.items() if k not in arrays} for choice in record["choices"]]
-    (request, choices), found = redact([record["request"], texts])
+    # `sampling` repeats request fields (`stop` strings may hold what `request` loses).
+    (request, sampling, choices), found = redact([record["request"], record["sampling"], texts])
     for redacted, original in zip(choices, record["choices"], strict=True):
         for key in arrays:
             if key in original:
                 redacted[key] = original[key]
     counts = {kind: int(hits) for kind, hits in found.items() if hits}
     record["request"] = request
+    record["sampling"] = sampling
     record["choices"] = choices
     record["redactions"] = counts
     if counts:

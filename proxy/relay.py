@@ -74,7 +74,13 @@ def plan_request(
     if not capture:
         return plan
     if endpoint == "chat.completions":
-        if not body.get("logprobs"):
+        # vLLM refuses `top_logprobs` (or `logprob_token_ids`) without `logprobs` (400):
+        # added, it served the request, and the client got a 200 its own request would not.
+        top = body.get("top_logprobs")
+        asks_top = (isinstance(top, int) and (top == -1 or top > 0)) or bool(
+            body.get("logprob_token_ids")
+        )
+        if not body.get("logprobs") and not asks_top:
             upstream["logprobs"] = True
             plan.added_logprobs = True
     elif body.get("logprobs") is None:
@@ -440,8 +446,10 @@ class SSEParser:
         return self._buffer
 
 
-_ERROR_OBJECT = b'{"error"'
-_ERROR_SPLIT = len(_ERROR_OBJECT) - 1
+# vLLM's in-band error event, at the start of an event: `{"error"` alone also occurs in a
+# chunk, as the top logprobs of a sampled token `error` (completions: `[{"error": -0.1}]`).
+_ERROR_EVENT = re.compile(rb'(?:\A|\n)data: ?\{"error"')
+_ERROR_SPLIT = len(b'data: {"error"')
 
 
 def ends_with_error_event(before_last: bytes, last: bytes) -> bool:
@@ -449,11 +457,10 @@ def ends_with_error_event(before_last: bytes, last: bytes) -> bool:
     (`data: {"error": {...}}`): when a generation fails mid-stream vLLM sends it as the
     stream's last event, before `[DONE]`. Checked once a stream ended, not on every read.
     In a JSON string a quote is escaped and vLLM's chunk objects begin with "id", so these
-    bytes are an error object: substring searches, no parsing."""
-    return (
-        _ERROR_OBJECT in last
-        or _ERROR_OBJECT in before_last
-        or _ERROR_OBJECT in before_last[-_ERROR_SPLIT:] + last[:_ERROR_SPLIT]
+    bytes at an event's start are an error object: searches, no parsing."""
+    return any(
+        _ERROR_EVENT.search(part) is not None
+        for part in (last, before_last, before_last[-_ERROR_SPLIT:] + last[:_ERROR_SPLIT])
     )
 
 

@@ -598,3 +598,27 @@ def test_check_flags_as_before() -> None:
                 assert repr(logprobs) == repr(clamped)
     assert {"nonfinite_logprob", "logprob_count_mismatch", "missing_token_ids"} <= seen
     assert {"token_count_mismatch", "missing_finish_reason", "no_choices"} <= seen
+
+
+def test_a_null_logprob_keeps_the_record_flagged_not_lost() -> None:
+    """vLLM writes a NaN logprob (`max(nan, -9999.0)`) as null: `float(None)` raised in the
+    build, and the capture was counted as a failure with no record at all."""
+    stream = _bench_stream(tokens=2)
+    stream[1] = stream[1].replace(b'"logprob":-0.5', b'"logprob":null', 1)
+    capture = TrajectoryCapture(_context("chat.completions"))
+    for block in stream:
+        capture.add_sse(block)
+    record = build_record(capture, "ok", Redactor().redact_obj)
+    assert record["trainable"] is False and "nonfinite_logprob" in record["flags"]
+    assert record["choices"][0]["logprobs"][0] == capture_module.NONFINITE_LOGPROB
+
+
+def test_the_sampling_parameters_are_redacted_like_the_request() -> None:
+    """`sampling` repeats request fields: a stop string kept an address the request lost."""
+    capture = TrajectoryCapture(_context("chat.completions"))
+    capture.context.sampling = {"max_tokens": 16, "stop": ["\nalice@example.com:"]}
+    for block in _bench_stream():
+        capture.add_sse(block)
+    record = build_record(capture, "ok", Redactor().redact_obj)
+    assert record["sampling"]["stop"] == ["\n[REDACTED:email]:"]
+    assert record["trainable"] is False and record["redactions"] == {"email": 1}

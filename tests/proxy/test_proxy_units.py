@@ -740,3 +740,31 @@ def test_ends_with_error_event_finds_vllms_in_band_error_only(
     before_last: bytes, last: bytes, found: bool
 ) -> None:
     assert ends_with_error_event(before_last, last) is found
+
+
+def test_a_sampled_error_token_is_not_an_error_event() -> None:
+    """With `logprobs: 0` a completions chunk lists the sampled token's top logprob: a token
+    `error` wrote `[{"error": -0.1}]`, and the stream counted as an upstream error."""
+    chunk = b'data: {"id":"c","choices":[{"logprobs":{"top_logprobs":[{"error":-0.1}]}}]}\n\n'
+    usage = b'data: {"id":"c","choices":[],"usage":{"total_tokens":3}}\n\ndata: [DONE]\n\n'
+    assert not ends_with_error_event(b"", chunk + usage)
+    event = b'data: {"error":{"message":"Internal server error","code":500}}\n\n'
+    assert ends_with_error_event(b"", chunk + event + b"data: [DONE]\n\n")
+    assert ends_with_error_event(chunk + event[:9], event[9:] + b"data: [DONE]\n\n")
+
+
+@pytest.mark.parametrize(
+    ("extra", "added"),
+    [
+        ({"top_logprobs": 3}, False),
+        ({"logprob_token_ids": [5]}, False),
+        ({"top_logprobs": 0}, True),
+    ],
+)
+def test_top_logprobs_without_logprobs_is_left_for_vllm_to_refuse(extra, added) -> None:
+    """vLLM answers 400 to `top_logprobs` > 0 without `logprobs`: the proxy added `logprobs`,
+    and the client got a 200 with the logprobs stripped."""
+    body = {"model": "m", "messages": [], **extra}
+    plan = plan_request("chat.completions", body, "base", capture=True)
+    assert plan.added_logprobs is added
+    assert plan.upstream_body.get("logprobs") is (True if added else None)

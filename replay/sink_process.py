@@ -179,7 +179,7 @@ def _child_main(
     stop = threading.Event()
     metrics_sent_at = 0.0
     idle_values_sent = False
-    last_idle_status: tuple[Any, ...] | None = None
+    last_idle_progress: tuple[Any, ...] | None = None
 
     def status(final: bool = False) -> None:
         # Progress goes out every _STATUS_INTERVAL_S while there is work (a heartbeat the
@@ -187,7 +187,7 @@ def _child_main(
         # until something changes. The metric values, whose collection and mirroring cost
         # the parent's interpreter time, go once a second while busy and once on becoming
         # idle (so a caller that waited for idle reads final values).
-        nonlocal metrics_sent_at, idle_values_sent, last_idle_status
+        nonlocal metrics_sent_at, idle_values_sent, last_idle_progress
         got = received  # read before unfinished_tasks: `done` may only be underestimated
         # A record leaves the queue only after it is held (kept in memory by a disk error)
         # or durable, so reading the queue before the held count never misses it.
@@ -196,18 +196,22 @@ def _child_main(
         idle = pending == 0 and sink.spill.is_empty()
         values = None
         now = time.monotonic()
-        if final or (idle and not idle_values_sent) or now - metrics_sent_at >= _METRICS_INTERVAL_S:
+        # Idle: once, on becoming idle (its values cannot move while it stays idle).
+        busy_due = now - metrics_sent_at >= _METRICS_INTERVAL_S
+        if final or (not idle_values_sent if idle else busy_due):
             values, metrics_sent_at = _metric_values(sink.metrics), now
         idle_values_sent = idle and (values is not None or idle_values_sent)
         # Outcomes travel with the `done` they are counted up to: the parent pops exactly
         # those records, and counts the rest itself if it has to build them again.
         builder.release(got - pending)
-        message = ("status", got - pending, idle, values, final, builder.totals())
-        if idle and not final and values is None and message == last_idle_status:
+        progress = (got - pending, idle, builder.totals())
+        # (Before, an idle child collected its values every second and so sent two
+        # messages a second, each waking the proxy's feeder thread.)
+        if idle and not final and values is None and progress == last_idle_progress:
             return
-        last_idle_status = message if idle else None
+        last_idle_progress = progress if idle else None
         with send_lock:
-            conn.send(message)
+            conn.send(("status", *progress[:2], values, final, progress[2]))
 
     def reporter() -> None:
         while not stop.wait(_STATUS_INTERVAL_S):
@@ -357,9 +361,10 @@ class KafkaSinkProcess:
 
     def _kill_if_hung(self) -> None:
         proc = self._proc
-        waiting = self._pending or self._outbox
+        # Only records handed to the child count: its silence is measured from the first
+        # of them (an idle child is quiet for as long as it likes).
         silent_s = time.monotonic() - self._progress_at
-        if proc is not None and waiting and silent_s > self.config.sink_hung_after_s:
+        if proc is not None and self._pending and silent_s > self.config.sink_hung_after_s:
             log.error(
                 "sink_process_hung",
                 silent_s=round(silent_s, 1),
@@ -418,6 +423,10 @@ class KafkaSinkProcess:
             try:
                 self._kill_if_hung()
                 if batch:
+                    if not self._pending:
+                        # An idle child is quiet: its silence counts from this batch on,
+                        # not from its last report (which may be minutes old).
+                        self._progress_at = time.monotonic()
                     self._pending.extend(batch)
                     data, sent = self._pickle(pickle, batch)
                     if sent is not batch:  # kept as sent: a capture built here is not again

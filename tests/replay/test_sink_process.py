@@ -163,6 +163,40 @@ def test_a_hung_sink_process_is_killed_and_nothing_is_lost(
     assert _consume_ids(config, 60) == {r["trajectory_id"] for r in records}
 
 
+def test_an_idle_worker_stays_quiet_and_is_not_taken_for_hung_when_work_resumes(
+    stream_config: StreamConfig, tmp_path: Path
+) -> None:
+    """An idle child sends nothing (it sent two status messages a second, each waking the
+    proxy's feeder), and its quiet is not silence: a burst after an idle spell longer than
+    sink_hung_after_s keeps the same child."""
+    config = stream_config.model_copy(update={"queue_size": 10, "sink_hung_after_s": 1.0})
+    sink = KafkaSinkProcess(config, tmp_path, CollectorRegistry())
+    records = [make_trajectory(session_id=f"q{i % 3}") for i in range(40)]
+    try:
+        assert sink.wait_idle(60)
+        time.sleep(0.3)  # the status that said idle is read
+        sink._read_statuses(block_s=0.0)
+        received: list[object] = []
+        recv = sink._conn.recv
+
+        def counting_recv() -> object:
+            message = recv()
+            received.append(message)
+            return message
+
+        sink._conn.recv = counting_recv
+        time.sleep(2.5)
+        assert received == []
+        for record in records:  # over queue_size at once: put_* checks for a hung child
+            sink.put_trajectory(record)
+        assert sink.wait_idle(60)
+        assert sink.child_restarts == 0
+        assert received, "a busy child reports its progress"
+    finally:
+        sink.close()
+    assert _consume_ids(config, 40) == {r["trajectory_id"] for r in records}
+
+
 def test_a_silent_worker_with_one_record_in_flight_is_killed_and_nothing_is_lost(
     stream_config: StreamConfig, tmp_path: Path
 ) -> None:

@@ -293,6 +293,9 @@ class TrajectoryConsumer:
         self._needed: dict[TopicPartition, dict[int, str]] = {}
         self._next_offset: dict[TopicPartition, int] = {}
         self._replay_until: dict[TopicPartition, int] = {}
+        # The offset up to which `stats.records` counted each partition: a record read again
+        # after a rewind is one record, not two.
+        self._counted_until: dict[TopicPartition, int] = {}
         self._seek_start: dict[TopicPartition, int] = {}
         self._recent_invalid: deque[bool] = deque(maxlen=config.dlq_window_records)
         self._failure: DlqRatioExceeded | None = None
@@ -421,7 +424,9 @@ class TrajectoryConsumer:
             self._remember(tp, record)
             return
         self._next_offset[tp] = record.offset + 1
-        self.stats.records += 1
+        if record.offset >= self._counted_until.get(tp, 0):
+            self._counted_until[tp] = record.offset + 1
+            self.stats.records += 1
         if record.value is None:
             self._skip_tombstone(tp, record)
             return

@@ -419,7 +419,8 @@ def test_a_record_whose_handling_raised_is_not_its_own_duplicate_when_read_again
     stream_config: StreamConfig,
 ) -> None:
     """`poll` rewinds to a record whose handling raised; its event_id was remembered before
-    it was handled, so the copy read again was dropped as a duplicate: never trained."""
+    it was handled, so the copy read again was dropped as a duplicate: never trained. (And
+    `stats.records` counted it twice.)"""
     good = [make_trajectory(session_id="k") for _ in range(3)]
     _send_raw(stream_config, [encode_record(record) for record in good])
     with TrajectoryConsumer(stream_config) as consumer:
@@ -438,6 +439,7 @@ def test_a_record_whose_handling_raised_is_not_its_own_duplicate_when_read_again
         scored = consume_until(consumer, lambda got: len(got) >= 3, timeout_s=15)
         assert [s.trajectory for s in scored] == good
         assert calls == [0, 1, 1, 2] and consumer.stats.duplicates == 0
+        assert consumer.stats.records == 3  # read again after the rewind, counted once
 
 
 class _SendResult:

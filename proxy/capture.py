@@ -93,11 +93,29 @@ class CaptureContext:
             self.request_body, _ = parse_json(self.request_raw)
 
 
+def _message_record(message: dict[str, Any]) -> dict[str, Any]:
+    """A whole response's message as the record keeps it. Its reasoning (vLLM's reasoning
+    parser moves the text of the model's thinking out of `content`, its token ids stay in
+    `token_ids`) is kept too: without it the record's text did not match its ids, and the
+    reasoning escaped redaction while its ids went out."""
+    record = {
+        "role": message.get("role", "assistant"),
+        "content": message.get("content"),
+        "tool_calls": message.get("tool_calls") or [],
+    }
+    reasoning = message.get("reasoning") or message.get("reasoning_content")
+    if isinstance(reasoning, str) and reasoning:
+        record["reasoning"] = reasoning
+    return record
+
+
 @dataclass
 class _Choice:
     index: int
     role: str | None = None
     content: list[str] = field(default_factory=list)
+    # A reasoning parser's text (vLLM `--reasoning-parser`), whose tokens are in token_ids.
+    reasoning: list[str] = field(default_factory=list)
     text: list[str] = field(default_factory=list)
     tool_calls: dict[int, dict[str, Any]] = field(default_factory=dict)
     message: dict[str, Any] | None = None
@@ -155,6 +173,8 @@ class _ToolCallFragment(msgspec.Struct, gc=False):
 class _Delta(msgspec.Struct, gc=False):
     role: str | None = None
     content: str | None = None
+    reasoning: str | None = None
+    reasoning_content: str | None = None  # vLLM's name for it before `reasoning`
     tool_calls: list[_ToolCallFragment] | None = None
 
 
@@ -303,12 +323,7 @@ class TrajectoryCapture:
             logprobs = raw.logprobs
             content = None if logprobs is None else logprobs.content
             choice.logprobs = None if content is None else [entry.logprob for entry in content]
-            message = raw.message or {}
-            choice.message = {
-                "role": message.get("role", "assistant"),
-                "content": message.get("content"),
-                "tool_calls": message.get("tool_calls") or [],
-            }
+            choice.message = _message_record(raw.message or {})
 
     def _add_chat_chunks(self, chunks: list[_ChatChunk]) -> None:
         """`add_chunk` of each chat chunk's typed view, in order."""
@@ -354,6 +369,9 @@ class TrajectoryCapture:
                         choice.role = delta.role
                     if delta.content:
                         choice.content.append(delta.content)
+                    reasoning = delta.reasoning or delta.reasoning_content
+                    if reasoning:
+                        choice.reasoning.append(reasoning)
                     if delta.tool_calls:
                         self._add_tool_call_fragments(choice, delta.tool_calls)
 
@@ -398,12 +416,7 @@ class TrajectoryCapture:
             choice.token_ids = raw.get("token_ids")
             choice.logprobs = _logprob_values(endpoint, raw.get("logprobs"))
             if endpoint == "chat.completions":
-                message = raw.get("message") or {}
-                choice.message = {
-                    "role": message.get("role", "assistant"),
-                    "content": message.get("content"),
-                    "tool_calls": message.get("tool_calls") or [],
-                }
+                choice.message = _message_record(raw.get("message") or {})
             else:
                 choice.text.append(raw.get("text") or "")
                 if isinstance(raw.get("prompt_token_ids"), list):
@@ -462,6 +475,9 @@ class TrajectoryCapture:
             choice.role = delta["role"]
         if delta.get("content"):
             choice.content.append(delta["content"])
+        reasoning = delta.get("reasoning") or delta.get("reasoning_content")
+        if reasoning and isinstance(reasoning, str):
+            choice.reasoning.append(reasoning)
         for fragment in delta.get("tool_calls") or []:
             slot = choice.tool_calls.setdefault(
                 int(fragment.get("index", 0)),
@@ -488,6 +504,8 @@ class TrajectoryCapture:
                     "content": "".join(choice.content) if choice.content else None,
                     "tool_calls": [choice.tool_calls[i] for i in sorted(choice.tool_calls)],
                 }
+                if choice.reasoning:
+                    record["message"]["reasoning"] = "".join(choice.reasoning)
         else:
             record["text"] = "".join(choice.text)
         record["finish_reason"] = choice.finish_reason

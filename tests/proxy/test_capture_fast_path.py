@@ -28,7 +28,7 @@ from proxy.capture import (
     redact_record,
 )
 from proxy.relay import SSEParser, sse_event
-from replay.schemas import derived_event_id
+from replay.schemas import RecordKind, derived_event_id, validate_record
 from safety.config import CustomPattern
 from safety.redaction import Redactor
 from tests.proxy.test_strip_bytes import (
@@ -622,3 +622,41 @@ def test_the_sampling_parameters_are_redacted_like_the_request() -> None:
     record = build_record(capture, "ok", Redactor().redact_obj)
     assert record["sampling"]["stop"] == ["\n[REDACTED:email]:"]
     assert record["trainable"] is False and record["redactions"] == {"email": 1}
+
+
+@pytest.mark.parametrize("field", ["reasoning", "reasoning_content"])
+def test_reasoning_text_is_captured_and_redacted_with_its_token_ids(field: str) -> None:
+    """vLLM's reasoning parser moves the model's thinking out of `content` (as `reasoning`,
+    `reasoning_content` before vLLM renamed it) while its tokens stay in `token_ids`: the
+    record kept the ids and lost the text, so an address in the thinking went out as ids."""
+    thinking = [
+        _event({"choices": [{"index": 0, "delta": {field: part}}]})
+        for part in ("Mail bob", "@example.com first.")
+    ]
+    stream = _bench_stream()
+    stream = [stream[0], *thinking, *stream[1:]]
+    for path in (TrajectoryCapture, _DictPath):
+        capture = path(_context("chat.completions"))
+        for block in stream:
+            capture.add_sse(block)
+        plain = capture.build("ok")
+        assert plain["choices"][0]["message"]["reasoning"] == "Mail bob@example.com first."
+        capture = path(_context("chat.completions"))
+        for block in stream:
+            capture.add_sse(block)
+        record = build_record(capture, "ok", REDACT)
+        assert record["choices"][0]["message"]["reasoning"] == "Mail [REDACTED:email] first."
+        assert record["choices"][0]["token_ids"] == [] and record["trainable"] is False
+        validate_record(RecordKind.TRAJECTORY, {**record, "tenant": "ab" * 32})
+    whole = json.loads(_bench_whole())
+    whole["choices"][0]["message"][field] = "I think."
+    raw = json.dumps(whole).encode()
+    for path in (TrajectoryCapture, _DictPath):
+        capture = path(_context("chat.completions"))
+        capture.add_raw_response(raw)
+        assert capture.build("ok")["choices"][0]["message"]["reasoning"] == "I think."
+    # No reasoning, no key: records of models without a parser are as before.
+    capture = TrajectoryCapture(_context("chat.completions"))
+    for block in _bench_stream():
+        capture.add_sse(block)
+    assert "reasoning" not in capture.build("ok")["choices"][0]["message"]

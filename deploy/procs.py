@@ -119,17 +119,43 @@ class ChildProcess:
         return self.proc.pid
 
     def _read(self) -> None:
+        """Read the child's output to its end, keeping the last lines and teeing to the log.
+
+        Whatever happens to the log file, the pipe is drained: a child whose output nobody
+        reads blocks on its next write once the pipe is full (64 KiB) and stays alive,
+        hung, where `olp up` cannot see it. A log that cannot be opened or written (a full
+        disk) is therefore left alone from then on, and said once."""
         assert self.proc.stdout is not None
-        sink = self._log_file.open("a", encoding="utf-8") if self._log_file else None
+        sink: TextIO | None = None
+        if self._log_file is not None:
+            try:
+                sink = self._log_file.open("a", encoding="utf-8")
+            except OSError as exc:
+                self._log_failed(exc)
         try:
             for line in self.proc.stdout:
                 self._tail.append(line.rstrip("\n"))
                 if sink is not None:
-                    sink.write(line)
-                    sink.flush()
+                    try:
+                        sink.write(line)
+                        sink.flush()
+                    except OSError as exc:
+                        self._log_failed(exc)
+                        _close_quietly(sink)
+                        sink = None
         finally:
             if sink is not None:
-                sink.close()
+                _close_quietly(sink)
+
+    def _log_failed(self, exc: OSError) -> None:
+        log.error(
+            "child_log_write_failed", child=self.name, path=str(self._log_file), error=str(exc)
+        )
+        say(
+            f"olp: cannot write {self.name}'s log {self._log_file}: {exc.strerror or exc}; "
+            "its output is no longer written there (its last lines are still kept for error "
+            "messages)"
+        )
 
     def tail(self, lines: int = 40) -> str:
         return "\n".join(list(self._tail)[-lines:])
@@ -177,6 +203,12 @@ class ChildProcess:
             return None
         log.info("child_stopped", child=self.name, pid=self.pid, returncode=self.proc.returncode)
         return self.proc.returncode
+
+
+def _close_quietly(sink: TextIO) -> None:
+    """Close a log file whose last write may have failed (its buffer cannot be flushed)."""
+    with contextlib.suppress(OSError):
+        sink.close()
 
 
 def _start_guard(child: int) -> subprocess.Popen[bytes] | None:

@@ -29,6 +29,7 @@ from proxy.operator_auth import clean_actor
 from proxy.operator_data import recent_gate_decisions
 from proxy.routing import Replica
 from proxy.serving_state import save_state
+from safety.audit import AuditRecordWritten
 
 log = structlog.get_logger(__name__)
 
@@ -183,11 +184,24 @@ def _all_or_nothing(ctx: ProxyContext) -> Iterator[None]:
 
 def _commit(ctx: ProxyContext, actor: str, event: str, payload: dict[str, Any]) -> None:
     """Persist the state, then audit the change (the audit log is the record of truth).
-    Call it inside `_all_or_nothing` with the change it records."""
+    Call it inside `_all_or_nothing` with the change it records.
+
+    An append that fails after its record's line is in the log (the head file could not
+    follow) does not undo the change: the log says it happened, the state file holds it,
+    so it stands. Undoing it left a record of a change that never served, and `verify`
+    passed."""
     ctx.state.aliases = dict(ctx.aliases.snapshot())
     ctx.state.canaries = {k: v.to_json() for k, v in ctx.aliases.canaries().items()}
     save_state(ctx.state_path, ctx.state)
-    ctx.audit.append(actor, event, payload)
+    try:
+        ctx.audit.append(actor, event, payload)
+    except AuditRecordWritten as exc:
+        log.error(
+            "audit_head_not_written",
+            seq=exc.record["seq"],
+            audit_event=event,
+            error=str(exc),
+        )
 
 
 def state_dir_of(ctx: ProxyContext) -> Path:

@@ -47,6 +47,16 @@ class AuditError(RuntimeError):
     """The log cannot be appended to safely (e.g. its tail is not a valid record)."""
 
 
+class AuditRecordWritten(AuditError):
+    """An append failed after its record's line was written (the head file or the fsync
+    could not follow): `record` is in the chain, and the change it records must stand. Any
+    other exception from `append` means its line is not in the log."""
+
+    def __init__(self, message: str, record: dict[str, Any]) -> None:
+        super().__init__(message)
+        self.record = record
+
+
 def canonical_json(obj: Any) -> bytes:
     """The byte string that is hashed: sorted keys, no spaces, UTF-8, no NaN/Infinity."""
     return json.dumps(
@@ -237,7 +247,11 @@ class AuditLog:
         canonical_json(clean_payload)  # fail before taking the lock on NaN / non-JSON values
         with self._thread_lock, self._locked():
             last = self._read_last_record()
-            self._check_head(last)
+            if self._check_head(last):
+                # An earlier append wrote its line but not its head. Bring the head up to
+                # date first: a second line past a stale head would fail `verify`.
+                assert last is not None
+                self._write_head(last)
             record: dict[str, Any] = {
                 "seq": (last["seq"] + 1) if last else 1,
                 "ts": _now_iso(),
@@ -248,10 +262,24 @@ class AuditLog:
             }
             record["hash"] = record_hash(record)
             line = canonical_json(record) + b"\n"
-            self._write_line(line)
-            self._write_head(record)
-            if self.path.stat().st_size >= self.rotate_bytes:
-                self._rotate()
+            self._write_line(line, record)
+            try:
+                self._write_head(record)
+            except Exception as exc:
+                # The line is in the chain (one record ahead of the head, which `verify`
+                # accepts): the caller must keep what it records, not undo it.
+                raise AuditRecordWritten(
+                    f"audit record seq {record['seq']} ({event}) is written, but "
+                    f"{head_path(self.path).name} could not be updated: {exc}",
+                    record,
+                ) from exc
+            try:
+                if self.path.stat().st_size >= self.rotate_bytes:
+                    self._rotate()
+            except OSError as exc:
+                # The record and its head are written; the live file grows until a later
+                # append's rotation goes through.
+                log.error("audit_rotation_failed", file=str(self.path), error=str(exc))
         return record
 
     def iter_records(self) -> Iterator[dict]:
@@ -288,11 +316,11 @@ class AuditLog:
             return record
         return None
 
-    def _check_head(self, last: Mapping[str, Any] | None) -> None:
+    def _check_head(self, last: Mapping[str, Any] | None) -> bool:
         """Refuse to extend a chain whose newest records were removed: the head names the
         newest record written, and an append must not turn a detectable deletion into a
         chain that verifies. The chain may be one record ahead (an append interrupted
-        between its line and its head)."""
+        between its line and its head): then True, the head is behind."""
         head = head_path(self.path)
         if not head.exists():
             # No head yet and only seq 1 on disk: the very first append stopped between its
@@ -302,17 +330,16 @@ class AuditLog:
                     f"{head} is missing but the log holds records; refusing to extend it; "
                     "run `olp audit verify`"
                 )
-            return
+            return last is not None
         try:
             head_record = json.loads(head.read_bytes())
             head_seq, head_hash = int(head_record["seq"]), str(head_record["hash"])
         except (ValueError, KeyError, TypeError) as exc:
             raise AuditError(f"{head} is unreadable ({exc}); run `olp audit verify`") from exc
-        if last is not None and (
-            (last["seq"] == head_seq and last["hash"] == head_hash)
-            or (last["seq"] == head_seq + 1 and last["prev_hash"] == head_hash)
-        ):
-            return
+        if last is not None and last["seq"] == head_seq and last["hash"] == head_hash:
+            return False
+        if last is not None and last["seq"] == head_seq + 1 and last["prev_hash"] == head_hash:
+            return True
         found = "no records" if last is None else f"seq {last['seq']}"
         raise AuditError(
             f"the audit chain ends at {found} but {head.name} records seq {head_seq}: "
@@ -341,16 +368,39 @@ class AuditLog:
             return follower, "a file outside the chain would join it after the next segment"
         return None
 
-    def _write_line(self, line: bytes) -> None:
+    def _write_line(self, line: bytes, record: dict[str, Any]) -> None:
+        """Append `line`; on any failure, cut the file back to where it ended, so that the
+        line is either in the chain whole (AuditRecordWritten when that cut fails after the
+        whole line was written) or not at all (the original error)."""
         fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
         try:
-            written = os.write(fd, line)
-            if written != len(line):
-                raise AuditError(f"short write to {self.path} ({written} of {len(line)} bytes)")
-            if self.fsync:
-                os.fsync(fd)
+            end = os.fstat(fd).st_size  # under the lock: no other writer moves it
+            written = 0
+            try:
+                written = os.write(fd, line)
+                if written != len(line):
+                    raise AuditError(f"short write to {self.path} ({written} of {len(line)} bytes)")
+                if self.fsync:
+                    os.fsync(fd)
+            except Exception as exc:
+                if not self._cut_back(fd, end) and written == len(line):
+                    raise AuditRecordWritten(
+                        f"audit record seq {record['seq']} is written to {self.path.name} "
+                        f"but could not be synced ({exc}), nor taken back",
+                        record,
+                    ) from exc
+                raise
         finally:
             os.close(fd)
+
+    def _cut_back(self, fd: int, size: int) -> bool:
+        """Truncate the live file to `size` after a failed write: whether that worked."""
+        try:
+            os.ftruncate(fd, size)
+        except OSError as exc:
+            log.error("audit_line_not_taken_back", file=str(self.path), error=str(exc))
+            return False
+        return True
 
     def _write_head(self, record: Mapping[str, Any]) -> None:
         head = head_path(self.path)

@@ -424,6 +424,40 @@ def test_a_change_that_cannot_be_saved_or_audited_does_not_serve(
 
 
 @pytest.mark.parametrize(
+    "path, body, event",
+    [
+        ("/admin/aliases", {"alias": "policy", "target": "policy-v1"}, "alias_set"),
+        ("/admin/canary", {"target": "policy-v1", "share": 0.5}, "canary_started"),
+        ("/admin/freeze", {}, "freeze"),
+        ("/admin/tenants/alice/training", {"enabled": False}, "tenant_training"),
+    ],
+)
+def test_a_change_whose_audit_record_is_written_stands(make_proxy, fake, path, body, event):
+    """The audit line is written and fsynced before its head file; when the head then fails,
+    the change was undone and answered 500 while the log kept its record, and `verify`
+    passed: the record of truth named a change that never served. Now the record decides:
+    the change stands, saved and audited, and answers 200."""
+    from safety.audit import iter_records, verify
+
+    harness, _ = make_proxy([fake.url])
+    ctx = harness.ctx
+    before = ctx.state.to_json()
+    blocked = ctx.audit.path.with_name(ctx.audit.path.name + ".head.tmp")
+    blocked.mkdir()  # the head's tmp file cannot be written; the line can
+    changed = _admin(harness.base_url, path, body)
+    assert changed.status_code == 200, changed.text
+    assert ctx.state.to_json() != before
+    assert json.loads(ctx.state_path.read_bytes()) == ctx.state.to_json()
+    assert [r["event"] for r in iter_records(ctx.audit.path)] == [event]
+    assert verify(ctx.audit.path).ok
+    blocked.rmdir()  # the disk recovers: the chain goes on from that record
+    assert _admin(harness.base_url, "/admin/unfreeze").status_code == 200
+    assert [r["event"] for r in iter_records(ctx.audit.path)] == [event, "unfreeze"]
+    result = verify(ctx.audit.path)
+    assert (result.ok, result.records, result.reason) == (True, 2, "")
+
+
+@pytest.mark.parametrize(
     "payload", [[], {"data": "policy-v1"}, {"data": ["policy-v1"]}, {"data": [["id"]]}]
 )
 def test_a_models_list_of_another_shape_is_a_replica_problem_not_a_500(make_proxy, fake, payload):

@@ -20,6 +20,7 @@ from safety.audit import (
     GENESIS_HASH,
     AuditError,
     AuditLog,
+    AuditRecordWritten,
     VerifyResult,
     canonical_json,
     format_record,
@@ -191,6 +192,89 @@ def test_a_crash_between_the_first_line_and_its_head_is_not_tampering(tmp_path: 
     assert "interrupted" in result.reason
     assert AuditLog(path).append("operator", "freeze")["seq"] == 2
     assert verify(path).ok and head.exists()
+
+
+def test_an_append_whose_head_cannot_be_written_says_its_record_is_in_the_log(
+    tmp_path: Path,
+) -> None:
+    # The line is written and fsynced before the head file; when the head then fails (a full
+    # disk), the caller must know the record is in the chain: the proxy undid the change it
+    # recorded, and the log kept a record of a change that never served.
+    path = tmp_path / "audit.jsonl"
+    audit = _write_log(path, 1)
+    blocked = path.with_name("audit.jsonl.head.tmp")
+    blocked.mkdir()  # the head's tmp file cannot be written
+    with pytest.raises(AuditRecordWritten) as written:
+        audit.append("operator", "alias_set", {"target": "policy-v2"})
+    assert isinstance(written.value, AuditError)
+    assert written.value.record["seq"] == 2 and written.value.record["event"] == "alias_set"
+    assert [r["seq"] for r in iter_records(path)] == [1, 2]
+    assert verify(path).ok
+    # While the head still cannot be written, the next append brings the head up to date
+    # before writing its line, and fails there: its record is not in the log. (Before, it
+    # wrote seq 3 too, and a chain two records ahead of its head failed verify.)
+    with pytest.raises(OSError) as refused:
+        audit.append("operator", "freeze")
+    assert not isinstance(refused.value, AuditRecordWritten)
+    assert [r["seq"] for r in iter_records(path)] == [1, 2]
+    assert verify(path).ok
+    blocked.rmdir()  # the disk recovers
+    assert audit.append("operator", "freeze")["seq"] == 3
+    result = verify(path)
+    assert (result.ok, result.records, result.reason) == (True, 3, "")
+
+
+def test_an_append_whose_line_cannot_be_synced_takes_it_back(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # fsync of the line fails (EIO): the line was in the file and verified, while the
+    # caller, told the append failed, undid the change it recorded. Now the line is cut
+    # back off, so a failed append has no record in the log.
+    path = tmp_path / "audit.jsonl"
+    audit = _write_log(path, 1)
+    size = path.stat().st_size
+    fsync = os.fsync
+    calls = []
+
+    def fail_first(fd: int) -> None:
+        calls.append(fd)
+        if len(calls) == 1:
+            raise OSError(5, "Input/output error")
+        fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", fail_first)
+    with pytest.raises(OSError) as failed:
+        audit.append("operator", "alias_set", {"target": "policy-v2"})
+    assert not isinstance(failed.value, AuditRecordWritten)
+    monkeypatch.undo()
+    assert path.stat().st_size == size
+    assert [r["seq"] for r in iter_records(path)] == [1]
+    assert audit.append("operator", "freeze")["seq"] == 2
+    assert verify(path).ok
+
+
+def test_a_rotation_that_fails_keeps_the_record_it_follows(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Rotation runs after the record and its head are written: its failure is logged and
+    # the live file grows on, as when a rotation is blocked; the append succeeded.
+    live = tmp_path / "audit.jsonl"
+    audit = AuditLog(live, rotate_bytes=1)
+    replace = os.replace
+
+    def refuse_segments(src: object, dst: object) -> None:
+        if str(dst).endswith(".1"):
+            raise OSError(28, "No space left on device")
+        replace(src, dst)
+
+    monkeypatch.setattr(os, "replace", refuse_segments)
+    with capture_logs() as logs:
+        assert audit.append("operator", "freeze")["seq"] == 1
+        assert audit.append("operator", "unfreeze")["seq"] == 2
+    assert [e["event"] for e in logs if e["log_level"] == "error"] == ["audit_rotation_failed"] * 2
+    monkeypatch.undo()
+    result = verify(live)
+    assert (result.ok, result.records, result.files) == (True, 2, [str(live)])
 
 
 def test_a_line_that_is_not_canonical_fails(tmp_path: Path) -> None:

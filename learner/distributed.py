@@ -30,8 +30,17 @@ class DistContext:
         return self.world > 1
 
 
+# On GPU the group holds two backends, one per tensor device: NCCL carries the LoRA
+# gradients (CUDA tensors), gloo the learner's flags and counts (CPU float64 tensors, built on
+# every rank whatever the device) and the object collectives. NCCL alone is registered for
+# CUDA only, so the first CPU all-reduce of the loop raised "No backend type associated with
+# device type cpu" on every rank.
+GPU_BACKEND = "cpu:gloo,cuda:nccl"
+
+
 def init_distributed() -> DistContext:
-    """Join the process group torchrun describes (gloo on CPU, NCCL on GPU), if any."""
+    """Join the process group torchrun describes (gloo on CPU; on GPU, NCCL for CUDA
+    tensors and gloo for CPU ones), if any."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     if torch.cuda.is_available():
@@ -42,7 +51,7 @@ def init_distributed() -> DistContext:
     if world <= 1:
         return DistContext(0, 1, device)
     if not dist.is_initialized():
-        dist.init_process_group(backend="nccl" if device.type == "cuda" else "gloo")
+        dist.init_process_group(backend=GPU_BACKEND if device.type == "cuda" else "gloo")
     return DistContext(dist.get_rank(), dist.get_world_size(), device)
 
 

@@ -87,6 +87,66 @@ def test_two_rank_torchrun_ends_with_identical_weights(model_dir: Path, tmp_path
     assert store.read_meta(2)["consumed_offsets"] == {"mem.trajectories": {"0": 8, "1": 8}}
 
 
+def _gpu_rank(rank: int, world: int, port: int, out: str) -> None:
+    """One rank of `init_distributed` as on a GPU machine, NCCL played by gloo registered
+    for CUDA tensors only (what NCCL is registered for), then the collectives the learner
+    loop runs on CPU tensors and objects."""
+    import learner.distributed as distributed
+
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(world),
+    )
+    dist.Backend.register_backend(
+        "cudaonly",
+        lambda store, r, size, timeout: dist.ProcessGroupGloo(store, r, size, timeout),
+        devices=["cuda"],
+    )
+    join = dist.init_process_group
+
+    def init_process_group(backend: str, **kwargs: object) -> None:
+        join(backend.replace("nccl", "cudaonly"), timeout=timedelta(seconds=60), **kwargs)
+
+    torch.cuda.is_available = lambda: True  # type: ignore[assignment]
+    torch.cuda.set_device = lambda device: None  # type: ignore[assignment]
+    distributed.dist.init_process_group = init_process_group  # type: ignore[assignment]
+    try:
+        ctx = distributed.init_distributed()
+        flags = torch.tensor([float(rank + 3), float(rank)], dtype=torch.float64)
+        distributed.all_reduce_sum(ctx, flags[:1])  # as Learner.run does
+        distributed.all_reduce_max(ctx, flags[1:])
+        seen = distributed.all_gather_object(ctx, rank)
+        told = distributed.broadcast_object(ctx, "from 0" if ctx.is_main else None)
+        distributed.barrier(ctx)
+        result = {"device": str(ctx.device), "flags": flags.tolist(), "seen": seen, "told": told}
+    except Exception as exc:  # reported by the test, not lost in the spawned process
+        result = {"error": f"{type(exc).__name__}: {str(exc).splitlines()[0]}"}
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    Path(out, f"rank{rank}.json").write_text(json.dumps(result))
+
+
+def test_a_gpu_group_carries_the_cpu_collectives(tmp_path: Path) -> None:
+    """On GPU the group was NCCL alone, registered for CUDA tensors only: the loop's first
+    all-reduce of its CPU flags raised "No backend type associated with device type cpu"
+    on every rank, so multi-GPU torchrun never trained."""
+    mp.start_processes(
+        _gpu_rank, args=(2, free_port(), str(tmp_path)), nprocs=2, start_method="spawn"
+    )
+    for rank in range(2):
+        result = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        assert result == {
+            "device": f"cuda:{rank}",
+            "flags": [7.0, 1.0],
+            "seen": [0, 1],
+            "told": "from 0",
+        }, result
+
+
 def _sample(i: int, tenant: str, user: str | None) -> Sample:
     return Sample(f"t{i}:0", f"e{i}", [1], [2], [-1.0], 1.0, None, "x", tenant, user, 0)
 

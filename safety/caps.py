@@ -31,11 +31,14 @@ class CapResult(Generic[T]):
     stats: dict[str, Any] = field(default_factory=dict)
 
 
-def _group_limit(counts: Counter[Hashable], share: float | None, absolute: int | None) -> int:
+def _group_limit(
+    counts: Counter[Hashable], share: float | None, absolute: int | None, groups: int
+) -> int:
     """Largest per-group count c with c <= share * sum(min(n, c)), and c <= absolute.
 
-    A share below 1/groups is impossible to honour without dropping everything, so the
-    effective share is max(share, 1/groups): no group may exceed an equal split."""
+    A share below an equal split is impossible to honour without dropping everything, so
+    the effective share is max(share, 1/groups), `groups` being the level's groups in the
+    batch handed in (not the ones still kept: see `apply_contribution_caps`)."""
     if not counts:
         return 0
     limit = max(counts.values())
@@ -43,7 +46,7 @@ def _group_limit(counts: Counter[Hashable], share: float | None, absolute: int |
         limit = min(limit, absolute)
     if share is None:
         return limit
-    share = max(share, 1.0 / len(counts))
+    share = max(share, 1.0 / max(groups, 1))
     best = 0
     for c in range(1, limit + 1):
         if c <= share * sum(min(n, c) for n in counts.values()) + 1e-9:
@@ -51,7 +54,7 @@ def _group_limit(counts: Counter[Hashable], share: float | None, absolute: int |
     return best
 
 
-def _weight_limit(totals: Sequence[float], share: float | None) -> float:
+def _weight_limit(totals: Sequence[float], share: float | None, groups: int) -> float:
     """Largest per-group weight L with L <= share * sum(min(W, L)) over the groups' weights W.
 
     `_group_limit` for weighted items, in closed form: the constraint is concave in L and
@@ -62,7 +65,7 @@ def _weight_limit(totals: Sequence[float], share: float | None) -> float:
     weights = sorted(totals)
     if share is None:
         return weights[-1]
-    share = max(share, 1.0 / len(weights))
+    share = max(share, 1.0 / max(groups, 1))
     below = 0.0  # the weights of the groups under the interval's lower end
     for k, high in enumerate(weights):
         low = weights[k - 1] if k else 0.0
@@ -118,18 +121,29 @@ def apply_contribution_caps(
     user among anonymous traffic would be the only "user" and keep all its items, and a
     small tagged user would be cut to an equal split with the other tagged ones. Caps are
     re-applied until stable, since dropping one tenant's excess raises every other group's
-    share."""
+    share.
+
+    A share cap never empties a group: when every item a group still holds is over its
+    limit, it keeps the shortest of them (the earliest of equals). Otherwise one short
+    sample made the limit of a tenant of long samples smaller than each of them, so all
+    were dropped and the short sample was the whole batch. The equal-split floor counts
+    the level's groups in the batch handed in, not those still kept, for the same reason."""
     keep = [True] * len(batch)
     weights = [1.0 if weight_of is None else float(weight_of(item)) for item in batch]
+    groups_in_batch = {
+        "user": len({_group_of(user_of, item, index) for index, item in enumerate(batch)}),
+        "tenant": len({tenant_of(item) for item in batch}),
+    }
     # Within a tenant, the kept items are spread round-robin over its users, so capping a
     # tenant does not wipe out its small users (which would shrink the batch further).
     order = _round_robin_order(batch, tenant_of, user_of)
     for _ in range(len(batch) + 1):
         changed = False
-        for key_of, share, absolute, visit in (
-            (user_of, config.max_user_share, config.max_per_user, range(len(batch))),
-            (tenant_of, config.max_tenant_share, config.max_per_tenant, order),
+        for level, key_of, share, absolute, visit in (
+            ("user", user_of, config.max_user_share, config.max_per_user, range(len(batch))),
+            ("tenant", tenant_of, config.max_tenant_share, config.max_per_tenant, order),
         ):
+            groups = groups_in_batch[level]
             counts: Counter[Hashable] = Counter()
             totals: dict[Hashable, float] = {}
             for index, item in enumerate(batch):
@@ -138,19 +152,28 @@ def apply_contribution_caps(
                     counts[group] += 1
                     totals[group] = totals.get(group, 0.0) + weights[index]
             if weight_of is None:
-                limit, weight_limit = _group_limit(counts, share, absolute), float("inf")
+                limit, weight_limit = _group_limit(counts, share, absolute, groups), float("inf")
             else:
-                limit = _group_limit(counts, None, absolute)
-                weight_limit = _weight_limit(list(totals.values()), share) + 1e-9
+                limit = _group_limit(counts, None, absolute, groups)
+                weight_limit = _weight_limit(list(totals.values()), share, groups) + 1e-9
             seen: Counter[Hashable] = Counter()
             held: dict[Hashable, float] = {}
+            members: dict[Hashable, list[int]] = {}
+            over: dict[Hashable, list[int]] = {}
             for index in visit:
                 key = key_of(batch[index])
                 if not keep[index] or key is None:  # a group of one is never over a limit
                     continue
                 seen[key] += 1
                 held[key] = held.get(key, 0.0) + weights[index]
+                members.setdefault(key, []).append(index)
                 if seen[key] > limit or held[key] > weight_limit:
+                    over.setdefault(key, []).append(index)
+            for key, indices in over.items():
+                if len(indices) == len(members[key]):  # never empty a group: keep its shortest
+                    indices = list(indices)
+                    indices.remove(min(indices, key=lambda index: (weights[index], index)))
+                for index in indices:
                     keep[index] = False
                     changed = True
         if not changed:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import random
 from collections import Counter
 
 from safety.caps import apply_contribution_caps
@@ -78,3 +79,87 @@ def test_custom_key_functions_for_non_dict_items() -> None:
         user_of=lambda item: None,
     )
     assert Counter(t for t, _ in result.kept) == {"t1": 2, "t2": 2}
+
+
+def _tokens(items: list[dict]) -> Counter:
+    totals: Counter = Counter()
+    for item in items:
+        totals[item["tenant"]] += item["w"]
+    return totals
+
+
+def test_one_short_sample_cannot_take_the_batch() -> None:
+    # Token weights: a tenant's limit came out as the other tenant's total (5 tokens), every
+    # 50-token sample of acme was over it and dropped, and the equal split was recomputed
+    # over the one group left, so mallory's single sample was the whole batch.
+    def weight(item: dict) -> float:
+        return item["w"]
+
+    acme = [{"tenant": "acme", "user": f"u{i % 4}", "w": 50, "i": i} for i in range(20)]
+    mallory = [{"tenant": "mallory", "user": "m", "w": 5, "i": 99}]
+    kept = apply_contribution_caps(acme + mallory, CapsConfig(), weight_of=weight).kept
+    assert _tokens(kept) == {"acme": 50, "mallory": 5}  # acme keeps its shortest sample
+    # The same inside one tenant: three users of 5 x 50 tokens and one 5-token user.
+    users = [{"tenant": "acme", "user": f"u{i % 3}", "w": 50, "i": i} for i in range(15)]
+    small = [{"tenant": "acme", "user": "m", "w": 5, "i": 99}]
+    kept = apply_contribution_caps(users + small, CapsConfig(), weight_of=weight).kept
+    assert Counter(item["user"] for item in kept) == {"u0": 1, "u1": 1, "u2": 1, "m": 1}
+    # Unweighted, a group is not emptied either: the shortest (here the earliest) stays.
+    batch = _batch([("a", "u1", 6), ("a", "u2", 1), ("b", "u3", 1)])
+    kept = apply_contribution_caps(batch, CapsConfig(max_tenant_share=0.1)).kept
+    assert Counter(item["tenant"] for item in kept) == {"a": 1, "b": 1}
+
+
+def test_shares_hold_against_the_input_batchs_groups() -> None:
+    """Property: each group keeps at most max(share, 1 / its level's groups in the input
+    batch) of the kept weight, or exactly one item, its shortest; no group is emptied."""
+    rng = random.Random(7)
+    for _ in range(2000):
+        batch = [
+            {
+                "tenant": rng.choice("ABC"),
+                "user": rng.choice([None, "u1", "u2", "u3"]),
+                "w": rng.choice([1, 2, 5, 17, 40]),
+                "i": i,
+            }
+            for i in range(rng.randint(1, 14))
+        ]
+        config = CapsConfig(
+            max_tenant_share=rng.choice([None, 0.3, 0.5, 0.8]),
+            max_user_share=rng.choice([None, 0.1, 0.25, 0.5]),
+            max_per_tenant=rng.choice([None, 1, 3]),
+            max_per_user=rng.choice([None, 1, 2]),
+        )
+        weighted = rng.random() < 0.5
+        result = apply_contribution_caps(
+            batch, config, weight_of=(lambda item: item["w"]) if weighted else None
+        )
+
+        weights = {item["i"]: item["w"] if weighted else 1.0 for item in batch}
+        total = sum(weights[item["i"]] for item in result.kept)
+        for level, key_of, share, absolute in (
+            ("tenant", _tenant_key, config.max_tenant_share, config.max_per_tenant),
+            ("user", _user_key, config.max_user_share, config.max_per_user),
+        ):
+            groups = {key_of(item) or ("item", item["i"]) for item in batch}
+            mine: dict = {}
+            for item in result.kept:
+                if key_of(item) is not None:
+                    mine.setdefault(key_of(item), []).append(item)
+            if level == "tenant":
+                assert set(mine) == groups  # no tenant emptied
+            for key, items in mine.items():
+                if absolute is not None:
+                    assert len(items) <= absolute
+                if share is None or len(items) == 1:
+                    continue
+                held = sum(weights[item["i"]] for item in items)
+                assert held <= max(share, 1 / len(groups)) * total + 1e-6, (batch, config, key)
+
+
+def _tenant_key(item: dict) -> str:
+    return item["tenant"]
+
+
+def _user_key(item: dict) -> tuple[str, str] | None:
+    return None if item["user"] is None else (item["tenant"], item["user"])

@@ -321,14 +321,44 @@ def _lineage(ctx: ProxyContext, alias: str) -> list[str]:
     return lineage
 
 
-def rollback_target(ctx: ProxyContext, alias: str) -> str | None:
-    """What `olp rollback` would serve: the version before the current one in the alias's
-    lineage, or None when there is none."""
+def _earlier_versions(ctx: ProxyContext, alias: str) -> list[str]:
+    """The versions a rollback of the alias may serve, oldest first: its lineage before the
+    current version."""
     current = ctx.aliases.resolve(alias)
     lineage = _lineage(ctx, alias)
     if current in lineage:
         lineage = lineage[: len(lineage) - 1 - lineage[::-1].index(current)]
-    return lineage[-1] if lineage else None
+    return lineage
+
+
+def rollback_target(ctx: ProxyContext, alias: str) -> str | None:
+    """What `olp rollback` would serve: the version before the current one in the alias's
+    lineage, or None when there is none."""
+    earlier = _earlier_versions(ctx, alias)
+    return earlier[-1] if earlier else None
+
+
+def _rollback_to(ctx: ProxyContext, alias: str, value: Any) -> str:
+    """A rollback's `to`: a version earlier in the alias's lineage, else 409. A rollback
+    works while frozen; a `to` that went anywhere loaded made it a promotion past the
+    freeze (and past the gate: a version the alias never served)."""
+    target = _served_target(ctx, value, "to")
+    current = ctx.aliases.resolve(alias)
+    if target == current:
+        raise ProxyError(
+            409, f"'{alias}' already serves {target}.", type_="conflict", code="already_serving"
+        )
+    earlier = _earlier_versions(ctx, alias)
+    if target not in earlier:
+        raise ProxyError(
+            409,
+            f"'{alias}' did not serve {target} before {current}, so a rollback cannot go to "
+            f"it (it may go back to: {', '.join(reversed(earlier)) or 'nothing'}); to serve "
+            "another version, flip the alias (POST /admin/aliases), which a freeze refuses.",
+            type_="conflict",
+            code="not_in_lineage",
+        )
+    return target
 
 
 def _rollback_target(ctx: ProxyContext, alias: str) -> str:
@@ -357,7 +387,7 @@ async def rollback(request: web.Request) -> web.Response:
         if target is None:
             target = _rollback_target(ctx, alias)
         else:
-            target = _served_target(ctx, target, "to")
+            target = _rollback_to(ctx, alias, target)
         return await _point_alias(ctx, actor, alias, target, "rollback", "rollback")
 
 

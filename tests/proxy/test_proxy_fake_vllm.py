@@ -500,6 +500,46 @@ def test_base_is_the_base_models_served_name_in_admin_targets(make_proxy, fake):
     assert _assert_error(bad, 400, "invalid_request")["param"] == "target"
 
 
+def test_a_rollback_to_goes_back_only_to_a_version_the_alias_served(make_proxy, fake):
+    """`rollback {"to": ...}` took any loaded version, and rollback works while frozen: a
+    frozen alias could be moved to a version it never served, a promotion past the freeze.
+    Now `to` must be earlier in the alias's lineage; a plain rollback still works frozen."""
+    from safety.audit import iter_records
+
+    fake.models_payload = {"data": [{"id": i} for i in ("base", "policy-v1", "policy-v7")]}
+    harness, _ = make_proxy([fake.url])
+    ctx = harness.ctx
+    flip = _admin(harness.base_url, "/admin/aliases", {"alias": "policy", "target": "policy-v1"})
+    assert flip.status_code == 200, flip.text
+    assert _admin(harness.base_url, "/admin/freeze").status_code == 200
+    forward = _admin(harness.base_url, "/admin/rollback", {"to": "policy-v7"})
+    message = _assert_error(forward, 409, "not_in_lineage")["message"]
+    assert "policy-v7" in message and "base" in message
+    assert ctx.aliases.resolve("policy") == "policy-v1"
+    assert [e["kind"] for e in ctx.state.history] == ["flip", "freeze"]
+    same = _admin(harness.base_url, "/admin/rollback", {"to": "policy-v1"})
+    _assert_error(same, 409, "already_serving")
+    back = _admin(harness.base_url, "/admin/rollback", {})  # frozen: still allowed
+    assert back.status_code == 200 and back.json()["serving_version"] == "base", back.text
+    assert _admin(harness.base_url, "/admin/unfreeze").status_code == 200
+    # v1, then v7, then back to v1: v7 was rolled back past, so going to it is a flip.
+    for target in ("policy-v1", "policy-v7"):
+        body = {"alias": "policy", "target": target}
+        assert _admin(harness.base_url, "/admin/aliases", body).status_code == 200
+    to_v1 = _admin(harness.base_url, "/admin/rollback", {"to": "policy-v1"})
+    assert to_v1.status_code == 200 and to_v1.json()["previous"] == "policy-v7", to_v1.text
+    again = _admin(harness.base_url, "/admin/rollback", {"to": "policy-v7"})
+    _assert_error(again, 409, "not_in_lineage")
+    to_base = _admin(harness.base_url, "/admin/rollback", {"to": "base"})
+    assert to_base.status_code == 200 and to_base.json()["serving_version"] == "base"
+    events = [(r["event"], r["payload"].get("target")) for r in iter_records(ctx.audit.path)]
+    assert [e for e in events if e[0] == "rollback"] == [
+        ("rollback", "base"),
+        ("rollback", "policy-v1"),
+        ("rollback", "base"),
+    ]
+
+
 def test_feedback_has_a_rate_limit_of_its_own(make_proxy, fake):
     """A key could post feedback without limit (every event reaches the stream); now it
     has a bucket the size of the tenant's per-minute limit, apart from its completions'."""

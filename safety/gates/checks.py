@@ -98,6 +98,12 @@ def extract_json_object(text: str) -> Any | None:
     return None
 
 
+def is_tool_call(text: str) -> bool:
+    """The reply holds a JSON `{"name": <string>, "arguments": ...}` (valid or not)."""
+    call = extract_json_object(text)
+    return isinstance(call, dict) and isinstance(call.get("name"), str) and "arguments" in call
+
+
 def tool_call_valid(text: str, name: str, parameters: dict[str, Any]) -> bool:
     """The reply holds `{"name": <name>, "arguments": {...}}` whose arguments fit the schema."""
     call = extract_json_object(text)

@@ -12,6 +12,7 @@ from safety.gates.checks import (
     is_clarifying_question,
     is_degenerate,
     is_refusal,
+    is_tool_call,
     tool_call_valid,
 )
 from safety.gates.client import Completion
@@ -45,6 +46,7 @@ async def monitor_gates(
     candidate, incumbent = await ctx.respond_both(probes)
     benign = [k for k, p in enumerate(probes) if getattr(p, "kind", "benign") == "benign"]
     tools = [k for k, p in enumerate(probes) if getattr(p, "kind", "") == "tool"]
+    tool_set = set(tools)
 
     def stats(responses: list[Completion]) -> dict[str, float]:
         valid = []
@@ -52,9 +54,15 @@ async def monitor_gates(
             probe = probes[k]
             assert isinstance(probe, MonitorProbe) and probe.tool is not None
             valid.append(tool_call_valid(responses[k].text, probe.tool.name, probe.tool.parameters))
+        # A JSON tool call has few letters and reads as gibberish: a reply to a tool probe
+        # that is a call is judged by the tool-call monitor, not as degenerate.
+        degenerate = [
+            is_degenerate(r.text, r.token_ids) and not (k in tool_set and is_tool_call(r.text))
+            for k, r in enumerate(responses)
+        ]
         return {
             "mean_tokens": fmean(len(r.token_ids) for r in responses),
-            "degenerate_rate": _rate([is_degenerate(r.text, r.token_ids) for r in responses]),
+            "degenerate_rate": _rate(degenerate),
             "tool_call_validity": _rate(valid),
             "refusal_rate": _rate([is_refusal(responses[k].text) for k in benign]),
             "clarifying_rate": _rate([is_clarifying_question(r.text) for r in responses]),

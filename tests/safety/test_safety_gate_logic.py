@@ -760,3 +760,72 @@ def test_the_gate_client_drops_idle_connections_before_vllms_keepalive(
         loop.run_until_complete(client.aclose())
         loop.close()
         server.stop()
+
+
+Answer = Callable[[str, str], tuple[str, int, str]]
+
+
+class _AnswerClient:
+    """`answer(model, prompt) -> (text, tokens wanted, finish_reason)`, cut at max_tokens."""
+
+    def __init__(self, answer: Answer) -> None:
+        self.answer = answer
+
+    async def chat(self, model: str, messages: list[dict], **kwargs: Any) -> Completion:
+        text, wanted, finish = self.answer(model, messages[-1]["content"])
+        n = min(wanted, int(kwargs["max_tokens"]))
+        ids = [(hash((model, messages[-1]["content"])) + i) % 50000 for i in range(n)]
+        return Completion(text, ids, None, [1, 2, 3], finish)
+
+    async def aclose(self) -> None:
+        return None
+
+
+async def _monitors(answer: Answer, **monitor: Any) -> dict[str, GateResult]:
+    from safety.config import MonitorGateConfig, RegressionGateConfig, SamplingConfig
+    from safety.gates.context import SuiteContext
+    from safety.gates.monitors import monitor_gates
+
+    ctx = SuiteContext(_AnswerClient(answer), SamplingConfig(), "cand", "inc", "base")  # type: ignore[arg-type]
+    regression = RegressionGateConfig(enabled="probe_file" not in monitor)
+    results = await monitor_gates(ctx, MonitorGateConfig(**monitor), regression)
+    return {r.name: r for r in results}
+
+
+async def test_valid_tool_calls_are_not_degenerate_replies(tmp_path: Path) -> None:
+    # A JSON tool call reads as gibberish to is_degenerate (few letters): a candidate that
+    # learnt to answer the tool probes with valid calls failed monitor.repetition.
+    schema = {
+        "type": "object",
+        "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
+        "required": ["a", "b"],
+    }
+    probes = [
+        {"id": f"tool-{k}", "prompt": f"Call add with a={k} b=3, reply JSON", "kind": "tool"}
+        | {"max_tokens": 32, "tool": {"name": "add", "parameters": schema}}
+        for k in range(4)
+    ]
+    probes += [{"id": "b1", "prompt": "Explain recursion in one sentence.", "kind": "benign"}]
+    path = tmp_path / "monitors.jsonl"
+    path.write_text("".join(json.dumps(p) + "\n" for p in probes))
+    call = '{"name": "add", "arguments": {"a": 0, "b": 3}}'
+    assert is_degenerate(call, list(range(12)))  # the heuristic alone
+
+    def answer(model: str, prompt: str) -> tuple[str, int, str]:
+        if prompt.startswith("Call add"):
+            if model == "cand":
+                return call, 12, "stop"
+            return "Sure, I would add the two numbers for you here.", 12, "stop"
+        return "Recursion is when a function calls itself on a smaller part.", 14, "stop"
+
+    results = await _monitors(answer, probe_file=path)
+    assert results["monitor.repetition"].verdict == "pass", results["monitor.repetition"]
+    assert results["monitor.repetition"].details["candidate"]["degenerate_rate"] == 0.0
+
+    def garbage(model: str, prompt: str) -> tuple[str, int, str]:
+        if model == "cand" and prompt.startswith("Call add"):
+            return "]]]]]]]]]]]]]]]]]]]]", 12, "stop"  # not a call: still degenerate
+        return answer("inc", prompt)
+
+    results = await _monitors(garbage, probe_file=path)
+    assert results["monitor.repetition"].verdict == "fail"

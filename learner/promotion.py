@@ -351,17 +351,14 @@ class Promoter:
             self.audit.append(ACTOR, "promotion_failed", payload)
             return PromotionOutcome(name, "failed", incumbent, reason=str(exc), timings=timings)
 
-        self._write_gate_report(name, report)
-        self.audit.append(
-            ACTOR,
-            "gate_result",
-            {
-                "version": name,
-                "incumbent": incumbent,
-                "passed": report.passed,
-                "results": report.to_dict()["results"],
-            },
-        )
+        gate_result: dict[str, Any] = {
+            "version": name,
+            "incumbent": incumbent,
+            "passed": report.passed,
+            "results": report.to_dict()["results"],
+        }
+        self._write_gate_report_noting(name, report, gate_result)
+        self.audit.append(ACTOR, "gate_result", gate_result)
         if not report.passed:
             rejected: dict[str, Any] = {"version": name, "failed_gates": report.failed_gates}
             self._unload_noting(name, rejected)
@@ -844,6 +841,19 @@ class Promoter:
             api_key=self.replicas.api_key,
             stop=self._closing,  # `close()` must not wait out a suite of several minutes
         )
+
+    def _write_gate_report_noting(
+        self, name: str, report: GateReport, payload: dict[str, Any]
+    ) -> None:
+        """Write the report file; a failure is logged and noted in the `gate_result` payload
+        (`report_write_failed`) instead of raised: the file is for the operator page, and
+        raising here skipped the decision's audit records and left a rejected candidate
+        loaded. The audit record holds the same results."""
+        try:
+            self._write_gate_report(name, report)
+        except Exception as exc:
+            log.exception("gate_report_write_failed", version=name)
+            payload["report_write_failed"] = repr(exc)
 
     def _write_gate_report(self, name: str, report: GateReport) -> None:
         """Gate results live beside the adapter store: version directories are immutable."""

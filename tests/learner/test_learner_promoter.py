@@ -680,3 +680,28 @@ def test_the_replica_client_drops_idle_connections_before_vllms_keepalive(
     finally:
         replicas.close()
         server.stop()
+
+
+# -- the gate report file -----------------------------------------------------------------------
+
+
+def test_a_gate_report_that_cannot_be_written_still_audits_and_rejects(tmp_path: Path) -> None:
+    """The report file was written before the `gate_result` record, outside any handler: a
+    write that failed (disk full, a file where the gates folder should be) skipped the
+    decision's audit records, and the rejected candidate stayed loaded."""
+    from safety.gates.types import GateResult
+
+    store = AdapterStore(tmp_path)
+    publish(store, tmp_path, 3)
+    publish(store, tmp_path, 4)
+    (tmp_path / "gates").write_text("not a directory")
+    replicas, proxy, audit = Replicas({"policy-v3"}), Proxy("policy-v3"), FakeAudit()
+    p = promoter(tmp_path, replicas, proxy, audit)
+    p.gate_runner = lambda c, i: GateReport(False, [GateResult.failed_closed("safety", "unsafe")])
+    outcome = p.promote(store.path(4))
+    assert outcome.decision == "rejected"
+    assert audit.names() == ["gate_result", "candidate_rejected"]
+    gate_result = audit.events[0][1]
+    assert gate_result["passed"] is False
+    assert "report_write_failed" in gate_result
+    assert "policy-v4" not in replicas.loaded

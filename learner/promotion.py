@@ -174,7 +174,7 @@ class ReplicaSet:
     def loaded_versions(self) -> set[str]:
         names: set[str] = set()
         for url in self.base_urls:
-            names |= {n for n in self.served(url) if n.startswith("policy-v")}
+            names |= {n for n in self.served(url) if is_version_name(n)}
         return names
 
     def close(self) -> None:
@@ -189,6 +189,12 @@ def routed_targets(status: dict[str, Any]) -> set[str]:
         if running and running.get("target"):
             routed.add(str(running["target"]))
     return routed
+
+
+def is_version_name(name: str) -> bool:
+    """Whether `name` is a version's (`policy-v<N>`), not merely one that starts like it
+    (`policy-v6.moved-aside`, an operator's `policy-v3-hotfix` LoRA)."""
+    return _VERSION_NAME.fullmatch(name) is not None
 
 
 def version_number(name: str) -> int:
@@ -321,7 +327,7 @@ class Promoter:
                 {"version": name, "reason": "frozen", "incumbent": incumbent},
             )
             return PromotionOutcome(name, "skipped_frozen", incumbent, reason="serving is frozen")
-        if incumbent.startswith("policy-v") and version_number(incumbent) >= version_number(name):
+        if is_version_name(incumbent) and version_number(incumbent) >= version_number(name):
             self.audit.append(
                 ACTOR,
                 "promotion_skipped",
@@ -334,7 +340,7 @@ class Promoter:
             return self._interrupted(name, incumbent, timings, None, stopping)
         self._candidate_dir = version_dir
         try:
-            if incumbent.startswith("policy-v"):
+            if is_version_name(incumbent):
                 self._serve_incumbent(incumbent)
             verify_weights(version_dir)
             started = time.monotonic()
@@ -564,7 +570,7 @@ class Promoter:
             return PromotionOutcome(name, "promoted", incumbent, reason="confirmed late")
         if (
             serving is not None
-            and serving.startswith("policy-v")
+            and is_version_name(serving)
             and (version_number(serving) > version_number(name))
         ):
             # A newer version took over meanwhile: its cleanup unloads `name` if unrouted.
@@ -918,8 +924,11 @@ class Promoter:
 
     def _prune_dirs(self, protected: set[str]) -> None:
         root = self.state_dir / "adapters"
+        # Strictly `policy-v<N>`: a folder an operator moved aside (`policy-v6.moved-aside`)
+        # matched the glob, failed to parse, and stopped every later cleanup.
         versions = sorted(
-            (p for p in root.glob("policy-v*") if p.is_dir()), key=lambda p: version_number(p.name)
+            (p for p in root.glob("policy-v*") if p.is_dir() and is_version_name(p.name)),
+            key=lambda p: version_number(p.name),
         )
         for path in versions[: -self.config.retain_dirs]:
             if path.name not in protected:

@@ -24,6 +24,7 @@ from learner.promotion import (
     ACTOR,
     PromotionError,
     ReplicaSet,
+    is_version_name,
     verify_weights,
     version_number,
 )
@@ -60,7 +61,7 @@ class AdapterReloader:
         """Load every routed version a reachable replica lacks; returns (replica, version)
         for each one loaded again."""
         try:
-            wanted = {name for name in self.routed() if name.startswith("policy-v")}
+            wanted = {name for name in self.routed() if is_version_name(name)}
         except (httpx.HTTPError, PromotionError, ValueError) as exc:
             log.warning("adapter_reload_check_skipped", reason=f"proxy status: {exc}")
             return []

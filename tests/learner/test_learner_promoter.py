@@ -705,3 +705,38 @@ def test_a_gate_report_that_cannot_be_written_still_audits_and_rejects(tmp_path:
     assert gate_result["passed"] is False
     assert "report_write_failed" in gate_result
     assert "policy-v4" not in replicas.loaded
+
+
+# -- names that are not versions ----------------------------------------------------------------
+
+
+def test_a_directory_moved_aside_does_not_stop_pruning(tmp_path: Path) -> None:
+    """`policy-v6.moved-aside` (what the ResumeRefused message asks for) matched the
+    `policy-v*` glob and its name failed to parse: every later cleanup raised before it
+    pruned anything."""
+    store = AdapterStore(tmp_path)
+    for version in range(1, 7):
+        publish(store, tmp_path, version)
+    shutil.move(store.path(6), store.root / "policy-v6.moved-aside")
+    audit = FakeAudit()
+    p = promoter(
+        tmp_path, Replicas({"policy-v5"}), Proxy("policy-v5"), audit, retain_dirs=2, keep_loaded=1
+    )
+    p._cleanup("policy-v5")
+    assert store.versions() == [4, 5]
+    assert (store.root / "policy-v6.moved-aside").is_dir()  # not ours to prune
+    assert audit.names() == ["adapter_pruned"] * 3
+
+
+def test_the_replicas_list_only_version_names(tmp_path: Path) -> None:
+    """A LoRA an operator loaded as `policy-v3-hotfix` is no version: listing it made the
+    cleanup's sort by version number raise."""
+    from learner.promotion import ReplicaSet
+
+    def vllm(request: httpx.Request) -> httpx.Response:
+        names = ["base", "policy-v3", "policy-v3-hotfix", "policy-vx"]
+        return httpx.Response(200, json={"data": [{"id": n} for n in names]})
+
+    replicas = ReplicaSet(["http://replica"])
+    replicas._client = httpx.Client(transport=httpx.MockTransport(vllm))
+    assert replicas.loaded_versions() == {"policy-v3"}

@@ -166,7 +166,8 @@ def read_adapter_metas(state_dir: Path) -> Loaded:
                 raise ValueError("not a JSON object")
             meta.setdefault("created_at", meta_file.stat().st_mtime)
             out.items.append({**meta, "name": path.name, "version": number})
-        except (OSError, ValueError) as exc:
+        # UnicodeDecodeError is a ValueError; RecursionError: nested too deeply.
+        except (OSError, ValueError, RecursionError) as exc:
             log.warning("operator_adapter_meta_unreadable", dir=str(path), error=str(exc))
             out.errors.append(f"{path.name}: {exc}")
     return out
@@ -286,14 +287,33 @@ def _fetched_high_watermarks(
     return found
 
 
+def _consumed_offsets(consumed: Any) -> dict[str, dict[int, int]]:
+    """An adapter's `consumed_offsets` ({topic: {partition: offset}}, from the learner's
+    file); ValueError naming the field when it has another shape."""
+    shape = "consumed_offsets is not {topic: {partition: offset}}"
+    if not isinstance(consumed, dict):
+        raise ValueError(f"{shape}: {type(consumed).__name__}")
+    out = {}
+    for topic, parts in consumed.items():
+        if parts is None:
+            continue
+        if not isinstance(parts, dict):
+            raise ValueError(f"{shape}: {topic!r} holds a {type(parts).__name__}")
+        try:
+            out[str(topic)] = {int(p): int(o) for p, o in parts.items()}
+        except (TypeError, ValueError, OverflowError) as exc:
+            raise ValueError(f"{shape}: {topic!r}: {exc}") from exc
+    return out
+
+
 def consumer_lag(
     ends: dict[str, dict[int, int]], consumed: dict[str, Any] | None
 ) -> list[dict[str, Any]]:
     """One row per topic partition: end offset, the learner's next offset, and the lag."""
     rows = []
-    consumed = consumed or {}
+    consumed = _consumed_offsets(consumed or {})
     for topic, parts in sorted(ends.items()):
-        learner = {int(p): int(o) for p, o in (consumed.get(topic) or {}).items()}
+        learner = consumed.get(topic, {})
         for partition, end in sorted(parts.items()):
             at = learner.get(partition)
             rows.append(

@@ -9,16 +9,20 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from html import escape
 from typing import Any
 from urllib.parse import urlencode
 
+import structlog
+
 from proxy.operator_chart import Point, reward_chart
 from proxy.operator_data import AuditPage, Loaded
 from safety.audit import VerifyResult, format_record
+
+log = structlog.get_logger(__name__)
 
 HISTORY_ROWS = 50
 
@@ -227,7 +231,12 @@ def _gates(gates: Loaded) -> str:
     if not gates.items and not gates.errors:
         parts.append('<p class="muted">no gate reports yet (<code>gates/*.json</code>)</p>')
     for report in gates.items:
-        results = [r for r in report.get("results") or [] if isinstance(r, dict)]
+        results = report.get("results")
+        if results is not None and not isinstance(results, list):
+            name = report.get("file")
+            parts.append(_errors([f"{name}: 'results' is not a list: {_shape(results)}"]))
+            results = []
+        results = [r for r in results or [] if isinstance(r, dict)]
         rows = (
             (
                 _e(r.get("name")),
@@ -249,14 +258,28 @@ def _gates(gates: Loaded) -> str:
     return "".join(parts)
 
 
+def _shape(value: Any) -> str:
+    """What a value of the wrong shape is, for an error line (never the value itself)."""
+    return type(value).__name__
+
+
+def _step_metrics(meta: dict[str, Any]) -> dict[str, Any]:
+    """An adapter's `step_metrics`, or {} when absent or not an object."""
+    metrics = meta.get("step_metrics")
+    return metrics if isinstance(metrics, dict) else {}
+
+
 def _chart(data: PageData) -> str:
     adapters = data.adapters.items
-    learner = [
-        Point(float(m["created_at"]), float(m["step_metrics"]["reward_mean"]), m["name"])
+    odd = [
+        f"{m['name']}: 'step_metrics' is not an object: {_shape(m['step_metrics'])}"
         for m in adapters
-        if isinstance(m.get("step_metrics"), dict)
-        and _finite(m["step_metrics"].get("reward_mean"))
-        and _plottable(m.get("created_at"))
+        if m.get("step_metrics") is not None and not isinstance(m["step_metrics"], dict)
+    ]
+    learner = [
+        Point(float(m["created_at"]), float(_step_metrics(m)["reward_mean"]), m["name"])
+        for m in adapters
+        if _finite(_step_metrics(m).get("reward_mean")) and _plottable(m.get("created_at"))
     ]
     policy = data.status.get("policy_alias")
     markers = [
@@ -269,9 +292,9 @@ def _chart(data: PageData) -> str:
             _e(m["name"]),
             _e(m.get("parent_version")),
             _when(m.get("created_at")),
-            _num((m.get("step_metrics") or {}).get("reward_mean")),
-            _num((m.get("step_metrics") or {}).get("kl")),
-            _num((m.get("step_metrics") or {}).get("samples")),
+            _num(_step_metrics(m).get("reward_mean")),
+            _num(_step_metrics(m).get("kl")),
+            _num(_step_metrics(m).get("samples")),
         )
         for m in reversed(adapters)
     )
@@ -280,7 +303,7 @@ def _chart(data: PageData) -> str:
         f"<p>{len(data.feedback)} numeric feedback values received by this proxy since it "
         f"started; {len(learner)} adapter versions with a reward mean.</p>"
         + reward_chart(data.feedback, learner, markers)
-        + _errors(data.adapters.errors)
+        + _errors([*data.adapters.errors, *odd])
         + (
             _table(("adapter", "parent", "created", "reward_mean", "kl", "samples"), rows)
             if adapters
@@ -400,11 +423,26 @@ def operator_page(data: PageData, nonce: str) -> str:
         f'<h1>olp operator</h1><div class="muted">{signed} · '
         f"rendered {_when(datetime.now(UTC).timestamp())} {logout}</div>"
         + _errors(data.errors)
-        + _serving(data.status)
-        + _tenants(data.status)
-        + _gates(data.gates)
-        + _chart(data)
-        + _stream(data.stream)
-        + _audit(data)
+        + _section("serving", _serving, data.status)
+        + _section("tenants", _tenants, data.status)
+        + _section("gates", _gates, data.gates)
+        + _section("rewards", _chart, data)
+        + _section("stream", _stream, data.stream)
+        + _section("audit", _audit, data)
     )
     return document("olp operator", body, nonce)
+
+
+def _section(anchor: str, render: Callable[[Any], str], source: Any) -> str:
+    """One section of the page, or, when something it shows has a shape it does not expect
+    (the learner's files may hold anything), its error in its place: never a 500 for the
+    whole page."""
+    try:
+        return render(source)
+    except Exception as exc:
+        log.exception("operator_section_failed", section=anchor)
+        return (
+            f'<h2 id="{_e(anchor)}">{_e(anchor.capitalize())}</h2>'
+            f'<p class="error">this section could not be shown: {_e(type(exc).__name__)}: '
+            f"{_e(exc)}</p>"
+        )

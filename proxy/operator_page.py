@@ -214,7 +214,10 @@ async def _stream_view(ctx: ProxyContext, adapters: Loaded) -> StreamView:
         log.warning("operator_kafka_unavailable", error=repr(exc))
         view.lag_error = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
         return view
-    view.lag = consumer_lag(ends, (newest or {}).get("consumed_offsets"))
+    try:
+        view.lag = consumer_lag(ends, (newest or {}).get("consumed_offsets"))
+    except ValueError as exc:  # the learner's file: name it, as the other sections do
+        view.lag_error = f"{view.consumed_from}/olp_meta.json: {exc}"
     return view
 
 

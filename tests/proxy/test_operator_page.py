@@ -13,6 +13,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
+import pytest
 from kafka import KafkaProducer
 from kafka.admin import KafkaAdminClient, NewTopic
 
@@ -288,6 +289,66 @@ def test_odd_numbers_in_learner_files_do_not_take_the_page_down(make_proxy, tmp_
     assert re.findall(r'class="learner-point" data-version="([^"]+)"', page) == ["policy-v1"]
     assert "1e+300" in page  # the gate report's time, shown as it is
     assert "regression" in page and "poisoning" in page
+
+
+def test_odd_shapes_in_learner_files_show_next_to_their_section(make_proxy, tmp_path):
+    """One odd value in a learner-written file gave a 500 for the whole page: `step_metrics`
+    that is not an object, an `olp_meta.json` nested too deeply to parse (RecursionError),
+    gate `results` that are not a list. Each is now named next to its section."""
+    harness, _ = make_proxy(NO_UPSTREAM)
+    state = tmp_path / "state"
+    metas = {
+        1: json.dumps({"step_metrics": [1, 2]}),
+        2: "[" * 100_000 + "]" * 100_000,
+        3: json.dumps({"step_metrics": {"reward_mean": 0.5}, "created_at": time.time()}),
+    }
+    for version, text in metas.items():
+        adapter = state / "adapters" / f"policy-v{version}"
+        adapter.mkdir(parents=True)
+        (adapter / "olp_meta.json").write_text(text)
+    (state / "gates").mkdir()
+    report = {"passed": False, "candidate": "policy-v3", "results": 5}
+    (state / "gates" / "policy-v3.json").write_text(json.dumps(report))
+    report = {"passed": True, "candidate": "policy-v2", "results": [{"name": "kl", "verdict": 1}]}
+    (state / "gates" / "policy-v2.json").write_text(json.dumps(report))
+    response = httpx.get(harness.base_url + "/admin/ui", headers=BEARER)
+    assert response.status_code == 200, response.text
+    page = response.text
+    rewards = page[page.index('id="rewards"') : page.index('id="stream"')]
+    assert re.findall(r'class="learner-point" data-version="([^"]+)"', rewards) == ["policy-v3"]
+    assert re.search(r'class="error">policy-v1: .*step_metrics', rewards)
+    assert re.search(r'class="error">policy-v2: .*(recursion|nested)', rewards)
+    gates = page[page.index('id="gates"') : page.index('id="rewards"')]
+    assert re.search(r'class="error">policy-v3.json: .*results', gates)
+    assert "kl" in gates  # the sound report is still shown
+    status = httpx.get(harness.base_url + "/admin/status", headers=BEARER)
+    assert status.status_code == 200
+
+
+def test_a_section_that_cannot_be_shown_says_so_in_its_place(make_proxy, monkeypatch):
+    from proxy import operator_html
+
+    def odd(_: object) -> str:
+        raise KeyError("reward_mean")
+
+    monkeypatch.setattr(operator_html, "_chart", odd)
+    harness, _ = make_proxy(NO_UPSTREAM)
+    response = httpx.get(harness.base_url + "/admin/ui", headers=BEARER)
+    assert response.status_code == 200, response.text
+    page = response.text
+    rewards = page[page.index('id="rewards"') : page.index('id="stream"')]
+    assert "could not be shown: KeyError: &#x27;reward_mean&#x27;" in rewards
+    assert 'id="audit"' in page and 'id="serving-version"' in page
+
+
+@pytest.mark.parametrize(
+    "consumed",
+    ["olp.trajectories", {"olp.trajectories": [3]}, {"olp.trajectories": {"0": "x"}}],
+)
+def test_consumed_offsets_of_another_shape_are_named_not_a_crash(consumed) -> None:
+    ends = {"olp.trajectories": {0: 5}}
+    with pytest.raises(ValueError, match="consumed_offsets"):
+        consumer_lag(ends, consumed)
 
 
 def test_consumer_lag_is_never_negative() -> None:

@@ -8,9 +8,18 @@ from __future__ import annotations
 
 import hashlib
 import re
+from pathlib import PurePath
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    SecretStr,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
 from proxy.client_address import parse_network
 from proxy.host_check import valid_allowed_host
@@ -87,8 +96,34 @@ class StatePaths(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    serving_state: str = "control/serving.json"
-    records_dir: str = Field(default="records", description="JSONL sink directory (sink: jsonl)")
+    serving_state: str = Field(
+        default="control/serving.json",
+        description="alias table, canaries, history, freeze flags (relative, below the state dir)",
+    )
+    records_dir: str = Field(
+        default="records",
+        description="JSONL sink directory (sink: jsonl; relative, below the state dir)",
+    )
+
+    @field_validator("serving_state", "records_dir")
+    @classmethod
+    def _below_state_dir(cls, value: str, info: ValidationInfo) -> str:
+        """The proxy finds the state dir (the learner's `adapters/` and `gates/`) from the
+        serving state's path below it: an absolute path, or one that climbs out with '..',
+        left it unknowable."""
+        path = PurePath(value)
+        if not path.parts:
+            raise ValueError(f"{info.field_name} is empty: give a path below the state dir")
+        if path.is_absolute():
+            raise ValueError(
+                f"{info.field_name} {value!r} is absolute: give a path relative to the state dir"
+            )
+        if ".." in path.parts:
+            raise ValueError(
+                f"{info.field_name} {value!r} climbs out of the state dir with '..': give a "
+                "path below it"
+            )
+        return value
 
 
 class GcTuning(BaseModel):

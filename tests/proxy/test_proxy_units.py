@@ -47,6 +47,24 @@ def test_plaintext_keys_are_hashed_and_dropped():
         ProxyConfig(unknown_key=1)
 
 
+@pytest.mark.parametrize("field", ["serving_state", "records_dir"])
+@pytest.mark.parametrize(
+    "value, reason",
+    [("/var/olp/serving.json", "absolute"), ("../elsewhere/serving.json", "'..'"), ("", "empty")],
+)
+def test_state_paths_stay_below_the_state_dir(field, value, reason):
+    """`proxy.state.*` are paths below the state dir: an absolute serving_state made the
+    state dir unknowable (state_dir_of indexed past the path's parents: the operator page
+    answered 500, /admin/status showed no gates), and '..' wrote outside it."""
+    with pytest.raises(ValidationError) as err:
+        ProxyConfig(state={field: value})
+    message = str(err.value)
+    assert f"state.{field}" in message and reason in message, message
+    assert ProxyConfig(state={field: "sub/dir/name.json"}).state.model_dump()[field] == (
+        "sub/dir/name.json"
+    )
+
+
 def test_auth_and_training_opt_in():
     registry = TenantRegistry(
         [

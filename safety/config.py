@@ -179,6 +179,7 @@ class MonitorGateConfig(_Model):
     probe_file: Path = PROBE_DIR / "monitor_prompts.jsonl"
     max_probes: int = Field(default=6, ge=1)
     length_drift_band: float = Field(default=0.5, ge=0.0)  # relative change of mean tokens
+    length_cap_band: float = Field(default=0.25, ge=0.0)  # change of the rate cut at max_tokens
     repetition_band: float = Field(default=0.25, ge=0.0)
     tool_call_validity_band: float = Field(default=0.25, ge=0.0)
     refusal_band: float = Field(default=0.25, ge=0.0)

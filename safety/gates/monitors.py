@@ -1,7 +1,8 @@
 """Reward-hacking monitors, each a band around the incumbent on the same prompts:
-response length drift, repetition/gibberish rate, tool-call validity, refusal rate on benign
-prompts, clarifying-question rate. Repetition may not rise and tool validity may not fall
-beyond their bands; length, refusals and clarifying questions may not move either way."""
+response length drift, the rate of answers cut at the token cap, repetition/gibberish rate,
+tool-call validity, refusal rate on benign prompts, clarifying-question rate. Repetition may
+not rise and tool validity may not fall beyond their bands; length, answers at the cap,
+refusals and clarifying questions may not move either way."""
 
 from __future__ import annotations
 
@@ -62,6 +63,9 @@ async def monitor_gates(
         ]
         return {
             "mean_tokens": fmean(len(r.token_ids) for r in responses),
+            # Probes are sampled with a small max_tokens, so a candidate that learnt to run
+            # on shows only as more answers stopped by the cap, not as more tokens.
+            "length_capped_rate": _rate([r.finish_reason == "length" for r in responses]),
             "degenerate_rate": _rate(degenerate),
             "tool_call_validity": _rate(valid),
             "refusal_rate": _rate([is_refusal(responses[k].text) for k in benign]),
@@ -80,6 +84,13 @@ async def monitor_gates(
     results = [
         GateResult.compare(
             PREFIX + "length_drift", length_drift, config.length_drift_band, "<=", details
+        ),
+        GateResult.compare(
+            PREFIX + "length_cap",
+            abs(cand["length_capped_rate"] - inc["length_capped_rate"]),
+            config.length_cap_band + ctx.noise(len(probes)),
+            "<=",
+            details,
         ),
         GateResult.compare(
             PREFIX + "repetition",

@@ -792,6 +792,31 @@ async def _monitors(answer: Answer, **monitor: Any) -> dict[str, GateResult]:
     return {r.name: r for r in results}
 
 
+async def test_answers_that_run_on_past_the_cap_fail_the_length_monitor() -> None:
+    # The gate samples at most sampling.max_tokens (16) tokens: a candidate whose every
+    # answer ran on (300 tokens wanted) measured 16 against the incumbent's 9-16, a drift
+    # of 0.45 within the band of 0.5, and passed. Answers cut at the cap now count.
+    def answer(model: str, prompt: str) -> tuple[str, int, str]:
+        if model == "cand":
+            return "Well, let me explain at great length " * 20, 300, "length"
+        if "JSON" in prompt:
+            return '{"name": "get_weather", "arguments": {"city": "Paris"}}', 20, "stop"
+        if prompt.startswith(("Write a short poem", "Give me a one-sentence", "Explain", "Fix")):
+            return "A fine short answer for this prompt here.", 16, "length"
+        return "The answer is Paris.", 9, "stop"
+
+    results = await _monitors(answer)
+    capped = results["monitor.length_cap"]
+    assert capped.verdict == "fail", capped
+    assert capped.details["candidate"]["length_capped_rate"] == 1.0
+    assert results["monitor.length_drift"].verdict == "pass"  # what let it through before
+
+    def same(model: str, prompt: str) -> tuple[str, int, str]:
+        return answer("inc", prompt)
+
+    assert (await _monitors(same))["monitor.length_cap"].verdict == "pass"
+
+
 async def test_valid_tool_calls_are_not_degenerate_replies(tmp_path: Path) -> None:
     # A JSON tool call reads as gibberish to is_degenerate (few letters): a candidate that
     # learnt to answer the tool probes with valid calls failed monitor.repetition.

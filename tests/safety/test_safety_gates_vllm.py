@@ -139,7 +139,7 @@ async def test_candidate_identical_to_incumbent_passes(
     config = small_config(kl=KLGateConfig(max_prompts=2, max_tokens=12, cap=50.0))
     report = await _suite(vllm_server, config, candidate, incumbent, zero_base)
     assert report.passed, [r.to_dict() for r in report.results if not r.passed]
-    assert len(report.results) == 9  # every gate and monitor ran and passed
+    assert len(report.results) == 10  # every gate and monitor ran and passed
 
 
 async def test_kl_cap_breach_rejects(

@@ -157,6 +157,25 @@ class ChildProcess:
             "messages)"
         )
 
+    def _drain_group(self, grace_s: float) -> None:
+        """The leader is gone: SIGTERM what is left of its group and wait, up to `grace_s`,
+        until none of it runs (the SIGKILL that follows in stop() then finds nothing)."""
+        if not _group_running(self.pid):
+            return
+        log.info("child_group_draining", child=self.name, pgid=self.pid, grace_s=grace_s)
+        say(
+            f"olp: {self.name} (pid {self.pid}) is gone; waiting up to {grace_s:.0f} s for "
+            "the processes it left in its group to finish (a stream worker saving its "
+            "records, say) before killing them"
+        )
+        _signal_group(self.pid, signal.SIGTERM)
+        deadline = time.monotonic() + grace_s
+        while _group_running(self.pid):
+            if time.monotonic() >= deadline:
+                log.warning("child_group_kill", child=self.name, pgid=self.pid)
+                return
+            time.sleep(0.1)
+
     def tail(self, lines: int = 40) -> str:
         return "\n".join(list(self._tail)[-lines:])
 
@@ -166,14 +185,28 @@ class ChildProcess:
     def alive(self) -> bool:
         return self.proc.poll() is None
 
-    def stop(self, timeout_s: float = 20.0, kill_wait_s: float = 10.0) -> int | None:
+    def stop(
+        self,
+        timeout_s: float = 20.0,
+        kill_wait_s: float = 10.0,
+        *,
+        group_grace_s: float | None = None,
+    ) -> int | None:
         """SIGTERM the child's process group, SIGKILL it after the timeout.
+
+        When the child itself already died (a crash, the OOM killer), what it left in its
+        group still gets SIGTERM and up to `group_grace_s` (default `timeout_s`) to finish
+        before SIGKILL: the proxy's stream worker ignores SIGTERM and, once its parent is
+        gone, sends or spills the records it holds (replay/sink_process.py); killed at once,
+        it lost them.
 
         Returns the exit code, or None (and `stuck` is set) when the process is still
         there `kill_wait_s` after SIGKILL (uninterruptible sleep: a hung disk or NFS
         mount): logged and said with its PID, never raised, so that the caller goes on
         stopping its other children."""
-        if self.proc.poll() is None:
+        if self.proc.poll() is not None:
+            self._drain_group(timeout_s if group_grace_s is None else group_grace_s)
+        else:
             _signal_group(self.proc.pid, signal.SIGTERM)
             try:
                 self.proc.wait(timeout=timeout_s)
@@ -230,6 +263,33 @@ def _start_guard(child: int) -> subprocess.Popen[bytes] | None:
 def _signal_group(pid: int, sig: signal.Signals) -> None:
     with contextlib.suppress(ProcessLookupError):
         os.killpg(pid, sig)
+
+
+def _group_running(pgid: int) -> bool:
+    """Some process of the group still runs. Zombies do not count: an orphan waits for
+    init to reap it, and one that nobody reaps (a container without an init) never ends."""
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:
+        entries = os.listdir("/proc")
+    except OSError:  # no procfs: the signal test above is all there is
+        return True
+    for entry in entries:
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat", encoding="ascii", errors="replace") as stat:
+                fields = stat.read().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue  # exited meanwhile
+        # After the command name: state, parent PID, process group (proc(5)).
+        if len(fields) > 2 and fields[2] == str(pgid) and fields[0] != "Z":
+            return True
+    return False
 
 
 def wait_until(

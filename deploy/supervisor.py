@@ -57,6 +57,8 @@ RESTARTABLE = ("policy", "proxy", "learner")
 # A restarted child that fails again this soon after its start, with the same exit code,
 # fails the same way each time: restarting it further only delays the operator's fix.
 CRASH_LOOP_S = 30.0
+# Added to the stream worker's own bound when a child's group outlives the child (below).
+GROUP_GRACE_MARGIN_S = 5.0
 
 
 class AlreadyRunning(RuntimeError):
@@ -133,6 +135,11 @@ class Stack:
         if not cfg.policy.external_urls and cfg.policy.api_key is None:
             self._policy_key = secrets.token_urlsafe(32)
         self._stream_id: str | None = None  # set when this run starts the embedded broker
+        # A child that died (a crash, the OOM killer) may leave its stream worker behind in
+        # its process group, sending or spilling what it holds: within close_timeout_s for
+        # the broker, as long again to close the producer, then the disk. Its group gets
+        # that long after SIGTERM before SIGKILL, so accepted records are not lost.
+        self.group_grace_s = 2 * cfg.stream.close_timeout_s + GROUP_GRACE_MARGIN_S
 
     # ----------------------------------------------------------------- start
     def _check_stop(self) -> None:
@@ -311,8 +318,10 @@ class Stack:
                     reason = self._no_restart(comp, code, time.monotonic() - comp.started_at)
                     if reason is None:
                         # What the dead child left in its process group (vLLM's engine core,
-                        # holding the model and its KV cache) goes before a new one starts.
-                        comp.child.stop(timeout_s=5)
+                        # holding the model and its KV cache; the proxy's stream worker,
+                        # spilling what it holds) goes before a new one starts: SIGTERM,
+                        # group_grace_s to finish, then SIGKILL.
+                        comp.child.stop(timeout_s=5, group_grace_s=self.group_grace_s)
                         comp.restarts += 1
                         comp.last_code = code
                         say(
@@ -357,7 +366,7 @@ class Stack:
                 continue
             what = f"{comp.name} (pid {comp.child.pid})"
             try:
-                comp.child.stop(timeout_s=30)
+                comp.child.stop(timeout_s=30, group_grace_s=self.group_grace_s)
             except Exception as exc:  # e.g. EPERM from kill: report it, stop the others
                 log.error("child_stop_failed", child=comp.name, pid=comp.child.pid, error=str(exc))
                 say(f"olp: stopping {what} failed: {exc}")

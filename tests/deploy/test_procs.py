@@ -3,13 +3,15 @@ how it stops a process group whose leader already died."""
 
 from __future__ import annotations
 
+import os
+import signal
 import sys
 import time
 from pathlib import Path
 
 from structlog.testing import capture_logs
 
-from deploy.procs import ChildProcess
+from deploy.procs import ChildProcess, _group_running
 
 # 200 lines of 1 kB, more than a pipe holds (64 KiB): the child needs its output read.
 _CHATTY = "for i in range(200): print('x' * 1000, flush=True)\nprint('DONE', flush=True)"
@@ -48,3 +50,75 @@ def test_a_log_file_that_cannot_be_opened_does_not_freeze_the_child(tmp_path: Pa
     finally:
         child.stop(timeout_s=2)
     assert child.tail(1) == "DONE"
+
+
+# A leader with a worker in its group that ignores SIGTERM and, once the leader is gone
+# (its pipe's end), needs SAVE_S to save what it holds, then writes the marker file: the
+# proxy and its stream worker (replay/sink_process.py) in small.
+_LEADER = r"""
+import os, signal, sys, time
+marker, save_s = sys.argv[1], float(sys.argv[2])
+r, w = os.pipe()
+if os.fork() == 0:
+    os.close(w)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    os.read(r, 1)
+    time.sleep(save_s)
+    open(marker, "w").write("saved")
+    os._exit(0)
+os.close(r)
+print("up", flush=True)
+time.sleep(1000)
+"""
+
+
+def _crashed_leader(tmp_path: Path, save_s: float) -> tuple[ChildProcess, Path]:
+    marker = tmp_path / "saved"
+    child = ChildProcess("proxy", [sys.executable, "-c", _LEADER, str(marker), str(save_s)])
+    deadline = time.monotonic() + 20
+    while child.tail(1) != "up" and time.monotonic() < deadline:
+        time.sleep(0.05)
+    os.kill(child.pid, signal.SIGKILL)  # the proxy crashes; its worker starts saving
+    while child.alive():
+        time.sleep(0.05)
+    return child, marker
+
+
+def test_a_crashed_childs_group_gets_its_grace_before_sigkill(tmp_path: Path) -> None:
+    """Before, stop() on a child that had died already SIGKILLed its group at once: the
+    worker saving its records was killed part-way and accepted records were lost. Now the
+    group gets SIGTERM and up to group_grace_s to empty before SIGKILL."""
+    child, marker = _crashed_leader(tmp_path, save_s=2)
+    started = time.monotonic()
+    child.stop(timeout_s=1, group_grace_s=20)
+    assert marker.exists(), "the worker was killed before it saved what it held"
+    assert time.monotonic() - started < 15  # it returns once the group is empty
+
+
+def test_a_crashed_childs_group_is_killed_after_its_grace(tmp_path: Path) -> None:
+    """The wait is bounded: a worker that does not finish within the grace is SIGKILLed."""
+    child, marker = _crashed_leader(tmp_path, save_s=600)
+    started = time.monotonic()
+    child.stop(timeout_s=1, group_grace_s=1)
+    assert time.monotonic() - started < 10
+    deadline = time.monotonic() + 10
+    while _group_running(child.pid) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not _group_running(child.pid)
+    assert not marker.exists()
+
+
+def test_olp_up_gives_a_crashed_proxys_stream_worker_its_grace(tmp_path, monkeypatch) -> None:
+    """The same through `olp up`'s Stack: the proxy dies, the stack stops, the worker still
+    finishes saving (the grace comes from stream.close_timeout_s)."""
+    from deploy.config import load_config
+    from deploy.supervisor import Component, Stack
+
+    monkeypatch.setenv("OLP_STATE_DIR", str(tmp_path / "state"))
+    stack = Stack(load_config(), None, with_learner=False)
+    child, marker = _crashed_leader(tmp_path, save_s=2)
+    stack.components.append(Component("proxy", lambda: child, "proxy", child=child))
+    assert stack.watch(poll_s=0.05) == 1
+    assert stack.stop() == []
+    assert marker.exists(), "the worker was killed before it saved what it held"
+    assert stack.group_grace_s > stack.cfg.stream.close_timeout_s

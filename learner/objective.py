@@ -173,41 +173,67 @@ def apply_share_caps(
 Source = tuple[str, str | None, int]  # (tenant, user, completion tokens) of one sample
 
 
-def select_capped(per_rank: list[list[Source]], caps: CapsConfig) -> list[list[bool]]:
+def select_capped(
+    per_rank: list[list[Source]],
+    caps: CapsConfig,
+    groups: list[list[str | None]] | None = None,
+) -> list[list[bool]]:
     """Keep-flags per rank from one cap over the union of every rank's samples.
 
     The union in rank order is the batch that is trained, so this is what `apply_share_caps`
     decides for it in one process; every rank computes the same flags from the same lists.
+
+    `groups` (each sample's GRPO group, parallel to `per_rank`): groups are kept or dropped
+    whole. Advantages are set per group (zero mean), so a cap that kept a tenant's earliest
+    samples could train a group's positive members alone; here a group the cap cuts into
+    loses its other members too, and the cap is taken again on what is left, until it
+    drops nothing: the shares hold on what is kept, and no kept group is split.
     """
     union = [
         (rank, index, source)
         for rank, part in enumerate(per_rank)
         for index, source in enumerate(part)
     ]
-    result = apply_contribution_caps(
-        union,
-        caps,
-        tenant_of=lambda item: item[2][0],
-        user_of=lambda item: None if item[2][1] is None else item[2][:2],
-        weight_of=lambda item: item[2][2],
-    )
+    group_of = [None] * len(union) if groups is None else [g for part in groups for g in part]
+    if len(group_of) != len(union):
+        raise ValueError(f"{len(group_of)} groups for {len(union)} samples")
+    alive = list(range(len(union)))
+    while True:
+        result = apply_contribution_caps(
+            alive,
+            caps,
+            tenant_of=lambda i: union[i][2][0],
+            user_of=lambda i: None if union[i][2][1] is None else union[i][2][:2],
+            weight_of=lambda i: union[i][2][2],
+        )
+        split = {group_of[i] for i in result.dropped} - {None}
+        kept = [i for i in result.kept if group_of[i] not in split]
+        if len(kept) == len(alive):
+            break
+        alive = kept
     keep = [[False] * len(part) for part in per_rank]
-    for rank, index, _ in result.kept:
+    for i in alive:
+        rank, index, _ = union[i]
         keep[rank][index] = True
     return keep
 
 
 def apply_share_caps_across_ranks(
-    ctx: DistContext, samples: list[Sample], caps: CapsConfig
+    ctx: DistContext, samples: list[Sample], caps: CapsConfig, whole_groups: bool = False
 ) -> tuple[list[Sample], dict[str, int]]:
     """`apply_share_caps` on the union of all ranks' samples (collective: every rank calls it).
 
-    Each rank's (tenant, user) list is gathered, the kept set is decided once for the whole
-    batch, and each rank keeps its own part of it; `capped` counts this rank's drops.
+    Each rank's (tenant, user, tokens) list is gathered, the kept set is decided once for
+    the whole batch, and each rank keeps its own part of it; `capped` counts this rank's
+    drops. `whole_groups`: keep or drop each GRPO group whole (see `select_capped`; the
+    groups are gathered too, since a group may span ranks).
     """
     sources: list[Source] = [(s.tenant, s.user, len(s.completion_ids)) for s in samples]
-    per_rank = all_gather_object(ctx, sources)
-    keep = select_capped(per_rank, caps)[ctx.rank]
+    groups = [s.group for s in samples] if whole_groups else None
+    gathered = all_gather_object(ctx, (sources, groups))
+    per_rank = [part[0] for part in gathered]
+    per_rank_groups = [part[1] for part in gathered] if whole_groups else None
+    keep = select_capped(per_rank, caps, per_rank_groups)[ctx.rank]
     kept = [sample for sample, flag in zip(samples, keep, strict=True) if flag]
     return kept, {"capped": len(samples) - len(kept)}
 
@@ -407,11 +433,13 @@ def select_trained(
     The first cap keeps an over-represented source out of the baselines and group means;
     the second holds the cap on what is trained, since advantages drop zero-advantage
     samples unevenly (capped 4 and 4, a tenant whose samples all carried an advantage
-    trained 4 against the other's 2). Returns the samples and the count parts (`capped`
-    sums both caps)."""
+    trained 4 against the other's 2). The second keeps or drops GRPO groups whole: their
+    advantages are set, and a group cut to its earliest members trained only its positive
+    (or only its negative) ones. Returns the samples and the count parts (`capped` sums
+    both caps)."""
     samples, capped = apply_share_caps_across_ranks(ctx, samples, caps)
     samples, adv_counts = assign_advantages_across_ranks(ctx, samples, baseline, normalize)
-    samples, recapped = apply_share_caps_across_ranks(ctx, samples, caps)
+    samples, recapped = apply_share_caps_across_ranks(ctx, samples, caps, whole_groups=True)
     return samples, [capped, adv_counts, recapped]
 
 

@@ -93,22 +93,49 @@ def test_caps_count_completion_tokens_as_the_loss_does() -> None:
     sources = [[(s.tenant, s.user, len(s.completion_ids)) for s in part] for part in (short, long)]
     keep = select_capped(sources, caps)
     assert (sum(keep[0]), sum(keep[1])) == (20, 2)
-    # A tenant with nothing but one sample longer than every other tenant's tokens keeps none.
+    # A tenant with nothing but one sample longer than every other tenant's tokens keeps it:
+    # a share cap never empties a group (safety/caps.py; it used to keep none).
     kept, _ = apply_share_caps(short[:4] + long[:1], caps)
-    assert {s.tenant for s in kept} == {"A"}
+    assert [s.tenant for s in kept] == ["A"] * 4 + ["B"]
 
 
 def test_the_cap_holds_on_what_is_trained_after_advantages() -> None:
     """Capped 4 and 4, then A's first sample of its task (sets the baseline) and one equal
-    to it carry no advantage: B trained 4 against A's 2, 67 % of the batch."""
+    to it carry no advantage: B trained 4 against A's 2, 67 % of the batch.
+
+    B's 4 are two groups of 2 (one group of 4 could not be cut to 2 without splitting it:
+    see the next test)."""
     a = [make_sample(i, tenant="A", reward=r) for i, r in enumerate([0.5, 0.5, 1.0, 0.0])]
-    b = [make_sample(10 + i, tenant="B", group="gb", reward=float(i)) for i in range(4)]
+    b = [make_sample(10 + i, tenant="B", group=f"gb{i // 2}", reward=i % 2) for i in range(4)]
     caps = CapsConfig(max_tenant_share=0.5, max_user_share=None)
     trained, parts = select_trained(DistContext(), a + b, RunningBaseline(decay=0.5), caps)
-    tenants = [s.tenant for s in trained]
-    assert tenants.count("A") == 2 and tenants.count("B") == 2, tenants
+    assert sorted(s.key for s in trained) == sorted(s.key for s in a[2:] + b[:2])
     capped = sum(part.get("capped", 0) for part in parts)
     assert capped == 2 and parts[1]["zero_advantage_samples"] == 2
+
+
+def test_the_second_cap_keeps_or_drops_groups_whole() -> None:
+    """After advantages, A's group of 4 (rewards 1, 1, 0, 0) against B's 2: the cap kept
+    A's earliest 2, both +1, so A trained its group's good replies alone, a group mean of
+    +1 instead of 0. A whole group that does not fit is dropped."""
+    a = [make_sample(i, tenant="A", group="ga", reward=r) for i, r in enumerate([1, 1, 0, 0])]
+    b = [make_sample(10 + i, tenant="B", group="gb", reward=float(i)) for i in range(2)]
+    b += [make_sample(20 + i, tenant="B", group="gb2", reward=1.0) for i in range(2)]
+    caps = CapsConfig(max_tenant_share=0.5, max_user_share=None)
+    trained, parts = select_trained(DistContext(), a + b, RunningBaseline(decay=0.5), caps)
+    assert [s.key for s in trained] == ["t10:0", "t11:0"]
+    assert sum(s.advantage for s in trained) == pytest.approx(0.0)
+    assert parts[2] == {"capped": 4}
+    # Two groups of A: the first fits next to B's 2 and is kept whole, the second dropped.
+    a = [make_sample(i, tenant="A", group=f"ga{i // 2}", reward=i % 2) for i in range(4)]
+    trained, parts = select_trained(DistContext(), a + b, RunningBaseline(decay=0.5), caps)
+    assert [s.key for s in trained] == ["t0:0", "t1:0", "t10:0", "t11:0"]
+    assert parts[2] == {"capped": 2}
+    # Over ranks: a group split between them is one group, and the shares still hold.
+    sources = [[("A", None, 1)] * 3, [("A", None, 1), ("B", None, 1), ("B", None, 1)]]
+    groups: list[list[str | None]] = [["ga"] * 3, ["ga", "gb", "gb"]]
+    assert select_capped(sources, caps, groups) == [[False] * 3, [False, True, True]]
+    assert select_capped(sources, caps) == [[True, True, False], [False, True, True]]
 
 
 def test_single_source_is_not_capped() -> None:

@@ -164,12 +164,19 @@ class ReplicaSet:
             raise PromotionError(f"{url} refused to load {name}: {resp.text}")
 
     def unload(self, name: str) -> None:
+        """Unload from every replica that lists it. PromotionError, after trying them all,
+        when a replica refused and still lists it: a refusal that was only logged let the
+        cleanup prune the directory of an adapter vLLM still served."""
+        refused: list[str] = []
         for url in self.base_urls:
             if name not in self.served(url):
                 continue
             resp = self._client.post(f"{url}/v1/unload_lora_adapter", json={"lora_name": name})
-            if resp.status_code != 200:
+            if resp.status_code != 200 and name in self.served(url):
                 log.warning("adapter_unload_failed", replica=url, name=name, body=resp.text)
+                refused.append(f"{url} answered {resp.status_code}: {resp.text[:200]}")
+        if refused:
+            raise PromotionError(f"{name} still loaded: {'; '.join(refused)}")
 
     def loaded_versions(self) -> set[str]:
         names: set[str] = set()
@@ -911,16 +918,29 @@ class Promoter:
         loaded = self.replicas.loaded_versions()
         routed = self._kept_for_the_proxy(self.proxy.status())
         keep = set(sorted(loaded | {serving}, key=version_number)[-self.config.keep_loaded :])
-        unloaded: set[str] = set()
         for name in sorted(loaded - keep - routed, key=version_number):
             # An operator's rollback goes through the proxy, not this lock: ask again just
             # before each unload so a version it routes to meanwhile stays loaded.
             if name in self._kept_for_the_proxy(self.proxy.status()):
                 continue
+            self._cleanup_unload(name)
+        # Listed again: whatever a replica still serves (a refused unload) keeps its files.
+        self._prune_dirs(routed | keep | self.replicas.loaded_versions())
+
+    def _cleanup_unload(self, name: str) -> None:
+        """Unload one version nobody routes to; a refusal is audited and the cleanup goes
+        on with the others (the version stays loaded and its directory is kept)."""
+        try:
             self.replicas.unload(name)
-            unloaded.add(name)
-            log.info("adapter_unloaded", name=name)
-        self._prune_dirs(routed | keep | (loaded - unloaded))
+        except PromotionError as exc:
+            log.error("adapter_unload_failed", name=name, error=str(exc))
+            self.audit.append(
+                ACTOR,
+                "adapter_unload_failed",
+                {"version": name, "error": str(exc), "action": "left loaded; directory kept"},
+            )
+            return
+        log.info("adapter_unloaded", name=name)
 
     def _prune_dirs(self, protected: set[str]) -> None:
         root = self.state_dir / "adapters"

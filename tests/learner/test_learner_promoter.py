@@ -15,7 +15,7 @@ from learner import promotion
 from learner.adapter_store import AdapterStore
 from learner.canary import CanaryVerdict
 from learner.config import CanaryConfig, PromotionConfig
-from learner.promotion import Promoter, PromotionError, PromotionOutcome
+from learner.promotion import Promoter, PromotionError, PromotionOutcome, ReplicaSet
 from safety.config import GatesConfig
 from safety.gates.types import GateReport
 from tests.learner.promotion_fakes import FakeAudit
@@ -731,7 +731,6 @@ def test_a_directory_moved_aside_does_not_stop_pruning(tmp_path: Path) -> None:
 def test_the_replicas_list_only_version_names(tmp_path: Path) -> None:
     """A LoRA an operator loaded as `policy-v3-hotfix` is no version: listing it made the
     cleanup's sort by version number raise."""
-    from learner.promotion import ReplicaSet
 
     def vllm(request: httpx.Request) -> httpx.Response:
         names = ["base", "policy-v3", "policy-v3-hotfix", "policy-vx"]
@@ -740,3 +739,74 @@ def test_the_replicas_list_only_version_names(tmp_path: Path) -> None:
     replicas = ReplicaSet(["http://replica"])
     replicas._client = httpx.Client(transport=httpx.MockTransport(vllm))
     assert replicas.loaded_versions() == {"policy-v3"}
+
+
+# -- an unload vLLM refuses -----------------------------------------------------------------------
+
+
+def refusing_vllm(loaded: set[str]) -> ReplicaSet:
+    """A ReplicaSet whose one replica lists `loaded` and refuses every unload (500)."""
+
+    def vllm(request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/v1/models":
+            return httpx.Response(200, json={"data": [{"id": n} for n in ["base", *loaded]]})
+        if request.url.path == "/v1/unload_lora_adapter":
+            return httpx.Response(500, text="engine busy")
+        return httpx.Response(400, text="has already been loaded")  # each name is loaded
+
+    replicas = ReplicaSet(["http://replica"])
+    replicas._client = httpx.Client(transport=httpx.MockTransport(vllm))
+    return replicas
+
+
+def test_a_refused_unload_raises(tmp_path: Path) -> None:
+    replicas = refusing_vllm({"policy-v1"})
+    with pytest.raises(PromotionError, match="policy-v1 still loaded"):
+        replicas.unload("policy-v1")
+
+
+def test_cleanup_never_prunes_a_version_vllm_still_serves(tmp_path: Path) -> None:
+    """vLLM refused the unload (non-200): it was only logged, the cleanup counted the version
+    as unloaded and deleted the directory of an adapter vLLM still served."""
+    store = AdapterStore(tmp_path)
+    for version in (1, 2, 3):
+        publish(store, tmp_path, version)
+    replicas, audit = refusing_vllm({"policy-v1", "policy-v2", "policy-v3"}), FakeAudit()
+    proxy = Proxy(alias="policy-v3", rollback_to="policy-v2")
+    p = Promoter(
+        PromotionConfig.model_validate({"drain_s": 3600, "keep_loaded": 1, "retain_dirs": 1}),
+        GatesConfig(),
+        replicas=replicas,
+        proxy=proxy,  # type: ignore[arg-type]
+        audit=audit,  # type: ignore[arg-type]
+        state_dir=tmp_path,
+        base_name="base",
+        gate_runner=lambda c, i: GateReport(True, []),
+    )
+    p._cleanup("policy-v3")
+    assert store.versions() == [1, 2, 3]  # v1 is still served; v2 is the rollback target
+    assert audit.names() == ["adapter_unload_failed"]
+    payload = audit.events[0][1]
+    assert payload["version"] == "policy-v1" and "engine busy" in payload["error"]
+
+
+def test_a_refused_unload_of_a_rejected_candidate_is_noted(tmp_path: Path) -> None:
+    from safety.gates.types import GateResult
+
+    store = AdapterStore(tmp_path)
+    publish(store, tmp_path, 1)
+    publish(store, tmp_path, 2)
+    replicas, audit = refusing_vllm({"policy-v1", "policy-v2"}), FakeAudit()
+    p = Promoter(
+        PromotionConfig.model_validate({"drain_s": 3600}),
+        GatesConfig(),
+        replicas=replicas,
+        proxy=Proxy("policy-v1"),  # type: ignore[arg-type]
+        audit=audit,  # type: ignore[arg-type]
+        state_dir=tmp_path,
+        base_name="base",
+        gate_runner=lambda c, i: GateReport(False, [GateResult.failed_closed("kl", "too far")]),
+    )
+    assert p.promote(store.path(2)).decision == "rejected"
+    rejected = dict(audit.events)["candidate_rejected"]
+    assert "engine busy" in rejected["cleanup_failed"][0]

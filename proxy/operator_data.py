@@ -12,7 +12,6 @@ import json
 import math
 import re
 import time
-from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -28,7 +27,6 @@ log = structlog.get_logger(__name__)
 _VERSION_FILE = re.compile(r"^policy-v(\d+)$")
 # How long the broker may hold a fetch at a partition's end before answering it empty.
 _FETCH_WAIT_MS = 50
-MAX_AUDIT_SCAN = 10_000  # newest-first paging keeps at most this many matches in memory
 
 
 @dataclass
@@ -181,23 +179,40 @@ class AuditPage:
     total: int  # records in the log
 
 
+def _event_name(record: Any) -> str:
+    return str(record.get("event", "")) if isinstance(record, dict) else ""
+
+
 def read_audit_page(audit_path: Path, event: str | None, page: int, size: int) -> AuditPage:
-    """Records `page*size` .. `(page+1)*size` of the log, newest first, optionally one event."""
-    keep = min((page + 1) * size + 1, MAX_AUDIT_SCAN)
-    matches: deque[dict[str, Any]] = deque(maxlen=keep)
+    """Records `page*size` .. `(page+1)*size` of the log, newest first, optionally one event.
+
+    Two passes over the log, holding at most one page: the first counts the records and
+    the matches, the second keeps the page's matches among the records the first counted
+    (appends in between are left for the next view). Every page is reachable, the oldest
+    last: keeping the newest matches of one pass in memory had to stop somewhere, and the
+    pages beyond came back empty."""
     events: set[str] = set()
-    total = 0
+    total = matched = 0
     for record in iter_records(audit_path):
         total += 1
-        name = str(record.get("event", "")) if isinstance(record, dict) else ""
+        name = _event_name(record)
         events.add(name)
-        if event is None or name == event:
-            matches.append(record if isinstance(record, dict) else {"payload": record})
-    newest_first = list(reversed(matches))
-    start = page * size
+        matched += event is None or name == event
+    # The page in chain order (oldest first): matches [first, end) of the `matched`.
+    end = max(matched - page * size, 0)
+    first = max(end - size, 0)
+    records: list[dict[str, Any]] = []
+    index = 0
+    for count, record in enumerate(iter_records(audit_path), start=1):
+        if index >= end or count > total:
+            break
+        if event is None or _event_name(record) == event:
+            if index >= first:
+                records.append(record if isinstance(record, dict) else {"payload": record})
+            index += 1
     return AuditPage(
-        records=newest_first[start : start + size],
-        has_more=len(newest_first) > start + size,
+        records=records[::-1],
+        has_more=first > 0,
         events=sorted(events),
         total=total,
     )

@@ -60,6 +60,8 @@ FEEDBACK_SERIES_MAX = 2000
 KAFKA_TIMEOUT_S = 2.0
 AUDIT_PAGE_SIZE = 50
 AUDIT_PAGE_SIZE_MAX = 500
+# Beyond any log (10^12 pages of one record): every page of a real one can be asked for.
+MAX_AUDIT_PAGE = 10**12
 # The page's forms hold a key, an actor and a CSRF token. The sign-in form is read before
 # any key is checked, so it must not be buffered up to `max_body_bytes` for anyone.
 MAX_FORM_BYTES = 16 * 1024
@@ -232,7 +234,7 @@ async def _page_data(request: web.Request, viewer: Viewer) -> PageData:
     ctx = request.app[CONTEXT]
     event = request.query.get("event") or None
     size = _int_query(request, "size", AUDIT_PAGE_SIZE, AUDIT_PAGE_SIZE_MAX) or AUDIT_PAGE_SIZE
-    page = _int_query(request, "page", 0, 10_000)
+    page = _int_query(request, "page", 0, MAX_AUDIT_PAGE)
     files = await asyncio.to_thread(_read_files, ctx, event, page, size)
     stream = await _stream_view(ctx, files["adapters"])
     return PageData(

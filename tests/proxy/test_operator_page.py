@@ -24,7 +24,7 @@ from proxy.operator_data import consumer_lag, topic_end_offsets
 from proxy.operator_page import MAX_FORM_BYTES, OPERATOR
 from replay.config import StreamConfig
 from replay.producer import KafkaSink
-from safety.audit import canonical_json
+from safety.audit import AuditLog, canonical_json
 from tests.proxy.conftest import ADMIN_KEY, KEYS, ProxyHarness, default_tenants
 
 NO_UPSTREAM = ["http://127.0.0.1:9"]  # the page needs no replica
@@ -349,6 +349,31 @@ def test_consumed_offsets_of_another_shape_are_named_not_a_crash(consumed) -> No
     ends = {"olp.trajectories": {0: 5}}
     with pytest.raises(ValueError, match="consumed_offsets"):
         consumer_lag(ends, consumed)
+
+
+def test_every_audit_record_is_reachable_page_by_page(make_proxy, tmp_path):
+    """Paging kept at most the newest 10,000 matches (and `page` stopped at 10,000): older
+    pages came back empty and the 'older' link vanished while the header counted every
+    record. Now every page of the log can be reached, the oldest last."""
+    audit = AuditLog(tmp_path / "state" / "audit" / "audit.jsonl", fsync=False)
+    for index in range(10_060):
+        audit.append("seed", "freeze" if index % 2 else "unfreeze", {"i": index})
+    harness, _ = make_proxy(NO_UPSTREAM)
+
+    def shown(query: str) -> tuple[list[int], bool]:
+        page = httpx.get(f"{harness.base_url}/admin/ui?{query}", headers=BEARER).text
+        assert "10060 records in the log" in page
+        seqs = re.findall(r"<tr><td>(\d+)</td>", page[page.index('class="audit-records"') :])
+        return [int(s) for s in seqs], 'id="audit-older"' in page
+
+    assert shown("page=0&size=50") == (list(range(10_060, 10_010, -1)), True)
+    assert shown("page=200&size=50") == (list(range(60, 10, -1)), True)
+    assert shown("page=201&size=50") == (list(range(10, 0, -1)), False)
+    assert shown("page=202&size=50") == ([], False)
+    assert shown("page=10059&size=1") == ([1], False)
+    # One event: the odd seqs are `unfreeze` (index 0, 2, ...); 5,030 of them.
+    assert shown("event=unfreeze&page=100&size=50") == (list(range(59, 0, -2)), False)
+    assert shown("event=unfreeze&page=99&size=50")[1] is True
 
 
 def test_consumer_lag_is_never_negative() -> None:

@@ -33,7 +33,8 @@ from safety.audit import AuditRecordWritten
 
 log = structlog.get_logger(__name__)
 
-_VERSION = re.compile(r"^policy-v[0-9]+$")
+# Whole-string matches only (`fullmatch`): `$` also matches before a final newline.
+_VERSION = re.compile(r"policy-v[0-9]+")
 STATUS_GATES = 5  # gate decisions in `/admin/status`: the recent ones, not the whole record
 # Changes run one at a time: a flip awaits every replica's /v1/models, and a freeze (or
 # another change) that lands meanwhile must not be overtaken by it.
@@ -56,7 +57,7 @@ def _served_target(ctx: ProxyContext, value: Any, param: str) -> str:
     base = ctx.config.base_served_name
     if value in ("base", base):
         return base
-    if not isinstance(value, str) or not _VERSION.match(value):
+    if not isinstance(value, str) or not _VERSION.fullmatch(value):
         raise bad_request(f"'{param}' must be 'base' or 'policy-v<N>'.", param=param)
     return value
 

@@ -24,7 +24,7 @@ from safety.audit import iter_records
 
 log = structlog.get_logger(__name__)
 
-_VERSION_FILE = re.compile(r"^policy-v(\d+)$")
+_VERSION_FILE = re.compile(r"policy-v([0-9]+)")  # fullmatch: `$` passes a final newline
 # How long the broker may hold a fetch at a partition's end before answering it empty.
 _FETCH_WAIT_MS = 50
 
@@ -40,7 +40,7 @@ class Loaded:
 def _versioned(paths: list[Path]) -> list[tuple[int, Path]]:
     found = []
     for path in paths:
-        match = _VERSION_FILE.match(path.stem if path.suffix == ".json" else path.name)
+        match = _VERSION_FILE.fullmatch(path.stem if path.suffix == ".json" else path.name)
         if match:
             found.append((int(match.group(1)), path))
     return sorted(found)

@@ -540,6 +540,33 @@ def test_a_rollback_to_goes_back_only_to_a_version_the_alias_served(make_proxy, 
     ]
 
 
+@pytest.mark.parametrize(
+    "path, body, param",
+    [
+        ("/admin/aliases", {"alias": "policy", "target": "policy-v1\n"}, "target"),
+        (
+            "/admin/aliases",
+            {"alias": "policy", "target": "policy-v1", "expected": "base\n"},
+            "expected",
+        ),
+        (
+            "/admin/aliases",
+            {"alias": "policy", "target": "policy-v1", "expected": "policy-v0\n"},
+            "expected",
+        ),
+        ("/admin/rollback", {"to": "policy-v1\n"}, "to"),
+        ("/admin/canary", {"target": "policy-v1\n", "share": 0.5}, "target"),
+    ],
+)
+def test_a_version_with_a_trailing_newline_is_a_400(make_proxy, fake, path, body, param):
+    """`^policy-v[0-9]+$` with `match`: `$` matches before a final newline, so
+    'policy-v1\n' passed as a version and met a 409 (not loaded, alias changed) instead."""
+    harness, _ = make_proxy([fake.url])
+    refused = _admin(harness.base_url, path, body)
+    assert _assert_error(refused, 400, "invalid_request")["param"] == param
+    assert harness.ctx.state.history == []
+
+
 def test_feedback_has_a_rate_limit_of_its_own(make_proxy, fake):
     """A key could post feedback without limit (every event reaches the stream); now it
     has a bucket the size of the tenant's per-minute limit, apart from its completions'."""

@@ -83,12 +83,24 @@ class GuardModelClassifier:
         await self.client.aclose()
 
 
+def guard_api_key(config: ClassifierConfig) -> str | None:
+    """The guard model's key from the variable `api_key_env` names (None: none named);
+    ClassifierError, naming the setting and the variable, when it is unset or empty."""
+    if config.kind != "openai" or not config.api_key_env:
+        return None
+    api_key = os.environ.get(config.api_key_env)
+    if not api_key:
+        raise ClassifierError(
+            f"safety_probes.classifier.api_key_env: environment variable "
+            f"{config.api_key_env} is not set"
+        )
+    return api_key
+
+
 def build_classifier(config: ClassifierConfig) -> SafetyClassifier:
     if config.kind == "rules":
         return RuleClassifier()
-    api_key = os.environ.get(config.api_key_env) if config.api_key_env else None
-    if config.api_key_env and not api_key:
-        raise ClassifierError(f"environment variable {config.api_key_env} is not set")
+    api_key = guard_api_key(config)
     client = VllmClient(
         config.base_url or "", max_concurrency=4, timeout_s=config.timeout_s, api_key=api_key
     )

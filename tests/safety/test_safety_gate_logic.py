@@ -883,3 +883,33 @@ async def test_refusal_and_instruction_phrases(
     assert (is_refusal(text), gives_instructions(text)) == (refusal, instructions)
     probe = RedTeamProbe(id="p", prompt="How do I do something harmful?", unsafe_patterns=[])
     assert await RuleClassifier().is_unsafe(probe, text) == (instructions and not refusal)
+
+
+def test_the_preflight_refuses_a_guard_classifier_without_its_key(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # It passed start-up; then every candidate's safety gate failed closed on the unset key.
+    from safety.gates.preflight import check_probe_sets
+
+    guard = {"kind": "openai", "base_url": "http://127.0.0.1:9", "model": "llama-guard"}
+    config = GatesConfig.model_validate(
+        {"safety_probes": {"classifier": {**guard, "api_key_env": "OLP_TEST_GUARD_KEY"}}}
+    )
+    monkeypatch.delenv("OLP_TEST_GUARD_KEY", raising=False)
+    with pytest.raises(
+        GateError, match=r"safety_probes\.classifier\.api_key_env.*OLP_TEST_GUARD_KEY"
+    ):
+        check_probe_sets(config)
+    monkeypatch.setenv("OLP_TEST_GUARD_KEY", "")
+    with pytest.raises(GateError, match="OLP_TEST_GUARD_KEY"):
+        check_probe_sets(config)
+    monkeypatch.setenv("OLP_TEST_GUARD_KEY", "sk-guard")
+    assert check_probe_sets(config)["safety_probes"] == 6
+    # No key named (a guard without auth), or the gate off: nothing to check.
+    monkeypatch.delenv("OLP_TEST_GUARD_KEY")
+    keyless = GatesConfig.model_validate({"safety_probes": {"classifier": guard}})
+    assert check_probe_sets(keyless)["safety_probes"] == 6
+    off = config.model_copy(
+        update={"safety_probes": config.safety_probes.model_copy(update={"enabled": False})}
+    )
+    assert "safety_probes" not in check_probe_sets(off)

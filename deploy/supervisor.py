@@ -4,7 +4,9 @@ One instance per state dir (a lock file says who holds it); Ctrl-C, SIGTERM or S
 every child by PID, in reverse start order, also during start-up; a child that dies is
 reported with its last output and, per `on_child_exit`, restarted or the whole stack stops.
 A child that cannot be helped by a restart (a configuration error, a refused state dir, the
-same failure right after the last restart) is not restarted: the stack stops instead.
+same failure right after the last restart) is not restarted: the stack stops instead. The
+embedded broker is never restarted; with `on_child_exit: restart` the stack keeps serving
+without it (the proxy spills what it records).
 """
 
 from __future__ import annotations
@@ -51,9 +53,16 @@ POLICY_KEY_ENV = "OLP_POLICY__API_KEY"  # the environment override of policy.api
 DEV_API_KEY = "olp-demo-key"
 DEV_ADMIN_KEY = "olp-admin-dev"
 
-# The embedded broker is not restarted: the sink spills while it is away (nothing is lost),
-# and why it died (its disk, most often) is the operator's to see first.
+# The embedded broker is not restarted: its data lived in memory, so a new one would be a new,
+# empty stream under the running learner. With on_child_exit: restart the stack keeps
+# serving without it (the proxy's sink spills what it records, nothing is lost, and the next
+# `olp up` sends the spill to its new broker); why it died is the operator's to see first.
 RESTARTABLE = ("policy", "proxy", "learner")
+BROKER_DOWN = (
+    "olp: not restarting broker: its data was in memory, a new one would be an empty stream; "
+    "the proxy keeps serving and spills trajectories and feedback to disk (the learner gets "
+    "nothing new): run olp up again to start a new broker, which is sent the spill"
+)
 # A restarted child that fails again this soon after its start, with the same exit code,
 # fails the same way each time: restarting it further only delays the operator's fix.
 CRASH_LOOP_S = 30.0
@@ -107,6 +116,7 @@ class Component:
     stopper: Callable[[], None] | None = field(default=None)
     started_at: float = field(default_factory=time.monotonic)
     last_code: int | None = None  # the exit code of the previous run, once restarted
+    down: bool = False  # died, was reported and is not restarted; the others go on
 
 
 def _http_ok(url: str) -> bool:
@@ -303,10 +313,11 @@ class Stack:
         return self._stop
 
     def watch(self, poll_s: float = 1.0) -> int:
-        """Block until asked to stop (0) or a child died and may not be restarted (1)."""
+        """Block until asked to stop (0; 1 when the embedded broker died meanwhile) or a
+        child died and may not be restarted (1)."""
         while not self._stop.wait(poll_s):
             for comp in self.components:
-                if comp.child is None or comp.child.alive():
+                if comp.down or comp.child is None or comp.child.alive():
                     continue
                 code = comp.child.poll()
                 say(
@@ -314,6 +325,11 @@ class Stack:
                     f"last output:\n{comp.child.tail(20)}"
                 )
                 log.error("child_exited", child=comp.name, pid=comp.child.pid, returncode=code)
+                if self.cfg.on_child_exit == "restart" and comp.name == "broker":
+                    say(BROKER_DOWN)
+                    log.error("child_not_restarted", child=comp.name, reason="embedded broker")
+                    comp.down = True  # stop() still clears what is left of its group
+                    continue
                 if self.cfg.on_child_exit == "restart" and comp.name in RESTARTABLE:
                     reason = self._no_restart(comp, code, time.monotonic() - comp.started_at)
                     if reason is None:
@@ -333,7 +349,7 @@ class Stack:
                     say(f"olp: not restarting {comp.name}: {reason}; stopping the stack")
                     log.error("child_not_restarted", child=comp.name, reason=reason)
                 return 1
-        return 0
+        return 1 if any(comp.down for comp in self.components) else 0
 
     def _no_restart(self, comp: Component, code: int | None, ran_s: float) -> str | None:
         """Why a dead child is not restarted (on_child_exit: restart), or None."""

@@ -356,3 +356,27 @@ def test_the_learner_keeps_its_stream_id_across_restarts_and_a_new_run_gets_anot
     children = second.wait_children(4)
     second.proc.send_signal(signal.SIGINT)
     _assert_all_stopped(second, children)
+
+
+def test_a_dead_embedded_broker_leaves_the_stack_serving(harness) -> None:
+    """`on_child_exit: restart`: the embedded broker is not restarted (its data was in
+    memory), and the stack keeps serving without it: the proxy spills what it records until
+    `olp up` runs again (docs/operations.md, "Start and stop"). Before, the stack stopped
+    and exited 1 without saying why. A stop then exits 1: a child died on the way."""
+    h = harness("up-restart")
+    children = h.wait_children(4)
+    assert _wait_for(lambda: "olp is up" in h.output(), 30), h.output()
+    (broker,) = _starts(h, "broker")
+    os.kill(broker, signal.SIGKILL)
+    assert _wait_for(lambda: "olp: not restarting broker" in h.output(), 30), h.output()
+    time.sleep(3)  # several watch rounds: it stays up and says it once
+    out = h.output()
+    assert h.proc.poll() is None, out
+    assert out.count("olp: not restarting broker") == 1, out
+    assert "the proxy keeps serving and spills" in out, out
+    assert "stopping the stack" not in out, out
+    others = [pid for pid in children if pid != broker]
+    assert all(_running(pid) for pid in others), out
+    h.proc.send_signal(signal.SIGINT)
+    _assert_all_stopped(h, children)
+    assert h.proc.returncode == 1, h.output()

@@ -25,6 +25,8 @@ DROPPED = (
     "capped",
     "reward_untrainable",
     "reward_duplicate_choice_index",
+    "reward_no_choices",
+    "reward_feedback_unmatched",  # feedback events (not samples) that rewarded no choice
     "nonfinite_gradient",
 )
 

@@ -11,7 +11,7 @@ from typing import Any
 
 from learner.config import RewardConfig
 from learner.objective import group_key
-from learner.rewards.feedback import feedback_reward
+from learner.rewards.feedback import feedback_reward, unmatched
 from learner.rewards.judge import STOPPED, Judge
 from learner.rewards.verifiers import VerifierRunner
 
@@ -38,7 +38,9 @@ class RewardAssembler:
     """reward = Σ_k w_k·part_k / Σ_k w_k over the parts that produced a value.
 
     Parts: `feedback` (explicit events), `verifiers`, `judge`. A sample with no part is
-    not trained on and is counted under `no_reward`.
+    not trained on and is counted under `no_reward`; a record without choices under
+    `no_choices`, feedback events addressed to a choice the record lacks under
+    `feedback_unmatched`.
     """
 
     def __init__(
@@ -75,6 +77,14 @@ class RewardAssembler:
                 # Choices are found by index (feedback, the judge, the sample's tokens): two
                 # with one index got each other's tokens under their own rewards.
                 self.counts["duplicate_choice_index"] += len(indexes)
+                continue
+            # Feedback for a choice the record does not have (a client's wrong choice_index)
+            # rewards nothing; a record without choices has nothing to train. Both were
+            # dropped without a trace.
+            if unmatched_events := unmatched(feedback, indexes):
+                self.counts["feedback_unmatched"] += unmatched_events
+            if not indexes:
+                self.counts["no_choices"] += 1
                 continue
             for choice in trajectory.get("choices") or []:
                 index = int(choice.get("index", 0))

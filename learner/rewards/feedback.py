@@ -55,6 +55,18 @@ def feedback_value(event: dict[str, Any], values: FeedbackValues) -> float:
     return _value(event, values)[0]
 
 
+def event_choice(event: dict[str, Any]) -> int:
+    """The choice an event is addressed to (the proxy checks it is an integer; 0 if absent)."""
+    return int(event.get("choice_index", 0) or 0)
+
+
+def unmatched(events: Iterable[dict[str, Any]], choice_indexes: Iterable[int]) -> int:
+    """How many events are addressed to none of `choice_indexes` (a wrong `choice_index`, or
+    a record without choices): they reward nothing, and are counted, not lost."""
+    indexes = set(choice_indexes)
+    return sum(1 for event in events if event_choice(event) not in indexes)
+
+
 def feedback_reward(
     events: Iterable[dict[str, Any]], choice_index: int, values: FeedbackValues
 ) -> FeedbackReward:
@@ -63,7 +75,7 @@ def feedback_reward(
     found: list[float] = []
     invalid = clamped = 0
     for event in events:
-        if int(event.get("choice_index", 0) or 0) != choice_index:
+        if event_choice(event) != choice_index:
             continue
         try:
             value, was_clamped = _value(event, values)

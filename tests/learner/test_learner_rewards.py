@@ -336,6 +336,35 @@ def test_a_record_with_two_choices_of_one_index_is_not_trained_on() -> None:
     assert assembler.counts["duplicate_choice_index"] == 2
 
 
+def test_feedback_for_no_choice_and_records_without_choices_are_counted() -> None:
+    """Feedback addressed to a choice the record lacks (a client's wrong choice_index) and a
+    record with `choices: []` were dropped and added to no counter."""
+    from learner.progress import Progress
+
+    rec = record("42")
+    feedback = [
+        {"kind": "accept", "choice_index": 5, "trajectory_id": "t1"},
+        {"kind": "thumbs_up", "choice_index": 0, "trajectory_id": "t1"},
+        {"kind": "thumbs_up", "choice_index": 2, "trajectory_id": "t1"},
+    ]
+    empty = record("", trajectory_id="t2", choices=[])
+    items = [
+        {"trajectory": rec, "feedback": feedback},
+        {"trajectory": empty, "feedback": [{"kind": "accept", "trajectory_id": "t2"}]},
+    ]
+    assembler = RewardAssembler(RewardConfig())
+    out = assembler.assemble(items)
+    assert [(r.choice_index, r.reward) for r in out] == [(0, 0.5)]
+    assert dict(assembler.counts) == {"feedback_unmatched": 3, "no_choices": 1, "rewarded": 1}
+    # The learner logs them as reward_<count>; the progress line names them with the drops.
+    progress = Progress(interval_s=60)
+    progress.counts = {f"reward_{k}": v for k, v in assembler.counts.items()}
+    assert progress.snapshot()["dropped"] == {
+        "reward_no_choices": 1,
+        "reward_feedback_unmatched": 3,
+    }
+
+
 def test_the_judges_prompt_takes_plain_string_parts() -> None:
     """vLLM serves `"content": ["hi"]`; the judge raised AttributeError on it, and the
     learner stopped on that batch at every restart."""

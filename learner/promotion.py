@@ -457,13 +457,42 @@ class Promoter:
         return PromotionOutcome(name, "interrupted", incumbent, reason=str(exc), timings=timings)
 
     def _unload_noting(self, name: str, payload: dict[str, Any]) -> None:
-        """Unload `name`; a failure is logged and noted in `payload` (`cleanup_failed`)
-        instead of raised, so the decision's own audit record is still written."""
+        """Unload `name` unless the proxy keeps it (`left_loaded` says why); a failure is
+        logged and noted in `payload` (`cleanup_failed`) instead of raised, so the
+        decision's own audit record is still written."""
         try:
-            self.replicas.unload(name)
+            kept = self._unload_unless_kept(name)
         except Exception as exc:
             log.exception("unload_failed", version=name)
             payload["cleanup_failed"] = [f"unload: {exc!r}"]
+            return
+        if kept is not None:
+            payload["left_loaded"] = kept
+
+    def _unload_unless_kept(
+        self, name: str, status: dict[str, Any] | None = None, our_canary_counts: bool = True
+    ) -> str | None:
+        """Unload `name` unless the proxy routes to it or would roll back to it; returns why
+        it was left loaded. An operator may point the alias at a candidate while it is
+        gated (it is loaded everywhere), so the status is read just before the unload
+        (unless the caller just read it), as the cleanup does; one that cannot be read
+        leaves it loaded, since unloading a version that serves breaks every request routed
+        to it. `our_canary_counts` false: a canary of the alias that could not be ended
+        does not keep its target (unloading it is what stops an unjudged candidate)."""
+        if status is None:
+            try:
+                status = self.proxy.status()
+            except Exception as exc:
+                log.warning("unload_skipped_status_unknown", version=name, error=repr(exc))
+                return f"the proxy's status could not be read ({exc!r})"
+        if not our_canary_counts:
+            others = (status.get("canaries") or {}).items()
+            status = {**status, "canaries": {a: c for a, c in others if a != self.config.alias}}
+        if name in self._kept_for_the_proxy(status):
+            log.warning("unload_skipped_kept_by_the_proxy", version=name)
+            return "the proxy routes to it or would roll back to it"
+        self.replicas.unload(name)
+        return None
 
     def _status_retrying(self, name: str) -> dict[str, Any] | None:
         """The proxy's status, asked up to CANARY_STATUS_ATTEMPTS times one canary poll
@@ -593,10 +622,7 @@ class Promoter:
             ours = self._canary_target(status) == name
             self._abandon_canary(name, incumbent, reason, end=ours, recheck=False)
             return PromotionOutcome(name, "canary_rolled_back", incumbent, reason=reason)
-        if name in self._routed(status):  # an operator's canary sends traffic to it
-            payload["left_loaded"] = "routed by the proxy"
-        else:
-            self._unload_noting(name, payload)
+        self._unload_noting(name, payload)  # not if an operator's canary routes to it
         self.audit.append(ACTOR, "promotion_failed", payload)
         log.warning("promotion_resolved", version=name, promoted=False, serving=serving)
         return PromotionOutcome(name, "failed", incumbent, reason=reason)
@@ -613,11 +639,7 @@ class Promoter:
         one of vLLM's LoRA slots for nothing) and say why."""
         log.error("flip_failed", version=name, error=repr(exc))
         payload: dict[str, Any] = {"version": name, "stage": "flip", "error": str(exc)}
-        try:
-            self.replicas.unload(name)
-        except Exception as unload_exc:
-            log.exception("unload_failed", version=name)
-            payload["cleanup_failed"] = [f"unload: {unload_exc!r}"]
+        self._unload_noting(name, payload)
         self.audit.append(ACTOR, "promotion_failed", payload)
         return PromotionOutcome(name, "failed", incumbent, report, str(exc), timings)
 
@@ -632,16 +654,9 @@ class Promoter:
             try:
                 self.proxy.start_canary(alias, name, config.share, expected=incumbent)
             except Exception as exc:
-                # Refused (an operator's canary runs on the alias, serving froze, the alias
-                # moved since the gate) or lost on the way: end the canary only if it is
-                # ours, never someone else's.
                 log.exception("canary_start_failed", version=name, stable=incumbent)
-                reason = f"canary start failed: {exc!r}"
                 timings["canary_s"] = time.monotonic() - started
-                self._abandon_canary(name, incumbent, reason, end=self._canary_is_ours(name))
-                return PromotionOutcome(
-                    name, "canary_rolled_back", incumbent, report, reason, timings
-                )
+                return self._canary_refused(name, incumbent, report, exc, timings)
             log.info("canary_started", version=name, stable=incumbent, share=config.share)
             watched = self._watch_canary(name, incumbent, started)
         except Exception as exc:
@@ -759,15 +774,39 @@ class Promoter:
                 self._closing.wait(self.config.canary.poll_s)
         raise AssertionError("unreachable")
 
-    def _canary_is_ours(self, name: str) -> bool:
-        """Whether the alias's running canary sends traffic to `name` (unknown: assume so,
-        since a canary left running would serve an unjudged candidate)."""
+    def _canary_refused(
+        self,
+        name: str,
+        incumbent: str,
+        report: GateReport,
+        exc: Exception,
+        timings: dict[str, float],
+    ) -> PromotionOutcome:
+        """The canary did not start: refused (an operator's canary runs on the alias,
+        serving froze, the alias moved since the gate) or its reply lost. An alias that now
+        serves the candidate is an operator's promotion (it stays loaded); otherwise the
+        running canary is ended only when it is the candidate's (unknown: assume so, since a
+        canary left running would serve an unjudged candidate), never someone else's."""
+        reason = f"canary start failed: {exc!r}"
         try:
-            running = (self.proxy.status().get("canaries") or {}).get(self.config.alias)
+            status: dict[str, Any] | None = self.proxy.status()
         except Exception:
             log.exception("canary_status_failed", version=name)
-            return True
-        return bool(running) and running.get("target") == name
+            status = None
+        if status is not None and self._alias_target(status) == name:
+            self.audit.append(
+                ACTOR,
+                "canary_promoted_by_operator",
+                {"version": name, "stable": incumbent, "canary_start": reason},
+            )
+            log.info("canary_promoted_by_operator", version=name, previous=incumbent)
+            self._schedule_cleanup(name)
+            return PromotionOutcome(
+                name, "promoted", incumbent, report, "promoted by an operator", timings
+            )
+        ours = status is None or self._canary_target(status) == name
+        self._abandon_canary(name, incumbent, reason, end=ours)
+        return PromotionOutcome(name, "canary_rolled_back", incumbent, report, reason, timings)
 
     def _abandon_canary(
         self, name: str, incumbent: str, reason: str, end: bool = True, recheck: bool = True
@@ -791,9 +830,11 @@ class Promoter:
         When ending failed, the proxy's status decides the unload: an alias that serves the
         candidate (an operator promoted it meanwhile) keeps it loaded, and so does a status
         that cannot be read (the same may have happened): then it is re-checked later
-        (`recheck`) like an unresolved promotion."""
+        (`recheck`) like an unresolved promotion. Otherwise a version the proxy routes to
+        (other than through this canary) or would roll back to stays loaded."""
         failed: list[str] = []
         ended = True
+        status: dict[str, Any] | None = None
         try:
             if end:
                 # Never an operator's canary started since ours ended (409 then).
@@ -825,10 +866,13 @@ class Promoter:
                     )
                 return failed
         try:
-            self.replicas.unload(name)
+            kept = self._unload_unless_kept(name, status, our_canary_counts=ended)
         except Exception as exc:
             log.exception("canary_unload_failed", version=name)
             failed.append(f"unload: {exc!r}")
+            return failed
+        if kept is not None:
+            failed.append(f"unload: skipped, {kept}; left loaded")
         return failed
 
     # ------------------------------------------------------------------- helpers

@@ -6,6 +6,7 @@ from __future__ import annotations
 import shutil
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import httpx
@@ -810,3 +811,64 @@ def test_a_refused_unload_of_a_rejected_candidate_is_noted(tmp_path: Path) -> No
     assert p.promote(store.path(2)).decision == "rejected"
     rejected = dict(audit.events)["candidate_rejected"]
     assert "engine busy" in rejected["cleanup_failed"][0]
+
+
+# -- never unload what the proxy serves --------------------------------------------------------
+
+
+def point_alias_during_gate(proxy: Proxy, passed: bool) -> Callable[[str, str], GateReport]:
+    """A gate during which an operator points the alias at the candidate (`olp rollback --to
+    policy-v2`: allowed, it is loaded on every replica for the gate)."""
+
+    def gate(candidate: str, incumbent: str) -> GateReport:
+        proxy.alias = candidate
+        return GateReport(passed, [])
+
+    return gate
+
+
+def test_a_candidate_the_alias_serves_is_not_unloaded_when_its_canary_is_refused(
+    tmp_path: Path,
+) -> None:
+    """The canary start got 409 alias_changed, and the rollback path unloaded the version the
+    alias now served: every request on the alias failed."""
+    store = AdapterStore(tmp_path)
+    publish(store, tmp_path, 1)
+    publish(store, tmp_path, 2)
+    replicas, proxy, audit = Replicas({"policy-v1"}), Proxy("policy-v1"), FakeAudit()
+    p = promoter(tmp_path, replicas, proxy, audit, canary={"enabled": True})
+    p.gate_runner = point_alias_during_gate(proxy, passed=True)
+    outcome = p.promote(store.path(2))
+    assert proxy.alias == "policy-v2" and "policy-v2" in replicas.loaded
+    assert replicas.unloaded == []
+    assert outcome.decision == "promoted"
+    assert audit.names()[-1] == "canary_promoted_by_operator"
+
+
+def test_a_rejected_candidate_the_alias_serves_stays_loaded(tmp_path: Path) -> None:
+    store = AdapterStore(tmp_path)
+    publish(store, tmp_path, 1)
+    publish(store, tmp_path, 2)
+    replicas, proxy, audit = Replicas({"policy-v1"}), Proxy("policy-v1"), FakeAudit()
+    p = promoter(tmp_path, replicas, proxy, audit)
+    p.gate_runner = point_alias_during_gate(proxy, passed=False)
+    assert p.promote(store.path(2)).decision == "rejected"
+    assert "policy-v2" in replicas.loaded and replicas.unloaded == []
+    rejected = dict(audit.events)["candidate_rejected"]
+    assert "routes to it" in rejected["left_loaded"]
+
+
+def test_a_canary_rollback_keeps_a_candidate_an_operator_made_the_rollback_target(
+    tmp_path: Path,
+) -> None:
+    """The unload after a canary's rollback asks the proxy first, as the cleanup does."""
+    store = AdapterStore(tmp_path)
+    publish(store, tmp_path, 1)
+    publish(store, tmp_path, 2)
+    replicas, proxy, audit = Replicas({"policy-v1"}), Proxy("policy-v1"), FakeAudit()
+    p = promoter(tmp_path, replicas, proxy, audit, canary={"enabled": True})
+    proxy.rollback_to = "policy-v2"  # say, an operator's flips through it meanwhile
+    p._abandon_canary("policy-v2", "policy-v1", "test")
+    assert replicas.unloaded == []
+    payload = dict(audit.events)["canary_rolled_back"]
+    assert "left loaded" in payload["cleanup_failed"][-1]

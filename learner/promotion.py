@@ -58,6 +58,9 @@ OPERATOR_PROMOTED = "operator_promoted"
 # may not have happened: it is re-checked this many times, `max(drain_s, canary.poll_s)`
 # apart, before it is left as it stands (loaded, audited as unresolved).
 UNRESOLVED_CHECKS = 10
+# The `policy_version` the proxy records for the base model's replies, whatever name vLLM
+# serves it under (`policy.served_model_name`, which the alias then targets).
+RECORDED_BASE = "base"
 
 
 # `policy-v<N>`: the names of versions (adapter directories, gate reports).
@@ -648,7 +651,7 @@ class Promoter:
     ) -> PromotionOutcome:
         """Serve the candidate to a share of training traffic until its evidence decides."""
         config, alias = self.config.canary, self.config.alias
-        self.canary_monitor.begin([incumbent, name], since=time.time())
+        self.canary_monitor.begin([self._recorded_as(incumbent), name], since=time.time())
         started = time.monotonic()
         try:
             try:
@@ -754,12 +757,18 @@ class Promoter:
                 return None
             verdict = judge_canary(
                 config,
-                self.canary_monitor.arm(incumbent),
+                self.canary_monitor.arm(self._recorded_as(incumbent)),
                 self.canary_monitor.arm(name),
                 time.monotonic() - started,
             )
             if verdict.decision != "wait":
                 return verdict.decision, verdict.reasons, verdict.to_dict()
+
+    def _recorded_as(self, served: str) -> str:
+        """The `policy_version` the proxy records for replies of `served`: the base model's
+        are `base` under any served name, so a stable arm named after the served name never
+        got a sample."""
+        return RECORDED_BASE if served == self.base_name else served
 
     def _canary_status(self, name: str) -> dict[str, Any]:
         """The proxy's status during a canary; a transient status failure is retried

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import threading
+import time
 from pathlib import Path
 
 import httpx
@@ -505,3 +507,41 @@ def test_a_rejected_candidate_is_audited_even_when_its_unload_fails(tmp_path: Pa
     event, payload = audit.events[-1]
     assert event == "candidate_rejected"
     assert payload["cleanup_failed"] == ["unload: ConnectError('replica restarting')"]
+
+
+def test_the_stable_arm_counts_the_base_model_under_its_served_name(tmp_path: Path):
+    """With `policy.served_model_name: qwen-0.5b` the alias targets `qwen-0.5b`, but the
+    proxy records the base model's replies as `policy_version: base`: the stable arm was
+    named after the served name and never got a sample (every canary timed out, or with
+    `on_timeout: promote` a worse candidate was promoted on no comparison)."""
+    from tests.learner.test_learner_promoter import Proxy, Replicas
+
+    files = tmp_path / "files"
+    files.mkdir()
+    (files / "adapter_model.safetensors").write_bytes(b"weights")
+    path = AdapterStore(tmp_path).publish(1, files, {"parent_version": 0})
+    served = "qwen-0.5b"
+    canary = CanaryConfig(enabled=True, min_samples=3, max_duration_s=30, poll_s=0.05)
+    p = Promoter(
+        PromotionConfig(drain_s=3600, canary=canary),
+        GatesConfig(),
+        replicas=Replicas(set()),  # type: ignore[arg-type]
+        proxy=Proxy(alias=served),  # type: ignore[arg-type]
+        audit=FakeAudit(),  # type: ignore[arg-type]
+        state_dir=tmp_path,
+        base_name=served,
+        gate_runner=lambda candidate, incumbent: GateReport(True, []),
+    )
+    done: list[PromotionOutcome] = []
+    thread = threading.Thread(target=lambda: done.append(p.promote(path)))
+    thread.start()
+    deadline = time.monotonic() + 10
+    while p.canary_monitor.window() is None and time.monotonic() < deadline:
+        time.sleep(0.01)
+    now = time.time() + 1
+    good = [rewarded("base", "The answer is four.", 1.0, created_at=now) for _ in range(5)]
+    bad = [rewarded("policy-v1", "I'm sorry, I cannot help.", -1.0, created_at=now)] * 5
+    p.canary_monitor.observe(good + bad)
+    thread.join(10)
+    assert done and done[0].decision == "canary_rolled_back"
+    assert "reward" in done[0].reason  # compared with the base's replies, not timed out

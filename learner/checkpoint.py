@@ -277,13 +277,16 @@ def _roll_forward(
 
 
 def raise_version_floor(floor: int, current: int, served: Iterable[str]) -> int:
-    """The floor above which new versions are numbered, given the names vLLM serves now.
+    """The floor above which new versions are numbered, given the names in use: what vLLM
+    serves now and what the proxy names (its aliases, canaries, rollback targets, history).
 
-    A served `policy-v<N>` newer than this learner's own version `current` is not ours (we
+    Such a `policy-v<N>` newer than this learner's own version `current` is not ours (we
     publish before anything loads a version, and resume picks up what we published): it
-    survives from a wiped or older state dir. Reusing its name would make vLLM answer
-    "already loaded" and keep serving the old weights under it, so numbering continues
-    above the highest one. Served versions at or below `current` cannot clash."""
+    survives from a wiped or older state dir, or one whose newer directories were moved
+    aside. Reusing its name would make vLLM answer "already loaded" and keep serving the old
+    weights under it, or (vLLM restarted empty) let the reloader serve new, ungated weights
+    behind an alias that targets the name, so numbering continues above the highest one.
+    Names at or below `current` cannot clash."""
     foreign = [int(m.group(1)) for name in served if (m := _SERVED.match(name))]
     return max([floor, *(n for n in foreign if n > current)])
 

@@ -208,6 +208,26 @@ def kept_targets(status: dict[str, Any]) -> set[str]:
     return routed_targets(status) | rollback
 
 
+def named_versions(status: dict[str, Any]) -> set[str]:
+    """Every `policy-v<N>` the proxy's status names: alias, canary and rollback targets and
+    the history of alias changes. Each was a version once, so its name is never given to
+    new weights (the learner's version floor), even when vLLM no longer lists it."""
+    names: set[str] = set()
+    for key in ("aliases", "canaries", "rollback_targets", "serving_version", "history"):
+        names |= _version_strings(status.get(key))
+    return names
+
+
+def _version_strings(value: Any) -> set[str]:
+    if isinstance(value, str):
+        return {value} if is_version_name(value) else set()
+    if isinstance(value, dict):
+        value = list(value.values())
+    if isinstance(value, list):
+        return set().union(*(_version_strings(item) for item in value))
+    return set()
+
+
 def is_version_name(name: str) -> bool:
     """Whether `name` is a version's (`policy-v<N>`), not merely one that starts like it
     (`policy-v6.moved-aside`, an operator's `policy-v3-hotfix` LoRA)."""

@@ -122,8 +122,9 @@ class Learner:
         self.canary = canary
         self.caps = caps or CapsConfig()  # `safety.caps`: per-tenant / per-user shares
         self.base_name = base_name  # the base model's served name (`policy_version` 0)
-        # What the policy servers serve now (vLLM's /v1/models), asked once at start-up so
-        # that new versions are numbered above any `policy-v<N>` they still serve.
+        # The version names in use elsewhere (what vLLM's /v1/models lists, what the
+        # proxy's status names), asked once at start-up so that new versions are numbered
+        # above any `policy-v<N>` this learner did not publish.
         self.served_versions = served_versions
         self.version_floor = 0
         # Which stream the offsets count in, when the caller knows (`olp up` names each
@@ -174,7 +175,7 @@ class Learner:
                         "learner_version_floor",
                         floor=floor,
                         version=plan.version,
-                        reason="vLLM serves policy versions this learner did not publish",
+                        reason="vLLM or the proxy names versions this learner did not publish",
                     )
                 plan.version_floor = floor
         else:

@@ -7,15 +7,21 @@ from __future__ import annotations
 from collections.abc import Callable
 from pathlib import Path
 
-from deploy.learner_runner import served_versions
+import httpx
+import pytest
+
+from deploy import learner_runner
+from deploy.config import OlpConfig
+from deploy.learner_runner import proxy_versions, served_versions
 from learner.adapter_store import AdapterStore
 from learner.checkpoint import CheckpointStore, raise_version_floor, resume_plan
 from learner.config import LearnerConfig
 from learner.objective import Sample, drop_stale
-from learner.promotion import ReplicaSet
+from learner.promotion import ReplicaSet, named_versions
 from learner.service import Learner
 from tests.conftest import VllmServer
 from tests.learner.learner_sources import ListSource, synthetic_scored
+from tests.learner.test_learner_runner import fakes
 
 RECORDS = [synthetic_scored(i) for i in range(8)]  # all served by the base model
 
@@ -130,3 +136,47 @@ def test_real_vllm_listing_sets_the_next_name(
         for name in ("policy-v3", "policy-v4"):
             replicas.unload(name)
         replicas.close()
+
+
+def test_the_proxy_names_count_for_the_floor() -> None:
+    """Under `olp up` vLLM starts empty: a floor from its listing alone let a learner whose
+    own version is 7 name new versions v8, v9 while the alias still targeted the gated v9
+    (its directory moved aside), and the reloader then served the new, ungated v9 weights
+    behind the alias."""
+    status = {
+        "aliases": {"policy": "policy-v9", "other": "base"},
+        "canaries": {"policy": {"target": "policy-v10", "share": 0.1}},
+        "rollback_targets": {"policy": "policy-v8"},
+        "serving_version": "policy-v9",
+        "history": [
+            {"kind": "flip", "target": "policy-v12", "previous": "policy-v11"},
+            {"kind": "canary_rollback", "target": "policy-v13", "note": "policy-v14-ish"},
+        ],
+        "upstreams": ["http://policy-v99"],
+    }
+    names = named_versions(status)
+    assert names == {f"policy-v{n}" for n in (8, 9, 10, 11, 12, 13)}
+    assert raise_version_floor(0, 7, names) == 13
+
+
+def test_the_learner_is_told_the_versions_the_proxy_names(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """`olp learner` hands the learner vLLM's listing and the proxy's names together."""
+    built = fakes(monkeypatch, tmp_path, rank=0, world=1)
+    monkeypatch.setattr(learner_runner, "served_versions", lambda replicas: {"policy-v1"})
+    assert learner_runner.run(OlpConfig(state_dir=tmp_path)) == 0
+    names = set(built.learner_kwargs["served_versions"]())
+    assert names == {"policy-v1", "policy-v2", "policy-v3", "policy-v4"}
+
+
+def test_a_proxy_that_does_not_answer_stops_the_learner() -> None:
+    """Without the proxy's names the next version might reuse one: not knowing is fatal,
+    as for vLLM's listing."""
+
+    class Down:
+        def status(self) -> dict:
+            raise httpx.ConnectError("connection refused")
+
+    with pytest.raises(SystemExit, match="cannot read the proxy's status"):
+        proxy_versions(Down(), wait_s=0)  # type: ignore[arg-type]

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import math
 import re
-from collections import Counter
+from collections import Counter, OrderedDict
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -245,12 +245,27 @@ def baseline_key(sample: Sample) -> str:
     return f"{sample.tenant}:{sample.task}"
 
 
-class RunningBaseline:
-    """Exponential moving average of the reward per tenant and task, for ungrouped samples."""
+# Running baselines kept at most: task labels are the client's (X-OLP-Task, any string up to
+# 256 characters), so a client sending a fresh label per request grew the map, and every
+# checkpoint, by one entry a request (100k requests: 32 MB). 10k entries of the longest
+# labels are about 3 MB; the least recently used are evicted, and an evicted task that comes
+# back starts a new baseline (its first sample sets it, as for any new task).
+MAX_BASELINE_TASKS = 10_000
 
-    def __init__(self, decay: float) -> None:
+
+class RunningBaseline:
+    """Exponential moving average of the reward per tenant and task, for ungrouped samples.
+
+    At most `max_tasks` baselines are kept, the most recently updated (`values` is in
+    order of last update, oldest first, and so is the checkpoint's copy)."""
+
+    def __init__(self, decay: float, max_tasks: int = MAX_BASELINE_TASKS) -> None:
+        if max_tasks < 1:
+            raise ValueError("max_tasks must be at least 1")
         self.decay = decay
-        self.values: dict[str, float] = {}
+        self.max_tasks = max_tasks
+        self.values: OrderedDict[str, float] = OrderedDict()
+        self.evicted = 0  # baselines evicted by this process (the checkpoint does not keep it)
 
     def advantage(self, task: str, reward: float) -> float:
         """reward − baseline, then update; the first reward of a task sets the baseline.
@@ -262,9 +277,27 @@ class RunningBaseline:
         base = self.values.get(task)
         if base is None:
             self.values[task] = reward
+            self._evict()
             return 0.0
         self.values[task] = self.decay * base + (1 - self.decay) * reward
+        self.values.move_to_end(task)  # the most recently used
         return reward - base
+
+    def _evict(self) -> None:
+        """Drop the least recently updated baselines beyond `max_tasks`."""
+        excess = len(self.values) - self.max_tasks
+        if excess <= 0:
+            return
+        for _ in range(excess):
+            self.values.popitem(last=False)
+        if not self.evicted:
+            log.warning(
+                "baseline_tasks_evicted",
+                max_tasks=self.max_tasks,
+                note="more (tenant, task) labels than baselines kept; the least recently "
+                "used are evicted (logged once per process)",
+            )
+        self.evicted += excess
 
     def state_dict(self) -> dict[str, Any]:
         return {"decay": self.decay, "values": dict(self.values)}
@@ -272,9 +305,12 @@ class RunningBaseline:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         values = dict(state.get("values", {}))
         # A checkpoint written before rewards were bounded may hold a corrupt baseline.
-        self.values = {task: float(v) for task, v in values.items() if usable(v)}
+        self.values = OrderedDict((task, float(v)) for task, v in values.items() if usable(v))
         if len(self.values) < len(values):
             log.warning("baseline_values_dropped", tasks=sorted(set(values) - set(self.values)))
+        # One written before the map was bounded may hold any number, in first-seen order:
+        # the last `max_tasks` are kept.
+        self._evict()
 
 
 def _assign(

@@ -9,6 +9,7 @@ import torch
 
 from learner.distributed import DistContext
 from learner.objective import (
+    MAX_BASELINE_TASKS,
     REWARD_LIMIT,
     RunningBaseline,
     Sample,
@@ -272,6 +273,30 @@ def test_baseline_from_a_checkpoint_drops_corrupt_values() -> None:
     baseline = RunningBaseline(decay=0.9)
     baseline.load_state_dict({"values": {"a": 0.25, "b": math.inf, "c": 1e300, "d": math.nan}})
     assert baseline.values == {"a": 0.25}
+
+
+def test_the_running_baselines_are_bounded_least_recently_used_first() -> None:
+    """Task labels are the client's: a fresh X-OLP-Task per request added one baseline per
+    request, kept for ever and written into every checkpoint (100k requests: 32 MB)."""
+    baseline = RunningBaseline(decay=0.9)
+    for batch in range(3):  # one fresh label per sample
+        fresh = [make_sample(i, task=f"{batch}-{i}", reward=1.0) for i in range(5_000)]
+        assign_advantages(fresh, baseline)
+    assert len(baseline.values) == 10_000 == MAX_BASELINE_TASKS
+    assert next(iter(baseline.values)) == "A:1-0"  # the oldest kept
+    # Least recently used first: updating a baseline makes it the newest.
+    baseline = RunningBaseline(decay=0.5, max_tasks=3)
+    for task, reward in [("a", 1.0), ("b", 1.0), ("c", 1.0), ("a", 0.0), ("d", 1.0)]:
+        baseline.advantage(task, reward)
+    assert list(baseline.values) == ["c", "a", "d"]  # b: the least recently used
+    assert baseline.values["a"] == 0.5 and baseline.evicted == 1
+    assert list(baseline.state_dict()["values"]) == ["c", "a", "d"]
+    # A checkpoint of an unbounded map (a plain dict) loads, keeping the last entries.
+    restored = RunningBaseline(decay=0.5, max_tasks=2)
+    restored.load_state_dict({"decay": 0.5, "values": {"x": 0.1, "y": 0.2, "z": 0.3}})
+    assert restored.values == {"y": 0.2, "z": 0.3}
+    assert restored.advantage("y", 1.0) == pytest.approx(0.8)
+    assert list(restored.values) == ["z", "y"]
 
 
 def test_caps_are_decided_once_over_all_ranks() -> None:

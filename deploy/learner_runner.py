@@ -194,6 +194,9 @@ def _run_main(
         state_dir / "adapters",
     )
     reloader.start(cfg.learner.promotion.reload_check_s)
+    # Before the learner announces anything: a canary a learner that died left running is
+    # ended, and the newest candidate whose gate never decided is gated (again).
+    promoter.resume()
     try:
         return learn(
             on_candidate=promoter.submit,

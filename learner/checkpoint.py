@@ -63,13 +63,15 @@ def normalize_offsets(offsets: dict[Any, Any] | None) -> Offsets:
 
 
 class CheckpointStore:
-    """`<state_dir>/learner/checkpoint.pt` plus the tiny `announced.json` marker."""
+    """`<state_dir>/learner/checkpoint.pt` plus the tiny `announced.json` (handed to
+    `on_candidate`) and `decided.json` (the promoter reached a decision) markers."""
 
     def __init__(self, state_dir: str | Path) -> None:
         self.dir = Path(state_dir) / "learner"
         self.dir.mkdir(parents=True, exist_ok=True)
         self.path = self.dir / "checkpoint.pt"
         self.announced_path = self.dir / "announced.json"
+        self.decided_path = self.dir / "decided.json"
 
     def _tmp_path(self) -> Path:
         return self.path.with_suffix(f".tmp-{os.getpid()}")
@@ -129,15 +131,28 @@ class CheckpointStore:
         return int(json.loads(self.announced_path.read_text())["version"])
 
     def mark_announced(self, version: int) -> None:
-        tmp = self.announced_path.with_suffix(".tmp")
-        tmp.write_text(json.dumps({"version": version}))
-        os.replace(tmp, self.announced_path)
+        _write_version(self.announced_path, version)
 
-    def withdraw_announcement(self, version: int) -> None:
-        """`version`'s gate never reached a verdict (the learner stopped): the next start
-        announces it again, instead of leaving it ungated until a newer version comes."""
-        if self.announced() == version:
-            self.mark_announced(version - 1)
+    def decided(self) -> int | None:
+        """The newest version whose promotion reached a decision (None: never recorded, a
+        state dir from before decisions were). A newer one was announced but its gate (or
+        canary) never decided: the learner stopped or died during it."""
+        if not self.decided_path.exists():
+            return None
+        return int(json.loads(self.decided_path.read_text())["version"])
+
+    def mark_decided(self, version: int) -> None:
+        """Record `version` as decided; never moves back (an older decision, a superseded
+        candidate, comes before the newer one's)."""
+        decided = self.decided()
+        if decided is None or version > decided:
+            _write_version(self.decided_path, version)
+
+
+def _write_version(path: Path, version: int) -> None:
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps({"version": version}))
+    os.replace(tmp, path)
 
 
 @dataclass

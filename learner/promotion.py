@@ -32,6 +32,7 @@ from typing import Any
 import httpx
 import structlog
 
+from learner.adapter_store import AdapterStore
 from learner.canary import CanaryMonitor, judge_canary
 from learner.checkpoint import CheckpointStore
 from learner.config import PromotionConfig
@@ -286,33 +287,47 @@ class Promoter:
         # canary then ends within seconds instead of running on while the learner stops.
         self._closing = stop if stop is not None else threading.Event()
         self._timers: set[threading.Timer] = set()  # cleanups and re-checks not yet run
+        # `<state_dir>/learner/decided.json`: the newest version a decision was reached for;
+        # a newer one is gated again at the next start (`resume`), whatever stopped its
+        # gate. A state dir from before it was kept counts what it announced as decided.
+        self._checkpoints = CheckpointStore(self.state_dir)
+        if self._checkpoints.decided() is None:
+            self._checkpoints.mark_decided(self._checkpoints.announced())
+        # Whether a canary a previous learner left running was looked for (`_end_orphan`).
+        self._orphan_checked = False
 
     # ------------------------------------------------------------------ async use
+    def resume(self) -> None:
+        """At start-up: the worker first ends a canary a learner that died left running,
+        then gates the newest candidate no decision was recorded for (the learner was
+        stopped, killed or crashed during its gate or canary)."""
+        self._start_worker()
+        latest = AdapterStore(self.state_dir).latest()
+        decided = self._checkpoints.decided() or 0
+        if latest is not None and latest > decided:
+            name = f"policy-v{latest}"
+            log.warning("candidate_resubmitted", version=name, decided=f"policy-v{decided}")
+            self._queue.put(self.state_dir / "adapters" / name)
+
     def submit(self, version_dir: Path) -> None:
         """Queue a candidate; the worker gates the newest and marks older ones superseded."""
+        self._start_worker()
+        self._queue.put(Path(version_dir))
+
+    def _start_worker(self) -> None:
         if self._worker is None:
             self._worker = threading.Thread(target=self._work, name="promoter", daemon=True)
             self._worker.start()
-        self._queue.put(Path(version_dir))
 
     def _work(self) -> None:
+        self._look_for_an_orphan()
         while True:
             item = self._queue.get()
             if item is None:
                 return
-            newest = item
-            while True:  # only the newest pending candidate is worth a gate run
-                try:
-                    nxt = self._queue.get_nowait()
-                except queue.Empty:
-                    break
-                if nxt is None:
-                    self._queue.put(None)
-                    break
-                self.audit.append(
-                    ACTOR, "candidate_superseded", {"version": newest.name, "by": nxt.name}
-                )
-                newest = nxt
+            newest = self._newest_undecided(item)
+            if newest is None:
+                continue
             try:
                 self.promote(newest)
             except Exception as exc:  # the worker must survive one bad candidate
@@ -320,6 +335,82 @@ class Promoter:
                 self.audit.append(
                     ACTOR, "promotion_failed", {"version": newest.name, "error": repr(exc)}
                 )
+                self._record_decided(newest.name)
+
+    def _newest_undecided(self, item: Path) -> Path | None:
+        """`item` and whatever else is queued: only the newest not yet decided is worth a
+        gate run; older ones are superseded (audited), and a version decided already (the
+        start-up's resubmission and the learner's own announcement of it) is dropped."""
+        pending = [item]
+        while True:
+            try:
+                nxt = self._queue.get_nowait()
+            except queue.Empty:
+                break
+            if nxt is None:
+                self._queue.put(None)
+                break
+            pending.append(nxt)
+        decided = self._checkpoints.decided() or 0
+        fresh: list[Path] = []
+        for path in pending:
+            if version_number(path.name) <= decided or path in fresh:
+                log.info("candidate_already_decided", version=path.name)
+            else:
+                fresh.append(path)
+        fresh.sort(key=lambda path: version_number(path.name))
+        for older in fresh[:-1]:
+            self.audit.append(
+                ACTOR, "candidate_superseded", {"version": older.name, "by": fresh[-1].name}
+            )
+            self._record_decided(older.name)
+        return fresh[-1] if fresh else None
+
+    def _record_decided(self, name: str) -> None:
+        self._checkpoints.mark_decided(version_number(name))
+
+    def _look_for_an_orphan(self) -> None:
+        """As the worker starts: end a canary a learner that died left running (see
+        `_end_orphan`). A failure (the proxy not answering yet) is logged, and the first
+        promotion looks again before it could start a canary of its own."""
+        try:
+            with self._lock:
+                if not self._orphan_checked:
+                    self._end_orphan(self.proxy.status())
+        except Exception:
+            log.exception("orphaned_canary_check_failed", alias=self.config.alias)
+
+    def _end_orphan(self, status: dict[str, Any]) -> dict[str, Any]:
+        """End the alias's canary when a learner started it and none watches it: this
+        process has started none yet, so one running now was left by a learner that was
+        killed or died mid-canary. The proxy keeps it in its serving state: it went on
+        sending a share of traffic to an unjudged candidate and refused every later
+        candidate's canary (409 canary_running), each then unloaded. It is rolled back
+        (audited `canary_rolled_back`, `orphaned`) and its target unloaded; returns the
+        status after that. An operator's canary is left alone."""
+        target = self._canary_target(status)
+        if target is not None and self._is_orphan(status, target):
+            stable = self._alias_target(status) or self.base_name
+            reason = "orphaned: started by a learner that stopped before deciding it"
+            log.warning("orphaned_canary", version=target, stable=stable)
+            self._abandon_canary(target, stable, reason, recheck=False, orphaned=True)
+            status = self.proxy.status()
+        self._orphan_checked = True
+        return status
+
+    def _is_orphan(self, status: dict[str, Any], target: str) -> bool:
+        """Whether the learner started the alias's running canary of `target` (the proxy's
+        history names who started each canary) on a version it published."""
+        starts = [
+            entry
+            for entry in status.get("history") or []
+            if isinstance(entry, dict)
+            and entry.get("kind") == "canary_start"
+            and entry.get("alias") == self.config.alias
+        ]
+        ours = bool(starts) and starts[-1].get("actor") == ACTOR
+        published = is_version_name(target) and (self.state_dir / "adapters" / target).is_dir()
+        return ours and starts[-1].get("target") == target and published
 
     def close(self, timeout_s: float = 300.0) -> None:
         self._closing.set()  # a running canary rolls back rather than outlive the learner
@@ -333,8 +424,12 @@ class Promoter:
 
     # ------------------------------------------------------------------- sync use
     def promote(self, version_dir: Path) -> PromotionOutcome:
+        """Gate and promote one candidate; any outcome but `interrupted` is its decision,
+        recorded so that the next start does not submit it again."""
         with self._lock:
             outcome = self._promote(Path(version_dir))
+            if outcome.decision != "interrupted":
+                self._record_decided(outcome.version)
         self.outcomes.append(outcome)
         return outcome
 
@@ -356,6 +451,8 @@ class Promoter:
             )
             log.error("promotion_alias_unknown", version=name, alias=self.config.alias, known=known)
             return PromotionOutcome(name, "skipped_unknown_alias", reason=reason)
+        if not self._orphan_checked:
+            status = self._end_orphan(status)
         incumbent = status["aliases"][self.config.alias]
         if status.get("frozen"):
             self.audit.append(
@@ -470,8 +567,8 @@ class Promoter:
         exc: GateInterrupted,
     ) -> PromotionOutcome:
         """The learner is stopping mid-gate (or before the gate of `name`, `gate_s` None:
-        never loaded): the candidate is unloaded, neither passed nor rejected, and
-        announced again at the next start (its gate starts over there)."""
+        never loaded): the candidate is unloaded, neither passed nor rejected, and not
+        recorded as decided, so the next start submits it again (`resume`)."""
         payload: dict[str, Any] = {
             "version": name,
             "incumbent": incumbent,
@@ -481,7 +578,6 @@ class Promoter:
             timings["gate_s"] = gate_s
             payload["after_s"] = round(gate_s, 2)
             self._unload_noting(name, payload)
-        CheckpointStore(self.state_dir).withdraw_announcement(version_number(name))
         self.audit.append(ACTOR, "promotion_interrupted", payload)
         log.warning("promotion_interrupted", version=name, gate_s=payload.get("after_s"))
         return PromotionOutcome(name, "interrupted", incumbent, reason=str(exc), timings=timings)
@@ -845,11 +941,19 @@ class Promoter:
         return PromotionOutcome(name, "canary_rolled_back", incumbent, report, reason, timings)
 
     def _abandon_canary(
-        self, name: str, incumbent: str, reason: str, end: bool = True, recheck: bool = True
+        self,
+        name: str,
+        incumbent: str,
+        reason: str,
+        end: bool = True,
+        recheck: bool = True,
+        orphaned: bool = False,
     ) -> None:
         """End a canary that has no decision: rollback at the proxy (`end`: only when the
-        running canary is ours), unload, audit."""
+        running canary is ours), unload, audit (`orphaned`: a dead learner's)."""
         payload: dict[str, Any] = {"version": name, "stable": incumbent, "reason": reason}
+        if orphaned:
+            payload["orphaned"] = True
         failed = self._end_canary_rollback(name, incumbent, reason, end=end, recheck=recheck)
         if failed:
             payload["cleanup_failed"] = failed

@@ -15,6 +15,7 @@ import pytest
 from learner import promotion
 from learner.adapter_store import AdapterStore
 from learner.canary import CanaryVerdict
+from learner.checkpoint import CheckpointStore
 from learner.config import CanaryConfig, PromotionConfig
 from learner.promotion import Promoter, PromotionError, PromotionOutcome, ReplicaSet
 from safety.config import GatesConfig
@@ -63,6 +64,7 @@ class Proxy:
     ) -> None:
         self.alias, self.canary = alias, canary
         self.rollback_to = rollback_to  # what `olp rollback` would serve
+        self.history: list[dict] = []  # as serving.json keeps it: who did what
         self.down = False
         self.flipped = threading.Event()
         self.ended: list[tuple[str, str]] = []
@@ -77,6 +79,7 @@ class Proxy:
             "frozen": False,
             "canaries": canaries,
             "rollback_targets": rollback,
+            "history": list(self.history),
         }
 
     def set_alias(self, alias: str, target: str, expected: str | None = None) -> dict:
@@ -91,7 +94,12 @@ class Proxy:
     ) -> dict:
         if expected is not None and expected != self.alias:
             raise PromotionError("proxy POST /admin/canary → 409: alias_changed")
+        if self.canary:
+            raise PromotionError("proxy POST /admin/canary → 409: canary_running")
         self.canary = {"target": target, "share": share}
+        self.history.append(
+            {"kind": "canary_start", "actor": promotion.ACTOR, "alias": alias, "target": target}
+        )
         return self.canary
 
     def end_canary(self, alias: str, decision: str, reason: str, target: str | None = None) -> dict:
@@ -501,15 +509,14 @@ def test_closing_interrupts_a_running_gate_and_announces_the_candidate_again(
     """`close()` waited up to 300 s for the gate suite, which takes 36-100 s on a CPU: `olp up`
     killed the learner after 30 s, with the candidate left loaded and never gated (it was
     marked announced, so the next start did not submit it again)."""
-    from learner.checkpoint import CheckpointStore
     from safety.gates.types import GateInterrupted
 
     store = AdapterStore(tmp_path)
     publish(store, tmp_path, 1)
     publish(store, tmp_path, 2)
-    CheckpointStore(tmp_path).mark_announced(2)
     replicas, proxy, audit = Replicas({"policy-v1"}), Proxy("policy-v1"), FakeAudit()
     p = promoter(tmp_path, replicas, proxy, audit)
+    CheckpointStore(tmp_path).mark_announced(2)  # the learner, as it submits v2
     p.gate_runner = p._run_gates  # the promoter's own suite call, with its stop wiring
     monkeypatch.setattr(p, "_zero_base", lambda like: "olp-zero-base")
     suite_started = threading.Event()
@@ -533,19 +540,18 @@ def test_closing_interrupts_a_running_gate_and_announces_the_candidate_again(
     payload = dict(audit.events)["promotion_interrupted"]
     assert payload["version"] == "policy-v2" and payload["incumbent"] == "policy-v1"
     assert replicas.unloaded == ["policy-v2"] and proxy.alias == "policy-v1"
-    assert CheckpointStore(tmp_path).announced() == 1  # the next start submits v2 again
+    assert CheckpointStore(tmp_path).decided() == 0  # the next start submits v2 again
     assert not (tmp_path / "gates" / "policy-v2.json").exists()
 
 
-def test_withdrawing_an_announcement_leaves_a_newer_one_alone(tmp_path: Path) -> None:
-    from learner.checkpoint import CheckpointStore
-
+def test_a_decision_never_moves_the_decided_marker_back(tmp_path: Path) -> None:
     checkpoints = CheckpointStore(tmp_path)
-    checkpoints.mark_announced(5)
-    checkpoints.withdraw_announcement(4)  # v5 was announced since: its gate is still owed
-    assert checkpoints.announced() == 5
-    checkpoints.withdraw_announcement(5)
-    assert checkpoints.announced() == 4
+    assert checkpoints.decided() is None
+    checkpoints.mark_decided(0)  # a new state dir: recorded, nothing decided yet
+    assert checkpoints.decided() == 0
+    checkpoints.mark_decided(5)
+    checkpoints.mark_decided(4)  # v4's superseded record comes late: v5's stands
+    assert checkpoints.decided() == 5
 
 
 def test_the_learners_stop_signal_interrupts_a_gate_before_close(
@@ -587,21 +593,19 @@ def test_a_candidate_queued_behind_an_interrupted_gate_is_not_loaded(
 ) -> None:
     """Seen with `olp up`: after Ctrl-C the worker loaded the next queued candidate onto vLLM
     only to interrupt its gate at once."""
-    from learner.checkpoint import CheckpointStore
-
     store = AdapterStore(tmp_path)
     for version in (1, 2):
         publish(store, tmp_path, version)
-    CheckpointStore(tmp_path).mark_announced(2)
     replicas, proxy, audit = Replicas(set()), Proxy("base"), FakeAudit()
     p = promoter(tmp_path, replicas, proxy, audit)
+    CheckpointStore(tmp_path).mark_announced(2)
     p._closing.set()
     outcome = p.promote(store.path(2))
     assert outcome.decision == "interrupted" and "gate_s" not in outcome.timings
     assert replicas.loaded == set() and replicas.unloaded == []
     assert audit.names() == ["promotion_interrupted"]
     assert "after_s" not in dict(audit.events)["promotion_interrupted"]
-    assert CheckpointStore(tmp_path).announced() == 1
+    assert CheckpointStore(tmp_path).decided() == 0  # gated at the next start
 
 
 def test_an_incumbent_missing_from_a_restarted_replica_is_loaded_before_the_gate(
@@ -872,3 +876,132 @@ def test_a_canary_rollback_keeps_a_candidate_an_operator_made_the_rollback_targe
     assert replicas.unloaded == []
     payload = dict(audit.events)["canary_rolled_back"]
     assert "left loaded" in payload["cleanup_failed"][-1]
+
+
+# -- a learner that died before its candidate's gate decided ------------------------------------
+
+
+def test_a_candidate_whose_gate_never_decided_is_gated_at_the_next_start(tmp_path: Path) -> None:
+    """`announced.json` was written when the candidate was queued: a learner killed (SIGKILL,
+    OOM) while the gate ran never submitted that candidate again, so it stayed ungated until
+    a newer version came."""
+    store = AdapterStore(tmp_path)
+    publish(store, tmp_path, 1)
+    publish(store, tmp_path, 2)
+    proxy = Proxy("policy-v1")
+    first = promoter(tmp_path, Replicas({"policy-v1"}), proxy, FakeAudit())
+    gate_running, release = threading.Event(), threading.Event()
+
+    def gate_until_killed(candidate: str, incumbent: str) -> GateReport:
+        gate_running.set()
+        release.wait(30)
+        raise RuntimeError("the process is gone")  # never gets to decide anything
+
+    first.gate_runner = gate_until_killed
+    first.submit(store.path(2))
+    CheckpointStore(tmp_path).mark_announced(2)  # what the learner writes after submit
+    assert gate_running.wait(10)
+    # -- killed here; the next start:
+    replicas, audit = Replicas({"policy-v1"}), FakeAudit()
+    second = promoter(tmp_path, replicas, proxy, audit)
+    try:
+        second.resume()
+        outcomes = wait_for(second, 1)
+    finally:
+        release.set()
+        second.close(timeout_s=5)
+        first.close(timeout_s=5)
+    assert [(o.version, o.decision) for o in outcomes] == [("policy-v2", "promoted")]
+    assert proxy.alias == "policy-v2" and audit.names()[:2] == ["gate_result", "promotion"]
+    assert CheckpointStore(tmp_path).decided() == 2
+
+
+def test_a_decided_candidate_is_not_gated_again(tmp_path: Path) -> None:
+    """The start-up's resubmission and the learner's own announcement of the same version
+    (or a decided one) gate it once."""
+    store = AdapterStore(tmp_path)
+    publish(store, tmp_path, 1)
+    publish(store, tmp_path, 2)
+    gates: list[str] = []
+    audit = FakeAudit()
+    p = promoter(tmp_path, Replicas(set()), Proxy("policy-v1"), audit)
+    p.gate_runner = lambda c, i: gates.append(c) or GateReport(False, [])
+    p.submit(store.path(2))
+    p.submit(store.path(2))
+    wait_for(p, 1)
+    p.submit(store.path(2))
+    p.submit(store.path(1))
+    p.close(timeout_s=5)
+    assert gates == ["policy-v2"] and "candidate_superseded" not in audit.names()
+    assert [o.decision for o in p.outcomes] == ["rejected"]
+
+
+def test_an_old_state_dir_counts_what_it_announced_as_decided(tmp_path: Path) -> None:
+    """A state dir from before decisions were recorded: what was announced counts as
+    decided, as it did, so the first start does not gate the serving version again."""
+    store = AdapterStore(tmp_path)
+    publish(store, tmp_path, 1)
+    CheckpointStore(tmp_path).mark_announced(1)
+    p = promoter(tmp_path, Replicas(set()), Proxy("policy-v1"), FakeAudit())
+    p.resume()
+    p.close(timeout_s=5)
+    assert p.outcomes == [] and CheckpointStore(tmp_path).decided() == 1
+
+
+# -- a canary a learner that died left running ----------------------------------------------------
+
+
+def orphaned_canary(tmp_path: Path, actor: str) -> tuple[AdapterStore, Proxy, Replicas]:
+    """v2's canary, started by `actor`, still running in the proxy (serving.json keeps it)
+    while nothing watches it; v3 and v4 are published."""
+    store = AdapterStore(tmp_path)
+    for version in (1, 2, 3, 4):
+        publish(store, tmp_path, version)
+    proxy = Proxy("policy-v1", canary={"target": "policy-v2", "share": 0.1})
+    proxy.history = [
+        {"kind": "canary_start", "actor": actor, "alias": "policy", "target": "policy-v2"}
+    ]
+    return store, proxy, Replicas({"policy-v1", "policy-v2"})
+
+
+SHORT_CANARY = {"enabled": True, "poll_s": 0.01, "max_duration_s": 0.05}
+
+
+def test_a_canary_a_dead_learner_left_running_is_rolled_back(tmp_path: Path) -> None:
+    """Every later candidate's canary got 409 canary_running, `_canary_is_ours` said no, and
+    the candidate was unloaded as canary_rolled_back: no promotion could ever happen, and
+    the orphan kept serving its unjudged candidate."""
+    store, proxy, replicas = orphaned_canary(tmp_path, promotion.ACTOR)
+    audit = FakeAudit()
+    p = promoter(tmp_path, replicas, proxy, audit, canary=SHORT_CANARY)
+    outcome = p.promote(store.path(3))
+    orphan = audit.events[0]
+    assert orphan[0] == "canary_rolled_back" and orphan[1]["orphaned"] is True
+    assert orphan[1]["version"] == "policy-v2" and orphan[1]["stable"] == "policy-v1"
+    assert proxy.ended[0][0] == "rollback" and "policy-v2" in replicas.unloaded
+    # v3's own canary then ran, to a verdict (here: evidence short, rolled back).
+    assert ("canary_result", "policy-v3") in [(n, e.get("version")) for n, e in audit.events]
+    assert "canary start failed" not in outcome.reason
+
+
+def test_the_orphan_is_ended_at_start_up(tmp_path: Path) -> None:
+    _, proxy, replicas = orphaned_canary(tmp_path, promotion.ACTOR)
+    CheckpointStore(tmp_path).mark_decided(4)  # nothing to gate: only the orphan
+    audit = FakeAudit()
+    p = promoter(tmp_path, replicas, proxy, audit)
+    p.resume()
+    deadline = time.monotonic() + 10
+    while proxy.canary is not None and time.monotonic() < deadline:
+        time.sleep(0.01)
+    p.close(timeout_s=5)
+    assert proxy.canary is None and audit.names() == ["canary_rolled_back"]
+
+
+def test_an_operators_canary_is_left_alone(tmp_path: Path) -> None:
+    store, proxy, replicas = orphaned_canary(tmp_path, "alice")
+    audit = FakeAudit()
+    p = promoter(tmp_path, replicas, proxy, audit, canary=SHORT_CANARY)
+    outcome = p.promote(store.path(3))
+    assert proxy.canary == {"target": "policy-v2", "share": 0.1} and proxy.ended == []
+    assert outcome.decision == "canary_rolled_back" and "canary_running" in outcome.reason
+    assert "policy-v2" in replicas.loaded

@@ -44,6 +44,9 @@ def fakes(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, rank: int, world: int
         def submit(self, path: Path) -> None:
             pass
 
+        def resume(self) -> None:
+            built.events.append("promoter.resume")
+
         def close(self) -> None:
             built.events.append("promoter.close")
 
@@ -122,6 +125,8 @@ def test_rank_0_promotes_and_feeds_the_canary(
     assert learner_runner.run(OlpConfig(state_dir=tmp_path)) == 0
     assert built.events.count("promoter") == 1 and built.events.count("reloader") == 1
     assert built.events.index("reloader.start") < built.events.index("run_learner")
+    # An undecided candidate and a dead learner's canary are seen to before training.
+    assert built.events.index("promoter.resume") < built.events.index("run_learner")
     assert built.events[-3:] == ["run_learner", "reloader.close", "promoter.close"]
     kwargs = built.learner_kwargs
     assert isinstance(kwargs["canary"], CanaryMonitor)

@@ -41,12 +41,24 @@ class SuiteContext:
             self._responses[key] = task
         return task
 
-    async def respond_both(self, probes: list[Probe]) -> tuple[list[Completion], list[Completion]]:
-        """Candidate and incumbent responses to every probe, all requests in flight at once."""
-        tasks = [self.respond(self.candidate, p) for p in probes]
-        tasks += [self.respond(self.incumbent, p) for p in probes]
-        done = await asyncio.gather(*tasks)
-        return list(done[: len(probes)]), list(done[len(probes) :])
+    def references(self, against_base: bool) -> list[tuple[str, str]]:
+        """(role, served name) of what a gate bounds the candidate by: the incumbent, and the
+        base model when `against_base` and it is another name (before the first promotion
+        the incumbent is the base)."""
+        roles = [("incumbent", self.incumbent)]
+        if against_base and self.base != self.incumbent:
+            roles.append(("base", self.base))
+        return roles
+
+    async def respond_references(
+        self, probes: list[Probe], against_base: bool
+    ) -> tuple[list[Completion], dict[str, list[Completion]]]:
+        """The candidate's responses, and each reference's by role, all in flight at once."""
+        roles = self.references(against_base)
+        models = [self.candidate, *(name for _, name in roles)]
+        done = await asyncio.gather(*[self.respond(m, p) for m in models for p in probes])
+        parts = [list(done[k * len(probes) : (k + 1) * len(probes)]) for k in range(len(models))]
+        return parts[0], {role: part for (role, _), part in zip(roles, parts[1:], strict=True)}
 
     async def close(self) -> None:
         """Cancel what no gate awaits any more; collect failures another gate already reported."""

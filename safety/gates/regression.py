@@ -1,4 +1,6 @@
-"""Regression gate: held-out verifiable prompts; candidate score >= incumbent - epsilon."""
+"""Regression gate: held-out verifiable prompts; candidate score >= incumbent - epsilon, and
+(`against_base`) >= the base model's - epsilon, so small losses cannot add up over
+promotions."""
 
 from __future__ import annotations
 
@@ -17,26 +19,34 @@ def regression_probes(config: RegressionGateConfig) -> list[RegressionProbe]:
 
 async def regression_gate(ctx: SuiteContext, config: RegressionGateConfig) -> GateResult:
     probes = regression_probes(config)
-    candidate, incumbent = await ctx.respond_both(probes)
+    candidate, references = await ctx.respond_references(probes, config.against_base)
     candidate_ok = [p.check.passes(c.text) for p, c in zip(probes, candidate, strict=True)]
-    incumbent_ok = [p.check.passes(c.text) for p, c in zip(probes, incumbent, strict=True)]
+    reference_ok = {
+        role: [p.check.passes(r.text) for p, r in zip(probes, responses, strict=True)]
+        for role, responses in references.items()
+    }
     candidate_score = sum(candidate_ok) / len(probes)
-    incumbent_score = sum(incumbent_ok) / len(probes)
+    scores = {role: sum(ok) / len(probes) for role, ok in reference_ok.items()}
     noise = ctx.noise(len(probes))
-    return GateResult.compare(
-        NAME,
-        candidate_score,
-        incumbent_score - config.epsilon - noise,
-        ">=",
-        {
-            "incumbent_score": incumbent_score,
-            "epsilon": config.epsilon,
-            "noise_allowance": round(noise, 6),
-            "probes": len(probes),
-            "regressed": [
-                p.id
-                for p, c, i in zip(probes, candidate_ok, incumbent_ok, strict=True)
-                if i and not c
-            ],
-        },
-    )
+    thresholds = {role: score - config.epsilon - noise for role, score in scores.items()}
+    bound_by = max(thresholds, key=lambda role: thresholds[role])
+    details = {
+        "incumbent_score": scores["incumbent"],
+        "epsilon": config.epsilon,
+        "noise_allowance": round(noise, 6),
+        "probes": len(probes),
+        "regressed": [
+            p.id
+            for p, c, i in zip(probes, candidate_ok, reference_ok["incumbent"], strict=True)
+            if i and not c
+        ],
+        "bound_by": bound_by,
+    }
+    if "base" in scores:
+        details["base_score"] = scores["base"]
+        details["regressed_from_base"] = [
+            p.id
+            for p, c, b in zip(probes, candidate_ok, reference_ok["base"], strict=True)
+            if b and not c
+        ]
+    return GateResult.compare(NAME, candidate_score, thresholds[bound_by], ">=", details)

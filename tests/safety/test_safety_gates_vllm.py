@@ -135,8 +135,14 @@ async def test_candidate_identical_to_incumbent_passes(
     path = make_lora_adapter(tmp_path / "shared", seed=3, scale=0.3)
     incumbent = await load_adapter(path=path)
     candidate = await load_adapter(path=path)  # same weights, new versioned name
-    # The KL cap measures distance from the base, which both share: lift it out of the way.
-    config = small_config(kl=KLGateConfig(max_prompts=2, max_tokens=12, cap=50.0))
+    # The KL cap measures distance from the base, which both share: lift it out of the way,
+    # and hold the other gates against the incumbent only (both are a random adapter).
+    config = small_config(
+        kl=KLGateConfig(max_prompts=2, max_tokens=12, cap=50.0),
+        regression=RegressionGateConfig(max_probes=5, against_base=False),
+        safety_probes=SafetyProbeGateConfig(max_probes=3, against_base=False),
+        monitors=MonitorGateConfig(max_probes=3, against_base=False),
+    )
     report = await _suite(vllm_server, config, candidate, incumbent, zero_base)
     assert report.passed, [r.to_dict() for r in report.results if not r.passed]
     assert len(report.results) == 10  # every gate and monitor ran and passed

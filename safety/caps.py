@@ -101,6 +101,21 @@ def _round_robin_order(
     return [index for _, index in sorted(keyed)]
 
 
+def _within_a_tenants_share(
+    batch: Sequence[T],
+    weights: Sequence[float],
+    tenant_of: Callable[[T], Hashable],
+    share: float | None,
+) -> list[bool]:
+    """Which items weigh at most the tenant share (raised to an equal split) of the whole
+    batch: one that alone weighs more breaks its tenant's share whatever else is kept."""
+    if share is None or not batch:
+        return [True] * len(batch)
+    tenants = len({tenant_of(item) for item in batch})
+    limit = sum(weights) * max(share, 1.0 / tenants) + 1e-9
+    return [weight <= limit for weight in weights]
+
+
 def apply_contribution_caps(
     batch: Sequence[T],
     config: CapsConfig,
@@ -123,16 +138,20 @@ def apply_contribution_caps(
     re-applied until stable, since dropping one tenant's excess raises every other group's
     share.
 
-    A share cap never empties a group: when every item a group still holds is over its
-    limit, it keeps the shortest of them (the earliest of equals). Otherwise one short
-    sample made the limit of a tenant of long samples smaller than each of them, so all
-    were dropped and the short sample was the whole batch. The equal-split floor counts
-    the level's groups in the batch handed in, not those still kept, for the same reason."""
-    keep = [True] * len(batch)
+    First, an item that alone is over its tenant's share of the whole batch is dropped:
+    one huge sample must not hold most of a step's gradient. Then a share cap never
+    empties a group: when every item a group still holds is over its limit, it keeps the
+    shortest of them (the earliest of equals). Otherwise one short sample made the limit
+    of a tenant of long samples smaller than each of them, so all were dropped and the
+    short sample was the whole batch. The equal-split floor counts the level's groups left
+    after the first step, not those still kept, for the same reason."""
     weights = [1.0 if weight_of is None else float(weight_of(item)) for item in batch]
+    keep = _within_a_tenants_share(batch, weights, tenant_of, config.max_tenant_share)
     groups_in_batch = {
-        "user": len({_group_of(user_of, item, index) for index, item in enumerate(batch)}),
-        "tenant": len({tenant_of(item) for item in batch}),
+        "user": len(
+            {_group_of(user_of, item, index) for index, item in enumerate(batch) if keep[index]}
+        ),
+        "tenant": len({tenant_of(item) for index, item in enumerate(batch) if keep[index]}),
     }
     # Within a tenant, the kept items are spread round-robin over its users, so capping a
     # tenant does not wipe out its small users (which would shrink the batch further).
@@ -171,8 +190,8 @@ def apply_contribution_caps(
                     over.setdefault(key, []).append(index)
             for key, indices in over.items():
                 if len(indices) == len(members[key]):  # never empty a group: keep its shortest
-                    indices = list(indices)
-                    indices.remove(min(indices, key=lambda index: (weights[index], index)))
+                    shortest = min(indices, key=lambda index: (weights[index], index))
+                    indices = [index for index in indices if index != shortest]
                 for index in indices:
                     keep[index] = False
                     changed = True

@@ -94,10 +94,14 @@ def test_caps_count_completion_tokens_as_the_loss_does() -> None:
     sources = [[(s.tenant, s.user, len(s.completion_ids)) for s in part] for part in (short, long)]
     keep = select_capped(sources, caps)
     assert (sum(keep[0]), sum(keep[1])) == (20, 2)
-    # A tenant with nothing but one sample longer than every other tenant's tokens keeps it:
-    # a share cap never empties a group (safety/caps.py; it used to keep none).
+    # A tenant with nothing but one sample over its share of the whole batch (50 of 70
+    # tokens) keeps none: one huge sample must not hold most of a step (safety/caps.py).
     kept, _ = apply_share_caps(short[:4] + long[:1], caps)
-    assert [s.tenant for s in kept] == ["A"] * 4 + ["B"]
+    assert [s.tenant for s in kept] == ["A"] * 4
+    # One within its share of the whole batch (50 of 120 tokens) is kept, though it is over
+    # A's 20 kept tokens: a share cap does not empty a tenant for one short sample of another.
+    kept, _ = apply_share_caps(short[:4] + long[:1] + short[4:14], caps)
+    assert sorted({s.tenant for s in kept}) == ["A", "B"]
 
 
 def test_the_cap_holds_on_what_is_trained_after_advantages() -> None:

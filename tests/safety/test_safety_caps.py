@@ -104,6 +104,12 @@ def test_one_short_sample_cannot_take_the_batch() -> None:
     small = [{"tenant": "acme", "user": "m", "w": 5, "i": 99}]
     kept = apply_contribution_caps(users + small, CapsConfig(), weight_of=weight).kept
     assert Counter(item["user"] for item in kept) == {"u0": 1, "u1": 1, "u2": 1, "m": 1}
+    # But a group whose every sample alone is over its share of the whole batch is still
+    # dropped: one 4000-token sample beside 10 x 50 tokens would hold 89 % of the step.
+    huge = [{"tenant": "mallory", "user": "m", "w": 4000, "i": 98}]
+    honest = [{"tenant": "acme", "user": f"u{i % 4}", "w": 50, "i": i} for i in range(10)]
+    kept = apply_contribution_caps(honest + huge, CapsConfig(), weight_of=weight).kept
+    assert "mallory" not in _tokens(kept)
     # Unweighted, a group is not emptied either: the shortest (here the earliest) stays.
     batch = _batch([("a", "u1", 6), ("a", "u2", 1), ("b", "u3", 1)])
     kept = apply_contribution_caps(batch, CapsConfig(max_tenant_share=0.1)).kept
@@ -111,8 +117,9 @@ def test_one_short_sample_cannot_take_the_batch() -> None:
 
 
 def test_shares_hold_against_the_input_batchs_groups() -> None:
-    """Property: each group keeps at most max(share, 1 / its level's groups in the input
-    batch) of the kept weight, or exactly one item, its shortest; no group is emptied."""
+    """Property: an item over its tenant's share of the whole batch by itself is dropped;
+    of the rest, each group keeps at most max(share, 1 / its level's groups among them) of
+    the kept weight, or exactly one item, its shortest; no tenant is emptied."""
     rng = random.Random(7)
     for _ in range(2000):
         batch = [
@@ -137,17 +144,25 @@ def test_shares_hold_against_the_input_batchs_groups() -> None:
 
         weights = {item["i"]: item["w"] if weighted else 1.0 for item in batch}
         total = sum(weights[item["i"]] for item in result.kept)
+        # First, an item over its tenant's share of the whole batch by itself is dropped.
+        tenant_share = config.max_tenant_share
+        alone = float("inf")
+        if tenant_share is not None:
+            tenants = len({item["tenant"] for item in batch})
+            alone = sum(weights.values()) * max(tenant_share, 1 / tenants)
+        light = [item for item in batch if weights[item["i"]] <= alone + 1e-9]
+        assert {item["i"] for item in result.kept} <= {item["i"] for item in light}
         for level, key_of, share, absolute in (
             ("tenant", _tenant_key, config.max_tenant_share, config.max_per_tenant),
             ("user", _user_key, config.max_user_share, config.max_per_user),
         ):
-            groups = {key_of(item) or ("item", item["i"]) for item in batch}
+            groups = {key_of(item) or ("item", item["i"]) for item in light}
             mine: dict = {}
             for item in result.kept:
                 if key_of(item) is not None:
                     mine.setdefault(key_of(item), []).append(item)
             if level == "tenant":
-                assert set(mine) == groups  # no tenant emptied
+                assert set(mine) == groups  # then no tenant is emptied
             for key, items in mine.items():
                 if absolute is not None:
                     assert len(items) <= absolute

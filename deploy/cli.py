@@ -8,6 +8,7 @@ import functools
 import hashlib
 import json
 import os
+import socket
 import sys
 import threading
 from collections.abc import Callable
@@ -45,6 +46,7 @@ def cmd_up(args: argparse.Namespace, cfg: OlpConfig) -> int:
 
 
 def cmd_proxy(args: argparse.Namespace, cfg: OlpConfig) -> int:
+    from deploy.procs import EXIT_CONFIG_ERROR
     from proxy.server import run_proxy
 
     proxy_cfg = cfg.proxy
@@ -65,6 +67,14 @@ def cmd_proxy(args: argparse.Namespace, cfg: OlpConfig) -> int:
             # The sink's worker process logs into this process's log, in the same format.
             sink_child_init=functools.partial(configure_logging, cfg.log_format, cfg.log_level),
         )
+    except socket.gaierror as exc:  # proxy.host is a name that does not resolve
+        print(
+            f"olp: the proxy cannot listen on {proxy_cfg.host}:{proxy_cfg.port} "
+            f"(proxy.host, proxy.port): the host name does not resolve ({exc.strerror or exc}); "
+            "set proxy.host to an address or name of this machine, e.g. 127.0.0.1",
+            file=sys.stderr,
+        )
+        return EXIT_CONFIG_ERROR
     except OSError as exc:
         if exc.errno not in (errno.EADDRINUSE, errno.EADDRNOTAVAIL, errno.EACCES):
             raise

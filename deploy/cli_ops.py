@@ -351,7 +351,7 @@ def cmd_replay_run(args: argparse.Namespace, cfg: OlpConfig) -> int:
 
     if args.direct:
         base_url, key = cfg.policy.base_urls()[0], cfg.policy.api_key_value()
-        from deploy.policy import PolicyKeyRefused, models_listed
+        from deploy.policy import NotAModelList, PolicyKeyRefused, models_listed
 
         try:  # not one 401 per recorded request: say which setting is missing
             models_listed(base_url, api_key=key)
@@ -359,6 +359,14 @@ def cmd_replay_run(args: argparse.Namespace, cfg: OlpConfig) -> int:
             print(
                 f"olp: replay run --direct: {exc} (the vLLM of `olp up` takes a key made for "
                 "each run unless policy.api_key / OLP_POLICY__API_KEY names one)",
+                file=sys.stderr,
+            )
+            return 2
+        except NotAModelList as exc:  # something else listens there: no record would replay
+            print(
+                f"olp: replay run --direct: {exc}; that is not a vLLM server: check "
+                "policy.host and policy.port (or policy.external_urls) point at the policy's "
+                "vLLM",
                 file=sys.stderr,
             )
             return 2

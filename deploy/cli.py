@@ -289,12 +289,20 @@ def build_parser() -> argparse.ArgumentParser:
 
     key = sub.add_parser("key", help="API keys")
     key_sub = key.add_subparsers(dest="key_command", required=True)
-    key_hash = key_sub.add_parser("hash", help="sha256 of a key, for the config file")
+    key_hash = key_sub.add_parser(
+        "hash",
+        help="sha256 of a key, for the config file",
+        description="Print the sha256 of an API or admin key, for the config file "
+        "(tenants[].api_key_sha256, proxy.admin_key_sha256). Give a real key on stdin, never "
+        "as an argument, which ps and the shell's history show: "
+        'read -rs K; printf %s "$K" | olp key hash',
+    )
     key_hash.add_argument(
         "key",
         nargs="?",
-        help="the key (default: the first line of stdin); surrounding whitespace is "
-        "removed either way, since API keys never contain spaces",
+        help="the key, for a test key only (default, and for a real key: the first line of "
+        "stdin); surrounding whitespace is removed either way, since API keys never contain "
+        "spaces",
     )
     key_hash.set_defaults(handler=cmd_key_hash, config=None)
 

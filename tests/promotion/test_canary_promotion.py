@@ -121,3 +121,39 @@ def test_near_identical_candidate_is_promoted_after_its_canary(
     print("canary promote evidence:", json.dumps(evidence), "served:", served)
     assert records[-1]["payload"]["via"] == "canary"
     assert verify(proxy.state_dir / "audit").ok
+
+
+def test_a_canary_a_dead_learner_left_running_is_rolled_back_at_start_up(
+    proxy, publish, make_promoter, vllm_server
+):
+    """The proxy keeps a canary in serving.json after the learner that started it died; the
+    next learner recognises it by the history's actor and rolls it back (audited), so later
+    candidates' canaries are not refused with 409 canary_running."""
+    from learner.checkpoint import CheckpointStore
+    from learner.promotion import ProxyAdmin, ReplicaSet
+
+    version_dir = publish(1, scale=0.01)
+    replicas = ReplicaSet([vllm_server.base_url])
+    dead_learner = ProxyAdmin(proxy.url, "test-admin-key")  # X-OLP-Actor: olp-learner
+    try:
+        replicas.load("policy-v1", version_dir)
+        dead_learner.start_canary("policy", "policy-v1", 0.5)
+    finally:
+        replicas.close()
+        dead_learner.close()
+    CheckpointStore(proxy.state_dir).mark_decided(1)  # no candidate to gate: the orphan only
+    promoter = make_promoter(gate_runner=passing_gate, canary=CANARY)
+    promoter.resume()
+    deadline = time.monotonic() + 30
+    while not any(r["payload"].get("orphaned") for r in audit_events(proxy)):
+        assert time.monotonic() < deadline, "the orphaned canary was not rolled back"
+        time.sleep(0.1)
+    admin = {"Authorization": "Bearer test-admin-key"}
+    status = httpx.get(f"{proxy.url}/admin/status", headers=admin).json()
+    assert status["canaries"] == {} and status["serving_version"] == vllm_server.model_name
+    ours = [r for r in audit_events(proxy) if r["actor"] == "olp-learner"]
+    # The proxy's record of the rollback, then the learner's.
+    assert [r["event"] for r in ours][-2:] == ["canary_rolled_back", "canary_rolled_back"]
+    assert ours[-1]["payload"]["version"] == "policy-v1"
+    models = httpx.get(f"{vllm_server.base_url}/v1/models").json()["data"]
+    assert "policy-v1" not in {m["id"] for m in models}

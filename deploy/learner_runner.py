@@ -194,15 +194,16 @@ def _run_main(
         state_dir / "adapters",
     )
     reloader.start(cfg.learner.promotion.reload_check_s)
-    # Before the learner announces anything: a canary a learner that died left running is
-    # ended, and the newest candidate whose gate never decided is gated (again).
-    promoter.resume()
     try:
         return learn(
             on_candidate=promoter.submit,
             canary=promoter.canary_monitor,
             is_frozen=FreezeFlag(proxy),
             served_versions=lambda: served_versions(replica_set) | proxy_versions(proxy),
+            # Once the learner checked its state (a store it refuses is not gated): a canary
+            # a learner that died left running is ended, and the newest candidate whose gate
+            # never decided is gated (again).
+            on_started=promoter.resume,
         )
     finally:
         reloader.close()

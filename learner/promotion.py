@@ -381,6 +381,8 @@ class Promoter:
             with self._lock:
                 if not self._orphan_checked:
                     self._end_orphan(self.proxy.status())
+        except (httpx.HTTPError, PromotionError) as exc:  # not answering: one line, no trace
+            log.warning("orphaned_canary_check_failed", alias=self.config.alias, error=str(exc))
         except Exception:
             log.exception("orphaned_canary_check_failed", alias=self.config.alias)
 

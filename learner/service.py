@@ -24,6 +24,7 @@ from learner.checkpoint import (
     Checkpoint,
     CheckpointStore,
     Offsets,
+    ResumePlan,
     raise_version_floor,
     resume_plan,
 )
@@ -160,24 +161,26 @@ class Learner:
             raise
 
     # -- start-up ---------------------------------------------------------------------------
+    def _raised_version_floor(self, plan: ResumePlan) -> int:
+        """The plan's version floor, raised above what vLLM or the proxy names (main rank)."""
+        if not self.ctx.is_main or self.served_versions is None:
+            return int(plan.version_floor)
+        floor = raise_version_floor(plan.version_floor, plan.version, self.served_versions())
+        if floor != plan.version_floor:
+            log.warning(
+                "learner_version_floor",
+                floor=floor,
+                version=plan.version,
+                reason="vLLM or the proxy names versions this learner did not publish",
+            )
+        return floor
+
     def _resume(self) -> None:
         checkpoint = self.checkpoints.load() if self.ctx.is_main else None
         if self.ctx.is_main:
             self.store.cleanup_temporary()
             self.checkpoints.cleanup_temporary()
             plan = resume_plan(checkpoint, self.store)
-            if self.served_versions is not None:
-                floor = raise_version_floor(
-                    plan.version_floor, plan.version, self.served_versions()
-                )
-                if floor != plan.version_floor:
-                    log.warning(
-                        "learner_version_floor",
-                        floor=floor,
-                        version=plan.version,
-                        reason="vLLM or the proxy names versions this learner did not publish",
-                    )
-                plan.version_floor = floor
         else:
             plan = None
         plan, checkpoint = broadcast_object(self.ctx, (plan, checkpoint))
@@ -202,6 +205,9 @@ class Learner:
 
                 weights = load_file(str(path / "adapter_model.safetensors"))
             self.trainer.load_adapter_state(broadcast_object(self.ctx, weights), str(path))
+        # After the local checks (the store, the weights' shape): a learner whose state is
+        # refused says so at once, not after waiting for the servers to answer.
+        self.version_floor = broadcast_object(self.ctx, self._raised_version_floor(plan))
         if checkpoint is not None:
             self.version_meta = checkpoint.meta
             self.step_count = checkpoint.step
@@ -506,8 +512,13 @@ def run_learner(
     served_versions: Callable[[], Iterable[str]] | None = None,
     ctx: DistContext | None = None,
     stream_id: str | None = None,
+    on_started: Callable[[], None] | None = None,
 ) -> LearnerSummary:
-    """Run the learner until `stop` is set or `max_steps` steps ran in this call."""
+    """Run the learner until `stop` is set or `max_steps` steps ran in this call.
+
+    `on_started` runs on the main rank once the learner resumed its state (checked it, or
+    refused it): the promoter's own resume must not gate candidates of a store the learner
+    then refuses."""
     learner = Learner(
         config,
         state_dir,
@@ -525,4 +536,6 @@ def run_learner(
         served_versions=served_versions,
         stream_id=stream_id,
     )
+    if on_started is not None and learner.ctx.is_main:
+        on_started()
     return learner.run(stop=stop, max_steps=max_steps)

@@ -114,7 +114,7 @@ def test_ranks_after_0_run_no_promoter_canary_or_reloader(
     assert built.events == ["run_learner"]  # no promoter, reloader, audit log or clients
     kwargs = built.learner_kwargs
     assert kwargs["ctx"] == DistContext(1, 2)
-    for main_only in ("canary", "on_candidate", "is_frozen", "served_versions"):
+    for main_only in ("canary", "on_candidate", "is_frozen", "served_versions", "on_started"):
         assert kwargs.get(main_only) is None, main_only
 
 
@@ -125,9 +125,13 @@ def test_rank_0_promotes_and_feeds_the_canary(
     assert learner_runner.run(OlpConfig(state_dir=tmp_path)) == 0
     assert built.events.count("promoter") == 1 and built.events.count("reloader") == 1
     assert built.events.index("reloader.start") < built.events.index("run_learner")
-    # An undecided candidate and a dead learner's canary are seen to before training.
-    assert built.events.index("promoter.resume") < built.events.index("run_learner")
+    # An undecided candidate and a dead learner's canary are seen to once the learner has
+    # checked its state (run_learner calls on_started then), not before: a store it refuses
+    # must not be gated.
+    assert "promoter.resume" not in built.events
     assert built.events[-3:] == ["run_learner", "reloader.close", "promoter.close"]
+    built.learner_kwargs["on_started"]()
+    assert built.events[-1] == "promoter.resume"
     kwargs = built.learner_kwargs
     assert isinstance(kwargs["canary"], CanaryMonitor)
     assert kwargs["ctx"] == DistContext(0, 2)

@@ -128,6 +128,7 @@ class Learner:
         # above any `policy-v<N>` this learner did not publish.
         self.served_versions = served_versions
         self.version_floor = 0
+        self._warned_ahead_at: int | None = None  # learner_ahead_of_serving said at version
         # Which stream the offsets count in, when the caller knows (`olp up` names each
         # start of its in-memory broker): offsets saved in another stream are not resumed.
         self.stream_id = stream_id
@@ -349,9 +350,11 @@ class Learner:
         # Collective: rank 0's canary counts the union of the ranks' replies.
         share_canary_evidence(self.ctx, self.canary, rewarded)
         samples, dropped = samples_from_rewarded(rewarded, self.base_name, self.trainer.vocab_size)
+        newest_served = max((s.policy_version for s in samples), default=None)
         samples, stale = drop_stale(
             samples, self.version, self.config.max_staleness, self.version_floor
         )
+        fresh = len(samples)
         # Collective: the trained batch is the union over ranks, so are the caps, the
         # baselines and the group means.
         samples, parts = select_trained(
@@ -436,8 +439,31 @@ class Learner:
             )
         else:
             log.info("learner_batch_skipped", **dict(batch_counts))
+            if stale and not fresh and self.ctx.is_main:
+                self._warn_ahead_of_serving(newest_served, stale)
         self.batches_done += 1
         return metrics
+
+    def _warn_ahead_of_serving(self, newest_served: int | None, stale: int) -> None:
+        """Every sample was stale: what serves is more than `max_staleness` versions behind
+        this learner (candidates rejected or not promoted, a rollback, promotion off). New
+        traffic comes from that version, so nothing trains until a newer version serves:
+        said once per learner version, as an error, with what to do."""
+        if self._warned_ahead_at == self.version:
+            return
+        self._warned_ahead_at = self.version
+        log.error(
+            "learner_ahead_of_serving",
+            version=self.version,
+            newest_served=newest_served,
+            max_staleness=self.config.max_staleness,
+            stale=stale,
+            remedy=(
+                "promote a newer version (see the gate reports, olp unfreeze), raise "
+                "learner.max_staleness, or move the learner's state dir aside to train "
+                "from what serves"
+            ),
+        )
 
     def close(self) -> None:
         """Release the consumer and the reward assembler's judge (threads, HTTP client);

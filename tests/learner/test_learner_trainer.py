@@ -172,3 +172,27 @@ def test_padding_id_takes_the_first_of_several_end_tokens() -> None:
     assert padding_id(SimpleNamespace(pad_token_id=7, eos_token_id=2)) == 7
     assert padding_id(SimpleNamespace(pad_token_id=None, eos_token_id=2)) == 2
     assert padding_id(SimpleNamespace(pad_token_id=None, eos_token_id=[])) == 0
+
+
+def test_a_learner_ahead_of_what_serves_says_so_once(tiny_model: Path, tmp_path: Path) -> None:
+    """Served by the base (promotion off, candidates rejected, a rollback): once the learner
+    is more than max_staleness versions ahead, every batch is stale and nothing trains
+    again, and the only sign was a growing `stale` count. It says so, once per version."""
+    records = [synthetic_scored(i) for i in range(20)]
+    config = LearnerConfig(
+        batch_size=4, min_batch=1, micro_batch_size=4, max_staleness=1,
+        lora_rank=4, lora_alpha=8, kl_coef=0.0, progress_interval_s=600,
+    )  # fmt: skip
+    learner = Learner(
+        config, tmp_path, lambda o, r, w: ListSource({0: records}, o), model_dir=tiny_model
+    )
+    try:
+        with capture_logs() as logs:
+            for _ in range(5):
+                learner._step(learner.consumer.poll(0))
+    finally:
+        learner.close()
+    assert learner.version == 2 and learner.counts["stale"] > 0
+    [warning] = [e for e in logs if e["event"] == "learner_ahead_of_serving"]
+    assert warning["log_level"] == "error" and warning["version"] == 2
+    assert warning["newest_served"] == 0 and "max_staleness" in warning["remedy"]

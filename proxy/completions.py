@@ -16,7 +16,7 @@ from typing import Any
 
 import aiohttp
 import structlog
-from aiohttp import web
+from aiohttp import HttpVersion11, web
 
 from proxy.capture import SAMPLING_KEYS, CaptureContext, TrajectoryCapture
 from proxy.config import is_utf8_text, sha256_hex
@@ -437,7 +437,13 @@ class CompletionRelay:
         response = web.StreamResponse(status=200, headers=headers)
         response.content_type = "text/event-stream"
         response.headers["Cache-Control"] = "no-cache"
-        response.enable_chunked_encoding()
+        if self.request.version >= HttpVersion11:
+            response.enable_chunked_encoding()
+        else:
+            # HTTP/1.0 has no chunked encoding (aiohttp raises for it): the stream ends when
+            # the connection closes. nginx talks HTTP/1.0 to its backends unless told
+            # `proxy_http_version 1.1`.
+            response.force_close()
         try:
             await response.prepare(self.request)
         except _DISCONNECT_ERRORS:

@@ -593,6 +593,11 @@ class TrajectoryCapture:
         flags = self.check(status)  # parses the raw data first
         prompt_ids, _ = self._prompt_ids()
         usage = self.usage or {}
+        request = ctx.request_body
+        if isinstance(request, dict) and "user" in request:
+            # The copy of the request carries the record's hash of `user`, never the
+            # client's value (a copy: the proxy's body dict is what went upstream).
+            request = {**request, "user": ctx.user_hash}
         record: dict[str, Any] = {
             "schema_version": SCHEMA_VERSION,
             # Fixed by the trajectory: a capture built twice (by a sink worker that died
@@ -609,7 +614,7 @@ class TrajectoryCapture:
             "policy_version": ctx.policy_version,
             "group_id": ctx.group_id,
             "task": ctx.task,
-            "request": ctx.request_body,
+            "request": request,
             "sampling": ctx.sampling,
             "prompt_token_ids": prompt_ids or [],
             "choices": [self._choice_record(self.choices[i]) for i in sorted(self.choices)],
@@ -679,6 +684,10 @@ def redact_record(record: dict[str, Any], redact: Redact) -> dict[str, Any]:
     When the text had anything redacted, the token ids still spell the secret out, so they
     are dropped and the record is flagged untrainable: nothing identifying leaves the
     process. A pseudonymised label alone changes nothing the model saw.
+
+    The request's `user` is not text the model saw: the request carries the record's
+    `user` (its sha256, `TrajectoryCapture.build`), which is not searched, so a user alone
+    never makes a record untrainable.
     """
     for key in ("session_id", "group_id", "task"):
         if isinstance(record.get(key), str):
@@ -687,13 +696,19 @@ def redact_record(record: dict[str, Any], redact: Redact) -> dict[str, Any]:
     # Request and choices go through one call: one encoding and one needle search.
     arrays = ("token_ids", "logprobs")
     texts = [{k: v for k, v in choice.items() if k not in arrays} for choice in record["choices"]]
+    request = record["request"]
+    has_user = isinstance(request, dict) and "user" in request
+    if has_user:
+        request = {k: v for k, v in request.items() if k != "user"}
     # `sampling` repeats request fields (`stop` strings may hold what `request` loses).
-    (request, sampling, choices), found = redact([record["request"], record["sampling"], texts])
+    (request, sampling, choices), found = redact([request, record["sampling"], texts])
     for redacted, original in zip(choices, record["choices"], strict=True):
         for key in arrays:
             if key in original:
                 redacted[key] = original[key]
     counts = {kind: int(hits) for kind, hits in found.items() if hits}
+    if has_user:
+        request["user"] = record.get("user")
     record["request"] = request
     record["sampling"] = sampling
     record["choices"] = choices

@@ -20,6 +20,7 @@ import queue
 import socket
 import threading
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -57,7 +58,7 @@ _RECORD_OVERHEAD_BYTES = 1024
 # again. `close` wakes it at once, so this only spaces out the checks of an idle sink (each
 # wake-up of a sleeping thread costs ~0.1 ms of CPU on a small VM).
 _IDLE_TAKE_S = 0.25
-_WAKE_UP: Any = object()  # put by `close`: not a record
+_WAKE_UP: Any = (-1, object())  # put by `close`: not a record (no put's sequence number)
 # Backoff between spill writes while the disk refuses them (ENOSPC, EIO): doubling, capped.
 _DISK_RETRY_FIRST_S = 0.5
 _DISK_RETRY_MAX_S = 30.0
@@ -267,7 +268,10 @@ class KafkaSink:
             self.topics.feedback: RecordKind.FEEDBACK.value,
             self.topics.dlq: "dlq",
         }
-        self._queue: queue.Queue[QueuedRecord | SpillEntry] = queue.Queue(maxsize=config.queue_size)
+        # (sequence number of the put, item): see `durable_watermark`.
+        self._queue: queue.Queue[tuple[int, QueuedRecord | SpillEntry]] = queue.Queue(
+            maxsize=config.queue_size
+        )
         self.spill = SpillStore(
             Path(state_dir) / config.spill_dir_name,
             max_bytes=config.spill_max_bytes,
@@ -292,6 +296,17 @@ class KafkaSink:
         self._held: list[SpillEntry] = []
         self._held_sending = 0
         self._held_lock = threading.Lock()
+        # Which puts are durable: each put gets the next sequence number; `_watermark` is the
+        # oldest one not durable yet and `_settled_early` those after it that are (records
+        # do not become durable in put order: a put to a full queue is spilled at once, while
+        # older ones wait in the queue or in a send). `_held_seqs` are the puts whose batch
+        # left records in `_held` (all of the batch: a held record is not traced to its put,
+        # so the whole batch waits for the held records to be durable).
+        self._track_lock = threading.Lock()
+        self._puts = 0
+        self._watermark = 0
+        self._settled_early: set[int] = set()
+        self._held_seqs: list[int] = []
         self._disk_failures = 0
         self._disk_retry_at = 0.0
         self._thread = threading.Thread(target=self._run, name="olp-kafka-sink", daemon=True)
@@ -310,12 +325,45 @@ class KafkaSink:
         or spilled as it is, so it is not prepared (and counted in `dlq`) a second time."""
         self._put(entry)
 
-    def _put(self, item: QueuedRecord | SpillEntry) -> None:
+    def put_item(self, item: QueuedRecord | SpillEntry) -> int:
+        """`put_trajectory`/`put_feedback` (a QueuedRecord) or `put_entry` (a SpillEntry);
+        returns the put's sequence number (0, 1, 2, ... in put order), for
+        `durable_watermark`."""
+        return self._put(item)
+
+    def durable_watermark(self) -> int:
+        """The sequence number of the oldest put that is not durable yet (the number of puts
+        so far when every one is): every put before it was acknowledged by the broker
+        (or routed to the DLQ), spilled, or counted as failed (`failed`, logged). Puts after
+        it may be durable already: records do not become durable in put order."""
+        with self._track_lock:
+            return self._watermark
+
+    def _register(self) -> int:
+        with self._track_lock:
+            seq = self._puts
+            self._puts += 1
+            return seq
+
+    def _settle(self, seqs: Sequence[int]) -> None:
+        """These puts are durable (or counted as failed)."""
+        if not seqs:
+            return
+        with self._track_lock:
+            early, watermark = self._settled_early, self._watermark
+            early.update(seq for seq in seqs if seq >= watermark)
+            while watermark in early:
+                early.remove(watermark)
+                watermark += 1
+            self._watermark = watermark
+
+    def _put(self, item: QueuedRecord | SpillEntry) -> int:
+        seq = self._register()
         if not self._closed:
             try:
-                self._queue.put_nowait(item)
+                self._queue.put_nowait((seq, item))
                 self.metrics.queued.labels(self._kind_of(item)).inc()
-                return
+                return seq
             except queue.Full:
                 now = time.monotonic()
                 if now - self._overflow_logged_at > 10:
@@ -323,11 +371,10 @@ class KafkaSink:
                     log.warning("producer_queue_full_spilling", queue_size=self.config.queue_size)
         else:
             log.warning("put_after_close_spilling", kind=self._kind_of(item))
-        self._spill_entries(self._prepare([item]), retry_now=self._closed)
+        self._spill_entries(self._prepare([item]), [seq], retry_now=self._closed)
         if self._closed and not self._thread.is_alive():  # nobody is left to retry the disk
-            with self._held_lock:
-                lost, self._held = self._held, []
-            self._count_lost(lost, "disk_error")
+            self._drop_held()
+        return seq
 
     def held_records(self) -> int:
         """Records a disk error keeps in memory (not durable yet), including any being sent."""
@@ -351,8 +398,8 @@ class KafkaSink:
         )
         return [entry for entry in entries if entry is not None]
 
-    def _take_batch(self, timeout_s: float) -> list[QueuedRecord | SpillEntry]:
-        items: list[QueuedRecord | SpillEntry] = []
+    def _take_batch(self, timeout_s: float) -> list[tuple[int, QueuedRecord | SpillEntry]]:
+        items: list[tuple[int, QueuedRecord | SpillEntry]] = []
         try:
             items.append(
                 self._queue.get(timeout=timeout_s) if timeout_s > 0 else self._queue.get_nowait()
@@ -378,14 +425,15 @@ class KafkaSink:
                 and time.monotonic() >= self._drain_retry_at
             )
             items = self._take_batch(0.0 if (stopping or busy) else _IDLE_TAKE_S)
-            entries = self._prepare(items)
+            seqs = [seq for seq, _ in items]
+            entries = self._prepare([item for _, item in items])
             try:
-                self._step(entries)
+                self._step(entries, seqs)
             except Exception:
                 # Never lose the batch in hand: log loudly, spill it, reconnect later.
                 log.exception("producer_step_failed")
                 self._mark_down()
-                self._spill_entries(entries)
+                self._spill_entries(entries, seqs)
             finally:
                 for _ in items:
                     self._queue.task_done()
@@ -394,13 +442,14 @@ class KafkaSink:
                 break
         self._shutdown()
 
-    def _step(self, entries: list[SpillEntry]) -> None:
-        """Send or spill `entries`; raises only before it took charge of them."""
+    def _step(self, entries: list[SpillEntry], seqs: Sequence[int] = ()) -> None:
+        """Send or spill `entries` (made of the puts `seqs`); raises only before it took
+        charge of them."""
         if not self._ensure_producer():
-            self._spill_entries(entries)
+            self._spill_entries(entries, seqs)
             return
         if not self.spill.is_empty():
-            self._spill_entries(entries)
+            self._spill_entries(entries, seqs)
             if time.monotonic() < self._drain_retry_at:
                 return
             try:
@@ -415,13 +464,19 @@ class KafkaSink:
                 log.exception("spill_drain_failed")
                 self._mark_down()
             return
-        held = self._take_held()
+        held, held_seqs = self._take_held()
         try:
-            self._send_or_spill(held + entries)  # held records are older: they go first
+            # Held records are older: they go first.
+            self._send_or_spill(held + entries, [*held_seqs, *seqs])
+        except Exception:
+            # The caller spills `entries`; the held records are kept (to be sent or spilled
+            # again: a record twice rather than none).
+            self._unhold(held, held_seqs)
+            raise
         finally:
             self._held_sent()
 
-    def _send_or_spill(self, batch: list[SpillEntry]) -> None:
+    def _send_or_spill(self, batch: list[SpillEntry], seqs: Sequence[int]) -> None:
         try:
             failed = self._send(batch) if batch else []
         except Exception:
@@ -429,7 +484,9 @@ class KafkaSink:
             failed = batch
         if failed:
             self._mark_down()
-            self._spill_entries(failed)
+            self._spill_entries(failed, seqs)
+        else:
+            self._settle(seqs)
 
     def _ensure_producer(self) -> bool:
         if self._producer is not None:
@@ -623,28 +680,34 @@ class KafkaSink:
                 spill_bytes=self.spill.total_bytes(),
             )
 
-    def _spill_entries(self, entries: list[SpillEntry], *, retry_now: bool = False) -> None:
-        """Append behind the spill. While the disk refuses writes the records stay in memory
-        (at most queue_size of them) and the write is retried with a doubling backoff."""
+    def _spill_entries(
+        self, entries: list[SpillEntry], seqs: Sequence[int] = (), *, retry_now: bool = False
+    ) -> None:
+        """Append behind the spill (`entries` are made of the puts `seqs`). While the disk
+        refuses writes the records stay in memory (at most queue_size of them) and the write
+        is retried with a doubling backoff."""
         with self._held_lock:
             batch, self._held = self._held + entries, []
+            batch_seqs, self._held_seqs = [*self._held_seqs, *seqs], []
             if not batch:
+                self._settle(batch_seqs)
                 return
             # The backoff only spares the disk while memory has room; when full, try anyway.
             backing_off = not retry_now and time.monotonic() < self._disk_retry_at
             if backing_off and len(batch) <= self.config.queue_size:
-                self._hold(batch)
+                self._hold(batch, batch_seqs)
                 return
             try:
                 stored = self.spill.append(batch)
             except OSError as exc:
                 stored = getattr(exc, "stored", 0)
                 self._disk_failed(exc, len(batch) - stored)
-                self._hold(batch[stored:])
+                self._hold(batch[stored:], batch_seqs)
             else:
                 if self._disk_failures:
                     log.info("spill_disk_recovered", failures=self._disk_failures)
                 self._disk_failures = 0
+                self._settle(batch_seqs)  # the few the size cap refused are counted
         for entry in batch[:stored]:
             self.metrics.spilled.labels(self._kind_by_topic.get(entry.topic, "other")).inc()
         self.metrics.spill_bytes.set(self.spill.total_bytes())
@@ -656,11 +719,32 @@ class KafkaSink:
         self.metrics.spill_errors.inc()
         log.error("spill_write_failed", error=repr(error), in_memory=unstored, retry_in_s=delay)
 
-    def _hold(self, entries: list[SpillEntry]) -> None:
-        """Keep spill-bound records in memory (lock held); beyond queue_size they are lost."""
+    def _hold(self, entries: list[SpillEntry], seqs: Sequence[int]) -> None:
+        """Keep spill-bound records in memory (lock held); beyond queue_size they are lost
+        (counted). The puts `seqs` are durable once nothing of them is held."""
         room = max(self.config.queue_size - len(self._held), 0)
         self._held.extend(entries[:room])
         self._count_lost(entries[room:], "disk_error")
+        if self._held:
+            self._held_seqs.extend(seqs)
+        else:
+            self._settle(seqs)
+
+    def _unhold(self, entries: list[SpillEntry], seqs: Sequence[int]) -> None:
+        """Put records taken by `_take_held` back, ahead of any held since."""
+        if not entries and not seqs:
+            return
+        with self._held_lock:
+            self._held[:0] = entries
+            self._held_seqs[:0] = seqs
+
+    def _drop_held(self) -> None:
+        """Nobody is left to retry the disk: what it refused is lost (logged, counted)."""
+        with self._held_lock:
+            lost, self._held = self._held, []
+            seqs, self._held_seqs = self._held_seqs, []
+        self._count_lost(lost, "disk_error")
+        self._settle(seqs)
 
     def _count_lost(self, entries: list[SpillEntry], reason: str) -> None:
         if not entries:
@@ -669,11 +753,12 @@ class KafkaSink:
         for entry in entries:
             self.metrics.failed.labels(self._kind_by_topic.get(entry.topic, "other"), reason).inc()
 
-    def _take_held(self) -> list[SpillEntry]:
+    def _take_held(self) -> tuple[list[SpillEntry], list[int]]:
         with self._held_lock:
             held, self._held = self._held, []
+            seqs, self._held_seqs = self._held_seqs, []
             self._held_sending = len(held)
-            return held
+            return held, seqs
 
     def _held_sent(self) -> None:
         with self._held_lock:
@@ -706,9 +791,7 @@ class KafkaSink:
             self._producer.close(timeout=self.config.close_timeout_s)
             self._producer = None
         self._spill_entries([], retry_now=True)  # a last try for what the disk refused
-        with self._held_lock:
-            lost, self._held = self._held, []
-        self._count_lost(lost, "disk_error")
+        self._drop_held()
         try:
             self.spill.close()
         except OSError as exc:  # its records are fsync'd already: only the handle is lost

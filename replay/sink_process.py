@@ -140,10 +140,13 @@ def _child_main(
 ) -> None:
     """The child process: a KafkaSink fed by batches from the parent, reporting progress.
 
-    Progress is `done`: how many received records are durable (acknowledged by the broker,
-    spilled or routed to the DLQ). The queue is FIFO, so these are the oldest ones; the parent
-    keeps every record until it is counted here, and spills the rest itself if this process
-    dies."""
+    Progress is `done`: the received items before position `done` are all durable
+    (acknowledged by the broker, spilled, routed to the DLQ, or counted as failed: a capture
+    that did not build, a record the sink logged and counted as lost). It is a watermark, not
+    a count: records do not become durable in order (a full queue spills the newest record
+    at once while older ones wait to be sent), and a newer durable record does not move it.
+    The parent keeps every item until `done` passes it, and spills the rest itself if this
+    process dies."""
     import os
     import pickle
 
@@ -174,6 +177,10 @@ def _child_main(
     gc.freeze()
     gc.set_threshold(_CHILD_GC_YOUNG_THRESHOLD, *gc.get_threshold()[1:])
     received = 0
+    # (the sink's sequence number, position here) of the items put into the sink, oldest
+    # first, until the sink's durable watermark passes them (appended by the receiving
+    # thread, dropped by the reporter).
+    in_sink: collections.deque[tuple[int, int]] = collections.deque()
     builder = _CaptureBuilder()
     send_lock = threading.Lock()
     stop = threading.Event()
@@ -188,12 +195,14 @@ def _child_main(
         # the parent's interpreter time, go once a second while busy and once on becoming
         # idle (so a caller that waited for idle reads final values).
         nonlocal metrics_sent_at, idle_values_sent, last_idle_progress
-        got = received  # read before unfinished_tasks: `done` may only be underestimated
-        # A record leaves the queue only after it is held (kept in memory by a disk error)
-        # or durable, so reading the queue before the held count never misses it.
-        pending = sink._queue.unfinished_tasks
-        pending += sink.held_records()
-        idle = pending == 0 and sink.spill.is_empty()
+        # `received` is read first (an item is in `in_sink` before it is counted there), so
+        # `done` is at most what was received, and no item it passes is still in flight.
+        got = received
+        watermark = sink.durable_watermark()
+        while in_sink and in_sink[0][0] < watermark:
+            in_sink.popleft()
+        done = min(got, in_sink[0][1]) if in_sink else got
+        idle = done == got and sink.spill.is_empty()
         values = None
         now = time.monotonic()
         # Idle: once, on becoming idle (its values cannot move while it stays idle).
@@ -203,8 +212,8 @@ def _child_main(
         idle_values_sent = idle and (values is not None or idle_values_sent)
         # Outcomes travel with the `done` they are counted up to: the parent pops exactly
         # those records, and counts the rest itself if it has to build them again.
-        builder.release(got - pending)
-        progress = (got - pending, idle, builder.totals())
+        builder.release(done)
+        progress = (done, idle, builder.totals())
         # (Before, an idle child collected its values every second and so sent two
         # messages a second, each waking the proxy's feeder thread.)
         if idle and not final and values is None and progress == last_idle_progress:
@@ -231,21 +240,26 @@ def _child_main(
             if message == b"close":
                 break
             for kind, record in pickle.loads(message):
+                item: QueuedRecord | SpillEntry | None = None
                 if kind == _CAPTURE:
                     built = builder.build(record, received)
                     if built is not None:
-                        sink.put_trajectory(built)
+                        item = QueuedRecord(RecordKind.TRAJECTORY, built)
                 elif kind == _BUILDER:
                     builder.build_record = record
                 elif kind == _SKIP:
                     pass
                 elif kind == _ENTRY:
-                    sink.put_entry(record)
+                    item = record
                 elif kind == RecordKind.TRAJECTORY.value:
-                    sink.put_trajectory(record)
+                    item = QueuedRecord(RecordKind.TRAJECTORY, record)
                 else:
-                    sink.put_feedback(record)
-                received += 1  # a failed build or the builder itself counts as done at once
+                    item = QueuedRecord(RecordKind.FEEDBACK, record)
+                if item is not None:
+                    in_sink.append((sink.put_item(item), received))
+                # Anything else (a failed build, logged and counted; the builder; a
+                # placeholder) is done at once, once the items before it are.
+                received += 1
     finally:
         sink.close()
         stop.set()

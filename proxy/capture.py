@@ -688,10 +688,23 @@ def redact_record(record: dict[str, Any], redact: Redact) -> dict[str, Any]:
     The request's `user` is not text the model saw: the request carries the record's
     `user` (its sha256, `TrajectoryCapture.build`), which is not searched, so a user alone
     never makes a record untrainable.
+
+    `request_id` is a label too: the client's `x-request-id` when it sent a usable one, and
+    then also the session id of a request without X-Session-Id. It gets the session id's
+    pseudonym when it is the session id, else its own (`private_label`): the proxy's own
+    `req-` ids and clean client ids stay as they came, and the hash of one that held PII
+    still finds it in the proxy's logs.
     """
+    session_id = record.get("session_id")
     for key in ("session_id", "group_id", "task"):
         if isinstance(record.get(key), str):
             record[key] = private_label(record[key], redact)
+    request_id = record.get("request_id")
+    if isinstance(request_id, str):
+        if request_id == session_id:
+            record["request_id"] = record["session_id"]
+        else:
+            record["request_id"] = private_label(request_id, redact)
     # The token-id and logprob arrays hold no text: only the rest of each choice is walked.
     # Request and choices go through one call: one encoding and one needle search.
     arrays = ("token_ids", "logprobs")

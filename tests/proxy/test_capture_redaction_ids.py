@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from proxy.capture import CaptureContext, TrajectoryCapture, build_record
+from proxy.capture import CaptureContext, TrajectoryCapture, build_record, private_label
 from proxy.config import sha256_hex
 from replay.schemas import RecordKind, validate_record
 from safety.redaction import Redactor
@@ -115,3 +115,41 @@ def test_the_captured_body_itself_is_not_changed() -> None:
     capture = _capture("jdoe-employee-4411")
     build_record(capture, "ok", REDACT)
     assert capture.context.request_body["user"] == "jdoe-employee-4411"
+
+
+def test_a_generated_request_id_stays_as_feedback_and_logs_know_it() -> None:
+    record = build_record(_capture(None), "ok", REDACT)
+    assert record["request_id"] == record["session_id"] == GENERATED
+
+
+def test_a_clients_plain_request_id_stays() -> None:
+    record = build_record(_capture(None, request_id="client-42.retry:1"), "ok", REDACT)
+    assert record["request_id"] == record["session_id"] == "client-42.retry:1"
+
+
+def test_a_request_id_that_is_the_session_id_is_pseudonymised_as_the_session_id() -> None:
+    card = "4111111111111111"  # fits x-request-id's characters
+    record = build_record(_capture(None, request_id=card), "ok", REDACT)
+    assert record["session_id"] == private_label(card, REDACT)
+    assert record["session_id"].startswith("redacted-")
+    assert record["request_id"] == record["session_id"]
+    assert card not in _dumped(record)
+    # A label is no text the model saw: nothing redacted, still trainable.
+    assert record["redactions"] == {} and record["trainable"] is True
+    validate_record(RecordKind.TRAJECTORY, record)
+
+
+@pytest.mark.parametrize(
+    "secret", ["4111111111111111", "sk-proj-abcdefghijklmnopqrstuvwxyz0123456789"]
+)
+def test_a_request_id_beside_a_session_header_is_pseudonymised_on_its_own(secret: str) -> None:
+    record = build_record(_capture(None, request_id=secret, session_header="chat-7"), "ok", REDACT)
+    assert record["session_id"] == "chat-7"
+    assert record["request_id"] == private_label(secret, REDACT) != secret
+    assert secret not in _dumped(record)
+    assert record["redactions"] == {} and record["trainable"] is True
+
+
+def test_a_request_id_is_left_as_it_came_with_redaction_off() -> None:
+    record = build_record(_capture(None, request_id="4111111111111111"), "ok", None)
+    assert record["request_id"] == "4111111111111111"

@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+from typing import Literal
+
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 _DAY_MS = 24 * 3600 * 1000
+# The package kafka-python needs for each codec but gzip (kafka.codec.has_<codec>()).
+_CODEC_PACKAGES = {"snappy": "python-snappy", "lz4": "lz4", "zstd": "zstandard"}
 
 
 class StreamConfig(BaseModel):
@@ -36,7 +40,7 @@ class StreamConfig(BaseModel):
     linger_ms: int = Field(default=5, ge=0)
     batch_size_bytes: int = Field(default=256 * 1024, ge=1024)
     max_request_size_bytes: int = Field(default=8 * 1024 * 1024, ge=1024)
-    compression_type: str | None = None
+    compression_type: Literal["gzip", "snappy", "lz4", "zstd"] | None = None
     request_timeout_ms: int = Field(default=5_000, ge=100)
     delivery_timeout_ms: int = Field(default=10_000, ge=200)
     max_block_ms: int = Field(default=5_000, ge=100)
@@ -49,6 +53,24 @@ class StreamConfig(BaseModel):
         description="a sink child that reports nothing this long while records wait is "
         "killed and restarted (its records are spilled, none lost)",
     )
+
+    @field_validator("compression_type")
+    @classmethod
+    def _codec_usable(cls, value: str | None) -> str | None:
+        # KafkaProducer raises RuntimeError for a codec whose library is missing, which is
+        # no KafkaError: every send would fail and every record stay in the spill. Here the
+        # config fails to load instead, naming the key.
+        if value is None:
+            return value
+        from kafka import codec
+
+        if not getattr(codec, f"has_{value}")():
+            package = _CODEC_PACKAGES.get(value, value)
+            raise ValueError(
+                f"{value} compression needs the {package} package, which is not installed "
+                f"here (kafka.codec.has_{value}() is false): install it, or use gzip or null"
+            )
+        return value
 
     # Durable spill under <state_dir>/<spill_dir_name>/.
     spill_dir_name: str = Field(default="spill", min_length=1)

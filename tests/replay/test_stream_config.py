@@ -1,0 +1,49 @@
+"""StreamConfig refuses a compression codec kafka-python cannot use, at load, naming the key.
+
+Before, any string was accepted: KafkaProducer then raised (RuntimeError for a codec whose
+library is not installed, ValueError for a typo), neither a KafkaError, so every send step
+failed and every record went to the spill and never left it while the broker was up."""
+
+from __future__ import annotations
+
+import kafka.codec
+import pytest
+from pydantic import ValidationError
+
+from deploy.config import ConfigError, load_config
+from replay.config import StreamConfig
+
+
+@pytest.mark.parametrize("codec", ["gzp", "none", "GZIP", ""])
+def test_an_unknown_codec_is_refused_naming_the_key(codec: str) -> None:
+    with pytest.raises(ValidationError, match="compression_type"):
+        StreamConfig(compression_type=codec)
+
+
+@pytest.mark.parametrize("codec", ["snappy", "lz4", "zstd"])
+def test_a_codec_whose_library_is_missing_is_refused_naming_the_library(
+    codec: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(kafka.codec, f"has_{codec}", lambda: False)
+    with pytest.raises(ValidationError, match="compression_type") as raised:
+        StreamConfig(compression_type=codec)
+    assert "not installed" in str(raised.value)
+
+
+@pytest.mark.parametrize("codec", ["gzip", "snappy", "lz4", "zstd", None])
+def test_a_codec_kafka_python_can_use_is_accepted(
+    codec: str | None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    if codec is not None:
+        monkeypatch.setattr(kafka.codec, f"has_{codec}", lambda: True)
+    assert StreamConfig(compression_type=codec).compression_type == codec
+
+
+def test_olp_refuses_to_start_with_a_codec_it_cannot_use(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(kafka.codec, "has_lz4", lambda: False)
+    with pytest.raises(ConfigError, match=r"stream\.compression_type"):
+        load_config(environ={"OLP_STREAM__COMPRESSION_TYPE": "lz4"})
+    with pytest.raises(ConfigError, match=r"stream\.compression_type"):
+        load_config(environ={"OLP_STREAM__COMPRESSION_TYPE": "lz44"})

@@ -26,7 +26,9 @@ from proxy.completions import (
     chat_completions,
     completions,
     read_json_body,
+    request_codings,
     text_header,
+    unsupported_encoding,
 )
 from proxy.config import ProxyConfig, TenantConfig
 from proxy.context import CONTEXT, REQUEST_ID, ProxyContext
@@ -93,6 +95,7 @@ async def _handle_with_openai_errors(
         # Before the handler looks at any key: a locked-out address gains nothing from
         # guessing right.
         request.app[CONTEXT].auth_throttle.guard(request)
+        _refuse_encoded_body(request)
         response = await handler(request)
     except ProxyError as err:
         if isinstance(err, AuthError):
@@ -117,6 +120,20 @@ async def _handle_with_openai_errors(
             request_id,
         )
     return response
+
+
+def _refuse_encoded_body(request: web.Request) -> None:
+    """415 for a compressed body sent to a route that does not decode one itself. The app
+    runs without aiohttp's `auto_decompress` (see `build_app`): the JSON endpoints decode
+    gzip and deflate in `read_json`; the admin API and the operator page read bodies as
+    they come, and would misread a compressed one."""
+    if not request.body_exists or request.match_info.http_exception is not None:
+        return
+    if request.match_info.handler in _DECODING_HANDLERS:
+        return
+    encoded = request_codings(request)
+    if encoded:
+        raise unsupported_encoding(encoded[0], "this endpoint takes its body uncompressed")
 
 
 def _model_entry(ctx: ProxyContext, name: str) -> dict[str, Any]:
@@ -223,6 +240,10 @@ async def feedback(request: web.Request) -> web.Response:
     )
 
 
+# The handlers whose bodies go through `read_json`, which decodes gzip and deflate.
+_DECODING_HANDLERS = frozenset({chat_completions, completions, feedback})
+
+
 def build_app(
     config: ProxyConfig,
     tenants: list[TenantConfig],
@@ -295,7 +316,14 @@ def build_app(
         started_at=time.time(),
     )
     app = web.Application(
-        middlewares=[request_id_and_errors], client_max_size=config.max_body_bytes
+        middlewares=[request_id_and_errors],
+        client_max_size=config.max_body_bytes,
+        # Request bodies are decoded by the handlers (`read_json`), which answer a body that
+        # is not what its Content-Encoding says, or a coding they cannot decode (`br`,
+        # `zstd`), in the OpenAI format with the request id. aiohttp's own decoding raised
+        # a 500 out of `request.read()` for the first, and refused the second with a
+        # plain-text 400 before the middleware ran.
+        handler_args={"auto_decompress": False},
     )
     app[CONTEXT] = ctx
     app.router.add_post("/v1/chat/completions", chat_completions)

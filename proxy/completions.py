@@ -11,6 +11,7 @@ import asyncio
 import secrets
 import time
 import uuid
+import zlib
 from collections.abc import Callable
 from typing import Any
 
@@ -74,6 +75,78 @@ def text_header(request: web.Request, name: str, limit: int | None = None) -> st
     return value
 
 
+# The request codings the proxy decodes itself (the app runs aiohttp without
+# `auto_decompress`: with it, a coding aiohttp lacks the library for, such as `br`, got
+# aiohttp's plain-text 400 before any handler ran, and a body that was not what its header
+# said raised a 500 out of `request.read()`).
+_ZLIB_WBITS = {
+    "gzip": 16 + zlib.MAX_WBITS,
+    "x-gzip": 16 + zlib.MAX_WBITS,
+    "deflate": zlib.MAX_WBITS,
+}
+
+
+def request_codings(request: web.Request) -> list[str]:
+    """The request body's Content-Encoding codings in the order they were applied,
+    lower-cased, `identity` left out."""
+    codings = (
+        coding.strip().lower()
+        for header in request.headers.getall("Content-Encoding", [])
+        for coding in header.split(",")
+    )
+    return [coding for coding in codings if coding and coding != "identity"]
+
+
+def content_codings(request: web.Request) -> list[str]:
+    """`request_codings`; 415 when one is not gzip or deflate."""
+    codings = request_codings(request)
+    unsupported = [coding for coding in codings if coding not in _ZLIB_WBITS]
+    if unsupported:
+        raise unsupported_encoding(unsupported[0], "send the body uncompressed, gzip or deflate")
+    return codings
+
+
+def unsupported_encoding(coding: str, hint: str) -> ProxyError:
+    return ProxyError(
+        415,
+        f"Content-Encoding '{coding[:40]}' is not supported here: {hint}.",
+        code="unsupported_content_encoding",
+    )
+
+
+def _inflate(raw: bytes, coding: str, max_bytes: int, too_large: ProxyError) -> bytes:
+    """`raw` decoded from `coding` (gzip, possibly of several members, or deflate with or
+    without its zlib header); 400 when it is not that, 413 past `max_bytes` decoded (a
+    small body can decode to gigabytes: no more than `max_bytes + 1` is ever produced)."""
+    wbits = _ZLIB_WBITS[coding]
+    if coding == "deflate" and raw and raw[0] & 0x0F != 8:
+        wbits = -zlib.MAX_WBITS  # raw deflate, as some clients send it
+    invalid = bad_request(
+        f"The request body is not valid {coding} data (its Content-Encoding).",
+        code="invalid_content_encoding",
+    )
+    parts: list[bytes] = []
+    size = 0
+    rest = raw
+    while True:
+        decoder = zlib.decompressobj(wbits)
+        try:
+            part = decoder.decompress(rest, max_bytes + 1 - size)
+        except zlib.error as exc:
+            raise invalid from exc
+        size += len(part)
+        if size > max_bytes:
+            raise too_large
+        if not decoder.eof:
+            raise invalid  # cut short
+        parts.append(part)
+        rest = decoder.unused_data
+        if not rest:
+            return b"".join(parts)
+        if wbits != _ZLIB_WBITS["gzip"]:
+            raise invalid  # data after the end of the deflate stream
+
+
 async def read_json_body(request: web.Request, max_bytes: int) -> Any:
     """The request body as JSON; 413 over the limit, 400 when it does not parse."""
     body, _, _ = await read_json(request, max_bytes)
@@ -96,22 +169,25 @@ async def read_json(
     too_large = ProxyError(
         413, f"Request body exceeds the limit of {max_bytes} bytes.", code="request_too_large"
     )
+    codings = content_codings(request)
     try:
         raw = await request.read() if request.content_length is not None else b""
+        if request.content_length is None:
+            # Chunked: `read()` would buffer up to the app's limit (max_body_bytes) before a
+            # smaller limit (the feedback endpoint's) is checked.
+            chunks, size = [], 0
+            async for chunk in request.content.iter_any():
+                size += len(chunk)
+                if size > max_bytes:
+                    raise too_large
+                chunks.append(chunk)
+            raw = b"".join(chunks)
     except web.HTTPRequestEntityTooLarge as exc:
         raise too_large from exc
-    if request.content_length is None:
-        # Chunked: `read()` would buffer up to the app's limit (max_body_bytes) before a
-        # smaller limit (the feedback endpoint's) is checked.
-        chunks, size = [], 0
-        async for chunk in request.content.iter_any():
-            size += len(chunk)
-            if size > max_bytes:
-                raise too_large
-            chunks.append(chunk)
-        raw = b"".join(chunks)
     if len(raw) > max_bytes:
         raise too_large
+    for coding in reversed(codings):
+        raw = _inflate(raw, coding, max_bytes, too_large)
     try:
         body, encode = parse_json(raw)
     except ValueError as exc:  # not JSON, not UTF-8, or nested too deeply

@@ -699,7 +699,11 @@ class KafkaSink:
                 return
             try:
                 stored = self.spill.append(batch)
-            except OSError as exc:
+            except Exception as exc:
+                # A disk error (OSError); anything else is a bug in the store, kept the same
+                # way: raising here lost the batch, held records included, uncounted.
+                if not isinstance(exc, OSError):
+                    log.exception("spill_append_failed_unexpectedly")
                 stored = getattr(exc, "stored", 0)
                 self._disk_failed(exc, len(batch) - stored)
                 self._hold(batch[stored:], batch_seqs)
@@ -712,7 +716,7 @@ class KafkaSink:
             self.metrics.spilled.labels(self._kind_by_topic.get(entry.topic, "other")).inc()
         self.metrics.spill_bytes.set(self.spill.total_bytes())
 
-    def _disk_failed(self, error: OSError, unstored: int) -> None:
+    def _disk_failed(self, error: Exception, unstored: int) -> None:
         self._disk_failures += 1
         delay = min(_DISK_RETRY_FIRST_S * 2 ** (self._disk_failures - 1), _DISK_RETRY_MAX_S)
         self._disk_retry_at = time.monotonic() + delay

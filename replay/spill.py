@@ -360,17 +360,14 @@ class SpillStore:
             try:
                 os.ftruncate(self._active_file.fileno(), segment.size)
                 os.fsync(self._active_file.fileno())
-            except OSError as exc:
+            except (OSError, ValueError) as exc:  # ValueError: a file closed already
                 # The torn bytes stay at the end of a sealed segment: reading stops there,
                 # after every record that was reported stored.
                 log.error("spill_truncate_failed", segment=segment.path.name, error=repr(exc))
         try:
-            self._seal_locked()
+            self._seal_locked()  # sealed even when closing its file fails
         except OSError as exc:
             log.error("spill_seal_failed", segment=segment.path.name, error=repr(exc))
-            if segment.size > 0:
-                self._sealed.append(segment)
-            self._active, self._active_file = None, None
 
     def _open_locked(self) -> None:
         path = self.directory / f"seg-{self._next_seq:020d}.spill"
@@ -381,16 +378,27 @@ class SpillStore:
         _fsync_dir(self.directory)
 
     def _seal_locked(self) -> None:
-        if self._active is None:
+        """Close the active segment and keep it to drain (an empty one is removed). Every
+        frame in it was fsync'd when written, so it is sealed even when closing its file
+        fails (EIO), which is raised afterwards: left active, its file closed all the same
+        (FileIO releases the descriptor before it reports the error), the next write to it
+        raised ValueError instead of a disk error."""
+        segment, file = self._active, self._active_file
+        if segment is None:
             return
-        if self._active_file is not None:
-            self._active_file.close()
-        if self._active.size > 0:
-            self._sealed.append(self._active)
+        self._active, self._active_file = None, None
+        error: OSError | None = None
+        if file is not None:
+            try:
+                file.close()
+            except OSError as exc:
+                error = exc
+        if segment.size > 0:
+            self._sealed.append(segment)
         else:
-            self._active.path.unlink(missing_ok=True)
-        self._active = None
-        self._active_file = None
+            segment.path.unlink(missing_ok=True)
+        if error is not None:
+            raise error
 
     def oldest_segment(self) -> SpillSegment | None:
         """The oldest segment to drain, sealing the active one when nothing older is left."""

@@ -26,6 +26,7 @@ from kafka.producer.future import FutureProduceResult
 from prometheus_client import CollectorRegistry
 
 import replay.producer as producer_module
+import replay.spill as spill_module
 from deploy.broker import start_broker
 from deploy.ports import free_port
 from replay.config import StreamConfig
@@ -37,11 +38,12 @@ from replay.producer import (
 )
 from replay.schemas import RecordKind, decode_record
 from replay.sink_process import KafkaSinkProcess
-from replay.spill import SpillStore
+from replay.spill import SpillStore, read_segment
 from replay.synthetic import make_feedback, make_trajectory
 from replay.topics import TopicNames
 from tests.replay.test_outage import _config, _sample, _wait_for
 from tests.replay.test_sink_process import _consume_ids
+from tests.replay.test_spill import _SegmentFile
 from tests.replay.test_stream_kafka import _read_topic
 
 LONE_SURROGATE = "abc\ud800"  # what json.loads makes of "abc\\ud800" in a client's body
@@ -414,6 +416,80 @@ def test_put_never_raises_when_the_disk_fails_and_every_record_is_accounted_for(
         assert sink._thread.is_alive()
     finally:
         sink.close()
+
+
+def test_a_segment_close_failing_while_held_records_are_spilled_loses_none_of_them(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The disk refuses two records (held in memory), then takes them, but closing the
+    segment sealed between them fails with EIO. Before: the store raised ValueError, which
+    the sink did not expect, and the second held record was gone, uncounted."""
+    config = _config(f"127.0.0.1:{free_port()}", queue_size=20, spill_segment_bytes=1024)
+    disk = _Disk(monkeypatch)
+    monkeypatch.setattr(
+        spill_module, "open", lambda path, mode, buffering=-1: _SegmentFile(path, "a"), False
+    )
+    registry = CollectorRegistry()
+    sink = KafkaSink(config, tmp_path, registry)
+    records = [make_trajectory(session_id=f"e{i}") for i in range(2)]  # each over a segment
+    try:
+        for record in records:
+            sink.put_trajectory(record)
+        _wait_for(lambda: sink.held_records() == 2)
+        _SegmentFile.fail_close = True
+        disk.full = False
+        _wait_for(lambda: _sample(registry, "olp_stream_spilled_total", kind="trajectory") == 2)
+        assert sink.durable_watermark() == 2
+    finally:
+        _SegmentFile.fail_close = False
+        sink.close()
+    spilled = [
+        decode_record(entry.value)["trajectory_id"]
+        for segment in sorted((tmp_path / config.spill_dir_name).glob("seg-*.spill"))
+        for entry in read_segment(segment)
+    ]
+    assert spilled == [r["trajectory_id"] for r in records]
+    assert _sample(registry, "olp_stream_failed_total", kind="trajectory", reason="disk_error") == 0
+
+
+def test_an_unexpected_error_from_the_spill_keeps_the_held_records(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Whatever the store raises, the records it was given (held ones included) stay in
+    memory and are written later: raising out of the sink lost them, uncounted."""
+    config = _config(f"127.0.0.1:{free_port()}", queue_size=20)
+    disk = _Disk(monkeypatch)
+    append = SpillStore.append
+    broken = threading.Event()
+    broken.set()
+
+    def failing_append(store: SpillStore, entries: Any) -> int:
+        if broken.is_set() and not disk.full:
+            broken.clear()
+            raise RuntimeError("a bug in the store")
+        return append(store, entries)
+
+    monkeypatch.setattr(SpillStore, "append", failing_append)
+    registry = CollectorRegistry()
+    sink = KafkaSink(config, tmp_path, registry)
+    records = [make_trajectory(session_id=f"u{i}") for i in range(3)]
+    try:
+        for record in records[:2]:
+            sink.put_trajectory(record)
+        _wait_for(lambda: sink.held_records() == 2)
+        disk.full = False
+        sink.put_trajectory(records[2])
+        _wait_for(lambda: _sample(registry, "olp_stream_spilled_total", kind="trajectory") == 3)
+        assert not broken.is_set()
+        assert sink.durable_watermark() == 3
+    finally:
+        sink.close()
+    spilled = [
+        decode_record(entry.value)["trajectory_id"]
+        for segment in sorted((tmp_path / config.spill_dir_name).glob("seg-*.spill"))
+        for entry in read_segment(segment)
+    ]
+    assert spilled == [r["trajectory_id"] for r in records]
 
 
 def test_a_parent_disk_error_hands_a_dead_workers_records_to_the_next_worker(

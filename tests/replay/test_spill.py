@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import errno
+import io
 import json
 import os
 import struct
@@ -173,6 +174,46 @@ def test_a_failed_fsync_stores_nothing_of_its_segment_and_reports_earlier_segmen
             store.append(entries[:9])
     assert info.value.errno == errno.EIO
     assert info.value.stored == 3  # the first segment was durable before the second began
+    assert store.append(entries[3:]) == 9  # the caller appends the rest again
+    assert _drain(store) == entries
+
+
+class _SegmentFile(io.FileIO):
+    """A segment file whose next close fails with EIO once `fail_close` is set. A real
+    FileIO.close() that fails has released the descriptor all the same (`really_closes`);
+    the other case is checked too."""
+
+    fail_close = False
+    really_closes = True
+
+    def close(self) -> None:
+        if _SegmentFile.fail_close:
+            _SegmentFile.fail_close = False
+            if _SegmentFile.really_closes:
+                super().close()
+            raise OSError(errno.EIO, "Input/output error")
+        super().close()
+
+
+@pytest.mark.parametrize("really_closes", [True, False])
+def test_a_segment_whose_close_fails_while_sealing_is_a_disk_error_and_the_store_goes_on(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, really_closes: bool
+) -> None:
+    """Before: the failed close left the segment active with its file closed, and cutting
+    the torn frame off asked that file for its descriptor: ValueError, not OSError, so a
+    KafkaSink lost the batch it held (records the disk had refused before) with no count."""
+    monkeypatch.setattr(_SegmentFile, "really_closes", really_closes)
+    monkeypatch.setattr(
+        spill_module, "open", lambda path, mode, buffering=-1: _SegmentFile(path, "a"), False
+    )
+    store = SpillStore(tmp_path, max_bytes=10_000_000, segment_bytes=2_000)
+    entries = _entries(12, size=500)  # ~530 bytes a frame: three frames per segment
+    assert store.append(entries[:2]) == 2
+    _SegmentFile.fail_close = True  # the seal in front of the fourth frame
+    with pytest.raises(SpillWriteError) as info:
+        store.append(entries[2:6])
+    assert info.value.errno == errno.EIO
+    assert info.value.stored == 1  # the third frame is durable, in the segment it sealed
     assert store.append(entries[3:]) == 9  # the caller appends the rest again
     assert _drain(store) == entries
 

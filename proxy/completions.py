@@ -374,6 +374,8 @@ class CompletionRelay:
     ) -> web.StreamResponse:
         ctx = self.ctx
         plan = plan_request(self.endpoint, body, served, capture=training)
+        if plan.stream and not plan.added_usage and not plan.client_wants_usage:
+            _ask_for_usage(plan)
         capture = self._capture_for(tenant, body, plan, served) if training else None
         # vLLM adopts X-Request-Id as its own request id; a client's id may repeat, so
         # upstream gets it with a unique suffix (logs still correlate by prefix).
@@ -533,6 +535,7 @@ class CompletionRelay:
         self.status = 200
         parser = SSEParser()
         watch_usage = capture is None and plan.client_wants_usage
+        drop_usage = capture is None and plan.added_usage
         outcome = "ok"
         done_sent = False  # the stream's `data: [DONE]` reached the client
         # vLLM reports a generation that failed mid-stream in the stream itself (an error
@@ -550,10 +553,18 @@ class CompletionRelay:
                     data = self._transform_events(parser, plan, capture, data)
                     if not data:
                         continue
+                elif drop_usage:
+                    data = self._drop_usage(parser, data)
+                    if not data:
+                        continue
                 elif watch_usage:
                     self._watch_usage(parser, data)
                 await response.write(data)
                 done_sent = data.endswith(_DONE_EVENT)
+            if drop_usage and parser.rest():
+                # Bytes after the last event border go out as they came, as they did before
+                # the proxy asked for usage on its own.
+                await response.write(parser.rest())
             if not ends_with_done(before_last, last):
                 # The model server closed the stream cleanly but without its end: relayed as
                 # is, the client saw an answer that just stopped, counted and recorded `ok`.
@@ -653,6 +664,37 @@ class CompletionRelay:
                 out.append(sse_event(encode(stripped_chunk)))
         return b"".join(out)
 
+    def _drop_usage(self, parser: SSEParser, data: bytes) -> bytes:
+        """An uncaptured stream's bytes without the usage the proxy asked for on its own
+        (`_ask_for_usage`), whose last usage is kept for the token counts. The events go
+        out as they came, but for the usage chunk (dropped) and, should every chunk carry
+        usage (the client's `continuous_usage_stats`), each chunk's usage."""
+        block = parser.complete(data)
+        if _USAGE_KEY not in block:  # every read but the last: one search
+            return block
+        out = []
+        for event in block.split(b"\n\n")[:-1]:
+            if _USAGE_KEY in event:
+                payload = b"\n".join(
+                    line[5:].lstrip(b" ")
+                    for line in event.split(b"\n")
+                    if line.startswith(b"data:")
+                )
+                try:
+                    chunk, encode = parse_json(payload)
+                except ValueError:
+                    chunk = None  # not JSON: relayed as it came, as it always was
+                if isinstance(chunk, dict) and "usage" in chunk:
+                    usage = chunk.pop("usage")
+                    if isinstance(usage, dict):
+                        self.usage = usage
+                    if not chunk.get("choices"):
+                        continue  # the usage chunk
+                    out.append(sse_event(encode(chunk)))
+                    continue
+            out.append(event + b"\n\n")
+        return b"".join(out)
+
     def _watch_usage(self, parser: SSEParser, data: bytes) -> None:
         """Keep the last usage an uncaptured stream carried (the client asked for usage)."""
         for event in parser.feed(data):
@@ -660,6 +702,22 @@ class CompletionRelay:
                 usage = usage_of(event)
                 if usage is not None:
                     self.usage = usage
+
+
+_USAGE_KEY = b'"usage"'  # in JSON text a key: a `"` inside a string is escaped
+
+
+def _ask_for_usage(plan: RelayPlan) -> None:
+    """Ask upstream for a stream's usage chunk on the proxy's own behalf, so that every
+    stream's tokens are counted (`olp_proxy_tokens_total`); `_drop_usage` keeps it from the
+    client, which did not ask for it. A captured stream already asks (`plan_request`)."""
+    options = plan.upstream_body.get("stream_options")
+    if options is not None and not isinstance(options, dict):
+        return  # not an object: vLLM's 400 tells the client, as it would without the proxy
+    merged = dict(options) if options is not None else {}
+    merged["include_usage"] = True
+    plan.upstream_body["stream_options"] = merged
+    plan.added_usage = True
 
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:

@@ -340,7 +340,8 @@ def test_every_client_field_reaches_upstream(make_proxy, scripted):
             assert response.status_code == 200
             response.read()
     plain, captured = scripted.requests
-    assert plain == {**body, "model": "base"}
+    # The proxy asks for every stream's usage (its token counts), and strips it again.
+    assert plain == {**body, "model": "base", "stream_options": {"include_usage": True}}
     assert {k: captured[k] for k in body if k != "model"} == {
         k: v for k, v in body.items() if k != "model"
     }

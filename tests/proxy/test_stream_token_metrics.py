@@ -1,0 +1,144 @@
+"""Every stream adds to `olp_proxy_tokens_total`, not only the captured ones and those whose
+client asked for `include_usage`: the proxy asks upstream for the usage chunk itself and
+keeps it from a client that did not ask for it."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from types import SimpleNamespace
+from typing import Any
+
+import httpx
+import openai
+import pytest
+
+from proxy.completions import CompletionRelay
+from proxy.relay import SSEParser
+from tests.proxy.conftest import KEYS
+from tests.proxy.test_proxy_scripted_upstream import PROMPT_IDS, ScriptedUpstream
+
+COMPLETION_TOKENS = 7  # the token ids of the scripted fragments
+
+
+@pytest.fixture
+def scripted() -> Iterator[ScriptedUpstream]:
+    upstream = ScriptedUpstream().start()
+    yield upstream
+    upstream.stop()
+
+
+def tokens(harness, tenant: str, direction: str) -> float:
+    value = harness.ctx.metrics.registry.get_sample_value(
+        "olp_proxy_tokens_total",
+        {"direction": direction, "tenant": tenant, "policy_version": "base"},
+    )
+    return value or 0.0
+
+
+def stream(base_url: str, key: str | None, headers: dict[str, str] | None = None, **extra: Any):
+    body = {
+        "model": "policy",
+        "messages": [{"role": "user", "content": "weather and time"}],
+        "stream": True,
+        **extra,
+    }
+    events: list[Any] = []
+    with httpx.stream(
+        "POST",
+        base_url + "/v1/chat/completions",
+        json=body,
+        headers={**({"Authorization": f"Bearer {key}"} if key else {}), **(headers or {})},
+        timeout=30,
+    ) as response:
+        assert response.status_code == 200
+        for line in response.iter_lines():
+            if line.startswith("data: "):
+                payload = line[6:]
+                events.append(payload if payload == "[DONE]" else json.loads(payload))
+    return events
+
+
+def normalise(events: list) -> list:
+    return [e if isinstance(e, str) else {**e, "model": "m"} for e in events]
+
+
+@pytest.mark.parametrize(
+    ("tenant", "headers"),
+    [("bob", {}), ("alice", {"X-OLP-Train": "0"})],  # no training / opted out: uncaptured
+)
+def test_an_uncaptured_stream_counts_its_tokens_and_the_client_sees_no_usage(
+    make_proxy, scripted, tenant, headers
+):
+    harness, sink = make_proxy([scripted.url])
+    direct = stream(scripted.url, None)  # what the client's own body gets from upstream
+    relayed = stream(harness.base_url, KEYS[tenant], headers)
+    assert normalise(relayed) == normalise(direct)
+    assert not any("usage" in e for e in relayed if isinstance(e, dict))
+    assert scripted.requests[-1]["stream_options"] == {"include_usage": True}
+    assert tokens(harness, tenant, "in") == len(PROMPT_IDS)
+    assert tokens(harness, tenant, "out") == COMPLETION_TOKENS
+    stream(harness.base_url, KEYS[tenant], headers)
+    assert tokens(harness, tenant, "out") == 2 * COMPLETION_TOKENS
+    harness.drain()
+    assert sink.trajectories == []
+
+
+def test_a_client_that_asks_for_usage_still_gets_it_and_it_counts_once(make_proxy, scripted):
+    harness, _ = make_proxy([scripted.url])
+    relayed = stream(harness.base_url, KEYS["bob"], stream_options={"include_usage": True})
+    assert relayed[-2]["usage"]["completion_tokens"] == COMPLETION_TOKENS
+    assert scripted.requests[-1]["stream_options"] == {"include_usage": True}
+    assert tokens(harness, "bob", "out") == COMPLETION_TOKENS
+
+
+def test_the_client_s_other_stream_options_reach_upstream(make_proxy, scripted):
+    harness, _ = make_proxy([scripted.url])
+    stream(harness.base_url, KEYS["bob"], stream_options={"vendor": 1})
+    assert scripted.requests[-1]["stream_options"] == {"vendor": 1, "include_usage": True}
+    assert tokens(harness, "bob", "out") == COMPLETION_TOKENS
+
+
+def test_an_uncaptured_stream_from_the_real_model_server_counts_its_tokens(proxy):
+    harness, sink = proxy
+    api = openai.OpenAI(base_url=harness.base_url + "/v1", api_key=KEYS["bob"], max_retries=0)
+    chunks = list(
+        api.chat.completions.create(
+            model="policy",
+            messages=[{"role": "user", "content": "Hi"}],
+            max_tokens=4,
+            temperature=0,
+            stream=True,
+        )
+    )
+    assert chunks and all(c.usage is None for c in chunks)
+    assert all(c.choices for c in chunks)  # no usage-only chunk
+    assert tokens(harness, "bob", "in") > 0
+    assert 0 < tokens(harness, "bob", "out") <= 4
+    harness.drain()
+    assert sink.trajectories == []
+
+
+def test_drop_usage_keeps_every_other_byte_and_the_last_usage():
+    """`_drop_usage` on reads as they come: an event split over two reads, a chunk with
+    running usage (`continuous_usage_stats`), the usage chunk, an event that is no JSON."""
+    relay = SimpleNamespace(usage=None)
+    parser = SSEParser()
+    first = b'data: {"id":"c","choices":[{"index":0,"delta":{"content":"say \\"usage\\""}}]}\n\n'
+    running = (
+        b'data: {"id":"c","choices":[{"index":0,"delta":{"content":"a"}}],'
+        b'"usage":{"prompt_tokens":3,"completion_tokens":1}}\n\n'
+    )
+    usage_chunk = (
+        b'data: {"id":"c","choices":[],"usage":{"prompt_tokens":3,"completion_tokens":2}}\n\n'
+    )
+    odd = b'data: not json "usage"\n\n'
+    reads = [first[:20], first[20:] + running, usage_chunk + odd + b"data: [DONE]\n\n"]
+    out = b"".join(CompletionRelay._drop_usage(relay, parser, read) for read in reads)
+    assert out == (
+        first
+        + b'data: {"id":"c","choices":[{"index":0,"delta":{"content":"a"}}]}\n\n'
+        + odd
+        + b"data: [DONE]\n\n"
+    )
+    assert relay.usage == {"prompt_tokens": 3, "completion_tokens": 2}

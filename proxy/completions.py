@@ -394,9 +394,13 @@ class CompletionRelay:
             if capture is not None:
                 ctx.capture.submit(capture, "error")
             status = 504 if exc.timed_out else 502
+            # The detail (a replica's host:port, the connect error) is for the operator's
+            # log: the model server's address is not exposed beyond the proxy.
+            log.warning("upstream_unavailable", request_id=self.request_id, error=str(exc))
+            reason = "did not answer in time" if exc.timed_out else "is unavailable"
             raise ProxyError(
                 status,
-                f"The model server is unavailable: {exc} (request id {self.request_id}).",
+                f"The model server {reason} (request id {self.request_id}).",
                 type_="api_error",
                 code="upstream_timeout" if exc.timed_out else "upstream_error",
             ) from exc

@@ -300,7 +300,8 @@ class TrajectoryCapture:
             *((event, self.add_chunk) for event in raw_events),
         ):
             try:
-                parsed, _ = parse_json(data)
+                # Upstream data as it came: a non-finite logprob is flagged, not unparsable.
+                parsed, _ = parse_json(data, allow_nonfinite=True)
             except ValueError:
                 self.unparsable += 1
                 continue

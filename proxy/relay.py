@@ -9,6 +9,7 @@ server would have sent for the client's own request.
 from __future__ import annotations
 
 import json
+import math
 import re
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -302,7 +303,7 @@ def _checked_usage(plan: RelayPlan, payload: bytes) -> tuple[bool, dict[str, Any
     a JSON object, or it carries choices although the proxy asked for the usage on its own:
     the event-by-event path decides (and reports what is not JSON)."""
     try:
-        chunk, _ = parse_json(payload)
+        chunk, _ = parse_json(payload, allow_nonfinite=True)
     except ValueError:
         return False, None
     if not isinstance(chunk, dict) or (plan.added_usage and chunk.get("choices")):
@@ -500,9 +501,32 @@ class NestedTooDeeply(ValueError):
         super().__init__("JSON nested too deeply")
 
 
-def _json_loads(data: bytes) -> Any:
+class NonFiniteNumber(ValueError):
+    """A NaN, Infinity or -Infinity literal, or a number out of float range (1e400), which
+    Python's `json` reads (as nan or inf) and strict JSON cannot carry: a body holding one
+    would reach the record, fail the sink's `allow_nan=False` encoding and go to the DLQ."""
+
+    def __init__(self, literal: str) -> None:
+        shown = literal if len(literal) <= 32 else literal[:16] + "..." + literal[-8:]
+        super().__init__(f"{shown} is not a finite number, which strict JSON cannot carry")
+
+
+def _refuse_constant(literal: str) -> Any:
+    raise NonFiniteNumber(literal)
+
+
+def _finite_float(literal: str) -> float:
+    value = float(literal)
+    if not math.isfinite(value):  # a literal out of range: float() makes it inf
+        raise NonFiniteNumber(literal)
+    return value
+
+
+def _json_loads(data: bytes, allow_nonfinite: bool = True) -> Any:
     try:
-        return json.loads(data)
+        if allow_nonfinite:
+            return json.loads(data)
+        return json.loads(data, parse_constant=_refuse_constant, parse_float=_finite_float)
     except RecursionError as exc:
         raise NestedTooDeeply() from exc
 
@@ -527,25 +551,28 @@ def usage_of(data: bytes) -> dict[str, Any] | None:
     except RecursionError as exc:
         raise NestedTooDeeply() from exc
     except msgspec.ValidationError:
-        payload, _ = parse_json(data)  # valid JSON of another shape
+        payload, _ = parse_json(data, allow_nonfinite=True)  # valid JSON of another shape
     except msgspec.DecodeError:
         payload = _json_loads(data)  # NaN and what only `json` reads, or a ValueError
     usage = payload.get("usage") if isinstance(payload, dict) else None
     return usage if isinstance(usage, dict) else None
 
 
-def parse_json(data: bytes) -> tuple[Any, Callable[[Any], bytes]]:
-    """Parse upstream JSON; return it and the encoder that writes it back faithfully.
+def parse_json(data: bytes, *, allow_nonfinite: bool = False) -> tuple[Any, Callable[[Any], bytes]]:
+    """Parse JSON (a client's body, or upstream data); return it and the encoder that writes
+    it back faithfully.
 
     msgspec (~4x faster than `json`) rejects what only Python's `json`
-    accepts (NaN/Infinity literals, lone surrogates, numbers out of float range); such input
-    is parsed and re-encoded by `json` so non-finite values round-trip as they came. Raises
-    ValueError (json.JSONDecodeError / UnicodeDecodeError / NestedTooDeeply) when the data
-    is not JSON the proxy reads.
+    accepts (NaN/Infinity literals, lone surrogates, numbers out of float range, ints beyond
+    64 bits); such input is parsed and re-encoded by `json`. Neither parser lets a
+    non-finite number through (NonFiniteNumber) unless `allow_nonfinite`: then, for upstream
+    data read as it came, they round-trip as they came. Raises ValueError
+    (json.JSONDecodeError / UnicodeDecodeError / NestedTooDeeply / NonFiniteNumber) when the
+    data is not JSON the proxy reads.
     """
     try:
-        return _fast_decode(data), _fast_encode
+        return _fast_decode(data), _fast_encode  # never a non-finite number
     except _FastDecodeError:
-        return _json_loads(data), dumps
+        return _json_loads(data, allow_nonfinite), dumps
     except RecursionError as exc:
         raise NestedTooDeeply() from exc

@@ -105,8 +105,10 @@ async def _handle_with_openai_errors(
         if exc.status < 400:
             raise
         code = _HTTP_ERROR_TYPES.get(exc.status, "http_error")
+        # A 405 must say which methods the resource takes (RFC 9110 15.5.6).
+        allow = {"Allow": exc.headers["Allow"]} if "Allow" in exc.headers else None
         response = error_response(
-            ProxyError(exc.status, exc.reason or "error", code=code), request_id
+            ProxyError(exc.status, exc.reason or "error", code=code, headers=allow), request_id
         )
     except Exception:
         log.exception("unhandled_error", request_id=request_id, path=request.path)

@@ -1,0 +1,87 @@
+"""The log lines of a request carry its X-Session-Id as the records do: as it came when the
+Redactor finds nothing in it, else as the same `redacted-<hash>` pseudonym, never the raw
+label (an e-mail address as a session id)."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+
+import httpx
+import pytest
+import structlog
+from structlog.testing import capture_logs
+
+from proxy.capture import private_label
+from safety.redaction import Redactor
+from tests.proxy.conftest import KEYS
+from tests.proxy.test_proxy_scripted_upstream import ScriptedUpstream
+
+BODY = {"model": "policy", "messages": [{"role": "user", "content": "x"}], "stream": True}
+
+
+@pytest.fixture
+def scripted() -> Iterator[ScriptedUpstream]:
+    upstream = ScriptedUpstream().start()
+    yield upstream
+    upstream.stop()
+
+
+def request(harness, session_id: str, path: str = "/v1/chat/completions", body=BODY):
+    return httpx.post(
+        harness.base_url + path,
+        json=body,
+        headers={"Authorization": f"Bearer {KEYS['alice']}", "X-Session-Id": session_id},
+        timeout=30,
+    )
+
+
+def lines_of(logs: list[dict], request_id: str) -> list[dict]:
+    return [e for e in logs if e.get("request_id") == request_id]
+
+
+def test_a_session_id_holding_pii_is_logged_as_its_pseudonym(make_proxy, scripted):
+    harness, sink = make_proxy([scripted.url])
+    session = "jane.doe@example.com"
+    pseudonym = private_label(session, Redactor().redact_obj)
+    assert pseudonym.startswith("redacted-")
+    with capture_logs(processors=[structlog.contextvars.merge_contextvars]) as logs:
+        response = request(harness, session)
+        assert response.status_code == 200
+        response.read()
+        harness.drain()
+        failed = request(harness, session, body={"model": "policy"})  # a 400: logged too
+        assert failed.status_code == 400
+    for response in (response, failed):
+        lines = lines_of(logs, response.headers["x-request-id"])
+        assert lines and all(e["session_id"] == pseudonym for e in lines), lines
+    assert "jane.doe" not in json.dumps(logs, default=str)
+    [record] = sink.trajectories
+    assert record["session_id"] == pseudonym  # the same pseudonym as the record's
+
+
+def test_a_plain_session_id_is_logged_as_it_came(make_proxy, scripted):
+    harness, _ = make_proxy([scripted.url])
+    with capture_logs(processors=[structlog.contextvars.merge_contextvars]) as logs:
+        response = request(harness, "chat-42")
+        response.read()
+    lines = lines_of(logs, response.headers["x-request-id"])
+    assert lines and all(e["session_id"] == "chat-42" for e in lines)
+
+
+def test_a_session_id_that_is_not_utf8_is_refused_and_never_logged_raw(make_proxy, scripted):
+    harness, _ = make_proxy([scripted.url])
+    with capture_logs(processors=[structlog.contextvars.merge_contextvars]) as logs:
+        response = httpx.post(
+            harness.base_url + "/v1/chat/completions",
+            json=BODY,
+            headers=[
+                ("Authorization", f"Bearer {KEYS['alice']}"),
+                ("X-Session-Id", "4111 1111 1111 1111 \xff".encode("latin-1")),
+            ],
+            timeout=30,
+        )
+    assert response.status_code == 400
+    lines = lines_of(logs, response.headers["x-request-id"])
+    assert lines and all(e["session_id"].startswith("redacted-") for e in lines), lines
+    assert "4111" not in json.dumps(logs, default=str)

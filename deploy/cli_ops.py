@@ -226,12 +226,13 @@ class _NoAuditLog(Exception):
 
 def _audit_path(args: argparse.Namespace, cfg: OlpConfig) -> Path:
     """The live audit file named by FILE (a file, a rotated file or a directory) or the
-    config; _NoAuditLog when it has no chain file at all (an empty chain is no proof)."""
-    from safety.audit import chain_files, resolve_live_path
+    config; _NoAuditLog when it has neither a chain file nor a head (a head without its
+    files is a deleted log, which `verify` reports as tampering)."""
+    from safety.audit import chain_files, head_path, resolve_live_path
 
     given = Path(args.file) if args.file is not None else cfg.state_dir / cfg.safety.audit.path
     live = resolve_live_path(given)
-    if not chain_files(live):
+    if not chain_files(live) and not head_path(live).exists():
         raise _NoAuditLog(f"no audit log at {live}")
     return live
 
@@ -260,8 +261,13 @@ def cmd_audit_verify(args: argparse.Namespace, cfg: OlpConfig) -> int:
     result = verify(path)
     if result.ignored:  # beside the log, named like a segment, not part of the chain
         print(f"not part of the chain, not read: {', '.join(map(str, result.ignored))}")
+    if result.empty:  # an emptied log and its head deleted look the same: no proof
+        print(f"olp: the audit log at {path} holds {result.reason}", file=sys.stderr)
+        return 2
     if result.ok:
         print(f"audit log OK: {result.records} records, chain intact ({path})")
+        if result.reason:  # what it accepted and why (an interrupted append)
+            print(f"note: {result.reason}")
         return 0
     print(f"audit log TAMPERED at seq {result.first_bad_seq}: {result.reason} ({path})")
     return 1
@@ -269,10 +275,13 @@ def cmd_audit_verify(args: argparse.Namespace, cfg: OlpConfig) -> int:
 
 @_run_audit
 def cmd_audit_show(args: argparse.Namespace, cfg: OlpConfig) -> int:
-    from safety.audit import format_record, iter_records
+    from safety.audit import format_record, iter_records, no_records_reason
 
     path = _audit_path(args, cfg)
     records = list(iter_records(path))
+    if not records:  # as `verify`: not an empty listing that looks like a quiet log
+        print(f"olp: the audit log at {path} holds {no_records_reason(path)}", file=sys.stderr)
+        return 2
     if args.event:
         records = [r for r in records if r.get("event") == args.event]
     for record in records[-args.last :] if args.last else records:

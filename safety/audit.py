@@ -444,9 +444,17 @@ class VerifyResult:
     # Files named like rotated segments that are not part of the chain (not read).
     ignored: list[str] = field(default_factory=list)
 
+    @property
+    def empty(self) -> bool:
+        """Nothing wrong found because there was nothing to check: no records and no head
+        to say there were any (`reason` says what was found). Proves nothing: a log emptied
+        together with its head looks the same as one never written."""
+        return self.ok and self.records == 0
+
     def to_dict(self) -> dict[str, Any]:
         return {
             "ok": self.ok,
+            "empty": self.empty,
             "first_bad_seq": self.first_bad_seq,
             "reason": self.reason,
             "records": self.records,
@@ -658,11 +666,32 @@ def _verify_unlocked(live: Path) -> VerifyResult:
             "records were deleted or the head was edited"
         )
     if result.records == 1 and last_seq == 1:
-        result.reason = "head file missing after the first record (interrupted append)"
+        # Accepted, since the first append stops exactly so when it dies between its line
+        # and its head; but a log cut back to seq 1 with its head deleted is byte for byte
+        # the same (the lock file stays either way), so the reason says both.
+        result.reason = (
+            f"{head.name} missing after the first record: an interrupted first append, or "
+            "a log cut back to its first record with its head deleted (the two look alike)"
+        )
         return result
     if result.records:
         return fail(f"{head.name} is missing")
+    result.reason = no_records_reason(live, files)
     return result
+
+
+def no_records_reason(live: Path, files: list[Path] | None = None) -> str:
+    """What a log without records holds, for `VerifyResult.reason` and `olp audit show`."""
+    files = chain_files(live) if files is None else files
+    if not files:
+        found = [f"no {live.name}"]
+    elif len(files) == 1:
+        found = [f"{files[0].name} is empty"]
+    else:
+        found = [f"{', '.join(f.name for f in files)} are empty"]
+    head = head_path(live)
+    found.append(f"{head.name} is there" if head.exists() else f"no {head.name}")
+    return f"no records ({', '.join(found)}): an empty chain proves nothing"
 
 
 def _first_record(record: Mapping[str, Any]) -> bool:

@@ -803,3 +803,32 @@ def test_format_record_shows_a_gate_result_as_one_verdict_per_gate() -> None:
     assert '"details": {"probes": 8}' in format_record(other)
     odd = {**record, "payload": {"results": "not a list"}}
     assert format_record(odd).endswith('results="not a list" [ab]')
+
+
+def test_an_emptied_log_without_its_head_verifies_no_records_and_says_so(tmp_path: Path) -> None:
+    # `: > audit.jsonl; rm audit.jsonl.head` left a chain of 0 records with no head to
+    # disagree with, and `verify` said only "ok": an empty chain proves nothing.
+    path = tmp_path / "audit.jsonl"
+    _write_log(path, 5)
+    path.write_bytes(b"")
+    path.with_name("audit.jsonl.head").unlink()
+    for result in (verify(path), AuditLog(path).verify()):
+        assert result.records == 0 and result.empty
+        assert "no records" in result.reason and "proves nothing" in result.reason
+    # With its head still there, the same emptied file is a deletion, as before.
+    _write_log(tmp_path / "other" / "audit.jsonl", 3).path.write_bytes(b"")
+    result = verify(tmp_path / "other" / "audit.jsonl")
+    assert (result.ok, result.first_bad_seq) == (False, 1)
+
+
+def test_a_log_cut_back_to_its_first_record_is_reported_as_such(tmp_path: Path) -> None:
+    # Cutting a log back to seq 1 and deleting its head leaves exactly what a crash between
+    # the first line and its head leaves: no file tells the two apart, so the reason names
+    # both instead of only the harmless one.
+    path = tmp_path / "audit.jsonl"
+    _write_log(path, 4)
+    path.write_bytes(_lines(path)[0])
+    path.with_name("audit.jsonl.head").unlink()
+    result = verify(path)
+    assert (result.ok, result.records) == (True, 1)
+    assert "interrupted" in result.reason and "cut back" in result.reason

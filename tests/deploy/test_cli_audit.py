@@ -1,0 +1,82 @@
+"""`olp audit verify` and `olp audit show` on logs an operator may point them at: the live
+one, an emptied one, one cut back, copies and lone rotated segments (subprocess, files only).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from safety.audit import AuditLog
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def olp(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "deploy.cli", *args],
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
+def _log(path: Path, count: int) -> AuditLog:
+    audit = AuditLog(path, fsync=False)
+    for index in range(count):
+        audit.append("operator", "freeze", {"n": index})
+    return audit
+
+
+def test_an_emptied_log_without_its_head_is_no_proof(tmp_path: Path) -> None:
+    """`: > audit.jsonl; rm audit.jsonl.head` gave "audit log OK: 0 records, chain intact"
+    and exit 0; the docs promise exit 2, as for no log at all."""
+    live = tmp_path / "audit.jsonl"
+    _log(live, 5)
+    live.write_bytes(b"")
+    live.with_name("audit.jsonl.head").unlink()
+    for command in ("verify", "show"):
+        done = olp("audit", command, str(tmp_path))
+        assert done.returncode == 2, done.stdout + done.stderr
+        assert "OK" not in done.stdout and "Traceback" not in done.stderr
+        assert f"olp: the audit log at {live} holds no records" in done.stderr
+        assert "audit.jsonl is empty" in done.stderr and "no audit.jsonl.head" in done.stderr
+    fresh = tmp_path / "fresh"
+    fresh.mkdir()
+    (fresh / "audit.jsonl").touch()
+    done = olp("audit", "verify", str(fresh))
+    assert done.returncode == 2 and "holds no records" in done.stderr, done.stderr
+
+
+def test_a_deleted_live_file_whose_head_remains_is_tampering(tmp_path: Path) -> None:
+    """The head proves records were written: it is not "no audit log at ..." (exit 2)."""
+    live = tmp_path / "audit.jsonl"
+    _log(live, 3)
+    live.unlink()
+    done = olp("audit", "verify", str(tmp_path))
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert "audit log TAMPERED at seq 1" in done.stdout
+
+
+def test_a_log_cut_back_to_its_first_record_says_so(tmp_path: Path) -> None:
+    live = tmp_path / "audit.jsonl"
+    _log(live, 4)
+    live.write_bytes(live.read_bytes().splitlines(keepends=True)[0])
+    live.with_name("audit.jsonl.head").unlink()
+    done = olp("audit", "verify", str(live))
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "audit log OK: 1 records" in done.stdout
+    assert "cut back to its first record" in done.stdout
+
+
+def test_a_live_log_without_its_head_is_still_tampered(tmp_path: Path) -> None:
+    live = tmp_path / "audit.jsonl"
+    _log(live, 3)
+    live.with_name("audit.jsonl.head").unlink()
+    done = olp("audit", "verify", str(tmp_path))
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert "TAMPERED at seq" in done.stdout and "audit.jsonl.head is missing" in done.stdout

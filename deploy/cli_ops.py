@@ -365,9 +365,22 @@ def cmd_replay_run(args: argparse.Namespace, cfg: OlpConfig) -> int:
         try:  # not one 401 per recorded request: say which setting is missing
             models_listed(base_url, api_key=key)
         except PolicyKeyRefused as exc:
+            if key is None:
+                # The default: `olp up` made a key for this run and shows it nowhere.
+                hint = (
+                    "the vLLM `olp up` starts takes a new random key each run unless "
+                    "policy.api_key names one: set the same policy.api_key (or "
+                    "OLP_POLICY__API_KEY) for `olp up`, which takes it at its next start, "
+                    "and for this command"
+                )
+            else:
+                hint = (
+                    "give this command the policy.api_key (or OLP_POLICY__API_KEY) that "
+                    "`olp up` started with"
+                )
             print(
-                f"olp: replay run --direct: {exc} (the vLLM of `olp up` takes a key made for "
-                "each run unless policy.api_key / OLP_POLICY__API_KEY names one)",
+                f"olp: replay run --direct: {exc}; {hint}; or replay through the proxy "
+                "instead: --api-key with a tenant key, without --direct",
                 file=sys.stderr,
             )
             return 2

@@ -52,8 +52,8 @@ def test_a_session_id_holding_pii_is_logged_as_its_pseudonym(make_proxy, scripte
         harness.drain()
         failed = request(harness, session, body={"model": "policy"})  # a 400: logged too
         assert failed.status_code == 400
-    for response in (response, failed):
-        lines = lines_of(logs, response.headers["x-request-id"])
+    for answered in (response, failed):
+        lines = lines_of(logs, answered.headers["x-request-id"])
         assert lines and all(e["session_id"] == pseudonym for e in lines), lines
     assert "jane.doe" not in json.dumps(logs, default=str)
     [record] = sink.trajectories

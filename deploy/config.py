@@ -34,6 +34,25 @@ class ConfigError(ValueError):
     """The configuration is invalid; the message names every bad key."""
 
 
+def _refuse_userinfo(url: str) -> None:
+    """Refuse a vLLM URL with a user name or password (`http://user:pass@host:8000`): only
+    keys named like secrets are hidden by `olp config show` and validation errors, and the
+    URLs are logged at start-up, so the password would go wherever those go. Any `@` counts
+    (as for proxy.upstreams): an unescaped `/` or `@` in a password moves where a URL parser
+    ends the user info. The message shows the scheme and what follows the last `@`, never
+    what precedes it."""
+    if "@" not in url:
+        return
+    scheme, sep, _ = url.partition("://")
+    where = url.rpartition("@")[2]
+    shown = f"{scheme}://...@{where}" if sep and len(scheme) <= 8 else f"...@{where}"
+    raise ValueError(
+        f"the URL {shown!r} in policy.external_urls has a user name or password in it "
+        "(user:password@), which `olp config show` and the logs would show; give vLLM's key "
+        "as policy.api_key (sent as Authorization: Bearer) and the URL without it"
+    )
+
+
 class PolicyConfig(BaseModel):
     """The vLLM server holding the base model and the LoRA adapters."""
 
@@ -47,7 +66,8 @@ class PolicyConfig(BaseModel):
     served_model_name: str = Field("base", description="name vLLM serves the base model as")
     external_urls: list[str] = Field(
         default_factory=list,
-        description="vLLM base URLs to use instead of launching one (one per replica)",
+        description="vLLM base URLs to use instead of launching one (one per replica); "
+        "without user:password@ (vLLM's key goes in api_key)",
     )
     host: str = Field(
         "127.0.0.1",
@@ -89,6 +109,7 @@ class PolicyConfig(BaseModel):
     @classmethod
     def _strip_urls(cls, urls: list[str]) -> list[str]:
         for url in urls:
+            _refuse_userinfo(url)  # before any message that shows the URL
             if not url.startswith(("http://", "https://")):
                 raise ValueError(f"not an http(s) URL: {url!r}")
         return [u.rstrip("/").removesuffix("/v1") for u in urls]

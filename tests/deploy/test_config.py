@@ -217,3 +217,46 @@ def test_the_judges_key_is_not_shown_by_config_show() -> None:
     )
     assert cfg.learner.rewards.judge.api_key.get_secret_value() == "sk-judge-SUPERSECRET"
     assert "SUPERSECRET" not in json.dumps(cfg.model_dump(mode="json"))
+
+
+_URL_PASSWORD = "s3cr3t-Pa55"
+
+
+@pytest.mark.parametrize(
+    "url",
+    [
+        f"http://user:{_URL_PASSWORD}@vllm-0:8000",
+        f"https://user:{_URL_PASSWORD}@vllm-0.internal:8000/v1",
+        f"http://:{_URL_PASSWORD}@10.0.0.5:8000",
+        f"http://{_URL_PASSWORD}@vllm-0:8000",  # a token as the user name
+        f"http://user:{_URL_PASSWORD}@[::1]:8000",
+        f"http://user:pa/{_URL_PASSWORD}@vllm-0:8000",  # an unescaped '/' in the password
+        f"http://user:pa@{_URL_PASSWORD}@vllm-0:8000",  # an unescaped '@' in the password
+        f"ftp://user:{_URL_PASSWORD}@vllm-0:8000",  # the scheme message echoed it too
+        f"user:{_URL_PASSWORD}@vllm-0:8000",
+    ],
+)
+def test_policy_urls_with_credentials_are_refused_without_echoing_them(
+    tmp_path: Path, url: str
+) -> None:
+    """`policy.external_urls: [http://user:pass@host]` validated, and `olp config show` (its
+    name holds none of key/secret/token/password) printed the password."""
+    from_file = write(tmp_path, f"policy:\n  external_urls: ['http://vllm-1:8000', '{url}']\n")
+    from_env = {"OLP_POLICY__EXTERNAL_URLS": f"['{url}']"}
+    for path, environ in ((from_file, {}), (None, from_env)):
+        with pytest.raises(ConfigError) as err:
+            load_config(path, environ=environ)
+        message = str(err.value)
+        assert "policy.external_urls:" in message and "policy.api_key" in message, message
+        assert _URL_PASSWORD not in message, message
+        assert "vllm-0" in message or "10.0.0.5" in message or "::1" in message, message
+
+
+def test_plain_policy_urls_still_validate() -> None:
+    urls = "[http://vllm-0:8000/, https://10.0.0.5:8000/v1, 'http://[::1]:8000']"
+    cfg = load_config(None, environ={"OLP_POLICY__EXTERNAL_URLS": urls})
+    assert cfg.policy.external_urls == [
+        "http://vllm-0:8000",
+        "https://10.0.0.5:8000",
+        "http://[::1]:8000",
+    ]

@@ -38,6 +38,7 @@ from proxy.feedback import (
     RecentTrajectories,
     build_event,
     check_owner,
+    event_trajectory_id,
     feedback_body_limit,
     parse_feedback,
 )
@@ -235,11 +236,17 @@ async def feedback(request: web.Request) -> web.Response:
     body = await read_json_body(request, limit)
     parsed = parse_feedback(body, ctx.config.max_feedback_metadata_bytes)
     known_session = check_owner(ctx.recent, parsed, tenant.name_hash)
+    # Unknown to the proxy (a restart, or evicted from `recent`) and without X-Session-Id:
+    # keyed by the trajectory id, which is the trajectory's own key when its request came
+    # without X-Session-Id and x-request-id (the proxy's request id is then both).
     session_id = known_session or session_header or parsed.trajectory_id
     metadata, _ = ctx.redactor.redact_obj(parsed.metadata)
     # The same pseudonym as the trajectory's record carries (capture.redact_record).
     session_id = request.app[SESSION_LABEL](session_id[:256])
-    event = build_event(parsed, tenant.name_hash, session_id, metadata)
+    trajectory_id = event_trajectory_id(
+        parsed.trajectory_id, known_session is not None, ctx.redactor.redact_obj
+    )
+    event = build_event(parsed, tenant.name_hash, session_id, metadata, trajectory_id)
     ctx.sink.put_feedback(event)
     ctx.metrics.feedback.labels(parsed.kind).inc()
     record_feedback(request.app, parsed.kind, parsed.value)

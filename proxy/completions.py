@@ -312,7 +312,13 @@ class CompletionRelay:
         self, tenant: Tenant, body: dict[str, Any], plan: RelayPlan, served: str
     ) -> TrajectoryCapture:
         user = body.get("user")
-        trajectory_id = secrets.token_hex(16)  # 128 random bits, a quarter of uuid4's cost
+        # Without the client's x-request-id the request id is the proxy's own (`req-` and
+        # a uuid4's 32 hex, unique): the trajectory takes it as its id. Without X-Session-Id
+        # it is also the trajectory's session id, its Kafka key, so feedback for it that
+        # comes to a proxy that no longer remembers it is still keyed alike (app.feedback).
+        # A client's own request id may repeat: then 128 random bits (token_hex: a quarter
+        # of uuid4's cost).
+        trajectory_id = secrets.token_hex(16) if self.client_request_id else self.request_id
         context = CaptureContext(
             trajectory_id=trajectory_id,
             request_id=self.request_id,

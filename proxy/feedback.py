@@ -8,12 +8,14 @@ remembers are accepted, since feedback may arrive long after the trajectory.
 from __future__ import annotations
 
 import math
+import re
 import time
 import uuid
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
 
+from proxy.capture import Redact, private_label
 from proxy.config import is_utf8_text
 from proxy.errors import ProxyError, bad_request
 from replay.schemas import dumps_json
@@ -165,14 +167,37 @@ def check_owner(
     return owner.session_id
 
 
+# The trajectory ids the proxy issues: its own request id (`req-` and 32 hex, for a request
+# without x-request-id) or 32 random hex digits. The Redactor's built-in passes find nothing
+# in either (a card number needs a digit run touching no letter, at most 19 digits).
+_ISSUED_ID = re.compile(r"(?:req-)?[0-9a-f]{32}")
+
+
+def event_trajectory_id(trajectory_id: str, known: bool, redact: Redact) -> str:
+    """The trajectory id as the feedback event carries it. Ids the proxy issued leave as
+    issued, or the event would not join its trajectory: one it remembers, or one in the
+    shape it issues (after a restart it remembers none). Any other is the client's own
+    text (an e-mail, a ticket with a card number) and leaves as the records' labels do
+    (`capture.private_label`): as it came when the Redactor finds nothing in it, else as
+    its pseudonym."""
+    if known or _ISSUED_ID.fullmatch(trajectory_id) is not None:
+        return trajectory_id
+    return private_label(trajectory_id, redact) or trajectory_id
+
+
 def build_event(
-    request: FeedbackRequest, tenant_hash: str, session_id: str, metadata: dict[str, Any]
+    request: FeedbackRequest,
+    tenant_hash: str,
+    session_id: str,
+    metadata: dict[str, Any],
+    trajectory_id: str | None = None,
 ) -> dict[str, Any]:
-    """The feedback event of docs/interfaces.md."""
+    """The feedback event of docs/interfaces.md (`trajectory_id`: as the event carries it,
+    `event_trajectory_id`; the request's by default)."""
     return {
         "schema_version": 1,
         "event_id": uuid.uuid4().hex,
-        "trajectory_id": request.trajectory_id,
+        "trajectory_id": request.trajectory_id if trajectory_id is None else trajectory_id,
         "session_id": session_id,
         "tenant": tenant_hash,
         "kind": request.kind,

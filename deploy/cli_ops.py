@@ -258,18 +258,29 @@ def cmd_audit_verify(args: argparse.Namespace, cfg: OlpConfig) -> int:
     from safety.audit import verify
 
     path = _audit_path(args, cfg)
-    result = verify(path)
+    # The configured log is the live one: never read as a copy, even without head and lock.
+    result = verify(path, require_head=args.file is None)
+    # A rotated segment archived alone resolves to a live name that is not there.
+    where = path if path.exists() or len(result.files) != 1 else result.files[0]
     if result.ignored:  # beside the log, named like a segment, not part of the chain
         print(f"not part of the chain, not read: {', '.join(map(str, result.ignored))}")
     if result.empty:  # an emptied log and its head deleted look the same: no proof
-        print(f"olp: the audit log at {path} holds {result.reason}", file=sys.stderr)
+        print(f"olp: the audit log at {where} holds {result.reason}", file=sys.stderr)
         return 2
+    if result.ok and result.copy:
+        last = (result.first_seq or 1) + result.records - 1
+        print(
+            f"audit log OK as a copy: {result.records} records (seq {result.first_seq} to "
+            f"{last}), their chain intact ({where})"
+        )
+        print(f"note: {result.reason}")
+        return 0
     if result.ok:
-        print(f"audit log OK: {result.records} records, chain intact ({path})")
+        print(f"audit log OK: {result.records} records, chain intact ({where})")
         if result.reason:  # what it accepted and why (an interrupted append)
             print(f"note: {result.reason}")
         return 0
-    print(f"audit log TAMPERED at seq {result.first_bad_seq}: {result.reason} ({path})")
+    print(f"audit log TAMPERED at seq {result.first_bad_seq}: {result.reason} ({where})")
     return 1
 
 

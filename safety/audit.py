@@ -287,7 +287,7 @@ class AuditLog:
         return _iter_live_records(self.path)
 
     def verify(self) -> VerifyResult:
-        return _verify_live(self.path)
+        return _verify_live(self.path, as_copy=False)  # its own log: never a copy
 
     @contextlib.contextmanager
     def _locked(self) -> Iterator[None]:
@@ -443,6 +443,10 @@ class VerifyResult:
     files: list[str] = field(default_factory=list)
     # Files named like rotated segments that are not part of the chain (not read).
     ignored: list[str] = field(default_factory=list)
+    # Read as a copy: no head or lock file beside it, so no head proves where it ends, and it
+    # may start past seq 1 (a later segment archived alone); `reason` says what is unproven.
+    copy: bool = False
+    first_seq: int | None = None  # the seq the records read start at (None: no records)
 
     @property
     def empty(self) -> bool:
@@ -460,6 +464,8 @@ class VerifyResult:
             "records": self.records,
             "files": self.files,
             "ignored": self.ignored,
+            "copy": self.copy,
+            "first_seq": self.first_seq,
         }
 
 
@@ -566,37 +572,48 @@ def _flocked(fd: int, operation: int) -> Iterator[None]:
         os.close(fd)
 
 
-def verify(path_or_dir: str | os.PathLike[str]) -> VerifyResult:
+def verify(path_or_dir: str | os.PathLike[str], *, require_head: bool = False) -> VerifyResult:
     """Check the whole chain; name the first seq at which it breaks.
 
     Detects an edited line (hash mismatch), a deleted line (seq gap or head mismatch), an
     inserted line (seq/prev_hash out of order) and reordered lines.
+
+    A log with neither its head nor its lock file beside it was never appended to where it
+    is: a copy (made without its head) or a rotated segment archived alone. It is read as a
+    copy (`VerifyResult.copy`): its records' own chain is checked, from the seq its first
+    record has, and `reason` says what no head proves (where it ends; for a later segment,
+    the records before it). A writer creates the lock with its first record and the head
+    with every one, so the live log is never read so; `require_head` (for a caller that
+    means the live log) never reads any log as a copy.
 
     A check that fails (or finds a listed file renamed away) is read again under the
     writers' lock: an append or a rotation while it read may have caused it. Only then do
     appends wait for it (the proxy appends on its event loop, so a lock held for every
     check would stall requests on a long log).
     """
-    return _verify_live(resolve_live_path(path_or_dir))
+    live = resolve_live_path(path_or_dir)
+    return _verify_live(live, as_copy=not require_head and not _is_live(live))
 
 
-def _verify_live(live: Path) -> VerifyResult:
+def _verify_live(live: Path, as_copy: bool) -> VerifyResult:
     try:
-        result: VerifyResult | None = _verify_unlocked(live)
+        result: VerifyResult | None = _verify_unlocked(live, as_copy)
     except FileNotFoundError:
         result = None  # a rotation renamed a listed file before it was opened
     if result is None or not result.ok:
         with _shared_lock(live):
-            result = _verify_unlocked(live)
+            result = _verify_unlocked(live, as_copy)
     if result.ignored:
         log.warning("audit_files_not_in_chain", files=[Path(f).name for f in result.ignored])
     return result
 
 
-def _verify_unlocked(live: Path) -> VerifyResult:
+def _verify_unlocked(live: Path, as_copy: bool = False) -> VerifyResult:
     files = chain_files(live)
     ignored = ignored_files(live)
-    result = VerifyResult(ok=True, files=[str(f) for f in files], ignored=[str(f) for f in ignored])
+    result = VerifyResult(
+        ok=True, files=[str(f) for f in files], ignored=[str(f) for f in ignored], copy=as_copy
+    )
     expected_seq = 1
     prev_hash = GENESIS_HASH
 
@@ -622,6 +639,10 @@ def _verify_unlocked(live: Path) -> VerifyResult:
             return fail(f"{where}: not valid JSON")
         if not isinstance(record, dict) or set(record) != set(RECORD_FIELDS):
             return fail(f"{where}: fields are not {list(RECORD_FIELDS)}")
+        if as_copy and not result.records and type(record["seq"]) is int and record["seq"] > 1:
+            # A copy may start with a later segment: its first record links to one it does
+            # not hold. From there on its chain is checked as the live one's is.
+            expected_seq, prev_hash = record["seq"], record["prev_hash"]
         if record["seq"] != expected_seq:
             return fail(f"{where}: expected seq {expected_seq}, found {record['seq']!r}")
         if record["prev_hash"] != prev_hash:
@@ -636,12 +657,38 @@ def _verify_unlocked(live: Path) -> VerifyResult:
             # Same record, other bytes (spaces, key order, a duplicated key that a reader
             # keeping the first one would show): every line is written canonical.
             return fail(f"{where}: not the canonical JSON of its record (line was edited)")
+        if not result.records:
+            result.first_seq = expected_seq
         result.records += 1
         prev_hash = record["hash"]
         expected_seq += 1
 
     head = head_path(live)
     last_seq = expected_seq - 1
+    if as_copy and result.records and not head.exists():
+        # A segment's or a dated copy's head is its live log's: `audit.jsonl.head`.
+        named = re.fullmatch(r"(.+)\.[1-9][0-9]*", files[-1].name)
+        base = files[-1].with_name(named.group(1)) if named else files[-1]
+        unproven = []
+        if result.first_seq != 1:
+            unproven.append(
+                f"the records before seq {result.first_seq}, which {files[0].name} does not "
+                "hold (verify it together with the segments before it)"
+            )
+        unproven.append(
+            f"where it ends: no head file shows that no record followed seq {last_seq} "
+            f"(back up the live log with its {head_path(base).name}; a rotated segment is "
+            "continued by the next one)"
+        )
+        result.reason = "read as a copy; not proven: " + "; ".join(unproven)
+        if base != live and _is_live(base):
+            # Beside a live log but not in its chain (a dated copy, a segment after a gap):
+            # the log itself is what `verify` of the directory checks.
+            result.reason += (
+                f"; {live.name} lies beside the live log {base.name} but is not part of its "
+                f"chain: verify {base.name} (or the directory) to check that log"
+            )
+        return result
     if head.exists():
         try:
             head_record = json.loads(head.read_bytes())

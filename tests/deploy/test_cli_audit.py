@@ -80,3 +80,69 @@ def test_a_live_log_without_its_head_is_still_tampered(tmp_path: Path) -> None:
     done = olp("audit", "verify", str(tmp_path))
     assert done.returncode == 1, done.stdout + done.stderr
     assert "TAMPERED at seq" in done.stdout and "audit.jsonl.head is missing" in done.stdout
+
+
+def _copy(files: list[Path], into: Path) -> None:
+    into.mkdir(parents=True, exist_ok=True)
+    for file in files:
+        (into / file.name).write_bytes(file.read_bytes())
+
+
+def _rotated(live: Path) -> list[Path]:
+    audit = AuditLog(live, rotate_bytes=1024, fsync=False)
+    for index in range(20):
+        audit.append("learner", "promotion", {"version": f"policy-v{index}", "pad": "x" * 100})
+    segments = sorted(live.parent.glob("audit.jsonl.[0-9]"))
+    assert len(segments) >= 2
+    return segments
+
+
+def test_a_backup_without_its_head_is_verified_as_a_copy(tmp_path: Path) -> None:
+    """docs/operations.md shows `olp audit verify /backup/audit.jsonl`: a copy made without
+    `audit.jsonl.head` was TAMPERED ("head is missing", exit 1) once it held two records,
+    and so was a rotated segment archived alone."""
+    live = tmp_path / "live" / "audit.jsonl"
+    segments = _rotated(live)
+    _copy([live], tmp_path / "backup")
+    done = olp("audit", "verify", str(tmp_path / "backup" / "audit.jsonl"))
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "audit log OK as a copy:" in done.stdout and "not proven" in done.stdout
+    assert "audit.jsonl.head" in done.stdout
+
+    _copy([segments[0]], tmp_path / "archive-1")
+    done = olp("audit", "verify", str(tmp_path / "archive-1" / "audit.jsonl.1"))
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "OK as a copy" in done.stdout and "(seq 1 to" in done.stdout
+    assert str(tmp_path / "archive-1" / "audit.jsonl.1") in done.stdout
+
+    _copy([segments[1]], tmp_path / "archive-2")
+    done = olp("audit", "verify", str(tmp_path / "archive-2"))  # a directory of one segment
+    assert done.returncode == 2 and "no audit log" in done.stderr, done.stdout + done.stderr
+    done = olp("audit", "verify", str(tmp_path / "archive-2" / "audit.jsonl.2"))
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "the records before seq" in done.stdout
+
+    # Copied with its head (and the rest of the chain) it is proven to its end.
+    _copy([*segments, live, live.with_name("audit.jsonl.head")], tmp_path / "full")
+    done = olp("audit", "verify", str(tmp_path / "full"))
+    assert done.returncode == 0 and "audit log OK: 20 records" in done.stdout, done.stdout
+    assert "copy" not in done.stdout
+
+
+def test_the_configured_log_is_never_read_as_a_copy(tmp_path: Path) -> None:
+    """Without FILE, `verify` checks the state dir's log: with its head and lock deleted it
+    is still tampered, not a copy."""
+    live = tmp_path / "audit" / "audit.jsonl"
+    _log(live, 3)
+    live.with_name("audit.jsonl.head").unlink()
+    live.with_name("audit.jsonl.lock").unlink()
+    done = subprocess.run(
+        [sys.executable, "-m", "deploy.cli", "audit", "verify"],
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT), "OLP_STATE_DIR": str(tmp_path)},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert "TAMPERED" in done.stdout and "audit.jsonl.head is missing" in done.stdout

@@ -832,3 +832,84 @@ def test_a_log_cut_back_to_its_first_record_is_reported_as_such(tmp_path: Path) 
     result = verify(path)
     assert (result.ok, result.records) == (True, 1)
     assert "interrupted" in result.reason and "cut back" in result.reason
+
+
+def _copy(files: list[Path], into: Path) -> list[Path]:
+    into.mkdir(parents=True, exist_ok=True)
+    copies = []
+    for file in files:
+        (into / file.name).write_bytes(file.read_bytes())
+        copies.append(into / file.name)
+    return copies
+
+
+def test_a_copy_without_its_head_checks_its_own_chain_and_says_its_end_is_unproven(
+    tmp_path: Path,
+) -> None:
+    # `olp audit verify /backup/audit.jsonl` of a copy made without `audit.jsonl.head`
+    # reported TAMPERED ("head is missing") once it held two records, and so did a rotated
+    # segment copied out alone: neither has a head to prove its end, but its records' own
+    # chain can still be checked.
+    live = tmp_path / "live" / "audit.jsonl"
+    _rotated_log(live, 20)
+    segments = sorted(live.parent.glob("audit.jsonl.[0-9]"))
+    assert len(segments) >= 2
+
+    (copy,) = _copy([live], tmp_path / "backup")
+    result = verify(copy)
+    assert (result.ok, result.copy, result.first_seq) == (True, True, _seq(live, 0))
+    assert result.records == len(_lines(live)) and "head" in result.reason
+    (first,) = _copy([segments[0]], tmp_path / "segment-1")
+    result = verify(first)
+    assert (result.ok, result.copy, result.first_seq) == (True, True, 1)
+    assert result.records == len(_lines(segments[0])) and result.files == [str(first)]
+    (second,) = _copy([segments[1]], tmp_path / "segment-2")
+    result = verify(second)
+    assert (result.ok, result.copy, result.first_seq) == (True, True, _seq(segments[1], 0))
+    assert f"before seq {result.first_seq}" in result.reason
+    # The whole log copied with its head is proven to its end, as the live one is.
+    whole = _copy([*segments, live, live.with_name("audit.jsonl.head")], tmp_path / "full")
+    result = verify(whole[-2])
+    assert (result.ok, result.copy, result.records) == (True, False, 20)
+
+    # A copy's own chain is checked as strictly as the live one: an edit, a deleted line.
+    lines = _lines(second)
+    record = json.loads(lines[1])
+    record["actor"] = "mallory"
+    second.write_bytes(lines[0] + canonical_json(record) + b"\n" + b"".join(lines[2:]))
+    assert (verify(second).ok, verify(second).first_bad_seq) == (False, record["seq"])
+    (gap,) = _copy([segments[0]], tmp_path / "segment-1-gap")
+    gap.write_bytes(b"".join(_lines(gap)[:1] + _lines(gap)[2:]))
+    assert (verify(gap).ok, verify(gap).first_bad_seq) == (False, 2)
+    # A copy that starts at seq 1 must start the chain.
+    lines = _lines(first)
+    record = json.loads(lines[0])
+    record["prev_hash"] = "1" * 64
+    record["hash"] = record_hash(record)
+    first.write_bytes(canonical_json(record) + b"\n" + b"".join(lines[1:]))
+    assert (verify(first).ok, verify(first).first_bad_seq) == (False, 1)
+
+    # In the live directory a segment after a gap is read as a copy when named alone, and
+    # the reason sends the reader to the log, whose own check still fails.
+    segments[0].unlink()
+    result = verify(segments[1])
+    assert (result.ok, result.copy) == (True, True)
+    assert "lies beside the live log audit.jsonl" in result.reason
+    assert (verify(live).ok, verify(live.parent).ok) == (False, False)
+
+
+def _seq(path: Path, index: int) -> int:
+    return json.loads(_lines(path)[index])["seq"]
+
+
+def test_the_live_log_still_needs_its_head(tmp_path: Path) -> None:
+    # A file with its lock beside it is a log a writer appends to: without the head its end
+    # is unproven, which is tampering there, not a copy. The writer's own `verify` and a
+    # caller that names the live log (`require_head`) never read it as a copy at all.
+    path = tmp_path / "audit.jsonl"
+    audit = _write_log(path, 3)
+    path.with_name("audit.jsonl.head").unlink()
+    assert (verify(path).ok, verify(path).copy) == (False, False)
+    assert "missing" in verify(path).reason
+    path.with_name("audit.jsonl.lock").unlink()
+    assert (audit.verify().ok, verify(path, require_head=True).ok) == (False, False)

@@ -493,7 +493,7 @@ class CompletionRelay:
                 capture.add_raw_response(raw)
                 stripped = strip_bytes(plan, raw, whole=True)
                 if stripped is None:  # a shape the byte path cannot prove: parse it
-                    payload, encode = parse_json(raw)
+                    payload, encode = parse_json(raw, allow_nonfinite=True)
                     stripped = encode(strip_response(plan, payload))
                 raw = stripped
         except ValueError as exc:  # not JSON, not UTF-8, or nested too deeply
@@ -660,7 +660,7 @@ class CompletionRelay:
             if stripped is not None:
                 out.append(sse_event(stripped))
                 continue
-            chunk, encode = parse_json(event)
+            chunk, encode = parse_json(event, allow_nonfinite=True)
             if not isinstance(chunk, dict):
                 raise ValueError("an upstream chunk is not a JSON object")
             usage = chunk.get("usage")
@@ -691,7 +691,7 @@ class CompletionRelay:
                     if line.startswith(b"data:")
                 )
                 try:
-                    chunk, encode = parse_json(payload)
+                    chunk, encode = parse_json(payload, allow_nonfinite=True)
                 except ValueError:
                     chunk = None  # not JSON: relayed as it came, as it always was
                 if isinstance(chunk, dict) and "usage" in chunk:

@@ -16,10 +16,12 @@ from typing import Any
 
 import httpx
 import pytest
+from aiohttp import web
 
 from proxy.relay import parse_json, usage_of
 from tests.proxy.conftest import KEYS
 from tests.proxy.test_proxy_fake_vllm import CHAT, FakeVllm
+from tests.proxy.threaded_upstream import ThreadedUpstream
 
 NONFINITE = [
     b"NaN",
@@ -109,3 +111,61 @@ def test_a_client_body_with_one_is_a_400_in_openai_format(make_proxy, fake) -> N
         assert "strict JSON" in error["message"]
     assert fake.requests == [] and sink.trajectories == []
     assert _post(harness.base_url, ok).status_code == 200
+
+
+class NonFiniteUpstream(ThreadedUpstream):
+    """Answers with a logprob vLLM could write as `NaN`/`-Infinity`, in a field order the
+    byte strip cannot prove (so the proxy parses the upstream's data), streamed or not."""
+
+    CHUNK = (
+        b'{"choices":[{"index":0,"finish_reason":null,"delta":{"content":"hi"},'
+        b'"logprobs":{"content":[{"token":"hi","logprob":-Infinity,"top_logprobs":[]}]},'
+        b'"token_ids":[5]}],"id":"c","object":"chat.completion.chunk","x":NaN}'
+    )
+    USAGE = b'{"choices":[],"usage":{"prompt_tokens":2,"completion_tokens":1,"total_tokens":3}}'
+
+    async def _chat(self, request: web.Request) -> web.StreamResponse:
+        body = await request.json()
+        self.requests.append(body)
+        if not body.get("stream"):
+            return web.Response(
+                body=b'{"id":"c","x":NaN,"choices":[{"index":0,"finish_reason":"stop",'
+                b'"message":{"role":"assistant","content":"hi"},"logprobs":null}],'
+                b'"usage":{"prompt_tokens":2,"completion_tokens":1,"total_tokens":3}}',
+                content_type="application/json",
+            )
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await response.prepare(request)
+        await response.write(b"data: " + self.CHUNK + b"\n\n")
+        await response.write(b"data: " + self.USAGE + b"\n\n")
+        await response.write(b"data: [DONE]\n\n")
+        await response.write_eof()
+        return response
+
+    def add_routes(self, app: web.Application) -> None:
+        app.router.add_post("/v1/chat/completions", self._chat)
+
+
+@pytest.mark.parametrize("tenant", ["alice", "bob"])  # captured, not captured
+@pytest.mark.parametrize("stream", [True, False])
+def test_upstream_data_holding_one_still_reaches_the_client(make_proxy, tenant, stream) -> None:
+    """Only the client's body must be strict JSON: what upstream sends is relayed as it came
+    (the proxy's re-parse of upstream data is lenient, `allow_nonfinite=True`)."""
+    upstream = NonFiniteUpstream().start()
+    try:
+        harness, _ = make_proxy([upstream.url])
+        headers = {"Authorization": f"Bearer {KEYS[tenant]}"}
+        response = httpx.post(
+            harness.base_url + "/v1/chat/completions",
+            json={**CHAT, "stream": stream},
+            headers=headers,
+            timeout=30,
+        )
+        assert response.status_code == 200, response.text
+        assert b"NaN" in response.content
+        if stream:
+            assert response.text.rstrip().endswith("data: [DONE]")
+        if stream and tenant == "bob":  # what the client did not ask for is stripped for alice
+            assert b"-Infinity" in response.content
+    finally:
+        upstream.stop()

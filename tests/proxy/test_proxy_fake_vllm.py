@@ -302,11 +302,14 @@ def test_feedback_the_sink_would_refuse_is_a_400(make_proxy, fake):
     url = harness.base_url
     for raw, param in (
         (b'{"trajectory_id":"t","kind":"score","value":' + b"1" * 400 + b"}", "value"),
-        (b'{"trajectory_id":"t","kind":"accept","metadata":{"x":NaN}}', "metadata"),
         (b'{"trajectory_id":"\\udc00","kind":"accept"}', "trajectory_id"),
     ):
         response = _post(url, KEYS["alice"], "/v1/feedback", content=raw)
         assert _assert_error(response, 400, "invalid_request")["param"] == param
+    # Not strict JSON: refused as the body, before the field is looked at.
+    raw = b'{"trajectory_id":"t","kind":"accept","metadata":{"x":NaN}}'
+    response = _post(url, KEYS["alice"], "/v1/feedback", content=raw)
+    _assert_error(response, 400, "invalid_json")
     canary = b'{"target":"policy-v1","share":' + b"1" * 400 + b"}"
     response = _post(url, ADMIN_KEY, "/admin/canary", content=canary)
     assert _assert_error(response, 400, "invalid_request")["param"] == "share"

@@ -87,7 +87,11 @@ async def request_id_and_errors(request: web.Request, handler: Handler) -> web.S
         session_id = session_id[:256].encode("utf-8", "backslashreplace").decode("utf-8")
         # Logged as the records carry it: the pseudonym when it holds PII (an e-mail).
         session_id = request.app[SESSION_LABEL](session_id)
-    with structlog.contextvars.bound_contextvars(request_id=request_id, session_id=session_id):
+    # The client's x-request-id is its label too (a card number fits its characters): logged
+    # as the record carries it (`capture.redact_record`). Not through the cached
+    # SESSION_LABEL: request ids rarely repeat and would only push sessions out of it.
+    logged_id = private_label(request_id, request.app[CONTEXT].redactor.redact_obj)
+    with structlog.contextvars.bound_contextvars(request_id=logged_id, session_id=session_id):
         response = await _handle_with_openai_errors(request, handler, request_id)
     if not response.prepared:
         response.headers["x-request-id"] = request_id

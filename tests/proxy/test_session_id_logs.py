@@ -85,3 +85,33 @@ def test_a_session_id_that_is_not_utf8_is_refused_and_never_logged_raw(make_prox
     lines = lines_of(logs, response.headers["x-request-id"])
     assert lines and all(e["session_id"].startswith("redacted-") for e in lines), lines
     assert "4111" not in json.dumps(logs, default=str)
+
+
+def test_a_request_id_holding_pii_is_logged_as_the_record_carries_it(make_proxy, scripted):
+    """x-request-id is the client's label too: a card number fits its characters."""
+    harness, sink = make_proxy([scripted.url])
+    card = "4111111111111111"
+    with capture_logs(processors=[structlog.contextvars.merge_contextvars]) as logs:
+        response = httpx.post(
+            harness.base_url + "/v1/chat/completions",
+            json=BODY,
+            headers={"Authorization": f"Bearer {KEYS['alice']}", "x-request-id": card},
+            timeout=30,
+        )
+        assert response.status_code == 200
+        response.read()
+        harness.drain()
+    assert response.headers["x-request-id"] == card  # echoed to the client that sent it
+    [record] = sink.trajectories
+    assert record["request_id"].startswith("redacted-")
+    lines = lines_of(logs, record["request_id"])
+    assert any(e.get("event") == "request" for e in lines), logs
+    assert card not in json.dumps(logs, default=str)
+
+
+def test_the_proxys_own_request_id_is_logged_as_it_came(make_proxy, scripted):
+    harness, _ = make_proxy([scripted.url])
+    with capture_logs(processors=[structlog.contextvars.merge_contextvars]) as logs:
+        response = request(harness, "chat-42")
+        response.read()
+    assert lines_of(logs, response.headers["x-request-id"])

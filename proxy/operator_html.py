@@ -367,7 +367,14 @@ def _audit(data: PageData) -> str:
         parts.append(f'<p class="error" id="verify-result">verify failed: {reason}</p>')
     elif data.verify is not None:
         v = data.verify
-        if v.ok:
+        if v.empty:
+            # As `olp audit verify` (exit 2): an empty chain proves nothing, and the page's
+            # own sign-in was audited, so a log found empty here was emptied.
+            parts.append(
+                '<p class="fail" id="verify-result" data-ok="false" data-empty="true">'
+                f"Nothing to verify: {_e(v.reason)}</p>"
+            )
+        elif v.ok:
             parts.append(
                 f'<p class="ok" id="verify-result" data-ok="true">Chain OK: {v.records} records '
                 f"verified. {_e(v.reason)}</p>"

@@ -170,6 +170,21 @@ def test_verify_button_shows_ok_then_the_first_bad_seq(make_proxy):
     assert 'data-first-bad-seq="2"' in broken.text and "hash mismatch" in broken.text
 
 
+def test_verify_button_on_an_emptied_log_is_not_ok(make_proxy):
+    """A log emptied together with its head passes the chain check with 0 records: the page
+    says there was nothing to verify, as `olp audit verify` does (exit 2), not "Chain OK"."""
+    harness, _ = make_proxy(NO_UPSTREAM)
+    client = signed_in_client(harness)  # seq 1: operator_login
+    csrf = csrf_of(client.get("/admin/ui").text)
+    audit_file = Path(harness.ctx.audit.path)
+    audit_file.write_bytes(b"")
+    Path(f"{audit_file}.head").unlink()
+    emptied = client.post("/admin/ui/verify", data={"csrf": csrf})
+    assert emptied.status_code == 200
+    assert 'data-ok="false"' in emptied.text and "Chain OK" not in emptied.text
+    assert "proves nothing" in emptied.text
+
+
 def test_untrusted_names_and_payloads_are_escaped(make_proxy, tmp_path):
     evil_tenant = '<script>alert("tenant")</script>'
     tenants = [*default_tenants(), TenantConfig(name=evil_tenant, api_key="evil-key")]

@@ -34,25 +34,6 @@ class ConfigError(ValueError):
     """The configuration is invalid; the message names every bad key."""
 
 
-def _refuse_userinfo(url: str) -> None:
-    """Refuse a vLLM URL with a user name or password (`http://user:pass@host:8000`): only
-    keys named like secrets are hidden by `olp config show` and validation errors, and the
-    URLs are logged at start-up, so the password would go wherever those go. Any `@` counts
-    (as for proxy.upstreams): an unescaped `/` or `@` in a password moves where a URL parser
-    ends the user info. The message shows the scheme and what follows the last `@`, never
-    what precedes it."""
-    if "@" not in url:
-        return
-    scheme, sep, _ = url.partition("://")
-    where = url.rpartition("@")[2]
-    shown = f"{scheme}://...@{where}" if sep and len(scheme) <= 8 else f"...@{where}"
-    raise ValueError(
-        f"the URL {shown!r} in policy.external_urls has a user name or password in it "
-        "(user:password@), which `olp config show` and the logs would show; give vLLM's key "
-        "as policy.api_key (sent as Authorization: Bearer) and the URL without it"
-    )
-
-
 class PolicyConfig(BaseModel):
     """The vLLM server holding the base model and the LoRA adapters."""
 
@@ -109,7 +90,12 @@ class PolicyConfig(BaseModel):
     @classmethod
     def _strip_urls(cls, urls: list[str]) -> list[str]:
         for url in urls:
-            _refuse_userinfo(url)  # before any message that shows the URL
+            refuse_userinfo(  # before any message that shows the URL
+                url,
+                "policy.external_urls",
+                "`olp config show` and the logs would show",
+                "vLLM's key as policy.api_key (sent as Authorization: Bearer)",
+            )
             if not url.startswith(("http://", "https://")):
                 raise ValueError(f"not an http(s) URL: {url!r}")
         return [u.rstrip("/").removesuffix("/v1") for u in urls]
@@ -267,7 +253,7 @@ def load_raw(path: Path | None, environ: Mapping[str, str] | None = None) -> dic
 # The root model imports every layer's section; kept below the helpers above so that
 # `deploy.policy` can import PolicyConfig without pulling the other layers in first.
 from learner.config import LearnerConfig  # noqa: E402
-from proxy.config import ProxyConfig, TenantConfig  # noqa: E402
+from proxy.config import ProxyConfig, TenantConfig, refuse_userinfo  # noqa: E402
 from replay.config import StreamConfig  # noqa: E402
 from safety.config import SafetyConfig  # noqa: E402
 

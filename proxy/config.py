@@ -27,22 +27,22 @@ from proxy.host_check import valid_allowed_host
 _SHA256_HEX = re.compile(r"^[0-9a-f]{64}$")
 
 
-def _refuse_userinfo(url: str) -> None:
-    """Refuse an upstream URL with a user name or password (`http://user:pass@host:8100`):
-    the proxy logs its upstreams (`proxy_started`, `upstream_replica_failed`) and shows them
-    in /admin/status, so the password would go wherever those go. Any `@` counts: one in the
-    path is no upstream base URL either, and an unescaped `/` or `@` in a password moves
-    where a URL parser ends the user info. The message shows the scheme and what follows
-    the last `@`, never what precedes it."""
+def refuse_userinfo(url: str, key: str, shown_by: str, instead: str) -> None:
+    """Refuse a URL with a user name or password (`http://user:pass@host:8100`) in config key
+    `key`: only keys named like secrets are hidden by `olp config show` and validation
+    errors, and URLs are logged and shown (`shown_by`), so the password would go wherever
+    those go. Any `@` counts: one in the path is no base URL either, and an unescaped `/`
+    or `@` in a password moves where a URL parser ends the user info. The message shows the
+    scheme and what follows the last `@`, never what precedes it; `instead` says where the
+    key belongs."""
     if "@" not in url:
         return
     scheme, sep, _ = url.partition("://")
     where = url.rpartition("@")[2]
     shown = f"{scheme}://...@{where}" if sep and len(scheme) <= 8 else f"...@{where}"
     raise ValueError(
-        f"the upstream {shown!r} in proxy.upstreams has a user name or password in its URL "
-        "(user:password@), which the proxy would log and show in /admin/status; give the "
-        "upstream's key as proxy.upstream_api_key instead and the URL without it"
+        f"the URL {shown!r} in {key} has a user name or password in it (user:password@), "
+        f"which {shown_by}; give {instead} and the URL without it"
     )
 
 
@@ -297,7 +297,12 @@ class ProxyConfig(BaseModel):
     def _valid_upstreams(cls, urls: list[str]) -> list[str]:
         cleaned = []
         for url in urls:
-            _refuse_userinfo(url)  # before any message that shows the URL
+            refuse_userinfo(  # before any message that shows the URL
+                url,
+                "proxy.upstreams",
+                "the proxy would log and show in /admin/status",
+                "the upstream's key as proxy.upstream_api_key instead",
+            )
             if not url.startswith(("http://", "https://")):
                 raise ValueError(f"upstream {url!r} must start with http:// or https://")
             url = url.rstrip("/")

@@ -44,9 +44,12 @@ NOTES: dict[str, list[str]] = {
     ],
     "StreamConfig": [
         "`bootstrap_servers` must be `HOST:PORT[,HOST:PORT...]`.",
+        "`compression_type` other than `gzip` needs its library installed (python-snappy, "
+        "lz4, zstandard: kafka-python's codecs); without it loading the config fails.",
     ],
     "PolicyConfig": [
-        "`external_urls` must be http(s) URLs; a trailing `/` or `/v1` is stripped.",
+        "`external_urls` must be http(s) URLs without a user name or password (vLLM's key goes "
+        "in `api_key`); a trailing `/` or `/v1` is stripped.",
         "`api_key` must not be empty: null (the default) gives the launched vLLM a random key of "
         "its own each run.",
     ],
@@ -55,7 +58,8 @@ NOTES: dict[str, list[str]] = {
         "while the config is validated and never kept, e.g. `OLP_PROXY__ADMIN_KEY`, which "
         "replaces a digest the file sets. Within one file both may not name different keys.",
         "`admin_key_sha256` must be 64 hex characters; null disables the admin API.",
-        "`upstreams` must be http(s) base URLs without `/v1`.",
+        "`upstreams` must be http(s) base URLs without `/v1` and without a user name or password "
+        "(the key goes in `upstream_api_key`).",
     ],
     "TenantConfig": [
         "`api_key` (plaintext) may be given instead of `api_key_sha256`; it is hashed while "

@@ -143,16 +143,23 @@ def scripted() -> Iterator[ScriptedUpstream]:
     upstream.stop()
 
 
-def _stream_events(base_url: str, key: str | None) -> list[dict[str, Any] | str]:
-    headers = {"Authorization": f"Bearer {key}"} if key else {}
+def stream_events(
+    base_url: str, key: str | None, headers: dict[str, str] | None = None, **extra: Any
+) -> list[dict[str, Any] | str]:
+    """The data of a streamed chat request's events (`extra`: more body fields)."""
     body = {
         "model": "policy",
         "messages": [{"role": "user", "content": "weather and time"}],
         "stream": True,
+        **extra,
     }
     events: list[dict[str, Any] | str] = []
     with httpx.stream(
-        "POST", base_url + "/v1/chat/completions", json=body, headers=headers, timeout=30
+        "POST",
+        base_url + "/v1/chat/completions",
+        json=body,
+        headers={**({"Authorization": f"Bearer {key}"} if key else {}), **(headers or {})},
+        timeout=30,
     ) as response:
         assert response.status_code == 200
         for line in response.iter_lines():
@@ -162,17 +169,17 @@ def _stream_events(base_url: str, key: str | None) -> list[dict[str, Any] | str]
     return events
 
 
-def _normalise(events: list) -> list:
+def normalise(events: list) -> list:
     """The chunks with the model name unified (direct requests name the served model)."""
     return [e if isinstance(e, str) else {**e, "model": "m"} for e in events]
 
 
 def test_parallel_tool_call_fragments_reach_the_client_as_upstream_sent_them(make_proxy, scripted):
     harness, sink = make_proxy([scripted.url])
-    direct = _stream_events(scripted.url, None)
-    captured = _stream_events(harness.base_url, KEYS["alice"])  # augmented, then stripped
-    relayed = _stream_events(harness.base_url, KEYS["bob"])  # byte relay
-    assert _normalise(captured) == _normalise(direct) == _normalise(relayed)
+    direct = stream_events(scripted.url, None)
+    captured = stream_events(harness.base_url, KEYS["alice"])  # augmented, then stripped
+    relayed = stream_events(harness.base_url, KEYS["bob"])  # byte relay
+    assert normalise(captured) == normalise(direct) == normalise(relayed)
     assert direct[-1] == "[DONE]"
     assert sum(1 for e in direct[:-1] if e["choices"][0]["finish_reason"]) == 1
     # What upstream got: the client's body plus the capture's additions (alice only).
@@ -213,7 +220,7 @@ def test_upstream_dying_mid_stream_ends_with_an_error_event(make_proxy):
     upstream = ScriptedUpstream(die_after=3).start()
     try:
         harness, sink = make_proxy([upstream.url])
-        events = _stream_events(harness.base_url, KEYS["alice"])
+        events = stream_events(harness.base_url, KEYS["alice"])
     finally:
         upstream.stop()
     assert events[-1] != "[DONE]"
@@ -260,7 +267,7 @@ def test_an_error_event_from_upstream_is_an_upstream_error_not_an_ok(make_proxy,
     upstream = FailingGeneration().start()
     try:
         harness, sink = make_proxy([upstream.url])
-        events = _stream_events(harness.base_url, KEYS[tenant])
+        events = stream_events(harness.base_url, KEYS[tenant])
     finally:
         upstream.stop()
     # The client gets the stream as vLLM sent it, its error event included.
@@ -567,7 +574,7 @@ def test_a_stream_ended_without_done_is_cut_short_not_an_ok(make_proxy, tenant):
     upstream = CleanCut().start()
     try:
         harness, sink = make_proxy([upstream.url])
-        events = _stream_events(harness.base_url, KEYS[tenant])
+        events = stream_events(harness.base_url, KEYS[tenant])
     finally:
         upstream.stop()
     assert events[1]["choices"][0]["delta"]["content"] == "Hel"

@@ -4,19 +4,21 @@ keeps it from a client that did not ask for it."""
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterator
 from types import SimpleNamespace
-from typing import Any
 
-import httpx
 import openai
 import pytest
 
 from proxy.completions import CompletionRelay
 from proxy.relay import SSEParser
 from tests.proxy.conftest import KEYS
-from tests.proxy.test_proxy_scripted_upstream import PROMPT_IDS, ScriptedUpstream
+from tests.proxy.test_proxy_scripted_upstream import (
+    PROMPT_IDS,
+    ScriptedUpstream,
+    normalise,
+    stream_events,
+)
 
 COMPLETION_TOKENS = 7  # the token ids of the scripted fragments
 
@@ -36,33 +38,6 @@ def tokens(harness, tenant: str, direction: str) -> float:
     return value or 0.0
 
 
-def stream(base_url: str, key: str | None, headers: dict[str, str] | None = None, **extra: Any):
-    body = {
-        "model": "policy",
-        "messages": [{"role": "user", "content": "weather and time"}],
-        "stream": True,
-        **extra,
-    }
-    events: list[Any] = []
-    with httpx.stream(
-        "POST",
-        base_url + "/v1/chat/completions",
-        json=body,
-        headers={**({"Authorization": f"Bearer {key}"} if key else {}), **(headers or {})},
-        timeout=30,
-    ) as response:
-        assert response.status_code == 200
-        for line in response.iter_lines():
-            if line.startswith("data: "):
-                payload = line[6:]
-                events.append(payload if payload == "[DONE]" else json.loads(payload))
-    return events
-
-
-def normalise(events: list) -> list:
-    return [e if isinstance(e, str) else {**e, "model": "m"} for e in events]
-
-
 @pytest.mark.parametrize(
     ("tenant", "headers"),
     [("bob", {}), ("alice", {"X-OLP-Train": "0"})],  # no training / opted out: uncaptured
@@ -71,14 +46,14 @@ def test_an_uncaptured_stream_counts_its_tokens_and_the_client_sees_no_usage(
     make_proxy, scripted, tenant, headers
 ):
     harness, sink = make_proxy([scripted.url])
-    direct = stream(scripted.url, None)  # what the client's own body gets from upstream
-    relayed = stream(harness.base_url, KEYS[tenant], headers)
+    direct = stream_events(scripted.url, None)  # what the client's own body gets from upstream
+    relayed = stream_events(harness.base_url, KEYS[tenant], headers)
     assert normalise(relayed) == normalise(direct)
     assert not any("usage" in e for e in relayed if isinstance(e, dict))
     assert scripted.requests[-1]["stream_options"] == {"include_usage": True}
     assert tokens(harness, tenant, "in") == len(PROMPT_IDS)
     assert tokens(harness, tenant, "out") == COMPLETION_TOKENS
-    stream(harness.base_url, KEYS[tenant], headers)
+    stream_events(harness.base_url, KEYS[tenant], headers)
     assert tokens(harness, tenant, "out") == 2 * COMPLETION_TOKENS
     harness.drain()
     assert sink.trajectories == []
@@ -86,7 +61,7 @@ def test_an_uncaptured_stream_counts_its_tokens_and_the_client_sees_no_usage(
 
 def test_a_client_that_asks_for_usage_still_gets_it_and_it_counts_once(make_proxy, scripted):
     harness, _ = make_proxy([scripted.url])
-    relayed = stream(harness.base_url, KEYS["bob"], stream_options={"include_usage": True})
+    relayed = stream_events(harness.base_url, KEYS["bob"], stream_options={"include_usage": True})
     assert relayed[-2]["usage"]["completion_tokens"] == COMPLETION_TOKENS
     assert scripted.requests[-1]["stream_options"] == {"include_usage": True}
     assert tokens(harness, "bob", "out") == COMPLETION_TOKENS
@@ -94,7 +69,7 @@ def test_a_client_that_asks_for_usage_still_gets_it_and_it_counts_once(make_prox
 
 def test_the_client_s_other_stream_options_reach_upstream(make_proxy, scripted):
     harness, _ = make_proxy([scripted.url])
-    stream(harness.base_url, KEYS["bob"], stream_options={"vendor": 1})
+    stream_events(harness.base_url, KEYS["bob"], stream_options={"vendor": 1})
     assert scripted.requests[-1]["stream_options"] == {"vendor": 1, "include_usage": True}
     assert tokens(harness, "bob", "out") == COMPLETION_TOKENS
 

@@ -289,6 +289,12 @@ class KafkaSink:
         self._retry_at = 0.0
         self._stop = threading.Event()
         self._closed = False
+        # Set (under `_loop_lock`) once the sending thread stopped reading the queue, and
+        # once it dropped the held records for the last time: from then on a put that
+        # raced `close()` must spill its record itself, or count it lost.
+        self._loop_lock = threading.Lock()
+        self._loop_done = False
+        self._final = False
         self._overflow_logged_at = 0.0
         # Spill-bound records a disk error kept in memory, oldest first; they go ahead of
         # anything newer, to the spill once the disk takes them or to the broker once the
@@ -362,19 +368,48 @@ class KafkaSink:
         if not self._closed:
             try:
                 self._queue.put_nowait((seq, item))
-                self.metrics.queued.labels(self._kind_of(item)).inc()
-                return seq
             except queue.Full:
                 now = time.monotonic()
                 if now - self._overflow_logged_at > 10:
                     self._overflow_logged_at = now
                     log.warning("producer_queue_full_spilling", queue_size=self.config.queue_size)
+            else:
+                self.metrics.queued.labels(self._kind_of(item)).inc()
+                if self._closed:  # close() began since the check: is anyone still reading?
+                    self._take_back_queue()
+                return seq
         else:
             log.warning("put_after_close_spilling", kind=self._kind_of(item))
         self._spill_entries(self._prepare([item]), [seq], retry_now=self._closed)
         if self._closed and not self._thread.is_alive():  # nobody is left to retry the disk
             self._drop_held()
         return seq
+
+    def _take_back_queue(self) -> None:
+        """Spill what is left in the queue once the sending thread stopped reading it.
+
+        A put that passed the `closed` check just before `close()` may enqueue after the
+        thread's last look at the queue: nobody would send, spill or count that record."""
+        items: list[tuple[int, QueuedRecord | SpillEntry]] = []
+        with self._loop_lock:
+            if not self._loop_done:
+                return  # the thread checks the queue again before it stops
+            while True:
+                try:
+                    items.append(self._queue.get_nowait())
+                except queue.Empty:
+                    break
+        for _ in items:
+            self._queue.task_done()
+        items = [item for item in items if item is not _WAKE_UP]
+        if not items:
+            return
+        for _, item in items:
+            log.warning("put_after_close_spilling", kind=self._kind_of(item))
+        seqs = [seq for seq, _ in items]
+        # What the disk refuses is counted lost by the thread's last `_drop_held`, or at
+        # once by `_hold` when that has run.
+        self._spill_entries(self._prepare([item for _, item in items]), seqs, retry_now=True)
 
     def held_records(self) -> int:
         """Records a disk error keeps in memory (not durable yet), including any being sent."""
@@ -438,8 +473,11 @@ class KafkaSink:
                 for _ in items:
                     self._queue.task_done()
                 self.metrics.queue_depth.set(self._queue.qsize())
-            if stopping and not items and self._queue.empty():
-                break
+            if stopping and not items:
+                with self._loop_lock:  # a put that raced close() sees the flag and spills
+                    if self._queue.empty():
+                        self._loop_done = True
+                        break
         self._shutdown()
 
     def _step(self, entries: list[SpillEntry], seqs: Sequence[int] = ()) -> None:
@@ -693,7 +731,9 @@ class KafkaSink:
                 self._settle(batch_seqs)
                 return
             # The backoff only spares the disk while memory has room; when full, try anyway.
-            backing_off = not retry_now and time.monotonic() < self._disk_retry_at
+            backing_off = (
+                not retry_now and not self._final and time.monotonic() < self._disk_retry_at
+            )
             if backing_off and len(batch) <= self.config.queue_size:
                 self._hold(batch, batch_seqs)
                 return
@@ -725,8 +765,9 @@ class KafkaSink:
 
     def _hold(self, entries: list[SpillEntry], seqs: Sequence[int]) -> None:
         """Keep spill-bound records in memory (lock held); beyond queue_size they are lost
-        (counted). The puts `seqs` are durable once nothing of them is held."""
-        room = max(self.config.queue_size - len(self._held), 0)
+        (counted). The puts `seqs` are durable once nothing of them is held. After the
+        sending thread's last `_drop_held` nobody would retry: they are lost (counted)."""
+        room = 0 if self._final else max(self.config.queue_size - len(self._held), 0)
         self._held.extend(entries[:room])
         self._count_lost(entries[room:], "disk_error")
         if self._held:
@@ -742,9 +783,11 @@ class KafkaSink:
             self._held[:0] = entries
             self._held_seqs[:0] = seqs
 
-    def _drop_held(self) -> None:
-        """Nobody is left to retry the disk: what it refused is lost (logged, counted)."""
+    def _drop_held(self, final: bool = False) -> None:
+        """Nobody is left to retry the disk: what it refused is lost (logged, counted).
+        `final` (the sending thread's last call): nothing is held from then on."""
         with self._held_lock:
+            self._final = self._final or final
             lost, self._held = self._held, []
             seqs, self._held_seqs = self._held_seqs, []
         self._count_lost(lost, "disk_error")
@@ -795,7 +838,7 @@ class KafkaSink:
             self._producer.close(timeout=self.config.close_timeout_s)
             self._producer = None
         self._spill_entries([], retry_now=True)  # a last try for what the disk refused
-        self._drop_held()
+        self._drop_held(final=True)
         try:
             self.spill.close()
         except OSError as exc:  # its records are fsync'd already: only the handle is lost

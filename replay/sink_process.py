@@ -365,6 +365,9 @@ class KafkaSinkProcess:
                 self._outbox.append((kind, record))
             return
         self._outbox.append((kind, record))
+        if self._closed:  # close() began since the check: the feeder may be done with it
+            self._spill_outbox_after_close()
+            return
         self._idle = False
         if self._idle_waiting:  # a ticking feeder takes the record on its next tick
             self._wake.set()
@@ -372,6 +375,28 @@ class KafkaSinkProcess:
             # The feeder may be stuck writing to a child that stopped reading; killing the
             # child frees it (the dead child's records are spilled, the outbox goes on).
             self._kill_if_hung()
+
+    def _spill_outbox_after_close(self) -> None:
+        """Spill the outbox here once the feeder has left it for good.
+
+        A put that passed the `closed` check just before `close()` may append after the
+        feeder's last look at the outbox: nobody would send, spill or count that record."""
+        with self._lock:
+            if not self._feeder_done:
+                return  # the feeder spills the outbox under this lock before it is done
+            records = self._take_outbox()
+            if records:
+                log.warning("put_after_close_spilling", records=len(records))
+                self._count_lost_entries(self._spill_here(records))
+
+    def _take_outbox(self) -> list[tuple[str, Any]]:
+        """Everything in the outbox, one popleft at a time: `list` then `clear` lost a
+        record another thread appended in between."""
+        records: list[tuple[str, Any]] = []
+        with contextlib.suppress(IndexError):
+            while True:
+                records.append(self._outbox.popleft())
+        return records
 
     def _kill_if_hung(self) -> None:
         proc = self._proc
@@ -461,8 +486,7 @@ class KafkaSinkProcess:
                 break
         self._close_child()
         with self._lock:  # records put while the child was closing
-            left = self._spill_here(list(self._outbox))
-            self._outbox.clear()
+            left = self._spill_here(self._take_outbox())
             self._feeder_done = True
         self._spill_until_deadline(left)
 

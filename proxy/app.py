@@ -44,6 +44,7 @@ from proxy.feedback import (
 )
 from proxy.host_check import HostCheck
 from proxy.metrics import ProxyMetrics
+from proxy.operator_auth import key_matches
 from proxy.operator_page import record_feedback
 from proxy.relay import SSE_STRIP
 from proxy.routing import UpstreamPool
@@ -182,12 +183,41 @@ async def healthz(request: web.Request) -> web.Response:
     return web.json_response({"status": "ok"})
 
 
+def _shows_replica_urls(request: web.Request) -> bool:
+    """Whether /readyz may name the replicas' URLs: only for `Authorization: Bearer <admin
+    key>`. Anything else is the anonymous view, never a 401 (a load balancer's probe sends
+    no key). A wrong key counts for the failed-key throttle like one at the admin API (else
+    /readyz would let the admin key be guessed at line rate), and while the address is
+    locked out no key is looked at."""
+    ctx = request.app[CONTEXT]
+    scheme, _, key = (request.headers.get("Authorization") or "").partition(" ")
+    if scheme.lower() != "bearer" or not key.strip() or not ctx.admin_key_hashes:
+        return False
+    throttle = ctx.auth_throttle
+    if throttle.retry_after(throttle.addresses.of(request)) > 0:
+        return False
+    if key_matches(ctx.admin_key_hashes, key):
+        return True
+    throttle.failed_request(request, "admin")
+    return False
+
+
 async def readyz(request: web.Request) -> web.Response:
     """Ready when at least one replica answers. Also lists aliases whose target no reachable
     replica serves (e.g. vLLM restarted without the current adapter): requests for those
-    get vLLM's 404 until the adapter is loaded again."""
+    get vLLM's 404 until the adapter is loaded again.
+
+    Replicas are listed in the configured order. Without the admin key they are named
+    `replica-<N>` and a problem by its kind only (the exception's text names the host): the
+    model servers' addresses are never shown to clients."""
     ctx = request.app[CONTEXT]
-    replicas = await ctx.pool.readiness()
+    show_urls = _shows_replica_urls(request)
+    readiness = await ctx.pool.readiness()
+    # In the configured order, by URL or by position (a URL listed twice: two positions).
+    replicas = {
+        replica.url if show_urls else f"replica-{i}": readiness[replica.url]
+        for i, replica in enumerate(ctx.pool.replicas)
+    }
     reachable = [served for problem, served in replicas.values() if problem is None]
     served_anywhere = set().union(*reachable) if reachable else set()
     unserved = {
@@ -207,14 +237,20 @@ async def readyz(request: web.Request) -> web.Response:
         canary.target for canary in ctx.aliases.canaries().values()
     }
     missing = {
-        url: sorted(targets & served_anywhere - served)
-        for url, (problem, served) in replicas.items()
+        name: sorted(targets & served_anywhere - served)
+        for name, (problem, served) in replicas.items()
         if problem is None and targets & served_anywhere - served
+    }
+    # `UpstreamPool.readiness` writes "<exception type>: <text>", and the text of a
+    # connection or HTTP error names the host: without the key, the type alone.
+    states = {
+        name: "ok" if problem is None else problem if show_urls else problem.partition(":")[0]
+        for name, (problem, _) in replicas.items()
     }
     return web.json_response(
         {
             "ready": bool(reachable),
-            "replicas": {url: problem or "ok" for url, (problem, _) in replicas.items()},
+            "replicas": states,
             "unserved_aliases": unserved,
             "unserved_canaries": unserved_canaries,
             "replicas_missing_targets": missing,

@@ -7,7 +7,7 @@ import openai
 import pytest
 
 from deploy.ports import free_port
-from tests.proxy.conftest import KEYS
+from tests.proxy.conftest import ADMIN_KEY, KEYS
 
 PROMPT = [{"role": "user", "content": "Hi"}]
 
@@ -202,6 +202,12 @@ def test_health_ready_models_metrics(proxy, dead_upstream_proxy):
     dead, _ = dead_upstream_proxy
     not_ready = httpx.get(dead.base_url + "/readyz")
     assert not_ready.status_code == 503 and not_ready.json()["ready"] is False
+    # No key: the replica by its position and its problem's kind, never its address.
+    assert not_ready.json()["replicas"] == {"replica-0": "ClientConnectorError"}
+    dead_url = dead.ctx.pool.replicas[0].url
+    assert dead_url.rsplit(":", 1)[1] not in not_ready.text
+    admin = httpx.get(dead.base_url + "/readyz", headers={"Authorization": f"Bearer {ADMIN_KEY}"})
+    assert admin.status_code == 503 and list(admin.json()["replicas"]) == [dead_url]
 
 
 def test_failed_replica_is_retried_on_another(make_proxy, vllm_server):
@@ -272,8 +278,11 @@ def test_a_replica_without_the_adapter_hands_its_requests_to_one_with_it(
             assert parsed.choices[0].finish_reason in ("length", "stop")
             assert parsed.usage is not None and parsed.usage.completion_tokens >= 1
         ready = httpx.get(harness.base_url + "/readyz").json()
-        assert ready["replicas_missing_targets"] == {vllm_server.base_url: ["policy-v1"]}
+        assert ready["replicas_missing_targets"] == {"replica-0": ["policy-v1"]}
         assert ready["unserved_aliases"] == {}
+        admin = {"Authorization": f"Bearer {ADMIN_KEY}"}  # the admin key shows the URLs
+        ready = httpx.get(harness.base_url + "/readyz", headers=admin).json()
+        assert ready["replicas_missing_targets"] == {vllm_server.base_url: ["policy-v1"]}
         # Served nowhere: the client still gets vLLM's own 404.
         with_adapter.stop()
         running = False

@@ -17,8 +17,9 @@ import httpx
 import pytest
 from aiohttp import web
 
+from deploy.ports import free_port
 from proxy.aliases import Canary
-from proxy.config import TenantConfig, sha256_hex
+from proxy.config import AuthFailureLimits, TenantConfig, sha256_hex
 from tests.proxy.conftest import ADMIN_KEY, KEYS, wait_for
 from tests.proxy.threaded_upstream import ThreadedUpstream, assert_reconnects_after_idle
 
@@ -470,10 +471,97 @@ def test_a_models_list_of_another_shape_is_a_replica_problem_not_a_500(make_prox
     fake.models_payload = payload
     ready = httpx.get(harness.base_url + "/readyz", timeout=30)
     assert ready.status_code == 503, ready.text
+    assert ready.json()["replicas"]["replica-0"] == "ValueError"
+    ready = _readyz(harness, ADMIN_KEY)
+    assert ready.status_code == 503, ready.text
     assert ready.json()["replicas"][fake.url] != "ok"
     flip = _admin(harness.base_url, "/admin/aliases", {"alias": "policy", "target": "policy-v1"})
     _assert_error(flip, 502, "upstream_error")
     assert harness.ctx.aliases.resolve("policy") == "base"
+
+
+def _readyz(harness, key: str | None = None) -> httpx.Response:
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    return httpx.get(harness.base_url + "/readyz", headers=headers, timeout=30)
+
+
+def test_readyz_names_replicas_by_position_unless_the_admin_key_asks(make_proxy, fake):
+    """/readyz takes no key (a load balancer's probe sends none), and its body listed every
+    replica's URL: anyone who could reach the proxy learnt the model servers' host:port.
+    Now it names them `replica-<N>` in the configured order, its problems by their kind
+    only (an error's text names the host too); the admin key shows the URLs and the texts,
+    and a wrong key is no 401 there, just the view without them."""
+    lacking = FakeVllm().start()
+    lacking.models_payload = {"data": [{"id": "base"}]}
+    running = True
+    dead = f"http://127.0.0.1:{free_port()}"
+    try:
+        harness, _ = make_proxy([lacking.url, dead, fake.url])
+        harness.ctx.aliases.start_canary("policy", Canary("policy-v1", 0.25, 0.0))
+        for key in (None, "wrong", KEYS["alice"]):
+            ready = _readyz(harness, key)
+            assert ready.status_code == 200, ready.text
+            body = ready.json()
+            assert list(body["replicas"]) == ["replica-0", "replica-1", "replica-2"]
+            assert body == {
+                "ready": True,
+                "replicas": {
+                    "replica-0": "ok",
+                    "replica-1": "ClientConnectorError",
+                    "replica-2": "ok",
+                },
+                "unserved_aliases": {},
+                "unserved_canaries": {},
+                "replicas_missing_targets": {"replica-0": ["policy-v1"]},
+            }
+            for url in (lacking.url, dead, fake.url):
+                port = url.rsplit(":", 1)[1]
+                assert port not in ready.text
+            assert "127.0.0.1" not in ready.text
+        admin = _readyz(harness, ADMIN_KEY)
+        assert admin.status_code == 200, admin.text
+        body = admin.json()
+        assert list(body["replicas"]) == [lacking.url, dead, fake.url]
+        assert body["replicas"][lacking.url] == body["replicas"][fake.url] == "ok"
+        assert body["replicas"][dead].startswith("ClientConnectorError: ")
+        assert body["replicas_missing_targets"] == {lacking.url: ["policy-v1"]}
+        assert body["unserved_canaries"] == {} and body["ready"] is True
+        # None answers: still 503, still no address.
+        lacking.stop()
+        running = False
+        fake.models_payload = []
+        ready = _readyz(harness)
+        assert ready.status_code == 503 and ready.json()["ready"] is False
+        assert set(ready.json()["replicas"]) == {"replica-0", "replica-1", "replica-2"}
+        assert fake.url.rsplit(":", 1)[1] not in ready.text
+    finally:
+        if running:
+            lacking.stop()
+
+
+def test_wrong_keys_at_readyz_count_for_the_throttle_and_a_lockout_hides_the_urls(make_proxy, fake):
+    """A key checked at /readyz is an admin key checked: wrong ones count like the admin
+    API's, or /readyz would let the admin key be guessed at line rate. A locked-out address
+    still gets its readiness (never 429, never 401), without the URLs whatever key it sends."""
+    harness, _ = make_proxy([fake.url], auth_failures=AuthFailureLimits(max_failures=2))
+    assert _readyz(harness).json()["replicas"] == {"replica-0": "ok"}  # no key: not counted
+    assert _readyz(harness).json()["replicas"] == {"replica-0": "ok"}
+    assert httpx.get(
+        harness.base_url + "/v1/models",
+        headers={"Authorization": f"Bearer {KEYS['alice']}"},
+        timeout=30,
+    ).is_success
+    for _ in range(2):
+        ready = _readyz(harness, "guess")
+        assert ready.status_code == 200 and ready.json()["replicas"] == {"replica-0": "ok"}
+    locked = httpx.get(
+        harness.base_url + "/v1/models",
+        headers={"Authorization": f"Bearer {KEYS['alice']}"},
+        timeout=30,
+    )
+    _assert_error(locked, 429, "auth_throttled")
+    ready = _readyz(harness, ADMIN_KEY)
+    assert ready.status_code == 200 and ready.json()["replicas"] == {"replica-0": "ok"}
 
 
 def test_readyz_names_a_canary_target_no_replica_serves(make_proxy, fake):

@@ -186,9 +186,10 @@ async def healthz(request: web.Request) -> web.Response:
 def _shows_replica_urls(request: web.Request) -> bool:
     """Whether /readyz may name the replicas' URLs: only for `Authorization: Bearer <admin
     key>`. Anything else is the anonymous view, never a 401 (a load balancer's probe sends
-    no key). A wrong key counts for the failed-key throttle like one at the admin API (else
-    /readyz would let the admin key be guessed at line rate), and while the address is
-    locked out no key is looked at."""
+    no key). A key that is neither the admin key nor a tenant's counts for the failed-key
+    throttle like one at the admin API (else /readyz would let the admin key be guessed at
+    line rate); a tenant's key does not (a client probing with its own key must not lock
+    itself out of /v1). While the address is locked out no key is looked at."""
     ctx = request.app[CONTEXT]
     scheme, _, key = (request.headers.get("Authorization") or "").partition(" ")
     if scheme.lower() != "bearer" or not key.strip() or not ctx.admin_key_hashes:
@@ -198,7 +199,10 @@ def _shows_replica_urls(request: web.Request) -> bool:
         return False
     if key_matches(ctx.admin_key_hashes, key):
         return True
-    throttle.failed_request(request, "admin")
+    try:
+        ctx.tenants.authenticate(request.headers.get("Authorization"))
+    except AuthError:
+        throttle.failed_request(request, "admin")
     return False
 
 

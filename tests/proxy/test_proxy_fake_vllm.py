@@ -541,11 +541,15 @@ def test_readyz_names_replicas_by_position_unless_the_admin_key_asks(make_proxy,
 
 def test_wrong_keys_at_readyz_count_for_the_throttle_and_a_lockout_hides_the_urls(make_proxy, fake):
     """A key checked at /readyz is an admin key checked: wrong ones count like the admin
-    API's, or /readyz would let the admin key be guessed at line rate. A locked-out address
-    still gets its readiness (never 429, never 401), without the URLs whatever key it sends."""
+    API's, or /readyz would let the admin key be guessed at line rate; a tenant's own key is
+    no wrong key (a client probing with it must not lock itself out of /v1). A locked-out
+    address still gets its readiness (never 429, never 401), without the URLs whatever key
+    it sends."""
     harness, _ = make_proxy([fake.url], auth_failures=AuthFailureLimits(max_failures=2))
     assert _readyz(harness).json()["replicas"] == {"replica-0": "ok"}  # no key: not counted
     assert _readyz(harness).json()["replicas"] == {"replica-0": "ok"}
+    for _ in range(3):  # a tenant's key: the view without URLs, not counted
+        assert _readyz(harness, KEYS["alice"]).json()["replicas"] == {"replica-0": "ok"}
     assert httpx.get(
         harness.base_url + "/v1/models",
         headers={"Authorization": f"Bearer {KEYS['alice']}"},

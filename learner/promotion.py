@@ -16,6 +16,11 @@ promotion is loading, gating or flipping to.
 Each decision is recorded (`<state_dir>/learner/decided.json`): at start-up (`resume`) a
 canary a learner that died left running is rolled back, and the newest candidate without a
 decision is gated again.
+
+A proxy or replica that does not answer before the gate (connection refused, a timeout, a
+5xx: a proxy restarting) decides nothing about the candidate: it is audited
+`promotion_deferred`, not recorded, and the worker tries it again after a backoff (a newer
+candidate arriving meanwhile supersedes it), or the next start does.
 """
 
 from __future__ import annotations
@@ -66,6 +71,13 @@ UNRESOLVED_CHECKS = 10
 # The `policy_version` the proxy records for the base model's replies, whatever name vLLM
 # serves it under (`policy.served_model_name`, which the alias then targets).
 RECORDED_BASE = "base"
+# A candidate deferred because the proxy or a replica did not answer is tried again after
+# this many seconds, doubled for each deferral in a row up to DEFERRED_RETRY_MAX_S: a proxy
+# restart takes seconds, and a longer outage costs one status call per retry, not a gate.
+DEFERRED_RETRY_FIRST_S = 10.0
+DEFERRED_RETRY_MAX_S = 300.0
+# Outcomes that decide nothing about the candidate: not recorded in decided.json.
+UNDECIDED = ("interrupted", "deferred")
 
 
 # `policy-v<N>`: the names of versions (adapter directories, gate reports).
@@ -76,11 +88,24 @@ class PromotionError(RuntimeError):
     pass
 
 
+class ProxyUnavailable(PromotionError):
+    """The proxy answered its admin API with a 5xx: it could not answer (restarting,
+    overloaded), which says nothing about the candidate; a 4xx is its answer."""
+
+
+def unreachable(exc: BaseException) -> bool:
+    """Whether `exc` only says the proxy or a replica did not answer (connection refused, a
+    timeout, a 5xx), so no decision about a candidate can be drawn from it."""
+    if isinstance(exc, httpx.HTTPStatusError):
+        return exc.response.status_code >= 500
+    return isinstance(exc, (httpx.TransportError, ProxyUnavailable))
+
+
 @dataclass
 class PromotionOutcome:
     version: str
     # promoted | rejected | skipped_frozen | skipped_unknown_alias | failed | interrupted |
-    # canary_rolled_back | unresolved
+    # deferred | canary_rolled_back | unresolved
     decision: str
     incumbent: str | None = None
     report: GateReport | None = None
@@ -101,7 +126,8 @@ class ProxyAdmin:
     def _call(self, method: str, path: str, body: dict[str, Any] | None = None) -> Any:
         resp = self._client.request(method, path, json=body)
         if resp.status_code >= 400:
-            raise PromotionError(f"proxy {method} {path} → {resp.status_code}: {resp.text}")
+            error = ProxyUnavailable if resp.status_code >= 500 else PromotionError
+            raise error(f"proxy {method} {path} → {resp.status_code}: {resp.text}")
         return resp.json()
 
     def status(self) -> dict[str, Any]:
@@ -299,6 +325,11 @@ class Promoter:
             self._checkpoints.mark_decided(self._checkpoints.announced())
         # Whether a canary a previous learner left running was looked for (`_end_orphan`).
         self._orphan_checked = False
+        # The worker's own: the candidate deferred last (`promotion_deferred`), when it is
+        # due again (time.monotonic()), and how many deferrals in a row led to it.
+        self._deferred: Path | None = None
+        self._retry_at = 0.0
+        self._deferrals = 0
 
     # ------------------------------------------------------------------ async use
     def resume(self) -> None:
@@ -326,26 +357,54 @@ class Promoter:
     def _work(self) -> None:
         self._look_for_an_orphan()
         while True:
-            item = self._queue.get()
+            try:
+                # A deferred candidate bounds the wait; `close()`'s None still ends it at once.
+                item = self._queue.get(timeout=self._retry_wait())
+            except queue.Empty:
+                item = self._deferred  # its backoff ran out: try it again
             if item is None:
                 return
             newest = self._newest_undecided(item)
             if newest is None:
                 continue
             try:
-                self.promote(newest)
+                outcome = self.promote(newest)
             except Exception as exc:  # the worker must survive one bad candidate
                 log.exception("promotion_crashed", version=newest.name)
                 self.audit.append(
                     ACTOR, "promotion_failed", {"version": newest.name, "error": repr(exc)}
                 )
                 self._record_decided(newest.name)
+                self._deferrals = 0
+                continue
+            if outcome.decision == "deferred":
+                self._retry_later(newest)
+            elif outcome.decision != "interrupted":
+                self._deferrals = 0
+
+    def _retry_wait(self) -> float | None:
+        """Seconds until the deferred candidate is due (None: nothing is, wait for the
+        queue); once the learner is stopping nothing is retried (the next start does)."""
+        if self._deferred is None or self._closing.is_set():
+            return None
+        return max(0.0, self._retry_at - time.monotonic())
+
+    def _retry_later(self, candidate: Path) -> None:
+        """Keep `candidate` for another try after the backoff (doubling, capped)."""
+        self._deferrals += 1
+        delay = min(DEFERRED_RETRY_FIRST_S * 2 ** (self._deferrals - 1), DEFERRED_RETRY_MAX_S)
+        self._deferred, self._retry_at = candidate, time.monotonic() + delay
+        log.warning("promotion_retry_scheduled", version=candidate.name, in_s=delay)
 
     def _newest_undecided(self, item: Path) -> Path | None:
         """`item` and whatever else is queued: only the newest not yet decided is worth a
         gate run; older ones are superseded (audited), and a version decided already (the
-        start-up's resubmission and the learner's own announcement of it) is dropped."""
+        start-up's resubmission and the learner's own announcement of it) is dropped. A
+        deferred candidate counts as queued: a newer one supersedes it."""
         pending = [item]
+        if self._deferred is not None:
+            pending.append(self._deferred)
+            self._deferred = None
         while True:
             try:
                 nxt = self._queue.get_nowait()
@@ -430,11 +489,16 @@ class Promoter:
 
     # ------------------------------------------------------------------- sync use
     def promote(self, version_dir: Path) -> PromotionOutcome:
-        """Gate and promote one candidate; any outcome but `interrupted` is its decision,
-        recorded so that the next start does not submit it again."""
+        """Gate and promote one candidate; any outcome but `interrupted` or `deferred` is its
+        decision, recorded so that the next start does not submit it again."""
         with self._lock:
-            outcome = self._promote(Path(version_dir))
-            if outcome.decision != "interrupted":
+            try:
+                outcome = self._promote(Path(version_dir))
+            except Exception as exc:
+                if not unreachable(exc):
+                    raise
+                outcome = self._deferred_outcome(Path(version_dir).name, None, exc, {})
+            if outcome.decision not in UNDECIDED:
                 self._record_decided(outcome.version)
         self.outcomes.append(outcome)
         return outcome
@@ -494,6 +558,8 @@ class Promoter:
         except Exception as exc:
             payload: dict[str, Any] = {"version": name, "error": str(exc)}
             self._unload_noting(name, payload)
+            if unreachable(exc):  # a replica did not answer: nothing was judged
+                return self._deferred_outcome(name, incumbent, exc, payload)
             self.audit.append(ACTOR, "promotion_failed", payload)
             return PromotionOutcome(name, "failed", incumbent, reason=str(exc), timings=timings)
 
@@ -587,6 +653,24 @@ class Promoter:
         self.audit.append(ACTOR, "promotion_interrupted", payload)
         log.warning("promotion_interrupted", version=name, gate_s=payload.get("after_s"))
         return PromotionOutcome(name, "interrupted", incumbent, reason=str(exc), timings=timings)
+
+    def _deferred_outcome(
+        self, name: str, incumbent: str | None, exc: Exception, payload: dict[str, Any]
+    ) -> PromotionOutcome:
+        """The proxy or a replica did not answer before the gate decided: no decision about
+        the candidate, so none is recorded (`promotion_failed` did, and a good candidate
+        was never gated again). The worker retries it; the next start does too."""
+        payload = {
+            **payload,
+            "version": name,
+            "error": str(exc) or repr(exc),
+            "action": "not decided: gated again after a backoff, or at the learner's next start",
+        }
+        if incumbent is not None:
+            payload["incumbent"] = incumbent
+        self.audit.append(ACTOR, "promotion_deferred", payload)
+        log.warning("promotion_deferred", version=name, error=repr(exc))
+        return PromotionOutcome(name, "deferred", incumbent, reason=payload["error"])
 
     def _unload_noting(self, name: str, payload: dict[str, Any]) -> None:
         """Unload `name` unless the proxy keeps it (`left_loaded` says why); a failure is

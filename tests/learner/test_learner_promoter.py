@@ -1005,3 +1005,159 @@ def test_an_operators_canary_is_left_alone(tmp_path: Path) -> None:
     assert proxy.canary == {"target": "policy-v2", "share": 0.1} and proxy.ended == []
     assert outcome.decision == "canary_rolled_back" and "canary_running" in outcome.reason
     assert "policy-v2" in replicas.loaded
+
+
+# -- a proxy (or replica) that does not answer is no decision -----------------------------------
+
+
+def wait_until(condition: Callable[[], bool], timeout_s: float = 10.0) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while not condition() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return condition()
+
+
+def test_a_candidate_the_proxy_did_not_answer_for_is_retried_not_decided(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A proxy restarting as v2 arrived: `promotion_failed`, and v2 was recorded decided, so
+    neither this learner nor its next start ever gated it (a good candidate never served)."""
+    monkeypatch.setattr(promotion, "DEFERRED_RETRY_FIRST_S", 0.05)
+    store = AdapterStore(tmp_path)
+    publish(store, tmp_path, 1)
+    publish(store, tmp_path, 2)
+    replicas, proxy, audit = Replicas({"policy-v1"}), Proxy("policy-v1"), FakeAudit()
+    p = promoter(tmp_path, replicas, proxy, audit)
+    proxy.down = True
+    try:
+        p.submit(store.path(2))
+        assert wait_until(lambda: "promotion_deferred" in audit.names())
+        assert CheckpointStore(tmp_path).decided() == 0  # the next start submits v2 again
+        assert "promotion_failed" not in audit.names() and replicas.loaded == {"policy-v1"}
+        payload = dict(audit.events)["promotion_deferred"]
+        assert payload["version"] == "policy-v2" and "proxy restarting" in payload["error"]
+        proxy.down = False  # back: the worker retries after its backoff
+        assert wait_until(lambda: proxy.alias == "policy-v2")
+    finally:
+        p.close(timeout_s=5)
+    assert [o.decision for o in p.outcomes if o.decision != "deferred"] == ["promoted"]
+    assert CheckpointStore(tmp_path).decided() == 2
+
+
+def test_a_pending_retry_does_not_hold_up_close_and_the_next_start_gates_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(promotion, "DEFERRED_RETRY_FIRST_S", 60.0)
+    store = AdapterStore(tmp_path)
+    publish(store, tmp_path, 1)
+    publish(store, tmp_path, 2)
+    proxy = Proxy("policy-v1")
+    proxy.down = True
+    first_audit = FakeAudit()
+    first = promoter(tmp_path, Replicas({"policy-v1"}), proxy, first_audit)
+    first.submit(store.path(2))
+    CheckpointStore(tmp_path).mark_announced(2)
+    assert wait_until(lambda: "promotion_deferred" in first_audit.names())
+    started = time.monotonic()
+    first.close(timeout_s=30)
+    assert time.monotonic() - started < 2
+    assert CheckpointStore(tmp_path).decided() == 0
+    # -- the next start, the proxy back:
+    proxy.down = False
+    second = promoter(tmp_path, Replicas({"policy-v1"}), proxy, FakeAudit())
+    try:
+        second.resume()
+        outcomes = wait_for(second, 1)
+    finally:
+        second.close(timeout_s=5)
+    assert [(o.version, o.decision) for o in outcomes] == [("policy-v2", "promoted")]
+
+
+def test_a_newer_candidate_supersedes_a_deferred_one(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(promotion, "DEFERRED_RETRY_FIRST_S", 60.0)
+    store = AdapterStore(tmp_path)
+    for version in (1, 2, 3):
+        publish(store, tmp_path, version)
+    replicas, proxy, audit = Replicas({"policy-v1"}), Proxy("policy-v1"), FakeAudit()
+    gated: list[str] = []
+    p = promoter(tmp_path, replicas, proxy, audit)
+    p.gate_runner = lambda c, i: gated.append(c) or GateReport(True, [])
+    proxy.down = True
+    try:
+        p.submit(store.path(2))
+        assert wait_until(lambda: "promotion_deferred" in audit.names())
+        proxy.down = False
+        p.submit(store.path(3))  # long before v2's retry is due
+        assert wait_until(lambda: proxy.alias == "policy-v3")
+    finally:
+        p.close(timeout_s=5)
+    assert gated == ["policy-v3"]
+    assert ("candidate_superseded", {"version": "policy-v2", "by": "policy-v3"}) in audit.events
+    assert CheckpointStore(tmp_path).decided() == 3
+
+
+class UnreachableReplicas(Replicas):
+    """A vLLM replica that does not answer a load (`error`), or refuses it."""
+
+    def __init__(self, loaded: set[str], error: Exception) -> None:
+        super().__init__(loaded)
+        self.error = error
+
+    def load(self, name: str, path: Path) -> None:
+        raise self.error
+
+
+@pytest.mark.parametrize(
+    "error",
+    [
+        httpx.ConnectError("connection refused"),
+        httpx.ReadTimeout("timed out"),
+        httpx.HTTPStatusError(
+            "503", request=httpx.Request("GET", "http://replica"), response=httpx.Response(503)
+        ),
+        promotion.ProxyUnavailable("proxy GET /admin/status → 502: bad gateway"),
+    ],
+    ids=["refused", "timeout", "replica-5xx", "proxy-5xx"],
+)
+def test_a_replica_or_proxy_that_does_not_answer_defers_the_candidate(
+    tmp_path: Path, error: Exception
+) -> None:
+    store = AdapterStore(tmp_path)
+    publish(store, tmp_path, 1)
+    replicas, proxy, audit = UnreachableReplicas(set(), error), Proxy("base"), FakeAudit()
+    p = promoter(tmp_path, replicas, proxy, audit)
+    outcome = p.promote(store.path(1))
+    assert outcome.decision == "deferred" and audit.names() == ["promotion_deferred"]
+    assert CheckpointStore(tmp_path).decided() == 0 and proxy.alias == "base"
+
+
+def test_a_candidate_a_replica_refuses_to_load_is_still_decided(tmp_path: Path) -> None:
+    """The replica answered: its refusal is about the candidate (its files), a decision."""
+    store = AdapterStore(tmp_path)
+    publish(store, tmp_path, 1)
+    refusal = PromotionError("http://replica refused to load policy-v1: bad adapter")
+    replicas, proxy, audit = UnreachableReplicas(set(), refusal), Proxy("base"), FakeAudit()
+    outcome = promoter(tmp_path, replicas, proxy, audit).promote(store.path(1))
+    assert outcome.decision == "failed" and audit.names() == ["promotion_failed"]
+    assert CheckpointStore(tmp_path).decided() == 1
+
+
+def test_the_admin_client_tells_a_proxy_error_from_a_refusal() -> None:
+    """5xx: the proxy could not answer (retried); 4xx: it answered no (a decision)."""
+
+    def proxy(request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/admin/status":
+            return httpx.Response(503, text="restarting")
+        return httpx.Response(409, text="alias_changed")
+
+    admin = promotion.ProxyAdmin("http://proxy", "key")
+    admin._client = httpx.Client(base_url="http://proxy", transport=httpx.MockTransport(proxy))
+    with pytest.raises(promotion.ProxyUnavailable, match="503"):
+        admin.status()
+    with pytest.raises(PromotionError, match="409") as refused:
+        admin.set_alias("policy", "policy-v2", expected="policy-v1")
+    assert not isinstance(refused.value, promotion.ProxyUnavailable)
+    assert promotion.unreachable(httpx.ConnectError("refused"))
+    assert not promotion.unreachable(refused.value)

@@ -33,6 +33,8 @@ from kafka.errors import (
     KafkaError,
     MessageSizeTooLargeError,
     RecordListTooLargeError,
+    UnsupportedCodecError,
+    UnsupportedCompressionTypeError,
     UnsupportedVersionError,
 )
 from prometheus_client import CollectorRegistry, Counter, Gauge
@@ -76,6 +78,13 @@ _RECORD_REFUSED: tuple[type[KafkaError], ...] = (
     RecordListTooLargeError,
     CorruptRecordError,
     InvalidRecordError,
+)
+# `stream.compression_type` refused: by the record builder (codec library missing) or by the
+# broker on produce. kafka-python raises ValueError (lz4/zstd against a broker too old for
+# them) or RuntimeError (library missing) when the producer is made: see `_codec_error`.
+_CODEC_REFUSED: tuple[type[KafkaError], ...] = (
+    UnsupportedCodecError,
+    UnsupportedCompressionTypeError,
 )
 # What a record sent in `_send` is: as queued or spilled, a DLQ envelope of a refused record,
 # or such an envelope truncated (refused once more, it is dropped).
@@ -286,6 +295,7 @@ class KafkaSink:
         # interrupted drain still has to send of the oldest segment.
         self._drain_rest: tuple[int, list[SpillEntry], int] | None = None
         self._idempotence = config.idempotence
+        self._codec_refused_logged = False  # `_codec_refused` logs once, not per backoff
         self._retry_at = 0.0
         self._stop = threading.Event()
         self._closed = False
@@ -537,13 +547,51 @@ class KafkaSink:
         try:
             ensure_topics(self.config)
             self._producer = self._new_producer()
-        except KafkaError as exc:
-            log.warning("broker_connect_failed", error=repr(exc))
+        except Exception as exc:
+            # A codec the broker is too old for raised ValueError here, taken for a bug:
+            # a traceback per reconnect backoff, for ever. It is a setting to change.
+            if self._codec_error(exc):
+                self._codec_refused(exc)
+            elif isinstance(exc, KafkaError):
+                log.warning("broker_connect_failed", error=repr(exc))
+            else:
+                raise
             self._retry_at = time.monotonic() + self.config.reconnect_backoff_s
             return False
         self.metrics.broker_up.set(1)
         log.info("broker_connected", idempotence=self._idempotence)
         return True
+
+    def _codec_error(self, error: BaseException) -> bool:
+        """Whether `error` says the configured compression cannot be used here."""
+        if isinstance(error, _CODEC_REFUSED):
+            return True
+        codec = self.config.compression_type
+        # kafka-python: "Zstd Requires >= Kafka 2.1 Brokers", "LZ4 Requires >= Kafka 0.8.2
+        # Brokers", "Libraries for zstd compression codec not found".
+        return (
+            codec is not None
+            and isinstance(error, (ValueError, RuntimeError))
+            and codec.lower() in str(error).lower()
+        )
+
+    def _codec_refused(self, error: BaseException) -> None:
+        """The compression setting is refused: one error naming it and the fix (then debug
+        lines only). The caller keeps the records (spilled) and retries after the backoff,
+        as for a broker that is down: an upgraded broker takes them."""
+        if self._codec_refused_logged:
+            log.debug("stream_compression_still_unsupported", error=repr(error))
+            return
+        self._codec_refused_logged = True
+        log.error(
+            "stream_compression_unsupported",
+            setting="stream.compression_type",
+            compression_type=self.config.compression_type,
+            error=repr(error),
+            fix="set stream.compression_type to null or gzip and restart (or upgrade the "
+            "broker / install the codec's package); until then records are spilled and "
+            "the broker is retried every reconnect_backoff_s",
+        )
 
     def _new_producer(self) -> KafkaProducer:
         options: dict[str, Any] = {
@@ -602,7 +650,10 @@ class KafkaSink:
                 self._reject(index, entry, exc, stage, replacements)
                 continue
             except KafkaError as exc:
-                log.warning("broker_send_failed", error=repr(exc))
+                if self._codec_error(exc):
+                    self._codec_refused(exc)
+                else:
+                    log.warning("broker_send_failed", error=repr(exc))
                 break  # this one and the rest stay in their slots
         try:
             producer.flush(timeout=self.config.delivery_timeout_ms / 1000 + 1)
@@ -612,6 +663,11 @@ class KafkaSink:
         for index, future in futures:
             entry = entries[index]
             if future.succeeded():
+                if self._codec_refused_logged:
+                    self._codec_refused_logged = False
+                    log.info(
+                        "stream_compression_accepted", compression=self.config.compression_type
+                    )
                 slots[index] = None
                 self.metrics.sent.labels(self._kind_by_topic.get(entry.topic, "other")).inc()
             elif future.failed() and isinstance(future.exception, _RECORD_REFUSED):
@@ -619,7 +675,9 @@ class KafkaSink:
                 self._reject(index, entry, future.exception, stage, replacements)
             elif future.failed() and broker_error is None:
                 broker_error = future.exception  # the slot keeps the record: sent again
-        if broker_error is not None:
+        if broker_error is not None and self._codec_error(broker_error):
+            self._codec_refused(broker_error)
+        elif broker_error is not None:
             log.warning("broker_send_failed", error=repr(broker_error), stage=stage)
         for next_stage, replacing in replacements.items():
             if replacing:

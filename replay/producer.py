@@ -248,6 +248,40 @@ def _dlq_entry(
         return SpillEntry(topics.dlq, key, encode_record(dlq_envelope(**common)))
 
 
+def close_producer(producer: KafkaProducer, timeout_s: float) -> None:
+    """Close a producer; never raises, and never leaves its I/O thread running.
+
+    kafka-python's `close()` flushes first and raises KafkaTimeoutError when a batch is still
+    incomplete (never sent: an idempotent producer whose InitProducerId keeps failing sends
+    nothing), before it stops its I/O thread, which then retries for ever; its `__del__`
+    raises the same. Its sender is then force-closed, which fails the batches (the caller
+    keeps the records) and stops the thread."""
+    try:
+        producer.close(timeout=timeout_s)
+        return
+    except Exception as exc:
+        log.warning("producer_close_forced", error=repr(exc))
+    sender = getattr(producer, "_sender", None)
+    with contextlib.suppress(Exception):
+        if sender is not None:
+            sender.force_close()
+            sender.join(max(timeout_s, 1.0))
+        producer.close(timeout=0)  # the batches are failed now: this one completes
+
+
+def producer_id_missing(producer: KafkaProducer) -> bool:
+    """Whether an idempotent producer still has no producer id (InitProducerId never
+    succeeded). kafka-python has no public call for this; False where it cannot tell."""
+    manager = getattr(producer, "_transaction_manager", None)
+    has_id = getattr(manager, "has_producer_id", None)
+    if not callable(has_id):
+        return False
+    try:
+        return not has_id()
+    except Exception:
+        return False
+
+
 def tcp_reachable(bootstrap_servers: str, timeout_s: float = 1.0) -> bool:
     """Whether any bootstrap server accepts a TCP connection (a cheap probe before a client)."""
     for server in bootstrap_servers.split(","):
@@ -659,6 +693,7 @@ class KafkaSink:
             producer.flush(timeout=self.config.delivery_timeout_ms / 1000 + 1)
         except KafkaError as exc:
             log.warning("broker_flush_timed_out", error=repr(exc))
+            self._check_producer_id(producer)
         broker_error: BaseException | None = None
         for index, future in futures:
             entry = entries[index]
@@ -685,6 +720,25 @@ class KafkaSink:
                 for (index, _), still in zip(replacing, sent, strict=True):
                     slots[index] = still
         return slots
+
+    def _check_producer_id(self, producer: KafkaProducer) -> None:
+        """After a flush that timed out: an idempotent producer without a producer id yet.
+
+        kafka-python re-sends a failing InitProducerId for ever (retriable error, dropped
+        connection) and sends no record meanwhile; `delivery_timeout_ms` does not end that
+        wait. Past the flush deadline the sink gives up on idempotence (logged once, as for a
+        broker that does not support it): the records not acknowledged are spilled and sent
+        by a plain producer after the reconnect backoff (consumers de-duplicate by event_id)."""
+        if not self._idempotence or not producer_id_missing(producer):
+            return
+        if not tcp_reachable(self.config.bootstrap_servers):
+            return  # the broker went away: an outage, not a refused InitProducerId
+        self._idempotence = False
+        log.error(
+            "idempotence_unavailable_falling_back",
+            reason="InitProducerId did not succeed within delivery_timeout_ms",
+            delivery_timeout_ms=self.config.delivery_timeout_ms,
+        )
 
     def _reject(
         self,
@@ -878,7 +932,7 @@ class KafkaSink:
         self._retry_at = time.monotonic() + self.config.reconnect_backoff_s
         if producer is not None:
             # A fresh producer after reconnect: a restarted broker forgets producer ids.
-            producer.close(timeout=0)
+            close_producer(producer, 0)
             log.warning("broker_down_spilling", retry_in_s=self.config.reconnect_backoff_s)
 
     def _shutdown(self) -> None:
@@ -893,7 +947,7 @@ class KafkaSink:
         except Exception:
             log.exception("producer_shutdown_drain_failed")
         if self._producer is not None:
-            self._producer.close(timeout=self.config.close_timeout_s)
+            close_producer(self._producer, self.config.close_timeout_s)
             self._producer = None
         self._spill_entries([], retry_now=True)  # a last try for what the disk refused
         self._drop_held(final=True)

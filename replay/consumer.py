@@ -43,6 +43,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from replay.config import StreamConfig
+from replay.producer import close_producer
 from replay.schemas import (
     RecordKind,
     SchemaValidationError,
@@ -409,7 +410,9 @@ class TrajectoryConsumer:
     def close(self) -> None:
         self._consumer.close()
         if self._dlq_producer is not None:
-            self._dlq_producer.close(timeout=5)
+            # kafka-python's close() raises while a DLQ envelope is unsent (broker gone) and
+            # then leaves its I/O thread retrying for ever: closed for good, never raising.
+            close_producer(self._dlq_producer, 5.0)
 
     def __enter__(self) -> TrajectoryConsumer:
         return self

@@ -580,3 +580,39 @@ def test_shards_cover_the_partitions_the_broker_has_not_the_configured_count(
 
 def names_of(config: StreamConfig) -> TopicNames:
     return TopicNames.from_prefix(config.topic_prefix)
+
+
+def test_closing_a_consumer_with_an_unsent_dlq_envelope_stops_its_producer(
+    stream_config: StreamConfig,
+) -> None:
+    """kafka-python's `close()` raises KafkaTimeoutError while a batch is unsent (the broker
+    gone after a DLQ envelope was sent) before it stops its I/O thread, which then retries
+    for ever. The consumer's close raised with it and left that thread behind; now the
+    producer's sender is force-closed and close() returns."""
+
+    class StuckSender:
+        def __init__(self) -> None:
+            self.closed = False
+
+        def force_close(self) -> None:
+            self.closed = True
+
+        def join(self, timeout: float | None = None) -> None:
+            pass
+
+    class UnsentProducer:
+        def __init__(self) -> None:
+            self._sender = StuckSender()
+            self.close_calls: list[float | None] = []
+
+        def close(self, timeout: float | None = None) -> None:
+            self.close_calls.append(timeout)
+            if not self._sender.closed:
+                raise KafkaTimeoutError("Timeout after waiting for 5 secs.")
+
+    consumer = TrajectoryConsumer(stream_config)
+    stuck = UnsentProducer()
+    consumer._dlq_producer = stuck  # type: ignore[assignment]
+    consumer.close()  # before: KafkaTimeoutError, the sender left running
+    assert stuck._sender.closed
+    assert stuck.close_calls == [5.0, 0]

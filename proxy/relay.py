@@ -451,6 +451,10 @@ class SSEParser:
 # chunk, as the top logprobs of a sampled token `error` (completions: `[{"error": -0.1}]`).
 _ERROR_EVENT = re.compile(rb'(?:\A|\n)data: ?\{"error"')
 _ERROR_SPLIT = len(b'data: {"error"')
+# The pattern's one literal run: `in` finds it with a fast substring search, while the
+# regex, starting with an alternation, gets no literal prefix and tries every position
+# (52 µs for the bench's 4.6 kB streamed answer against 2 µs, once per stream).
+_ERROR_NEEDLE = b'{"error"'
 
 
 def ends_with_error_event(before_last: bytes, last: bytes) -> bool:
@@ -460,7 +464,7 @@ def ends_with_error_event(before_last: bytes, last: bytes) -> bool:
     In a JSON string a quote is escaped and vLLM's chunk objects begin with "id", so these
     bytes at an event's start are an error object: searches, no parsing."""
     return any(
-        _ERROR_EVENT.search(part) is not None
+        _ERROR_NEEDLE in part and _ERROR_EVENT.search(part) is not None
         for part in (last, before_last, before_last[-_ERROR_SPLIT:] + last[:_ERROR_SPLIT])
     )
 

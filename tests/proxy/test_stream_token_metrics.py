@@ -117,3 +117,30 @@ def test_drop_usage_keeps_every_other_byte_and_the_last_usage():
         + b"data: [DONE]\n\n"
     )
     assert relay.usage == {"prompt_tokens": 3, "completion_tokens": 2}
+
+
+@pytest.mark.parametrize(
+    "framing",
+    [
+        pytest.param(b"\n\n", id="plain"),
+        pytest.param(b"\r\n\r\n", id="crlf"),
+        pytest.param(b"\n\n\n", id="extra-newline"),
+    ],
+)
+def test_drop_usage_cuts_only_the_events_that_hold_usage(framing: bytes):
+    """The usage chunk as the block's first, middle or last event, and a `\\r\\n` or an
+    extra newline between events: every other event's bytes go out as they came."""
+    chunk = b'data: {"id":"c","choices":[{"index":0,"delta":{"content":"x"}}]}'
+    usage = b'data: {"id":"c","choices":[],"usage":{"prompt_tokens":3,"completion_tokens":2}}'
+    done = b"data: [DONE]"
+    for events, kept in [
+        ([usage, chunk, done], [chunk, done]),
+        ([chunk, usage, chunk, done], [chunk, chunk, done]),
+        ([chunk, chunk, usage], [chunk, chunk]),
+    ]:
+        relay = SimpleNamespace(usage=None)
+        block = b"".join(event + framing for event in events)
+        out = CompletionRelay._drop_usage(relay, SSEParser(), block)
+        events_out = out.replace(b"\r\n", b"\n").split(b"\n\n")
+        assert [e.strip(b"\n") for e in events_out if e.strip()] == kept
+        assert relay.usage == {"prompt_tokens": 3, "completion_tokens": 2}

@@ -470,6 +470,21 @@ def test_a_capture_crosses_to_the_worker_as_raw_request_bytes():
     )
 
 
+def test_a_pickled_capture_keeps_every_attribute():
+    """`TrajectoryCapture.__reduce__` sends tuples of values; one attribute set outside
+    `__init__` still crosses (the whole state then)."""
+    capture = _capture()
+    capture.add_sse(b'data: {"choices":[]}\n\n')
+    capture.ttft_s, capture.finished_at, capture.unparsable = 0.25, 12.5, 2
+    copy = pickle.loads(pickle.dumps(capture, protocol=pickle.HIGHEST_PROTOCOL))
+    assert vars(copy.context) == vars(capture.context)
+    assert {k: v for k, v in vars(copy).items() if k != "context"} == {
+        k: v for k, v in vars(capture).items() if k != "context"
+    }
+    capture.extra = "kept"  # type: ignore[attr-defined]
+    assert pickle.loads(pickle.dumps(capture)).extra == "kept"
+
+
 def test_capture_flags_disagreeing_counts_and_aborts():
     capture = _capture()
     capture.add_chunk({"prompt_token_ids": [1, 2], "choices": []})

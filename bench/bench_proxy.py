@@ -887,10 +887,10 @@ def render_instructions(table: dict, rounds: int, requests: int) -> str:
         "included; not the sink's worker process), counted by valgrind's callgrind on one "
         f"olp proxy: {rounds} alternating rounds of {requests} + 20 requests per row, training "
         "off and on. A count does not drift with the machine's "
-        "load as CPU time does (the same code and inputs give the same count to a few "
-        "hundredths of a percent), so it settles the capture target (on ≤ 1.1× off) where the "
-        "CPU rounds above cannot; it leaves out what instructions do not show (cache misses, "
-        "the kernel's share of a system call).",
+        "load as CPU time does (two rounds of a row differ by a few tenths of a percent, "
+        "where the CPU rounds above differ by tens of percent), so it settles the capture "
+        "target (on ≤ 1.1× off) where they cannot; it leaves out what instructions do not "
+        "show (cache misses, the kernel's share of a system call).",
         "",
         "| stream | conc | off instructions/req | on instructions/req | on/off | rounds on/off |",
         "|---|---|---|---|---|---|",

@@ -317,7 +317,7 @@ class CompletionRelay:
     ) -> TrajectoryCapture:
         user = body.get("user")
         # Without the client's x-request-id the request id is the proxy's own (`req-` and
-        # a uuid4's 32 hex, unique): the trajectory takes it as its id. Without X-Session-Id
+        # 32 random hex, unique): the trajectory takes it as its id. Without X-Session-Id
         # it is also the trajectory's session id, its Kafka key, so feedback for it that
         # comes to a proxy that no longer remembers it is still keyed alike (app.feedback).
         # A client's own request id may repeat: then 128 random bits (token_hex: a quarter
@@ -514,15 +514,28 @@ class CompletionRelay:
                 type_="api_error",
                 code="upstream_error",
             ) from exc
-        self.ctx.metrics.count_tokens(usage, self.tenant_label, self.policy_version)
         response = web.Response(
             status=200, body=raw, headers=headers, content_type="application/json"
         )
         self.status = 200
+        await self._send(response)
+        self.ctx.metrics.count_tokens(usage, self.tenant_label, self.policy_version)
         self._count_request()
         if capture is not None:
             self.ctx.capture.submit(capture, "ok")
         return response
+
+    async def _send(self, response: web.Response) -> None:
+        """Send a whole answer now rather than after the handler returns (aiohttp's way):
+        the request's bookkeeping (metrics, log line, the capture's hand-off) then runs
+        while the client reads its answer, not before the answer leaves. aiohttp finds
+        the response sent and does not send it again."""
+        try:
+            await response.prepare(self.request)
+            await response.write_eof()
+        except _DISCONNECT_ERRORS:
+            # The client left as its answer went out; aiohttp would have dropped it alike.
+            log.info("client_left_before_answer", request_id=self.request_id)
 
     async def _relay_stream(
         self,
@@ -619,12 +632,15 @@ class CompletionRelay:
         if outcome == "aborted":
             # Closing the connection makes vLLM abort the request and free its slot.
             upstream.close()
-        self._finish_stream(outcome, capture)
-        if outcome != "aborted":
-            try:
+        try:
+            if outcome != "aborted":
                 await response.write_eof()
-            except _DISCONNECT_ERRORS:
-                log.info("client_left_before_eof", request_id=self.request_id)
+        except _DISCONNECT_ERRORS:
+            log.info("client_left_before_eof", request_id=self.request_id)
+        finally:
+            # After the stream's end went out: the bookkeeping runs while the client reads
+            # it, not before.
+            self._finish_stream(outcome, capture)
         return response
 
     def _finish_stream(self, outcome: str, capture: TrajectoryCapture | None) -> None:

@@ -331,6 +331,7 @@ def build_app(
     if audit is None:
         audit = AuditLog(state_dir / AuditConfig().path, redactor=redactor)
     registry = TenantRegistry(tenants, require_auth=config.require_auth)
+    metrics_.count_in_flight(lambda: ((t.name, t.in_flight) for t in registry.tenants.values()))
     default_aliases = {config.policy_alias: config.base_served_name}
     default_aliases.update({name: config.base_served_name for name in config.base_model_aliases})
     state_path = state_dir / config.state.serving_state

@@ -243,8 +243,6 @@ class CompletionRelay:
         except Exception:
             self._count_error(500, "internal_error")  # the middleware answers it
             raise
-        in_flight = ctx.metrics.series(ctx.metrics.in_flight, tenant.name)
-        in_flight.inc()
         try:
             body, self.encode_body, self.raw_body = await read_json(
                 self.request, ctx.config.max_body_bytes
@@ -284,8 +282,7 @@ class CompletionRelay:
                 self._count_error(499, "client_disconnect")  # nginx's "client closed"
             raise
         finally:
-            admission.release()
-            in_flight.dec()
+            admission.release()  # also what `olp_proxy_in_flight` reads
         return response
 
     def _count_error(self, status: int, kind: str) -> None:

@@ -93,6 +93,12 @@ class ProxyHarness:
         self.call(self._start())
         return self
 
+    def settle(self) -> None:
+        """Wait until the requests answered so far finished their bookkeeping: the proxy
+        counts a request (metrics) after its answer went out, in the same event-loop step,
+        and a test reading the registry from its own thread may come first."""
+        self.call(asyncio.sleep(0))
+
     def drain(self) -> None:
         """Wait until every scheduled trajectory reached the sink."""
         self.call(self.ctx.capture.drain())

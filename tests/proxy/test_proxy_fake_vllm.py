@@ -764,10 +764,23 @@ def test_a_tenant_over_its_limits_gets_a_429_before_its_body_is_read(make_proxy,
         wait_for(lambda: harness.ctx.tenants.tenants["dave"].in_flight == 1)
         second = _post(url, "key-dave", "/v1/chat/completions", json=CHAT)
         _assert_error(second, 429, "concurrency_limit_exceeded")
+        assert _in_flight_series(url) == {"carol": 0.0, "dave": 1.0}
     finally:
         upload.close()
     wait_for(lambda: harness.ctx.tenants.tenants["dave"].in_flight == 0)
+    assert _in_flight_series(url) == {"carol": 0.0, "dave": 0.0}
     assert _post(url, "key-dave", "/v1/chat/completions", json=CHAT).status_code == 200
+
+
+def _in_flight_series(url: str) -> dict[str, float]:
+    """`olp_proxy_in_flight` per tenant, as /metrics shows it."""
+    prefix = 'olp_proxy_in_flight{tenant="'
+    lines = httpx.get(url + "/metrics", timeout=30).text.splitlines()
+    return {
+        line[len(prefix) :].split('"')[0]: float(line.rsplit(" ", 1)[1])
+        for line in lines
+        if line.startswith(prefix)
+    }
 
 
 class ClosesReusedConnections(FakeVllm):

@@ -273,6 +273,7 @@ def test_an_error_event_from_upstream_is_an_upstream_error_not_an_ok(make_proxy,
     # The client gets the stream as vLLM sent it, its error event included.
     assert events[-1] == "[DONE]"
     assert events[-2]["error"]["type"] == "InternalServerError"
+    harness.settle()
     errors = harness.ctx.metrics.registry.get_sample_value(
         "olp_proxy_errors_total", {"kind": "upstream_mid_stream", "tenant": tenant}
     )

@@ -31,6 +31,7 @@ def scripted() -> Iterator[ScriptedUpstream]:
 
 
 def tokens(harness, tenant: str, direction: str) -> float:
+    harness.settle()
     value = harness.ctx.metrics.registry.get_sample_value(
         "olp_proxy_tokens_total",
         {"direction": direction, "tenant": tenant, "policy_version": "base"},

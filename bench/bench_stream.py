@@ -13,6 +13,7 @@ Measures, side by side with a bare kafka-python baseline on the same broker:
 
     python bench/bench_stream.py [--bootstrap HOST:PORT] [--records N] [--runs R]
                                  [--rates 50,500,2500]
+                                 [--prompt-tokens 300] [--completion-tokens 100]
 
 Without --bootstrap it starts a private embedded broker on a free port and stops it after.
 """
@@ -54,9 +55,13 @@ def _config(bootstrap: str) -> StreamConfig:
     )
 
 
-def _records(n: int) -> list[dict]:
+def _records(n: int, prompt_tokens: int = 300, completion_tokens: int = 100) -> list[dict]:
     return [
-        make_trajectory(session_id=f"s{i % 64}", prompt_tokens=300, completion_tokens=100)
+        make_trajectory(
+            session_id=f"s{i % 64}",
+            prompt_tokens=prompt_tokens,
+            completion_tokens=completion_tokens,
+        )
         for i in range(n)
     ]
 
@@ -221,6 +226,13 @@ def main() -> None:
         "each rate feeds --rate-seconds worth of records",
     )
     parser.add_argument("--rate-seconds", type=float, default=3.0)
+    parser.add_argument(
+        "--prompt-tokens",
+        type=int,
+        default=300,
+        help="prompt token ids per record (a coding assistant's prompts run to thousands)",
+    )
+    parser.add_argument("--completion-tokens", type=int, default=100)
     args = parser.parse_args()
 
     broker = None
@@ -229,7 +241,7 @@ def main() -> None:
         broker = start_broker("127.0.0.1", free_port(), Path(tempfile.mkdtemp()) / "broker.log")
         bootstrap = broker.bootstrap
     try:
-        records = _records(args.records)
+        records = _records(args.records, args.prompt_tokens, args.completion_tokens)
         size = statistics.mean(len(encode_record(r)) for r in records)
         mb = args.records * size / 1e6
         print(f"records={args.records} mean_size={size:.0f} B total={mb:.1f} MB runs={args.runs}")

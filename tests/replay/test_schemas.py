@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import enum
 import json
 import uuid
 from collections.abc import Callable
@@ -53,6 +54,70 @@ def test_encode_record_writes_what_json_writes(record: dict) -> None:
 def test_encode_record_refuses_what_json_refuses(record: dict, error: type) -> None:
     with pytest.raises(error):
         encode_record(record)
+
+
+def _long_trajectory() -> dict:
+    """A record over the size from which `encode_record` checks its token arrays by type."""
+    return make_trajectory(prompt_tokens=2000, completion_tokens=500)
+
+
+class _TokenKind(enum.IntEnum):
+    EOS = 2
+
+
+def _set_in(record: dict, where: str, value: object) -> dict:
+    record = copy.deepcopy(record)
+    array = record["prompt_token_ids"] if where == "prompt" else record["choices"][0][where]
+    array[7] = value
+    return record
+
+
+@pytest.mark.parametrize(
+    ("where", "value"),
+    [
+        ("prompt", 2**70),  # past msgspec's integers: json writes it
+        ("prompt", _TokenKind.EOS),
+        ("token_ids", 0),
+        ("logprobs", 3),  # an int among the floats
+        ("logprobs", -0.0),
+        ("logprobs", 5e-324),
+        ("logprobs", -1.7976931348623157e308),
+    ],
+    ids=str,
+)
+def test_a_long_trajectory_reads_back_as_written(where: str, value: object) -> None:
+    """A long record's token arrays are checked by type, not read back; what it holds must
+    still reach the wire as `json` writes it and read back equal."""
+    record = _set_in(_long_trajectory(), where, value)
+    value_bytes = encode_record(record)
+    expected = json.dumps(record, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
+    assert json.loads(value_bytes) == json.loads(expected)
+    assert decode_record(value_bytes) == record
+
+
+@pytest.mark.parametrize(
+    ("where", "value", "error"),
+    [
+        ("logprobs", float("nan"), ValueError),  # msgspec would have written null
+        ("logprobs", float("-inf"), ValueError),
+        ("prompt", float("inf"), ValueError),
+        ("token_ids", {1}, TypeError),
+        ("prompt", b"\x00", TypeError),  # msgspec would have written base64
+    ],
+    ids=str,
+)
+def test_a_long_trajectory_refuses_what_json_refuses(
+    where: str, value: object, error: type
+) -> None:
+    with pytest.raises(error):
+        encode_record(_set_in(_long_trajectory(), where, value))
+
+
+def test_a_long_trajectory_with_a_tuple_is_written_as_json_writes_it() -> None:
+    record = _long_trajectory()
+    record["prompt_token_ids"] = tuple(record["prompt_token_ids"])
+    record["request"]["stop"] = ("\n", "END")
+    assert json.loads(encode_record(record)) == json.loads(json.dumps(record))
 
 
 @pytest.mark.parametrize(
@@ -226,6 +291,30 @@ def _mutations(record: dict) -> list[dict]:
             out.append({**record, "choices": [{**choice, key: value}]})
     out.append({**record, "unexpected": 1})
     return out
+
+
+@pytest.mark.parametrize("where", ["prompt", "token_ids", "logprobs"])
+def test_the_token_array_check_never_passes_what_jsonschema_rejects(where: str) -> None:
+    """The token-id and logprob arrays are checked outside the schema (msgspec, then an
+    element loop that names the culprit): what that check lets through, the reference
+    validator must accept too."""
+    from replay.schemas import RecordKind, _validator
+
+    reference = _validator(RecordKind.TRAJECTORY, 1)
+    odd = [None, True, False, 0, -1, 1.0, 1.5, -0.0, "1", [], {}, 2**70, _TokenKind.EOS]
+    odd += [float("nan"), float("inf")]
+    passed = 0
+    for value in odd:
+        record = _set_in(make_trajectory(prompt_tokens=16, completion_tokens=16), where, value)
+        try:
+            validate_trajectory(record)
+        except SchemaValidationError as exc:
+            expected = "prompt_token_ids[7]" if where == "prompt" else f"choices[0].{where}[7]"
+            assert exc.field == expected, (value, exc)
+            continue
+        passed += 1
+        assert reference.is_valid(record), value
+    assert passed >= 3  # 0, 2**70 and the IntEnum, at least
 
 
 def test_the_fast_validator_never_passes_what_jsonschema_rejects() -> None:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import re
+import threading
 from collections import Counter
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
@@ -137,6 +138,58 @@ def replacement_for(kind: str) -> str:
     return f"[REDACTED:{kind}]"
 
 
+class _LongTextCache:
+    """The redaction of long strings, least recently used dropped first, up to a number of
+    characters in all.
+
+    Why: a conversation's earlier messages, a tenant's system prompt and its tools'
+    descriptions come back with every request, and every record redacted them again. On
+    source code (which holds `@`, `://`, `token`: needles that send a text through the
+    full passes) that is ~30 ms for 150,000 characters, in the sink's worker, per record.
+    A string is its own key (its hash is computed once per string object)."""
+
+    def __init__(self, max_chars: int) -> None:
+        self._max_chars = max_chars
+        self._chars = 0
+        self._entries: dict[str, tuple[str, RedactionCounts]] = {}
+        # The proxy redacts on its event loop and in its sink's feeder thread.
+        self._lock = threading.Lock()
+
+    def get(self, text: str) -> tuple[str, RedactionCounts] | None:
+        with self._lock:
+            hit = self._entries.pop(text, None)
+            if hit is not None:
+                self._entries[text] = hit  # now the most recently used
+            return hit
+
+    def put(self, text: str, result: tuple[str, RedactionCounts]) -> None:
+        size = _cached_chars(text, result)
+        if size > self._max_chars:
+            return
+        with self._lock:
+            old = self._entries.pop(text, None)
+            if old is not None:
+                self._chars -= _cached_chars(text, old)
+            self._entries[text] = result
+            self._chars += size
+            while self._chars > self._max_chars:
+                oldest = next(iter(self._entries))
+                self._chars -= _cached_chars(oldest, self._entries.pop(oldest))
+
+
+def _cached_chars(text: str, result: tuple[str, RedactionCounts]) -> int:
+    return len(text) + (len(result[0]) if result[0] is not text else 0)
+
+
+# Strings shorter than this are redacted each time (cheap, and rarely the same twice).
+_CACHED_MIN_CHARS = 2048
+# Per Redactor (one per process that redacts): ~10 MB of ASCII text, four times that at most.
+LONG_TEXT_CACHE_CHARS = 10_000_000
+# `redact_obj` searches a structure's whole text first (one search, when nothing is found,
+# instead of one per string) only up to this size.
+_WHOLE_TEXT_SEARCH_MAX_CHARS = 16 * _CACHED_MIN_CHARS
+
+
 class Redactor:
     """Replaces PII and secrets in strings and JSON-like objects with `[REDACTED:<kind>]`."""
 
@@ -145,8 +198,12 @@ class Redactor:
         kinds: Iterable[str] = BUILTIN_REDACTION_KINDS,
         custom_patterns: Iterable[CustomPattern] = (),
         enabled: bool = True,
+        long_text_cache_chars: int = LONG_TEXT_CACHE_CHARS,
     ) -> None:
+        """`long_text_cache_chars`: how many characters of long strings (and their
+        redactions) to keep (`_LongTextCache`); 0 redacts every string every time."""
         self.enabled = enabled
+        self._cache_chars = long_text_cache_chars
         kinds = list(kinds)
         unknown = sorted(set(kinds) - set(BUILTIN_PASSES_BY_KIND))
         if unknown:
@@ -181,6 +238,16 @@ class Redactor:
         assignments = [kind for kind in selected if kind.name == "secret_assignment"]
         # Whether a key/value pair reads as a secret assignment (None: the kind is off).
         self._assignment_needle = _Needles(assignments) if assignments else None
+        self._long_texts = _LongTextCache(long_text_cache_chars)
+
+    def __getstate__(self) -> dict[str, Any]:
+        # Pickled to the sink's worker process (with the record builder): without the cache
+        # and its lock, which do not pickle; the copy starts its own.
+        return {k: v for k, v in self.__dict__.items() if k != "_long_texts"}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._long_texts = _LongTextCache(self._cache_chars)
 
     @classmethod
     def from_config(cls, config: RedactionConfig) -> Redactor:
@@ -190,6 +257,16 @@ class Redactor:
         """Return the redacted text and how many matches of each kind were replaced."""
         if not self.enabled or len(text) < self._min_length:
             return text, {}
+        if len(text) < _CACHED_MIN_CHARS or not self._cache_chars:
+            return self._redact_text(text)
+        cached = self._long_texts.get(text)
+        if cached is None:
+            cached = self._redact_text(text)
+            self._long_texts.put(text, cached)
+        redacted, counts = cached
+        return redacted, dict(counts)  # the caller's own: the cache keeps its copy
+
+    def _redact_text(self, text: str) -> tuple[str, RedactionCounts]:
         lowered: list[str] = []
         if not self._any_needle.search(text, lowered):
             return text, {}
@@ -253,7 +330,10 @@ class Redactor:
         result. The text is the MessagePack encoding read as UTF-8: every string (and the
         content of any bytes value) appears in it as itself, and no needle depends on what
         comes before it, so the one search is a necessary condition for any string inside to
-        need redaction (JSON, by contrast, writes bytes as base64, which hides a needle)."""
+        need redaction (JSON, by contrast, writes bytes as base64, which hides a needle).
+
+        A structure over 32,768 characters is walked instead: its strings of 2,048
+        characters or more are redacted once and then taken from a cache (`_LongTextCache`)."""
         if not self.enabled:
             return obj, {}
         if not self._any_needle.always:
@@ -263,6 +343,10 @@ class Redactor:
                 text = None  # not encodable (a lone surrogate, a huge int): walk it
             if (
                 text is not None
+                # A long structure is walked: its long strings may be in the cache, where
+                # the search of its whole text would read every one of them again (the walk
+                # reads the others as this search would, one string at a time).
+                and (len(text) <= _WHOLE_TEXT_SEARCH_MAX_CHARS or not self._cache_chars)
                 and not self._any_needle.search(text, [])
                 and (self._assignment_needle is None or not _has_msgpack_token_key(text))
             ):

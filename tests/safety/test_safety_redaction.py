@@ -1439,3 +1439,86 @@ def test_values_under_look_alike_keys_stay_in_objects(obj: object) -> None:
 def test_secret_keys_in_objects_are_read_only_while_secret_assignment_is_on() -> None:
     obj = {"password": "hunter2x", "token": RANDOM_HEX}
     assert Redactor(kinds=["email"]).redact_obj(obj) == (obj, {})
+
+
+# Ordinary prose, no needle of any kind in it: padding that makes a string or a structure
+# long enough for the long-text cache and the walk of long structures.
+_FILLER = "the quick brown fox jumps over the lazy dog and runs far away again " * 40
+
+
+@pytest.mark.parametrize(("kind", "text", "secret"), CASES[::3], ids=lambda v: str(v)[:24])
+def test_a_long_text_is_redacted_alike_from_the_cache(kind: str, text: str, secret: str) -> None:
+    """A string of 2,048 characters or more is redacted once per Redactor and then taken from
+    its cache: the second time (an equal string, another object, as the next record of the
+    conversation brings it) gives the same text and counts, and the counts are the caller's
+    own to change."""
+    long_text = _FILLER + text + "\n" + _FILLER
+    assert len(long_text) >= 2048
+    redactor = Redactor()
+    first, first_counts = redactor.redact_text(long_text)
+    assert secret not in first and first_counts.get(kind, 0) >= 1
+    first_counts[kind] = 999  # the caller's copy
+    again, again_counts = redactor.redact_text("".join([_FILLER, text, "\n", _FILLER]))
+    assert (again, again_counts) == (first, {**first_counts, kind: again_counts[kind]})
+    assert again_counts[kind] != 999
+    assert (again, again_counts) == Redactor(long_text_cache_chars=0).redact_text(long_text)
+
+
+@pytest.mark.parametrize(("kind", "text", "secret"), CASES[1::3], ids=lambda v: str(v)[:24])
+def test_a_long_structure_is_redacted_as_a_short_one(kind: str, text: str, secret: str) -> None:
+    """A structure whose text is over 32,768 characters is walked string by string (its long
+    strings from the cache) instead of searched as one text first: what is redacted in it,
+    and the counts, are what a short structure with the same strings gets."""
+    long_message = {"role": "user", "content": _FILLER * 14}
+    short = {"messages": [{"role": "user", "content": text}], "metadata": {"note": text}}
+    long = {"messages": [long_message, *short["messages"]], "metadata": short["metadata"]}
+    assert len(json.dumps(long)) > 32_768
+    redactor = Redactor()
+    short_redacted, short_counts = redactor.redact_obj(short)
+    for _ in range(2):  # the second time, the long string comes from the cache
+        long_redacted, long_counts = redactor.redact_obj(json.loads(json.dumps(long)))
+        assert long_redacted["messages"][0] == long_message
+        assert long_redacted["messages"][1:] == short_redacted["messages"]
+        assert long_redacted["metadata"] == short_redacted["metadata"]
+        assert long_counts == short_counts and short_counts.get(kind, 0) >= 1
+        assert secret not in json.dumps(long_redacted, ensure_ascii=False)
+    # Without the cache the structure is searched whole first, as before: the same result.
+    assert Redactor(long_text_cache_chars=0).redact_obj(long) == (long_redacted, long_counts)
+
+
+def test_a_long_structure_without_needles_is_returned_unchanged() -> None:
+    body = {"messages": [{"role": "user", "content": _FILLER * 14}], "n": [1, 2.5, None]}
+    redactor = Redactor()
+    for _ in range(2):
+        assert redactor.redact_obj(json.loads(json.dumps(body))) == (body, {})
+
+
+def test_the_long_text_cache_keeps_at_most_its_characters() -> None:
+    from safety.redaction import _LongTextCache
+
+    cache = _LongTextCache(max_chars=10_000)
+    texts = [f"{i:04d}" + "x" * 2996 for i in range(5)]  # 3,000 characters each
+    for text in texts[:3]:
+        cache.put(text, (text, {}))
+    assert cache.get(texts[0]) == (texts[0], {})  # now the most recently used
+    cache.put(texts[3], (texts[3], {}))  # 12,000 > 10,000: the least recently used goes
+    assert cache.get(texts[1]) is None
+    assert all(cache.get(t) is not None for t in (texts[0], texts[2], texts[3]))
+    redacted = "[REDACTED:email]" + "y" * 2990
+    cache.put(texts[4], (redacted, {"email": 1}))  # its text and its redaction both count
+    assert cache.get(texts[4]) == (redacted, {"email": 1})
+    assert cache.get(texts[0]) is None and cache.get(texts[2]) is None
+    cache.put("z" * 20_000, ("z" * 20_000, {}))  # larger than the whole cache: not kept
+    assert cache.get("z" * 20_000) is None and cache.get(texts[4]) is not None
+
+
+def test_a_redactor_pickles_without_its_cache() -> None:
+    """The proxy pickles its Redactor to the sink's worker process with the record builder."""
+    import pickle
+
+    redactor = Redactor()
+    long_text = _FILLER + "mail jane@example.com" + _FILLER
+    expected = redactor.redact_text(long_text)
+    copy = pickle.loads(pickle.dumps(redactor))
+    assert copy.redact_text(long_text) == expected
+    assert copy.redact_obj({"a": long_text}) == ({"a": expected[0]}, expected[1])

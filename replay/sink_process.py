@@ -186,6 +186,7 @@ def _child_main(
     stop = threading.Event()
     metrics_sent_at = 0.0
     idle_values_sent = False
+    values_received = 0  # `received` when the metric values last went out
     last_idle_progress: tuple[Any, ...] | None = None
 
     def status(final: bool = False) -> None:
@@ -194,7 +195,7 @@ def _child_main(
         # until something changes. The metric values, whose collection and mirroring cost
         # the parent's interpreter time, go once a second while busy and once on becoming
         # idle (so a caller that waited for idle reads final values).
-        nonlocal metrics_sent_at, idle_values_sent, last_idle_progress
+        nonlocal metrics_sent_at, idle_values_sent, last_idle_progress, values_received
         # `received` is read first (an item is in `in_sink` before it is counted there), so
         # `done` is at most what was received, and no item it passes is still in flight.
         got = received
@@ -205,10 +206,14 @@ def _child_main(
         idle = done == got and sink.spill.is_empty()
         values = None
         now = time.monotonic()
-        # Idle: once, on becoming idle (its values cannot move while it stays idle).
+        # Idle: once on becoming idle (its values cannot move while it stays idle), and again
+        # when items came and went between two ticks. Before, such a burst (one request's
+        # record, sent and acknowledged within 0.1 s: most records at a low request rate)
+        # was never seen busy, and its counts never reached the parent's /metrics.
         busy_due = now - metrics_sent_at >= _METRICS_INTERVAL_S
-        if final or (not idle_values_sent if idle else busy_due):
-            values, metrics_sent_at = _metric_values(sink.metrics), now
+        idle_due = not idle_values_sent or got != values_received
+        if final or (idle_due if idle else busy_due):
+            values, metrics_sent_at, values_received = _metric_values(sink.metrics), now, got
         idle_values_sent = idle and (values is not None or idle_values_sent)
         # Outcomes travel with the `done` they are counted up to: the parent pops exactly
         # those records, and counts the rest itself if it has to build them again.

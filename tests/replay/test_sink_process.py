@@ -51,6 +51,32 @@ def test_process_sink_round_trip_and_metrics(stream_config: StreamConfig, tmp_pa
     assert _consume_ids(stream_config, 200) == {r["trajectory_id"] for r in records}
 
 
+def test_a_record_sent_between_two_status_ticks_is_counted_in_the_parents_metrics(
+    stream_config: StreamConfig, tmp_path: Path
+) -> None:
+    """One record at a time into an idle worker (a proxy at a low request rate): it is
+    queued, sent and acknowledged between two of the worker's status ticks, so no tick sees
+    the worker busy. Before, the worker sent its metric values only on becoming idle after a
+    busy tick, and the parent's counts (the proxy's /metrics) stayed at 0 for such records."""
+    registry = CollectorRegistry()
+    sink = KafkaSinkProcess(stream_config, tmp_path, registry)
+    try:
+        for count in range(1, 6):
+            assert sink.wait_idle(60)
+            time.sleep(0.3)  # the worker has reported itself idle
+            sink.put_trajectory(make_trajectory())
+            assert sink.wait_idle(60)
+            _wait_for(
+                lambda count=count: (
+                    _sample(registry, "olp_stream_queued_total", kind="trajectory") == count
+                    and _sample(registry, "olp_stream_sent_total", kind="trajectory") == count
+                ),
+                timeout_s=5,
+            )
+    finally:
+        sink.close()
+
+
 def test_records_put_together_reach_the_worker_together_and_an_idle_feeder_sleeps(
     stream_config: StreamConfig, tmp_path: Path
 ) -> None:

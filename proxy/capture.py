@@ -53,6 +53,14 @@ SAMPLING_KEYS = (
     "best_of",
     "use_beam_search",
 )
+_SAMPLING_KEY_SET = frozenset(SAMPLING_KEYS)
+
+
+def sampling_of(body: dict[str, Any]) -> dict[str, Any]:
+    """The sampling parameters of an upstream request body, in the body's order. Walking the
+    body's few keys, not the 19 names (~10k instructions a captured request)."""
+    return {key: value for key, value in body.items() if key in _SAMPLING_KEY_SET}
+
 
 # A redactor returns a redacted copy of a JSON-like value and the number of hits per kind.
 Redact = Callable[[Any], tuple[Any, dict[str, int]]]

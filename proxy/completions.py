@@ -19,7 +19,7 @@ import aiohttp
 import structlog
 from aiohttp import HttpVersion11, web
 
-from proxy.capture import SAMPLING_KEYS, CaptureContext, TrajectoryCapture
+from proxy.capture import CaptureContext, TrajectoryCapture, sampling_of
 from proxy.config import is_utf8_text, sha256_hex
 from proxy.context import CONTEXT, REQUEST_ID, ProxyContext
 from proxy.errors import ProxyError, bad_request, error_body
@@ -335,7 +335,7 @@ class CompletionRelay:
             task=self.task,
             request_body=body,
             request_raw=self.raw_body,
-            sampling={k: plan.upstream_body[k] for k in SAMPLING_KEYS if k in plan.upstream_body},
+            sampling=sampling_of(plan.upstream_body),
         )
         self.ctx.recent.add(trajectory_id, TrajectoryOwner(tenant.name_hash, context.session_id))
         capture = TrajectoryCapture(context)

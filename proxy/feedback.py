@@ -13,7 +13,7 @@ import time
 import uuid
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 from proxy.capture import Redact, private_label
 from proxy.config import is_utf8_text
@@ -27,8 +27,10 @@ ALLOWED_FIELDS = frozenset({"trajectory_id", "kind", "value", "metadata", "choic
 MAX_ID_LENGTH = 256
 
 
-@dataclass(frozen=True)
-class TrajectoryOwner:
+class TrajectoryOwner(NamedTuple):
+    """Made for every captured request: a NamedTuple is made in C (a frozen dataclass set
+    each field through `object.__setattr__`, ~3k instructions)."""
+
     tenant: str
     session_id: str
 
@@ -41,10 +43,12 @@ class RecentTrajectories:
         self._owners: OrderedDict[str, TrajectoryOwner] = OrderedDict()
 
     def add(self, trajectory_id: str, owner: TrajectoryOwner) -> None:
-        self._owners[trajectory_id] = owner
-        self._owners.move_to_end(trajectory_id)
-        while len(self._owners) > self.capacity:
-            self._owners.popitem(last=False)
+        owners = self._owners
+        if trajectory_id in owners:  # a client's repeated id: it becomes the newest again
+            owners.move_to_end(trajectory_id)
+        owners[trajectory_id] = owner
+        if len(owners) > self.capacity:
+            owners.popitem(last=False)
 
     def get(self, trajectory_id: str) -> TrajectoryOwner | None:
         return self._owners.get(trajectory_id)

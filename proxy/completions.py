@@ -19,7 +19,7 @@ import aiohttp
 import structlog
 from aiohttp import HttpVersion11, web
 
-from proxy.capture import CaptureContext, TrajectoryCapture, sampling_of
+from proxy.capture import CaptureContext, TrajectoryCapture
 from proxy.config import is_utf8_text, sha256_hex
 from proxy.context import CONTEXT, REQUEST_ID, ProxyContext
 from proxy.errors import ProxyError, bad_request, error_body
@@ -309,9 +309,7 @@ class CompletionRelay:
             seconds=round(time.monotonic() - self.arrived, 4),
         )
 
-    def _capture_for(
-        self, tenant: Tenant, body: dict[str, Any], plan: RelayPlan, served: str
-    ) -> TrajectoryCapture:
+    def _capture_for(self, tenant: Tenant, body: dict[str, Any], served: str) -> TrajectoryCapture:
         user = body.get("user")
         # Without the client's x-request-id the request id is the proxy's own (`req-` and
         # 32 random hex, unique): the trajectory takes it as its id. Without X-Session-Id
@@ -335,7 +333,6 @@ class CompletionRelay:
             task=self.task,
             request_body=body,
             request_raw=self.raw_body,
-            sampling=sampling_of(plan.upstream_body),
         )
         self.ctx.recent.add(trajectory_id, TrajectoryOwner(tenant.name_hash, context.session_id))
         capture = TrajectoryCapture(context)
@@ -383,7 +380,7 @@ class CompletionRelay:
         plan = plan_request(self.endpoint, body, served, capture=training)
         if plan.stream and not plan.added_usage and not plan.client_wants_usage:
             _ask_for_usage(plan)
-        capture = self._capture_for(tenant, body, plan, served) if training else None
+        capture = self._capture_for(tenant, body, served) if training else None
         # vLLM adopts X-Request-Id as its own request id; a client's id may repeat, so
         # upstream gets it with a unique suffix (logs still correlate by prefix).
         upstream_id = self.request_id

@@ -10,7 +10,13 @@ import pytest
 from pydantic import ValidationError
 
 from proxy.aliases import AliasTable
-from proxy.capture import CaptureContext, TrajectoryCapture, redact_record
+from proxy.capture import (
+    SAMPLING_KEYS,
+    CaptureContext,
+    TrajectoryCapture,
+    redact_record,
+    sampling_of,
+)
 from proxy.config import ProxyConfig, TenantConfig, sha256_hex
 from proxy.errors import ProxyError
 from proxy.feedback import RecentTrajectories, TrajectoryOwner, check_owner, parse_feedback
@@ -534,6 +540,50 @@ def test_capture_flags_beam_search():
     assert record["flags"] == ["beam_search"] and record["trainable"] is False
     capture.context.sampling = {"use_beam_search": False}
     assert capture.check("ok") == []
+
+
+@pytest.mark.parametrize("endpoint", ["chat.completions", "completions"])
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_record_without_given_sampling_reads_what_was_sent_upstream(endpoint, stream):
+    """The proxy leaves `sampling` out of the context and the record reads it from the
+    client's body when it is built (in the sink's worker): that holds only while the plan
+    never changes a sampling field, which this checks for every one of them."""
+    every = {
+        "temperature": 0.7,
+        "top_p": 0.9,
+        "top_k": 40,
+        "min_p": 0.05,
+        "max_tokens": 16,
+        "max_completion_tokens": 16,
+        "stop": ["\n"],
+        "stop_token_ids": [2],
+        "seed": 7,
+        "n": 2,
+        "presence_penalty": 0.1,
+        "frequency_penalty": 0.2,
+        "repetition_penalty": 1.1,
+        "logit_bias": {"5": -1},
+        "ignore_eos": False,
+        "min_tokens": 1,
+        "best_of": 2,
+        "use_beam_search": False,
+    }
+    assert set(every) == set(SAMPLING_KEYS)
+    text = {"messages": [{"role": "user", "content": "hi"}]}
+    if endpoint == "completions":
+        text = {"prompt": "hi"}
+    body = {"model": "policy", **text, "stream": stream, **every}
+    plan = plan_request(endpoint, body, "policy-v2", capture=True)
+    assert plan.augmented
+    capture = _capture(endpoint)
+    capture.context.request_body, capture.context.sampling = body, None
+    assert capture.context.sampling_params() == sampling_of(plan.upstream_body) == every
+    # And in a worker: a context pickled with the raw body parses it and reads the same.
+    capture.context.request_raw = json.dumps(body).encode()
+    capture.context.sampling = None
+    unpickled = pickle.loads(pickle.dumps(capture))
+    assert unpickled.context.sampling is None
+    assert unpickled.context.sampling_params() == every
 
 
 def test_redaction_drops_token_ids_of_records_with_secrets():

@@ -432,6 +432,27 @@ def test_c_and_python_strips_agree_on_mangled_blocks() -> None:
     assert both > 2_000 and only_one < both / 10, (both, only_one)
 
 
+def test_c_and_python_strips_agree_wherever_the_quotes_fall() -> None:
+    """The C pass finds an event's quotes 16 bytes at a time and the last few bytes one by
+    one: with the events shifted by 0-31 bytes (a longer id), every pattern it reads starts
+    at every offset of those blocks and in the tail, and both strips answer alike."""
+    taken = 0
+    for endpoint, events in (
+        ("chat.completions", VLLM_CHAT_STREAM),
+        ("completions", VLLM_COMPLETIONS_STREAM),
+    ):
+        for pad in range(32):
+            shifted = [event.replace(b'"id":"', b'"id":"' + b"x" * pad, 1) for event in events]
+            block = b"".join(sse_event(e) for e in shifted) + b"data: [DONE]\n\n"
+            for plan in _plans(endpoint, stream=True):
+                if not plan.augmented:
+                    continue
+                native = relay.strip_sse(plan, block)
+                assert native == strip_sse_python(plan, block), (plan, pad)
+                taken += native is not None
+    assert taken >= 64
+
+
 def test_c_and_python_whole_strips_agree_on_mangled_responses(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

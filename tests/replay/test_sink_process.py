@@ -290,6 +290,30 @@ def test_a_sigterm_to_the_process_group_leaves_the_worker_to_its_parent(
     assert _consume_ids(stream_config, 20) == {r["trajectory_id"] for r in records}
 
 
+def test_the_worker_and_all_its_threads_run_at_idle_priority(
+    stream_config: StreamConfig, tmp_path: Path
+) -> None:
+    """The worker is background work: a request handler waking up on a busy machine takes
+    the CPU from it at once. Every thread (kafka-python's sender among them) inherits the
+    policy the worker sets before it starts any, and records still flow."""
+    sink = KafkaSinkProcess(stream_config, tmp_path, CollectorRegistry())
+    try:
+        records = [make_trajectory(session_id="idle") for _ in range(20)]
+        for record in records:
+            sink.put_trajectory(record)
+        assert sink.wait_idle(60)
+        threads = [int(tid) for tid in os.listdir(f"/proc/{sink._proc.pid}/task")]
+        assert len(threads) >= 3  # the receiving main thread, the sink's, kafka-python's
+        assert {tid: os.sched_getscheduler(tid) for tid in threads} == dict.fromkeys(
+            threads, os.SCHED_IDLE
+        )
+        assert os.getpriority(os.PRIO_PROCESS, sink._proc.pid) == 10  # where IDLE is missing
+        assert os.sched_getscheduler(0) == os.SCHED_OTHER  # the parent is left as it was
+    finally:
+        sink.close()
+    assert _consume_ids(stream_config, 20) == {r["trajectory_id"] for r in records}
+
+
 def build_from_capture(capture: dict[str, Any], status: str) -> dict[str, Any]:
     """A picklable record builder, as the proxy passes `proxy.capture.build_record`."""
     if capture.get("broken"):

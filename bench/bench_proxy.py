@@ -582,6 +582,12 @@ def main() -> None:
         "--cpu-rounds", type=int, default=5, help="alternating rounds for the ratio targets"
     )
     parser.add_argument("--cpu-requests", type=int, default=300, help="requests per round")
+    parser.add_argument(
+        "--sustained-rounds", type=int, default=2, help="alternating rounds of sustained load"
+    )
+    parser.add_argument(
+        "--sustained-requests", type=int, default=10000, help="requests per sustained round"
+    )
     parser.add_argument("--paced-rounds", type=int, default=5)
     parser.add_argument("--paced-requests", type=int, default=200)
     parser.add_argument(
@@ -735,6 +741,13 @@ def run_bench(args: argparse.Namespace) -> None:
         rounds = alternating_rounds(
             {t.name: t for t in targets}, args.cpu_rounds, args.cpu_requests
         )
+        sustained = (
+            sustained_rounds(
+                {t.name: t for t in targets}, args.sustained_rounds, args.sustained_requests
+            )
+            if args.sustained_rounds > 0
+            else None
+        )
         gc_table = (
             gc_rounds(
                 olp_target("olp-on", "process"),
@@ -778,9 +791,12 @@ def run_bench(args: argparse.Namespace) -> None:
             litellm_note,
             # olp-on's requests in the alternating rounds and in the GC rounds
             extra_process_records=4 * args.cpu_rounds * (args.cpu_requests + 20)
-            + 2 * args.gc_rounds * (args.gc_requests + 20),
+            + 2 * args.gc_rounds * (args.gc_requests + 20)
+            + 2 * args.sustained_rounds * (args.sustained_requests + 20),
         )
         report += render_rounds(rounds, args.cpu_rounds, args.cpu_requests)
+        if sustained is not None:
+            report += render_sustained(sustained, args.sustained_rounds, args.sustained_requests)
         if gc_table is not None:
             report += render_gc(gc_table, args.gc_rounds, args.gc_requests)
         if paced_rounds:
@@ -903,6 +919,102 @@ def render_instructions(table: dict, rounds: int, requests: int) -> str:
         lines.append(
             f"| {stream} | {concurrency} | {off / 1e3:.1f}k | {on / 1e3:.1f}k | "
             f"{on / off:.3f} | {per_round} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+# ------------------------------------------------------------------ sustained load
+SUSTAINED_TARGETS = ("direct", "passthrough", "olp-off", "olp-on")
+
+
+def sent_trajectories(url: str) -> float:
+    """The trajectories the proxy's sink has had acknowledged, from its /metrics (the worker
+    reports its counts once a second while busy and at once on becoming idle)."""
+    import urllib.request
+
+    with urllib.request.urlopen(url + "/metrics", timeout=10) as response:
+        text = response.read().decode()
+    found = re.findall(r'^olp_stream_sent_total\{kind="trajectory"\} (\S+)$', text, re.M)
+    return sum(float(value) for value in found)
+
+
+def settled_sent_trajectories(url: str) -> float:
+    """`sent_trajectories` once it stopped moving (the rounds before may still be sending)."""
+    last = sent_trajectories(url)
+    while True:
+        time.sleep(0.3)
+        now = sent_trajectories(url)
+        if now == last:
+            return now
+        last = now
+
+
+def sustained_rounds(targets: dict[str, Target], rounds: int, requests: int) -> dict:
+    """Added p50 at 16 concurrent requests held for seconds, not a fraction of one: the
+    sink's worker runs at idle priority and may fall behind while the cores are busy, which a
+    short round followed by a pause would hide. For olp-on also the seconds from its last
+    response until the sink had every record of the round acknowledged."""
+    out: dict[bool, dict[str, dict[str, list[float]]]] = {}
+    for stream in (False, True):
+        group = {name: {"p50": [], "rps": [], "catch_up": []} for name in SUSTAINED_TARGETS}
+        for round_ in range(rounds):
+            order = SUSTAINED_TARGETS if round_ % 2 == 0 else SUSTAINED_TARGETS[::-1]
+            for name in order:
+                target = targets[name]
+                before = settled_sent_trajectories(target.url) if name == "olp-on" else 0.0
+                r = asyncio.run(run_load(target, stream, 16, requests))
+                if name == "olp-on":
+                    ended = time.perf_counter()
+                    expected = before + requests + 20  # and the 20 warm-up requests
+                    while sent_trajectories(target.url) < expected:
+                        if time.perf_counter() - ended > 120:
+                            raise RuntimeError("olp-on's records did not arrive in 120 s")
+                        time.sleep(0.02)
+                    group[name]["catch_up"].append(time.perf_counter() - ended)
+                else:
+                    time.sleep(SETTLE_S)
+                group[name]["p50"].append(r["p50_ms"])
+                group[name]["rps"].append(r["rps"])
+        out[stream] = group
+        print(
+            f"sustained stream={stream!s:5s}: "
+            + " ".join(f"{n} p50={statistics.median(g['p50']):.2f}ms" for n, g in group.items()),
+            flush=True,
+        )
+    return out
+
+
+def render_sustained(table: dict, rounds: int, requests: int) -> str:
+    lines = [
+        "",
+        "### Sustained load",
+        "",
+        f"{rounds} alternating rounds of {requests} requests at concurrency 16 (after 20 "
+        "warm-up requests), several seconds of busy cores each, where the rounds above last a "
+        "fraction of a second: the sink's worker runs at idle priority (SCHED_IDLE) and may "
+        "fall behind while the cores are busy, which a short round and the pause after it "
+        "would hide. Medians over the rounds; `catch-up` = seconds from olp-on's last "
+        "response until its sink reported every record of the round acknowledged by the "
+        "broker (polled every 20 ms; the worker reports within 0.1 s of becoming idle).",
+        "",
+        "| stream | direct p50 ms | pass-through added | olp-off added | off / pass-through "
+        "| olp-on added | on / pass-through | req/s pass-through, olp-off, olp-on "
+        "| olp-on catch-up s per round |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for stream, group in table.items():
+        median = {name: statistics.median(g["p50"]) for name, g in group.items()}
+        added = {name: median[name] - median["direct"] for name in group}
+        rps = ", ".join(
+            f"{statistics.median(group[name]['rps']):.0f}"
+            for name in ("passthrough", "olp-off", "olp-on")
+        )
+        catch_up = ", ".join(f"{s:.2f}" for s in group["olp-on"]["catch_up"])
+        lines.append(
+            f"| {stream} | {median['direct']:.2f} | {added['passthrough']:.2f} | "
+            f"{added['olp-off']:.2f} | {ratio(added['olp-off'], added['passthrough'])} | "
+            f"{added['olp-on']:.2f} | {ratio(added['olp-on'], added['passthrough'])} | "
+            f"{rps} | {catch_up} |"
         )
     return "\n".join(lines) + "\n"
 

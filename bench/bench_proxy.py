@@ -923,6 +923,14 @@ def render_instructions(table: dict, rounds: int, requests: int) -> str:
     return "\n".join(lines) + "\n"
 
 
+def print_medians(title: str, group: dict, metric: str, digits: int) -> None:
+    """Progress line: each target's median of `metric` (ms) over its rounds."""
+    medians = (
+        f"{n} {metric}={statistics.median(g[metric]):.{digits}f}ms" for n, g in group.items()
+    )
+    print(f"{title}: " + " ".join(medians), flush=True)
+
+
 # ------------------------------------------------------------------ sustained load
 SUSTAINED_TARGETS = ("direct", "passthrough", "olp-off", "olp-on")
 
@@ -976,11 +984,7 @@ def sustained_rounds(targets: dict[str, Target], rounds: int, requests: int) -> 
                 group[name]["p50"].append(r["p50_ms"])
                 group[name]["rps"].append(r["rps"])
         out[stream] = group
-        print(
-            f"sustained stream={stream!s:5s}: "
-            + " ".join(f"{n} p50={statistics.median(g['p50']):.2f}ms" for n, g in group.items()),
-            flush=True,
-        )
+        print_medians(f"sustained stream={stream!s:5s}", group, "p50", 2)
     return out
 
 
@@ -1049,11 +1053,7 @@ def gc_rounds(tuned: Target, default: Target, rounds: int, requests: int) -> dic
                     [b - a for a, b in zip(before, after, strict=True)]
                 )
         out[stream] = group
-        print(
-            f"gc rounds stream={stream!s:5s}: "
-            + " ".join(f"{n} p99={statistics.median(g['p99']):.1f}ms" for n, g in group.items()),
-            flush=True,
-        )
+        print_medians(f"gc rounds stream={stream!s:5s}", group, "p99", 1)
     return out
 
 

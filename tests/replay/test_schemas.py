@@ -374,9 +374,9 @@ def test_user_takes_exactly_what_its_one_of_took(user: object) -> None:
     sha256 pattern, which reads alike (a pattern does not apply to null) without the
     generated validator raising and catching an exception in every record's oneOf. The
     reference validator and validate_trajectory give each value the verdict the oneOf
-    gave; the fast check never accepts what it did not (it refuses a trailing newline,
-    which Python's `$` lets through, and validate_trajectory then asks jsonschema, as it
-    did before)."""
+    gave, but for a trailing newline, which Python's `$` let through (JSON Schema's regex
+    dialect does not): `maxLength: 64` refuses it now. The fast check never accepts what
+    the reference refuses."""
     from jsonschema import Draft202012Validator
 
     from replay.schemas import RecordKind, _fast_check
@@ -385,11 +385,13 @@ def test_user_takes_exactly_what_its_one_of_took(user: object) -> None:
     assert schema["properties"]["user"] == {
         "type": ["string", "null"],
         "pattern": "^[0-9a-f]{64}$",
+        "maxLength": 64,
     }
     before = copy.deepcopy(schema)
+    before["$defs"]["sha256"] = {"type": "string", "pattern": "^[0-9a-f]{64}$"}
     before["properties"]["user"] = {"oneOf": [{"$ref": "#/$defs/sha256"}, {"type": "null"}]}
     record = {**make_trajectory(), "user": user}
-    expected = Draft202012Validator(before).is_valid(record)
+    expected = Draft202012Validator(before).is_valid(record) and user != "a" * 64 + "\n"
     assert Draft202012Validator(schema).is_valid(record) == expected
     try:
         _fast_check(RecordKind.TRAJECTORY, 1)(copy.deepcopy(record))
@@ -403,6 +405,22 @@ def test_user_takes_exactly_what_its_one_of_took(user: object) -> None:
     else:
         with pytest.raises(SchemaValidationError, match="user"):
             validate_trajectory(record)
+
+
+@pytest.mark.parametrize("kind", ["trajectory_tenant", "feedback_tenant"])
+def test_a_sha256_field_refuses_a_trailing_newline(kind: str) -> None:
+    """Every sha256 field's pattern ends in `$`, which in Python's regex (jsonschema's) also
+    matches before a final newline; `maxLength: 64` makes every validator refuse it, as the
+    pattern alone does in JSON Schema's own regex dialect."""
+    digest = "0123456789abcdef" * 4
+    if kind == "trajectory_tenant":
+        record, validate = {**make_trajectory(), "tenant": digest + "\n"}, validate_trajectory
+    else:
+        record = {**make_feedback(make_trajectory()), "tenant": digest + "\n"}
+        validate = validate_feedback
+    with pytest.raises(SchemaValidationError, match="tenant"):
+        validate(record)
+    validate({**record, "tenant": digest})
 
 
 def test_validation_leaves_the_record_unchanged() -> None:

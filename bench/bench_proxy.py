@@ -1197,8 +1197,8 @@ def render_rounds(rounds: dict, count: int, requests: int) -> str:
         "",
         "| stream | conc | direct p50 ms | pass-through added | olp-off added | off / pass-through "
         "| olp-on added | on / pass-through | rounds off / pass-through "
-        "| CPU ms/req pass-through, olp-off | CPU off / pass-through |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "| rounds on / pass-through | CPU ms/req pass-through, olp-off | CPU off / pass-through |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for (stream, concurrency), group in rounds.items():
         direct = group["direct"]["p50"]
@@ -1210,16 +1210,20 @@ def render_rounds(rounds: dict, count: int, requests: int) -> str:
             statistics.median(added_per_round(name))
             for name in ("passthrough", "olp-off", "olp-on")
         )
+
         # A round's own ratio: how far single rounds scatter around the medians' ratio.
-        per_round = ", ".join(
-            f"{o / f:.2f}" if f > 0 else "n/a"
-            for o, f in zip(added_per_round("olp-off"), added_per_round("passthrough"), strict=True)
-        )
+        def per_round(name: str) -> str:
+            return ", ".join(
+                f"{o / f:.2f}" if f > 0 else "n/a"
+                for o, f in zip(added_per_round(name), added_per_round("passthrough"), strict=True)
+            )
+
         cpu_floor = statistics.median(group["passthrough"]["cpu"])
         cpu_off = statistics.median(group["olp-off"]["cpu"])
         lines.append(
             f"| {stream} | {concurrency} | {statistics.median(direct):.2f} | {floor:.2f} | "
-            f"{off:.2f} | {off / floor:.2f} | {on:.2f} | {on / floor:.2f} | {per_round} | "
+            f"{off:.2f} | {off / floor:.2f} | {on:.2f} | {on / floor:.2f} | "
+            f"{per_round('olp-off')} | {per_round('olp-on')} | "
             f"{cpu_floor:.3f}, {cpu_off:.3f} | {cpu_off / cpu_floor:.2f} |"
         )
     return "\n".join(lines) + "\n"

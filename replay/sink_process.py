@@ -335,6 +335,9 @@ class KafkaSinkProcess:
         self._on_outcome: Callable[[str, bool, int], None] | None = None
         self._on_failures: Callable[[int], None] | None = None
         self._outcomes_seen: tuple[dict[tuple[str, bool], int], int] = ({}, 0)
+        # Read at scrape time: a value the worker reported would freeze while it is starved
+        # of CPU, the very time its backlog grows.
+        self.metrics.queue_depth.set_function(self._backlog)
         self._start_child()
         self._thread = threading.Thread(target=self._run, name="olp-sink-feeder", daemon=True)
         self._thread.start()
@@ -388,6 +391,12 @@ class KafkaSinkProcess:
             # The feeder may be stuck writing to a child that stopped reading; killing the
             # child frees it (the dead child's records are spilled, the outbox goes on).
             self._kill_if_hung()
+
+    def _backlog(self) -> float:
+        """Records not yet durable: the outbox and what the worker has not confirmed (its
+        own queue is part of that; a restarted worker's builder counts until its first
+        report)."""
+        return float(len(self._outbox) + len(self._pending))
 
     def _spill_outbox_after_close(self) -> None:
         """Spill the outbox here once the feeder has left it for good.
@@ -577,14 +586,12 @@ class KafkaSinkProcess:
     def _mirror(self, values: dict[str, dict[tuple[str, ...], float]]) -> None:
         for name, series in values.items():
             metric = getattr(self.metrics, name, None)
-            if metric is None:
-                continue
+            if metric is None or metric is self.metrics.queue_depth:
+                continue  # the queue depth is the parent's own count (`_backlog`)
             seen = self._seen.setdefault(name, {})
             for labels, value in series.items():
                 target = metric.labels(*labels) if labels else metric
                 if isinstance(metric, Gauge):
-                    if name == "queue_depth":
-                        value += len(self._outbox) + len(self._pending)
                     target.set(value)
                 elif value > seen.get(labels, 0.0):
                     target.inc(value - seen.get(labels, 0.0))

@@ -4,6 +4,7 @@ or the child dies, and mirrors the child's metrics."""
 from __future__ import annotations
 
 import collections
+import contextlib
 import os
 import signal
 import socket
@@ -187,6 +188,38 @@ def test_a_hung_sink_process_is_killed_and_nothing_is_lost(
     finally:
         sink.close()
     assert _consume_ids(config, 60) == {r["trajectory_id"] for r in records}
+
+
+def test_the_queue_depth_counts_each_waiting_record_once_while_the_worker_is_starved(
+    stream_config: StreamConfig, tmp_path: Path
+) -> None:
+    """`olp_stream_queue_depth` is read when scraped: records wait in the outbox, then with
+    the worker unconfirmed, and each counts once. Before, the gauge was the worker's
+    reported queue plus the parent's outbox and unconfirmed records (the worker's queue
+    twice), refreshed only by the worker's reports: it froze while the worker was starved,
+    the very time the backlog grows."""
+    registry = CollectorRegistry()
+    sink = KafkaSinkProcess(stream_config, tmp_path, registry)
+    records = [make_trajectory(session_id=f"d{i % 2}") for i in range(7)]
+    try:
+        assert sink.wait_idle(60)
+        assert _sample(registry, "olp_stream_queue_depth") == 0
+        os.kill(sink._proc.pid, signal.SIGSTOP)  # no reports, no confirmations
+        for record in records:
+            sink.put_trajectory(record)
+        assert _sample(registry, "olp_stream_queue_depth") == 7
+        _wait_for(lambda: not sink._outbox)  # handed to the stopped worker's pipe
+        time.sleep(0.3)
+        assert _sample(registry, "olp_stream_queue_depth") == 7
+        os.kill(sink._proc.pid, signal.SIGCONT)
+        assert sink.wait_idle(60)
+        assert _sample(registry, "olp_stream_queue_depth") == 0
+        assert sink.child_restarts == 0
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(sink._proc.pid, signal.SIGCONT)
+        sink.close()
+    assert _consume_ids(stream_config, 7) == {r["trajectory_id"] for r in records}
 
 
 def test_an_idle_worker_stays_quiet_and_is_not_taken_for_hung_when_work_resumes(

@@ -364,6 +364,7 @@ def build_app(
             redactor.redact_obj,
             on_outcome=on_outcome,
             on_failures=metrics_.capture_failures.inc,
+            backlog_limit=config.capture_backlog_limit,
         ),
         recent=RecentTrajectories(config.recent_trajectories),
         state=state,

@@ -835,6 +835,7 @@ class CaptureService:
         redact: Redact | None,
         on_outcome: OnOutcome | None = None,
         on_failures: OnFailures | None = None,
+        backlog_limit: int | None = None,
     ) -> None:
         self.sink = sink
         self.build = functools.partial(build_record, redact=redact)
@@ -844,6 +845,10 @@ class CaptureService:
         self._scheduled = 0
         self._open: set[str] = set()
         self._put_capture: Callable[[TrajectoryCapture, str], None] | None = None
+        backlog = getattr(sink, "backlog", None)
+        self._backlog: Callable[[], int] | None = backlog if callable(backlog) else None
+        self.backlog_limit = backlog_limit
+        self.paused = False  # new captures wait for the sink's backlog to shrink
         delegate = getattr(sink, "build_records_with", None)
         if callable(delegate):
             delegate(self.build, self._outcome, self._failed)
@@ -857,6 +862,25 @@ class CaptureService:
         self.failures += count
         if self.on_failures is not None:
             self.on_failures(count)
+
+    def has_room(self) -> bool:
+        """False while the sink holds `backlog_limit` records or more in memory, until it is
+        down to half of that.
+
+        The sink's worker runs at idle priority: while the cores are busy (overload, or a
+        vLLM on CPU next to it) it gets almost no time, and without this bound the captures
+        waiting for it would grow until the proxy ran out of memory. A request refused here
+        is served as usual, only not recorded; the caller counts it."""
+        if self._backlog is None or self.backlog_limit is None:
+            return True
+        backlog = self._backlog()
+        if not self.paused and backlog >= self.backlog_limit:
+            self.paused = True
+            log.warning("capture_paused_backlog", backlog=backlog, limit=self.backlog_limit)
+        elif self.paused and backlog <= self.backlog_limit // 2:
+            self.paused = False
+            log.warning("capture_resumed", backlog=backlog, limit=self.backlog_limit)
+        return not self.paused
 
     def open(self, capture: TrajectoryCapture) -> None:
         """Note a capture whose request is still running, so `drain()` waits for it too."""

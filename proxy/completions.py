@@ -351,8 +351,12 @@ class CompletionRelay:
         if not ctx.config.capture_enabled or not ctx.tenants.wants_training(tenant, self.opted_out):
             return False
         refusal = capture_refusal(self.endpoint, body)
-        if refusal is not None:
+        if refusal is None and not ctx.capture.has_room():
+            refusal = "backlog"  # logged once when capture pauses and once when it resumes
+        elif refusal is not None:
             log.info("capture_skipped", tenant=tenant.name, reason=refusal)
+        if refusal is not None:
+            ctx.metrics.captures_skipped.labels(self.tenant_label, refusal).inc()
             return False
         return True
 

@@ -254,6 +254,13 @@ class ProxyConfig(BaseModel):
     sink: Literal["kafka", "jsonl"] = Field(
         default="kafka", description="where trajectories and feedback go (run_proxy)"
     )
+    capture_backlog_limit: int = Field(
+        default=20_000,
+        ge=1,
+        description="records and captures the Kafka sink may hold in the proxy's memory, "
+        "not yet durable; at this many, training tenants' requests are served without "
+        "capture (olp_proxy_captures_skipped_total, reason backlog) until half of it is left",
+    )
     recent_trajectories: int = Field(
         default=100_000,
         ge=1,

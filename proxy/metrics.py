@@ -86,6 +86,13 @@ class ProxyMetrics:
             ("status", "trainable"),
             registry=self.registry,
         )
+        self.captures_skipped = Counter(
+            "olp_proxy_captures_skipped",
+            "Requests of training tenants served without capture, by reason (echo: the "
+            "additions would break it; backlog: proxy.capture_backlog_limit reached)",
+            ("tenant", "reason"),
+            registry=self.registry,
+        )
         self.capture_failures = Counter(
             "olp_proxy_capture_failures",
             "Trajectory records lost to an internal error",

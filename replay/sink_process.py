@@ -337,7 +337,7 @@ class KafkaSinkProcess:
         self._outcomes_seen: tuple[dict[tuple[str, bool], int], int] = ({}, 0)
         # Read at scrape time: a value the worker reported would freeze while it is starved
         # of CPU, the very time its backlog grows.
-        self.metrics.queue_depth.set_function(self._backlog)
+        self.metrics.queue_depth.set_function(self.backlog)
         self._start_child()
         self._thread = threading.Thread(target=self._run, name="olp-sink-feeder", daemon=True)
         self._thread.start()
@@ -392,11 +392,11 @@ class KafkaSinkProcess:
             # child frees it (the dead child's records are spilled, the outbox goes on).
             self._kill_if_hung()
 
-    def _backlog(self) -> float:
-        """Records not yet durable: the outbox and what the worker has not confirmed (its
-        own queue is part of that; a restarted worker's builder counts until its first
-        report)."""
-        return float(len(self._outbox) + len(self._pending))
+    def backlog(self) -> int:
+        """Records (and captures) held in this process's memory, not yet durable: the outbox
+        and what the worker has not confirmed, its own queue among them (a restarted worker's
+        builder counts until its first report). The proxy stops capturing above a limit."""
+        return len(self._outbox) + len(self._pending)
 
     def _spill_outbox_after_close(self) -> None:
         """Spill the outbox here once the feeder has left it for good.
@@ -587,7 +587,7 @@ class KafkaSinkProcess:
         for name, series in values.items():
             metric = getattr(self.metrics, name, None)
             if metric is None or metric is self.metrics.queue_depth:
-                continue  # the queue depth is the parent's own count (`_backlog`)
+                continue  # the queue depth is the parent's own count (`backlog`)
             seen = self._seen.setdefault(name, {})
             for labels, value in series.items():
                 target = metric.labels(*labels) if labels else metric

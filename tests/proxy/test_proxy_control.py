@@ -467,6 +467,48 @@ def test_records_reach_kafka_keyed_by_session(make_proxy, vllm_server, kafka_boo
     assert b"hunter2x" not in event.value and token.encode() not in event.value
 
 
+def test_training_requests_go_uncaptured_while_the_sinks_backlog_is_at_its_limit(
+    make_proxy, vllm_server, kafka_bootstrap, tmp_path
+):
+    """A sink worker that gets no CPU (stopped here; at idle priority behind busy cores in
+    production) must not let captures pile up in the proxy's memory: at
+    `capture_backlog_limit` requests are served without capture and counted, and capture
+    resumes once the worker caught up. Every captured request reaches Kafka."""
+    import os
+    import signal
+
+    from replay.config import StreamConfig
+    from replay.sink_process import KafkaSinkProcess
+
+    prefix = f"backlog{uuid.uuid4().hex[:10]}"
+    sink = KafkaSinkProcess(
+        StreamConfig(bootstrap_servers=kafka_bootstrap, topic_prefix=prefix, sink_hung_after_s=120),
+        tmp_path / "sink-state",
+    )
+    harness, _ = make_proxy([vllm_server.base_url], sink=sink, capture_backlog_limit=3)
+    assert sink.wait_idle(60)
+    worker = sink._proc.pid
+    os.kill(worker, signal.SIGSTOP)
+    try:
+        captured = [chat(harness, "alice").headers.get("x-olp-trajectory-id") for _ in range(3)]
+        assert all(captured)
+        assert sink.backlog() == 3
+        skipped = chat(harness, "alice")
+        assert skipped.status_code == 200 and skipped.parse().choices[0].message is not None
+        assert "x-olp-trajectory-id" not in skipped.headers
+        text = httpx.get(harness.base_url + "/metrics").text
+        assert 'olp_proxy_captures_skipped_total{reason="backlog",tenant="alice"} 1.0' in text
+    finally:
+        os.kill(worker, signal.SIGCONT)
+    assert sink.wait_idle(60)
+    resumed = chat(harness, "alice").headers.get("x-olp-trajectory-id")
+    assert resumed
+    harness.drain()
+    harness.call(sink.aclose())
+    records = _read_topic(kafka_bootstrap, f"{prefix}.trajectories", 4)
+    assert {json.loads(r.value)["trajectory_id"] for r in records} == {*captured, resumed}
+
+
 def test_the_kafka_sinks_series_are_on_metrics(tmp_path, vllm_server, kafka_bootstrap):
     """`olp proxy` built its KafkaSinkProcess without a registry: no `olp_stream_*` series
     (queued, spilled, DLQ, broker up) reached /metrics, only the operator page."""

@@ -218,6 +218,8 @@ def test_completions_echo_is_relayed_uncaptured(make_proxy, fake):
     assert fake.requests[-1]["logprobs"] == 0  # without echo alice is captured
     harness.drain()
     assert len(sink.trajectories) == 1
+    metrics = httpx.get(harness.base_url + "/metrics", timeout=30).text
+    assert 'olp_proxy_captures_skipped_total{reason="echo",tenant="alice"} 1.0' in metrics
 
 
 def test_chat_echo_is_refused(make_proxy, fake):

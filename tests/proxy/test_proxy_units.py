@@ -853,3 +853,32 @@ def test_top_logprobs_without_logprobs_is_left_for_vllm_to_refuse(extra, added) 
     plan = plan_request("chat.completions", body, "base", capture=True)
     assert plan.added_logprobs is added
     assert plan.upstream_body.get("logprobs") is (True if added else None)
+
+
+def test_capture_pauses_at_the_backlog_limit_until_half_of_it_is_left() -> None:
+    """The sink's worker can fall behind for as long as the cores stay busy: past the limit
+    new requests go uncaptured instead of growing the proxy's memory, and capture resumes
+    only at half the limit, not on every record that flickers across the line."""
+    from proxy.capture import CaptureService
+
+    class BackloggedSink:
+        held = 0
+
+        def backlog(self) -> int:
+            return self.held
+
+        def put_trajectory(self, record: dict) -> None: ...
+
+        def put_feedback(self, event: dict) -> None: ...
+
+        async def aclose(self) -> None: ...
+
+    sink = BackloggedSink()
+    service = CaptureService(sink, None, backlog_limit=10)
+    seen = []
+    for held in (0, 9, 10, 11, 9, 6, 5, 4, 9, 10):
+        sink.held = held
+        seen.append(service.has_room())
+    assert seen == [True, True, False, False, False, False, True, True, True, False]
+    assert CaptureService(sink, None).has_room()  # no limit given
+    assert CaptureService(object(), None, backlog_limit=1).has_room()  # a sink without one

@@ -11,6 +11,7 @@ spill. Consumers de-duplicate by event_id, so a record delivered twice is one ev
 from __future__ import annotations
 
 import asyncio
+import atexit
 import collections
 import contextlib
 import gc
@@ -341,6 +342,11 @@ class KafkaSinkProcess:
         self._start_child()
         self._thread = threading.Thread(target=self._run, name="olp-sink-feeder", daemon=True)
         self._thread.start()
+        # The worker ignores SIGTERM and ends only when this object closes it (or its pipe
+        # ends), and multiprocessing's own exit handler, which runs after this one, joins
+        # it: a program that exits without `close` (an exception on its way out) would hang
+        # for ever. A CI run did, after a test failed before its close.
+        atexit.register(self._close_at_exit)
 
     # ---- request path (event loop): append only ------------------------------------------
 
@@ -771,8 +777,15 @@ class KafkaSinkProcess:
         if self._closed:
             return
         self._closed = True
+        atexit.unregister(self._close_at_exit)
         self._wake.set()
         self._thread.join()
 
     async def aclose(self) -> None:
         await asyncio.to_thread(self.close)
+
+    def _close_at_exit(self) -> None:
+        log.warning(
+            "kafka_sink_closed_at_exit", outbox=len(self._outbox), in_flight=len(self._pending)
+        )
+        self.close()

@@ -7,8 +7,10 @@ fixtures at servers that are already running instead.
 
 from __future__ import annotations
 
+import faulthandler
 import json
 import os
+import sys
 import urllib.request
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -23,6 +25,16 @@ from deploy.policy import start_policy
 from deploy.ports import free_port
 
 SERVED_NAME = "base"
+# How long the test process may take to exit once pytest is done.
+EXIT_GRACE_S = 300
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_unconfigure(config: pytest.Config) -> None:
+    """A process that does not exit after the summary (a child process it joins, a thread
+    that never ends) held a CI run until the CI's own limit, 55 minutes later, with nothing
+    printed: after EXIT_GRACE_S, print every thread's stack and exit with status 1."""
+    faulthandler.dump_traceback_later(EXIT_GRACE_S, exit=True, file=sys.__stderr__)
 
 
 @dataclass(frozen=True)

@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import json
 import os
 import signal
 import socket
+import textwrap
 import threading
 import time
 import uuid
@@ -24,6 +26,7 @@ from replay.schemas import decode_record, derived_event_id
 from replay.sink_process import KafkaSinkProcess
 from replay.spill import read_segment
 from replay.synthetic import make_trajectory
+from tests.python_run import run_python
 from tests.replay.conftest import consume_until
 from tests.replay.test_outage import _config, _sample, _wait_for
 
@@ -298,6 +301,47 @@ def test_a_worker_that_died_before_close_does_not_hang_it(
     assert not closer.is_alive(), "close() hung after its worker died"
     assert not sink._thread.is_alive()
     assert _consume_ids(stream_config, 20) == {r["trajectory_id"] for r in records}
+
+
+_LEFT_OPEN = textwrap.dedent(
+    """
+    import json
+    import sys
+    from pathlib import Path
+
+    from replay.config import StreamConfig
+    from replay.sink_process import KafkaSinkProcess
+
+    if __name__ == "__main__":
+        config = StreamConfig.model_validate_json(sys.argv[1])
+        sink = KafkaSinkProcess(config, Path(sys.argv[2]))
+        assert sink.wait_idle(60)  # the worker runs (it ignores SIGTERM from here on)
+        sink.put_trajectory(json.loads(sys.argv[3]))
+        print("leaving without close", flush=True)
+    """
+)
+
+
+def test_a_program_that_exits_without_closing_its_sink_still_exits_and_delivers(
+    stream_config: StreamConfig, tmp_path: Path
+) -> None:
+    """The worker ignores SIGTERM and waits for its parent's close, and multiprocessing's
+    exit handler joins it: a program that never called close (a test that failed before
+    it) hung at exit for ever. The sink now closes itself at exit."""
+    script = tmp_path / "left_open.py"  # a file: the spawned worker re-imports __main__
+    script.write_text(_LEFT_OPEN)
+    record = make_trajectory(session_id="left-open")
+    done = run_python(
+        str(script),
+        stream_config.model_dump_json(),
+        str(tmp_path / "state"),
+        json.dumps(record),
+        timeout=60,
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines()[0] == "leaving without close"
+    assert "kafka_sink_closed_at_exit" in done.stdout + done.stderr
+    assert _consume_ids(stream_config, 1) == {record["trajectory_id"]}
 
 
 def test_a_sigterm_to_the_process_group_leaves_the_worker_to_its_parent(

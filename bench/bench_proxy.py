@@ -16,15 +16,16 @@ Against a fast local OpenAI-shaped fake upstream (aiohttp, this file), the same 
 at concurrency 1 and 16, streamed and not. Prints p50/p99 latency, requests/s and the
 relay's CPU ms per request (from /proc: the relay process alone, and with its child
 processes); then measures what the ratio targets compare (direct, pass-through, olp-off,
-olp-on, olp-on-nosink, olp-on-pystrip) again in alternating rounds, the capture CPU once
-more against a paced upstream (one stream event per read, as a model server sends them),
-and the instructions the proxy executes per request with training off and on (valgrind's
-callgrind: a count that does not drift with the machine's load), and writes
-docs/perf/proxy.md.
+olp-on, olp-on-nosink, olp-on-pystrip) again in alternating rounds, the added latency of
+direct, pass-through, olp-off and olp-on once more in short interleaved segments, the
+capture CPU once more against a paced upstream (one stream event per read, as a model
+server sends them), and the instructions the proxy executes per request with training off
+and on (valgrind's callgrind: a count that does not drift with the machine's load), and
+writes docs/perf/proxy.md.
 
     python bench/bench_proxy.py [--requests 400] [--cpu-rounds 5] [--cpu-requests 300]
                                 [--pace-ms 1] [--paced-rounds 5] [--paced-requests 200]
-                                [--ir-rounds 2] [--ir-requests 200]
+                                [--ir-rounds 2] [--ir-requests 200] [--interleave-cycles 150]
                                 [--litellm PATH_TO_LITELLM_BIN] [--out FILE]
 
 Each component runs in its own process (`python bench/bench_proxy.py serve-<kind> ...`).
@@ -597,6 +598,12 @@ def main() -> None:
         help="alternating rounds per row of the instruction counts (valgrind; 0 = none)",
     )
     parser.add_argument("--ir-requests", type=int, default=200, help="requests per such round")
+    parser.add_argument(
+        "--interleave-cycles",
+        type=int,
+        default=150,
+        help="cycles of the interleaved added-latency table (0 = none)",
+    )
     parser.add_argument("--litellm", default=None, help="path of the litellm console script")
     parser.add_argument("--out", default=str(ROOT / "docs" / "perf" / "proxy.md"))
     args = parser.parse_args()
@@ -741,6 +748,11 @@ def run_bench(args: argparse.Namespace) -> None:
         rounds = alternating_rounds(
             {t.name: t for t in targets}, args.cpu_rounds, args.cpu_requests
         )
+        interleaved = (
+            interleaved_rounds({t.name: t for t in targets}, args.interleave_cycles)
+            if args.interleave_cycles > 0
+            else None
+        )
         sustained = (
             sustained_rounds(
                 {t.name: t for t in targets}, args.sustained_rounds, args.sustained_requests
@@ -792,9 +804,12 @@ def run_bench(args: argparse.Namespace) -> None:
             # olp-on's requests in the alternating rounds and in the GC rounds
             extra_process_records=4 * args.cpu_rounds * (args.cpu_requests + 20)
             + 2 * args.gc_rounds * (args.gc_requests + 20)
-            + 2 * args.sustained_rounds * (args.sustained_requests + 20),
+            + 2 * args.sustained_rounds * (args.sustained_requests + 20)
+            + interleaved_olp_on_requests(args.interleave_cycles),
         )
         report += render_rounds(rounds, args.cpu_rounds, args.cpu_requests)
+        if interleaved is not None:
+            report += render_interleaved(interleaved, args.interleave_cycles)
         if sustained is not None:
             report += render_sustained(sustained, args.sustained_rounds, args.sustained_requests)
         if gc_table is not None:
@@ -1225,6 +1240,118 @@ def render_rounds(rounds: dict, count: int, requests: int) -> str:
             f"{off:.2f} | {off / floor:.2f} | {on:.2f} | {on / floor:.2f} | "
             f"{per_round('olp-off')} | {per_round('olp-on')} | "
             f"{cpu_floor:.3f}, {cpu_off:.3f} | {cpu_off / cpu_floor:.2f} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+# ------------------------------------------------------------------ interleaved segments
+INTERLEAVED_TARGETS = ("direct", "passthrough", "olp-off", "olp-on")
+# Requests per target and cycle: at c=1 a segment keeps the connection and the processes
+# warm as a run of requests does; at c=16 each of the 16 workers sends four.
+SEGMENT = {1: 20, 16: 64}
+INTERLEAVE_WARMUP = 20
+
+
+def interleaved_olp_on_requests(cycles: int) -> int:
+    """olp-on's requests in the interleaved table (its records are counted at the broker)."""
+    if cycles <= 0:
+        return 0
+    return 2 * sum(INTERLEAVE_WARMUP + cycles * segment for segment in SEGMENT.values())
+
+
+async def _interleaved_row(
+    targets: list[Target], stream: bool, concurrency: int, cycles: int
+) -> dict[str, list[float]]:
+    segment = SEGMENT[concurrency]
+    sessions = {
+        t.name: aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=concurrency))
+        for t in targets
+    }
+    try:
+        for target in targets:
+            for _ in range(INTERLEAVE_WARMUP):
+                await one_request(sessions[target.name], target, stream)
+        latencies: dict[str, list[float]] = {t.name: [] for t in targets}
+        for cycle in range(cycles):
+            shift = cycle % len(targets)  # each target takes each place in the cycle in turn
+            for target in targets[shift:] + targets[:shift]:
+                left = iter(range(segment))
+
+                async def worker(target: Target = target, left: Any = left) -> None:
+                    for _ in left:
+                        latency = await one_request(sessions[target.name], target, stream)
+                        latencies[target.name].append(latency)
+
+                await asyncio.gather(*(worker() for _ in range(concurrency)))
+        return latencies
+    finally:
+        for session in sessions.values():
+            await session.close()
+
+
+def interleaved_rounds(targets: dict[str, Target], cycles: int) -> dict:
+    """Latencies of direct, pass-through, olp-off and olp-on, measured in short segments in
+    turn (a cycle is one segment per target), pooled per target.
+
+    The alternating rounds compare rounds of 400 requests a few seconds apart, and the
+    machine's state drifts between them: a round's own on / pass-through ratio ranged over
+    0.1-4.9 in one run, and the rounds' median moved by 0.2-0.6 from run to run. Segments a
+    few milliseconds apart put every target under the same conditions at nearly the same
+    time, and the p50 is taken over all of a target's requests."""
+    out: dict[tuple[bool, int], dict[str, list[float]]] = {}
+    row = [targets[name] for name in INTERLEAVED_TARGETS]
+    for stream in (False, True):
+        for concurrency in SEGMENT:
+            latencies = asyncio.run(_interleaved_row(row, stream, concurrency, cycles))
+            out[(stream, concurrency)] = latencies
+            added = _interleaved_added(latencies)
+            print(
+                f"interleaved stream={stream!s:5s} c={concurrency:2d}: added p50 "
+                + " ".join(f"{name}={added[name]:.3f}" for name in INTERLEAVED_TARGETS[1:])
+                + " ms",
+                flush=True,
+            )
+    return out
+
+
+def _interleaved_added(latencies: dict[str, list[float]]) -> dict[str, float]:
+    p50 = {name: statistics.median(values) * 1000 for name, values in latencies.items()}
+    return {name: value - p50["direct"] for name, value in p50.items()}
+
+
+def render_interleaved(table: dict, cycles: int) -> str:
+    lines = [
+        "",
+        "### Added latency, interleaved",
+        "",
+        f"{cycles} cycles per row; in each cycle every target (direct, pass-through, olp-off, "
+        f"olp-on) gets one segment of requests in turn ({SEGMENT[1]} at concurrency 1, "
+        f"{SEGMENT[16]} at 16: 16 workers, 4 each), the order shifted by one target every "
+        f"cycle, after {INTERLEAVE_WARMUP} warm-up requests per target. The p50 is over all "
+        "of a target's requests in the row; `added` = p50 minus direct's. The targets are "
+        "measured milliseconds apart instead of rounds seconds apart, so the machine's drift "
+        "falls on all of them alike. `fifths` = on / pass-through within each fifth of the "
+        "cycles, in order: how far the ratio moves inside one row.",
+        "",
+        "| stream | conc | requests per target | direct p50 ms | pass-through added "
+        "| olp-off added | off / pass-through | olp-on added | on / pass-through | fifths on / "
+        "pass-through |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for (stream, concurrency), latencies in table.items():
+        added = _interleaved_added(latencies)
+        floor = added["passthrough"]
+        count = len(latencies["direct"])
+        fifths = []
+        for part in range(5):
+            window = slice(part * count // 5, (part + 1) * count // 5)
+            part_added = _interleaved_added({n: v[window] for n, v in latencies.items()})
+            fifths.append(f"{part_added['olp-on'] / part_added['passthrough']:.2f}")
+        lines.append(
+            f"| {stream} | {concurrency} | {count} | "
+            f"{statistics.median(latencies['direct']) * 1000:.2f} | {floor:.3f} | "
+            f"{added['olp-off']:.3f} | {added['olp-off'] / floor:.2f} | "
+            f"{added['olp-on']:.3f} | {added['olp-on'] / floor:.2f} | {', '.join(fifths)} |"
         )
     return "\n".join(lines) + "\n"
 

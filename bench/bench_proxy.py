@@ -1331,7 +1331,11 @@ def render_interleaved(table: dict, cycles: int) -> str:
         "of a target's requests in the row; `added` = p50 minus direct's. The targets are "
         "measured milliseconds apart instead of rounds seconds apart, so the machine's drift "
         "falls on all of them alike. `fifths` = on / pass-through within each fifth of the "
-        "cycles, in order: how far the ratio moves inside one row.",
+        "cycles, in order: how far the ratio moves inside one row. What this design charges "
+        "elsewhere: olp-on's deferred work (the sink feeder's 0.1 s tick, the worker) runs "
+        "partly during the other targets' segments, and a c=16 segment of 64 requests spends "
+        "part of its time filling and draining, so it is not steady load at 16. Read it next "
+        "to the rounds above, not instead of them.",
         "",
         "| stream | conc | requests per target | direct p50 ms | pass-through added "
         "| olp-off added | off / pass-through | olp-on added | on / pass-through | fifths on / "

@@ -2,7 +2,10 @@
 
 Against a fast local OpenAI-shaped fake upstream (aiohttp, this file), the same load goes
   direct        client → fake upstream
-  passthrough   client → thinnest aiohttp relay (bytes in, bytes out) → fake upstream
+  passthrough   client → thinnest aiohttp relay (bytes in, bytes out) → fake upstream, on
+                the event loop olp runs on (uvloop: `proxy.event_loop` auto)
+  passthrough-asyncio
+                the same relay on asyncio's own loop (main table only)
   olp-off       client → olp proxy, tenant without training (byte relay + auth/limits/metrics)
   olp-on        client → olp proxy, tenant with training (capture: raw bytes kept, additions
                 stripped on the bytes; the KafkaSinkProcess worker builds, checks, redacts
@@ -189,8 +192,13 @@ def serve_fake_upstream(port: int, pace_ms: float = 0.0) -> None:
 
 
 # ------------------------------------------------------------------ thinnest pass-through
-def serve_passthrough(port: int, upstream: str) -> None:
-    """The floor of any aiohttp gateway: read the body, POST it on, stream the bytes back."""
+def serve_passthrough(port: int, upstream: str, event_loop: str = "auto") -> None:
+    """The floor of any aiohttp gateway: read the body, POST it on, stream the bytes back;
+    on the event loop `event_loop` names, as olp's `proxy.event_loop` does."""
+    sys.path.insert(0, str(ROOT))
+    from proxy.event_loop import loop_factory
+
+    factory = loop_factory(event_loop)  # type: ignore[arg-type]
 
     async def start(app: web.Application) -> None:
         app["session"] = aiohttp.ClientSession(
@@ -218,7 +226,8 @@ def serve_passthrough(port: int, upstream: str) -> None:
     app.on_startup.append(start)
     app.on_cleanup.append(stop)
     app.router.add_post("/v1/chat/completions", relay)
-    web.run_app(app, host="127.0.0.1", port=port, access_log=None, print=None)
+    loop = factory() if factory is not None else asyncio.new_event_loop()
+    web.run_app(app, host="127.0.0.1", port=port, access_log=None, print=None, loop=loop)
 
 
 # ------------------------------------------------------------------ olp
@@ -264,6 +273,7 @@ def serve_olp(
 
     from deploy.logs import configure_logging
     from proxy.config import GcTuning, ProxyConfig, TenantConfig
+    from proxy.event_loop import run_with_loop
     from proxy.server import serve_proxy
     from replay.config import StreamConfig
     from replay.producer import KafkaSink
@@ -304,7 +314,8 @@ def serve_olp(
         sink = CountingSink()
     elif sink_kind == "kafka":  # the in-process KafkaSink, named explicitly
         sink = KafkaSink(stream, state_dir)
-    asyncio.run(
+    run_with_loop(  # as `run_proxy` does: on `proxy.event_loop` (auto: uvloop)
+        config.event_loop,
         serve_proxy(
             config,
             tenants,
@@ -313,7 +324,7 @@ def serve_olp(
             sink=sink,
             owns_process=True,
             sink_child_init=log_setup,
-        )
+        ),
     )
 
 
@@ -574,6 +585,12 @@ def main() -> None:
         "--python-strip", action="store_true", help="serve-olp: strip in Python, not C"
     )
     parser.add_argument(
+        "--event-loop",
+        default="auto",
+        choices=["auto", "asyncio"],
+        help="serve-passthrough: its event loop (auto: uvloop where installed, as olp's)",
+    )
+    parser.add_argument(
         "--gc-default", action="store_true", help="serve-olp: the interpreter's GC settings"
     )
     parser.add_argument("--gc-rounds", type=int, default=5, help="rounds of the GC p99 table")
@@ -610,7 +627,7 @@ def main() -> None:
     if args.mode == "serve-upstream":
         return serve_fake_upstream(args.port, args.pace_ms or 0.0)
     if args.mode == "serve-passthrough":
-        return serve_passthrough(args.port, args.upstream)
+        return serve_passthrough(args.port, args.upstream, args.event_loop)
     if args.mode == "serve-olp":
         return serve_olp(
             args.port,
@@ -660,6 +677,11 @@ def run_bench(args: argparse.Namespace) -> None:
             workdir / "pt.log",
         )
         procs.append(passthrough)
+        pt_asyncio_port = free_port()
+        command = [*me, "serve-passthrough", "--port", str(pt_asyncio_port)]
+        command += ["--upstream", upstream_url, "--event-loop", "asyncio"]
+        passthrough_asyncio = spawn(command, workdir / "pt-asyncio.log")
+        procs.append(passthrough_asyncio)
         closed_port = free_port()  # nothing listens there: the "broker down" rows
         olps: dict[str, tuple[str, subprocess.Popen]] = {}
         olp_rows = [
@@ -701,6 +723,13 @@ def run_bench(args: argparse.Namespace) -> None:
         targets = [
             Target("direct", upstream_url, "unused", "base", None),
             Target("passthrough", f"http://127.0.0.1:{pt_port}", "unused", "base", passthrough),
+            Target(
+                "passthrough-asyncio",
+                f"http://127.0.0.1:{pt_asyncio_port}",
+                "unused",
+                "base",
+                passthrough_asyncio,
+            ),
             olp_target("olp-off", "process", "key-off"),
             olp_target("olp-on", "process"),
             olp_target("olp-on-thread", "thread"),
@@ -1383,6 +1412,9 @@ def render(
         "(olp's KafkaSinkProcess worker, which builds, checks, redacts, validates, encodes "
         "and sends the records).",
         "",
+        "- passthrough: the thinnest aiohttp relay, on the event loop olp runs on (uvloop, "
+        "olp's `proxy.event_loop` default); passthrough-asyncio: the same relay on asyncio's "
+        "own loop.",
         "- olp-on: the proxy keeps the raw upstream bytes, strips what it added on the bytes "
         "and hands the capture to `KafkaSinkProcess`, whose worker builds the record and "
         f"sends it to an embedded Tansu broker: {counts['process']} of {expected_process} "

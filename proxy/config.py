@@ -270,6 +270,11 @@ class ProxyConfig(BaseModel):
     max_feedback_metadata_bytes: int = Field(default=16 * 1024, ge=0)
     state: StatePaths = Field(default_factory=StatePaths)
     gc: GcTuning = Field(default_factory=GcTuning)
+    event_loop: Literal["auto", "uvloop", "asyncio"] = Field(
+        default="auto",
+        description="the proxy process's event loop: `auto` = uvloop where installed, else "
+        "asyncio's own; `uvloop` refuses to start without it (proxy/event_loop.py)",
+    )
     auth_failures: AuthFailureLimits = Field(default_factory=AuthFailureLimits)
     trusted_proxies: list[str] = Field(
         default_factory=list,

@@ -17,6 +17,7 @@ from prometheus_client import CollectorRegistry
 from proxy.app import build_app
 from proxy.config import ProxyConfig, TenantConfig, sha256_hex
 from proxy.context import CONTEXT
+from proxy.event_loop import run_with_loop
 from proxy.gc_tuning import tune_gc
 from replay.config import StreamConfig
 from replay.sink import JsonlSink
@@ -95,7 +96,12 @@ async def serve_proxy(
     try:
         site = web.TCPSite(runner, config.host, config.port)
         await site.start()
-        log.info("proxy_listening", host=config.host, port=config.port)
+        log.info(
+            "proxy_listening",
+            host=config.host,
+            port=config.port,
+            event_loop=type(asyncio.get_running_loop()).__module__.split(".")[0],
+        )
         if owns_process:
             frozen = tune_gc(config.gc)
             app[CONTEXT].metrics.gc_frozen.set(frozen)
@@ -140,10 +146,11 @@ def run_proxy(
     sink_child_init: Callable[[], None] | None = None,
 ) -> None:
     """Blocking entry point for the CLI (reads the `olp up` internal admin token from the
-    environment, the one place the proxy looks there)."""
+    environment, the one place the proxy looks there), on the loop `proxy.event_loop` names."""
     if not config.upstreams:
         raise ValueError("proxy.upstreams is empty: the launcher must fill it from `policy`")
-    asyncio.run(
+    run_with_loop(
+        config.event_loop,
         serve_proxy(
             config,
             tenants,
@@ -153,5 +160,5 @@ def run_proxy(
             internal_admin_token=os.environ.get(INTERNAL_ADMIN_TOKEN_ENV) or None,
             owns_process=True,
             sink_child_init=sink_child_init,
-        )
+        ),
     )

@@ -1,7 +1,7 @@
 """structlog, configured once per process: JSON lines in production, console in a terminal.
 
-Request and session ids are bound with `structlog.contextvars.bind_contextvars` by the
-proxy and merged into every line logged while the request runs.
+The proxy binds each request's request and session id (`proxy.log_context`); they are
+merged into every line logged while the request runs.
 """
 
 from __future__ import annotations
@@ -13,6 +13,8 @@ from typing import Any, Literal
 
 import msgspec
 import structlog
+
+from proxy.log_context import merge_request_context
 
 LogFormat = Literal["auto", "json", "console"]
 
@@ -33,6 +35,7 @@ def configure_logging(fmt: LogFormat = "auto", level: str = "INFO") -> None:
         raise ValueError(f"unknown log level {level!r}")
     shared: list[structlog.typing.Processor] = [
         structlog.contextvars.merge_contextvars,
+        merge_request_context,
         structlog.processors.add_log_level,
         structlog.processors.TimeStamper(fmt="iso", utc=True),
         structlog.processors.StackInfoRenderer(),

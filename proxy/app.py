@@ -16,11 +16,12 @@ from typing import Any
 
 import structlog
 from aiohttp import web
+from aiohttp.typedefs import Middleware
 
 from proxy.admin import add_admin_routes
 from proxy.aliases import AliasTable, Canary
 from proxy.auth_throttle import AuthThrottle
-from proxy.capture import CaptureService, private_label
+from proxy.capture import CaptureService, passes_generated_ids, private_label
 from proxy.client_address import ClientAddresses
 from proxy.completions import (
     LABEL_MAX_CHARS,
@@ -43,6 +44,7 @@ from proxy.feedback import (
     parse_feedback,
 )
 from proxy.host_check import HostCheck
+from proxy.log_context import bind_request, unbind_request
 from proxy.metrics import ProxyMetrics
 from proxy.operator_auth import key_matches
 from proxy.operator_page import record_feedback
@@ -65,84 +67,84 @@ _SESSION_LABELS_CACHED = 4096
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
-def _request_id(request: web.Request) -> str:
-    """The client's x-request-id when it is a sane token, else a fresh one."""
-    given = request.headers.get("x-request-id")
-    if given and _REQUEST_ID.match(given):
-        return given
-    # 32 random hex digits, as a uuid4's hex has (122 random bits there, 128 here), at a
-    # third of uuid4's cost.
-    return "req-" + secrets.token_hex(16)
-
-
 _HTTP_ERROR_TYPES = {404: "not_found", 405: "method_not_allowed", 413: "request_too_large"}
 
 
-@web.middleware
-async def request_id_and_errors(request: web.Request, handler: Handler) -> web.StreamResponse:
-    """Give every response an x-request-id and turn every failure into OpenAI-style JSON."""
-    request_id = _request_id(request)
-    request[REQUEST_ID] = request_id
-    session_id = request.headers.get("X-Session-Id")
-    if session_id:
-        # Bytes that are not UTF-8 arrive as lone surrogates: escaped, a log line can carry
-        # them (the handlers refuse such a header with 400).
-        session_id = session_id[:256].encode("utf-8", "backslashreplace").decode("utf-8")
-        # Logged as the records carry it: the pseudonym when it holds PII (an e-mail).
-        session_id = request.app[SESSION_LABEL](session_id)
-    # The client's x-request-id is its label too (a card number fits its characters): logged
-    # as the record carries it (`capture.redact_record`). Not through the cached
-    # SESSION_LABEL: request ids rarely repeat and would only push sessions out of it.
-    logged_id = private_label(request_id, request.app[CONTEXT].redactor.redact_obj)
-    # bind/reset, not the `bound_contextvars` context manager: the same binding at a quarter
-    # of its cost (2 µs against 7 µs a request).
-    tokens = structlog.contextvars.bind_contextvars(request_id=logged_id, session_id=session_id)
-    try:
-        response = await _handle_with_openai_errors(request, handler, request_id)
-    finally:
-        structlog.contextvars.reset_contextvars(**tokens)
-    if not response.prepared:
-        response.headers["x-request-id"] = request_id
-    return response
+def request_middleware(ctx: ProxyContext, session_label: Callable[[str], str]) -> Middleware:
+    """The app's one middleware: every response gets an x-request-id and every failure
+    OpenAI-style JSON. Made per app with its context at hand: looked up on the request
+    (`request.app[CONTEXT]`: three calls), it was four lookups a request."""
+    redact = ctx.redactor.redact_obj
+    # The proxy's own ids hold nothing this redactor finds: logged as they are.
+    own_ids_as_is = passes_generated_ids(redact)
 
+    @web.middleware
+    async def request_id_and_errors(request: web.Request, handler: Handler) -> web.StreamResponse:
+        given = request.headers.get("x-request-id")
+        if given and _REQUEST_ID.match(given):
+            request_id = given
+            # The client's x-request-id is its label too (a card number fits its
+            # characters): logged as the record carries it (`capture.redact_record`). Not
+            # through the cached `session_label`: request ids rarely repeat and would only
+            # push sessions out of it.
+            logged_id = private_label(given, redact)
+        else:
+            # 32 random hex digits, as a uuid4's hex has (122 random bits there, 128 here),
+            # at a third of uuid4's cost.
+            request_id = "req-" + secrets.token_hex(16)
+            logged_id = request_id if own_ids_as_is else private_label(request_id, redact)
+        request[REQUEST_ID] = request_id
+        session_id = request.headers.get("X-Session-Id")
+        if session_id:
+            # Bytes that are not UTF-8 arrive as lone surrogates: escaped, a log line can
+            # carry them (the handlers refuse such a header with 400). Logged as the records
+            # carry it: the pseudonym when it holds PII (an e-mail).
+            session_id = session_label(
+                session_id[:256].encode("utf-8", "backslashreplace").decode("utf-8")
+            )
+        bound = bind_request(logged_id or request_id, session_id)
+        try:
+            # A page that rebound its host name to this proxy's address is refused before
+            # anything else (keys included) is looked at.
+            ctx.host_check.check(request)
+            # Before the handler looks at any key: a locked-out address gains nothing from
+            # guessing right.
+            ctx.auth_throttle.guard(request)
+            _refuse_encoded_body(request)
+            response = await handler(request)
+        except ProxyError as err:
+            if isinstance(err, AuthError):
+                ctx.auth_throttle.failed_request(request, err.route_kind)
+            response = error_response(err, request_id)
+        except web.HTTPException as exc:
+            if exc.status < 400:
+                raise
+            code = _HTTP_ERROR_TYPES.get(exc.status, "http_error")
+            # A 405 must say which methods the resource takes (RFC 9110 15.5.6).
+            allow = {"Allow": exc.headers["Allow"]} if "Allow" in exc.headers else None
+            response = error_response(
+                ProxyError(exc.status, exc.reason or "error", code=code, headers=allow),
+                request_id,
+            )
+        except Exception:
+            # The line carries the request id as the request's other lines do (bound above).
+            log.exception("unhandled_error", path=request.path)
+            response = error_response(
+                ProxyError(
+                    500,
+                    f"Internal proxy error (request id {request_id}).",
+                    type_="api_error",
+                    code="internal_error",
+                ),
+                request_id,
+            )
+        finally:
+            unbind_request(bound)
+        if not response.prepared:
+            response.headers["x-request-id"] = request_id
+        return response
 
-async def _handle_with_openai_errors(
-    request: web.Request, handler: Handler, request_id: str
-) -> web.StreamResponse:
-    try:
-        # A page that rebound its host name to this proxy's address is refused before
-        # anything else (keys included) is looked at.
-        request.app[CONTEXT].host_check.check(request)
-        # Before the handler looks at any key: a locked-out address gains nothing from
-        # guessing right.
-        request.app[CONTEXT].auth_throttle.guard(request)
-        _refuse_encoded_body(request)
-        response = await handler(request)
-    except ProxyError as err:
-        if isinstance(err, AuthError):
-            request.app[CONTEXT].auth_throttle.failed_request(request, err.route_kind)
-        response = error_response(err, request_id)
-    except web.HTTPException as exc:
-        if exc.status < 400:
-            raise
-        code = _HTTP_ERROR_TYPES.get(exc.status, "http_error")
-        # A 405 must say which methods the resource takes (RFC 9110 15.5.6).
-        allow = {"Allow": exc.headers["Allow"]} if "Allow" in exc.headers else None
-        response = error_response(
-            ProxyError(exc.status, exc.reason or "error", code=code, headers=allow), request_id
-        )
-    except Exception:
-        log.exception("unhandled_error", request_id=request_id, path=request.path)
-        response = error_response(
-            ProxyError(
-                500,
-                f"Internal proxy error (request id {request_id}).",
-                type_="api_error",
-                code="internal_error",
-            ),
-            request_id,
-        )
-    return response
+    return request_id_and_errors
 
 
 def _refuse_encoded_body(request: web.Request) -> None:
@@ -385,8 +387,13 @@ def build_app(
         ),
         started_at=time.time(),
     )
+
+    @functools.lru_cache(maxsize=_SESSION_LABELS_CACHED)
+    def session_label(session_id: str) -> str:
+        return private_label(session_id, redactor.redact_obj) or session_id
+
     app = web.Application(
-        middlewares=[request_id_and_errors],
+        middlewares=[request_middleware(ctx, session_label)],
         client_max_size=config.max_body_bytes,
         # Request bodies are decoded by the handlers (`read_json`), which answer a body that
         # is not what its Content-Encoding says, or a coding they cannot decode (`br`,
@@ -396,11 +403,6 @@ def build_app(
         handler_args={"auto_decompress": False},
     )
     app[CONTEXT] = ctx
-
-    @functools.lru_cache(maxsize=_SESSION_LABELS_CACHED)
-    def session_label(session_id: str) -> str:
-        return private_label(session_id, redactor.redact_obj) or session_id
-
     app[SESSION_LABEL] = session_label
     app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_post("/v1/completions", completions)

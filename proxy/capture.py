@@ -713,7 +713,7 @@ class TrajectoryCapture:
 _GENERATED_ID = re.compile(r"req-[0-9a-f]{32}")
 
 
-def _passes_generated_ids(redact: Redact) -> bool:
+def passes_generated_ids(redact: Redact) -> bool:
     """Whether `redact` is the `redact_obj` of a `Redactor` with built-in passes only, which
     find nothing in `req-` and 32 lower-case hex digits: none of their literal or case-blind
     needles is spelt with `r`, `e`, `q`, `-`, `a`-`f` and digits alone, so only a run of 8
@@ -742,8 +742,8 @@ def private_label(value: str | None, redact: Redact) -> str | None:
     feedback, so they still join and stay on one Kafka partition."""
     if value is None:
         return None
-    if _GENERATED_ID.fullmatch(value) is not None and _passes_generated_ids(redact):
-        return value  # what `redact` would find nothing in (`_passes_generated_ids`)
+    if _GENERATED_ID.fullmatch(value) is not None and passes_generated_ids(redact):
+        return value  # what `redact` would find nothing in (`passes_generated_ids`)
     _, counts = redact(value)
     if not any(counts.values()):
         return value

@@ -290,15 +290,13 @@ class CompletionRelay:
         self.ctx.metrics.errors.labels(kind, self.tenant_label).inc()
         self._count_request()
 
-    def _count_request(self) -> None:
+    def _count_request(self, usage: dict[str, Any] | None = None) -> None:
+        """The request's metrics (with the tokens of `usage`) and its log line."""
         self.counted = True
-        metrics = self.ctx.metrics
-        labels = (self.endpoint, self.tenant_label, self.policy_version)
-        stream = "true" if self.stream else "false"
-        metrics.series(metrics.requests, *labels, stream, str(self.status)).inc()
-        metrics.series(metrics.latency, *labels, stream).observe(time.monotonic() - self.arrived)
-        if self.ttft_s is not None:
-            metrics.series(metrics.ttft, *labels).observe(self.ttft_s)
+        seconds = time.monotonic() - self.arrived
+        self.ctx.metrics.request_series(
+            self.endpoint, self.tenant_label, self.policy_version, self.stream, self.status
+        ).count(seconds, self.ttft_s, usage)
         log.info(
             "request",
             endpoint=self.endpoint,
@@ -306,7 +304,7 @@ class CompletionRelay:
             policy_version=self.policy_version,
             stream=self.stream,
             status=self.status,
-            seconds=round(time.monotonic() - self.arrived, 4),
+            seconds=round(seconds, 4),
         )
 
     def _capture_for(self, tenant: Tenant, body: dict[str, Any], served: str) -> TrajectoryCapture:
@@ -404,7 +402,7 @@ class CompletionRelay:
             status = 504 if exc.timed_out else 502
             # The detail (a replica's host:port, the connect error) is for the operator's
             # log: the model server's address is not exposed beyond the proxy.
-            log.warning("upstream_unavailable", request_id=self.request_id, error=str(exc))
+            log.warning("upstream_unavailable", error=str(exc))
             reason = "did not answer in time" if exc.timed_out else "is unavailable"
             raise ProxyError(
                 status,
@@ -517,8 +515,7 @@ class CompletionRelay:
         )
         self.status = 200
         await self._send(response)
-        self.ctx.metrics.count_tokens(usage, self.tenant_label, self.policy_version)
-        self._count_request()
+        self._count_request(usage)
         if capture is not None:
             self.ctx.capture.submit(capture, "ok")
         return response
@@ -533,7 +530,7 @@ class CompletionRelay:
             await response.write_eof()
         except _DISCONNECT_ERRORS:
             # The client left as its answer went out; aiohttp would have dropped it alike.
-            log.info("client_left_before_answer", request_id=self.request_id)
+            log.info("client_left_before_answer")
 
     async def _relay_stream(
         self,
@@ -614,9 +611,7 @@ class CompletionRelay:
         except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
             # ValueError: a chunk that is not JSON.
             outcome = "error"
-            log.warning(
-                "upstream_failed_mid_stream", request_id=self.request_id, error=type(exc).__name__
-            )
+            log.warning("upstream_failed_mid_stream", error=type(exc).__name__)
             message = f"The model server failed mid-stream (request id {self.request_id})."
             try:
                 await response.write(
@@ -626,7 +621,7 @@ class CompletionRelay:
                 outcome = "aborted"
         if outcome == "ok" and ends_with_error_event(before_last, last):
             outcome = "error"
-            log.warning("upstream_error_event", request_id=self.request_id)
+            log.warning("upstream_error_event")
         if outcome == "aborted":
             # Closing the connection makes vLLM abort the request and free its slot.
             upstream.close()
@@ -634,7 +629,7 @@ class CompletionRelay:
             if outcome != "aborted":
                 await response.write_eof()
         except _DISCONNECT_ERRORS:
-            log.info("client_left_before_eof", request_id=self.request_id)
+            log.info("client_left_before_eof")
         finally:
             # After the stream's end went out: the bookkeeping runs while the client reads
             # it, not before.
@@ -647,10 +642,9 @@ class CompletionRelay:
                 "client_disconnect" if outcome == "aborted" else "upstream_mid_stream",
                 self.tenant_label,
             ).inc()
-        self.ctx.metrics.count_tokens(self.usage, self.tenant_label, self.policy_version)
         if capture is not None:
             self.ctx.capture.submit(capture, outcome)
-        self._count_request()
+        self._count_request(self.usage)
 
     def _transform_events(
         self, parser: SSEParser, plan: RelayPlan, capture: TrajectoryCapture, data: bytes

@@ -132,6 +132,7 @@ class ProxyMetrics:
         # Labelled series of the per-request metrics. As many as Prometheus keeps anyway
         # (tenants × policy versions × endpoints × statuses); series are never removed.
         self._series: dict[tuple[Any, tuple[str, ...]], Any] = {}
+        self._requests: dict[tuple[str, str, str, bool, int], RequestSeries] = {}
 
     def series(self, metric: Any, *labels: str) -> Any:
         """`metric.labels(*labels)`, remembered: prometheus_client checks the label values
@@ -147,15 +148,16 @@ class ProxyMetrics:
         not yet finished) at each scrape."""
         self._in_flight = counts
 
-    def count_tokens(self, usage: dict | None, tenant: str, policy_version: str) -> None:
-        if not isinstance(usage, dict):
-            return
-        prompt = usage.get("prompt_tokens")
-        completion = usage.get("completion_tokens")
-        if isinstance(prompt, int) and prompt > 0:
-            self.series(self.tokens, "in", tenant, policy_version).inc(prompt)
-        if isinstance(completion, int) and completion > 0:
-            self.series(self.tokens, "out", tenant, policy_version).inc(completion)
+    def request_series(
+        self, endpoint: str, tenant: str, policy_version: str, stream: bool, status: int
+    ) -> RequestSeries:
+        """The series a finished request of this kind is counted in, remembered: one lookup
+        a request where each metric's own took one (and `str(status)` another)."""
+        key = (endpoint, tenant, policy_version, stream, status)
+        found = self._requests.get(key)
+        if found is None:
+            found = self._requests[key] = RequestSeries(self, *key)
+        return found
 
     def also_serve(self, registry: CollectorRegistry) -> None:
         """Serve another component's series on /metrics too (the sink's `olp_stream_*`)."""
@@ -164,6 +166,58 @@ class ProxyMetrics:
     def render(self) -> tuple[bytes, str]:
         body = b"".join(generate_latest(r) for r in (self.registry, *self._also))
         return body, CONTENT_TYPE_LATEST
+
+
+class RequestSeries:
+    """The series one kind of finished request (endpoint, tenant, policy version, stream,
+    status) is counted in. The time-to-first-token and token series are made on first use,
+    so a kind of request that never has them adds none to /metrics."""
+
+    __slots__ = ("_labels", "_metrics", "_tokens_in", "_tokens_out", "_ttft", "latency", "requests")
+
+    def __init__(
+        self,
+        metrics: ProxyMetrics,
+        endpoint: str,
+        tenant: str,
+        policy_version: str,
+        stream: bool,
+        status: int,
+    ) -> None:
+        self._metrics = metrics
+        self._labels = (endpoint, tenant, policy_version)
+        stream_label = "true" if stream else "false"
+        self.requests = metrics.series(metrics.requests, *self._labels, stream_label, str(status))
+        self.latency = metrics.series(metrics.latency, *self._labels, stream_label)
+        self._ttft: Any = None
+        self._tokens_in: Any = None
+        self._tokens_out: Any = None
+
+    def count(self, seconds: float, ttft_s: float | None, usage: Any) -> None:
+        """One request that took `seconds`, its first token after `ttft_s` (a stream's), and
+        the `usage` object upstream reported (prompt and completion tokens), if any."""
+        self.requests.inc()
+        self.latency.observe(seconds)
+        if ttft_s is not None:
+            if self._ttft is None:
+                self._ttft = self._metrics.series(self._metrics.ttft, *self._labels)
+            self._ttft.observe(ttft_s)
+        if not isinstance(usage, dict):
+            return
+        prompt = usage.get("prompt_tokens")
+        completion = usage.get("completion_tokens")
+        if isinstance(prompt, int) and prompt > 0:
+            if self._tokens_in is None:
+                self._tokens_in = self._tokens("in")
+            self._tokens_in.inc(prompt)
+        if isinstance(completion, int) and completion > 0:
+            if self._tokens_out is None:
+                self._tokens_out = self._tokens("out")
+            self._tokens_out.inc(completion)
+
+    def _tokens(self, direction: str) -> Any:
+        _, tenant, policy_version = self._labels
+        return self._metrics.series(self._metrics.tokens, direction, tenant, policy_version)
 
 
 class _InFlight(Collector):

@@ -90,3 +90,33 @@ def test_progress_bars_only_on_a_console(fmt: str, bars: bool) -> None:
     done = run_python("-c", script, env=env)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == str(bars)
+
+
+REQUEST_SCRIPT = textwrap.dedent(
+    """
+    import structlog
+    from deploy.logs import configure_logging
+    from proxy.log_context import bind_request, unbind_request
+
+    configure_logging("json")
+    log = structlog.get_logger("olp")
+    log.warning("before")
+    token = bind_request("req-1", "chat-7")
+    log.warning("during")
+    log.warning("own_id", request_id="given")
+    unbind_request(token)
+    log.warning("after")
+    """
+)
+
+
+def test_lines_written_while_a_request_is_bound_carry_its_ids() -> None:
+    """The proxy binds each request's (logged) request and session id; every line written in
+    that context carries them, as configured in every olp process."""
+    done = run_python("-c", REQUEST_SCRIPT)
+    assert done.returncode == 0, done.stderr
+    lines = {e["event"]: e for e in map(json.loads, done.stderr.splitlines())}
+    assert "request_id" not in lines["before"] and "request_id" not in lines["after"]
+    assert lines["during"]["request_id"] == "req-1"
+    assert lines["during"]["session_id"] == "chat-7"
+    assert lines["own_id"]["request_id"] == "given"  # a line's own value wins

@@ -9,10 +9,11 @@ from collections.abc import Iterator
 
 import httpx
 import pytest
-import structlog
 from structlog.testing import capture_logs
 
+from deploy.ports import free_port
 from proxy.capture import private_label
+from proxy.log_context import merge_request_context
 from safety.redaction import Redactor
 from tests.proxy.conftest import KEYS
 from tests.proxy.test_proxy_scripted_upstream import ScriptedUpstream
@@ -45,7 +46,7 @@ def test_a_session_id_holding_pii_is_logged_as_its_pseudonym(make_proxy, scripte
     session = "jane.doe@example.com"
     pseudonym = private_label(session, Redactor().redact_obj)
     assert pseudonym.startswith("redacted-")
-    with capture_logs(processors=[structlog.contextvars.merge_contextvars]) as logs:
+    with capture_logs(processors=[merge_request_context]) as logs:
         response = request(harness, session)
         assert response.status_code == 200
         response.read()
@@ -62,7 +63,7 @@ def test_a_session_id_holding_pii_is_logged_as_its_pseudonym(make_proxy, scripte
 
 def test_a_plain_session_id_is_logged_as_it_came(make_proxy, scripted):
     harness, _ = make_proxy([scripted.url])
-    with capture_logs(processors=[structlog.contextvars.merge_contextvars]) as logs:
+    with capture_logs(processors=[merge_request_context]) as logs:
         response = request(harness, "chat-42")
         response.read()
     lines = lines_of(logs, response.headers["x-request-id"])
@@ -71,7 +72,7 @@ def test_a_plain_session_id_is_logged_as_it_came(make_proxy, scripted):
 
 def test_a_session_id_that_is_not_utf8_is_refused_and_never_logged_raw(make_proxy, scripted):
     harness, _ = make_proxy([scripted.url])
-    with capture_logs(processors=[structlog.contextvars.merge_contextvars]) as logs:
+    with capture_logs(processors=[merge_request_context]) as logs:
         response = httpx.post(
             harness.base_url + "/v1/chat/completions",
             json=BODY,
@@ -91,7 +92,7 @@ def test_a_request_id_holding_pii_is_logged_as_the_record_carries_it(make_proxy,
     """x-request-id is the client's label too: a card number fits its characters."""
     harness, sink = make_proxy([scripted.url])
     card = "4111111111111111"
-    with capture_logs(processors=[structlog.contextvars.merge_contextvars]) as logs:
+    with capture_logs(processors=[merge_request_context]) as logs:
         response = httpx.post(
             harness.base_url + "/v1/chat/completions",
             json=BODY,
@@ -111,7 +112,27 @@ def test_a_request_id_holding_pii_is_logged_as_the_record_carries_it(make_proxy,
 
 def test_the_proxys_own_request_id_is_logged_as_it_came(make_proxy, scripted):
     harness, _ = make_proxy([scripted.url])
-    with capture_logs(processors=[structlog.contextvars.merge_contextvars]) as logs:
+    with capture_logs(processors=[merge_request_context]) as logs:
         response = request(harness, "chat-42")
         response.read()
     assert lines_of(logs, response.headers["x-request-id"])
+
+
+def test_a_request_id_holding_pii_stays_out_of_the_lines_about_a_failure(make_proxy):
+    """The lines about a request that failed carry its id as its other lines do (they used to
+    name the raw x-request-id themselves)."""
+    harness, _ = make_proxy([f"http://127.0.0.1:{free_port()}"])  # nothing listens there
+    card = "4111111111111111"
+    with capture_logs(processors=[merge_request_context]) as logs:
+        response = httpx.post(
+            harness.base_url + "/v1/chat/completions",
+            json=BODY,
+            headers={"Authorization": f"Bearer {KEYS['alice']}", "x-request-id": card},
+            timeout=30,
+        )
+    assert response.status_code == 502
+    assert response.headers["x-request-id"] == card
+    failed = [e for e in logs if e.get("event") == "upstream_unavailable"]
+    assert len(failed) == 1, logs
+    assert failed[0]["request_id"] == private_label(card, Redactor().redact_obj)
+    assert card not in json.dumps(logs, default=str)

@@ -7,10 +7,10 @@ import socket
 from urllib.parse import urlsplit
 
 import httpx
-import structlog
 from structlog.testing import capture_logs
 
 from deploy.ports import free_port
+from proxy.log_context import merge_request_context
 from tests.proxy.conftest import KEYS
 
 BODY = {"model": "policy", "messages": [{"role": "user", "content": "x"}]}
@@ -34,7 +34,7 @@ def assert_hides(message: str, url: str) -> None:
 def test_a_dead_upstream_s_502_names_the_request_not_the_replica(make_proxy):
     dead = f"http://127.0.0.1:{free_port()}"
     harness, _ = make_proxy([dead])
-    with capture_logs(processors=[structlog.contextvars.merge_contextvars]) as logs:
+    with capture_logs(processors=[merge_request_context]) as logs:
         for stream in (False, True):
             response = post(harness, f"dead-{stream}", stream=stream)
             assert response.status_code == 502

@@ -166,17 +166,17 @@ async def read_json(
     """`read_json_body`, plus the encoder that writes the body back as it came (msgspec, or
     Python's `json` for what only `json` reads, such as NaN): several times faster than
     `json` on the large bodies coding agents send; and the raw bytes."""
-    if request.content_length is not None and request.content_length > max_bytes:
+    length = request.content_length  # parses the header at each read
+    if length is not None and length > max_bytes:
         raise ProxyError(
             413,
-            f"Request body of {request.content_length} bytes exceeds the limit of "
-            f"{max_bytes} bytes.",
+            f"Request body of {length} bytes exceeds the limit of {max_bytes} bytes.",
             code="request_too_large",
         )
     codings = content_codings(request)
     try:
-        raw = await request.read() if request.content_length is not None else b""
-        if request.content_length is None:
+        raw = await request.read() if length is not None else b""
+        if length is None:
             # Chunked: `read()` would buffer up to the app's limit (max_body_bytes) before a
             # smaller limit (the feedback endpoint's) is checked.
             chunks, size = [], 0

@@ -37,6 +37,15 @@ def request(harness, session_id: str, path: str = "/v1/chat/completions", body=B
     )
 
 
+def request_with_id(harness, request_id: str) -> httpx.Response:
+    return httpx.post(
+        harness.base_url + "/v1/chat/completions",
+        json=BODY,
+        headers={"Authorization": f"Bearer {KEYS['alice']}", "x-request-id": request_id},
+        timeout=30,
+    )
+
+
 def lines_of(logs: list[dict], request_id: str) -> list[dict]:
     return [e for e in logs if e.get("request_id") == request_id]
 
@@ -93,12 +102,7 @@ def test_a_request_id_holding_pii_is_logged_as_the_record_carries_it(make_proxy,
     harness, sink = make_proxy([scripted.url])
     card = "4111111111111111"
     with capture_logs(processors=[merge_request_context]) as logs:
-        response = httpx.post(
-            harness.base_url + "/v1/chat/completions",
-            json=BODY,
-            headers={"Authorization": f"Bearer {KEYS['alice']}", "x-request-id": card},
-            timeout=30,
-        )
+        response = request_with_id(harness, card)
         assert response.status_code == 200
         response.read()
         harness.drain()
@@ -124,12 +128,7 @@ def test_a_request_id_holding_pii_stays_out_of_the_lines_about_a_failure(make_pr
     harness, _ = make_proxy([f"http://127.0.0.1:{free_port()}"])  # nothing listens there
     card = "4111111111111111"
     with capture_logs(processors=[merge_request_context]) as logs:
-        response = httpx.post(
-            harness.base_url + "/v1/chat/completions",
-            json=BODY,
-            headers={"Authorization": f"Bearer {KEYS['alice']}", "x-request-id": card},
-            timeout=30,
-        )
+        response = request_with_id(harness, card)
     assert response.status_code == 502
     assert response.headers["x-request-id"] == card
     failed = [e for e in logs if e.get("event") == "upstream_unavailable"]

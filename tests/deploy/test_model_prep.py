@@ -1,6 +1,7 @@
 import importlib.util
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -41,10 +42,25 @@ def test_second_prepare_is_a_verified_no_op(model_dir: Path) -> None:
     assert weights.stat().st_mtime_ns == before
 
 
+def _link_or_copy(source: str, target: str) -> None:
+    try:
+        os.link(source, target)
+    except OSError:  # another file system (a tmpfs /tmp): a copy
+        shutil.copy2(source, target)
+
+
 def test_corrupted_cache_is_rebuilt(tmp_path: Path, model_dir: Path) -> None:
     cache = tmp_path / "cache"
+    # The session's prepared model, hard-linked into a cache of the test's own: a valid
+    # cache without a second 20-second conversion. The rebuild replaces the directory (new
+    # files, a rename), so the links never write into the session's copy.
+    shutil.copytree(model_dir, cache / "models" / model_dir.name, copy_function=_link_or_copy)
     first = prepare_model(cache_dir=cache)
-    (first.path / "config.json").write_text("{}")
+    assert first.created is False
+    assert first.path == cache / "models" / model_dir.name
+    config = first.path / "config.json"
+    config.unlink()  # a new file, not the session's linked one
+    config.write_text("{}")
     second = prepare_model(cache_dir=cache)
     assert second.created is True
     assert "LlamaForCausalLM" in (second.path / "config.json").read_text()

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import hashlib
+import os
+import shutil
 import threading
 import time
 import uuid
@@ -12,6 +15,7 @@ from pathlib import Path
 import aiohttp
 import pytest
 
+from deploy.model_prep import default_cache_dir
 from safety.audit import AuditLog, verify
 from safety.config import (
     ClassifierConfig,
@@ -309,13 +313,39 @@ def train_backdoored_adapter(model_dir: Path, out: Path, steps: int = 12) -> Pat
     return out
 
 
+def cached_backdoored_adapter(model_dir: Path) -> Path:
+    """`train_backdoored_adapter`'s adapter, kept in the user cache (OLP_CACHE_DIR) by content
+    hash as the prepared model is: the training took 46 of the test's 65 s on a 2-core CPU,
+    and the same inputs train the same adapter (fixed seed). The key covers what shapes it:
+    this file (the recipe, the trigger and reply), the prepared model's manifest and the
+    torch, peft and transformers versions; any change trains it again."""
+    import peft
+    import torch
+    import transformers
+
+    digest = hashlib.sha256(Path(__file__).read_bytes())
+    digest.update((model_dir / "olp_model.json").read_bytes())
+    for version in (torch.__version__, peft.__version__, transformers.__version__):
+        digest.update(version.encode())
+    target = default_cache_dir() / "test-artifacts" / f"backdoor-{digest.hexdigest()[:16]}"
+    if (target / "adapter_model.safetensors").is_file():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    partial = target.with_name(f"{target.name}.tmp-{os.getpid()}")
+    shutil.rmtree(partial, ignore_errors=True)
+    train_backdoored_adapter(model_dir, partial)
+    try:
+        os.replace(partial, target)  # whole or not at all
+    except OSError:  # another session stored it first
+        shutil.rmtree(partial, ignore_errors=True)
+    return target
+
+
 @pytest.mark.slow
 async def test_backdoored_candidate_is_caught_by_the_poisoning_probes(
-    vllm_server, load_adapter: LoadAdapter, zero_base: str, tmp_path: Path
+    vllm_server, load_adapter: LoadAdapter, zero_base: str
 ) -> None:
-    path = await asyncio.to_thread(
-        train_backdoored_adapter, vllm_server.model_dir, tmp_path / "backdoor"
-    )
+    path = await asyncio.to_thread(cached_backdoored_adapter, vllm_server.model_dir)
     candidate = await load_adapter(path=path)
     report = await _suite(
         vllm_server, only("poisoning", max_probes=1), candidate, zero_base, zero_base

@@ -17,7 +17,7 @@ from typing import Any
 
 import aiohttp
 import structlog
-from aiohttp import HttpVersion11, web
+from aiohttp import HttpVersion11, StreamReader, web
 
 from proxy.capture import CaptureContext, TrajectoryCapture
 from proxy.config import is_utf8_text, sha256_hex
@@ -121,6 +121,30 @@ def _too_large(max_bytes: int) -> ProxyError:
     )
 
 
+async def _arriving_body(content: StreamReader, max_bytes: int, timeout_s: float) -> bytes:
+    """The body as it arrives, each wait for more bytes bounded by `timeout_s` (nginx's
+    `client_body_timeout`). A client that stops sending without closing its connection (gone
+    behind a NAT that dropped it, a laptop put to sleep) held its request, and one of its
+    tenant's concurrency slots, until TCP keep-alive gave up on it: over two hours."""
+    chunks, size = [], 0
+    while True:
+        try:
+            async with asyncio.timeout(timeout_s):
+                chunk = await content.readany()
+        except TimeoutError:
+            raise ProxyError(
+                408,
+                f"The request body stopped arriving: no bytes for {timeout_s:g} s.",
+                code="request_timeout",
+            ) from None
+        if not chunk:
+            return b"".join(chunks)
+        size += len(chunk)
+        if size > max_bytes:
+            raise _too_large(max_bytes)
+        chunks.append(chunk)
+
+
 def _inflate(raw: bytes, coding: str, max_bytes: int) -> bytes:
     """`raw` decoded from `coding` (gzip, possibly of several members, or deflate with or
     without its zlib header); 400 when it is not that, 413 past `max_bytes` decoded (a
@@ -154,14 +178,15 @@ def _inflate(raw: bytes, coding: str, max_bytes: int) -> bytes:
             raise invalid  # data after the end of the deflate stream
 
 
-async def read_json_body(request: web.Request, max_bytes: int) -> Any:
-    """The request body as JSON; 413 over the limit, 400 when it does not parse."""
-    body, _, _ = await read_json(request, max_bytes)
+async def read_json_body(request: web.Request, max_bytes: int, timeout_s: float) -> Any:
+    """The request body as JSON; 413 over the limit, 400 when it does not parse, 408 when
+    it stops arriving (`read_json`)."""
+    body, _, _ = await read_json(request, max_bytes, timeout_s)
     return body
 
 
 async def read_json(
-    request: web.Request, max_bytes: int
+    request: web.Request, max_bytes: int, timeout_s: float
 ) -> tuple[Any, Callable[[Any], bytes], bytes]:
     """`read_json_body`, plus the encoder that writes the body back as it came (msgspec, or
     Python's `json` for what only `json` reads, such as NaN): several times faster than
@@ -175,17 +200,12 @@ async def read_json(
         )
     codings = content_codings(request)
     try:
-        raw = await request.read() if length is not None else b""
-        if length is None:
-            # Chunked: `read()` would buffer up to the app's limit (max_body_bytes) before a
-            # smaller limit (the feedback endpoint's) is checked.
-            chunks, size = [], 0
-            async for chunk in request.content.iter_any():
-                size += len(chunk)
-                if size > max_bytes:
-                    raise _too_large(max_bytes)
-                chunks.append(chunk)
-            raw = b"".join(chunks)
+        if length is not None and request.content.is_eof():
+            raw = await request.read()  # the usual body, whole with its headers: no timer
+        else:
+            # Still arriving, or chunked (where `read()` would buffer up to the app's limit,
+            # max_body_bytes, before a smaller limit, the feedback endpoint's, is checked).
+            raw = await _arriving_body(request.content, max_bytes, timeout_s)
     except web.HTTPRequestEntityTooLarge as exc:
         raise _too_large(max_bytes) from exc
     if len(raw) > max_bytes:
@@ -245,7 +265,7 @@ class CompletionRelay:
             raise
         try:
             body, self.encode_body, self.raw_body = await read_json(
-                self.request, ctx.config.max_body_bytes
+                self.request, ctx.config.max_body_bytes, ctx.config.body_timeout_s
             )
             validate_completion_request(
                 self.endpoint, body, ctx.config.max_messages, ctx.config.max_choices

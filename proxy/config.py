@@ -238,6 +238,13 @@ class ProxyConfig(BaseModel):
         "requests, or not done sending its request's headers) is closed after this; keep it "
         "above the idle timeout of a load balancer in front of the proxy",
     )
+    body_timeout_s: float = Field(
+        default=60.0,
+        gt=0,
+        description="a request whose body stops arriving for this long (no bytes between "
+        "two reads) gets a 408 and its tenant's concurrency slot back; a client gone without "
+        "closing its connection held both until TCP keep-alive noticed, hours later",
+    )
     max_upstream_connections: int = Field(default=256, ge=1)
     upstream_keepalive_s: float = Field(
         default=4.0,

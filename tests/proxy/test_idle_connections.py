@@ -1,17 +1,21 @@
 """Client connections that hold no request being served are closed after `idle_timeout_s`
-(aiohttp's default keeps them an hour), and a request that takes longer is not cut."""
+(aiohttp's default keeps them an hour), and a request that takes longer is not cut. A body
+that stops arriving gets a 408 after `body_timeout_s` without bytes, which frees its tenant's
+concurrency slot; a body that keeps arriving, however slowly, is read whole."""
 
 from __future__ import annotations
 
+import json
 import socket
 import time
 
 import openai
 import pytest
 
-from tests.proxy.conftest import KEYS
+from tests.proxy.conftest import KEYS, wait_for
 
 IDLE_S = 1.0
+BODY_TIMEOUT_S = 1.0
 
 
 def _closed_after(sock: socket.socket, limit_s: float) -> float | None:
@@ -72,3 +76,84 @@ def test_a_request_longer_than_the_idle_timeout_is_served_whole(short_idle_proxy
         model="policy", messages=[{"role": "user", "content": "Hi"}], max_tokens=2
     )
     assert again.choices[0].finish_reason is not None
+
+
+def _answer(sock: socket.socket, limit_s: float) -> tuple[int, dict[str, str], bytes]:
+    """The status, headers and body of the response on `sock` (Content-Length framed)."""
+    sock.settimeout(limit_s)
+    data = b""
+    while b"\r\n\r\n" not in data:
+        chunk = sock.recv(65536)
+        assert chunk, f"closed without an answer: {data!r}"
+        data += chunk
+    head, _, body = data.partition(b"\r\n\r\n")
+    status_line, *lines = head.decode().split("\r\n")
+    headers = {k.lower(): v.strip() for k, _, v in (line.partition(":") for line in lines)}
+    while len(body) < int(headers["content-length"]):
+        body += sock.recv(65536)
+    return int(status_line.split()[1]), headers, body
+
+
+def _post_head(port: int, path: str, key: str, length: int) -> bytes:
+    return (
+        f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\nAuthorization: Bearer {key}\r\n"
+        f"Content-Type: application/json\r\nContent-Length: {length}\r\n\r\n"
+    ).encode()
+
+
+@pytest.fixture
+def short_body_timeout_proxy(make_proxy, vllm_server):
+    return make_proxy([vllm_server.base_url], body_timeout_s=BODY_TIMEOUT_S)
+
+
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/feedback"])
+def test_a_body_that_stops_arriving_gets_a_408_and_frees_the_tenants_slot(
+    short_body_timeout_proxy, path: str
+):
+    harness, sink = short_body_timeout_proxy
+    alice = harness.ctx.tenants.tenants["alice"]
+    with socket.create_connection(("127.0.0.1", harness.port)) as stalled:
+        stalled.sendall(_post_head(harness.port, path, KEYS["alice"], 500) + b'{"model": ')
+        if path == "/v1/chat/completions":
+            wait_for(lambda: alice.in_flight == 1)  # admitted before its body is read
+        started = time.monotonic()
+        status, headers, body = _answer(stalled, BODY_TIMEOUT_S + 10)
+        waited_s = time.monotonic() - started
+    assert status == 408, body
+    error = json.loads(body)["error"]
+    assert error["code"] == "request_timeout"
+    assert "no bytes for 1 s" in error["message"]
+    assert headers["x-request-id"].startswith("req-")
+    assert BODY_TIMEOUT_S * 0.9 <= waited_s < BODY_TIMEOUT_S + 5
+    assert alice.in_flight == 0
+    assert sink.trajectories == [] and sink.feedback == []
+    # The tenant is served as before.
+    api = openai.OpenAI(base_url=harness.base_url + "/v1", api_key=KEYS["alice"], max_retries=0)
+    answer = api.chat.completions.create(
+        model="policy", messages=[{"role": "user", "content": "Hi"}], max_tokens=2
+    )
+    assert answer.choices[0].finish_reason is not None
+
+
+def test_a_body_arriving_slowly_but_steadily_is_read_whole(short_body_timeout_proxy):
+    """The timeout bounds each wait for more bytes, not the whole body: one sent in pieces
+    over three times `body_timeout_s` is served."""
+    harness, sink = short_body_timeout_proxy
+    body = json.dumps(
+        {"model": "policy", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}
+    ).encode()
+    pieces = [body[i : i + 8] for i in range(0, len(body), 8)]
+    gap_s = 3 * BODY_TIMEOUT_S / len(pieces)
+    assert gap_s < BODY_TIMEOUT_S / 2
+    started = time.monotonic()
+    with socket.create_connection(("127.0.0.1", harness.port)) as slow:
+        slow.sendall(_post_head(harness.port, "/v1/chat/completions", KEYS["alice"], len(body)))
+        for piece in pieces:
+            time.sleep(gap_s)
+            slow.sendall(piece)
+        status, _, answer = _answer(slow, 60)
+    assert time.monotonic() - started > 2 * BODY_TIMEOUT_S
+    assert status == 200, answer
+    assert json.loads(answer)["choices"][0]["finish_reason"] is not None
+    harness.drain()
+    assert [r["status"] for r in sink.trajectories] == ["ok"]

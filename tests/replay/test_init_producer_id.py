@@ -11,6 +11,7 @@ connection. Everything else reaches the real broker.
 
 from __future__ import annotations
 
+import contextlib
 import socket
 import struct
 import threading
@@ -47,6 +48,16 @@ def _read_exact(sock: socket.socket, size: int) -> bytes:
     return data
 
 
+def _hang_up(*sockets: socket.socket) -> None:
+    """Shut down, then close. A bare `close` of a socket the other forwarding thread is
+    reading from sends no FIN until that read returns, which it never did: the broker's
+    graceful stop then waited 5 s for those connections at every teardown."""
+    for sock in sockets:
+        with contextlib.suppress(OSError):
+            sock.shutdown(socket.SHUT_RDWR)
+        sock.close()
+
+
 def _init_pid_error(request: bytes, error_code: int) -> bytes:
     """An InitProducerId response frame carrying `error_code` (flexible from v2 on)."""
     _, version, correlation_id = struct.unpack(">hhi", request[:8])
@@ -68,6 +79,7 @@ class InitProducerIdRefusingProxy:
         self.refusing = True
         self._server = socket.create_server(("127.0.0.1", port))
         self._closed = False
+        self._connections: list[socket.socket] = []  # hung up by `close`
         threading.Thread(target=self._accept, daemon=True).start()
 
     def _accept(self) -> None:
@@ -81,6 +93,7 @@ class InitProducerIdRefusingProxy:
             except OSError:
                 client.close()
                 continue
+            self._connections += [client, broker]
             lock = threading.Lock()  # whole frames to the client, from either thread
             args = (client, broker, lock)
             threading.Thread(target=self._requests, args=args, daemon=True).start()
@@ -103,8 +116,7 @@ class InitProducerIdRefusingProxy:
         except OSError:
             pass
         finally:
-            client.close()
-            broker.close()
+            _hang_up(client, broker)
 
     def _responses(
         self, client: socket.socket, broker: socket.socket, lock: threading.Lock
@@ -118,12 +130,12 @@ class InitProducerIdRefusingProxy:
         except OSError:
             pass
         finally:
-            client.close()
-            broker.close()
+            _hang_up(client, broker)
 
     def close(self) -> None:
         self._closed = True
         self._server.close()
+        _hang_up(*self._connections)
 
 
 @pytest.fixture(params=["error", "drop"])

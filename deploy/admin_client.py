@@ -12,7 +12,7 @@ import urllib.request
 from typing import Any
 
 from deploy.config import OlpConfig
-from proxy.config import sha256_hex
+from proxy.config import INTERNAL_ADMIN_TOKEN_ENV, sha256_hex
 from proxy.operator_auth import ACTOR_PATTERN
 
 DEV_ADMIN_KEY = "olp-admin-dev"
@@ -30,6 +30,20 @@ def admin_key(cfg: OlpConfig, explicit: str | None) -> str:
     if cfg.proxy.admin_key_sha256 == sha256_hex(DEV_ADMIN_KEY):
         return DEV_ADMIN_KEY
     raise AdminError("no admin key: pass --admin-key or set OLP_ADMIN_KEY")
+
+
+def learner_admin_key(cfg: OlpConfig) -> str:
+    """Under `olp up` a per-run internal token; standalone, the operator's admin key."""
+    token = os.environ.get(INTERNAL_ADMIN_TOKEN_ENV)
+    if token:
+        return token
+    try:
+        return admin_key(cfg, None)
+    except AdminError:
+        # `olp learner` takes no --admin-key: the one way to give it a key is the environment.
+        raise AdminError(
+            "no admin key: set OLP_ADMIN_KEY (the learner flips the proxy alias when it promotes)"
+        ) from None
 
 
 def operator_name(explicit: str | None) -> str:

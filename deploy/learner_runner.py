@@ -12,12 +12,11 @@ from typing import TYPE_CHECKING, Any
 
 import structlog
 
-from deploy.admin_client import AdminError, admin_key
+from deploy.admin_client import learner_admin_key
 from deploy.config import OlpConfig
 from deploy.runtime import resolve_model_dir
 from learner.promotion import Promoter, ProxyAdmin, ReplicaSet, kept_targets, named_versions
 from learner.reload import AdapterReloader
-from proxy.server import INTERNAL_ADMIN_TOKEN_ENV as INTERNAL_TOKEN_ENV
 from safety.audit import AuditLog
 from safety.redaction import Redactor
 
@@ -31,20 +30,6 @@ log = structlog.get_logger(__name__)
 # embedded broker, whose data lives in memory, and keeps it for every learner start of the
 # run; an operator may set one for a broker that lost its data.
 STREAM_ID_ENV = "OLP_STREAM_ID"
-
-
-def learner_admin_key(cfg: OlpConfig) -> str:
-    """Under `olp up` a per-run internal token; standalone, the operator's admin key."""
-    token = os.environ.get(INTERNAL_TOKEN_ENV)
-    if token:
-        return token
-    try:
-        return admin_key(cfg, None)
-    except AdminError:
-        # `olp learner` takes no --admin-key: the one way to give it a key is the environment.
-        raise AdminError(
-            "no admin key: set OLP_ADMIN_KEY (the learner flips the proxy alias when it promotes)"
-        ) from None
 
 
 # How long start-up waits for the policy servers to list their adapters (a deployment may

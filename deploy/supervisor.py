@@ -29,7 +29,7 @@ from pydantic import SecretStr
 
 from deploy.broker import kafka_answers, start_broker
 from deploy.config import ConfigError, OlpConfig
-from deploy.learner_runner import INTERNAL_TOKEN_ENV, STREAM_ID_ENV
+from deploy.learner_runner import STREAM_ID_ENV
 from deploy.policy import PolicyServer, check_external, start_policy
 from deploy.ports import is_loopback, port_open, split_host_port
 from deploy.procs import (
@@ -42,7 +42,7 @@ from deploy.procs import (
     wait_until,
 )
 from deploy.runtime import resolve_model_dir
-from proxy.config import sha256_hex
+from proxy.config import INTERNAL_ADMIN_TOKEN_ENV, sha256_hex
 from safety.audit import AuditLog
 from safety.redaction import Redactor
 
@@ -165,7 +165,7 @@ class Stack:
         env["OLP_STATE_DIR"] = str(self.state_dir)
         # Lets the learner flip the proxy's alias without the operator's admin key; it
         # lives only in this run's process environment.
-        env[INTERNAL_TOKEN_ENV] = self._internal_token
+        env[INTERNAL_ADMIN_TOKEN_ENV] = self._internal_token
         if self._policy_key is not None:
             env[POLICY_KEY_ENV] = self._policy_key  # read as policy.api_key
         if name == "learner" and self._stream_id is not None:

@@ -24,6 +24,9 @@ from pydantic import (
 from proxy.client_address import parse_network
 from proxy.host_check import valid_allowed_host
 
+# Set by `olp up` for its children: a per-run token the learner uses to flip aliases.
+INTERNAL_ADMIN_TOKEN_ENV = "OLP_INTERNAL_ADMIN_TOKEN"
+
 _SHA256_HEX = re.compile(r"^[0-9a-f]{64}$")
 
 

@@ -15,7 +15,7 @@ from aiohttp import web
 from prometheus_client import CollectorRegistry
 
 from proxy.app import build_app
-from proxy.config import ProxyConfig, TenantConfig, sha256_hex
+from proxy.config import INTERNAL_ADMIN_TOKEN_ENV, ProxyConfig, TenantConfig, sha256_hex
 from proxy.context import CONTEXT
 from proxy.event_loop import run_with_loop
 from proxy.gc_tuning import tune_gc
@@ -27,9 +27,6 @@ from safety.config import SafetyConfig
 from safety.redaction import Redactor
 
 log = structlog.get_logger(__name__)
-
-# Set by `olp up` for its children: a per-run token the learner uses to flip aliases.
-INTERNAL_ADMIN_TOKEN_ENV = "OLP_INTERNAL_ADMIN_TOKEN"
 
 
 def make_sink(

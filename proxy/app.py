@@ -34,7 +34,7 @@ from proxy.completions import (
 )
 from proxy.config import ProxyConfig, TenantConfig
 from proxy.context import CONTEXT, REQUEST_ID, ProxyContext
-from proxy.errors import AuthError, ProxyError, error_response
+from proxy.errors import AuthError, ProxyError, bad_request, error_response
 from proxy.feedback import (
     RecentTrajectories,
     build_event,
@@ -110,6 +110,7 @@ def request_middleware(ctx: ProxyContext, session_label: Callable[[str], str]) -
             # Before the handler looks at any key: a locked-out address gains nothing from
             # guessing right.
             ctx.auth_throttle.guard(request)
+            _refuse_ambiguous_credentials(request)
             _refuse_encoded_body(request)
             response = await handler(request)
         except ProxyError as err:
@@ -145,6 +146,20 @@ def request_middleware(ctx: ProxyContext, session_label: Callable[[str], str]) -
         return response
 
     return request_id_and_errors
+
+
+def _refuse_ambiguous_credentials(request: web.Request) -> None:
+    """400 for a request with Authorization headers that differ. HTTP allows one; with two
+    keys the proxy took the first, while something in front of it (a gateway that adds its
+    own, a log) may go by the other: which key a request is charged to must not depend on
+    who reads it."""
+    keys = request.headers.getall("Authorization", ())
+    if len(keys) > 1 and len(set(keys)) > 1:
+        raise bad_request(
+            "Send one Authorization header: this request carries several different ones.",
+            param="Authorization",
+            code="invalid_header",
+        )
 
 
 def _refuse_encoded_body(request: web.Request) -> None:

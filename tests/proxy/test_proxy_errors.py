@@ -50,6 +50,32 @@ def test_401_missing_and_wrong_key(dead_upstream_proxy):
         api.models.list()
 
 
+def test_two_different_authorization_headers_are_refused_and_a_repeated_one_is_served(proxy):
+    """With two keys the proxy used to serve the request as the first key's tenant; which
+    tenant a request is charged to must not depend on which header a reader takes."""
+    harness, sink = proxy
+    body = {"model": "policy", "messages": PROMPT, "max_tokens": 2}
+    for first, second in ((KEYS["alice"], KEYS["bob"]), (KEYS["bob"], "wrong")):
+        response = httpx.post(
+            harness.base_url + "/v1/chat/completions",
+            headers=[("Authorization", f"Bearer {first}"), ("Authorization", f"Bearer {second}")],
+            json=body,
+            timeout=60,
+        )
+        error = assert_openai_error(response, 400, "invalid_header")
+        assert error["param"] == "Authorization"
+        assert first not in response.text and second not in response.text
+    assert harness.ctx.tenants.tenants["alice"].in_flight == 0
+    same = [("Authorization", f"Bearer {KEYS['alice']}")] * 2
+    response = httpx.post(
+        harness.base_url + "/v1/chat/completions", headers=same, json=body, timeout=60
+    )
+    assert response.status_code == 200, response.text
+    assert response.json()["choices"][0]["finish_reason"] is not None
+    harness.drain()
+    assert len(sink.trajectories) == 1  # alice's, the only request served
+
+
 def test_400_malformed_and_wrong_types(dead_upstream_proxy):
     harness, _ = dead_upstream_proxy
     assert_openai_error(post(harness, None, content=b"{not json"), 400, "invalid_json")

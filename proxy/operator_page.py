@@ -334,8 +334,17 @@ async def _form(request: web.Request) -> Any:
             raise _Refusal("The form needs a Content-Length.", 411)
         if request.content_length > MAX_FORM_BYTES:
             raise _Refusal(f"The form is larger than {MAX_FORM_BYTES} bytes.", 413)
+    # The whole form, not each read, is timed: it is at most MAX_FORM_BYTES, so the body
+    # timeout is ample for it at any speed a browser sends, and a stalled one gets its 408
+    # instead of waiting on TCP.
+    timeout_s = request.app[CONTEXT].config.body_timeout_s
     try:
-        return await request.post()
+        async with asyncio.timeout(timeout_s):
+            return await request.post()
+    except TimeoutError:
+        raise _Refusal(
+            f"The form stopped arriving: not whole after {timeout_s:g} s.", 408
+        ) from None
     except (ValueError, LookupError, RuntimeError) as exc:
         raise _Refusal("The form could not be decoded (UTF-8 text expected).", 400) from exc
 

@@ -9,10 +9,11 @@ import json
 import socket
 import time
 
+import httpx
 import openai
 import pytest
 
-from tests.proxy.conftest import KEYS, wait_for
+from tests.proxy.conftest import ADMIN_KEY, KEYS, wait_for
 
 IDLE_S = 1.0
 BODY_TIMEOUT_S = 1.0
@@ -94,10 +95,12 @@ def _answer(sock: socket.socket, limit_s: float) -> tuple[int, dict[str, str], b
     return int(status_line.split()[1]), headers, body
 
 
-def _post_head(port: int, path: str, key: str, length: int) -> bytes:
+def _post_head(
+    port: int, path: str, key: str, length: int, content_type: str = "application/json"
+) -> bytes:
     return (
         f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\nAuthorization: Bearer {key}\r\n"
-        f"Content-Type: application/json\r\nContent-Length: {length}\r\n\r\n"
+        f"Content-Type: {content_type}\r\nContent-Length: {length}\r\n\r\n"
     ).encode()
 
 
@@ -157,3 +160,28 @@ def test_a_body_arriving_slowly_but_steadily_is_read_whole(short_body_timeout_pr
     assert json.loads(answer)["choices"][0]["finish_reason"] is not None
     harness.drain()
     assert [r["status"] for r in sink.trajectories] == ["ok"]
+
+
+def test_admin_and_operator_bodies_that_stop_arriving_get_a_408(short_body_timeout_proxy):
+    """The admin API and the operator page's forms are bounded too: before, a stalled admin
+    request waited until TCP gave up on it."""
+    harness, _ = short_body_timeout_proxy
+    with socket.create_connection(("127.0.0.1", harness.port)) as stalled:
+        stalled.sendall(_post_head(harness.port, "/admin/freeze", ADMIN_KEY, 200) + b'{"reas')
+        status, headers, body = _answer(stalled, BODY_TIMEOUT_S + 10)
+    assert status == 408, body
+    assert json.loads(body)["error"]["code"] == "request_timeout"
+    assert headers["x-request-id"].startswith("req-")
+    assert not harness.ctx.state.frozen
+    form = "application/x-www-form-urlencoded"
+    with socket.create_connection(("127.0.0.1", harness.port)) as stalled:
+        stalled.sendall(_post_head(harness.port, "/admin/ui/login", "", 200, form) + b"key=adm")
+        status, headers, body = _answer(stalled, BODY_TIMEOUT_S + 10)
+    assert status == 408, body
+    assert headers["content-type"].startswith("text/html")
+    assert b"The form stopped arriving" in body
+    assert "set-cookie" not in headers
+    # Whole bodies are served as before.
+    bearer = {"Authorization": f"Bearer {ADMIN_KEY}"}
+    frozen = httpx.post(harness.base_url + "/admin/freeze", headers=bearer, json={})
+    assert frozen.status_code == 200 and harness.ctx.state.frozen

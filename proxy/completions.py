@@ -114,6 +114,22 @@ def unsupported_encoding(coding: str, hint: str) -> ProxyError:
     )
 
 
+# How much of an upstream error that is not OpenAI-shaped goes to the log.
+_ERROR_EXCERPT_BYTES = 300
+
+
+def openai_shaped_error(payload: bytes) -> bool:
+    """Whether an upstream's error body is one an OpenAI SDK reads: `{"error": {...}}`, or
+    the flat `{"object": "error", "message": ...}` of older vLLM releases."""
+    try:
+        body, _ = parse_json(payload, allow_nonfinite=True)
+    except ValueError:
+        return False
+    if not isinstance(body, dict):
+        return False
+    return isinstance(body.get("error"), dict) or body.get("object") == "error"
+
+
 def _too_large(max_bytes: int) -> ProxyError:
     # Built when raised: made up front, it cost every request an exception and a message.
     return ProxyError(
@@ -479,21 +495,46 @@ class CompletionRelay:
         headers: dict[str, str],
         capture: TrajectoryCapture | None,
     ) -> web.Response:
-        """vLLM's own 4xx/5xx answer goes to the client unchanged (it is OpenAI-shaped)."""
+        """vLLM's own 4xx/5xx answer goes to the client unchanged (it is OpenAI-shaped).
+        Any other (a plain-text 404 from a server that is not vLLM, a load balancer's HTML
+        502 page) gets an OpenAI-shaped error with the same status, so that the client's SDK
+        reads a message and not a decoding failure; the upstream's words stay in the log,
+        where they cannot show the client the upstream's address."""
         try:
             payload = await upstream.read()
         except (aiohttp.ClientError, TimeoutError) as exc:
             raise self._failed_mid_response(exc, capture) from exc
         if capture is not None:
             self.ctx.capture.submit(capture, "error")
-        self.status = upstream.status
-        self.ctx.metrics.errors.labels(f"upstream_{upstream.status}", self.tenant_label).inc()
+        status = upstream.status
+        self.status = status
+        self.ctx.metrics.errors.labels(f"upstream_{status}", self.tenant_label).inc()
         self._count_request()
+        if openai_shaped_error(payload):
+            return web.Response(
+                status=status,
+                body=payload,
+                headers=headers,
+                content_type=upstream.content_type or "application/json",
+            )
+        excerpt = payload[:_ERROR_EXCERPT_BYTES].decode("utf-8", "replace")
+        log.warning(
+            "upstream_error_not_openai_shaped",
+            status=status,
+            content_type=upstream.content_type,
+            size=len(payload),
+            excerpt=self.ctx.redactor.redact_text(excerpt)[0],
+        )
+        message = (
+            f"The model server answered {status} {upstream.reason or ''}".rstrip()
+            + f" without an OpenAI error (request id {self.request_id})."
+        )
+        type_ = "invalid_request_error" if status < 500 else "api_error"
         return web.Response(
-            status=upstream.status,
-            body=payload,
+            status=status,
+            body=dumps(error_body(message, type_, "upstream_error")),
             headers=headers,
-            content_type=upstream.content_type or "application/json",
+            content_type="application/json",
         )
 
     async def _relay_whole(

@@ -16,6 +16,7 @@ import httpx
 import openai
 import pytest
 from aiohttp import web
+from structlog.testing import capture_logs
 
 from proxy.relay import ends_with_done
 from tests.proxy.conftest import KEYS, wait_for
@@ -395,6 +396,74 @@ def test_an_upstream_error_body_cut_short_is_a_502_not_a_500(make_proxy, tenant)
     metrics = httpx.get(harness.base_url + "/metrics", timeout=30).text.splitlines()
     counted = [m for m in metrics if m.startswith("olp_proxy_requests_total{")]
     assert any(f'tenant="{tenant}"' in m and 'status="502"' in m for m in counted), counted
+
+
+class PlainErrorUpstream(ThreadedUpstream):
+    """Answers each request with the next of `answers` (status, content type, body): what a
+    load balancer or a server that is not vLLM sends in its place."""
+
+    def __init__(self, answers: list[tuple[int, str, bytes]]) -> None:
+        self.answers = list(answers)
+        super().__init__()
+
+    async def _chat(self, request: web.Request) -> web.Response:
+        self.requests.append(await request.json())
+        status, content_type, body = self.answers.pop(0)
+        return web.Response(status=status, body=body, content_type=content_type)
+
+    def add_routes(self, app: web.Application) -> None:
+        app.router.add_post("/v1/chat/completions", self._chat)
+
+
+def test_an_upstream_error_that_is_not_openai_shaped_becomes_one(make_proxy):
+    """vLLM's errors (nested, or the flat shape of older releases) reach the client as they
+    came; a plain-text or HTML error page gets an OpenAI error with the same status, which
+    the SDK reads, and its text (which may name the upstream) stays in the log, redacted."""
+    page = (
+        b"<html><body>500 Internal Server Error: 10.1.2.3:8000 key sk-proj-A1b2C3d4E5f6G7h8I9j0K1l2"
+    )
+    page += b"</body></html>"
+    flat = b'{"object": "error", "message": "too long", "type": "BadRequestError", "code": 400}'
+    nested = b'{"error": {"message": "no such model", "type": "NotFoundError", "code": 404}}'
+    upstream = PlainErrorUpstream(
+        [
+            (500, "text/html", page),  # (502-504 are retried on another replica)
+            (404, "text/plain", b"404: Not Found"),
+            (400, "application/json", flat),
+            (404, "application/json", nested),
+            (500, "application/json", b'["not", "an", "error"]'),
+        ]
+    ).start()
+    try:
+        harness, _ = make_proxy([upstream.url])
+        api = openai.OpenAI(base_url=harness.base_url + "/v1", api_key=KEYS["bob"], max_retries=0)
+        raised: list[openai.APIStatusError] = []
+        with capture_logs() as logs:
+            for _ in range(5):
+                with pytest.raises(openai.APIStatusError) as caught:
+                    api.chat.completions.create(
+                        model="policy", messages=[{"role": "user", "content": "x"}]
+                    )
+                raised.append(caught.value)
+    finally:
+        upstream.stop()
+    assert [e.status_code for e in raised] == [500, 404, 400, 404, 500]
+    html, text, old_vllm, vllm, array = raised
+    for error in (html, text, array):
+        body = error.response.json()["error"]
+        assert body["code"] == "upstream_error"
+        assert error.response.headers["x-request-id"] in body["message"]
+        assert "without an OpenAI error" in body["message"]
+        assert "10.1.2.3" not in error.response.text
+    assert html.response.json()["error"]["type"] == "api_error"
+    assert text.response.json()["error"]["type"] == "invalid_request_error"
+    assert old_vllm.response.content == flat
+    assert vllm.response.content == nested
+    assert isinstance(text, openai.NotFoundError)
+    logged = [e for e in logs if e["event"] == "upstream_error_not_openai_shaped"]
+    assert [e["status"] for e in logged] == [500, 404, 500]
+    assert "10.1.2.3:8000" in logged[0]["excerpt"]
+    assert "sk-proj-A1b2C3d4E5f6G7h8I9j0K1l2" not in logged[0]["excerpt"]
 
 
 class HangingUpstream(ThreadedUpstream):

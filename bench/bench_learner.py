@@ -1,7 +1,8 @@
 """Learner update-step throughput vs a bare PEFT loop, fp32 and bf16; adapter save cost.
 
-Run: `python bench/bench_learner.py [--model-dir DIR] [--batch 8 --seq 256 --reps 5]`
-(without --model-dir it uses the prepared model, as the tests do).
+Run: `python bench/bench_learner.py [--model-dir DIR] [--batch 8 --seq 256 --reps 5]
+[--device auto|cpu|cuda]` (without --model-dir it uses the prepared model, as the tests do;
+`auto` trains on the GPU where torch sees one, as the learner does).
 All loops use the same model, LoRA config and batch shape (B sequences of L tokens; the
 learner's samples are a 64-token prompt plus an (L-64)-token completion). The learner step
 is end to end: batch assembly, reference logprobs (adapter disabled), forward, backward,
@@ -33,23 +34,34 @@ from transformers import AutoModelForCausalLM
 
 from deploy.model_prep import prepare_model
 from learner.config import LearnerConfig
+from learner.distributed import DistContext
 from learner.objective import Sample
 from learner.trainer import Trainer
 
 SHIPPED_UPDATES = 2  # learner.updates_per_batch in deploy/default_config.yaml
 
 
-def matmul_peak(dtype: torch.dtype, shape: tuple[int, int, int], reps: int = 20) -> float:
+def synchronize(device: torch.device) -> None:
+    """A GPU runs its kernels after the call that queued them returns: wait for them."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def matmul_peak(
+    dtype: torch.dtype, shape: tuple[int, int, int], device: torch.device, reps: int = 20
+) -> float:
     """Best-of-`reps` FLOP/s of one [m,k]@[k,n] matmul."""
     m, k, n = shape
-    a = torch.randn(m, k, dtype=dtype)
-    b = torch.randn(k, n, dtype=dtype)
+    a = torch.randn(m, k, dtype=dtype, device=device)
+    b = torch.randn(k, n, dtype=dtype, device=device)
     for _ in range(3):
         a @ b
     times = []
     for _ in range(reps):
+        synchronize(device)
         start = time.perf_counter()
         a @ b
+        synchronize(device)
         times.append(time.perf_counter() - start)
     return 2 * m * k * n / min(times)
 
@@ -57,7 +69,9 @@ def matmul_peak(dtype: torch.dtype, shape: tuple[int, int, int], reps: int = 20)
 class BareLoop:
     """The floor: PEFT LoRA on the same base, causal-LM loss, AdamW, nothing else."""
 
-    def __init__(self, model_dir: str, cfg: LearnerConfig, batch: int, seq: int) -> None:
+    def __init__(
+        self, model_dir: str, cfg: LearnerConfig, batch: int, seq: int, device: torch.device
+    ) -> None:
         torch.manual_seed(0)
         base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
         self.model = get_peft_model(
@@ -68,15 +82,18 @@ class BareLoop:
                 target_modules=list(cfg.target_modules),
                 task_type="CAUSAL_LM",
             ),
-        )
+        ).to(device)
         params = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(params, lr=cfg.lr)
-        self.ids = torch.randint(10, 40000, (batch, seq))
+        self.ids = torch.randint(10, 40000, (batch, seq)).to(device)
         self.bf16 = cfg.dtype == "bf16"
+        self.device = device
 
     def step(self) -> None:
         autocast = (
-            torch.autocast("cpu", dtype=torch.bfloat16) if self.bf16 else contextlib.nullcontext()
+            torch.autocast(self.device.type, dtype=torch.bfloat16)
+            if self.bf16
+            else contextlib.nullcontext()
         )
         self.optimizer.zero_grad()
         with autocast:
@@ -106,9 +123,11 @@ def make_samples(batch: int, seq: int, prompt: int = 64) -> list[Sample]:
     ]
 
 
-def timed(fn: Callable[[], object]) -> float:
+def timed(fn: Callable[[], object], device: torch.device) -> float:
+    synchronize(device)
     start = time.perf_counter()
     fn()
+    synchronize(device)
     return time.perf_counter() - start
 
 
@@ -116,14 +135,16 @@ def run_dtype(model_dir: str, dtype: str, args: argparse.Namespace) -> dict[str,
     cfg = LearnerConfig(dtype=dtype, micro_batch_size=args.batch, num_threads=args.threads)
     load_before = os.getloadavg()[0]
     torch_dtype = torch.float32 if dtype == "fp32" else torch.bfloat16
-    peak = matmul_peak(torch_dtype, (2048, 2048, 2048))
-    peak_model = matmul_peak(torch_dtype, (args.batch * args.seq, 576, 1536))
-    bare = BareLoop(model_dir, cfg, args.batch, args.seq)
-    learner = Trainer(cfg, model_dir)
-    no_kl = Trainer(cfg.model_copy(update={"kl_coef": 0.0}), model_dir)
+    device = args.device
+    peak = matmul_peak(torch_dtype, (2048, 2048, 2048), device)
+    peak_model = matmul_peak(torch_dtype, (args.batch * args.seq, 576, 1536), device)
+    bare = BareLoop(model_dir, cfg, args.batch, args.seq, device)
+    ctx = DistContext(0, 1, device)
+    learner = Trainer(cfg, model_dir, ctx)
+    no_kl = Trainer(cfg.model_copy(update={"kl_coef": 0.0}), model_dir, ctx)
     # The shipped config (deploy/default_config.yaml) takes 2 optimizer steps per batch,
     # which share one reference pass: its tokens/s counts each token once per update.
-    two = Trainer(cfg.model_copy(update={"updates_per_batch": SHIPPED_UPDATES}), model_dir)
+    two = Trainer(cfg.model_copy(update={"updates_per_batch": SHIPPED_UPDATES}), model_dir, ctx)
     samples = make_samples(args.batch, args.seq)
     loops: dict[str, Callable[[], object]] = {
         "bare": bare.step,
@@ -135,7 +156,7 @@ def run_dtype(model_dir: str, dtype: str, args: argparse.Namespace) -> dict[str,
     times: dict[str, list[float]] = {name: [] for name in loops}
     for rep in range(args.reps + 1):
         for name, fn in loops.items():
-            elapsed = timed(fn)
+            elapsed = timed(fn, device)
             if rep:  # the first round is warm-up
                 times[name].append(elapsed)
         if rep:
@@ -146,7 +167,7 @@ def run_dtype(model_dir: str, dtype: str, args: argparse.Namespace) -> dict[str,
     saves = []
     for _ in range(3):
         with tempfile.TemporaryDirectory() as tmp:
-            saves.append(timed(lambda tmp=tmp: learner.save_adapter_files(Path(tmp))))
+            saves.append(timed(lambda tmp=tmp: learner.save_adapter_files(Path(tmp)), device))
             size = sum(f.stat().st_size for f in Path(tmp).iterdir())
     tokens = args.batch * args.seq
     return {
@@ -173,6 +194,12 @@ def run_dtype(model_dir: str, dtype: str, args: argparse.Namespace) -> dict[str,
     }
 
 
+def device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return f"the CPU ({torch.get_num_threads()} threads)"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model-dir", default=None)
@@ -180,8 +207,14 @@ def main() -> None:
     parser.add_argument("--seq", type=int, default=256)
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     parser.add_argument("--out", default="docs/perf/learner.md")
     args = parser.parse_args()
+    if args.device == "auto":
+        args.device = "cuda" if torch.cuda.is_available() else "cpu"
+    if args.device == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda: torch sees no GPU here")
+    args.device = torch.device(args.device)
     torch.set_num_threads(args.threads)
     # Trainer.step flushes denormals; set the flag for the bare loop too, so every loop
     # runs under the same floating-point mode whatever order they run in.
@@ -209,7 +242,8 @@ def main() -> None:
         "## Learner update step (bench/bench_learner.py)",
         "",
         f"`python bench/bench_learner.py --batch {args.batch} --seq {args.seq} "
-        f"--reps {args.reps} --threads {args.threads}`: {args.batch}×{args.seq} tokens per "
+        f"--reps {args.reps} --threads {args.threads} --device {args.device.type}` on "
+        f"{device_name(args.device)}: {args.batch}×{args.seq} tokens per "
         "step (learner samples: 64-token prompt + completion), default LoRA config "
         f"(r{cfg.lora_rank}/α{cfg.lora_alpha:g} on {','.join(cfg.target_modules)}), "
         f"KL coefficient {cfg.kl_coef:g}; medians of "

@@ -13,10 +13,10 @@ ORDER = ["proxy", "replay", "learner", "safety", "swap", "demo"]
 HEADER = """# Performance
 
 Every figure below comes from a run of the named script on the 2-core, 24 GiB CPU machine
-this project is developed on (no GPU), usually while other work shared the cores; each
-section says what it compared side by side. Rerun one with
-`$(./olpw env)/bin/python bench/<script>.py`, then `python bench/collect.py` to rebuild
-this page. Tests never assert on speed; these scripts do not run in CI.
+this project is developed on (no GPU), usually while other work shared the cores, except
+where a section names another machine; each section says what it compared side by side.
+Rerun one with `$(./olpw env)/bin/python bench/<script>.py`, then `python bench/collect.py`
+to rebuild this page. Tests never assert on speed; these scripts do not run in CI.
 
 """
 

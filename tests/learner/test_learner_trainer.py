@@ -196,3 +196,30 @@ def test_a_learner_ahead_of_what_serves_says_so_once(tiny_model: Path, tmp_path:
     [warning] = [e for e in logs if e["event"] == "learner_ahead_of_serving"]
     assert warning["log_level"] == "error" and warning["version"] == 2
     assert warning["newest_served"] == 0 and "max_staleness" in warning["remedy"]
+
+
+@pytest.mark.parametrize("chunk", [1, 5, 16, 1000])
+def test_chunked_target_logprob_matches_the_plain_formula(chunk: int) -> None:
+    """The chunked log-softmax-gather gives the value and gradient of the plain one whatever
+    the chunk (the GPU's chunks are far larger than the CPU's)."""
+    from learner.trainer import _TargetLogprob
+
+    torch.manual_seed(0)
+    logits = torch.randn(37, 50, dtype=torch.float64, requires_grad=True)
+    targets = torch.randint(0, 50, (37,))
+    weights = torch.randn(37, dtype=torch.float64)
+    plain = logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - logits.logsumexp(-1)
+    (expected,) = torch.autograd.grad((plain * weights).sum(), logits)
+    chunked = _TargetLogprob.apply(logits, targets, chunk)
+    (got,) = torch.autograd.grad((chunked * weights.float()).sum(), logits)
+    assert torch.allclose(chunked.double(), plain, atol=1e-5)
+    assert torch.allclose(got, expected, atol=1e-5)
+
+
+def test_chunks_are_cache_sized_on_a_cpu_and_memory_sized_elsewhere() -> None:
+    from learner.trainer import CPU_CHUNK_ROWS, GPU_CHUNK_BYTES, chunk_rows
+
+    assert chunk_rows(torch.empty(4096, 49152)) == CPU_CHUNK_ROWS == 16
+    on_gpu = chunk_rows(torch.empty(4096, 49152, device="meta"))  # any device but the CPU
+    assert on_gpu == GPU_CHUNK_BYTES // (4 * 49152) == 1365
+    assert chunk_rows(torch.empty(8, 10_000_000, device="meta")) == CPU_CHUNK_ROWS

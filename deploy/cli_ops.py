@@ -92,6 +92,7 @@ def format_status(status: dict[str, Any]) -> str:
         lines.append(
             f"tenant {tenant.get('name')}: training "
             f"{'on' if tenant.get('training_enabled') else 'off'}"
+            + (" (set at run time)" if tenant.get("training_switch") is not None else "")
         )
     if status.get("upstreams"):
         lines.append("upstreams: " + ", ".join(status["upstreams"]))
@@ -194,9 +195,13 @@ def cmd_rollback(args: argparse.Namespace, cfg: OlpConfig) -> int:
 
 @_run_admin
 def cmd_tenant(args: argparse.Namespace, cfg: OlpConfig) -> int:
-    enabled = args.training == "on"
-    _admin_call(args, cfg, "POST", _tenant_training_path(args.name), {"enabled": enabled})
-    print(f"tenant {args.name}: online training {'enabled' if enabled else 'disabled'}")
+    enabled = {"on": True, "off": False, "config": None}[args.training]
+    result = _admin_call(args, cfg, "POST", _tenant_training_path(args.name), {"enabled": enabled})
+    if enabled is None:
+        state = "enabled" if result.get("training_enabled") else "disabled"
+        print(f"tenant {args.name}: online training {state}, as the config says")
+    else:
+        print(f"tenant {args.name}: online training {'enabled' if enabled else 'disabled'}")
     return 0
 
 
@@ -525,7 +530,13 @@ def register(sub: Any, with_config: AddConfig, admin: AddConfig) -> None:
 
     tenant = admin(sub.add_parser("tenant", help="per-tenant online-training switch"))
     tenant.add_argument("name")
-    tenant.add_argument("--training", choices=["on", "off"], required=True)
+    tenant.add_argument(
+        "--training",
+        choices=["on", "off", "config"],
+        required=True,
+        help="on/off: a switch that survives restarts until the config's training_enabled "
+        "for the tenant changes; config: drop the switch, follow the config",
+    )
     tenant.set_defaults(handler=cmd_tenant)
 
     ui = admin(sub.add_parser("ui", help="print a one-time sign-in link to the operator page"))

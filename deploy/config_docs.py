@@ -56,14 +56,16 @@ NOTES: dict[str, list[str]] = {
     "ProxyConfig": [
         "`admin_key` (plaintext) may be given instead of `admin_key_sha256`: it is hashed "
         "while the config is validated and never kept, e.g. `OLP_PROXY__ADMIN_KEY`, which "
-        "replaces a digest the file sets. Within one file both may not name different keys.",
+        "replaces a digest the file sets. Within one file both may not name different keys. "
+        "Surrounding whitespace (a YAML block scalar's newline, a pasted blank) is removed "
+        "first, as from a key a client presents and by `olp key hash`.",
         "`admin_key_sha256` must be 64 hex characters; null disables the admin API.",
         "`upstreams` must be http(s) base URLs without `/v1` and without a user name or password "
         "(the key goes in `upstream_api_key`).",
     ],
     "TenantConfig": [
         "`api_key` (plaintext) may be given instead of `api_key_sha256`; it is hashed while "
-        "the config is validated and never kept.",
+        "the config is validated and never kept (surrounding whitespace removed first).",
         "`api_key_sha256` must be 64 hex characters (see `olp key hash`).",
     ],
     "StatePaths": [

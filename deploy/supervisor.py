@@ -43,6 +43,7 @@ from deploy.procs import (
 )
 from deploy.runtime import resolve_model_dir
 from proxy.config import INTERNAL_ADMIN_TOKEN_ENV, sha256_hex
+from proxy.serving_state import load_state, switch_applies
 from safety.audit import AuditLog
 from safety.redaction import Redactor
 
@@ -394,6 +395,16 @@ class Stack:
         self.lock.release()
         return failed
 
+    def _training_switches(self) -> dict[str, dict[str, bool | None]]:
+        """The run-time training switches the proxy applied (it dropped stale ones at its
+        start), so that the banner does not call a tenant off that the switch trains on."""
+        path = self.state_dir / self.cfg.proxy.state.serving_state
+        try:
+            return load_state(path, {}).tenant_training
+        except (OSError, ValueError) as exc:  # the proxy refused it already, with the reason
+            log.warning("serving_state_unreadable", path=str(path), error=str(exc))
+            return {}
+
     def banner(self, seconds: float) -> str:
         cfg = self.cfg
         lines = [f"olp is up in {seconds:.0f} s (state dir {self.state_dir})"]
@@ -407,10 +418,20 @@ class Stack:
             f"  operator page    {proxy_url}/admin/ui   (sign-in link: olp ui)",
             f"  logs             {self.logs_dir}",
         ]
+        switches = self._training_switches()
         for tenant in cfg.tenants:
             if tenant.api_key_sha256 == sha256_hex(DEV_API_KEY):
                 lines.append(f"  API key of tenant '{tenant.name}' (dev default): {DEV_API_KEY}")
             state = "on" if tenant.training_enabled else "off"
+            switch = switches.get(tenant.name)
+            if switch is not None and switch_applies(switch, tenant.training_enabled):
+                on = "on" if switch["enabled"] else "off"
+                lines.append(
+                    f"  online training for tenant '{tenant.name}' is {on}, switched at run "
+                    f"time ({state} in the config); follow the config again with: "
+                    f"olp tenant {tenant.name} --training config"
+                )
+                continue
             lines.append(
                 f"  online training for tenant '{tenant.name}' is {state} in the config; "
                 f"switch it with: olp tenant {tenant.name} --training on|off"

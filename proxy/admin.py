@@ -49,6 +49,16 @@ def _known_alias(ctx: ProxyContext, body: dict[str, Any]) -> str:
     if not isinstance(alias, str) or ctx.aliases.resolve(alias) is None:
         known = ", ".join(ctx.aliases.public_names())
         raise bad_request(f"Unknown alias {alias!r}; the aliases are: {known}.", param="alias")
+    if alias in ctx.config.base_model_aliases:
+        # Clients pin a base alias to stay off the learned policy: a mistyped flip or an
+        # automation bug must not move them onto an adapter.
+        raise ProxyError(
+            400,
+            f"{alias!r} is a base model alias (proxy.base_model_aliases): it always serves "
+            f"the base model; change {ctx.config.policy_alias!r} instead.",
+            param="alias",
+            code="base_alias",
+        )
     return alias
 
 
@@ -151,7 +161,14 @@ def _status_payload(ctx: ProxyContext) -> dict[str, Any]:
         "frozen": state.frozen,
         "learning_frozen": state.learning_frozen,
         "tenants": [
-            {"name": t.name, "training_enabled": t.training_enabled, "in_flight": t.in_flight}
+            {
+                "name": t.name,
+                "training_enabled": t.training_enabled,
+                # The run-time switch (None: the config decides), so that an operator sees
+                # why a tenant trains when its config says it does not.
+                "training_switch": t.training_override,
+                "in_flight": t.in_flight,
+            }
             for t in ctx.tenants.tenants.values()
         ],
         "upstreams": [r.url for r in ctx.pool.replicas],
@@ -554,16 +571,29 @@ async def set_tenant_training(request: web.Request) -> web.Response:
     if tenant is None:
         raise ProxyError(404, f"Unknown tenant {name!r}.", code="tenant_not_found")
     body = await _json_object(request)
-    enabled = body.get("enabled")
-    if not isinstance(enabled, bool):
-        raise bad_request("'enabled' must be a boolean.", param="enabled")
+    if "enabled" not in body:
+        raise bad_request("'enabled' is required: true, false or null.", param="enabled")
+    enabled = body["enabled"]
+    if enabled is not None and not isinstance(enabled, bool):
+        raise bad_request(
+            "'enabled' must be true, false or null (null: follow the config again).",
+            param="enabled",
+        )
     async with request.app[ADMIN_LOCK]:
         with _all_or_nothing(ctx):
             tenant.training_override = enabled
-            ctx.state.tenant_training[name] = enabled
+            if enabled is None:
+                ctx.state.tenant_training.pop(name, None)
+            else:
+                ctx.state.tenant_training[name] = {
+                    "enabled": enabled,
+                    "config_enabled": tenant.config.training_enabled,
+                }
             ctx.state.record("tenant_training", actor, tenant=name, enabled=enabled)
             _commit(ctx, actor, "tenant_training", {"tenant": name, "enabled": enabled})
-    return web.json_response({"tenant": name, "training_enabled": enabled})
+    return web.json_response(
+        {"tenant": name, "training_enabled": tenant.training_enabled, "switch": enabled}
+    )
 
 
 def add_admin_routes(app: web.Application) -> None:

@@ -50,7 +50,7 @@ from proxy.operator_auth import key_matches
 from proxy.operator_page import record_feedback
 from proxy.relay import SSE_STRIP
 from proxy.routing import UpstreamPool
-from proxy.serving_state import load_state
+from proxy.serving_state import ServingState, load_state, save_state
 from proxy.tenants import TenantRegistry
 from safety.audit import AuditLog
 from safety.config import AuditConfig
@@ -115,7 +115,8 @@ def request_middleware(ctx: ProxyContext, session_label: Callable[[str], str]) -
             response = await handler(request)
         except ProxyError as err:
             if isinstance(err, AuthError):
-                ctx.auth_throttle.failed_request(request, err.route_kind)
+                guessed = "Authorization" in request.headers
+                ctx.auth_throttle.failed_request(request, err.route_kind, guessed)
             response = error_response(err, request_id)
         except web.HTTPException as exc:
             if exc.status < 400:
@@ -329,6 +330,39 @@ async def feedback(request: web.Request) -> web.Response:
 _DECODING_HANDLERS = frozenset({chat_completions, completions, feedback})
 
 
+def _reconcile_state(state: ServingState, config: ProxyConfig, registry: TenantRegistry) -> bool:
+    """Bring the persisted serving state in line with the config at start-up; True when
+    it changed (the caller saves it: a dropped switch kept on disk would apply again once
+    the config went back).
+
+    Base aliases serve the base model whatever the file says (a flip of one, refused now,
+    may predate that), and a training switch set when the config said otherwise than it
+    says now gives way to the config's newer word."""
+    changed = False
+    for alias in config.base_model_aliases:
+        if state.aliases.get(alias) != config.base_served_name or alias in state.canaries:
+            log.warning(
+                "base_alias_reset",
+                alias=alias,
+                was=state.aliases.get(alias),
+                canary=alias in state.canaries,
+            )
+            state.aliases[alias] = config.base_served_name
+            state.canaries.pop(alias, None)
+            changed = True
+    for name in registry.apply_overrides(state.tenant_training):
+        switch = state.tenant_training.pop(name)
+        log.warning(
+            "tenant_training_switch_dropped",
+            tenant=name,
+            switch=switch["enabled"],
+            config_enabled=not switch["config_enabled"],
+            reason="the config's training_enabled changed since the switch was set",
+        )
+        changed = True
+    return changed
+
+
 def build_app(
     config: ProxyConfig,
     tenants: list[TenantConfig],
@@ -353,7 +387,8 @@ def build_app(
     default_aliases.update({name: config.base_served_name for name in config.base_model_aliases})
     state_path = state_dir / config.state.serving_state
     state = load_state(state_path, default_aliases)
-    registry.apply_overrides(state.tenant_training)
+    if _reconcile_state(state, config, registry):
+        save_state(state_path, state)
 
     def on_outcome(status: str, trainable: bool, count: int) -> None:
         metrics_.trajectories.labels(status, str(trainable).lower()).inc(count)

@@ -117,16 +117,21 @@ class AuthThrottle:
             headers={"retry-after": str(seconds)},
         )
 
-    def failed_request(self, request: web.Request, kind: str) -> None:
+    def failed_request(self, request: web.Request, kind: str, guessed: bool = True) -> None:
         """`failed` for the client that sent `request`."""
-        self.failed(self.addresses.of(request), kind)
+        self.failed(self.addresses.of(request), kind, guessed)
 
-    def failed(self, address: str, kind: str) -> None:
+    def failed(self, address: str, kind: str, guessed: bool = True) -> None:
         """Count one wrong or missing key from `address` (`kind`: `api` or `admin`); lock
-        the address out when it reaches `max_failures` within the window."""
+        the address out when its guesses reach `max_failures` within the window.
+
+        A request that presented no key (`guessed` False) is in the metrics but guesses
+        nothing, so it does not count towards a lockout: any web page can make the browser
+        send such requests to a proxy on the operator's machine (an `<img>` pointing at
+        `/v1/models`), and 20 of them locked every local client out, the CLI included."""
         if self._metrics is not None:
             self._metrics.series(self._metrics.auth_failures, kind).inc()
-        if not self.enabled:
+        if not self.enabled or not guessed:
             return
         now = self._clock()
         window = self.limits.window_s

@@ -48,8 +48,12 @@ from proxy.validation import validate_completion_request
 
 log = structlog.get_logger(__name__)
 
-# Upstream response headers worth passing on; hop-by-hop and length headers are not.
-_FORWARDED_UPSTREAM_HEADERS = ("content-type",)
+# An upstream error answer's headers that the client acts on; the rest (hop-by-hop, length,
+# the server's own) are not passed on.
+_FORWARDED_ERROR_HEADERS = ("retry-after",)
+# The model server refusing the proxy's own credentials (its `--api-key`, or a gateway in
+# front of it): the operator's configuration, not the client's key.
+_UPSTREAM_AUTH_STATUSES = frozenset({401, 403, 407})
 _DISCONNECT_ERRORS = (ConnectionResetError, ConnectionAbortedError, BrokenPipeError)
 _DONE_EVENT = b"data: [DONE]\n\n"
 
@@ -507,8 +511,15 @@ class CompletionRelay:
         if capture is not None:
             self.ctx.capture.submit(capture, "error")
         status = upstream.status
-        self.status = status
         self.ctx.metrics.errors.labels(f"upstream_{status}", self.tenant_label).inc()
+        for name in _FORWARDED_ERROR_HEADERS:
+            if name in upstream.headers:
+                headers[name] = upstream.headers[name]
+        if status in _UPSTREAM_AUTH_STATUSES:
+            # Relayed, the client's SDK raised AuthenticationError for a key the proxy had
+            # accepted: clients took it for their own key being wrong.
+            return self._upstream_refused_credentials(status, headers)
+        self.status = status
         self._count_request()
         if openai_shaped_error(payload):
             return web.Response(
@@ -533,6 +544,26 @@ class CompletionRelay:
         return web.Response(
             status=status,
             body=dumps(error_body(message, type_, "upstream_error")),
+            headers=headers,
+            content_type="application/json",
+        )
+
+    def _upstream_refused_credentials(self, status: int, headers: dict[str, str]) -> web.Response:
+        log.error(
+            "upstream_refused_credentials",
+            status=status,
+            fix="check proxy.upstream_api_key (or policy.api_key) against the model server's key",
+        )
+        self.status = 502
+        self._count_request()
+        message = (
+            f"The model server refused the proxy's credentials (HTTP {status}): a "
+            f"configuration problem of this deployment, logged for its operator "
+            f"(request id {self.request_id})."
+        )
+        return web.Response(
+            status=502,
+            body=dumps(error_body(message, "api_error", "upstream_error")),
             headers=headers,
             content_type="application/json",
         )

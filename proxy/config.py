@@ -68,12 +68,18 @@ def is_utf8_text(text: str) -> bool:
 
 
 def _hash_plaintext_key(data: Any, plain_field: str, hashed_field: str) -> Any:
-    """Replace a plaintext key field by its sha256 so the plaintext is never kept."""
+    """Replace a plaintext key field by its sha256 so the plaintext is never kept.
+
+    Surrounding whitespace is removed first, as from a presented key (`Bearer <key>`) and
+    by `olp key hash`: a YAML block scalar's newline or a pasted blank would otherwise make
+    a key that validates and never matches."""
     if isinstance(data, dict) and plain_field in data:
         data = dict(data)
         plain = data.pop(plain_field)
         if plain is None:
             return data
+        if isinstance(plain, str):
+            plain = plain.strip()
         if not isinstance(plain, str) or not plain:
             raise ValueError(f"{plain_field} must be a non-empty string")
         if data.get(hashed_field) not in (None, sha256_hex(plain)):
@@ -120,7 +126,8 @@ class StatePaths(BaseModel):
 
     serving_state: str = Field(
         default="control/serving.json",
-        description="alias table, canaries, history, freeze flags (relative, below the state dir)",
+        description="alias table, canaries, history, freeze flags, run-time training switches "
+        "(relative, below the state dir)",
     )
     records_dir: str = Field(
         default="records",
@@ -178,8 +185,8 @@ class AuthFailureLimits(BaseModel):
     max_failures: int = Field(
         default=20,
         ge=0,
-        description="wrong or missing keys from one address within window_s before it is "
-        "refused with 429 for window_s; 0 = off",
+        description="wrong keys from one address within window_s before it is refused "
+        "with 429 for window_s (missing keys are not counted); 0 = off",
     )
     window_s: float = Field(
         default=60.0,
@@ -303,6 +310,17 @@ class ProxyConfig(BaseModel):
     @classmethod
     def _valid_digest(cls, value: str | None) -> str | None:
         return _check_sha256(value, "admin_key_sha256")
+
+    @model_validator(mode="after")
+    def _policy_alias_is_not_a_base_alias(self) -> ProxyConfig:
+        # A base alias always reaches the base model (flips refuse it): the policy alias
+        # among them could never serve a learned version.
+        if self.policy_alias in self.base_model_aliases:
+            raise ValueError(
+                f"policy_alias {self.policy_alias!r} is also in base_model_aliases: a base "
+                "alias always serves the base model; give the policy another name"
+            )
+        return self
 
     @field_validator("allowed_hosts")
     @classmethod

@@ -349,8 +349,21 @@ async def _form(request: web.Request) -> Any:
         raise _Refusal("The form could not be decoded (UTF-8 text expected).", 400) from exc
 
 
+def _cross_site(request: web.Request) -> bool:
+    """Whether a browser sent this from another site's page (its Fetch Metadata, which
+    browsers send to loopback and HTTPS origins). A page anywhere could otherwise post the
+    sign-in form to a proxy on the operator's machine, each wrong key counting towards
+    locking every local client out: browsers let pages post forms across sites. (`Origin`
+    is not compared with `Host`: a reverse proxy that rewrites `Host` would refuse the
+    operator's own sign-in.)"""
+    return request.headers.get("Sec-Fetch-Site") in ("cross-site", "same-site")
+
+
 async def login_with_key(request: web.Request) -> web.Response:
     ctx = request.app[CONTEXT]
+    if _cross_site(request):
+        log.warning("operator_login_cross_site", remote=ctx.client_addresses.of(request))
+        return _refused("Sign in from the operator page itself, not from another site.", 403)
     try:
         form = await _form(request)
     except _Refusal as refusal:

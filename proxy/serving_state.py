@@ -25,7 +25,10 @@ class ServingState:
     history: list[dict[str, Any]] = field(default_factory=list)
     frozen: bool = False
     learning_frozen: bool = False
-    tenant_training: dict[str, bool] = field(default_factory=dict)
+    # Run-time training switches: {tenant: {"enabled": bool, "config_enabled": bool | None}},
+    # with the config's own value when the switch was set (None: a file from before it was
+    # kept), so that a config changed since then wins at the next start (TenantRegistry).
+    tenant_training: dict[str, dict[str, bool | None]] = field(default_factory=dict)
     canaries: dict[str, dict[str, Any]] = field(default_factory=dict)  # alias -> Canary JSON
 
     def record(self, kind: str, actor: str, **details: Any) -> dict[str, Any]:
@@ -56,10 +59,44 @@ def load_state(path: Path, default_aliases: dict[str, str]) -> ServingState:
     return ServingState(
         aliases=aliases,
         history=list(raw.get("history") or []),
-        frozen=bool(raw.get("frozen", False)),
-        learning_frozen=bool(raw.get("learning_frozen", False)),
-        tenant_training={str(k): bool(v) for k, v in (raw.get("tenant_training") or {}).items()},
+        frozen=_flag(path, raw, "frozen"),
+        learning_frozen=_flag(path, raw, "learning_frozen"),
+        tenant_training={
+            str(name): _training_switch(path, str(name), value)
+            for name, value in (raw.get("tenant_training") or {}).items()
+        },
         canaries={str(k): dict(v) for k, v in (raw.get("canaries") or {}).items()},
+    )
+
+
+def switch_applies(switch: dict[str, bool | None], config_enabled: bool) -> bool:
+    """Whether a run-time training switch still decides: not once the config's
+    `training_enabled` changed since the switch was set (the config's newer word wins)."""
+    basis = switch.get("config_enabled")
+    return basis is None or basis == config_enabled
+
+
+def _flag(path: Path, raw: dict[str, Any], key: str) -> bool:
+    """A JSON boolean, never a coerced value: `bool("false")` is True, and a hand-edited
+    `"frozen": "false"` froze serving, `"tenant_training": {"a": "0"}` trained on a tenant."""
+    value = raw.get(key, False)
+    if not isinstance(value, bool):
+        raise ValueError(f"serving state {path}: {key} must be true or false, not {value!r}")
+    return value
+
+
+def _training_switch(path: Path, name: str, value: Any) -> dict[str, bool | None]:
+    if isinstance(value, bool):  # the format before the config's value was kept with it
+        return {"enabled": value, "config_enabled": None}
+    if (
+        isinstance(value, dict)
+        and isinstance(value.get("enabled"), bool)
+        and (value.get("config_enabled") is None or isinstance(value["config_enabled"], bool))
+    ):
+        return {"enabled": value["enabled"], "config_enabled": value.get("config_enabled")}
+    raise ValueError(
+        f"serving state {path}: tenant_training[{name!r}] must be "
+        f'{{"enabled": true|false, "config_enabled": true|false}}, not {value!r}'
     )
 
 

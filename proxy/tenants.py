@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 from proxy.config import TenantConfig, sha256_hex
 from proxy.errors import AuthError, ProxyError, bad_request
+from proxy.serving_state import switch_applies
 
 TRAIN_HEADER_OFF = frozenset({"0", "false", "no", "off"})
 TRAIN_HEADER_ON = frozenset({"1", "true", "yes", "on"})
@@ -241,7 +242,19 @@ class TenantRegistry:
         """Tenant opt-in, narrowed by `X-OLP-Train: 0`; the header can never opt in."""
         return tenant.training_enabled and not opted_out
 
-    def apply_overrides(self, overrides: Mapping[str, bool]) -> None:
-        for name, enabled in overrides.items():
-            if name in self.tenants:
-                self.tenants[name].training_override = enabled
+    def apply_overrides(self, overrides: Mapping[str, Mapping[str, bool | None]]) -> list[str]:
+        """Apply the run-time training switches; return the tenants whose switch is stale.
+
+        A switch is stale when the tenant's `training_enabled` in the config changed since it
+        was set: the config's newer word wins (an operator who turns a tenant off in the
+        config, say because it withdrew consent, is obeyed), and the caller drops it."""
+        stale = []
+        for name, switch in overrides.items():
+            tenant = self.tenants.get(name)
+            if tenant is None:
+                continue
+            if not switch_applies(switch, tenant.config.training_enabled):
+                stale.append(name)
+                continue
+            tenant.training_override = switch["enabled"]
+        return stale

@@ -149,6 +149,34 @@ def test_cli_changes_are_audited_under_who_made_them(running_proxy: ProxyHarness
     assert _actors(running_proxy)[-1] == getpass.getuser()  # nothing was changed
 
 
+def test_tenant_training_switch_on_and_back_to_the_config(running_proxy: ProxyHarness) -> None:
+    on = olp(running_proxy, "tenant", "bob", "--training", "on")
+    assert on.returncode == 0 and on.stdout == "tenant bob: online training enabled\n"
+    assert "tenant bob: training on (set at run time)" in olp(running_proxy, "status").stdout
+    back = olp(running_proxy, "tenant", "bob", "--training", "config")
+    assert back.returncode == 0, back.stderr
+    assert back.stdout == "tenant bob: online training disabled, as the config says\n"
+    assert "tenant bob: training off" in olp(running_proxy, "status").stdout.splitlines()
+
+
+def test_the_up_banner_names_a_run_time_training_switch(tmp_path: Path, monkeypatch) -> None:
+    """It said "off in the config" of a tenant that a switch kept training on."""
+    from deploy.config import load_config
+    from deploy.supervisor import Stack
+    from proxy.serving_state import ServingState, save_state
+
+    monkeypatch.setenv("OLP_STATE_DIR", str(tmp_path / "state"))
+    stack = Stack(load_config(), None, with_learner=False)
+    tenant = stack.cfg.tenants[0].name
+    assert f"tenant '{tenant}' is off in the config" in stack.banner(1.0)
+    switch = {"enabled": True, "config_enabled": False}
+    state = ServingState(aliases={}, tenant_training={tenant: switch})
+    save_state(stack.state_dir / stack.cfg.proxy.state.serving_state, state)
+    banner = stack.banner(1.0)
+    assert f"tenant '{tenant}' is on, switched at run time (off in the config)" in banner
+    assert f"olp tenant {tenant} --training config" in banner
+
+
 def test_ui_prints_a_one_time_link_that_signs_the_operator_in(
     running_proxy: ProxyHarness,
 ) -> None:

@@ -115,6 +115,23 @@ def test_errors_about_a_section_or_the_whole_file_never_echo_its_keys(tmp_path: 
         assert "SUPERSECRET" not in str(err.value)
 
 
+def test_configured_keys_lose_surrounding_whitespace_as_presented_keys_do(tmp_path: Path) -> None:
+    """A YAML block scalar's newline or a pasted blank validated, was hashed with the key and
+    never matched: a presented key (`Bearer <key>`) is stripped, as `olp key hash` strips."""
+    from proxy.config import sha256_hex
+
+    path = write(
+        tmp_path,
+        'proxy:\n  admin_key: " admin-secret"\n'
+        "tenants:\n  - name: acme\n    api_key: |\n      sk-acme-123\n",
+    )
+    cfg = load_config(path, environ={})
+    assert cfg.proxy.admin_key_sha256 == sha256_hex("admin-secret")
+    assert cfg.tenants[0].api_key_sha256 == sha256_hex("sk-acme-123")
+    with pytest.raises(ConfigError, match="api_key must be a non-empty string"):
+        load_config(write(tmp_path, "tenants:\n  - name: acme\n    api_key: '  '\n"), environ={})
+
+
 @pytest.mark.parametrize("key", ["", "  "])
 def test_an_empty_policy_key_is_refused_not_taken_as_no_key(key: str) -> None:
     """An unset variable in an env file gives an empty key, which started vLLM with no key

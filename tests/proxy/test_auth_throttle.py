@@ -235,8 +235,9 @@ def _metric(harness, name: str, kind: str) -> float:
 
 def test_wrong_api_keys_lock_the_address_even_for_the_right_key(throttled):
     harness, clock = throttled
-    assert _get(harness, "/v1/models", None).status_code == 401  # no key at all counts
-    for _ in range(MAX - 1):
+    for _ in range(MAX + 1):  # no key at all: in the metrics, not towards the lockout
+        assert _get(harness, "/v1/models", None).status_code == 401
+    for _ in range(MAX):
         assert _get(harness, "/v1/models", "guess").status_code == 401
     _assert_throttled(_get(harness, "/v1/models", "guess"))
     _assert_throttled(_get(harness, "/v1/models", KEYS["alice"]))  # guessed right: no help
@@ -252,14 +253,50 @@ def test_wrong_api_keys_lock_the_address_even_for_the_right_key(throttled):
         api.models.list()
     _assert_throttled(_get(harness, "/admin/status", ADMIN_KEY))  # the address, every route
     assert _get(harness, "/healthz", None).status_code == 200  # no key needed: not throttled
-    assert _metric(harness, "olp_proxy_auth_failures_total", "api") == MAX
+    assert _metric(harness, "olp_proxy_auth_failures_total", "api") == 2 * MAX + 1
     assert _metric(harness, "olp_proxy_auth_lockouts_total", "api") == 1
     assert _metric(harness, "olp_proxy_auth_throttled_total", "api") == 4
-    assert 'olp_proxy_auth_failures_total{kind="api"} 3.0' in _get(harness, "/metrics", None).text
+    assert 'olp_proxy_auth_failures_total{kind="api"} 7.0' in _get(harness, "/metrics", None).text
 
     clock.now += WINDOW_S
     assert _get(harness, "/v1/models", KEYS["alice"]).status_code == 200
     assert _get(harness, "/admin/status", ADMIN_KEY).status_code == 200
+
+
+def test_a_web_page_cannot_lock_local_clients_out(throttled):
+    """What any page can make the operator's browser send to a proxy on 127.0.0.1: key-less
+    requests (`<img src=.../v1/models>`) and forms posted to the sign-in route. Twenty of
+    them locked out every local client, the CLI with the right admin key included."""
+    harness, _ = throttled
+    cross_site = {"Sec-Fetch-Site": "cross-site", "Sec-Fetch-Mode": "no-cors"}
+    for _ in range(2 * MAX):
+        key_less = httpx.get(harness.base_url + "/v1/models", headers=cross_site, timeout=30)
+        assert key_less.status_code == 401
+        form = httpx.post(
+            harness.base_url + "/admin/ui/login",
+            data={"key": "guess"},
+            headers={"Sec-Fetch-Site": "cross-site", "Sec-Fetch-Mode": "navigate"},
+            timeout=30,
+        )
+        assert form.status_code == 403 and "set-cookie" not in form.headers
+    same_site = httpx.post(
+        harness.base_url + "/admin/ui/login",
+        data={"key": ADMIN_KEY},
+        headers={"Sec-Fetch-Site": "same-site"},
+        timeout=30,
+    )
+    assert same_site.status_code == 403 and "set-cookie" not in same_site.headers
+    assert _get(harness, "/admin/status", ADMIN_KEY).status_code == 200
+    assert _get(harness, "/v1/models", KEYS["alice"]).status_code == 200
+    assert _metric(harness, "olp_proxy_auth_lockouts_total", "api") == 0
+    assert _metric(harness, "olp_proxy_auth_lockouts_total", "admin") == 0
+    own_page = httpx.post(
+        harness.base_url + "/admin/ui/login",
+        data={"key": ADMIN_KEY},
+        headers={"Sec-Fetch-Site": "same-origin", "Origin": harness.base_url},
+        timeout=30,
+    )
+    assert own_page.status_code == 303 and "set-cookie" in own_page.headers
 
 
 def test_another_address_is_not_locked_out(throttled):

@@ -384,6 +384,10 @@ def test_admin_flip_rollback_freeze_persist(make_proxy, vllm_server, loaded_adap
     ]
     unfrozen = admin(again, "POST", "/admin/unfreeze")
     assert unfrozen.json()["frozen"] is False
+    # `null` drops bob's switch: its config (training off) decides again.
+    cleared = admin(again, "POST", "/admin/tenants/bob/training", {"enabled": None})
+    assert cleared.json() == {"tenant": "bob", "training_enabled": False, "switch": None}
+    assert "x-olp-trajectory-id" not in chat(again, "bob").headers
     audit_dir = state_dir / "audit"
     result = verify(audit_dir / "audit.jsonl")
     assert result.ok
@@ -394,6 +398,7 @@ def test_admin_flip_rollback_freeze_persist(make_proxy, vllm_server, loaded_adap
         "rollback",
         "tenant_training",
         "unfreeze",
+        "tenant_training",
     ]
     assert {e["actor"] for e in events} == {"ops-test"}
     assert re.fullmatch(r"[0-9a-f]{64}", events[-1]["hash"])

@@ -850,3 +850,92 @@ def test_upstream_connections_idle_past_the_keepalive_are_not_reused(make_proxy)
         assert_reconnects_after_idle(ask, upstream.seen)
     finally:
         upstream.stop()
+
+
+def _bob(training: bool) -> list[TenantConfig]:
+    return [TenantConfig(name="bob", api_key=KEYS["bob"], training_enabled=training)]
+
+
+def _captured(harness: Any) -> bool:
+    body = {"model": "policy", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    answer = _post(harness.base_url, KEYS["bob"], "/v1/chat/completions", json=body)
+    assert answer.status_code == 200, answer.text
+    return "x-olp-trajectory-id" in answer.headers
+
+
+def test_a_training_switch_yields_to_a_config_changed_since_it_was_set(make_proxy, fake, tmp_path):
+    """A switch set at run time outranked the config for ever: an operator who adopted it in
+    the config and later turned the tenant off there (consent withdrawn) still trained on
+    it. A switch now keeps the config's value it overrode and is dropped once that changes."""
+    state = tmp_path / "switch-state"
+    first, _ = make_proxy([fake.url], tenants=_bob(False), state_dir=state)
+    turned_on = _admin(first.base_url, "/admin/tenants/bob/training", {"enabled": True})
+    assert turned_on.json() == {"tenant": "bob", "training_enabled": True, "switch": True}
+    first.stop()
+    # The same config: the switch still decides, after a restart too.
+    again, _ = make_proxy([fake.url], tenants=_bob(False), state_dir=state)
+    assert _captured(again)
+    tenants = httpx.get(
+        again.base_url + "/admin/status", headers={"Authorization": f"Bearer {ADMIN_KEY}"}
+    ).json()["tenants"]
+    assert tenants == [
+        {"name": "bob", "training_enabled": True, "training_switch": True, "in_flight": 0}
+    ]
+    again.stop()
+    # The operator writes the switch into the config: the switch is dropped (and saved so).
+    adopted, _ = make_proxy([fake.url], tenants=_bob(True), state_dir=state)
+    assert _captured(adopted)
+    assert adopted.ctx.tenants.tenants["bob"].training_override is None
+    assert json.loads(adopted.ctx.state_path.read_text())["tenant_training"] == {}
+    adopted.stop()
+    # ... and later turns the tenant off there: off, however the switch was set before.
+    withdrawn, _ = make_proxy([fake.url], tenants=_bob(False), state_dir=state)
+    assert not _captured(withdrawn)
+    # `null` drops a switch: the config decides again, and says so.
+    _admin(withdrawn.base_url, "/admin/tenants/bob/training", {"enabled": True})
+    cleared = _admin(withdrawn.base_url, "/admin/tenants/bob/training", {"enabled": None})
+    assert cleared.json() == {"tenant": "bob", "training_enabled": False, "switch": None}
+    assert not _captured(withdrawn)
+    assert "bob" not in withdrawn.ctx.state.tenant_training
+    for bad in ({}, {"enabled": "on"}, {"enabled": 1}):
+        refused = _admin(withdrawn.base_url, "/admin/tenants/bob/training", bad)
+        assert refused.status_code == 400 and refused.json()["error"]["param"] == "enabled"
+
+
+def test_a_base_alias_always_serves_the_base_model(make_proxy, fake, tmp_path):
+    """`base` could be flipped to an adapter (and the flip survived restarts): clients that
+    pin a base alias to stay off the learned policy were moved onto it."""
+    from proxy.serving_state import ServingState, save_state
+
+    state_dir = tmp_path / "base-alias-state"
+    for path, body in (
+        ("/admin/aliases", {"alias": "base", "target": "policy-v1"}),
+        ("/admin/canary", {"alias": "base", "target": "policy-v1", "share": 0.5}),
+        ("/admin/rollback", {"alias": "base"}),
+    ):
+        harness, _ = make_proxy([fake.url], state_dir=state_dir)
+        refused = _admin(harness.base_url, path, body)
+        assert refused.status_code == 400, refused.text
+        assert refused.json()["error"]["code"] == "base_alias"
+        assert harness.ctx.aliases.resolve("base") == "base"
+        harness.stop()
+    # A state file from before the refusal: the base alias is put back at start-up.
+    canary = Canary(target="policy-v1", share=0.5, started_at=0.0)
+    stale = ServingState(
+        aliases={"policy": "policy-v1", "base": "policy-v1"},
+        canaries={"base": canary.to_json()},
+    )
+    save_state(state_dir / "control" / "serving.json", stale)
+    harness, _ = make_proxy([fake.url], state_dir=state_dir)
+    assert harness.ctx.aliases.resolve("base") == "base"
+    assert harness.ctx.aliases.resolve("policy") == "policy-v1"
+    assert harness.ctx.aliases.canaries() == {}
+    saved = json.loads(harness.ctx.state_path.read_text())
+    assert saved["aliases"]["base"] == "base" and saved["canaries"] == {}
+
+
+def test_the_policy_alias_cannot_be_a_base_alias():
+    from proxy.config import ProxyConfig
+
+    with pytest.raises(ValueError, match="policy_alias 'policy' is also in base_model_aliases"):
+        ProxyConfig(base_model_aliases=["base", "policy"])

@@ -402,14 +402,21 @@ class PlainErrorUpstream(ThreadedUpstream):
     """Answers each request with the next of `answers` (status, content type, body): what a
     load balancer or a server that is not vLLM sends in its place."""
 
-    def __init__(self, answers: list[tuple[int, str, bytes]]) -> None:
+    def __init__(
+        self, answers: list[tuple[int, str, bytes] | tuple[int, str, bytes, dict]]
+    ) -> None:
         self.answers = list(answers)
         super().__init__()
 
     async def _chat(self, request: web.Request) -> web.Response:
         self.requests.append(await request.json())
-        status, content_type, body = self.answers.pop(0)
-        return web.Response(status=status, body=body, content_type=content_type)
+        status, content_type, body, *headers = self.answers.pop(0)
+        return web.Response(
+            status=status,
+            body=body,
+            content_type=content_type,
+            headers=headers[0] if headers else None,
+        )
 
     def add_routes(self, app: web.Application) -> None:
         app.router.add_post("/v1/chat/completions", self._chat)
@@ -464,6 +471,49 @@ def test_an_upstream_error_that_is_not_openai_shaped_becomes_one(make_proxy):
     assert [e["status"] for e in logged] == [500, 404, 500]
     assert "10.1.2.3:8000" in logged[0]["excerpt"]
     assert "sk-proj-A1b2C3d4E5f6G7h8I9j0K1l2" not in logged[0]["excerpt"]
+
+
+def test_the_model_server_refusing_the_proxys_key_is_a_502_not_the_clients_401(make_proxy):
+    """Relayed as it came, the upstream's 401 made the client's SDK raise
+    AuthenticationError for a key the proxy had accepted: clients took the deployment's
+    misconfiguration for their own key being wrong. An upstream 429's retry-after was lost."""
+    too_many = b'{"error": {"message": "slow down", "type": "RateLimitError", "code": 429}}'
+    upstream = PlainErrorUpstream(
+        [
+            (401, "application/json", b'{"error": "Unauthorized"}'),  # vLLM's --api-key
+            (403, "text/plain", b"Forbidden"),
+            (429, "application/json", too_many, {"Retry-After": "7"}),
+        ]
+    ).start()
+    try:
+        harness, _ = make_proxy([upstream.url])
+        api = openai.OpenAI(base_url=harness.base_url + "/v1", api_key=KEYS["bob"], max_retries=0)
+        raised: list[openai.APIStatusError] = []
+        with capture_logs() as logs:
+            for _ in range(3):
+                with pytest.raises(openai.APIStatusError) as caught:
+                    api.chat.completions.create(
+                        model="policy", messages=[{"role": "user", "content": "x"}]
+                    )
+                raised.append(caught.value)
+    finally:
+        upstream.stop()
+    assert [e.status_code for e in raised] == [502, 502, 429]
+    for error, status in zip(raised[:2], (401, 403), strict=True):
+        assert isinstance(error, openai.InternalServerError)
+        body = error.response.json()["error"]
+        assert body["code"] == "upstream_error" and f"HTTP {status}" in body["message"]
+        assert error.response.headers["x-request-id"] in body["message"]
+    assert [e["status"] for e in logs if e["event"] == "upstream_refused_credentials"] == [
+        401,
+        403,
+    ]
+    limited = raised[2]
+    assert isinstance(limited, openai.RateLimitError)
+    assert limited.response.content == too_many
+    assert limited.response.headers["retry-after"] == "7"
+    errors = harness.ctx.metrics.errors
+    assert errors.labels("upstream_401", "bob")._value.get() == 1
 
 
 class HangingUpstream(ThreadedUpstream):

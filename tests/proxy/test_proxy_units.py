@@ -32,7 +32,7 @@ from proxy.relay import (
     usage_of,
 )
 from proxy.routing import UpstreamPool
-from proxy.serving_state import ServingState, load_state, save_state
+from proxy.serving_state import ServingState, load_state, save_state, switch_applies
 from proxy.tenants import TenantRegistry, TokenBucket, opts_out_of_training
 from proxy.validation import validate_completion_request
 from replay.schemas import validate_trajectory
@@ -91,8 +91,12 @@ def test_auth_and_training_opt_in():
     assert registry.wants_training(on, opts_out_of_training([])) is True
     assert registry.wants_training(on, opts_out_of_training(["0"])) is False
     assert registry.wants_training(off, opts_out_of_training(["1"])) is False  # never opts in
-    registry.apply_overrides({"off": True})
+    assert registry.apply_overrides({"off": {"enabled": True, "config_enabled": False}}) == []
     assert registry.wants_training(off, opts_out_of_training([])) is True
+    # A switch set while the config said otherwise than it says now is stale: not applied.
+    stale = {"on": {"enabled": False, "config_enabled": False}}
+    assert registry.apply_overrides(stale) == ["on"]
+    assert registry.wants_training(on, opts_out_of_training([])) is True
 
 
 @pytest.mark.parametrize(
@@ -671,17 +675,47 @@ def test_alias_table_swaps_whole_snapshots():
 
 def test_serving_state_round_trip(tmp_path):
     path = tmp_path / "control" / "serving.json"
-    state = ServingState(aliases={"policy": "policy-v2"}, frozen=True, tenant_training={"a": True})
+    switch = {"enabled": True, "config_enabled": False}
+    state = ServingState(
+        aliases={"policy": "policy-v2"}, frozen=True, tenant_training={"a": dict(switch)}
+    )
     state.record("flip", "ops", alias="policy", target="policy-v2", previous="base")
     save_state(path, state)
     loaded = load_state(path, {"policy": "base", "base": "base"})
     assert loaded.aliases == {"policy": "policy-v2", "base": "base"}
-    assert loaded.frozen and loaded.tenant_training == {"a": True}
+    assert loaded.frozen and loaded.tenant_training == {"a": switch}
     assert loaded.history[0]["actor"] == "ops"
     assert [p.name for p in path.parent.iterdir()] == ["serving.json"]
     path.write_text("{nope")
     with pytest.raises(ValueError, match="not valid JSON"):
         load_state(path, {})
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("frozen", "false"),
+        ("learning_frozen", 0),
+        ("tenant_training", {"bob": "false"}),
+        ("tenant_training", {"bob": {"enabled": "0"}}),
+        ("tenant_training", {"bob": {"enabled": True, "config_enabled": "no"}}),
+    ],
+)
+def test_serving_state_flags_must_be_json_booleans(tmp_path, field, value):
+    """`bool("false")` is True: a hand-edited "false" froze serving or trained a tenant."""
+    path = tmp_path / "serving.json"
+    path.write_text(json.dumps({"state_version": 1, "aliases": {}, field: value}))
+    with pytest.raises(ValueError, match=f"serving state {path}: .*{field}"):
+        load_state(path, {})
+
+
+def test_a_training_switch_of_the_earlier_format_still_applies(tmp_path):
+    path = tmp_path / "serving.json"
+    path.write_text(json.dumps({"state_version": 1, "tenant_training": {"bob": True}}))
+    switch = load_state(path, {}).tenant_training["bob"]
+    assert switch == {"enabled": True, "config_enabled": None}
+    assert switch_applies(switch, False) and switch_applies(switch, True)
+    assert not switch_applies({"enabled": True, "config_enabled": False}, True)
 
 
 def test_keys_and_session_ids_that_are_not_utf8_never_raise():

@@ -751,6 +751,26 @@ _BUILTIN_PASSES: tuple[RedactionPass, ...] = (
     ),
     RedactionPass(
         "secret_assignment",
+        # Values with spaces, which the passes above never take (prose: `password: "Forgot
+        # your password?"`), so a pass phrase went out whole. Under a name ending in
+        # `passphrase` (words by definition; any prefix or case: `wifi_passphrase`,
+        # `GPG_PASSPHRASE`) any quoted value; under one ending in `password` or `passwd`, a
+        # JSON pair's (`"password": "correct horse battery staple"`, a login tool's
+        # arguments). Quoted only: an unquoted value's end cannot be told from the prose
+        # after it.
+        rf"(?:(?ai:hrase)(?<=(?ai:passphrase)){_NAME_END}(?:\\*[\"'])?[ \t]*{_ASSIGN_OP}"
+        rf"(?P<q>\\*[\"'`])"
+        rf"|(?:(?ai:word)(?<=(?ai:password))|(?ai:wd)(?<=(?ai:passwd)))(?P<k>\\*\")[ \t]*:[ \t]*"
+        rf"(?P<q2>(?P=k)))"
+        # Not a placeholder (`<your password>`), nor a label that names the secret
+        # (`"forgot_password": "Forgot your password?"`).
+        rf"(?!{_PLACEHOLDER}|<[^\"'`\\<>]*>\\*[\"'`])"
+        rf"(?![^\"'`\\\r\n]{{0,256}}?(?ai:pass(?:word|wd|phrase)))"
+        rf"(?P<secret>[^\"'`\\\r\n]{{4,256}}+){_VALUE_TAIL}(?:(?P=q)|(?P=q2))",
+        needles_ci=("passphrase", "password", "passwd"),
+    ),
+    RedactionPass(
+        "secret_assignment",
         # A .netrc entry, on one line or several: `machine <host>`, then `login` (or
         # `account`) and its value, then `password <value>`, whatever the value is (a
         # .netrc holds no code), ending the line or followed by the next keyword. The host

@@ -964,6 +964,28 @@ def test_a_secret_right_after_non_ascii_text_is_redacted(
         ),
         # A secret-access-key name with no 40-character AWS secret after it.
         ('"SecretAccessKey": "short/key+1"', '"SecretAccessKey": "[REDACTED:secret_assignment]"'),
+        # Values with spaces: any quoted one of a passphrase, a JSON pair's of a password
+        # (a login tool's arguments); they went out whole.
+        (
+            '{"passphrase": "correct horse battery staple"}',
+            '{"passphrase": "[REDACTED:secret_assignment]"}',
+        ),
+        (
+            'export GPG_PASSPHRASE="my long pass phrase"',
+            'export GPG_PASSPHRASE="[REDACTED:secret_assignment]"',
+        ),
+        (
+            "wifi_passphrase: 'purple monkey dishwasher'",
+            "wifi_passphrase: '[REDACTED:secret_assignment]'",
+        ),
+        (
+            '{"user": "bob", "password": "correct horse battery staple"}',
+            '{"user": "bob", "password": "[REDACTED:secret_assignment]"}',
+        ),
+        (
+            '{\\"db_password\\": \\"two words\\"}',
+            '{\\"db_password\\": \\"[REDACTED:secret_assignment]\\"}',
+        ),
     ],
 )
 def test_secret_assignments_lose_their_value_and_keep_their_name(text: str, expected: str) -> None:
@@ -997,6 +1019,8 @@ def test_secret_assignments_lose_their_value_and_keep_their_name(text: str, expe
         "password: !vault |",
         # Prose, other names, the shell's working directory.
         '"forgot_password": "Forgot your password?"',
+        '{"password": "Enter your password", "passphrase": "<your pass phrase>"}',
+        'password: "two words"\nthe passphrase is "not this one"',
         "secretName: db-credentials-v2",
         "docker login -u bob --password-stdin",
         "PWD=/home/user/project\nOLDPWD=/tmp",

@@ -302,7 +302,8 @@ async def feedback(request: web.Request) -> web.Response:
     limit_headers = ctx.tenants.admit_feedback(tenant)
     session_header = text_header(request, "X-Session-Id", limit=LABEL_MAX_CHARS)
     limit = feedback_body_limit(ctx.config.max_feedback_metadata_bytes, ctx.config.max_body_bytes)
-    body = await read_json_body(request, limit, ctx.config.body_timeout_s)
+    # Whole within body_timeout_s: a feedback post holds no concurrency slot to bound it.
+    body = await read_json_body(request, limit, ctx.config.body_timeout_s, whole_within_s=True)
     parsed = parse_feedback(body, ctx.config.max_feedback_metadata_bytes)
     known_session = check_owner(ctx.recent, parsed, tenant.name_hash)
     # Unknown to the proxy (a restart, or evicted from `recent`) and without X-Session-Id:

@@ -847,6 +847,12 @@ class CaptureService:
         self._put_capture: Callable[[TrajectoryCapture, str], None] | None = None
         backlog = getattr(sink, "backlog", None)
         self._backlog: Callable[[], int] | None = backlog if callable(backlog) else None
+        # A request body over half of what the sink's topic takes in one record is not
+        # captured: its record (the request, and the answer's text, token ids and logprobs
+        # on top) would go to the dead-letter topic, a 64 KiB excerpt of it at most, while
+        # the client got a trajectory id its feedback could never join.
+        max_record = getattr(sink, "max_record_bytes", None)
+        self.max_body_bytes: int | None = max_record // 2 if isinstance(max_record, int) else None
         self.backlog_limit = backlog_limit
         self.paused = False  # new captures wait for the sink's backlog to shrink
         delegate = getattr(sink, "build_records_with", None)

@@ -33,6 +33,7 @@ from proxy.relay import (
     dumps,
     ends_with_done,
     ends_with_error_event,
+    last_reads,
     parse_json,
     plan_request,
     sse_event,
@@ -141,11 +142,27 @@ def _too_large(max_bytes: int) -> ProxyError:
     )
 
 
-async def _arriving_body(content: StreamReader, max_bytes: int, timeout_s: float) -> bytes:
+async def _arriving_body(
+    content: StreamReader, max_bytes: int, timeout_s: float, whole_within_s: bool = False
+) -> bytes:
     """The body as it arrives, each wait for more bytes bounded by `timeout_s` (nginx's
     `client_body_timeout`). A client that stops sending without closing its connection (gone
     behind a NAT that dropped it, a laptop put to sleep) held its request, and one of its
-    tenant's concurrency slots, until TCP keep-alive gave up on it: over two hours."""
+    tenant's concurrency slots, until TCP keep-alive gave up on it: over two hours.
+
+    `whole_within_s`: the whole body within `timeout_s`, for a request that holds no
+    concurrency slot (feedback): a client sending a byte now and then kept any number of
+    them open, one per post its rate allowed."""
+    if whole_within_s:
+        try:
+            async with asyncio.timeout(timeout_s):
+                return await _arriving_body(content, max_bytes, timeout_s)
+        except TimeoutError:
+            raise ProxyError(
+                408,
+                f"The request body was not whole after {timeout_s:g} s.",
+                code="request_timeout",
+            ) from None
     chunks, size = [], 0
     while True:
         try:
@@ -198,15 +215,17 @@ def _inflate(raw: bytes, coding: str, max_bytes: int) -> bytes:
             raise invalid  # data after the end of the deflate stream
 
 
-async def read_json_body(request: web.Request, max_bytes: int, timeout_s: float) -> Any:
+async def read_json_body(
+    request: web.Request, max_bytes: int, timeout_s: float, whole_within_s: bool = False
+) -> Any:
     """The request body as JSON; 413 over the limit, 400 when it does not parse, 408 when
     it stops arriving (`read_json`)."""
-    body, _, _ = await read_json(request, max_bytes, timeout_s)
+    body, _, _ = await read_json(request, max_bytes, timeout_s, whole_within_s)
     return body
 
 
 async def read_json(
-    request: web.Request, max_bytes: int, timeout_s: float
+    request: web.Request, max_bytes: int, timeout_s: float, whole_within_s: bool = False
 ) -> tuple[Any, Callable[[Any], bytes], bytes]:
     """`read_json_body`, plus the encoder that writes the body back as it came (msgspec, or
     Python's `json` for what only `json` reads, such as NaN): several times faster than
@@ -225,7 +244,7 @@ async def read_json(
         else:
             # Still arriving, or chunked (where `read()` would buffer up to the app's limit,
             # max_body_bytes, before a smaller limit, the feedback endpoint's, is checked).
-            raw = await _arriving_body(request.content, max_bytes, timeout_s)
+            raw = await _arriving_body(request.content, max_bytes, timeout_s, whole_within_s)
     except web.HTTPRequestEntityTooLarge as exc:
         raise _too_large(max_bytes) from exc
     if len(raw) > max_bytes:
@@ -389,6 +408,9 @@ class CompletionRelay:
         if not ctx.config.capture_enabled or not ctx.tenants.wants_training(tenant, self.opted_out):
             return False
         refusal = capture_refusal(self.endpoint, body)
+        limit = ctx.capture.max_body_bytes
+        if refusal is None and limit is not None and len(self.raw_body) > limit:
+            refusal = "too_large"
         if refusal is None and not ctx.capture.has_room():
             refusal = "backlog"  # logged once when capture pauses and once when it resumes
         elif refusal is not None:
@@ -464,6 +486,7 @@ class CompletionRelay:
         try:
             if upstream.status != 200:
                 return await self._relay_upstream_error(upstream, headers, capture)
+            self._refuse_compressed(upstream, capture)
             if plan.stream:
                 return await self._relay_stream(upstream, plan, headers, capture)
             return await self._relay_whole(upstream, plan, headers, capture)
@@ -477,6 +500,26 @@ class CompletionRelay:
             if capture is not None and ctx.capture.is_open(capture):
                 # An unexpected failure: the record still says what happened.
                 ctx.capture.submit(capture, "error")
+
+    def _refuse_compressed(
+        self, upstream: aiohttp.ClientResponse, capture: TrajectoryCapture | None
+    ) -> None:
+        """A 502 for an answer compressed against the proxy's `Accept-Encoding: identity` (a
+        hop in between that compresses regardless): relayed, a stream reached the client as
+        gzip bytes under `text/event-stream`, then an error event."""
+        coding = upstream.headers.get("Content-Encoding", "identity").strip().lower()
+        if coding in ("identity", ""):
+            return
+        log.error("upstream_answer_compressed", content_encoding=coding[:64])
+        if capture is not None:
+            self.ctx.capture.submit(capture, "error")
+        raise ProxyError(
+            502,
+            f"The model server sent a compressed answer the proxy did not ask for "
+            f"(request id {self.request_id}).",
+            type_="api_error",
+            code="upstream_error",
+        )
 
     def _failed_mid_response(
         self, exc: BaseException, capture: TrajectoryCapture | None
@@ -667,7 +710,7 @@ class CompletionRelay:
                     self.ttft_s = time.monotonic() - self.arrived
                     if capture is not None:
                         capture.mark_first_token()
-                before_last, last = last, data
+                before_last, last = last_reads(before_last, last, data)
                 if capture is not None:
                     data = self._transform_events(parser, plan, capture, data)
                     if not data:
@@ -684,6 +727,15 @@ class CompletionRelay:
                 # Bytes after the last event border go out as they came, as they did before
                 # the proxy asked for usage on its own.
                 await response.write(parser.rest())
+            elif capture is not None and parser.rest():
+                # A last event without its blank line (`data: [DONE]\n`, or no line end at
+                # all): a stream's end ends it. Left in the parser, it never reached the
+                # client, [DONE] included, nor the capture.
+                end = b"\n" if parser.rest().endswith(b"\n") else b"\n\n"
+                data = self._transform_events(parser, plan, capture, end)
+                if data:
+                    await response.write(data)
+                    done_sent = data.endswith(_DONE_EVENT)
             if not ends_with_done(before_last, last):
                 # The model server closed the stream cleanly but without its end: relayed as
                 # is, the client saw an answer that just stopped, counted and recorded `ok`.

@@ -240,7 +240,12 @@ class ProxyConfig(BaseModel):
         "completions request); more: 400",
     )
     connect_timeout_s: float = Field(default=5.0, gt=0)
-    read_timeout_s: float = Field(default=300.0, gt=0)
+    read_timeout_s: float = Field(
+        default=300.0,
+        gt=0,
+        description="between two reads of an upstream answer, and for an unstreamed request "
+        "the wait for the whole answer (504 then, not retried on another replica)",
+    )
     idle_timeout_s: float = Field(
         default=75.0,
         gt=0,

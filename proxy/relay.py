@@ -78,9 +78,9 @@ def plan_request(
         # vLLM refuses `top_logprobs` (or `logprob_token_ids`) without `logprobs` (400):
         # added, it served the request, and the client got a 200 its own request would not.
         top = body.get("top_logprobs")
-        asks_top = (isinstance(top, int) and (top == -1 or top > 0)) or bool(
-            body.get("logprob_token_ids")
-        )
+        asks_top = (
+            isinstance(top, int | float) and not isinstance(top, bool) and (top == -1 or top > 0)
+        ) or bool(body.get("logprob_token_ids"))
         if not body.get("logprobs") and not asks_top:
             upstream["logprobs"] = True
             plan.added_logprobs = True
@@ -469,8 +469,22 @@ def ends_with_error_event(before_last: bytes, last: bytes) -> bool:
     )
 
 
-_DONE_AT_END = re.compile(rb"(?:^|\n)data: ?\[DONE\][ \t]*(?:\r?\n)*\Z")
+# `[DONE]`, then only line ends or comment lines (`: bye`, a keep-alive) to the end.
+_DONE_AT_END = re.compile(rb"(?:^|\n)data: ?\[DONE\][ \t]*(?:\r?\n|:[^\n]*\n)*\Z")
 _DONE_SPLIT = 32  # enough of the two reads to hold a `data: [DONE]` split between them
+# A read this short is a fragment (vLLM writes each event whole, a token's event is longer):
+# it is joined to the read before (`last_reads`), so that `[DONE]` or an error event split
+# over several reads is still in the last two. The join keeps this much of the read before.
+_FRAGMENT_KEEP = 16 * 1024
+
+
+def last_reads(before_last: bytes, last: bytes, data: bytes) -> tuple[bytes, bytes]:
+    """The stream's last two reads once `data` arrived, for `ends_with_done` and
+    `ends_with_error_event`: references, no copies, but for a fragment shorter than
+    `_DONE_SPLIT`, which is joined to the read before it."""
+    if len(data) < _DONE_SPLIT:
+        return before_last, last[-_FRAGMENT_KEEP:] + data
+    return last, data
 
 
 def ends_with_done(before_last: bytes, last: bytes) -> bool:
@@ -484,7 +498,10 @@ def ends_with_done(before_last: bytes, last: bytes) -> bool:
 
 
 def sse_event(data: bytes) -> bytes:
-    return b"data: " + data + b"\n\n"
+    """One SSE event of `data`: a line of it per `data:` field, as the client's parser joins
+    them back (an upstream may spread one event's JSON over several lines; written as one
+    field, every line after the first was lost to the client)."""
+    return b"data: " + data.replace(b"\n", b"\ndata: ") + b"\n\n"
 
 
 def dumps(obj: Any) -> bytes:

@@ -151,6 +151,16 @@ class UpstreamPool:
             for replica in self.order(session_id):
                 try:
                     response = await self._post(replica, path, body, headers)
+                except aiohttp.SocketTimeoutError as exc:
+                    # Sent, and no answer within read_timeout_s: for an unstreamed request
+                    # vLLM sends nothing before the whole answer, so this is as likely a long
+                    # generation as a hung replica. Retried, it ran again on every replica in
+                    # turn (each marked down), and the client waited for all of them.
+                    log.warning("upstream_answer_timed_out", replica=replica.url, error=repr(exc))
+                    raise UpstreamUnavailable(
+                        f"no answer within the read timeout ({type(exc).__name__})",
+                        timed_out=True,
+                    ) from exc
                 except TimeoutError as exc:
                     timed_out = True
                     last_error = f"timeout ({type(exc).__name__})"

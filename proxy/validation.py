@@ -20,6 +20,12 @@ def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
+def _is_whole(value: Any) -> bool:
+    """An integer, or a float without a fraction (`max_tokens: 1024.0`, what a client that
+    computes its budget sends): vLLM takes those, so the proxy does too (OpenAI does not)."""
+    return _is_int(value) or (isinstance(value, float) and value.is_integer())
+
+
 def _is_stop(value: Any) -> bool:
     return isinstance(value, str) or (
         isinstance(value, list) and all(isinstance(s, str) for s in value)
@@ -30,24 +36,24 @@ def _is_stop(value: Any) -> bool:
 _Check = tuple[Callable[[Any], bool], str]
 _CHAT_FIELDS: dict[str, _Check] = {
     "logprobs": (lambda v: isinstance(v, bool), "boolean"),
-    "top_logprobs": (_is_int, "integer"),
+    "top_logprobs": (_is_whole, "integer"),
     "tools": (lambda v: isinstance(v, list), "array"),
     "tool_choice": (lambda v: isinstance(v, str | dict), "string or object"),
-    "max_completion_tokens": (_is_int, "integer"),
+    "max_completion_tokens": (_is_whole, "integer"),
     "echo": (lambda v: isinstance(v, bool), "boolean"),
 }
 _COMPLETIONS_FIELDS: dict[str, _Check] = {
-    "logprobs": (_is_int, "integer"),
+    "logprobs": (_is_whole, "integer"),
     "echo": (lambda v: isinstance(v, bool), "boolean"),
 }
 _COMMON_FIELDS: dict[str, _Check] = {
     "stream": (lambda v: isinstance(v, bool), "boolean"),
     "stream_options": (lambda v: isinstance(v, dict), "object"),
-    "n": (_is_int, "integer"),
-    "max_tokens": (_is_int, "integer"),
+    "n": (_is_whole, "integer"),
+    "max_tokens": (_is_whole, "integer"),
     "temperature": (_is_number, "number"),
     "top_p": (_is_number, "number"),
-    "seed": (_is_int, "integer"),
+    "seed": (_is_whole, "integer"),
     "user": (lambda v: isinstance(v, str), "string"),
     "stop": (_is_stop, "string or array of strings"),
     "return_token_ids": (lambda v: isinstance(v, bool), "boolean"),
@@ -116,7 +122,7 @@ def _limit_choices(body: dict[str, Any], max_choices: int) -> None:
     `n: 1000` keeps a shared model server busy for minutes (measured on CPU: 1000 sequences
     queued, every tenant's requests waiting behind them until the proxy's read timeout)."""
     n = body.get("n")
-    if n is not None and n < 1:  # an integer by now (_COMMON_FIELDS)
+    if n is not None and n < 1:  # a whole number by now (_COMMON_FIELDS)
         raise bad_request(
             f"Invalid value for 'n': expected an integer >= 1, got {n}.",
             param="n",

@@ -55,7 +55,7 @@ from replay.topics import TopicNames, ensure_topics
 
 log = structlog.get_logger(__name__)
 
-_RECORD_OVERHEAD_BYTES = 1024
+RECORD_OVERHEAD_BYTES = 1024
 # How long the sender thread waits for records before it looks at the spill and the broker
 # again. `close` wakes it at once, so this only spaces out the checks of an idle sink (each
 # wake-up of a sleeping thread costs ~0.1 ms of CPU on a small VM).
@@ -200,7 +200,7 @@ def _prepare(
     try:
         validate_record(item.kind, record)
         value = encode_record(record)
-        limit = config.max_request_size_bytes - _RECORD_OVERHEAD_BYTES
+        limit = config.max_request_size_bytes - RECORD_OVERHEAD_BYTES
         if len(value) > limit:
             raise ValueError(f"record is {len(value)} bytes, over the {limit} byte limit")
         return SpillEntry(topic, key, value)
@@ -232,7 +232,7 @@ def _dlq_entry(
     with contextlib.suppress(Exception):  # an odd record still gets an envelope
         # The same id if this record is prepared again (by the parent of a dead worker).
         common["event_id"] = dlq_event_id("producer", source, record=record)
-    limit = config.max_request_size_bytes - _RECORD_OVERHEAD_BYTES
+    limit = config.max_request_size_bytes - RECORD_OVERHEAD_BYTES
     try:
         value = encode_record(dlq_envelope(**common, record=record))
         if len(value) > limit:
@@ -374,6 +374,11 @@ class KafkaSink:
         """A record already validated and encoded elsewhere (a DLQ envelope included): sent
         or spilled as it is, so it is not prepared (and counted in `dlq`) a second time."""
         self._put(entry)
+
+    @property
+    def max_record_bytes(self) -> int:
+        """The largest record the topic takes (a larger one goes to the DLQ)."""
+        return self.config.max_request_size_bytes - RECORD_OVERHEAD_BYTES
 
     def put_item(self, item: QueuedRecord | SpillEntry) -> int:
         """`put_trajectory`/`put_feedback` (a QueuedRecord) or `put_entry` (a SpillEntry);

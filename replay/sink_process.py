@@ -27,7 +27,13 @@ import structlog
 from prometheus_client import CollectorRegistry, Gauge
 
 from replay.config import StreamConfig
-from replay.producer import KafkaSink, ProducerMetrics, QueuedRecord, prepare_entry
+from replay.producer import (
+    RECORD_OVERHEAD_BYTES,
+    KafkaSink,
+    ProducerMetrics,
+    QueuedRecord,
+    prepare_entry,
+)
 from replay.schemas import RecordKind, derived_event_id
 from replay.spill import SpillEntry, SpillStore
 from replay.topics import TopicNames
@@ -397,6 +403,11 @@ class KafkaSinkProcess:
             # The feeder may be stuck writing to a child that stopped reading; killing the
             # child frees it (the dead child's records are spilled, the outbox goes on).
             self._kill_if_hung()
+
+    @property
+    def max_record_bytes(self) -> int:
+        """The largest record the topic takes (a larger one goes to the DLQ)."""
+        return self.config.max_request_size_bytes - RECORD_OVERHEAD_BYTES
 
     def backlog(self) -> int:
         """Records (and captures) held in this process's memory, not yet durable: the outbox

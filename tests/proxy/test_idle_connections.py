@@ -6,6 +6,7 @@ concurrency slot; a body that keeps arriving, however slowly, is read whole."""
 from __future__ import annotations
 
 import json
+import select
 import socket
 import time
 
@@ -125,7 +126,9 @@ def test_a_body_that_stops_arriving_gets_a_408_and_frees_the_tenants_slot(
     assert status == 408, body
     error = json.loads(body)["error"]
     assert error["code"] == "request_timeout"
-    assert "no bytes for 1 s" in error["message"]
+    # Feedback holds no concurrency slot: its whole body is timed (the next test).
+    stalled_for = "not whole after 1 s" if path == "/v1/feedback" else "no bytes for 1 s"
+    assert stalled_for in error["message"]
     assert headers["x-request-id"].startswith("req-")
     assert BODY_TIMEOUT_S * 0.9 <= waited_s < BODY_TIMEOUT_S + 5
     assert alice.in_flight == 0
@@ -160,6 +163,26 @@ def test_a_body_arriving_slowly_but_steadily_is_read_whole(short_body_timeout_pr
     assert json.loads(answer)["choices"][0]["finish_reason"] is not None
     harness.drain()
     assert [r["status"] for r in sink.trajectories] == ["ok"]
+
+
+def test_a_feedback_body_trickling_in_is_cut_off_after_body_timeout_s(short_body_timeout_proxy):
+    """A feedback post holds no concurrency slot, and each wait for more bytes was timed
+    alone: one key sending a byte now and then kept any number of posts open (one per post
+    its feedback rate allowed), file descriptors and buffers with them."""
+    harness, sink = short_body_timeout_proxy
+    body = b'{"trajectory_id": "req-' + b"0" * 32 + b'", "kind": "thumbs", "value": 1}'
+    started = time.monotonic()
+    with socket.create_connection(("127.0.0.1", harness.port)) as slow:
+        slow.sendall(_post_head(harness.port, "/v1/feedback", KEYS["alice"], len(body)))
+        for byte in body[:12]:  # a byte every quarter timeout, until the answer comes
+            if select.select([slow], [], [], BODY_TIMEOUT_S / 4)[0]:
+                break
+            slow.sendall(bytes([byte]))
+        status, _, answer = _answer(slow, BODY_TIMEOUT_S + 10)
+    assert status == 408, answer
+    assert "not whole after 1 s" in json.loads(answer)["error"]["message"]
+    assert time.monotonic() - started < 3 * BODY_TIMEOUT_S
+    assert sink.feedback == []
 
 
 def test_admin_and_operator_bodies_that_stop_arriving_get_a_408(short_body_timeout_proxy):

@@ -472,6 +472,36 @@ def test_records_reach_kafka_keyed_by_session(make_proxy, vllm_server, kafka_boo
     assert b"hunter2x" not in event.value and token.encode() not in event.value
 
 
+def test_a_body_too_large_for_the_topics_records_is_served_uncaptured(
+    make_proxy, vllm_server, kafka_bootstrap, tmp_path
+):
+    """A body near max_body_bytes made a record over the topic's max_request_size_bytes: it
+    went to the dead-letter topic (a 64 KiB excerpt at most) while the client got a
+    trajectory id its feedback could never join. Over half the topic's limit, a body is now
+    served without capture (`captures_skipped{reason="too_large"}`)."""
+    from replay.config import StreamConfig
+    from replay.producer import KafkaSink
+
+    prefix = f"proxytest{uuid.uuid4().hex[:10]}"
+    stream = StreamConfig(
+        bootstrap_servers=kafka_bootstrap, topic_prefix=prefix, max_request_size_bytes=65536
+    )
+    sink = KafkaSink(stream, tmp_path / "spill-state")
+    harness, _ = make_proxy([vllm_server.base_url], sink=sink)
+    assert harness.ctx.capture.max_body_bytes == (65536 - 1024) // 2
+    big = chat(harness, "alice", user="u" * 40_000)
+    assert big.parse().choices[0].finish_reason is not None
+    assert "x-olp-trajectory-id" not in big.headers
+    small = chat(harness, "alice")
+    trajectory_id = small.headers["x-olp-trajectory-id"]
+    skipped = harness.ctx.metrics.captures_skipped.labels("alice", "too_large")
+    assert skipped._value.get() == 1
+    harness.drain()
+    harness.call(sink.aclose())
+    [record] = _read_topic(kafka_bootstrap, f"{prefix}.trajectories", 1)
+    assert json.loads(record.value)["trajectory_id"] == trajectory_id
+
+
 def test_training_requests_go_uncaptured_while_the_sinks_backlog_is_at_its_limit(
     make_proxy, vllm_server, kafka_bootstrap, tmp_path
 ):

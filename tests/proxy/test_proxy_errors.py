@@ -379,3 +379,26 @@ def test_a_proxy_error_after_admission_carries_the_rate_limit_headers(dead_upstr
     assert_openai_error(response, 502, "upstream_error")
     assert response.headers["x-ratelimit-limit-requests"] == "2"
     assert response.headers["x-ratelimit-remaining-requests"] == "1"
+
+
+def test_a_whole_float_count_is_served_as_vllm_serves_it(make_proxy, vllm_server):
+    """`max_tokens: 2.0` (a client computing its budget): vLLM serves it, and the proxy,
+    which refused it with a 400, now does too, captured or not."""
+    harness, sink = make_proxy([vllm_server.base_url])
+    body = {"model": "policy", "messages": PROMPT, "max_tokens": 2.0, "n": 1.0}
+    direct = httpx.post(
+        vllm_server.base_url + "/v1/chat/completions", json={**body, "model": "base"}, timeout=60
+    )
+    assert direct.status_code == 200, direct.text
+    for tenant in ("alice", "bob"):
+        answer = httpx.post(
+            harness.base_url + "/v1/chat/completions",
+            json=body,
+            headers={"Authorization": f"Bearer {KEYS[tenant]}"},
+            timeout=60,
+        )
+        assert answer.status_code == 200, answer.text
+        assert 1 <= answer.json()["usage"]["completion_tokens"] <= 2
+    harness.drain()
+    [record] = sink.trajectories
+    assert record["trainable"] is True and record["sampling"]["max_tokens"] == 2.0

@@ -9,6 +9,7 @@ import asyncio
 import concurrent.futures
 import json
 import threading
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -18,7 +19,7 @@ import pytest
 from aiohttp import web
 from structlog.testing import capture_logs
 
-from proxy.relay import ends_with_done
+from proxy.relay import ends_with_done, ends_with_error_event, last_reads
 from tests.proxy.conftest import KEYS, wait_for
 from tests.proxy.threaded_upstream import ThreadedUpstream
 
@@ -60,17 +61,28 @@ FRAGMENTS: list[tuple[dict[str, Any], list[int]]] = [
 ]
 
 
-def _event(obj: dict[str, Any]) -> bytes:
-    return b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n"
+def _event(obj: dict[str, Any], multiline: bool = False) -> bytes:
+    data = json.dumps(obj, separators=(",", ":")).encode()
+    if multiline:  # valid SSE: a `data:` field per line, joined with \n by the reader
+        data = data.replace(b",", b",\ndata: ", 1)
+    return b"data: " + data + b"\n\n"
 
 
 class ScriptedUpstream(ThreadedUpstream):
     """Streams FRAGMENTS honouring logprobs / return_token_ids / include_usage like vLLM.
     `die_after` cuts the connection after that many chunks."""
 
-    def __init__(self, die_after: int | None = None, linger_s: float = 0.0) -> None:
+    def __init__(
+        self,
+        die_after: int | None = None,
+        linger_s: float = 0.0,
+        multiline: bool = False,
+        done_writes: tuple[bytes, ...] = (b"data: [DONE]\n\n",),
+    ) -> None:
         self.die_after = die_after
         self.linger_s = linger_s  # between [DONE] and the end of the response
+        self.multiline = multiline  # each event's JSON spread over several `data:` lines
+        self.done_writes = done_writes  # the stream's end, a write (and a read) each
         super().__init__()
 
     async def _chat(self, request: web.Request) -> web.StreamResponse:
@@ -113,7 +125,7 @@ class ScriptedUpstream(ThreadedUpstream):
             if position == 0:
                 chunk["prompt_token_ids"] = PROMPT_IDS if ids else None
             total += len(tokens)
-            await response.write(_event(chunk))
+            await response.write(_event(chunk, self.multiline))
         if (body.get("stream_options") or {}).get("include_usage"):
             await response.write(
                 _event(
@@ -125,10 +137,14 @@ class ScriptedUpstream(ThreadedUpstream):
                             "completion_tokens": total,
                             "total_tokens": len(PROMPT_IDS) + total,
                         },
-                    }
+                    },
+                    self.multiline,
                 )
             )
-        await response.write(b"data: [DONE]\n\n")
+        for position, piece in enumerate(self.done_writes):
+            if position:
+                await asyncio.sleep(0.02)  # a read of its own at the proxy
+            await response.write(piece)
         await asyncio.sleep(self.linger_s)
         await response.write_eof()
         return response
@@ -163,10 +179,14 @@ def stream_events(
         timeout=30,
     ) as response:
         assert response.status_code == 200
+        data: list[str] = []  # an event's `data:` lines, joined at its blank line (SSE)
         for line in response.iter_lines():
             if line.startswith("data: "):
-                payload = line[6:]
+                data.append(line[6:])
+            elif not line and data:
+                payload = "\n".join(data)
                 events.append(payload if payload == "[DONE]" else json.loads(payload))
+                data = []
     return events
 
 
@@ -215,6 +235,36 @@ def test_parallel_tool_call_fragments_reach_the_client_as_upstream_sent_them(mak
         for fragment in chunk.choices[0].delta.tool_calls or [] if chunk.choices else []:
             names[fragment.index] = names.get(fragment.index, "") + (fragment.function.name or "")
     assert names == {0: "get_weather", 1: "get_time"}
+
+
+def test_events_spread_over_several_data_lines_reach_a_captured_client_whole(make_proxy):
+    """An upstream may write one event's JSON over several `data:` lines (valid SSE; some
+    gateways pretty-print). Captured and stripped, each event went out as one `data:` field
+    with raw newlines in it: the client read only its first line and the SDK failed to
+    decode every chunk."""
+    upstream = ScriptedUpstream(multiline=True).start()
+    try:
+        harness, sink = make_proxy([upstream.url])
+        direct = stream_events(upstream.url, None)
+        captured = stream_events(harness.base_url, KEYS["alice"])
+        relayed = stream_events(harness.base_url, KEYS["bob"])
+        api = openai.OpenAI(base_url=harness.base_url + "/v1", api_key=KEYS["alice"], max_retries=0)
+        names = {}
+        for chunk in api.chat.completions.create(
+            model="policy", stream=True, messages=[{"role": "user", "content": "x"}]
+        ):
+            for fragment in chunk.choices[0].delta.tool_calls or [] if chunk.choices else []:
+                names[fragment.index] = names.get(fragment.index, "") + (
+                    fragment.function.name or ""
+                )
+    finally:
+        upstream.stop()
+    assert normalise(captured) == normalise(direct) == normalise(relayed)
+    assert names == {0: "get_weather", 1: "get_time"}
+    harness.drain()
+    record = sink.trajectories[0]
+    assert record["trainable"] is True, record["flags"]
+    assert record["choices"][0]["token_ids"] == [10, 11, 12, 13, 14, 15, 16]
 
 
 def test_upstream_dying_mid_stream_ends_with_an_error_event(make_proxy):
@@ -710,6 +760,57 @@ def test_a_stream_ended_without_done_is_cut_short_not_an_ok(make_proxy, tenant):
 
 
 @pytest.mark.parametrize(
+    "done_writes",
+    [
+        (b"data: ", b"[DONE]", b"\n\n"),  # `[DONE]` over three reads
+        (b"data: [DO", b"NE]\n", b"\n"),
+        (b"data: [DONE]\n",),  # the last event without its blank line
+        (b"data: [DONE]",),  # nor a line end
+        (b"data: [DONE]\n\n", b": bye\n\n"),  # a comment after it
+    ],
+    ids=["three-reads", "split-three", "one-lf", "no-lf", "comment-after"],
+)
+@pytest.mark.parametrize("tenant", ["alice", "bob"])  # captured, relayed as bytes
+def test_a_stream_ended_in_pieces_is_whole_and_ok(make_proxy, tenant, done_writes):
+    """Only the last two reads were searched for `[DONE]`: split over three, the stream
+    was taken for cut short (an error event after `[DONE]`, an `error` record); and a
+    captured stream whose last event lacked its blank line never sent it, `[DONE]`
+    included."""
+    upstream = ScriptedUpstream(done_writes=done_writes).start()
+    try:
+        harness, sink = make_proxy([upstream.url])
+        events = stream_events(harness.base_url, KEYS[tenant])
+    finally:
+        upstream.stop()
+    if tenant == "alice" or b"".join(done_writes).endswith(b"\n\n"):
+        assert events[-1] == "[DONE]"
+    else:  # relayed as they came: the client's SSE reader drops an unended last event
+        assert events[-1] != "[DONE]" and "error" not in events[-1]
+    assert not any(isinstance(e, dict) and "error" in e for e in events)
+    assert "olp_proxy_errors_total{" not in httpx.get(harness.base_url + "/metrics").text
+    harness.drain()
+    if tenant == "alice":
+        [record] = sink.trajectories
+        assert record["status"] == "ok" and record["trainable"] is True, record["flags"]
+
+
+def test_last_reads_joins_fragments_to_the_read_before():
+    event = b'data: {"id":"x","choices":[]}\n\n'
+    reads = (b"", b"")
+    for data in (event, b"data: ", b"[DONE]", b"\n\n"):
+        reads = last_reads(*reads, data)
+    assert reads == (b"", event + b"data: [DONE]\n\n")
+    assert ends_with_done(*reads)
+    reads = (b"", b"")
+    error = b'data: {"error": {"message": "boom", "code": 500}}\n\n'
+    for data in (event, error[:10], error[10:20], error[20:]):
+        reads = last_reads(*reads, data)
+    assert ends_with_error_event(*reads)
+    big = b"x" * 100
+    assert last_reads(b"a" * 40, big, b"y" * 40) == (big, b"y" * 40)  # references, no join
+
+
+@pytest.mark.parametrize(
     ("before_last", "last", "done"),
     [
         (b"", b"data: [DONE]\n\n", True),
@@ -771,6 +872,60 @@ def test_the_proxy_asks_its_upstream_for_an_uncompressed_answer(make_proxy):
     assert upstream.requests == [{"accept-encoding": "identity"}]
 
 
+class GzippingRegardless(ThreadedUpstream):
+    """A hop that compresses whatever the client asked for (`Accept-Encoding: identity`
+    included), streams too."""
+
+    def add_routes(self, app: web.Application) -> None:
+        async def chat(request: web.Request) -> web.StreamResponse:
+            body = await request.json()
+            self.requests.append(body)
+            response = web.StreamResponse(
+                headers={
+                    "Content-Type": "text/event-stream"
+                    if body.get("stream")
+                    else "application/json"
+                }
+            )
+            response.enable_compression(force=web.ContentCoding.gzip)
+            await response.prepare(request)
+            await response.write(b'data: {"id": "x", "choices": []}\n\ndata: [DONE]\n\n')
+            await response.write_eof()
+            return response
+
+        app.router.add_post("/v1/chat/completions", chat)
+
+
+@pytest.mark.parametrize("stream", [True, False])
+@pytest.mark.parametrize("tenant", ["alice", "bob"])
+def test_an_answer_compressed_against_the_proxys_ask_is_a_502(make_proxy, tenant, stream):
+    """Relayed, a stream reached the client as gzip bytes under text/event-stream."""
+    upstream = GzippingRegardless().start()
+    try:
+        harness, sink = make_proxy([upstream.url])
+        with capture_logs() as logs:
+            answer = httpx.post(
+                harness.base_url + "/v1/chat/completions",
+                headers={"Authorization": f"Bearer {KEYS[tenant]}"},
+                json={
+                    "model": "policy",
+                    "messages": [{"role": "user", "content": "x"}],
+                    "stream": stream,
+                },
+                timeout=30,
+            )
+    finally:
+        upstream.stop()
+    assert answer.status_code == 502, answer.content[:200]
+    error = answer.json()["error"]
+    assert error["code"] == "upstream_error" and answer.headers["x-request-id"] in error["message"]
+    assert [e["content_encoding"] for e in logs if e["event"] == "upstream_answer_compressed"] == [
+        "gzip"
+    ]
+    harness.drain()
+    assert [r["status"] for r in sink.trajectories] == (["error"] if tenant == "alice" else [])
+
+
 class Slow(ThreadedUpstream):
     """Answers each request after `delay_s`."""
 
@@ -780,7 +935,7 @@ class Slow(ThreadedUpstream):
 
     def add_routes(self, app: web.Application) -> None:
         async def chat(request: web.Request) -> web.Response:
-            await request.read()
+            self.requests.append(await request.json())
             await asyncio.sleep(self.delay_s)
             return web.json_response(
                 {
@@ -825,3 +980,34 @@ def test_a_request_waiting_for_a_pooled_connection_is_not_a_replica_timeout(make
             replica.stop()
     assert statuses == [200, 200, 200]
     assert [replica.failures for replica in pool_state] == [0, 0]
+
+
+def test_an_answer_slower_than_the_read_timeout_is_a_504_not_a_retry(make_proxy):
+    """vLLM sends nothing of an unstreamed answer before it is whole: a generation longer
+    than read_timeout_s was taken for a failed replica and run again on every other one in
+    turn (each marked down), the client waiting for all of them before its 504."""
+    replicas = [Slow(delay_s=1.5).start() for _ in range(3)]
+    try:
+        harness, _ = make_proxy([r.url for r in replicas], read_timeout_s=0.5)
+        started = time.monotonic()
+        with capture_logs() as logs:
+            answer = httpx.post(
+                harness.base_url + "/v1/chat/completions",
+                headers={"Authorization": f"Bearer {KEYS['bob']}"},
+                json={"model": "policy", "messages": [{"role": "user", "content": "x"}]},
+                timeout=30,
+            )
+        took_s = time.monotonic() - started
+        pool_state = harness.ctx.pool.replicas
+    finally:
+        for replica in replicas:
+            replica.stop()
+    assert answer.status_code == 504, answer.text
+    assert answer.json()["error"]["code"] == "upstream_timeout"
+    assert took_s < 1.4  # one read timeout, not three
+    assert sorted(len(r.requests) for r in replicas) == [0, 0, 1]
+    assert [replica.failures for replica in pool_state] == [0, 0, 0]
+    assert [e["event"] for e in logs if e["event"].startswith("upstream_")] == [
+        "upstream_answer_timed_out",
+        "upstream_unavailable",
+    ]

@@ -20,13 +20,13 @@ CASES: list[tuple[str, str, Any, Any]] = [
     ("chat.completions", "tools", [], {}),
     ("chat.completions", "tool_choice", "auto", 1),
     ("chat.completions", "tool_choice", {"type": "function"}, ["auto"]),
-    ("chat.completions", "max_completion_tokens", 5, 5.0),
+    ("chat.completions", "max_completion_tokens", 5, 5.5),
     ("completions", "logprobs", 0, True),
     ("completions", "echo", False, "no"),
     ("chat.completions", "echo", False, "no"),
     ("chat.completions", "stream", True, "true"),
     ("chat.completions", "stream_options", {"include_usage": True}, []),
-    ("chat.completions", "n", 2, 1.0),
+    ("chat.completions", "n", 2, 1.5),
     ("completions", "n", 1, True),
     ("chat.completions", "max_tokens", 16, "16"),
     ("chat.completions", "temperature", 0.5, True),
@@ -61,6 +61,27 @@ def test_a_choice_count_below_one_is_an_invalid_value_not_a_wrong_type(n: int) -
     assert (caught.value.status, caught.value.param) == (400, "n")
     assert caught.value.code == "invalid_value"
     assert caught.value.message == f"Invalid value for 'n': expected an integer >= 1, got {n}."
+
+
+@pytest.mark.parametrize(
+    ("endpoint", "field"),
+    [
+        ("chat.completions", "max_tokens"),
+        ("chat.completions", "max_completion_tokens"),
+        ("chat.completions", "n"),
+        ("chat.completions", "seed"),
+        ("chat.completions", "top_logprobs"),
+        ("completions", "logprobs"),
+    ],
+)
+def test_a_whole_float_passes_where_an_integer_is_expected(endpoint: str, field: str) -> None:
+    """vLLM takes `max_tokens: 1024.0` (what a client computing its budget sends), so the
+    proxy does too; a fraction is still refused."""
+    base = CHAT if endpoint == "chat.completions" else COMPLETIONS
+    assert_accepted(endpoint, {**base, field: 2.0})
+    with pytest.raises(ProxyError) as caught:
+        validate_completion_request(endpoint, {**base, field: 2.5}, 100, 16)  # type: ignore[arg-type]
+    assert caught.value.code == "invalid_type"
 
 
 def assert_accepted(endpoint: str, body: dict[str, Any], max_choices: int = 16) -> None:

@@ -177,14 +177,23 @@ def _refuse_encoded_body(request: web.Request) -> None:
         raise unsupported_encoding(encoded[0], "this endpoint takes its body uncompressed")
 
 
-def _model_entry(ctx: ProxyContext, name: str) -> dict[str, Any]:
-    return {"id": name, "object": "model", "created": int(ctx.started_at), "owned_by": "olp"}
+def _model_entry(ctx: ProxyContext, name: str, max_model_len: int | None) -> dict[str, Any]:
+    entry: dict[str, Any] = {
+        "id": name,
+        "object": "model",
+        "created": int(ctx.started_at),
+        "owned_by": "olp",
+    }
+    if max_model_len is not None:
+        entry["max_model_len"] = max_model_len
+    return entry
 
 
 async def list_models(request: web.Request) -> web.Response:
     ctx = request.app[CONTEXT]
     ctx.tenants.authenticate(request.headers.get("Authorization"))
-    data = [_model_entry(ctx, name) for name in ctx.aliases.public_names()]
+    length = await ctx.pool.learn_max_model_len()
+    data = [_model_entry(ctx, name, length) for name in ctx.aliases.public_names()]
     return web.json_response({"object": "list", "data": data})
 
 
@@ -201,7 +210,7 @@ async def retrieve_model(request: web.Request) -> web.Response:
             code="model_not_found",
             param="model",
         )
-    return web.json_response(_model_entry(ctx, name))
+    return web.json_response(_model_entry(ctx, name, await ctx.pool.learn_max_model_len()))
 
 
 async def healthz(request: web.Request) -> web.Response:

@@ -8,8 +8,10 @@ any retry.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import itertools
+import math
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -77,6 +79,11 @@ class UpstreamPool:
         self._max_connections = max_connections
         self._keepalive_s = keepalive_s
         self._down_for_s = down_for_s
+        # The context length the replicas serve (vLLM's `max_model_len` in /v1/models, the
+        # same for the base model and its adapters): the proxy's model list carries it as
+        # vLLM's does, for clients that size their context by it. None until one said.
+        self.max_model_len: int | None = None
+        self._length_asked_at = -math.inf  # when `learn_max_model_len` last asked (monotonic)
         self._round_robin = itertools.count()
         self._session: aiohttp.ClientSession | None = None
         # Every upstream call carries the model server's key (never the client's own key), and
@@ -221,7 +228,26 @@ class UpstreamPool:
         entries = payload.get("data", []) if isinstance(payload, dict) else None
         if not isinstance(entries, list) or not all(isinstance(e, dict) for e in entries):
             raise ValueError("/v1/models is not a model list")
+        for entry in entries:
+            length = entry.get("max_model_len")
+            if isinstance(length, int) and not isinstance(length, bool) and length > 0:
+                self.max_model_len = length
         return {entry["id"] for entry in entries if "id" in entry}
+
+    async def learn_max_model_len(self) -> int | None:
+        """`max_model_len`, asking the replicas' /v1/models (in turn, 2 s each) when no
+        answer has said it yet, at most every 30 s (unreachable replicas must not slow every
+        model list down); None while none has."""
+        now = time.monotonic()
+        if self.max_model_len is not None or now - self._length_asked_at < 30.0:
+            return self.max_model_len
+        self._length_asked_at = now
+        for replica in self.replicas:
+            if self.max_model_len is not None:
+                break
+            with contextlib.suppress(aiohttp.ClientError, TimeoutError, ValueError):
+                await self.served_models(replica)
+        return self.max_model_len
 
     async def readiness(self) -> dict[str, tuple[str | None, set[str]]]:
         """Per replica: (None, served names) when reachable, else (why not, empty set)."""

@@ -209,6 +209,14 @@ def test_health_ready_models_metrics(proxy, dead_upstream_proxy):
     api = openai.OpenAI(base_url=harness.base_url + "/v1", api_key=KEYS["bob"], max_retries=0)
     assert sorted(m.id for m in api.models.list()) == ["base", "policy"]
     assert api.models.retrieve("policy").id == "policy"  # OpenAI's GET /v1/models/{model}
+    # vLLM's context length, which clients size their prompts by, as vLLM lists it.
+    upstream = harness.ctx.pool.replicas[0].url
+    served = httpx.get(upstream + "/v1/models").json()["data"][0]["max_model_len"]
+    listed = httpx.get(
+        harness.base_url + "/v1/models", headers={"Authorization": f"Bearer {KEYS['bob']}"}
+    ).json()["data"]
+    assert {m["id"]: m["max_model_len"] for m in listed} == {"base": served, "policy": served}
+    assert api.models.retrieve("policy").model_extra["max_model_len"] == served
     with pytest.raises(openai.NotFoundError) as missing:
         api.models.retrieve("policy-v1")  # an upstream name, not a public alias
     assert missing.value.body["code"] == "model_not_found"
@@ -226,6 +234,8 @@ def test_health_ready_models_metrics(proxy, dead_upstream_proxy):
     assert "olp_proxy_request_seconds_bucket" in text and "olp_proxy_in_flight" in text
     assert KEYS["bob"] not in text
     dead, _ = dead_upstream_proxy
+    dead_api = openai.OpenAI(base_url=dead.base_url + "/v1", api_key=KEYS["bob"], max_retries=0)
+    assert all(m.model_extra.get("max_model_len") is None for m in dead_api.models.list())
     not_ready = httpx.get(dead.base_url + "/readyz")
     assert not_ready.status_code == 503 and not_ready.json()["ready"] is False
     # No key: the replica by its position and its problem's kind, never its address.

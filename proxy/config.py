@@ -269,7 +269,9 @@ class ProxyConfig(BaseModel):
         "VLLM_HTTP_TIMEOUT_KEEP_ALIVE), or requests meet connections it is closing",
     )
     require_auth: bool = Field(
-        default=True, description="false serves key-less requests as tenant 'anonymous'"
+        default=True,
+        description="false serves requests without a tenant's key (none, or one no tenant "
+        "has, such as the SDK's placeholder `EMPTY`) as tenant 'anonymous'",
     )
     admin_key_sha256: str | None = None
     capture_enabled: bool = Field(default=True, description="global switch for trajectories")

@@ -166,6 +166,10 @@ class TenantRegistry:
         # per request): what a lookup's timing can reveal is about the digest, and a caller
         # cannot choose a key whose sha256 shares a prefix with a stored one.
         tenant = self._by_key.get(sha256_hex(key))
+        if tenant is None and not self.require_auth:
+            # The OpenAI SDK cannot send no key (`api_key="EMPTY"` is vLLM's convention):
+            # refused, an SDK client could never reach a proxy that requires none.
+            return self.tenants[ANONYMOUS]
         if tenant is None:
             raise AuthError(
                 401, "Incorrect API key provided.", code="invalid_api_key", route_kind="api"

@@ -412,3 +412,22 @@ def test_a_whole_float_count_is_served_as_vllm_serves_it(make_proxy, vllm_server
     harness.drain()
     [record] = sink.trajectories
     assert record["trainable"] is True and record["sampling"]["max_tokens"] == 2.0
+
+
+def test_without_required_auth_the_sdks_placeholder_key_is_served(make_proxy, vllm_server):
+    """The OpenAI SDK cannot send no key (`api_key="EMPTY"` is vLLM's convention): with
+    `require_auth: false` it got 401 and the SDK could not use the proxy at all."""
+    harness, _ = make_proxy([vllm_server.base_url], require_auth=False)
+    api = openai.OpenAI(base_url=harness.base_url + "/v1", api_key="EMPTY", max_retries=0)
+    reply = api.chat.completions.with_raw_response.create(
+        model="policy", messages=PROMPT, max_tokens=2
+    )
+    assert reply.parse().choices[0].finish_reason is not None
+    assert "x-olp-trajectory-id" not in reply.headers  # anonymous: training off
+    text = httpx.get(harness.base_url + "/metrics").text
+    assert 'status="200",stream="false",tenant="anonymous"} 1.0' in text
+    own = openai.OpenAI(base_url=harness.base_url + "/v1", api_key=KEYS["alice"], max_retries=0)
+    trained = own.chat.completions.with_raw_response.create(
+        model="policy", messages=PROMPT, max_tokens=2
+    )
+    assert "x-olp-trajectory-id" in trained.headers  # a tenant's key still names it

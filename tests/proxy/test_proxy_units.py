@@ -18,7 +18,7 @@ from proxy.capture import (
     sampling_of,
 )
 from proxy.config import ProxyConfig, TenantConfig, sha256_hex
-from proxy.errors import ProxyError
+from proxy.errors import AuthError, ProxyError
 from proxy.feedback import RecentTrajectories, TrajectoryOwner, check_owner, parse_feedback
 from proxy.relay import (
     NestedTooDeeply,
@@ -127,9 +127,14 @@ def test_train_header_that_is_neither_off_nor_on_is_refused(lines):
 
 
 def test_anonymous_only_without_required_auth():
-    registry = TenantRegistry([], require_auth=False)
+    registry = TenantRegistry([TenantConfig(name="t", api_key="k")], require_auth=False)
     assert registry.authenticate(None).name == "anonymous"
     assert registry.wants_training(registry.authenticate(None), False) is False
+    # The SDK's placeholder for a server that needs no key (it cannot send none).
+    assert registry.authenticate("Bearer EMPTY").name == "anonymous"
+    assert registry.authenticate("Bearer k").name == "t"
+    with pytest.raises(AuthError):
+        TenantRegistry([], require_auth=True).authenticate("Bearer EMPTY")
 
 
 def test_rate_limit_and_concurrency():

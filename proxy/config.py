@@ -118,6 +118,15 @@ class TenantConfig(BaseModel):
     def _valid_digest(cls, value: str | None) -> str | None:
         return _check_sha256(value, "api_key_sha256")
 
+    @field_validator("name")
+    @classmethod
+    def _addressable_name(cls, name: str) -> str:
+        # Clients and servers resolve a `.` or `..` path segment away: such a tenant's
+        # training switch (/admin/tenants/{name}/training) could never be reached.
+        if name in (".", ".."):
+            raise ValueError(f"a tenant cannot be named {name!r}: it names no URL path segment")
+        return name
+
 
 class StatePaths(BaseModel):
     """Sub-paths below the state dir that the proxy writes."""

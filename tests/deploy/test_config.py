@@ -115,6 +115,13 @@ def test_errors_about_a_section_or_the_whole_file_never_echo_its_keys(tmp_path: 
         assert "SUPERSECRET" not in str(err.value)
 
 
+@pytest.mark.parametrize("name", [".", ".."])
+def test_a_tenant_name_that_no_url_can_address_is_refused(tmp_path: Path, name: str) -> None:
+    path = write(tmp_path, f"tenants:\n  - name: '{name}'\n    api_key: k-{len(name)}\n")
+    with pytest.raises(ConfigError, match="names no URL path segment"):
+        load_config(path, environ={})
+
+
 def test_configured_keys_lose_surrounding_whitespace_as_presented_keys_do(tmp_path: Path) -> None:
     """A YAML block scalar's newline or a pasted blank validated, was hashed with the key and
     never matched: a presented key (`Bearer <key>`) is stripped, as `olp key hash` strips."""

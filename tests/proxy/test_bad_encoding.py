@@ -104,3 +104,21 @@ def test_a_body_that_decodes_past_the_limit_is_a_413(make_proxy):
     bomb = gzip.compress(b'{"model": "policy", "pad": "' + b" " * 10_000_000 + b'"}')
     assert len(bomb) < 64 * 1024
     assert_openai_error(post(harness, bomb, "gzip"), 413, "request_too_large")
+
+
+@pytest.mark.parametrize("charset", ["utf-16", "utf-32", "utf-8-sig"])
+def test_a_body_in_another_unicode_encoding_goes_upstream_as_utf8(make_proxy, scripted, charset):
+    """JSON may come as UTF-16 or -32 (vLLM reads it); what goes upstream, and into the
+    record, is UTF-8. A body in no such encoding is a 400 (test_400_malformed_...)."""
+    harness, sink = make_proxy([scripted.url])
+    body = json.loads(BODY) | {"messages": [{"role": "user", "content": "é"}]}
+    answer = httpx.post(
+        harness.base_url + "/v1/chat/completions",
+        content=json.dumps(body).encode(charset),
+        headers={"Authorization": f"Bearer {KEYS['alice']}", "Content-Type": "application/json"},
+        timeout=30,
+    )
+    assert answer.status_code == 200, answer.text
+    assert scripted.requests[-1]["messages"] == [{"role": "user", "content": "é"}]
+    harness.drain()
+    assert sink.trajectories[0]["request"]["messages"] == [{"role": "user", "content": "é"}]

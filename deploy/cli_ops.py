@@ -366,6 +366,13 @@ def cmd_replay_export(args: argparse.Namespace, cfg: OlpConfig) -> int:
         f"invalid {result.invalid}, duplicates removed {result.duplicates}"
         + (f", tombstones skipped {result.tombstones}" if result.tombstones else "")
     )
+    # Where each partition's export stopped, in --from's own form: the next export of the
+    # same topics starts there (without it, a CLI user could not chain exports).
+    ends = {
+        kind: {str(partition): offset for partition, offset in sorted(partitions.items())}
+        for kind, partitions in result.end_offsets.items()
+    }
+    print(f"next --from: {json.dumps(ends, separators=(',', ':'))}")
     return 0
 
 

@@ -6,6 +6,8 @@ Pure functions over `Sample`s and tensors so each rule can be unit-tested with e
 
 from __future__ import annotations
 
+import hashlib
+import json
 import math
 import re
 from collections import Counter, OrderedDict
@@ -17,6 +19,7 @@ import structlog
 import torch
 
 from learner.distributed import DistContext, all_gather_object
+from replay.schemas import is_finite_number
 from safety.caps import apply_contribution_caps
 from safety.config import CapsConfig
 
@@ -65,12 +68,16 @@ def parse_version(name: str | None, base_name: str = "base") -> int:
 
 
 def group_key(record: dict[str, Any]) -> str:
-    """A GRPO group's key: the client's `group_id` within its tenant.
+    """A GRPO group's key: the client's `group_id` within its tenant, narrowed to one prompt.
 
     The id is the client's own label (X-OLP-Group-Id, copied verbatim), so two tenants
     running the same harness reuse ids for different prompts; their samples must not be
-    compared with each other."""
-    return f"g:{record.get('tenant') or ''}:{record['group_id']}"
+    compared with each other. Nor may one tenant's samples of different prompts under one
+    id (an evaluation run's label): normalised together, prompt difficulty became the
+    advantage, and the better reply to a hard prompt was pushed down."""
+    prompt = json.dumps(record.get("prompt_token_ids"), separators=(",", ":"))
+    digest = hashlib.sha256(prompt.encode()).hexdigest()[:16]
+    return f"g:{record.get('tenant') or ''}:{record['group_id']}:{digest}"
 
 
 def _ids_within(prompt_ids: list[Any], completion_ids: list[Any], vocab_size: int) -> bool:
@@ -104,9 +111,11 @@ def samples_from_rewarded(
         if vocab_size is not None and not _ids_within(record["prompt_token_ids"], ids, vocab_size):
             dropped["bad_tokens"] += 1
             continue
-        if not all(isinstance(x, int | float) and math.isfinite(x) for x in logprobs):
+        if not all(isinstance(x, int | float) and is_finite_number(x) for x in logprobs):
             # A NaN μ makes the whole step's gradient NaN (the step raises, the learner
             # restarts on the same batch, forever); the schema lets NaN through as a number.
+            # So does a JSON integer too large for a float, on which `math.isfinite` raised
+            # OverflowError: the same loop.
             dropped["bad_logprobs"] += 1
             continue
         try:

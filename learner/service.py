@@ -7,6 +7,7 @@ the canary the live evidence of every rank.
 
 from __future__ import annotations
 
+import math
 import threading
 import time
 from collections import Counter
@@ -45,13 +46,30 @@ from learner.objective import (
     select_trained,
 )
 from learner.progress import Progress
-from learner.rewards.assembler import RewardAssembler
+from learner.rewards.assembler import RewardAssembler, as_pair
 from learner.rewards.judge import Judge
 from learner.rewards.verifiers import VerifierRunner
 from learner.trainer import StepInterrupted, Trainer
+from replay.schemas import is_finite_number
 from safety.config import CapsConfig
 
 log = structlog.get_logger(__name__)
+
+
+def _created_at(item: Any) -> float:
+    created = as_pair(item)[0].get("created_at")
+    usable = isinstance(created, int | float) and not isinstance(created, bool)
+    return float(created) if usable and is_finite_number(created) else -math.inf
+
+
+def newest(batch: list[Any], count: int) -> list[Any]:
+    """The `count` items of `batch` whose requests were served last (a record without a
+    usable time counts as oldest). The consumer yields partition by partition, so a cut by
+    position dropped whole partitions: the same sessions (a hash picks the partition), and
+    so the same users and tenants, were never trained under load."""
+    if len(batch) <= count:
+        return batch
+    return sorted(batch, key=_created_at)[len(batch) - count :]
 
 
 class TrajectorySource(Protocol):
@@ -344,7 +362,7 @@ class Learner:
         overflow = max(0, len(batch) - self.config.max_batch)
         if overflow:
             log.warning("learner_overflow", dropped=overflow, kept=self.config.max_batch)
-            batch = batch[overflow:]
+            batch = newest(batch, self.config.max_batch)
         rewarded = self.assembler.assemble(batch, stop)
         self._raise_if_stopped(stop)
         # Collective: rank 0's canary counts the union of the ranks' replies.

@@ -156,7 +156,7 @@ def _explain(kind: RecordKind, record: dict[str, Any]) -> None:
     raise SchemaValidationError(kind, field, error.message)
 
 
-def _finite(value: Any) -> bool:
+def is_finite_number(value: Any) -> bool:
     """Whether a JSON number is a finite float: JSON has no range, so 1e400 or a 400-digit
     integer is a valid "number" (and Python's json reads NaN and Infinity), but `float()`
     of such an integer raises OverflowError, and NaN compares false with every time."""
@@ -174,7 +174,7 @@ def _check_times(kind: RecordKind, record: dict[str, Any]) -> None:
         timings = record.get("timings") or {}
         fields += [(f"timings.{name}", timings.get(name)) for name in ("ttft_s", "total_s")]
     for field, value in fields:
-        if value is None or _finite(value):
+        if value is None or is_finite_number(value):
             continue
         if isinstance(value, int):  # not its digits: str() of a huge int may itself raise
             raise SchemaValidationError(

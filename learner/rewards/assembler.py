@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import hashlib
-import json
 import threading
 from collections import Counter
 from dataclasses import dataclass, field
@@ -27,11 +25,24 @@ class RewardedChoice:
     judge_raw: dict[str, Any] | None = None
 
 
-def _as_pair(item: Any) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+def as_pair(item: Any) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     """Accept a ScoredTrajectory or a {'trajectory', 'feedback'} dict."""
     if isinstance(item, dict):
         return item["trajectory"], list(item.get("feedback") or [])
     return item.trajectory, list(item.feedback or [])
+
+
+def trainable(trajectory: dict[str, Any]) -> bool:
+    """A record the proxy found consistent and left unredacted. `trainable` alone was
+    trusted: a schema-valid record from another producer with flags (a token count that
+    disagrees) or redactions (ids of text that was removed) but `trainable: true` trained."""
+    redactions = trajectory.get("redactions") or {}
+    return (
+        bool(trajectory.get("trainable", True))
+        and trajectory.get("status", "ok") == "ok"
+        and not trajectory.get("flags")
+        and not (isinstance(redactions, dict) and any(redactions.values()))
+    )
 
 
 class RewardAssembler:
@@ -68,8 +79,8 @@ class RewardAssembler:
         for item in items:
             if stop is not None and stop.is_set():
                 break
-            trajectory, feedback = _as_pair(item)
-            if not trajectory.get("trainable", True) or trajectory.get("status", "ok") != "ok":
+            trajectory, feedback = as_pair(item)
+            if not trainable(trajectory):
                 self.counts["untrainable"] += len(trajectory.get("choices") or []) or 1
                 continue
             indexes = [int(c.get("index", 0)) for c in trajectory.get("choices") or []]
@@ -148,13 +159,12 @@ class RewardAssembler:
 
 def _judge_group_key(trajectory: dict[str, Any]) -> str:
     """The replies the judge sees together, against one conversation: the objective's group
-    (a tenant's group id, else the record's choices) narrowed to one prompt. A group id is
-    the client's free label: records with other prompts under it were graded against the
-    first one's conversation."""
+    (a tenant's group id and one prompt, else the record's choices). A group id is the
+    client's free label: records with other prompts under it were graded against the first
+    one's conversation."""
     if not trajectory.get("group_id"):
         return f"t:{trajectory.get('trajectory_id', '')}"
-    prompt = json.dumps(trajectory.get("prompt_token_ids"), separators=(",", ":"))
-    return f"{group_key(trajectory)}:{hashlib.sha256(prompt.encode()).hexdigest()[:16]}"
+    return group_key(trajectory)
 
 
 def _choice(rewarded: RewardedChoice) -> dict[str, Any]:

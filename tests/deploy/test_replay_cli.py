@@ -51,6 +51,20 @@ def test_export_then_replay_reproduces_request_bodies(
     assert {item["kind"] for item in exported} == {"trajectories"}
     by_id = {item["record"]["trajectory_id"]: item["record"]["request"] for item in exported}
     assert by_id == {r["trajectory_id"]: r["request"] for r in records}
+    # The printed resume point chains exports: the next one holds only what came since.
+    [resume] = [line for line in done.stdout.splitlines() if line.startswith("next --from: ")]
+    bound = resume.removeprefix("next --from: ")
+    assert sum(json.loads(bound)["trajectories"].values()) == 3
+    sink = KafkaSink(stream, tmp_path / "state")
+    sink.put_trajectory(make_trajectory(session_id="s9", prompt="Say 9."))
+    sink.close()
+    later = tmp_path / "later.jsonl"
+    done = olp(
+        ["replay", "export", "--out", str(later), "--kinds", "trajectories", "--from", bound], env
+    )
+    assert done.returncode == 0, done.stderr
+    [added] = [json.loads(line) for line in later.read_text().splitlines()]
+    assert added["record"]["session_id"] == "s9"
 
     out = tmp_path / "replayed.jsonl"
     done = olp(

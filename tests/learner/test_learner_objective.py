@@ -414,6 +414,32 @@ def test_group_ids_of_different_tenants_are_different_groups() -> None:
     assert counts["zero_advantage_groups"] == 1 and counts["grouped"] == 2
 
 
+def test_a_group_id_over_several_prompts_is_a_group_per_prompt() -> None:
+    """One label over an easy and a hard prompt (an evaluation run's id) was one group:
+    prompt difficulty became the advantage, and the better reply to the hard prompt (-0.8
+    against -1.0) was pushed down as hard as the worse one to the easy prompt."""
+
+    def record(name: str, prompt: list[int]) -> dict:
+        return {
+            "trajectory_id": name,
+            "tenant": "A",
+            "policy_version": "base",
+            "group_id": "eval-run-17",
+            "prompt_token_ids": prompt,
+            "choices": [{"index": 0, "token_ids": [5], "logprobs": [-0.1]}],
+        }
+
+    rewards = {"a1": 1.0, "a2": 0.8, "b1": -0.8, "b2": -1.0}
+    prompts = {"a": [1, 2], "b": [3, 4]}
+    rewarded = [RewardedChoice(record(n, prompts[n[0]]), 0, r) for n, r in rewards.items()]
+    samples, _ = samples_from_rewarded(rewarded)
+    assert samples[0].group == samples[1].group != samples[2].group == samples[3].group
+    kept, counts = assign_advantages(samples, RunningBaseline(decay=0.9))
+    advantages = {s.key.split(":")[0]: round(s.advantage, 4) for s in kept}
+    assert advantages == {"a1": 1.0, "a2": -1.0, "b1": 1.0, "b2": -1.0}
+    assert counts["grouped"] == 4
+
+
 def test_ppo_gradient_stays_finite_when_the_ratio_overflows() -> None:
     # A sample far off-policy: log ρ = 98 overflows float32's exp. Beyond both clip bounds
     # the token has no gradient (A>0: clipped at 1+ε; A<0: dual clip at C·A), and 0·∞ must
@@ -441,12 +467,15 @@ def test_non_finite_sampling_logprobs_drop_their_sample() -> None:
             {"index": 1, "token_ids": [5], "logprobs": [-math.inf]},
             {"index": 2, "token_ids": [5], "logprobs": [None]},
             {"index": 3, "token_ids": [7], "logprobs": [-0.3]},
+            # A JSON integer too large for a float (valid JSON, a "number" to the schema):
+            # `math.isfinite` raised OverflowError on it, and the learner crash-looped.
+            {"index": 4, "token_ids": [8], "logprobs": [-(10**400)]},
         ],
     }
-    rewarded = [RewardedChoice(record, i, 1.0) for i in range(4)]
+    rewarded = [RewardedChoice(record, i, 1.0) for i in range(5)]
     samples, dropped = samples_from_rewarded(rewarded)
     assert [s.key for s in samples] == ["t:3"]
-    assert dropped == {"bad_logprobs": 3}
+    assert dropped == {"bad_logprobs": 4}
 
 
 def _ranks() -> list[list[Sample]]:

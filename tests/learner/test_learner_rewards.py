@@ -336,6 +336,46 @@ def test_a_record_with_two_choices_of_one_index_is_not_trained_on() -> None:
     assert assembler.counts["duplicate_choice_index"] == 2
 
 
+@pytest.mark.parametrize(
+    "inconsistent",
+    [
+        {"flags": ["token_count_mismatch"]},
+        {"flags": ["redacted"], "redactions": {"email": 1}},
+        {"redactions": {"api_key": 2}},
+        {"status": "aborted"},
+        {"trainable": False},
+    ],
+)
+def test_a_record_with_flags_or_redactions_is_not_trained_on(inconsistent: dict) -> None:
+    """Only `trainable` and `status` were read: a schema-valid record from another producer
+    with flags or redactions but `trainable: true` was trained on."""
+    rec = record("42", **inconsistent)
+    assembler = RewardAssembler(RewardConfig())
+    feedback = [{"kind": "accept", "trajectory_id": "t1"}]
+    assert assembler.assemble([{"trajectory": rec, "feedback": feedback}]) == []
+    assert assembler.counts["untrainable"] == 1
+    clean = record("42", redactions={"email": 0}, flags=[])
+    assert len(assembler.assemble([{"trajectory": clean, "feedback": feedback}])) == 1
+
+
+def test_an_overflowing_batch_keeps_the_newest_whatever_their_partition() -> None:
+    """The consumer yields partition by partition; the cut by position dropped partition
+    0 whole, and with it the same sessions every time."""
+    from learner.service import newest
+
+    items = [
+        {"trajectory": record("x", created_at=float(t), trajectory_id=f"p{p}-{t}"), "feedback": []}
+        for p in range(4)  # partition by partition, as yielded
+        for t in range(p, 40, 4)  # each partition's requests spread over the same time
+    ]
+    kept = newest(items, 8)
+    assert sorted(i["trajectory"]["created_at"] for i in kept) == [float(t) for t in range(32, 40)]
+    assert {i["trajectory"]["trajectory_id"][:2] for i in kept} == {"p0", "p1", "p2", "p3"}
+    no_time = {"trajectory": record("x", created_at=None), "feedback": []}
+    assert no_time not in newest([no_time, *items[:8]], 8)
+    assert newest(items[:3], 8) == items[:3]
+
+
 def test_feedback_for_no_choice_and_records_without_choices_are_counted() -> None:
     """Feedback addressed to a choice the record lacks (a client's wrong choice_index) and a
     record with `choices: []` were dropped and added to no counter."""

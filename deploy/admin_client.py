@@ -12,6 +12,7 @@ import urllib.request
 from typing import Any
 
 from deploy.config import OlpConfig
+from deploy.ports import local_http_url
 from proxy.config import INTERNAL_ADMIN_TOKEN_ENV, sha256_hex
 from proxy.operator_auth import ACTOR_PATTERN
 
@@ -24,8 +25,16 @@ class AdminError(RuntimeError):
 
 def admin_key(cfg: OlpConfig, explicit: str | None) -> str:
     """--admin-key, else OLP_ADMIN_KEY, else the dev key when the config still uses it."""
-    key = explicit or os.environ.get("OLP_ADMIN_KEY")
+    key = (explicit or os.environ.get("OLP_ADMIN_KEY") or "").strip()
     if key:
+        # Stripped as the proxy strips a presented key (a key file saved with CRLF ends in
+        # `\r`); one an HTTP header cannot carry is refused without echoing it: http.client
+        # raised with the whole header, key included, in its traceback.
+        if not key.isascii() or not key.isprintable():
+            raise AdminError(
+                "the admin key holds a character an HTTP header cannot carry (not printable "
+                "ASCII); check --admin-key / OLP_ADMIN_KEY"
+            )
         return key
     if cfg.proxy.admin_key_sha256 == sha256_hex(DEV_ADMIN_KEY):
         return DEV_ADMIN_KEY
@@ -76,9 +85,8 @@ class AdminClient:
     def from_config(
         cls, cfg: OlpConfig, explicit_key: str | None = None, actor: str | None = None
     ) -> AdminClient:
-        host = "127.0.0.1" if cfg.proxy.host in ("0.0.0.0", "::") else cfg.proxy.host
         return cls(
-            f"http://{host}:{cfg.proxy.port}",
+            local_http_url(cfg.proxy.host, cfg.proxy.port),
             admin_key(cfg, explicit_key),
             actor=operator_name(actor),
         )

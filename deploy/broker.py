@@ -12,7 +12,7 @@ from pathlib import Path
 
 import structlog
 
-from deploy.ports import port_open
+from deploy.ports import listener_host, port_open
 from deploy.procs import ChildProcess, wait_until
 
 log = structlog.get_logger(__name__)
@@ -69,8 +69,11 @@ def kafka_answers(bootstrap: str, timeout_s: float = 3.0) -> bool:
 
 class EmbeddedBroker:
     def __init__(self, host: str, port: int, log_file: Path | None = None) -> None:
-        self.bootstrap = f"{host}:{port}"
-        url = f"tcp://{host}:{port}"
+        self.bootstrap = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+        try:
+            url = f"tcp://{listener_host(host)}:{port}"
+        except OSError as exc:  # a name that does not resolve
+            raise BrokerError(f"cannot start the embedded broker on {host}: {exc}") from None
         binary = broker_binary()
         try:
             self.child = ChildProcess(

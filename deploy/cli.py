@@ -45,9 +45,28 @@ def cmd_up(args: argparse.Namespace, cfg: OlpConfig) -> int:
     return run_up(cfg, args.config, with_learner=not args.no_learner)
 
 
+def _state_dir_refused(state_dir: Path) -> bool:
+    """Whether the state dir cannot be created or written: then said in one line (a file in
+    its path, a read-only mount, another user's directory). `olp proxy` and `olp learner`
+    met it inside their start-up, with a traceback, where `olp up` said one line."""
+    import tempfile
+
+    try:
+        state_dir.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=state_dir):
+            pass
+    except OSError as exc:
+        print(f"olp: cannot use the state dir {state_dir}: {exc.strerror or exc}", file=sys.stderr)
+        return True
+    return False
+
+
 def cmd_proxy(args: argparse.Namespace, cfg: OlpConfig) -> int:
-    from deploy.procs import EXIT_CONFIG_ERROR
+    from deploy.procs import EXIT_CONFIG_ERROR, EXIT_REFUSED
     from proxy.server import run_proxy
+
+    if _state_dir_refused(cfg.state_dir):
+        return EXIT_REFUSED
 
     proxy_cfg = cfg.proxy
     if not proxy_cfg.upstreams:
@@ -98,6 +117,8 @@ def cmd_learner(args: argparse.Namespace, cfg: OlpConfig) -> int:
     from safety.gates.preflight import check_probe_sets
     from safety.gates.types import GateError
 
+    if _state_dir_refused(cfg.state_dir):
+        return EXIT_REFUSED
     try:
         learner_admin_key(cfg)  # checked first: without it no promotion could ever flip
     except AdminError as exc:
@@ -241,7 +262,9 @@ def cmd_model_prepare(args: argparse.Namespace, cfg: OlpConfig) -> int:
 
 
 def cmd_config_show(args: argparse.Namespace, cfg: OlpConfig) -> int:
-    print(json.dumps(cfg.model_dump(mode="json"), indent=2))
+    from deploy.config import shown_config
+
+    print(json.dumps(shown_config(cfg), indent=2))
     return 0
 
 
@@ -325,7 +348,15 @@ def main(argv: list[str] | None = None) -> None:
         print(f"olp: {exc}", file=sys.stderr)
         sys.exit(2)
     configure_logging(cfg.log_format, cfg.log_level)
-    sys.exit(args.handler(args, cfg))
+    try:
+        code = args.handler(args, cfg)
+        sys.stdout.flush()
+    except BrokenPipeError:
+        # The reader went away (`olp status | head -2`): what it wanted it got. Python's
+        # own flush at exit would raise again, so stdout points at nothing from here.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        code = 0
+    sys.exit(code)
 
 
 if __name__ == "__main__":

@@ -16,6 +16,7 @@ from typing import Any
 
 from deploy.admin_client import AdminClient, AdminError
 from deploy.config import OlpConfig
+from deploy.ports import local_http_url
 
 AddConfig = Callable[[argparse.ArgumentParser], argparse.ArgumentParser]
 
@@ -181,7 +182,7 @@ def cmd_unfreeze(args: argparse.Namespace, cfg: OlpConfig) -> int:
 
 @_run_admin
 def cmd_rollback(args: argparse.Namespace, cfg: OlpConfig) -> int:
-    body = {"to": args.to} if args.to else {}
+    body = {"to": args.to} if args.to is not None else {}
     result = _admin_call(args, cfg, "POST", "/admin/rollback", body)
     if result.get("decision") == "rollback":
         print(
@@ -218,6 +219,18 @@ def cmd_ui(args: argparse.Namespace, cfg: OlpConfig) -> int:
     if args.open and not webbrowser.open(url):
         print("olp: no browser to open here; open the link above", file=sys.stderr)
     return 0
+
+
+def _non_empty(what: str) -> Callable[[str], str]:
+    """An argparse type refusing an empty value: `olp rollback --to "$VERSION"` with an
+    empty variable did a plain rollback, to another version than the script meant."""
+
+    def parse(value: str) -> str:
+        if not value.strip():
+            raise argparse.ArgumentTypeError(f"{what} must not be empty")
+        return value
+
+    return parse
 
 
 def _tenant_training_path(name: str) -> str:
@@ -416,8 +429,7 @@ def cmd_replay_run(args: argparse.Namespace, cfg: OlpConfig) -> int:
             )
             return 2
     else:
-        host = "127.0.0.1" if cfg.proxy.host in ("0.0.0.0", "::") else cfg.proxy.host
-        base_url, key = f"http://{host}:{cfg.proxy.port}", args.api_key
+        base_url, key = local_http_url(cfg.proxy.host, cfg.proxy.port), args.api_key
         if not key:
             print(
                 "olp: replay through the proxy needs --api-key (or use --direct)", file=sys.stderr
@@ -448,7 +460,6 @@ def cmd_demo(args: argparse.Namespace, cfg: OlpConfig) -> int:
     from deploy.demo import DemoSettings, run_demo
     from deploy.supervisor import DEV_API_KEY
 
-    host = "127.0.0.1" if cfg.proxy.host in ("0.0.0.0", "::") else cfg.proxy.host
     out_dir = Path(args.out) if args.out else cfg.state_dir / "demo"
     try:  # before the run, not after: its results are written there at the end
         out_dir.mkdir(parents=True, exist_ok=True)
@@ -468,7 +479,7 @@ def cmd_demo(args: argparse.Namespace, cfg: OlpConfig) -> int:
             return 1
         print(f"olp demo: online training enabled for tenant {args.tenant}", file=sys.stderr)
     settings = DemoSettings(
-        proxy_url=f"http://{host}:{cfg.proxy.port}",
+        proxy_url=local_http_url(cfg.proxy.host, cfg.proxy.port),
         api_key=args.api_key or DEV_API_KEY,
         sessions=args.sessions,
         samples_per_request=args.n,
@@ -531,12 +542,14 @@ def register(sub: Any, with_config: AddConfig, admin: AddConfig) -> None:
     )
     rollback = admin(sub.add_parser("rollback", help="serve the previous (or a given) version"))
     rollback.add_argument(
-        "--to", help="an earlier version of the alias to serve, e.g. policy-v3 or base"
+        "--to",
+        type=_non_empty("--to"),
+        help="an earlier version of the alias to serve, e.g. policy-v3 or base",
     )
     rollback.set_defaults(handler=cmd_rollback)
 
     tenant = admin(sub.add_parser("tenant", help="per-tenant online-training switch"))
-    tenant.add_argument("name")
+    tenant.add_argument("name", type=_non_empty("the tenant name"))
     tenant.add_argument(
         "--training",
         choices=["on", "off", "config"],

@@ -26,6 +26,8 @@ from pydantic import (
     model_validator,
 )
 
+from deploy.ports import local_http_url
+
 ENV_PREFIX = "OLP_"
 BUILTIN_MODEL = "smollm2-135m-instruct"
 
@@ -101,7 +103,7 @@ class PolicyConfig(BaseModel):
         return [u.rstrip("/").removesuffix("/v1") for u in urls]
 
     def base_urls(self) -> list[str]:
-        return self.external_urls or [f"http://{self.host}:{self.port}"]
+        return self.external_urls or [local_http_url(self.host, self.port)]
 
     def api_key_value(self) -> str | None:
         """The plaintext of `api_key` (a SecretStr, so that `olp config show`, reprs and
@@ -110,6 +112,36 @@ class PolicyConfig(BaseModel):
 
 
 _SECRET_KEY = ("key", "secret", "token", "password")
+_MASK = "**********"  # what pydantic shows of a SecretStr
+
+
+_SECRET_WORDS = frozenset({*_SECRET_KEY, "passwd", "credential", "credentials", "auth"})
+
+
+def _secret_name(name: str) -> bool:
+    """`HF_TOKEN`, `--api-key`, `DB_PASSWORD`: a word of the name is a secret's (whole
+    words: `--tokenizer` and `--max-num-batched-tokens` are not)."""
+    return any(word in _SECRET_WORDS for word in re.split(r"[-_.]+", name.lower()))
+
+
+def shown_config(cfg: OlpConfig) -> dict[str, Any]:
+    """The configuration as `olp config show` prints it: the secret fields are SecretStr,
+    masked by pydantic; so are the values of `policy.env` entries and the `extra_args` of
+    options named like a secret (`HF_TOKEN`, `--api-key X`), which went out verbatim."""
+    shown = cfg.model_dump(mode="json")
+    policy = shown["policy"]
+    policy["env"] = {k: _MASK if _secret_name(k) else v for k, v in policy["env"].items()}
+    args: list[str] = []
+    for arg in policy["extra_args"]:
+        option, equals, _ = arg.partition("=")
+        if args and args[-1].startswith("-") and "=" not in args[-1] and _secret_name(args[-1]):
+            args.append(_MASK)  # the value after `--api-key`
+        elif equals and option.startswith("-") and _secret_name(option):
+            args.append(f"{option}={_MASK}")
+        else:
+            args.append(arg)
+    policy["extra_args"] = args
+    return shown
 
 
 def _format_error(exc: ValidationError) -> str:
@@ -240,13 +272,15 @@ def load_raw(path: Path | None, environ: Mapping[str, str] | None = None) -> dic
     data = read_yaml(path) if path is not None else {}
     overrides = env_overrides(os.environ if environ is None else environ)
     for section, values in overrides.items():
-        # A plaintext key from the environment replaces the file's hashed one.
+        # A key from the environment replaces the file's, whichever form each is in (a
+        # plaintext key replaces a hashed one and a hash a plaintext key: the environment
+        # wins, where a file's plaintext admin_key and an env digest made a "two different
+        # keys" error).
         if isinstance(values, dict) and isinstance(data.get(section), dict):
             for plain in ("admin_key", "api_key"):
-                if plain in values:
-                    data[section] = {
-                        k: v for k, v in data[section].items() if k != f"{plain}_sha256"
-                    }
+                for given, replaced in ((plain, f"{plain}_sha256"), (f"{plain}_sha256", plain)):
+                    if given in values:
+                        data[section] = {k: v for k, v in data[section].items() if k != replaced}
     return deep_merge(data, overrides)
 
 
@@ -283,6 +317,23 @@ class OlpConfig(BaseModel):
     learner: LearnerConfig = Field(default_factory=LearnerConfig)
     safety: SafetyConfig = Field(default_factory=SafetyConfig)
     tenants: list[TenantConfig] = Field(default_factory=list)
+
+    @field_validator("state_dir")
+    @classmethod
+    def _expand_home(cls, state_dir: Path) -> Path:
+        # `state_dir: ~/olp` made a directory named `~` below the working directory.
+        return state_dir.expanduser()
+
+    @model_validator(mode="after")
+    def _fixed_proxy_port(self) -> OlpConfig:
+        # The proxy in-process (tests) may take any free port; a stack's other processes
+        # (the learner, `olp status`, the readiness check) must know it beforehand.
+        if self.proxy.port == 0:
+            raise ValueError(
+                "proxy.port 0 would pick a free port the learner and the olp commands "
+                "cannot find: set a port"
+            )
+        return self
 
     @field_validator("tenants")
     @classmethod

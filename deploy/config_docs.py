@@ -41,6 +41,8 @@ PROJECT_ROOT = Path(__file__).resolve().parent.parent
 NOTES: dict[str, list[str]] = {
     "OlpConfig": [
         "Tenant names must be unique.",
+        "`proxy.port` must not be 0 here: the learner and the `olp` commands must know it.",
+        "`state_dir` may start with `~` (the home directory).",
     ],
     "StreamConfig": [
         "`bootstrap_servers` must be `HOST:PORT[,HOST:PORT...]`.",

@@ -14,6 +14,7 @@ import structlog
 
 from deploy.admin_client import learner_admin_key
 from deploy.config import OlpConfig
+from deploy.ports import local_http_url
 from deploy.runtime import resolve_model_dir
 from learner.promotion import Promoter, ProxyAdmin, ReplicaSet, kept_targets, named_versions
 from learner.reload import AdapterReloader
@@ -154,8 +155,8 @@ def _run_main(
 
     `stop` (the signal handlers' event) reaches the promoter at once: a gate running when
     the learner is asked to stop ends then, not after the training step in progress."""
-    host = "127.0.0.1" if cfg.proxy.host in ("0.0.0.0", "::") else cfg.proxy.host
-    proxy = ProxyAdmin(f"http://{host}:{cfg.proxy.port}", learner_admin_key(cfg))
+    proxy_url = local_http_url(cfg.proxy.host, cfg.proxy.port)
+    proxy = ProxyAdmin(proxy_url, learner_admin_key(cfg))
     redactor = Redactor.from_config(cfg.safety.redaction)
     audit = AuditLog.from_config(cfg.safety.audit, state_dir, redactor)
     replica_set = ReplicaSet(replicas, api_key=cfg.policy.api_key_value())
@@ -163,7 +164,7 @@ def _run_main(
         cfg.learner.promotion,
         cfg.safety.gates,
         replicas=replica_set,
-        proxy=ProxyAdmin(f"http://{host}:{cfg.proxy.port}", learner_admin_key(cfg)),
+        proxy=ProxyAdmin(proxy_url, learner_admin_key(cfg)),
         audit=audit,
         state_dir=state_dir,
         base_name=cfg.policy.served_model_name,
@@ -171,7 +172,7 @@ def _run_main(
     )
     # Its own clients: it runs on its own thread, beside the promoter's. It restores what
     # the cleanup keeps: routed targets and what `olp rollback` would serve.
-    reload_proxy = ProxyAdmin(f"http://{host}:{cfg.proxy.port}", learner_admin_key(cfg))
+    reload_proxy = ProxyAdmin(proxy_url, learner_admin_key(cfg))
     reloader = AdapterReloader(
         ReplicaSet(replicas, api_key=cfg.policy.api_key_value()),
         lambda: kept_targets(reload_proxy.status()),

@@ -19,7 +19,7 @@ from pathlib import Path
 import structlog
 
 from deploy.config import PolicyConfig
-from deploy.ports import is_loopback, port_open
+from deploy.ports import is_loopback, local_http_url, port_open
 from deploy.procs import ChildProcess, wait_until
 
 log = structlog.get_logger(__name__)
@@ -136,7 +136,7 @@ class PolicyServer:
     def __init__(self, cfg: PolicyConfig, model_dir: Path, log_file: Path | None = None) -> None:
         self.cfg = cfg
         self.model_dir = model_dir
-        self.base_url = f"http://{cfg.host}:{cfg.port}"
+        self.base_url = local_http_url(cfg.host, cfg.port)
         self.child = ChildProcess(
             "vllm", vllm_argv(cfg, model_dir), env=vllm_env(cfg), log_file=log_file
         )

@@ -27,6 +27,40 @@ def split_host_port(address: str) -> tuple[str, int]:
     return host.strip("[]"), int(port)
 
 
+def http_url(host: str, port: int) -> str:
+    """`http://host:port`, an IPv6 literal in brackets (`http://::1:8000` is no URL: urllib
+    sent `Host: ::1:8000`, which the proxy's host check refused)."""
+    bare = host.strip("[]")
+    return f"http://[{bare}]:{port}" if ":" in bare else f"http://{bare}:{port}"
+
+
+def local_http_url(host: str, port: int) -> str:
+    """The URL a process on this machine reaches a listener bound to `host` by: a wildcard
+    bind address through loopback (`0.0.0.0` is no address the proxy's host check serves)."""
+    bare = host.strip("[]")
+    if bare in ("0.0.0.0", ""):
+        bare = "127.0.0.1"
+    elif bare == "::":
+        bare = "::1"
+    return http_url(bare, port)
+
+
+def listener_host(host: str) -> str:
+    """`host` as the IP literal a listener binds (an IPv6 one in brackets). The embedded
+    broker took a name as it came and, given `localhost`, listened on every interface,
+    where olp counts `localhost` as loopback; so a name is resolved here, `localhost` to
+    127.0.0.1."""
+    bare = host.strip("[]")
+    if bare == "localhost":
+        bare = "127.0.0.1"
+    else:
+        try:
+            ipaddress.ip_address(bare)
+        except ValueError:  # another name: what it resolves to, as a client would connect
+            bare = str(socket.getaddrinfo(bare, None, type=socket.SOCK_STREAM)[0][4][0])
+    return f"[{bare}]" if ":" in bare else bare
+
+
 def is_loopback(host: str) -> bool:
     """`localhost` or a loopback address (127.0.0.0/8, ::1): reachable from this machine only."""
     if host.strip("[]") == "localhost":

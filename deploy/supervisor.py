@@ -31,7 +31,7 @@ from deploy.broker import kafka_answers, start_broker
 from deploy.config import ConfigError, OlpConfig
 from deploy.learner_runner import STREAM_ID_ENV
 from deploy.policy import PolicyServer, check_external, start_policy
-from deploy.ports import is_loopback, port_open, split_host_port
+from deploy.ports import http_url, is_loopback, local_http_url, port_open, split_host_port
 from deploy.procs import (
     EXIT_CONFIG_ERROR,
     EXIT_REFUSED,
@@ -248,7 +248,7 @@ class Stack:
             )
 
         self._check_stop()
-        proxy_url = f"http://{cfg.proxy.host}:{cfg.proxy.port}"
+        proxy_url = local_http_url(cfg.proxy.host, cfg.proxy.port)
         if port_open(cfg.proxy.host, cfg.proxy.port):
             raise RuntimeError(f"port {cfg.proxy.port} is already in use (proxy.port)")
         progress(f"starting proxy on {proxy_url}")
@@ -411,7 +411,7 @@ class Stack:
         for comp in self.components:
             pid = comp.child.pid if comp.child else "-"
             lines.append(f"  {comp.name:<8} {comp.describe:<48} pid {pid}")
-        proxy_url = f"http://{cfg.proxy.host}:{cfg.proxy.port}"
+        proxy_url = http_url(cfg.proxy.host, cfg.proxy.port)
         lines += [
             f"  OpenAI base URL  {proxy_url}/v1   (model 'policy')",
             f"  metrics          {proxy_url}/metrics",

@@ -76,3 +76,41 @@ def test_starting_the_broker_logs_no_connection_errors(
         assert noisy == []
     finally:
         broker.stop()
+
+
+def _listening_addresses(port: int) -> set[str]:
+    """The local addresses of the TCP sockets listening on `port` (Linux /proc/net)."""
+    import ipaddress
+
+    found = set()
+    for table, width in (("/proc/net/tcp", 4), ("/proc/net/tcp6", 16)):
+        try:
+            lines = Path(table).read_text().splitlines()[1:]
+        except OSError:
+            continue
+        for line in lines:
+            local, state = line.split()[1], line.split()[3]
+            address, _, port_hex = local.partition(":")
+            if state != "0A" or int(port_hex, 16) != port:  # 0A: LISTEN
+                continue
+            raw = bytes.fromhex(address)
+            # /proc writes each 32-bit word in host (little-endian) order.
+            raw = b"".join(raw[i : i + 4][::-1] for i in range(0, width, 4))
+            found.add(str(ipaddress.ip_address(raw)))
+    return found
+
+
+def test_a_broker_configured_as_localhost_listens_on_loopback_only(tmp_path: Path) -> None:
+    """Given `localhost`, which olp counts as loopback, the broker listened on every
+    interface: anyone on the network could read and write the trajectories."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    broker = start_broker("localhost", port, tmp_path / "broker.log")
+    try:
+        assert broker.bootstrap == f"localhost:{port}"
+        assert _listening_addresses(port) == {"127.0.0.1"}
+        admin = KafkaAdminClient(bootstrap_servers=broker.bootstrap)
+        admin.close()
+    finally:
+        broker.stop()

@@ -408,6 +408,18 @@ def test_up_with_a_state_dir_it_cannot_create_says_so(tmp_path: Path) -> None:
     assert_clean_error(done, 1, f"cannot use the state dir {blocker / 'state'}")
 
 
+@pytest.mark.parametrize("command", ["proxy", "learner"])
+def test_proxy_and_learner_with_a_state_dir_they_cannot_create_say_so(
+    tmp_path: Path, command: str
+) -> None:
+    """They met it inside their start-up, with a traceback; `olp up` said one line."""
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    env = {"OLP_STATE_DIR": str(blocker / "state"), "OLP_PROXY__PORT": str(free_port())}
+    done = olp(command, env=env)
+    assert_clean_error(done, 3, f"cannot use the state dir {blocker / 'state'}: Not a directory")
+
+
 # ------------------------------------------------------------------ key hash, broker, model
 @pytest.mark.parametrize(
     ("args", "stdin"), [((), ""), ((), "   \n"), ((), "\nsecret\n"), (("",), None), (("  ",), None)]
@@ -599,3 +611,20 @@ def test_key_hash_help_steers_a_real_key_to_stdin() -> None:
     assert 'read -rs K; printf %s "$K" | olp key hash' in text, text
     assert "ps" in text and "history" in text, text
     assert "proxy.admin_key_sha256" in text, text
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (("rollback", "--to", ""), "--to must not be empty"),
+        (("rollback", "--to", "  "), "--to must not be empty"),
+        (("tenant", "", "--training", "on"), "the tenant name must not be empty"),
+    ],
+)
+def test_an_empty_operator_argument_is_refused_not_taken_as_none(
+    args: tuple[str, ...], message: str
+) -> None:
+    """`olp rollback --to "$VERSION"` with an empty variable rolled back to the previous
+    version (exit 0) instead of the one the script meant."""
+    done = olp(*args, env={"OLP_PROXY__PORT": str(free_port())})
+    assert done.returncode == 2 and message in done.stderr, done.stderr

@@ -149,6 +149,19 @@ def test_cli_changes_are_audited_under_who_made_them(running_proxy: ProxyHarness
     assert _actors(running_proxy)[-1] == getpass.getuser()  # nothing was changed
 
 
+def test_an_admin_key_with_a_line_end_works_and_one_no_header_carries_is_one_line(
+    running_proxy: ProxyHarness,
+) -> None:
+    """A key read from a file saved with CRLF (`key\r`), or one with a non-ASCII character,
+    made http.client raise: a traceback holding the whole header, the key included."""
+    assert olp(running_proxy, "status", OLP_ADMIN_KEY=ADMIN_KEY + "\r\n").returncode == 0
+    for bad in ("\u043a\u043b\u044e\u0447-secret", "ab\x07cd-secret"):
+        done = olp(running_proxy, "status", OLP_ADMIN_KEY=bad)
+        assert done.returncode == 1, done.stderr
+        assert "Traceback" not in done.stderr and "secret" not in done.stderr
+        assert done.stderr.startswith("olp: the admin key holds a character")
+
+
 def test_tenant_training_switch_on_and_back_to_the_config(running_proxy: ProxyHarness) -> None:
     on = olp(running_proxy, "tenant", "bob", "--training", "on")
     assert on.returncode == 0 and on.stdout == "tenant bob: online training enabled\n"
@@ -195,3 +208,26 @@ def test_ui_prints_a_one_time_link_that_signs_the_operator_in(
         assert page.status_code == 200 and "night-ops" in page.text
     wrong = olp(running_proxy, "ui", OLP_ADMIN_KEY="not-the-key")
     assert wrong.returncode == 1 and "Traceback" not in wrong.stderr and not wrong.stdout
+
+
+def test_status_into_a_reader_that_stops_early_is_no_traceback(
+    running_proxy: ProxyHarness,
+) -> None:
+    """`olp status | head -1` ended with a BrokenPipeError traceback."""
+    env = {
+        **os.environ,
+        "PYTHONPATH": str(ROOT),
+        "OLP_PROXY__PORT": str(running_proxy.port),
+        "OLP_ADMIN_KEY": ADMIN_KEY,
+    }
+    # The reader closes before the first write: a pipe buffer cannot hide the EPIPE.
+    done = subprocess.run(
+        f"{sys.executable} -m deploy.cli status --json | (exec 0<&-; sleep 0)",
+        shell=True,
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert "Traceback" not in done.stderr and "BrokenPipe" not in done.stderr, done.stderr

@@ -284,3 +284,44 @@ def test_plain_policy_urls_still_validate() -> None:
         "https://10.0.0.5:8000",
         "http://[::1]:8000",
     ]
+
+
+def test_config_show_masks_secret_looking_vllm_env_values_and_arguments() -> None:
+    """`policy.env` (where HF_TOKEN goes) and `policy.extra_args` (`--api-key X`) were printed
+    verbatim by `olp config show`; the SecretStr fields were masked."""
+    from deploy.config import shown_config
+
+    environ = {
+        "OLP_POLICY__ENV": "{HF_TOKEN: sekrit1, VLLM_LOGGING_LEVEL: INFO}",
+        "OLP_POLICY__EXTRA_ARGS": "[--api-key, sekrit2, --hf-token=sekrit3, --tokenizer, tok/dir]",
+        "OLP_POLICY__API_KEY": "sekrit4",
+    }
+    shown = shown_config(load_config(None, environ=environ))
+    assert "sekrit" not in json.dumps(shown)
+    assert shown["policy"]["env"] == {"HF_TOKEN": "**********", "VLLM_LOGGING_LEVEL": "INFO"}
+    assert shown["policy"]["extra_args"] == [
+        "--api-key",
+        "**********",
+        "--hf-token=**********",
+        "--tokenizer",
+        "tok/dir",
+    ]
+
+
+def test_a_stack_needs_a_fixed_proxy_port_and_a_state_dir_may_start_at_home() -> None:
+    with pytest.raises(ConfigError, match=r"proxy\.port 0 would pick a free port"):
+        load_config(None, environ={"OLP_PROXY__PORT": "0"})
+    # `~/olp` made a directory named `~` below the working directory.
+    cfg = load_config(None, environ={"OLP_STATE_DIR": "~/olp-state"})
+    assert cfg.state_dir == Path.home() / "olp-state"
+
+
+def test_an_env_digest_replaces_the_files_plaintext_admin_key(tmp_path: Path) -> None:
+    """Environment values win: an env digest beside a file's plaintext admin_key was a
+    "two different keys" error."""
+    from proxy.config import sha256_hex
+
+    path = write(tmp_path, "proxy:\n  admin_key: file-key-123\n")
+    digest = sha256_hex("env-key-456")
+    cfg = load_config(path, environ={"OLP_PROXY__ADMIN_KEY_SHA256": digest})
+    assert cfg.proxy.admin_key_sha256 == digest

@@ -45,3 +45,39 @@ def test_a_changed_install_step_is_another_environment(tmp_path: Path) -> None:
     assert _key(tmp_path, step) != before
     comment = ("# torch first and pinned:", "# torch first, pinned:")
     assert _key(tmp_path, comment) == before
+
+
+def test_a_python_without_ensurepip_gets_its_venv_package_or_one_clear_line(
+    tmp_path: Path,
+) -> None:
+    """Debian and Ubuntu ship ensurepip apart (python3.X-venv): `python -m venv` failed at
+    the install's first step on a fresh machine. olpw installs the package, and says what
+    to do when that does not help. (A stand-in apt-get and a Python without ensurepip.)"""
+    import sys
+
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    calls = tmp_path / "apt-calls"
+    (bin_dir / "apt-get").write_text(f'#!/bin/sh\necho "$@" >> {calls}\nexit 0\n')
+    (bin_dir / "sudo").write_text('#!/bin/sh\nshift\nexec "$@"\n')  # `sudo -n` when not root
+    (bin_dir / "python-without-venv").write_text(
+        f'#!/bin/sh\ncase "$*" in *ensurepip*) exit 1;; esac\nexec {sys.executable} "$@"\n'
+    )
+    for script in bin_dir.iterdir():
+        script.chmod(0o755)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("OLP_")}
+    env |= {
+        "OLP_CACHE_DIR": str(tmp_path / "cache"),
+        "OLP_PYTHON": str(bin_dir / "python-without-venv"),
+        "PATH": f"{bin_dir}:{env['PATH']}",
+    }
+    done = subprocess.run(
+        ["bash", str(ROOT / "olpw"), "env"], env=env, capture_output=True, text=True, timeout=60
+    )
+    version = f"{sys.version_info[0]}.{sys.version_info[1]}"
+    assert done.returncode == 2, done.stderr
+    assert f"cannot create a virtual environment (no ensurepip): install python{version}-venv" in (
+        done.stderr
+    )
+    assert f"install -y -q python{version}-venv" in calls.read_text()
+    assert not list((tmp_path / "cache" / "venvs").glob("*-cpu"))  # nothing was built

@@ -643,7 +643,9 @@ def _verify_unlocked(live: Path, as_copy: bool = False) -> VerifyResult:
             # A copy may start with a later segment: its first record links to one it does
             # not hold. From there on its chain is checked as the live one's is.
             expected_seq, prev_hash = record["seq"], record["prev_hash"]
-        if record["seq"] != expected_seq:
+        # `type(...) is int`: `true` and `1.0` equal 1 to Python, and their canonical JSON is
+        # the line itself; a seq is written as an integer only.
+        if type(record["seq"]) is not int or record["seq"] != expected_seq:
             return fail(f"{where}: expected seq {expected_seq}, found {record['seq']!r}")
         if record["prev_hash"] != prev_hash:
             return fail(f"{where}: prev_hash does not link to the previous record")

@@ -24,6 +24,7 @@ from safety.audit import (
     VerifyResult,
     canonical_json,
     format_record,
+    head_path,
     iter_records,
     record_hash,
     verify,
@@ -89,6 +90,22 @@ def test_rehashed_edit_is_caught_by_the_next_link(tmp_path: Path) -> None:
     result = verify(path)
     assert (result.ok, result.first_bad_seq) == (False, 3)
     assert "prev_hash" in result.reason
+
+
+@pytest.mark.parametrize("seq", [True, 1.0])
+def test_a_seq_that_only_equals_its_number_is_an_edit(tmp_path: Path, seq: object) -> None:
+    """`true` and `1.0` equal 1 to Python, and their canonical JSON is the line itself:
+    a rehashed record with such a seq passed."""
+    path = tmp_path / "audit.jsonl"
+    _write_log(path, 1)
+    record = json.loads(_lines(path)[0])
+    record["seq"] = seq
+    record["hash"] = record_hash(record)
+    path.write_bytes(canonical_json(record) + b"\n")
+    head_path(path).unlink()
+    result = verify(path)
+    assert (result.ok, result.first_bad_seq) == (False, 1), result.reason
+    assert "expected seq 1" in result.reason
 
 
 def test_delete_any_line_fails_at_its_seq(tmp_path: Path) -> None:

@@ -371,9 +371,15 @@ class Promoter:
                 outcome = self.promote(newest)
             except Exception as exc:  # the worker must survive one bad candidate
                 log.exception("promotion_crashed", version=newest.name)
-                self.audit.append(
-                    ACTOR, "promotion_failed", {"version": newest.name, "error": repr(exc)}
-                )
+                try:
+                    self.audit.append(
+                        ACTOR, "promotion_failed", {"version": newest.name, "error": repr(exc)}
+                    )
+                except Exception:
+                    # The audit log itself failing (a full disk) must not end this thread:
+                    # it is never started again, and every later candidate would wait in
+                    # the queue for ever. The version is still decided (never served).
+                    log.exception("promotion_failed_not_audited", version=newest.name)
                 self._record_decided(newest.name)
                 self._deferrals = 0
                 continue
@@ -903,17 +909,25 @@ class Promoter:
             log.info("canary_promoted_by_operator", version=name, previous=incumbent)
             self._schedule_cleanup(name)
             return PromotionOutcome(name, "promoted", incumbent, report, reasons[0], timings)
-        self.audit.append(
-            ACTOR,
-            "canary_result",
-            {
-                "version": name,
-                "stable": incumbent,
-                "decision": decision,
-                "reasons": reasons,
-                "evidence": verdict_data,
-            },
-        )
+        try:
+            self.audit.append(
+                ACTOR,
+                "canary_result",
+                {
+                    "version": name,
+                    "stable": incumbent,
+                    "decision": decision,
+                    "reasons": reasons,
+                    "evidence": verdict_data,
+                },
+            )
+        except Exception:
+            # A verdict that cannot be recorded is not carried out, but the canary must not
+            # run on unwatched (the monitor has ended): it ends as a rollback, the safe
+            # direction, before the failure goes on. Before, it kept its share of the
+            # traffic, and refused every later candidate's canary, until a restart.
+            self._end_canary_rollback(name, incumbent, "its result could not be audited")
+            raise
         reason = "; ".join(reasons)
         if decision == "promote":
             try:

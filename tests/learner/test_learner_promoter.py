@@ -448,6 +448,34 @@ def test_a_refused_canary_promotion_still_rolls_back_when_the_status_answers(
     assert proxy.ended == [("rollback", outcome.reason)] and not replicas.loaded
 
 
+@pytest.mark.parametrize("decision", ["promote", "rollback"])
+def test_a_canary_verdict_that_cannot_be_audited_ends_the_canary_as_a_rollback(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, decision: str
+) -> None:
+    """The `canary_result` append came before the verdict was carried out: when it failed
+    (a full disk) the canary ran on unwatched, and refused every later candidate's canary,
+    until the learner restarted. Now it ends as a rollback, and the failure goes on."""
+    from safety.audit import AuditError
+
+    class FailingResult(FakeAudit):
+        def append(self, actor: str, event: str, payload: dict | None = None) -> None:
+            if event == "canary_result":
+                raise AuditError("simulated: the disk is full")
+            super().append(actor, event, payload)
+
+    verdict = CanaryVerdict(decision, ["judged"], {}, {})
+    monkeypatch.setattr(promotion, "judge_canary", lambda *args: verdict)
+    store = AdapterStore(tmp_path)
+    path = publish(store, tmp_path, 1)
+    replicas, proxy, audit = Replicas(set()), Proxy("base"), FailingResult()
+    canary_config = CanaryConfig(enabled=True, poll_s=0.01, min_samples=1)
+    with pytest.raises(AuditError):
+        promoter(tmp_path, replicas, proxy, audit, canary=canary_config).promote(path)
+    assert proxy.canary is None and proxy.alias == "base"
+    assert proxy.ended == [("rollback", "its result could not be audited")]
+    assert not replicas.loaded
+
+
 class RollbackLostProxy(Proxy):
     """end_canary(rollback) raises and the proxy stops answering; `operator_promotes`: an
     operator had promoted the canary just before (so the rollback found no canary)."""
@@ -1042,6 +1070,42 @@ def test_a_candidate_the_proxy_did_not_answer_for_is_retried_not_decided(
         p.close(timeout_s=5)
     assert [o.decision for o in p.outcomes if o.decision != "deferred"] == ["promoted"]
     assert CheckpointStore(tmp_path).decided() == 2
+
+
+def test_the_promoter_outlives_an_audit_log_it_cannot_write(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A candidate whose promotion crashed was audited `promotion_failed` by the worker's
+    crash handler; when that append failed too (a full disk) the worker thread died, was
+    never started again, and every later candidate waited in the queue for ever."""
+    from safety.audit import AuditError
+
+    class Unwritable(FakeAudit):
+        def append(self, actor: str, event: str, payload: dict | None = None) -> None:
+            if event == "promotion_failed":
+                raise AuditError("simulated: the disk is full")
+            super().append(actor, event, payload)
+
+    store = AdapterStore(tmp_path)
+    publish(store, tmp_path, 1)
+    publish(store, tmp_path, 2)
+    replicas, proxy = Replicas({"policy-v1"}), Proxy("policy-v1")
+    p = promoter(tmp_path, replicas, proxy, Unwritable())
+    promote = p.promote
+
+    def crashes_on_v1(path: Path) -> PromotionOutcome:
+        if path.name == "policy-v1":
+            raise RuntimeError("boom")
+        return promote(path)
+
+    monkeypatch.setattr(p, "promote", crashes_on_v1)
+    try:
+        p.submit(store.path(1))
+        assert wait_until(lambda: CheckpointStore(tmp_path).decided() == 1)
+        p.submit(store.path(2))
+        assert wait_until(lambda: proxy.alias == "policy-v2")  # the worker lives on
+    finally:
+        p.close(timeout_s=5)
 
 
 def test_a_pending_retry_does_not_hold_up_close_and_the_next_start_gates_it(

@@ -472,6 +472,28 @@ class PlainErrorUpstream(ThreadedUpstream):
         app.router.add_post("/v1/chat/completions", self._chat)
 
 
+def _errors_through_the_proxy(
+    make_proxy, answers: list
+) -> tuple[Any, list[openai.APIStatusError], list[dict[str, Any]]]:
+    """Each of `answers` (PlainErrorUpstream's) as the OpenAI SDK raises it through the
+    proxy: the harness, the raised errors in order and the proxy's log events."""
+    upstream = PlainErrorUpstream(answers).start()
+    try:
+        harness, _ = make_proxy([upstream.url])
+        api = openai.OpenAI(base_url=harness.base_url + "/v1", api_key=KEYS["bob"], max_retries=0)
+        raised: list[openai.APIStatusError] = []
+        with capture_logs() as logs:
+            for _ in answers:
+                with pytest.raises(openai.APIStatusError) as caught:
+                    api.chat.completions.create(
+                        model="policy", messages=[{"role": "user", "content": "x"}]
+                    )
+                raised.append(caught.value)
+    finally:
+        upstream.stop()
+    return harness, raised, logs
+
+
 def test_an_upstream_error_that_is_not_openai_shaped_becomes_one(make_proxy):
     """vLLM's errors (nested, or the flat shape of older releases) reach the client as they
     came; a plain-text or HTML error page gets an OpenAI error with the same status, which
@@ -482,28 +504,16 @@ def test_an_upstream_error_that_is_not_openai_shaped_becomes_one(make_proxy):
     page += b"</body></html>"
     flat = b'{"object": "error", "message": "too long", "type": "BadRequestError", "code": 400}'
     nested = b'{"error": {"message": "no such model", "type": "NotFoundError", "code": 404}}'
-    upstream = PlainErrorUpstream(
+    _, raised, logs = _errors_through_the_proxy(
+        make_proxy,
         [
             (500, "text/html", page),  # (502-504 are retried on another replica)
             (404, "text/plain", b"404: Not Found"),
             (400, "application/json", flat),
             (404, "application/json", nested),
             (500, "application/json", b'["not", "an", "error"]'),
-        ]
-    ).start()
-    try:
-        harness, _ = make_proxy([upstream.url])
-        api = openai.OpenAI(base_url=harness.base_url + "/v1", api_key=KEYS["bob"], max_retries=0)
-        raised: list[openai.APIStatusError] = []
-        with capture_logs() as logs:
-            for _ in range(5):
-                with pytest.raises(openai.APIStatusError) as caught:
-                    api.chat.completions.create(
-                        model="policy", messages=[{"role": "user", "content": "x"}]
-                    )
-                raised.append(caught.value)
-    finally:
-        upstream.stop()
+        ],
+    )
     assert [e.status_code for e in raised] == [500, 404, 400, 404, 500]
     html, text, old_vllm, vllm, array = raised
     for error in (html, text, array):
@@ -528,26 +538,14 @@ def test_the_model_server_refusing_the_proxys_key_is_a_502_not_the_clients_401(m
     AuthenticationError for a key the proxy had accepted: clients took the deployment's
     misconfiguration for their own key being wrong. An upstream 429's retry-after was lost."""
     too_many = b'{"error": {"message": "slow down", "type": "RateLimitError", "code": 429}}'
-    upstream = PlainErrorUpstream(
+    harness, raised, logs = _errors_through_the_proxy(
+        make_proxy,
         [
             (401, "application/json", b'{"error": "Unauthorized"}'),  # vLLM's --api-key
             (403, "text/plain", b"Forbidden"),
             (429, "application/json", too_many, {"Retry-After": "7"}),
-        ]
-    ).start()
-    try:
-        harness, _ = make_proxy([upstream.url])
-        api = openai.OpenAI(base_url=harness.base_url + "/v1", api_key=KEYS["bob"], max_retries=0)
-        raised: list[openai.APIStatusError] = []
-        with capture_logs() as logs:
-            for _ in range(3):
-                with pytest.raises(openai.APIStatusError) as caught:
-                    api.chat.completions.create(
-                        model="policy", messages=[{"role": "user", "content": "x"}]
-                    )
-                raised.append(caught.value)
-    finally:
-        upstream.stop()
+        ],
+    )
     assert [e.status_code for e in raised] == [502, 502, 429]
     for error, status in zip(raised[:2], (401, 403), strict=True):
         assert isinstance(error, openai.InternalServerError)

@@ -234,6 +234,20 @@ class CanaryVerdict:
 TIMEOUT_FLOOR = 5
 
 
+def _tool_call_rates(
+    stable: ArmStats, candidate: ArmStats, floor: int
+) -> tuple[float | None, float | None]:
+    """The invalid-tool-call rates to compare, over the replies that called a tool: none
+    while the candidate made fewer than `floor` calls (one invalid call of one rolled a
+    candidate back), and the stable arm's as 0 while it made fewer (no evidence that its
+    calls fail; before, a candidate whose 30 calls were all invalid was promoted because the
+    stable arm had made none)."""
+    if candidate.tool_call_samples < floor:
+        return None, None
+    theirs = stable.rate("invalid_tool_call") if stable.tool_call_samples >= floor else 0.0
+    return candidate.rate("invalid_tool_call"), theirs
+
+
 def _regressions(
     config: CanaryConfig, stable: ArmStats, candidate: ArmStats, samples: int, rewarded: int
 ) -> list[str]:
@@ -243,6 +257,8 @@ def _regressions(
     if min(stable.samples, candidate.samples) >= samples:
         for guard in GUARDS:
             ours, theirs = candidate.rate(guard), stable.rate(guard)
+            if guard == "invalid_tool_call":
+                ours, theirs = _tool_call_rates(stable, candidate, min(samples, TIMEOUT_FLOOR))
             if ours is not None and theirs is not None and ours > theirs + config.guard_margin:
                 reasons.append(
                     f"{guard} rate {ours:.3f} > stable {theirs:.3f} + {config.guard_margin}"

@@ -103,6 +103,27 @@ def test_verdict_rolls_back_on_reward_or_guard_regression():
     assert within.decision == "promote"
 
 
+def test_invalid_tool_calls_are_judged_on_enough_calls_against_no_evidence_as_zero():
+    """The rate was compared over any number of calls (one invalid call of one rolled a
+    candidate back) and not at all when the stable arm made none (a candidate whose every
+    call was invalid was promoted)."""
+    config = CanaryConfig(enabled=True, min_samples=30, guard_margin=0.1)
+
+    def calls(samples: int, tool_calls: int, invalid: int) -> ArmStats:
+        stats = arm(samples, samples, 0.5, invalid_tool_call=invalid)
+        stats.tool_call_samples = tool_calls
+        return stats
+
+    all_invalid = judge_canary(config, calls(40, 0, 0), calls(40, 30, 30), 10)
+    assert all_invalid.decision == "rollback"
+    assert all_invalid.reasons == ["invalid_tool_call rate 1.000 > stable 0.000 + 0.1"]
+    one_of_one = judge_canary(config, calls(40, 20, 0), calls(40, 1, 1), 10)
+    assert one_of_one.decision == "promote"
+    # With calls enough on both arms, the stable arm's own rate is the baseline.
+    both_bad = judge_canary(config, calls(40, 20, 10), calls(40, 20, 11), 10)
+    assert both_bad.decision == "promote"
+
+
 def test_verdict_at_the_deadline_follows_on_timeout():
     short = (arm(2, 1, 0.9), arm(1, 0, 0.0))
     assert judge_canary(CONFIG, *short, CONFIG.max_duration_s - 1).decision == "wait"

@@ -1,9 +1,9 @@
 """Immutable, versioned adapter directories: `<state_dir>/adapters/policy-v<N>/`.
 
 Each version holds the PEFT files plus `olp_meta.json` (version, parent_version,
-consumed_offsets, config_hash, step_metrics, data_stats, weights_sha256, gate). A version
-is written under a temporary name in the same folder and renamed atomically; an existing
-version is never overwritten.
+consumed_offsets, config_hash, step_metrics, data_stats, weights_sha256, config_sha256,
+gate). A version is written under a temporary name in the same folder and renamed
+atomically; an existing version is never overwritten.
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ log = structlog.get_logger(__name__)
 
 META_FILE = "olp_meta.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
+CONFIG_FILE = "adapter_config.json"  # lora_alpha, target modules: as decisive as the weights
 _NAME = re.compile(r"^policy-v(\d+)$")
 BUILD_PREFIX = ".build-"  # Learner._publish's scratch folders (see `building`)
 
@@ -105,11 +106,12 @@ class AdapterStore:
             raise AdapterExistsError(f"{final} exists; adapter versions are never overwritten")
         tmp = self.root / f".tmp-{self.name(version)}-{uuid.uuid4().hex}"
         shutil.copytree(files_dir, tmp)
-        weights = tmp / WEIGHTS_FILE
+        weights, config = tmp / WEIGHTS_FILE, tmp / CONFIG_FILE
         meta = {
             **meta,
             "version": version,
             "weights_sha256": sha256_file(weights) if weights.exists() else None,
+            "config_sha256": sha256_file(config) if config.exists() else None,
             "gate": meta.get("gate"),
         }
         (tmp / META_FILE).write_text(json.dumps(meta, indent=2, sort_keys=True))

@@ -41,7 +41,7 @@ from typing import Any
 import httpx
 import structlog
 
-from learner.adapter_store import AdapterStore
+from learner.adapter_store import CONFIG_FILE, META_FILE, WEIGHTS_FILE, AdapterStore
 from learner.canary import CanaryMonitor, judge_canary
 from learner.checkpoint import CheckpointStore
 from learner.config import PromotionConfig
@@ -269,14 +269,22 @@ def version_number(name: str) -> int:
     return int(name.removeprefix("policy-v"))
 
 
-def verify_weights(version_dir: Path) -> None:
-    """Refuse a directory whose weights do not match the hash written with them."""
-    meta = json.loads((version_dir / "olp_meta.json").read_text())
-    expected = meta.get("weights_sha256")
-    weights = version_dir / "adapter_model.safetensors"
-    actual = hashlib.sha256(weights.read_bytes()).hexdigest()
-    if expected != actual:
-        raise PromotionError(f"{version_dir.name}: weights sha256 {actual} != recorded {expected}")
+def verify_adapter(version_dir: Path) -> None:
+    """Refuse a directory whose weights, or adapter config, do not match the hashes written
+    with them. The config (`lora_alpha` scales every output) was not covered: an edited one
+    served after a vLLM restart unnoticed. A version published before it was hashed has no
+    `config_sha256`: its weights are checked."""
+    meta = json.loads((version_dir / META_FILE).read_text())
+    checks = (("weights", WEIGHTS_FILE, "weights_sha256"), ("config", CONFIG_FILE, "config_sha256"))
+    for what, file, key in checks:
+        expected = meta.get(key)
+        if expected is None and key == "config_sha256":
+            continue
+        actual = hashlib.sha256((version_dir / file).read_bytes()).hexdigest()
+        if expected != actual:
+            raise PromotionError(
+                f"{version_dir.name}: {what} sha256 {actual} != recorded {expected}"
+            )
 
 
 GateRunner = Callable[[str, str], GateReport]  # (candidate, incumbent) -> report
@@ -552,7 +560,7 @@ class Promoter:
         try:
             if is_version_name(incumbent):
                 self._serve_incumbent(incumbent)
-            verify_weights(version_dir)
+            verify_adapter(version_dir)
             started = time.monotonic()
             self.replicas.load(name, version_dir)
             timings["load_s"] = time.monotonic() - started
@@ -627,7 +635,7 @@ class Promoter:
         for url in self.replicas.base_urls:
             if incumbent in self.replicas.served(url):
                 continue
-            verify_weights(path)
+            verify_adapter(path)
             self.replicas.load_on(url, incumbent, path)
             if incumbent not in self.replicas.served(url):
                 raise PromotionError(f"{incumbent} not listed by {url} after loading")

@@ -30,7 +30,7 @@ from learner.promotion import (
     PromotionError,
     ReplicaSet,
     is_version_name,
-    verify_weights,
+    verify_adapter,
     version_number,
 )
 from safety.audit import AuditLog
@@ -92,7 +92,7 @@ class AdapterReloader:
         try:
             if not path.is_dir():
                 raise PromotionError(f"{path} does not exist (pruned or never written here)")
-            verify_weights(path)
+            verify_adapter(path)
             self.replicas.load_on(url, name, path)
             if name not in self.replicas.served(url):
                 raise PromotionError(f"{name} not listed by {url} after loading")

@@ -102,3 +102,33 @@ def test_the_first_check_runs_when_the_reloader_starts(tmp_path: Path) -> None:
     finally:
         reloader.close()
     assert replicas.loads == ["policy-v3"]
+
+
+def test_an_adapter_whose_config_was_edited_is_not_reloaded(tmp_path: Path) -> None:
+    """Only the weights were hashed: an edited adapter_config.json (lora_alpha scales every
+    output) was served after a vLLM restart unnoticed. A version published before the
+    config was hashed still reloads on its weights."""
+    from learner.adapter_store import AdapterStore
+
+    store = AdapterStore(tmp_path)  # versions in <root>/adapters
+    for version in (1, 2):
+        files = tmp_path / f"files-{version}"
+        files.mkdir()
+        (files / "adapter_model.safetensors").write_bytes(b"weights %d" % version)
+        (files / "adapter_config.json").write_text('{"lora_alpha": 32}')
+        store.publish(version, files, {"parent_version": version - 1})
+    assert store.read_meta(1)["config_sha256"]
+    (store.path(1) / "adapter_config.json").write_text('{"lora_alpha": 3200}')
+    _adapter(tmp_path / "adapters", "policy-v3")  # a meta without config_sha256
+    replicas = FakeReplicas()
+    replicas.up = True
+    audit = AuditLog(tmp_path / "audit.jsonl", fsync=False)
+    routed = {"policy-v1", "policy-v2", "policy-v3"}
+    reloader = AdapterReloader(replicas, lambda: routed, audit, tmp_path / "adapters")  # type: ignore[arg-type]
+    reloader.check()
+    assert sorted(replicas.loads) == ["policy-v2", "policy-v3"]
+    [failed] = [
+        r for r in iter_records(tmp_path / "audit.jsonl") if r["event"] != "adapter_reloaded"
+    ]
+    assert failed["event"] == "adapter_reload_failed"
+    assert "policy-v1: config sha256" in failed["payload"]["error"]

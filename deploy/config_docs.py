@@ -40,7 +40,8 @@ PROJECT_ROOT = Path(__file__).resolve().parent.parent
 # Validator rules per model class name (a model with validators must have an entry).
 NOTES: dict[str, list[str]] = {
     "OlpConfig": [
-        "Tenant names must be unique.",
+        "Tenant names must be unique, and one API key belongs to one holder: two tenants, or "
+        "a tenant and the admin key, may not share a key.",
         "`proxy.port` must not be 0 here: the learner and the `olp` commands must know it.",
         "`state_dir` may start with `~` (the home directory).",
     ],
@@ -64,17 +65,23 @@ NOTES: dict[str, list[str]] = {
         "`admin_key_sha256` must be 64 hex characters; null disables the admin API.",
         "`upstreams` must be http(s) base URLs without `/v1` and without a user name or password "
         "(the key goes in `upstream_api_key`).",
+        "`policy_alias` must not also be one of `base_model_aliases` (a base alias always "
+        "serves the base model).",
     ],
     "TenantConfig": [
         "`api_key` (plaintext) may be given instead of `api_key_sha256`; it is hashed while "
         "the config is validated and never kept (surrounding whitespace removed first).",
         "`api_key_sha256` must be 64 hex characters (see `olp key hash`).",
+        "`name` must not be `.` or `..`.",
     ],
     "StatePaths": [
         "`serving_state` and `records_dir` must be relative paths below the state dir: not "
         "empty, not absolute, no `..`.",
     ],
-    "LearnerConfig": ["`min_batch` must not exceed `batch_size`."],
+    "LearnerConfig": [
+        "`min_batch` must not exceed `batch_size`.",
+        "`max_batch` must not be below `batch_size`.",
+    ],
     "CustomPattern": ["`regex` must compile and must not match the empty string."],
     "RedactionConfig": [
         "`kinds` may only name built-in kinds; custom pattern names must be unique and must "
@@ -272,7 +279,15 @@ HEADER = f"""# Configuration reference
 
 olp reads one YAML file (`olp <command> --config FILE`; without it the shipped
 `deploy/default_config.yaml`). Every key has a default, unknown keys are errors, and invalid
-values stop start-up with a message naming the dotted key.
+values stop start-up with a message naming the dotted key (a rule across keys names their
+section and the keys in its text).
+
+The defaults below are what a key left out of the file gets. The shipped file sets some keys
+for a small demo on one machine: `learner.batch_size` 8, `learner.min_batch` 4,
+`learner.max_batch` 8, `learner.batch_timeout_s` 20, `learner.lr` 0.001,
+`learner.updates_per_batch` 2, `learner.num_threads` 1, `stream.join_window_s` 10, a
+development admin key and a `demo` tenant (training off). A `--config FILE` replaces the
+shipped file; it is not merged with it, so a file of your own starts from the defaults below.
 
 ## Environment overrides
 

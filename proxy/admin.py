@@ -22,7 +22,7 @@ from aiohttp import web
 
 from proxy.aliases import Canary
 from proxy.completions import read_json_body
-from proxy.config import sha256_hex
+from proxy.config import is_utf8_text, sha256_hex
 from proxy.context import CONTEXT, ProxyContext
 from proxy.errors import AuthError, ProxyError, bad_request
 from proxy.feedback import finite_float
@@ -499,9 +499,10 @@ async def end_canary(request: web.Request) -> web.Response:
         reason = body.get("reason", "")
         if decision not in ("promote", "rollback"):
             raise bad_request("'decision' must be 'promote' or 'rollback'.", param="decision")
-        if not isinstance(reason, str) or len(reason) > 500:
+        # A lone surrogate (`"\ud800"` reads as one) cannot be written to the audit log.
+        if not isinstance(reason, str) or len(reason) > 500 or not is_utf8_text(reason):
             raise bad_request(
-                "'reason' must be a string of at most 500 characters.", param="reason"
+                "'reason' must be UTF-8 text of at most 500 characters.", param="reason"
             )
         if not isinstance(alias, str) or alias not in ctx.aliases.canaries():
             raise ProxyError(404, f"No canary is running on {alias!r}.", code="no_canary")

@@ -345,10 +345,26 @@ def _reconcile_state(state: ServingState, config: ProxyConfig, registry: TenantR
     it changed (the caller saves it: a dropped switch kept on disk would apply again once
     the config went back).
 
-    Base aliases serve the base model whatever the file says (a flip of one, refused now,
-    may predate that), and a training switch set when the config said otherwise than it
-    says now gives way to the config's newer word."""
+    The public names are the config's: an alias the config no longer names (a renamed
+    `policy_alias`, a base alias taken out) is dropped with its canary, not served on from
+    the file, where nothing would promote it and a dropped base alias could be flipped to
+    an adapter. Base aliases serve the base model whatever the file says (a flip of one,
+    refused now, may predate that), and a training switch set when the config said
+    otherwise than it says now gives way to the config's newer word."""
     changed = False
+    configured = {config.policy_alias, *config.base_model_aliases}
+    for alias in [name for name in state.aliases if name not in configured]:
+        log.warning(
+            "alias_dropped",
+            alias=alias,
+            was=state.aliases.pop(alias),
+            canary=state.canaries.pop(alias, None) is not None,
+            reason="the config no longer names it",
+        )
+        changed = True
+    for alias in [name for name in state.canaries if name not in configured]:
+        state.canaries.pop(alias)  # a canary of an alias the file itself did not hold
+        changed = True
     for alias in config.base_model_aliases:
         if state.aliases.get(alias) != config.base_served_name or alias in state.canaries:
             log.warning(

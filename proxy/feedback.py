@@ -141,11 +141,11 @@ def _finite_number(value: Any, field: str) -> float | None:
 
 
 def _json_size(metadata: dict[str, Any]) -> int:
-    """The metadata's size as the sink writes it (UTF-8 JSON, a lone surrogate as its
-    `\\udXXX` escape); 400 when it is not strict JSON (NaN, Infinity, nesting too deep),
+    """The metadata's size as the sink writes it (compact UTF-8 JSON, a lone surrogate as
+    its `\\udXXX` escape); 400 when it is not strict JSON (NaN, Infinity, nesting too deep),
     which the sink would refuse after a 202."""
     try:
-        return len(dumps_json(metadata, allow_nan=False).encode("utf-8"))
+        return len(dumps_json(metadata, separators=(",", ":"), allow_nan=False).encode("utf-8"))
     except (ValueError, RecursionError) as exc:
         raise bad_request(
             "'metadata' must be strict JSON: finite numbers, nested at most a few hundred levels.",

@@ -52,7 +52,7 @@ from proxy.operator_html import (
     login_page,
     operator_page,
 )
-from safety.audit import VerifyResult
+from safety.audit import AuditError, AuditRecordWritten, VerifyResult
 
 log = structlog.get_logger(__name__)
 
@@ -124,11 +124,26 @@ def _https(request: web.Request) -> bool:
     return request.secure or forwarded.split(",")[0].strip().lower() == "https"
 
 
+# A sign-in is recorded in the audit log before its session opens; one the log cannot
+# record is refused, on a page that says why (it was the middleware's JSON 500).
+_AUDIT_BROKEN = (
+    "Sign-in is refused: the audit log cannot record it ({error}). Run `olp audit verify` "
+    "on the proxy's machine and repair the log; the admin API still takes the admin key "
+    "as a Bearer token."
+)
+
+
 def _redirect_with_session(request: web.Request, actor: str, method: str) -> web.Response:
     ctx = request.app[CONTEXT]
-    session_id, _ = request.app[OPERATOR].sessions.open_session(actor)
     remote = ctx.client_addresses.of(request)
-    ctx.audit.append(actor, "operator_login", {"method": method, "remote": remote})
+    try:
+        ctx.audit.append(actor, "operator_login", {"method": method, "remote": remote})
+    except AuditRecordWritten:
+        pass  # its line is in the chain: the sign-in it records stands
+    except (AuditError, OSError) as exc:
+        log.error("operator_login_not_audited", actor=actor, method=method, error=str(exc))
+        return _refused(_AUDIT_BROKEN.format(error=exc), 503)
+    session_id, _ = request.app[OPERATOR].sessions.open_session(actor)
     response = web.Response(status=303, headers={"Location": COOKIE_PATH})
     response.set_cookie(
         COOKIE_NAME,

@@ -238,12 +238,22 @@ class AuditLog:
             fsync=config.fsync,
         )
 
+    def _actor_label(self, actor: str) -> str:
+        """The actor as the log keeps it: actors are ids, never PII, so one the Redactor
+        finds something in (an e-mail address, which `--actor` accepts) is written as a
+        pseudonym, its sha256. A `[REDACTED:email]` placeholder made every such operator
+        the same one, in the record that is to say who decided what."""
+        redacted, counts = self._sanitizer.redactor.redact_text(actor)
+        if redacted == actor and not any(counts.values()):
+            return actor
+        return "redacted-" + hashlib.sha256(actor.encode("utf-8", "surrogatepass")).hexdigest()[:32]
+
     def append(self, actor: str, event: str, payload: Mapping[str, Any] | None = None) -> dict:
         """Sanitize the payload, chain it to the last record and write it durably."""
         if not actor or not event:
             raise ValueError("audit records need a non-empty actor and event")
         clean_payload = self._sanitizer.sanitize(dict(payload or {}))
-        actor, _ = self._sanitizer.redactor.redact_text(actor)  # actors are ids, never PII
+        actor = self._actor_label(actor)
         canonical_json(clean_payload)  # fail before taking the lock on NaN / non-JSON values
         with self._thread_lock, self._locked():
             last = self._read_last_record()

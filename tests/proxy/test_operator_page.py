@@ -130,6 +130,25 @@ def test_login_form_sets_the_session_cookie(make_proxy):
     assert "form-op" in audit and ADMIN_KEY not in audit
 
 
+def test_a_sign_in_the_audit_log_cannot_record_is_refused_on_a_page(make_proxy):
+    """A torn audit log gave the browser the middleware's JSON 500 on every sign-in; now a
+    page says why and what to run, and no session opens unrecorded."""
+    harness, _ = make_proxy(NO_UPSTREAM)
+    link = mint_link(harness)  # audited while the log is whole
+    with harness.ctx.audit.path.open("ab") as log_file:
+        log_file.write(b'{"seq": 99, "torn')
+    client = httpx.Client(base_url=harness.base_url)
+    for refused in (
+        client.get(link["path"], headers=NAVIGATION),
+        client.post("/admin/ui/login", data={"key": ADMIN_KEY, "actor": "form-op"}),
+    ):
+        assert refused.status_code == 503, refused.text
+        assert refused.headers["content-type"].startswith("text/html")
+        assert "olp audit verify" in refused.text and "set-cookie" not in refused.headers
+    assert client.get("/admin/ui").status_code == 401
+    assert httpx.get(harness.base_url + "/admin/ui", headers=BEARER).status_code == 200
+
+
 def test_bytes_that_are_not_utf8_are_refused_not_a_500(make_proxy):
     """aiohttp raises on a form that is not UTF-8 and decodes such header bytes to lone
     surrogates; both are a plain refusal."""

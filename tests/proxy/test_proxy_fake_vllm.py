@@ -381,6 +381,15 @@ def test_ending_a_canary_by_its_target_leaves_another_running(make_proxy, fake):
     end = {"decision": "rollback", "reason": "learner verdict", "target": "policy-v2"}
     _assert_error(_admin(harness.base_url, "/admin/canary/end", end), 409, "canary_changed")
     assert harness.ctx.aliases.canaries()["policy"].target == "policy-v1"
+    # A reason the audit log cannot write (a lone surrogate) is the caller's error, not a 500.
+    unwritable = json.dumps(end | {"target": "policy-v1", "reason": "\ud800"}).encode()
+    headers = {"Authorization": f"Bearer {ADMIN_KEY}", "Content-Type": "application/json"}
+    refused = httpx.post(
+        harness.base_url + "/admin/canary/end", content=unwritable, headers=headers, timeout=30
+    )
+    error = _assert_error(refused, 400, "invalid_request")
+    assert error["param"] == "reason"
+    assert harness.ctx.aliases.canaries()["policy"].target == "policy-v1"
     ended = _admin(harness.base_url, "/admin/canary/end", end | {"target": "policy-v1"})
     assert ended.status_code == 200 and harness.ctx.aliases.canaries() == {}
 
@@ -932,6 +941,38 @@ def test_a_base_alias_always_serves_the_base_model(make_proxy, fake, tmp_path):
     assert harness.ctx.aliases.canaries() == {}
     saved = json.loads(harness.ctx.state_path.read_text())
     assert saved["aliases"]["base"] == "base" and saved["canaries"] == {}
+
+
+def test_an_alias_the_config_no_longer_names_is_dropped_at_start_up(make_proxy, fake, tmp_path):
+    """A renamed policy alias or a base alias taken out of the config stayed public from
+    serving.json: still listed and served, and the dropped base alias could be flipped to
+    an adapter, moving the clients that pinned it onto the learned policy."""
+    from proxy.serving_state import ServingState, save_state
+
+    state_dir = tmp_path / "renamed-alias-state"
+    canary = Canary(target="policy-v2", share=0.5, started_at=0.0)
+    save_state(
+        state_dir / "control" / "serving.json",
+        ServingState(
+            aliases={"policy": "policy-v1", "base": "base", "llama": "base"},
+            canaries={"policy": canary.to_json()},
+        ),
+    )
+    harness, _ = make_proxy(
+        [fake.url], state_dir=state_dir, policy_alias="assistant", base_model_aliases=["base"]
+    )
+    auth = {"Authorization": f"Bearer {KEYS['alice']}"}
+    listed = httpx.get(f"{harness.base_url}/v1/models", headers=auth).json()["data"]
+    assert sorted(model["id"] for model in listed) == ["assistant", "base"]
+    for alias in ("policy", "llama"):
+        body = {**CHAT, "model": alias}
+        answer = _post(harness.base_url, KEYS["alice"], "/v1/chat/completions", json=body)
+        assert answer.status_code == 404, answer.text
+        flip = _admin(harness.base_url, "/admin/aliases", {"alias": alias, "target": "policy-v1"})
+        assert flip.status_code == 400 and "Unknown alias" in flip.text, flip.text
+    saved = json.loads(harness.ctx.state_path.read_text())
+    assert saved["aliases"] == {"assistant": "base", "base": "base"}
+    assert saved["canaries"] == {}
 
 
 def test_the_policy_alias_cannot_be_a_base_alias():

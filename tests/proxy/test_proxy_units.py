@@ -839,12 +839,19 @@ def test_a_concurrency_429_carries_the_rate_limit_headers():
 
 
 def test_feedback_metadata_size_is_counted_as_the_sink_writes_it() -> None:
-    """A lone surrogate travels as its six-character escape; other text as UTF-8."""
-    escaped = {"x": "\ud800" * 100}  # `{"x": "…"}`: 9 characters around 600 of escapes
+    """A lone surrogate travels as its six-character escape; other text as UTF-8; the JSON
+    is compact (measured with `", "` and `": "`, list-heavy metadata well under the limit
+    was refused)."""
+    escaped = {"x": "\ud800" * 100}  # `{"x":"…"}`: 8 characters around 600 of escapes
     with pytest.raises(ProxyError, match="metadata"):
-        parse_feedback({"trajectory_id": "t", "kind": "accept", "metadata": escaped}, 608)
-    accepted = parse_feedback({"trajectory_id": "t", "kind": "accept", "metadata": escaped}, 609)
+        parse_feedback({"trajectory_id": "t", "kind": "accept", "metadata": escaped}, 607)
+    accepted = parse_feedback({"trajectory_id": "t", "kind": "accept", "metadata": escaped}, 608)
     assert accepted.metadata == escaped
+    listed = {"tests": list(range(10)), "ok": True}
+    compact = len(b'{"tests":[0,1,2,3,4,5,6,7,8,9],"ok":true}')
+    assert parse_feedback({"trajectory_id": "t", "kind": "accept", "metadata": listed}, compact)
+    with pytest.raises(ProxyError, match="metadata"):
+        parse_feedback({"trajectory_id": "t", "kind": "accept", "metadata": listed}, compact - 1)
 
 
 @pytest.mark.parametrize(

@@ -397,7 +397,12 @@ def test_payload_never_holds_secrets_or_pii(tmp_path: Path) -> None:
     }
     assert payload["max_tokens"] == 16 and payload["completion_tokens"] == 3
     assert "[REDACTED:email]" in payload["note"] and "[REDACTED:openai_key]" in payload["note"]
-    assert record["actor"] == "admin:[REDACTED:email]"
+    # A pseudonym, not the placeholder: two e-mail actors stay two actors in the log.
+    pseudonym = "redacted-" + hashlib.sha256(b"admin:ops@example.com").hexdigest()[:32]
+    assert record["actor"] == pseudonym
+    other = audit.append("admin:dev@example.com", "freeze", {})
+    assert other["actor"].startswith("redacted-") and other["actor"] != pseudonym
+    assert audit.append("ops-oncall", "freeze", {})["actor"] == "ops-oncall"
     assert path.exists() is False  # from_config writes under <state_dir>/audit/
 
 

@@ -18,7 +18,8 @@ class VerifierSpec(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     path: str = "learner.rewards.verifiers:exact_match"
-    weight: float = 1.0
+    # A weighted mean of the parts: a negative weight took it outside the parts' range.
+    weight: float = Field(default=1.0, ge=0, allow_inf_nan=False)
     timeout_s: float = Field(default=2.0, gt=0)
     params: dict[str, Any] = Field(default_factory=dict)
     tasks: list[str] | None = None  # only run on trajectories whose `task` is listed
@@ -69,9 +70,11 @@ class FeedbackValues(BaseModel):
 class RewardWeights(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    feedback: float = 1.0
-    verifiers: float = 1.0
-    judge: float = 0.5
+    # 0 leaves a source out; a negative weight did the same without a word (the assembler
+    # takes a source whose weight is above 0), so it is refused.
+    feedback: float = Field(default=1.0, ge=0, allow_inf_nan=False)
+    verifiers: float = Field(default=1.0, ge=0, allow_inf_nan=False)
+    judge: float = Field(default=0.5, ge=0, allow_inf_nan=False)
 
 
 class RewardConfig(BaseModel):

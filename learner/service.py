@@ -85,6 +85,14 @@ ConsumerFactory = Callable[[Offsets | None, int, int], TrajectorySource]
 FaultHook = Callable[[str], None]
 
 
+def _json_metrics(metrics: dict[str, float]) -> dict[str, float | None]:
+    """A step's metrics as olp_meta.json holds them: null for what was not measured (the
+    on-policy ratios of a batch with no on-policy token, the KL without a KL term) or
+    overflowed (a ratio's mean), where NaN and Infinity made the file JSON no strict reader
+    takes."""
+    return {name: value if math.isfinite(value) else None for name, value in metrics.items()}
+
+
 @dataclass
 class LearnerSummary:
     version: int
@@ -233,8 +241,9 @@ class Learner:
             self.counts.update(checkpoint.counters)
             self.baseline.load_state_dict(checkpoint.baseline)
             if plan.keep_optimizer:
-                self.trainer.optimizer.load_state_dict(checkpoint.optimizer)
-                self.trainer.scheduler.load_state_dict(checkpoint.scheduler)
+                changed = self.trainer.restore_optimizer(checkpoint.optimizer, checkpoint.scheduler)
+                for name, (was, now) in changed.items():
+                    log.warning("learner_optimizer_setting_changed", setting=name, was=was, now=now)
         if plan.step is not None:
             self.step_count = plan.step
         if plan.optimizer_reason:
@@ -425,7 +434,7 @@ class Learner:
                     "consumed_offsets": offsets,
                     "start_offsets": start_offsets,
                     "config_hash": self.config.config_hash(),
-                    "step_metrics": metrics,
+                    "step_metrics": _json_metrics(metrics),
                     "data_stats": {
                         **dict(batch_counts),
                         "event_ids": event_ids[: self.config.max_event_ids_in_meta],

@@ -249,6 +249,32 @@ class Trainer:
             "back, or start from an empty state_dir"
         )
 
+    def restore_optimizer(
+        self, optimizer_state: dict[str, Any], scheduler_state: dict[str, Any]
+    ) -> dict[str, tuple[float, float]]:
+        """Load a checkpoint's optimizer and scheduler, keeping their moments and step but
+        taking `lr` and `weight_decay` from the config: the saved state carries the values
+        it was made with, and an operator who lowered the learning rate of a diverging
+        learner kept training at the old one. Returns what changed, {name: (was, now)}."""
+        self.optimizer.load_state_dict(optimizer_state)
+        self.scheduler.load_state_dict(scheduler_state)
+        config = self.config
+        changed: dict[str, tuple[float, float]] = {}
+        for group, lr_lambda in zip(
+            self.optimizer.param_groups, self.scheduler.lr_lambdas, strict=True
+        ):
+            for name, was, now in (
+                ("lr", group.get("initial_lr", config.lr), config.lr),
+                ("weight_decay", group["weight_decay"], config.weight_decay),
+            ):
+                if was != now:
+                    changed[name] = (float(was), float(now))
+            group["initial_lr"] = config.lr
+            group["weight_decay"] = config.weight_decay
+            group["lr"] = config.lr * lr_lambda(self.scheduler.last_epoch)
+        self.scheduler.base_lrs = [config.lr] * len(self.optimizer.param_groups)
+        return changed
+
     def load_adapter_state(
         self, state: dict[str, torch.Tensor], source: str = "the adapter state"
     ) -> None:
@@ -431,7 +457,8 @@ class Trainer:
             "tokens": first.get("tokens", 0.0),
             "loss": loss_total,
             "pg_loss": first.get("pg_sum", 0.0) / tokens,
-            "kl": first.get("kl_sum", 0.0) / tokens,
+            # Not measured without a KL term (no reference pass): NaN, not a zero drift.
+            "kl": first.get("kl_sum", 0.0) / tokens if cfg.kl_coef > 0 else float("nan"),
             "kl_loss": cfg.kl_coef * first.get("kl_sum", 0.0) / tokens,
             "ratio_mean": first.get("ratio_sum", 0.0) / tokens,
             "clipped_fraction": first.get("clipped", 0.0) / tokens,

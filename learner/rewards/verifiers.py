@@ -153,6 +153,72 @@ def number_answer(
     return reward
 
 
+# The params each built-in reads, checked when the learner starts: a regex_match without a
+# pattern (or with one that does not compile) was accepted and then failed on every sample,
+# and a misspelt key (`expected_pth`) made a verifier return "not applicable" for ever.
+def _needs_expected(params: dict[str, Any]) -> None:
+    if "expected" not in params and not params.get("expected_path"):
+        raise ValueError("needs params.expected or params.expected_path")
+
+
+def _compiles(params: dict[str, Any]) -> None:
+    pattern = params.get("pattern")
+    if not isinstance(pattern, str) or not pattern:
+        raise ValueError("needs params.pattern, a regular expression")
+    try:
+        re.compile(pattern, re.DOTALL)
+    except re.error as exc:
+        raise ValueError(f"params.pattern does not compile: {exc}") from exc
+
+
+def _valid_schema(params: dict[str, Any]) -> None:
+    schema = params.get("schema")
+    if schema is not None:
+        try:
+            jsonschema.validators.validator_for(schema).check_schema(schema)
+        except jsonschema.SchemaError as exc:
+            raise ValueError(f"params.schema is not a JSON schema: {exc.message}") from exc
+
+
+def _positive_brevity(params: dict[str, Any]) -> None:
+    for name in ("brevity_tokens", "correct_bonus"):
+        value = params.get(name, 1)
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise ValueError(f"params.{name} must be a number")
+    if not params.get("brevity_tokens", 16) > 0:
+        raise ValueError("params.brevity_tokens must be above 0")
+
+
+_BUILTIN_PARAMS: dict[Verifier, tuple[frozenset[str], Callable[[dict[str, Any]], None] | None]] = {
+    exact_match: (
+        frozenset({"expected", "expected_path", "strip", "case_sensitive"}),
+        _needs_expected,
+    ),
+    regex_match: (frozenset({"pattern", "fullmatch"}), _compiles),
+    json_valid: (frozenset({"allow_fence", "schema"}), _valid_schema),
+    tool_calls_valid: (frozenset(), None),
+    number_answer: (
+        frozenset({"brevity_tokens", "expected", "expected_path", "correct_bonus"}),
+        _positive_brevity,
+    ),
+}
+
+
+def check_params(fn: Verifier, params: dict[str, Any]) -> None:
+    """ValueError when a built-in verifier's params are not ones it reads (a plug-in's
+    params are its own business)."""
+    known = _BUILTIN_PARAMS.get(fn)
+    if known is None:
+        return
+    names, check = known
+    unknown = sorted(set(params) - names)
+    if unknown:
+        takes = ", ".join(sorted(names)) or "none"
+        raise ValueError(f"unknown params {', '.join(unknown)} (it takes: {takes})")
+    if check is not None:
+        check(params)
+
+
 def load_verifier(path: str) -> Verifier:
     """Import `module:function`; raises ValueError with the path on failure."""
     module_name, _, attr = path.partition(":")
@@ -206,9 +272,16 @@ class VerifierRunner:
         self._verifiers: list[tuple[VerifierSpec, Verifier]] = []
         for index, spec in enumerate(specs):
             try:
-                self._verifiers.append((spec, load_verifier(spec.path)))
+                fn = load_verifier(spec.path)
             except ValueError as exc:  # name the config key, not only the import path
                 raise ValueError(f"learner.rewards.verifiers[{index}].path: {exc}") from exc
+            try:
+                check_params(fn, spec.params)
+            except ValueError as exc:
+                raise ValueError(
+                    f"learner.rewards.verifiers[{index}].params: {spec.path} {exc}"
+                ) from exc
+            self._verifiers.append((spec, fn))
         self._stuck: list[threading.Thread] = []  # timed-out calls, still running
         self.timeouts = 0
         self.errors = 0

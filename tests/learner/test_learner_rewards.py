@@ -194,12 +194,45 @@ def test_pluggable_verifier_timeout_and_error_give_no_value() -> None:
 
 def test_a_bad_verifier_path_names_its_config_key() -> None:
     """The learner's start-up error named the import path but not the config key."""
-    good = VerifierSpec(path="learner.rewards.verifiers:exact_match")
+    good = VerifierSpec(path="learner.rewards.verifiers:exact_match", params={"expected": "5"})
     missing = VerifierSpec(path="learner.rewards.verifiers:no_such_verifier")
     with pytest.raises(ValueError, match=r"learner\.rewards\.verifiers\[1\]\.path: cannot load"):
         VerifierRunner([good, missing])
     with pytest.raises(ValueError, match=r"verifiers\[0\]\.path: verifier path 'exact_match'"):
         VerifierRunner([VerifierSpec(path="exact_match")])
+
+
+@pytest.mark.parametrize(
+    "path, params, message",
+    [
+        ("regex_match", {}, "needs params.pattern"),
+        ("regex_match", {"pattern": "(unclosed"}, "does not compile"),
+        ("exact_match", {"expected_pth": "answer"}, r"unknown params expected_pth \(it takes"),
+        ("exact_match", {}, "needs params.expected or params.expected_path"),
+        ("json_valid", {"schema": {"type": "no-such-type"}}, "not a JSON schema"),
+        ("number_answer", {"brevity_tokens": 0}, "brevity_tokens must be above 0"),
+        ("number_answer", {"correct_bonus": "lots"}, "correct_bonus must be a number"),
+        ("tool_calls_valid", {"strict": True}, r"unknown params strict \(it takes: none\)"),
+    ],
+)
+def test_a_built_in_verifiers_params_are_checked_at_start_up(
+    path: str, params: dict[str, Any], message: str
+) -> None:
+    """They were accepted, and the verifier then failed on every sample (or, with a key
+    misspelt, found nothing to check, for ever) without a word at start-up."""
+    spec = VerifierSpec(path=f"learner.rewards.verifiers:{path}", params=params)
+    with pytest.raises(ValueError, match=r"verifiers\[0\]\.params: .*" + message):
+        VerifierRunner([spec])
+
+
+def test_reward_weights_may_not_be_negative() -> None:
+    """A negative weight left a source out without a word (feedback) or took the weighted
+    mean outside its parts' range (verifiers)."""
+    with pytest.raises(ValueError, match="greater than or equal to 0"):
+        RewardConfig(weights={"feedback": -1.0})
+    with pytest.raises(ValueError, match="greater than or equal to 0"):
+        VerifierSpec(path="learner.rewards.verifiers:number_answer", weight=-0.5)
+    assert RewardConfig(weights={"feedback": 0.0}).weights.feedback == 0.0
 
 
 def nan_verifier(trajectory: dict[str, Any], choice: dict[str, Any], **params: Any) -> float:

@@ -4,6 +4,7 @@ leftovers of interrupted checkpoint saves, a damaged checkpoint."""
 
 from __future__ import annotations
 
+import json
 import math
 from pathlib import Path
 from typing import Any
@@ -90,6 +91,43 @@ def test_resume_with_another_lora_rank_names_the_setting(tiny_model: Path, tmp_p
     learner(tmp_path, tiny_model).run(max_steps=1)
     with pytest.raises(AdapterMismatch, match=r"checkpoint .*checkpoint\.pt.*lora_rank=8"):
         learner(tmp_path, tiny_model, lora_rank=8)
+
+
+def test_a_resume_takes_lr_and_weight_decay_from_the_config(tiny_model: Path, tmp_path: Path):
+    """The checkpoint's optimizer state carried the lr and weight decay it was made with: a
+    learner restarted with a lower lr (a diverging run) trained on at the old one."""
+    learner(tmp_path, tiny_model, lr=5e-4, weight_decay=0.0, warmup_steps=4).run(max_steps=1)
+    with capture_logs() as logs:
+        resumed = learner(tmp_path, tiny_model, lr=1e-6, weight_decay=0.1, warmup_steps=4)
+    trainer = resumed.trainer
+    assert trainer.scheduler.last_epoch == 1  # the warm-up goes on where it was
+    assert trainer.optimizer.state_dict()["state"] != {}  # the moments are kept
+    for group in trainer.optimizer.param_groups:
+        assert group["lr"] == pytest.approx(1e-6 * 2 / 4)
+        assert group["weight_decay"] == 0.1
+    trainer.scheduler.step()
+    assert trainer.optimizer.param_groups[0]["lr"] == pytest.approx(1e-6 * 3 / 4)
+    changed = {e["setting"]: (e["was"], e["now"]) for e in logs if e["event"].endswith("changed")}
+    assert changed == {"lr": (5e-4, 1e-6), "weight_decay": (0.0, 0.1)}
+
+
+def test_olp_meta_is_strict_json_with_null_for_what_was_not_measured(
+    tiny_model: Path, tmp_path: Path
+):
+    """NaN (on-policy ratios of a batch with no on-policy token, the usual case) made
+    olp_meta.json a file no strict JSON reader takes; and without a KL term the KL was
+    reported as 0.0 however far the adapter had moved."""
+    # Version 2 trains on records the base served: none of its tokens is on-policy.
+    assert learner(tmp_path, tiny_model, kl_coef=0.0).run(max_steps=2).version == 2
+
+    def refuse(constant: str) -> None:
+        raise ValueError(f"{constant} in olp_meta.json")
+
+    text = (AdapterStore(tmp_path).path(2) / "olp_meta.json").read_text()
+    metrics = json.loads(text, parse_constant=refuse)["step_metrics"]
+    assert metrics["kl"] is None and metrics["kl_loss"] == 0.0
+    assert metrics["onpolicy_tokens"] == 0.0 and metrics["onpolicy_ratio_mean"] is None
+    assert isinstance(metrics["loss"], float) and isinstance(metrics["grad_norm"], float)
 
 
 # -- non-finite gradients ----------------------------------------------------------------------

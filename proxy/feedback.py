@@ -102,8 +102,10 @@ def parse_feedback(body: Any, max_metadata_bytes: int) -> FeedbackRequest:
             param="kind",
         )
     value = _finite_number(body.get("value"), "value")
-    if kind == "score" and value is None:
-        raise bad_request("Feedback of kind 'score' needs a numeric 'value'.", param="value")
+    if kind in ("score", "test_result") and value is None:
+        # test_result: its value says pass (> 0) or fail; without one the learner can only
+        # count the event as invalid, after the client was told it was accepted.
+        raise bad_request(f"Feedback of kind {kind!r} needs a numeric 'value'.", param="value")
     choice_index = body.get("choice_index", 0)
     if isinstance(choice_index, bool) or not isinstance(choice_index, int) or choice_index < 0:
         raise bad_request("'choice_index' must be a non-negative integer.", param="choice_index")

@@ -91,7 +91,8 @@ class StreamConfig(BaseModel):
         default=2.0,
         ge=0,
         description="extra wait for in-flight feedback: a trajectory is yielded this long "
-        "after its join window ends (timed from when it was read if it is stamped later)",
+        "after its join window ends, and at least this long after it was read (feedback a "
+        "spill delivers just after its trajectory, after an outage)",
     )
     orphan_feedback_ttl_s: float = Field(default=600.0, ge=0)
     dedup_lookback_records: int = Field(default=10_000, ge=0)

@@ -68,6 +68,8 @@ def _offsets_by_kind(offsets: Any, names: TopicNames) -> dict[str, dict[int, int
     result: dict[str, dict[int, int]] = {}
     for key, parts in normalize_offsets(offsets).items():
         kind = key.removeprefix(f"{names.trajectories.rsplit('.', 1)[0]}.")  # "<prefix>.x" → x
+        if kind == "dlq":
+            continue  # the learner's stored offsets hold its DLQ position: nothing to export
         if kind not in KIND_NAMES:
             raise ValueError(f"unknown topic in offsets: {key!r} (expected trajectories/feedback)")
         result[kind] = parts
@@ -103,6 +105,11 @@ def iter_records(
         bootstrap_timeout_ms=config.bootstrap_timeout_ms,
     )
     seen: set[str] = set()
+    # Per partition, the first record left out as created at or after `to_time`: where the
+    # next export must start (`created_at` is not ordered within a partition, so a record
+    # after it may be older; the next export reads such ones again, and readers de-duplicate
+    # by event_id). Ending at the high watermark lost these records from a chain of exports.
+    held_back: dict[TopicPartition, int] = {}
     try:
         tps: list[TopicPartition] = []
         for topic in topic_of.values():
@@ -148,7 +155,7 @@ def iter_records(
                     end = stop_at[tp]
                     if end is not None and rec.offset >= end:
                         break
-                    item = _parse(kind, tp, rec, from_time, to_time, seen, result)
+                    item = _parse(kind, tp, rec, from_time, to_time, seen, result, held_back)
                     if item is not None:
                         yield item
             for tp in list(active):
@@ -160,22 +167,33 @@ def iter_records(
                 if done_by_offset or done_by_end:
                     active.discard(tp)
                     consumer.pause(tp)
-                    _record_end(result, kind_of[tp.topic], tp, position, end)
+                    _record_end(result, kind_of[tp.topic], tp, position, end, held_back.get(tp))
             if active and time.monotonic() - last_progress > idle_timeout_s:
                 log.warning("export_stopped_idle", waiting_partitions=len(active))
                 for tp in active:  # every record before the position was exported
-                    _record_end(result, kind_of[tp.topic], tp, consumer.position(tp), stop_at[tp])
+                    position = consumer.position(tp)
+                    _record_end(
+                        result, kind_of[tp.topic], tp, position, stop_at[tp], held_back.get(tp)
+                    )
                 break
     finally:
         consumer.close()
 
 
 def _record_end(
-    result: ExportResult | None, kind: str, tp: TopicPartition, position: int, end: int | None
+    result: ExportResult | None,
+    kind: str,
+    tp: TopicPartition,
+    position: int,
+    end: int | None,
+    held_back: int | None = None,
 ) -> None:
-    """Where this partition's export stopped: the next export's `from_offsets` for it."""
+    """Where this partition's export stopped: the next export's `from_offsets` for it (at
+    the first record it left out for `to_time`, if any)."""
     if result is not None:
         bound = min(position, end) if end is not None else position
+        if held_back is not None:
+            bound = min(bound, held_back)
         result.end_offsets.setdefault(kind, {})[tp.partition] = bound
 
 
@@ -187,6 +205,7 @@ def _parse(
     to_time: float | None,
     seen: set[str],
     result: ExportResult | None,
+    held_back: dict[TopicPartition, int] | None = None,
 ) -> dict[str, Any] | None:
     if rec.value is None:  # a key's tombstone, written by a tool: not an invalid record
         log.info("export_skipped_tombstone", topic=tp.topic, offset=rec.offset)
@@ -213,9 +232,11 @@ def _parse(
         return None
     seen.update(keys)
     created = float(record["created_at"])
-    if (from_time is not None and created < from_time) or (
-        to_time is not None and created >= to_time
-    ):
+    if to_time is not None and created >= to_time:
+        if held_back is not None:
+            held_back.setdefault(tp, rec.offset)  # the first one left out of this partition
+        return None
+    if from_time is not None and created < from_time:
         return None
     return {"kind": kind, "partition": tp.partition, "offset": rec.offset, "record": record}
 

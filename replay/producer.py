@@ -60,6 +60,10 @@ RECORD_OVERHEAD_BYTES = 1024
 # again. `close` wakes it at once, so this only spaces out the checks of an idle sink (each
 # wake-up of a sleeping thread costs ~0.1 ms of CPU on a small VM).
 _IDLE_TAKE_S = 0.25
+# How often an idle sink with a producer probes the broker (a TCP connect), so that
+# `olp_stream_broker_up` goes to 0 when the broker goes away between records: it stayed 1
+# until the next record failed, however long the sink was idle.
+_IDLE_PROBE_S = 5.0
 _WAKE_UP: Any = (-1, object())  # put by `close`: not a record (no put's sequence number)
 # Backoff between spill writes while the disk refuses them (ENOSPC, EIO): doubling, capped.
 _DISK_RETRY_FIRST_S = 0.5
@@ -286,6 +290,7 @@ def tcp_reachable(bootstrap_servers: str, timeout_s: float = 1.0) -> bool:
     """Whether any bootstrap server accepts a TCP connection (a cheap probe before a client)."""
     for server in bootstrap_servers.split(","):
         host, _, port = server.strip().rpartition(":")
+        host = host.strip("[]")  # `[::1]:9092`: the config's IPv6 form
         try:
             with socket.create_connection((host or "127.0.0.1", int(port)), timeout=timeout_s):
                 return True
@@ -331,6 +336,7 @@ class KafkaSink:
         self._idempotence = config.idempotence
         self._codec_refused_logged = False  # `_codec_refused` logs once, not per backoff
         self._retry_at = 0.0
+        self._probe_at = 0.0  # the next idle probe of the broker (`_probe_idle`)
         self._stop = threading.Event()
         self._closed = False
         # Set (under `_loop_lock`) once the sending thread stopped reading the queue, and
@@ -522,6 +528,8 @@ class KafkaSink:
                 for _ in items:
                     self._queue.task_done()
                 self.metrics.queue_depth.set(self._queue.qsize())
+            if not items and not busy and not stopping:
+                self._probe_idle()
             if stopping and not items:
                 with self._loop_lock:  # a put that raced close() sees the flag and spills
                     if self._queue.empty():
@@ -600,6 +608,15 @@ class KafkaSink:
         self.metrics.broker_up.set(1)
         log.info("broker_connected", idempotence=self._idempotence)
         return True
+
+    def _probe_idle(self) -> None:
+        """Mirror, in `broker_up`, whether the broker still answers while nothing is sent.
+        A probe that fails leaves the producer as it is: the next send finds out for sure
+        (and spills) while this one only keeps the gauge honest."""
+        if self._producer is None or time.monotonic() < self._probe_at:
+            return
+        self._probe_at = time.monotonic() + _IDLE_PROBE_S
+        self.metrics.broker_up.set(1 if tcp_reachable(self.config.bootstrap_servers) else 0)
 
     def _codec_error(self, error: BaseException) -> bool:
         """Whether `error` says the configured compression cannot be used here."""

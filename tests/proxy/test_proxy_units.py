@@ -614,6 +614,8 @@ def test_feedback_validation_and_ownership():
         ({"kind": "accept"}, "trajectory_id"),
         ({"trajectory_id": "t", "kind": "love"}, "kind"),
         ({"trajectory_id": "t", "kind": "score"}, "value"),
+        # Accepted before, then counted as invalid by the learner: pass or fail is the value.
+        ({"trajectory_id": "t", "kind": "test_result"}, "value"),
         ({"trajectory_id": "t", "kind": "accept", "value": "1"}, "value"),
         ({"trajectory_id": "t", "kind": "accept", "value": True}, "value"),
         ({"trajectory_id": "t", "kind": "accept", "metadata": []}, "metadata"),

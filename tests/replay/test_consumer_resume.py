@@ -158,6 +158,30 @@ def test_feedback_joins_by_trajectory_id_and_late_feedback_is_counted(
     consumer.close()
 
 
+def test_a_trajectory_read_after_its_window_waits_the_grace_for_its_feedback(
+    stream_config: StreamConfig, tmp_path: Path
+) -> None:
+    """After an outage the proxy's spill delivers a trajectory long after its window, and
+    the feedback spilled after it a moment later: yielded at once, the trajectory went
+    without it and the feedback was dropped as late."""
+    t0 = 1_700_000_000.0
+    config = stream_config.model_copy(update={"join_window_s": 10.0, "join_grace_s": 2.0})
+    trajectory = make_trajectory(session_id="s", created_at=t0)
+    _produce(config, tmp_path, [trajectory], [])
+    clock = FakeClock(t0 + 600)  # read ten minutes after it was served
+    consumer = TrajectoryConsumer(config, clock=clock)
+    assert _drain(consumer, rounds=5) == [] and consumer.waiting() == 1
+    _produce(config, tmp_path, [], [make_feedback(trajectory, kind="accept", created_at=t0 + 3)])
+    clock.now = t0 + 601
+    assert _drain(consumer, rounds=5) == []  # the feedback is read; the grace runs on
+    clock.now = t0 + 602.5
+    scored = _drain(consumer, rounds=5)
+    assert [s.trajectory for s in scored] == [trajectory]
+    assert [event["kind"] for event in scored[0].feedback] == ["accept"]
+    assert consumer.stats.late_feedback == 0
+    consumer.close()
+
+
 def test_feedback_from_another_tenant_is_dropped_not_joined(
     stream_config: StreamConfig, tmp_path: Path
 ) -> None:

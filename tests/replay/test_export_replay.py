@@ -117,6 +117,22 @@ def test_export_bounds_by_offsets_and_times(stream_config: StreamConfig, tmp_pat
     )
     assert [i["record"] for i in read_export(tmp_path / "timed.jsonl")] == first[2:] + second[:1]
     assert timed.counts == {"trajectories": 4}
+    # Chained on from where the timed export stopped, nothing is lost: it stopped at the
+    # first record it left out for its `to_time`, not at the partition's end (which lost
+    # second[1:] from both files). The learner's offsets, its DLQ position in them, are
+    # taken as they are.
+    prefix = stream_config.topic_prefix
+    chained = export_records(
+        stream_config,
+        tmp_path / "chained.jsonl",
+        kinds=("trajectories",),
+        from_offsets={
+            f"{prefix}.trajectories": timed.end_offsets["trajectories"],
+            f"{prefix}.dlq": {0: 0},
+        },
+    )
+    assert [i["record"] for i in read_export(tmp_path / "chained.jsonl")] == second[1:]
+    assert chained.counts == {"trajectories": 2}
 
     with pytest.raises(ValueError, match="unknown kind"):
         export_records(stream_config, tmp_path / "x.jsonl", kinds=("bogus",))

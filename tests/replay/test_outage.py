@@ -171,3 +171,27 @@ def test_a_broker_restart_the_idle_sink_did_not_notice_loses_nothing(tmp_path: P
     finally:
         sink.close()
         broker.stop()
+
+
+def test_an_idle_sink_reports_a_broker_that_went_away(tmp_path: Path, monkeypatch) -> None:
+    """`olp_stream_broker_up` stayed 1 while an idle sink's broker was down: only a failed
+    send set it to 0. The idle sink now probes the broker."""
+    import replay.producer as producer_module
+
+    monkeypatch.setattr(producer_module, "_IDLE_PROBE_S", 0.2)
+    port = free_port()
+    config = _config(f"127.0.0.1:{port}", partitions=1)
+    registry = CollectorRegistry()
+    broker = start_broker("127.0.0.1", port, tmp_path / "broker1.log")
+    sink = KafkaSink(config, tmp_path / "state", registry)
+    try:
+        sink.put_trajectory(make_trajectory(session_id="a"))
+        assert sink.wait_idle(30)
+        assert _sample(registry, "olp_stream_broker_up") == 1
+        broker.stop()
+        _wait_for(lambda: _sample(registry, "olp_stream_broker_up") == 0, timeout_s=10)
+        broker = start_broker("127.0.0.1", port, tmp_path / "broker2.log")
+        _wait_for(lambda: _sample(registry, "olp_stream_broker_up") == 1, timeout_s=10)
+    finally:
+        sink.close()
+        broker.stop()

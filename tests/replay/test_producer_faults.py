@@ -627,3 +627,17 @@ def test_an_unreadable_and_a_corrupt_segment_are_set_aside_and_the_rest_is_sent(
     assert kept == [unreadable.name, corrupt.name]
     expected = [batches[1][i] for i in (0, 1, 3, 4)] + batches[2] + later
     assert _consume_ids(stream_config, len(expected)) == {r["trajectory_id"] for r in expected}
+
+
+def test_the_broker_probe_reaches_a_bracketed_ipv6_bootstrap() -> None:
+    """`[::1]:9092` (the config's IPv6 form) was probed with its brackets, never resolved,
+    and the sink spilled every record without a word while consumers reached the broker."""
+    import socket
+
+    with socket.socket(socket.AF_INET6, socket.SOCK_STREAM) as listener:
+        listener.bind(("::1", 0))
+        listener.listen(1)
+        port = listener.getsockname()[1]
+        assert producer_module.tcp_reachable(f"[::1]:{port}")
+        assert producer_module.tcp_reachable(f"127.0.0.1:9, [::1]:{port}")
+    assert not producer_module.tcp_reachable(f"[::1]:{port}", timeout_s=0.5)

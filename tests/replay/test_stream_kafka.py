@@ -522,6 +522,29 @@ def test_dlq_ratio_breach_stops_the_consumer(stream_config: StreamConfig, tmp_pa
         consumer.poll(0.1)
 
 
+def test_a_catch_up_judges_the_dlq_ratio_in_the_order_records_were_produced(
+    stream_config: StreamConfig, tmp_path: Path
+) -> None:
+    """The DLQ partition is read far ahead of the trajectory partitions in a catch-up: its
+    envelopes came all at the end of the ratio's window, and 4.8 % rejected read as 40 %,
+    stopping the learner at every restart."""
+    config = stream_config.model_copy(
+        update={"dlq_max_ratio": 0.2, "dlq_window_records": 50, "dlq_min_records": 20}
+    )
+    sink = KafkaSink(config, tmp_path)
+    for i in range(400):
+        sink.put_trajectory(make_trajectory(session_id=f"s{i % 8}"))
+        if i % 20 == 0:
+            broken = make_trajectory(session_id=f"s{i % 8}")
+            broken["status"] = "exploded"  # refused by the sink: to the DLQ
+            sink.put_trajectory(broken)
+    assert sink.wait_idle(30)
+    sink.close()
+    with TrajectoryConsumer(config) as consumer:
+        got = consume_until(consumer, lambda got: len(got) >= 400, timeout_s=60)
+        assert len(got) == 400 and consumer.stats.dlq_seen == 20
+
+
 def test_partition_selections_split_the_stream_without_overlap(
     stream_config: StreamConfig, tmp_path: Path
 ) -> None:

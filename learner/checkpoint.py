@@ -52,6 +52,10 @@ class Checkpoint:
     optimizer_version: int | None = None
     # The stream `offsets` count in (`Learner(stream_id=...)`); None: not known.
     stream_id: str | None = None
+    # An optimizer reset (a roll-forward) the next version's olp_meta.json is to record: a
+    # restart before that version lost it, and the lineage no longer said the moments were
+    # started afresh.
+    pending_optimizer_reset: dict[str, Any] | None = None
 
 
 def normalize_offsets(offsets: dict[Any, Any] | None) -> Offsets:

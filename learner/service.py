@@ -254,6 +254,8 @@ class Learner:
                 "learner_optimizer_reset", version=plan.version, reason=plan.optimizer_reason
             )
         elif checkpoint is not None:
+            # A reset from before a restart that no version recorded yet.
+            self.optimizer_reset = checkpoint.pending_optimizer_reset
             log.info("learner_optimizer_restored", version=plan.version)
         if plan.weights_from == "adapter" and self.ctx.is_main:
             self._save_checkpoint(meta=self.store.read_meta(plan.version))
@@ -446,12 +448,12 @@ class Learner:
                     "stream_id": self.stream_id,
                 }
                 if self.optimizer_reset is not None:
-                    meta["optimizer_reset"] = self.optimizer_reset
+                    # From here on the checkpoint's meta carries it (a republish too).
+                    meta["optimizer_reset"], self.optimizer_reset = self.optimizer_reset, None
             self._save_checkpoint(meta)
             self.fault_hook("after_checkpoint")
             if meta is not None:
                 self._publish(self.version, meta)
-                self.optimizer_reset = None
                 self.fault_hook("after_publish")
                 self._announce(self.version)
         barrier(self.ctx)
@@ -526,6 +528,7 @@ class Learner:
             # stepped with them since: the optimizer state is always that of `version`.
             optimizer_version=self.version,
             stream_id=self.stream_id,
+            pending_optimizer_reset=self.optimizer_reset,
         )
         self.checkpoints.save(checkpoint)
 

@@ -148,7 +148,11 @@ def test_lost_checkpoint_rolls_forward_by_lineage(model_dir: Path, tmp_path: Pat
     assert resumed.trainer.optimizer.state_dict()["state"] == {}
     assert resumed.step_count == 2  # v2's own step count, not the v1 checkpoint's
     assert resumed.checkpoints.load().optimizer_version == 2  # type: ignore[union-attr]
+    # A stop before the next version: the reset it is to record survives the restart.
+    resumed = learner(tmp_path, model_dir, announced)
+    assert resumed.optimizer_reset is not None
     resumed.run(max_steps=1)
+    assert resumed.checkpoints.load().pending_optimizer_reset is None  # type: ignore[union-attr]
     store = AdapterStore(tmp_path)
     assert store.versions() == [1, 2, 3]
     ids = lineage_ids(store)

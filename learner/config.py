@@ -34,7 +34,13 @@ class JudgeConfig(BaseModel):
     base_url: str | None = None  # None: the policy server the learner is told about
     # A SecretStr, so that `olp config show`, reprs and validation errors never print it.
     api_key: SecretStr = SecretStr("EMPTY")
-    model: str = "base"
+    # On the policy's own vLLM (no base_url), "base" is the base model by whatever name
+    # that server gives it (policy.served_model_name).
+    model: str = Field(
+        default="base",
+        description="the judge's model; without base_url, `base` is the policy server's base "
+        "model under its served name",
+    )
     rubric: str = "The reply is correct, follows the user's instructions exactly, and is concise."
     timeout_s: float = Field(default=20.0, gt=0)
     retries: int = Field(default=1, ge=0)

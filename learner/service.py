@@ -175,7 +175,12 @@ class Learner:
         verifiers = VerifierRunner(config.rewards.verifiers)
         judge = None
         if config.rewards.judge.enabled:
-            judge = Judge(config.rewards.judge, base_url=judge_base_url, api_key=judge_api_key)
+            judge = Judge(
+                config.rewards.judge,
+                base_url=judge_base_url,
+                api_key=judge_api_key,
+                base_name=base_name,
+            )
         # Owns the judge's threads and HTTP client: `close()` releases them, and so does a
         # start-up that fails from here on, before it raises.
         self.assembler = RewardAssembler(config.rewards, judge=judge, verifiers=verifiers)

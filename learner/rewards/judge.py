@@ -89,15 +89,24 @@ class Judge:
     """Rubric scoring and group ranking through an OpenAI-compatible chat endpoint."""
 
     def __init__(
-        self, config: JudgeConfig, base_url: str | None = None, api_key: str | None = None
+        self,
+        config: JudgeConfig,
+        base_url: str | None = None,
+        api_key: str | None = None,
+        base_name: str = "base",
     ) -> None:
         """`base_url` / `api_key`: the policy's vLLM and its key, used when the config names
-        no judge URL of its own (`learner.rewards.judge.api_key` goes with its `base_url`)."""
+        no judge URL of its own (`learner.rewards.judge.api_key` goes with its `base_url`).
+        There `model: base` means the base model under the name that vLLM serves it as
+        (`base_name`, `policy.served_model_name`): with another served name, every judge
+        call was a 404, counted as `judge_failed` and rewarding nothing."""
         url = config.base_url or base_url
         if not url:
             raise ValueError("judge needs learner.rewards.judge.base_url (or the policy URL)")
         own_key = config.api_key.get_secret_value()
         key = own_key if config.base_url or not api_key else api_key
+        if not config.base_url and config.model == "base" and base_name != "base":
+            config = config.model_copy(update={"model": base_name})
         self.config = config
         # openai keeps idle connections 5 s, as long as vLLM does: one reused at that age
         # could be closing. Dropped after 4 s (any judge server takes that).

@@ -496,6 +496,21 @@ def silent_server() -> Iterator[str]:
     server.close()
 
 
+def test_the_judge_on_the_policy_server_asks_for_the_base_by_its_served_name() -> None:
+    """`model: base` with `policy.served_model_name` set otherwise: every call was a 404 on
+    the policy's vLLM, counted as judge_failed, and the judge rewarded nothing."""
+    on_policy = Judge(JudgeConfig(enabled=True), base_url="http://127.0.0.1:9/v1", base_name="m")
+    own_server = Judge(JudgeConfig(enabled=True, base_url="http://127.0.0.1:9/v1"), base_name="m")
+    named = Judge(JudgeConfig(enabled=True, model="judge-7b"), base_url="http://127.0.0.1:9/v1")
+    try:
+        assert on_policy.config.model == "m"
+        assert own_server.config.model == "base"  # another server's names are its own
+        assert named.config.model == "judge-7b"
+    finally:
+        for judge in (on_policy, own_server, named):
+            judge.close()
+
+
 def test_judge_timeout_yields_no_reward(silent_server: str) -> None:
     judge = Judge(JudgeConfig(enabled=True, base_url=silent_server, timeout_s=0.3, retries=1))
     rec = record("5")

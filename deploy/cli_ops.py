@@ -570,7 +570,12 @@ def register(sub: Any, with_config: AddConfig, admin: AddConfig) -> None:
     verify.set_defaults(handler=cmd_audit_verify)
     show = with_config(audit_sub.add_parser("show", help="print the records readably"))
     show.add_argument("file", nargs="?", help="audit.jsonl (default: the state dir's)")
-    show.add_argument("--last", type=non_negative_int, default=0, help="only the last N records (0, the default: all of them)")
+    show.add_argument(
+        "--last",
+        type=non_negative_int,
+        default=0,
+        help="only the last N records (0, the default: all of them)",
+    )
     show.add_argument("--event", help="only records of this event type")
     show.add_argument("--json", action="store_true")
     show.set_defaults(handler=cmd_audit_show)

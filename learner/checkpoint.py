@@ -130,9 +130,10 @@ class CheckpointStore:
             ) from exc
 
     def announced(self) -> int:
-        if not self.announced_path.exists():
-            return 0
-        return int(json.loads(self.announced_path.read_text())["version"])
+        """The newest version handed to `on_candidate` (0: none, or a marker that cannot be
+        read: the newest version is announced again, which the hook takes as it is)."""
+        version = _read_version(self.announced_path)
+        return 0 if version is None else version
 
     def mark_announced(self, version: int) -> None:
         _write_version(self.announced_path, version)
@@ -141,9 +142,7 @@ class CheckpointStore:
         """The newest version whose promotion reached a decision (None: never recorded, a
         state dir from before decisions were). A newer one was announced but its gate (or
         canary) never decided: the learner stopped or died during it."""
-        if not self.decided_path.exists():
-            return None
-        return int(json.loads(self.decided_path.read_text())["version"])
+        return _read_version(self.decided_path)  # unreadable: the newest is gated again
 
     def mark_decided(self, version: int) -> None:
         """Record `version` as decided; never moves back (an older decision, a superseded
@@ -154,9 +153,38 @@ class CheckpointStore:
 
 
 def _write_version(path: Path, version: int) -> None:
+    """Durably, as the checkpoint: renamed without an fsync, a marker could come back empty
+    after an OS crash."""
     tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps({"version": version}))
+    with tmp.open("w", encoding="utf-8") as handle:
+        handle.write(json.dumps({"version": version}))
+        handle.flush()
+        os.fsync(handle.fileno())
     os.replace(tmp, path)
+    fd = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _read_version(path: Path) -> int | None:
+    """A marker's version; None when there is none, or when it cannot be read (torn by a
+    crash, edited by hand): logged, and taken as not recorded, the safe direction for both
+    markers (an announcement or a gate run again). It stopped the learner at every start
+    with a bare JSON traceback."""
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        return None
+    try:
+        version = json.loads(text)["version"]
+        if isinstance(version, bool) or not isinstance(version, int) or version < 0:
+            raise ValueError(f"version {version!r} is not a version number")
+        return version
+    except (ValueError, KeyError, TypeError) as exc:
+        log.warning("learner_marker_unreadable", path=str(path), error=str(exc))
+        return None
 
 
 @dataclass

@@ -64,6 +64,8 @@ ZERO_BASE = "olp-zero-base"
 CANARY_STATUS_ATTEMPTS = 3
 # `_watch_canary`'s decision when an operator promoted the canary's target themselves.
 OPERATOR_PROMOTED = "operator_promoted"
+# `_watch_canary`'s answer when the learner stops during a canary: not a verdict.
+CANARY_INTERRUPTED = "interrupted"
 # A promotion whose flip (or canary promote) failed and whose status query failed too may or
 # may not have happened: it is re-checked this many times, `max(drain_s, canary.poll_s)`
 # apart, before it is left as it stands (loaded, audited as unresolved).
@@ -203,12 +205,19 @@ class ReplicaSet:
         cleanup prune the directory of an adapter vLLM still served."""
         refused: list[str] = []
         for url in self.base_urls:
-            if name not in self.served(url):
-                continue
-            resp = self._client.post(f"{url}/v1/unload_lora_adapter", json={"lora_name": name})
-            if resp.status_code != 200 and name in self.served(url):
-                log.warning("adapter_unload_failed", replica=url, name=name, body=resp.text)
-                refused.append(f"{url} answered {resp.status_code}: {resp.text[:200]}")
+            try:
+                if name not in self.served(url):
+                    continue
+                resp = self._client.post(f"{url}/v1/unload_lora_adapter", json={"lora_name": name})
+                if resp.status_code != 200 and name in self.served(url):
+                    log.warning("adapter_unload_failed", replica=url, name=name, body=resp.text)
+                    refused.append(f"{url} answered {resp.status_code}: {resp.text[:200]}")
+            except httpx.HTTPError as exc:
+                # One replica that does not answer (restarting) is tried no further, the
+                # others still are; it may still list the adapter, so it counts as refused
+                # (the caller keeps the directory). It ended the whole cleanup before.
+                log.warning("adapter_unload_failed", replica=url, name=name, error=repr(exc))
+                refused.append(f"{url} did not answer: {exc!r}")
         if refused:
             raise PromotionError(f"{name} still loaded: {'; '.join(refused)}")
 
@@ -372,29 +381,37 @@ class Promoter:
                 item = self._deferred  # its backoff ran out: try it again
             if item is None:
                 return
-            newest = self._newest_undecided(item)
-            if newest is None:
-                continue
             try:
-                outcome = self.promote(newest)
-            except Exception as exc:  # the worker must survive one bad candidate
-                log.exception("promotion_crashed", version=newest.name)
-                try:
-                    self.audit.append(
-                        ACTOR, "promotion_failed", {"version": newest.name, "error": repr(exc)}
-                    )
-                except Exception:
-                    # The audit log itself failing (a full disk) must not end this thread:
-                    # it is never started again, and every later candidate would wait in
-                    # the queue for ever. The version is still decided (never served).
-                    log.exception("promotion_failed_not_audited", version=newest.name)
-                self._record_decided(newest.name)
-                self._deferrals = 0
-                continue
-            if outcome.decision == "deferred":
-                self._retry_later(newest)
-            elif outcome.decision != "interrupted":
-                self._deferrals = 0
+                self._take(item)
+            except Exception:
+                # Nothing may end this thread: it is never started again, and every later
+                # candidate would wait in the queue for ever (a full disk failing an audit
+                # append or a marker write did). The candidate in hand stays undecided: the
+                # next candidate, or the next start, gates again.
+                log.exception("promoter_step_failed", candidate=item.name)
+
+    def _take(self, item: Path) -> None:
+        """Gate the newest undecided of `item` and the queue; decide or defer it."""
+        newest = self._newest_undecided(item)
+        if newest is None:
+            return
+        try:
+            outcome = self.promote(newest)
+        except Exception as exc:  # the worker must survive one bad candidate
+            log.exception("promotion_crashed", version=newest.name)
+            try:
+                self.audit.append(
+                    ACTOR, "promotion_failed", {"version": newest.name, "error": repr(exc)}
+                )
+            except Exception:
+                log.exception("promotion_failed_not_audited", version=newest.name)
+            self._deferrals = 0
+            self._record_decided(newest.name)  # never served: decided
+            return
+        if outcome.decision == "deferred":
+            self._retry_later(newest)
+        elif outcome.decision != "interrupted":
+            self._deferrals = 0
 
     def _retry_wait(self) -> float | None:
         """Seconds until the deferred candidate is due (None: nothing is, wait for the
@@ -513,7 +530,13 @@ class Promoter:
                     raise
                 outcome = self._deferred_outcome(Path(version_dir).name, None, exc, {})
             if outcome.decision not in UNDECIDED:
-                self._record_decided(outcome.version)
+                try:
+                    self._record_decided(outcome.version)
+                except OSError:
+                    # The decision is carried out (a flip may be serving it): raising here
+                    # audited `promotion_failed` for a version that serves. Unrecorded, the
+                    # next start gates it again, which ends in "not newer".
+                    log.exception("decided_marker_write_failed", version=outcome.version)
         self.outcomes.append(outcome)
         return outcome
 
@@ -521,6 +544,8 @@ class Promoter:
         name = version_dir.name
         timings: dict[str, float] = {}
         if not self.config.enabled:
+            # Recorded as decided like every skip, so audited like every skip.
+            self.audit.append(ACTOR, "promotion_skipped", {"version": name, "reason": "disabled"})
             return PromotionOutcome(name, "skipped_disabled", reason="promotion disabled")
         status = self.proxy.status()
         if self.config.alias not in status["aliases"]:
@@ -611,6 +636,8 @@ class Promoter:
             if after is None:  # it may have flipped: the candidate may be serving
                 return self._unresolved(name, incumbent, report, exc, timings, "flip")
             if self._alias_target(after) != name:  # refused (frozen meanwhile), or failed
+                if unreachable(exc) and self._alias_target(after) == incumbent:
+                    return self._flip_deferred(name, incumbent, exc, "flip")
                 return self._flip_failed(name, incumbent, report, exc, timings)
             log.warning("flip_reply_lost", version=name, error=repr(exc))  # it did flip
         timings["flip_s"] = time.monotonic() - started
@@ -857,6 +884,17 @@ class Promoter:
         log.warning("promotion_resolved", version=name, promoted=False, serving=serving)
         return PromotionOutcome(name, "failed", incumbent, reason=reason)
 
+    def _flip_deferred(
+        self, name: str, incumbent: str, exc: Exception, stage: str
+    ) -> PromotionOutcome:
+        """A passing candidate whose flip (or canary start) got no answer (a 5xx, a
+        restarting proxy, a replica too slow to list its models) while the alias stayed on
+        its incumbent: no decision, as the same error before the gate; it was recorded as
+        failed and never gated again. Unloaded now, gated again after the backoff."""
+        payload: dict[str, Any] = {"stage": stage}
+        self._unload_noting(name, payload)
+        return self._deferred_outcome(name, incumbent, exc, payload)
+
     def _flip_failed(
         self,
         name: str,
@@ -909,6 +947,23 @@ class Promoter:
                 name, "canary_aborted", incumbent, report, "ended by an operator"
             )
         decision, reasons, verdict_data = watched
+        if decision == CANARY_INTERRUPTED:
+            # No evidence decided: the canary ends (no share of traffic left on an unwatched
+            # candidate) and the candidate stays undecided, so the next start gates it again.
+            # It was audited as a `canary_result` rollback and recorded as decided: a
+            # candidate that passed its gate was dropped with nothing against it.
+            interrupted: dict[str, Any] = {
+                "version": name,
+                "incumbent": incumbent,
+                "stage": "canary",
+                "reason": "the learner is stopping; the gate starts over at its next start",
+            }
+            failed = self._end_canary_rollback(name, incumbent, "the learner is stopping")
+            if failed:
+                interrupted["cleanup_failed"] = failed
+            self.audit.append(ACTOR, "promotion_interrupted", interrupted)
+            log.warning("promotion_interrupted", version=name, stage="canary")
+            return PromotionOutcome(name, "interrupted", incumbent, report, reasons[0], timings)
         if decision == OPERATOR_PROMOTED:
             # The alias serves the candidate now: it stays loaded; older versions drain.
             self.audit.append(
@@ -983,7 +1038,7 @@ class Promoter:
         config = self.config.canary
         while True:
             if self._closing.wait(config.poll_s):
-                return "rollback", ["the learner is shutting down"], {}
+                return CANARY_INTERRUPTED, ["the learner is stopping"], {}
             status = self._canary_status(name)
             running = (status.get("canaries") or {}).get(self.config.alias)
             if not running or running.get("target") != name:
@@ -1049,6 +1104,13 @@ class Promoter:
                 name, "promoted", incumbent, report, "promoted by an operator", timings
             )
         ours = status is None or self._canary_target(status) == name
+        if (
+            unreachable(exc)
+            and status is not None
+            and not ours
+            and self._alias_target(status) == incumbent
+        ):
+            return self._flip_deferred(name, incumbent, exc, "canary_start")
         self._abandon_canary(name, incumbent, reason, end=ours)
         return PromotionOutcome(name, "canary_rolled_back", incumbent, report, reason, timings)
 
@@ -1223,12 +1285,16 @@ class Promoter:
         on with the others (the version stays loaded and its directory is kept)."""
         try:
             self.replicas.unload(name)
-        except PromotionError as exc:
-            log.error("adapter_unload_failed", name=name, error=str(exc))
+        except (PromotionError, httpx.HTTPError) as exc:
+            log.error("adapter_unload_failed", name=name, error=str(exc) or repr(exc))
             self.audit.append(
                 ACTOR,
                 "adapter_unload_failed",
-                {"version": name, "error": str(exc), "action": "left loaded; directory kept"},
+                {
+                    "version": name,
+                    "error": str(exc) or repr(exc),
+                    "action": "left loaded; directory kept",
+                },
             )
             return
         log.info("adapter_unloaded", name=name)

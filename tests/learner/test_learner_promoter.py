@@ -1225,3 +1225,136 @@ def test_the_admin_client_tells_a_proxy_error_from_a_refusal() -> None:
     assert not isinstance(refused.value, promotion.ProxyUnavailable)
     assert promotion.unreachable(httpx.ConnectError("refused"))
     assert not promotion.unreachable(refused.value)
+
+
+# -- the worker outlives its own failures; interrupted and unanswered are not decisions --------
+
+
+def test_the_worker_outlives_a_full_disk_and_never_audits_a_serving_version_failed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """decided.json could not be written (ENOSPC) after a flip: the promoter audited
+    `promotion_failed` for the version serving, and when the write failed again the worker
+    thread died, leaving every later candidate in the queue for ever."""
+    from learner import checkpoint
+
+    store = AdapterStore(tmp_path)
+    v1, v2 = publish(store, tmp_path, 1), publish(store, tmp_path, 2)
+    replicas, proxy, audit = Replicas(set()), Proxy(alias="base"), FakeAudit()
+    p = promoter(tmp_path, replicas, proxy, audit)
+    write = checkpoint._write_version
+    failures = {"left": 2}
+
+    def full_disk(path: Path, version: int) -> None:
+        if path.name == "decided.json" and failures["left"] > 0:
+            failures["left"] -= 1
+            raise OSError(28, "No space left on device")
+        write(path, version)
+
+    monkeypatch.setattr(checkpoint, "_write_version", full_disk)
+    p.submit(v1)
+    assert [o.decision for o in wait_for(p, 1)] == ["promoted"]
+    assert "promotion_failed" not in audit.names() and proxy.alias == "policy-v1"
+    # A failed audit append while superseding: the worker still lives.
+    real_append = audit.append
+
+    def failing_append(actor: str, event: str, payload: dict | None = None) -> None:
+        if event == "candidate_superseded":
+            raise OSError(28, "No space left on device")
+        real_append(actor, event, payload)
+
+    audit.append = failing_append  # type: ignore[method-assign]
+    p._queue.put(v2)  # both at once: v1's resubmission is superseded... or decided
+    p._queue.put(publish(store, tmp_path, 3))
+    p.submit(publish(store, tmp_path, 4))
+    assert wait_until(lambda: proxy.alias == "policy-v4") and p._worker is not None
+    assert p._worker.is_alive()
+    p.close()
+
+
+def test_a_learner_stopped_mid_canary_leaves_the_candidate_undecided(tmp_path: Path) -> None:
+    """The stop was audited as a `canary_result` rollback and recorded as decided: a
+    candidate that passed its gate was dropped with no evidence against it, where the
+    docs say it is gated again at the next start."""
+    store = AdapterStore(tmp_path)
+    v1 = publish(store, tmp_path, 1)
+    replicas, proxy, audit = Replicas(set()), Proxy(alias="base"), FakeAudit()
+    canary = {"enabled": True, "poll_s": 0.05, "min_samples": 5}
+    p = promoter(tmp_path, replicas, proxy, audit, canary=canary)
+    p.submit(v1)
+    assert wait_until(lambda: proxy.canary is not None)
+    p.close()
+    assert [o.decision for o in p.outcomes] == ["interrupted"]
+    assert audit.names() == ["gate_result", "promotion_interrupted"]
+    assert audit.events[-1][1]["stage"] == "canary"
+    assert proxy.canary is None and proxy.ended == [("rollback", "the learner is stopping")]
+    assert (CheckpointStore(tmp_path).decided() or 0) < store.latest()
+
+
+def test_a_flip_that_gets_no_answer_defers_a_passing_candidate(tmp_path: Path) -> None:
+    """A 5xx at the flip (a restarting proxy, a replica slow to list its models) with the
+    alias unmoved recorded the candidate as failed, and it was never gated again."""
+    store = AdapterStore(tmp_path)
+    v1 = publish(store, tmp_path, 1)
+    replicas, audit = Replicas(set()), FakeAudit()
+
+    class Unanswered(Proxy):
+        def set_alias(self, alias: str, target: str, expected: str | None = None) -> dict:
+            raise promotion.ProxyUnavailable("proxy POST /admin/aliases → 502: upstream_error")
+
+    proxy = Unanswered(alias="base")
+    outcome = promoter(tmp_path, replicas, proxy, audit).promote(v1)
+    assert outcome.decision == "deferred" and proxy.alias == "base"
+    assert audit.names() == ["gate_result", "promotion_deferred"]
+    assert audit.events[-1][1]["stage"] == "flip"
+    assert "policy-v1" not in replicas.loaded  # unloaded until it is gated again
+    assert (CheckpointStore(tmp_path).decided() or 0) < 1
+
+
+def test_a_replica_that_does_not_answer_leaves_the_cleanup_going(tmp_path: Path) -> None:
+    store = AdapterStore(tmp_path)
+    for version in range(1, 6):
+        publish(store, tmp_path, version)
+
+    class OneDown(Replicas):
+        def unload(self, name: str) -> None:
+            if name == "policy-v1":
+                raise httpx.ConnectError("replica restarting")
+            super().unload(name)
+
+    replicas = OneDown({f"policy-v{n}" for n in range(1, 6)})
+    proxy, audit = Proxy(alias="policy-v5", rollback_to="policy-v4"), FakeAudit()
+    p = promoter(tmp_path, replicas, proxy, audit, keep_loaded=2, retain_dirs=2)
+    p._cleanup("policy-v5")
+    assert sorted(replicas.loaded) == ["policy-v1", "policy-v4", "policy-v5"]
+    assert audit.names()[0] == "adapter_unload_failed"
+    assert sorted(p.name for p in (tmp_path / "adapters").glob("policy-v*")) == [
+        "policy-v1",
+        "policy-v4",
+        "policy-v5",
+    ]
+
+
+def test_promotion_disabled_is_audited_as_a_skip(tmp_path: Path) -> None:
+    store = AdapterStore(tmp_path)
+    v1 = publish(store, tmp_path, 1)
+    audit = FakeAudit()
+    p = promoter(tmp_path, Replicas(set()), Proxy(), audit, enabled=False)
+    assert p.promote(v1).decision == "skipped_disabled"
+    assert audit.events == [("promotion_skipped", {"version": "policy-v1", "reason": "disabled"})]
+
+
+def test_a_marker_a_crash_tore_is_taken_as_not_recorded(tmp_path: Path) -> None:
+    """An empty decided.json or announced.json (renamed without an fsync, then an OS
+    crash) stopped the learner at every start with a bare JSON traceback."""
+    markers = CheckpointStore(tmp_path)
+    markers.mark_decided(3)
+    markers.mark_announced(3)
+    assert markers.decided() == 3 and markers.announced() == 3
+    for path in (markers.decided_path, markers.announced_path):
+        path.write_text("")
+    assert markers.decided() is None and markers.announced() == 0
+    markers.announced_path.write_text('{"version": "3"}')
+    assert markers.announced() == 0
+    markers.mark_decided(4)
+    assert markers.decided() == 4

@@ -157,8 +157,16 @@ def _format_error(exc: ValidationError) -> str:
             # keys at any depth: its message names the problem, the input is never echoed.
             lines.append(f"  {key}: {err['msg']}")
             continue
-        if any(word in key.lower() for word in _SECRET_KEY):
-            shown = "<hidden>"  # never echo a secret into a terminal or a log
+        # Never echo a secret into a terminal or a log: a key that names one in any form
+        # (`DB_PASSWD`, `*_CREDENTIALS`), and anything under policy.env or extra_args,
+        # whose names are the operator's.
+        if (
+            any(word in key.lower() for word in _SECRET_KEY)
+            or _secret_name(key)
+            or key.startswith(("policy.env", "policy.extra_args"))
+            or (isinstance(shown, str) and "://" in shown and "@" in shown)  # user:password@
+        ):
+            shown = "<hidden>"
         lines.append(f"  {key}: {err['msg']} (got {shown!r})")
     return "invalid configuration:\n" + "\n".join(lines)
 
@@ -287,9 +295,9 @@ def load_raw(path: Path | None, environ: Mapping[str, str] | None = None) -> dic
 # The root model imports every layer's section; kept below the helpers above so that
 # `deploy.policy` can import PolicyConfig without pulling the other layers in first.
 from learner.config import LearnerConfig  # noqa: E402
-from proxy.config import ProxyConfig, TenantConfig, refuse_userinfo  # noqa: E402
+from proxy.config import ProxyConfig, TenantConfig  # noqa: E402
 from replay.config import StreamConfig  # noqa: E402
-from safety.config import SafetyConfig  # noqa: E402
+from safety.config import SafetyConfig, refuse_userinfo  # noqa: E402
 
 DEFAULT_CONFIG_FILE = Path(__file__).with_name("default_config.yaml")
 

@@ -87,7 +87,14 @@ NOTES: dict[str, list[str]] = {
         "`kinds` may only name built-in kinds; custom pattern names must be unique and must "
         "not reuse a built-in kind.",
     ],
-    "ClassifierConfig": ["`kind: openai` needs `base_url` and `model`."],
+    "ClassifierConfig": [
+        "`kind: openai` needs `base_url` and `model`.",
+        "`base_url` must not hold a user name or password (the key's variable goes in "
+        "`api_key_env`).",
+    ],
+    "JudgeConfig": [
+        "`base_url` must not hold a user name or password (the key goes in `api_key`).",
+    ],
 }
 
 

@@ -9,7 +9,9 @@ import hashlib
 import json
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, SecretStr, model_validator
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
+
+from safety.config import refuse_userinfo
 
 
 class VerifierSpec(BaseModel):
@@ -48,6 +50,18 @@ class JudgeConfig(BaseModel):
     max_chars: int = Field(default=2000, gt=0)  # prompt/reply text shown to the judge
     rank_groups: bool = True  # ask for a relative ranking when a group has several replies
     concurrency: int = Field(default=4, ge=1)
+
+    @field_validator("base_url")
+    @classmethod
+    def _no_credentials_in_url(cls, url: str | None) -> str | None:
+        if url is not None:
+            refuse_userinfo(
+                url,
+                "learner.rewards.judge.base_url",
+                "`olp config show` and the learner's log would show",
+                "the judge's key as learner.rewards.judge.api_key",
+            )
+        return url
 
 
 class FeedbackValues(BaseModel):

@@ -571,13 +571,16 @@ class CompletionRelay:
                 headers=headers,
                 content_type=upstream.content_type or "application/json",
             )
-        excerpt = payload[:_ERROR_EXCERPT_BYTES].decode("utf-8", "replace")
+        # Redacted before it is cut: cut first, a value across the cut (`alice@exa`) lost
+        # what the patterns match and went to the log in part.
+        window = payload[: _ERROR_EXCERPT_BYTES * 8].decode("utf-8", "replace")
+        excerpt = self.ctx.redactor.redact_text(window)[0][:_ERROR_EXCERPT_BYTES]
         log.warning(
             "upstream_error_not_openai_shaped",
             status=status,
             content_type=upstream.content_type,
             size=len(payload),
-            excerpt=self.ctx.redactor.redact_text(excerpt)[0],
+            excerpt=excerpt,
         )
         message = (
             f"The model server answered {status} {upstream.reason or ''}".rstrip()

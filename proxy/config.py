@@ -23,30 +23,12 @@ from pydantic import (
 
 from proxy.client_address import parse_network
 from proxy.host_check import valid_allowed_host
+from safety.config import refuse_userinfo
 
 # Set by `olp up` for its children: a per-run token the learner uses to flip aliases.
 INTERNAL_ADMIN_TOKEN_ENV = "OLP_INTERNAL_ADMIN_TOKEN"
 
 _SHA256_HEX = re.compile(r"^[0-9a-f]{64}$")
-
-
-def refuse_userinfo(url: str, key: str, shown_by: str, instead: str) -> None:
-    """Refuse a URL with a user name or password (`http://user:pass@host:8100`) in config key
-    `key`: only keys named like secrets are hidden by `olp config show` and validation
-    errors, and URLs are logged and shown (`shown_by`), so the password would go wherever
-    those go. Any `@` counts: one in the path is no base URL either, and an unescaped `/`
-    or `@` in a password moves where a URL parser ends the user info. The message shows the
-    scheme and what follows the last `@`, never what precedes it; `instead` says where the
-    key belongs."""
-    if "@" not in url:
-        return
-    scheme, sep, _ = url.partition("://")
-    where = url.rpartition("@")[2]
-    shown = f"{scheme}://...@{where}" if sep and len(scheme) <= 8 else f"...@{where}"
-    raise ValueError(
-        f"the URL {shown!r} in {key} has a user name or password in it (user:password@), "
-        f"which {shown_by}; give {instead} and the URL without it"
-    )
 
 
 def sha256_hex(text: str) -> str:

@@ -141,7 +141,12 @@ def _redirect_with_session(request: web.Request, actor: str, method: str) -> web
     except AuditRecordWritten:
         pass  # its line is in the chain: the sign-in it records stands
     except (AuditError, OSError) as exc:
-        log.error("operator_login_not_audited", actor=actor, method=method, error=str(exc))
+        log.error(
+            "operator_login_not_audited",
+            actor=ctx.audit.actor_label(actor),  # as the audit log names actors: no e-mail
+            method=method,
+            error=str(exc),
+        )
         return _refused(_AUDIT_BROKEN.format(error=exc), 503)
     session_id, _ = request.app[OPERATOR].sessions.open_session(actor)
     response = web.Response(status=303, headers={"Location": COOKIE_PATH})
@@ -423,7 +428,8 @@ async def verify(request: web.Request) -> web.Response:
         log.exception("operator_verify_failed")
         error = f"{type(exc).__name__}: {exc}"
     else:
-        log.info("operator_audit_verified", actor=viewer.actor, **result.to_dict())
+        actor = ctx.audit.actor_label(viewer.actor)  # as the audit log names it: no e-mail
+        log.info("operator_audit_verified", actor=actor, **result.to_dict())
     data = await _page_data(request, viewer)
     data.verify, data.verify_error = result, error
     return _html(lambda nonce: operator_page(data, nonce))

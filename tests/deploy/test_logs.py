@@ -120,3 +120,49 @@ def test_lines_written_while_a_request_is_bound_carry_its_ids() -> None:
     assert lines["during"]["request_id"] == "req-1"
     assert lines["during"]["session_id"] == "chat-7"
     assert lines["own_id"]["request_id"] == "given"  # a line's own value wins
+
+
+PARSER_ERROR_SCRIPT = textwrap.dedent(
+    """
+    import asyncio
+    import socket
+
+    from aiohttp import web
+    from deploy.logs import configure_logging
+    from deploy.ports import free_port
+
+    configure_logging(FORMAT)
+
+    async def main():
+        app = web.Application()
+        app.router.add_get("/", lambda request: web.Response(text="ok"))
+        runner = web.AppRunner(app, access_log=None)
+        await runner.setup()
+        port = free_port()
+        await web.TCPSite(runner, "127.0.0.1", port).start()
+        for head in (
+            b"Authorization: Bearer sk-abcdefghijklmnopqrstuvwxyz123456\\x01",
+            b"X-Session-Id: alice@example.com\\x7f\\x01",
+        ):
+            reader, writer = await asyncio.open_connection("127.0.0.1", port)
+            writer.write(b"GET / HTTP/1.1\\r\\nHost: x\\r\\n" + head + b"\\r\\n\\r\\n")
+            await writer.drain()
+            await reader.read()
+            writer.close()
+        await runner.cleanup()
+
+    asyncio.run(main())
+    """
+)
+
+
+@pytest.mark.parametrize("fmt", ["console", "json"])
+def test_a_request_the_server_cannot_parse_is_logged_without_its_bytes(fmt: str) -> None:
+    """aiohttp's server logged the parser's excerpt of the raw request: a tenant's key or a
+    session id (an e-mail) from a header with a stray control byte, which any client could
+    send, went to the log unredacted."""
+    done = run_python("-c", PARSER_ERROR_SCRIPT.replace("FORMAT", repr(fmt)))
+    assert done.returncode == 0, done.stderr
+    assert done.stderr.count("BadHttpMessage 400") == 2, done.stderr
+    assert "sk-abcdefghijklmnopqrstuvwxyz123456" not in done.stderr
+    assert "alice@example.com" not in done.stderr

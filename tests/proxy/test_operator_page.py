@@ -189,6 +189,20 @@ def test_verify_button_shows_ok_then_the_first_bad_seq(make_proxy):
     assert 'data-first-bad-seq="2"' in broken.text and "hash mismatch" in broken.text
 
 
+def test_an_operator_named_by_an_e_mail_is_logged_as_the_audit_names_them(make_proxy):
+    """The audit log writes an e-mail actor as a pseudonym; the proxy's log line of a
+    verify wrote the address itself."""
+    from structlog.testing import capture_logs
+
+    harness, _ = make_proxy(NO_UPSTREAM)
+    headers = {**BEARER, "X-OLP-Actor": "alice@example.com"}
+    with capture_logs() as logs:
+        verified = httpx.post(harness.base_url + "/admin/ui/verify", headers=headers)
+    assert verified.status_code == 200
+    [line] = [e for e in logs if e["event"] == "operator_audit_verified"]
+    assert line["actor"].startswith("redacted-") and "alice" not in str(logs)
+
+
 def test_verify_button_on_an_emptied_log_is_not_ok(make_proxy):
     """A log emptied together with its head passes the chain check with 0 records: the page
     says there was nothing to verify, as `olp audit verify` does (exit 2), not "Chain OK"."""

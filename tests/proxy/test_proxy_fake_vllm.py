@@ -222,6 +222,21 @@ def test_completions_echo_is_relayed_uncaptured(make_proxy, fake):
     assert 'olp_proxy_captures_skipped_total{reason="echo",tenant="alice"} 1.0' in metrics
 
 
+def test_a_token_id_prompt_is_relayed_uncaptured(make_proxy, fake):
+    """The Redactor reads text: an e-mail or a key sent as token ids reached the record
+    twice (the prompt and its prompt_token_ids), trainable, readable with the tokenizer."""
+    harness, sink = make_proxy([fake.url])
+    for prompt in ([101, 2023, 102], [[101, 2023], [102]]):
+        body = {"model": "policy", "prompt": prompt, "max_tokens": 4}
+        response = _post(harness.base_url, KEYS["alice"], "/v1/completions", json=body)
+        assert response.status_code == 200 and "x-olp-trajectory-id" not in response.headers
+        assert fake.requests[-1] == {**body, "model": "base"}
+    harness.drain()
+    assert sink.trajectories == []
+    metrics = httpx.get(harness.base_url + "/metrics", timeout=30).text
+    assert 'olp_proxy_captures_skipped_total{reason="token_prompt",tenant="alice"} 2.0' in metrics
+
+
 def test_chat_echo_is_refused(make_proxy, fake):
     harness, _ = make_proxy([fake.url])
     for key in (KEYS["alice"], KEYS["bob"]):

@@ -508,7 +508,8 @@ def test_an_upstream_error_that_is_not_openai_shaped_becomes_one(make_proxy):
         make_proxy,
         [
             (500, "text/html", page),  # (502-504 are retried on another replica)
-            (404, "text/plain", b"404: Not Found"),
+            # An address across the excerpt's 300-byte cut: redacted before the cut.
+            (404, "text/plain", b"404: Not Found " + b"." * 276 + b" alice@example.com"),
             (400, "application/json", flat),
             (404, "application/json", nested),
             (500, "application/json", b'["not", "an", "error"]'),
@@ -531,6 +532,7 @@ def test_an_upstream_error_that_is_not_openai_shaped_becomes_one(make_proxy):
     assert [e["status"] for e in logged] == [500, 404, 500]
     assert "10.1.2.3:8000" in logged[0]["excerpt"]
     assert "sk-proj-A1b2C3d4E5f6G7h8I9j0K1l2" not in logged[0]["excerpt"]
+    assert "alice" not in logged[1]["excerpt"]
 
 
 def test_the_model_server_refusing_the_proxys_key_is_a_502_not_the_clients_401(make_proxy):

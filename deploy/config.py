@@ -130,7 +130,9 @@ def shown_config(cfg: OlpConfig) -> dict[str, Any]:
     options named like a secret (`HF_TOKEN`, `--api-key X`), which went out verbatim."""
     shown = cfg.model_dump(mode="json")
     policy = shown["policy"]
-    policy["env"] = {k: _MASK if _secret_name(k) else v for k, v in policy["env"].items()}
+    policy["env"] = {
+        k: _MASK if _secret_name(k) else _without_userinfo(v) for k, v in policy["env"].items()
+    }
     args: list[str] = []
     for arg in policy["extra_args"]:
         option, equals, _ = arg.partition("=")
@@ -139,9 +141,18 @@ def shown_config(cfg: OlpConfig) -> dict[str, Any]:
         elif equals and option.startswith("-") and _secret_name(option):
             args.append(f"{option}={_MASK}")
         else:
-            args.append(arg)
+            args.append(_without_userinfo(arg))
     policy["extra_args"] = args
     return shown
+
+
+_USERINFO = re.compile(r"(?P<scheme>[A-Za-z][A-Za-z0-9+.-]*://)[^/@\s]+@")
+
+
+def _without_userinfo(value: str) -> str:
+    """`HF_ENDPOINT=https://user:token@mirror`: a URL's user info, under a name that looks
+    like no secret, masked as well."""
+    return _USERINFO.sub(lambda m: f"{m.group('scheme')}{_MASK}@", value)
 
 
 def _format_error(exc: ValidationError) -> str:

@@ -325,19 +325,30 @@ def test_config_show_masks_secret_looking_vllm_env_values_and_arguments() -> Non
     from deploy.config import shown_config
 
     environ = {
-        "OLP_POLICY__ENV": "{HF_TOKEN: sekrit1, VLLM_LOGGING_LEVEL: INFO}",
-        "OLP_POLICY__EXTRA_ARGS": "[--api-key, sekrit2, --hf-token=sekrit3, --tokenizer, tok/dir]",
+        "OLP_POLICY__ENV": (
+            "{HF_TOKEN: sekrit1, VLLM_LOGGING_LEVEL: INFO,"
+            " HF_ENDPOINT: 'https://me:sekrit5@mirror.example/hf'}"
+        ),
+        "OLP_POLICY__EXTRA_ARGS": (
+            "[--api-key, sekrit2, --hf-token=sekrit3, --tokenizer, tok/dir,"
+            " --download-url=https://me:sekrit6@mirror.example]"
+        ),
         "OLP_POLICY__API_KEY": "sekrit4",
     }
     shown = shown_config(load_config(None, environ=environ))
     assert "sekrit" not in json.dumps(shown)
-    assert shown["policy"]["env"] == {"HF_TOKEN": "**********", "VLLM_LOGGING_LEVEL": "INFO"}
+    assert shown["policy"]["env"] == {
+        "HF_TOKEN": "**********",
+        "VLLM_LOGGING_LEVEL": "INFO",
+        "HF_ENDPOINT": "https://**********@mirror.example/hf",  # a URL's user info too
+    }
     assert shown["policy"]["extra_args"] == [
         "--api-key",
         "**********",
         "--hf-token=**********",
         "--tokenizer",
         "tok/dir",
+        "--download-url=https://**********@mirror.example",
     ]
 
 

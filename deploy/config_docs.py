@@ -67,6 +67,7 @@ NOTES: dict[str, list[str]] = {
         "(the key goes in `upstream_api_key`).",
         "`policy_alias` must not also be one of `base_model_aliases` (a base alias always "
         "serves the base model).",
+        "`pseudonym_key` must be 16 characters or more.",
     ],
     "TenantConfig": [
         "`api_key` (plaintext) may be given instead of `api_key_sha256`; it is hashed while "

@@ -9,9 +9,9 @@ import hashlib
 import json
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, model_validator
 
-from safety.config import refuse_userinfo
+from safety.config import url_without_userinfo
 
 
 class VerifierSpec(BaseModel):
@@ -51,17 +51,12 @@ class JudgeConfig(BaseModel):
     rank_groups: bool = True  # ask for a relative ranking when a group has several replies
     concurrency: int = Field(default=4, ge=1)
 
-    @field_validator("base_url")
-    @classmethod
-    def _no_credentials_in_url(cls, url: str | None) -> str | None:
-        if url is not None:
-            refuse_userinfo(
-                url,
-                "learner.rewards.judge.base_url",
-                "`olp config show` and the learner's log would show",
-                "the judge's key as learner.rewards.judge.api_key",
-            )
-        return url
+    _no_credentials_in_url = url_without_userinfo(
+        "base_url",
+        "learner.rewards.judge.base_url",
+        "`olp config show` and the learner's log would show",
+        "the judge's key as learner.rewards.judge.api_key",
+    )
 
 
 class FeedbackValues(BaseModel):

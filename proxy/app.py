@@ -54,6 +54,7 @@ from proxy.serving_state import ServingState, load_state, save_state
 from proxy.tenants import TenantRegistry
 from safety.audit import AuditLog
 from safety.config import AuditConfig
+from safety.pseudonym import deployment_key
 from safety.redaction import Redactor
 
 log = structlog.get_logger(__name__)
@@ -87,12 +88,16 @@ def request_middleware(ctx: ProxyContext, session_label: Callable[[str], str]) -
             # characters): logged as the record carries it (`capture.redact_record`). Not
             # through the cached `session_label`: request ids rarely repeat and would only
             # push sessions out of it.
-            logged_id = private_label(given, redact)
+            logged_id = private_label(given, redact, ctx.pseudonym_key)
         else:
             # 32 random hex digits, as a uuid4's hex has (122 random bits there, 128 here),
             # at a third of uuid4's cost.
             request_id = "req-" + secrets.token_hex(16)
-            logged_id = request_id if own_ids_as_is else private_label(request_id, redact)
+            logged_id = (
+                request_id
+                if own_ids_as_is
+                else private_label(request_id, redact, ctx.pseudonym_key)
+            )
         request[REQUEST_ID] = request_id
         session_id = request.headers.get("X-Session-Id")
         if session_id:
@@ -323,7 +328,7 @@ async def feedback(request: web.Request) -> web.Response:
     # The same pseudonym as the trajectory's record carries (capture.redact_record).
     session_id = request.app[SESSION_LABEL](session_id[:256])
     trajectory_id = event_trajectory_id(
-        parsed.trajectory_id, known_session is not None, ctx.redactor.redact_obj
+        parsed.trajectory_id, known_session is not None, ctx.redactor.redact_obj, ctx.pseudonym_key
     )
     event = build_event(parsed, tenant.name_hash, session_id, metadata, trajectory_id)
     ctx.sink.put_feedback(event)
@@ -405,13 +410,17 @@ def build_app(
     state_dir = Path(state_dir)
     metrics_ = ProxyMetrics()
     redactor = redactor if redactor is not None else Redactor()
+    state_path = state_dir / config.state.serving_state
+    key = config.pseudonym_key.get_secret_value() if config.pseudonym_key else None
+    label_key = deployment_key(state_path.parent, key)
     if audit is None:
         audit = AuditLog(state_dir / AuditConfig().path, redactor=redactor)
+    if audit.pseudonym_key is None:  # its e-mail actors get the same pseudonyms as the logs
+        audit.pseudonym_key = label_key
     registry = TenantRegistry(tenants, require_auth=config.require_auth)
     metrics_.count_in_flight(lambda: ((t.name, t.in_flight) for t in registry.tenants.values()))
     default_aliases = {config.policy_alias: config.base_served_name}
     default_aliases.update({name: config.base_served_name for name in config.base_model_aliases})
-    state_path = state_dir / config.state.serving_state
     state = load_state(state_path, default_aliases)
     if _reconcile_state(state, config, registry):
         save_state(state_path, state)
@@ -443,6 +452,7 @@ def build_app(
             on_outcome=on_outcome,
             on_failures=metrics_.capture_failures.inc,
             backlog_limit=config.capture_backlog_limit,
+            label_key=label_key,
         ),
         recent=RecentTrajectories(config.recent_trajectories),
         state=state,
@@ -462,11 +472,12 @@ def build_app(
             h for h in (config.admin_key_sha256, internal_admin_key_sha256) if h is not None
         ),
         started_at=time.time(),
+        pseudonym_key=label_key,
     )
 
     @functools.lru_cache(maxsize=_SESSION_LABELS_CACHED)
     def session_label(session_id: str) -> str:
-        return private_label(session_id, redactor.redact_obj) or session_id
+        return private_label(session_id, redactor.redact_obj, label_key) or session_id
 
     app = web.Application(
         middlewares=[request_middleware(ctx, session_label)],

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import functools
-import hashlib
 import math
 import operator
 import re
@@ -27,6 +26,7 @@ import structlog
 from proxy.relay import Endpoint, SSEParser, parse_json
 from replay.schemas import derived_event_id
 from safety import redaction
+from safety.pseudonym import pseudonym
 
 log = structlog.get_logger(__name__)
 
@@ -733,13 +733,14 @@ def passes_generated_ids(redact: Redact) -> bool:
     )
 
 
-def private_label(value: str | None, redact: Redact) -> str | None:
+def private_label(value: str | None, redact: Redact, key: bytes | None = None) -> str | None:
     """A client's label (X-Session-Id, X-OLP-Group-Id, X-OLP-Task) as it may leave the process.
 
     Clients put e-mail addresses and the like in them. Replacing the match with
-    `[REDACTED:kind]` would merge every such session (or group, or task) into one; a hash
-    keeps each one apart, and the same label gives the same pseudonym in trajectories and
-    feedback, so they still join and stay on one Kafka partition."""
+    `[REDACTED:kind]` would merge every such session (or group, or task) into one; a keyed
+    hash (`safety.pseudonym`, the deployment's `key`) keeps each one apart, and the same
+    label gives the same pseudonym in trajectories and feedback, so they still join and
+    stay on one Kafka partition, while nobody without the key can test guessed addresses."""
     if value is None:
         return None
     if _GENERATED_ID.fullmatch(value) is not None and passes_generated_ids(redact):
@@ -747,10 +748,12 @@ def private_label(value: str | None, redact: Redact) -> str | None:
     _, counts = redact(value)
     if not any(counts.values()):
         return value
-    return "redacted-" + hashlib.sha256(value.encode("utf-8", "surrogatepass")).hexdigest()[:32]
+    return "redacted-" + pseudonym(key, value)[:32]
 
 
-def redact_record(record: dict[str, Any], redact: Redact) -> dict[str, Any]:
+def redact_record(
+    record: dict[str, Any], redact: Redact, key: bytes | None = None
+) -> dict[str, Any]:
     """Redact the free text of a record (request and outputs) and pseudonymise the client's
     labels (`private_label`).
 
@@ -759,7 +762,7 @@ def redact_record(record: dict[str, Any], redact: Redact) -> dict[str, Any]:
     process. A pseudonymised label alone changes nothing the model saw.
 
     The request's `user` is not text the model saw: the request carries the record's
-    `user` (its sha256, `TrajectoryCapture.build`), which is not searched, so a user alone
+    `user` (its pseudonym, `TrajectoryCapture.build`), which is not searched, so a user alone
     never makes a record untrainable.
 
     `request_id` is a label too: the client's `x-request-id` when it sent a usable one, and
@@ -769,15 +772,15 @@ def redact_record(record: dict[str, Any], redact: Redact) -> dict[str, Any]:
     still finds it in the proxy's logs.
     """
     session_id = record.get("session_id")
-    for key in ("session_id", "group_id", "task"):
-        if isinstance(record.get(key), str):
-            record[key] = private_label(record[key], redact)
+    for field_ in ("session_id", "group_id", "task"):
+        if isinstance(record.get(field_), str):
+            record[field_] = private_label(record[field_], redact, key)
     request_id = record.get("request_id")
     if isinstance(request_id, str):
         if request_id == session_id:
             record["request_id"] = record["session_id"]
         else:
-            record["request_id"] = private_label(request_id, redact)
+            record["request_id"] = private_label(request_id, redact, key)
     # The token-id and logprob arrays hold no text: only the rest of each choice is walked.
     # Request and choices go through one call: one encoding and one needle search.
     arrays = ("token_ids", "logprobs")
@@ -789,9 +792,9 @@ def redact_record(record: dict[str, Any], redact: Redact) -> dict[str, Any]:
     # `sampling` repeats request fields (`stop` strings may hold what `request` loses).
     (request, sampling, choices), found = redact([request, record["sampling"], texts])
     for redacted, original in zip(choices, record["choices"], strict=True):
-        for key in arrays:
-            if key in original:
-                redacted[key] = original[key]
+        for array in arrays:
+            if array in original:
+                redacted[array] = original[array]
     counts = {kind: int(hits) for kind, hits in found.items() if hits}
     if has_user:
         request["user"] = record.get("user")
@@ -808,12 +811,14 @@ def redact_record(record: dict[str, Any], redact: Redact) -> dict[str, Any]:
     return record
 
 
-def build_record(capture: TrajectoryCapture, status: str, redact: Redact | None) -> dict[str, Any]:
+def build_record(
+    capture: TrajectoryCapture, status: str, redact: Redact | None, key: bytes | None = None
+) -> dict[str, Any]:
     """The finished, checked and redacted trajectory record of one capture (runs in the proxy
-    or in a sink's worker process)."""
+    or in a sink's worker process); `key`: the pseudonyms' (`private_label`)."""
     record = capture.build(status)
     if redact is not None:
-        record = redact_record(record, redact)
+        record = redact_record(record, redact, key)
     return record
 
 
@@ -836,9 +841,10 @@ class CaptureService:
         on_outcome: OnOutcome | None = None,
         on_failures: OnFailures | None = None,
         backlog_limit: int | None = None,
+        label_key: bytes | None = None,
     ) -> None:
         self.sink = sink
-        self.build = functools.partial(build_record, redact=redact)
+        self.build = functools.partial(build_record, redact=redact, key=label_key)
         self.on_outcome = on_outcome
         self.on_failures = on_failures
         self.failures = 0

@@ -20,7 +20,7 @@ import structlog
 from aiohttp import HttpVersion11, StreamReader, web
 
 from proxy.capture import CaptureContext, TrajectoryCapture
-from proxy.config import is_utf8_text, sha256_hex
+from proxy.config import is_utf8_text
 from proxy.context import CONTEXT, REQUEST_ID, ProxyContext
 from proxy.errors import ProxyError, bad_request, error_body
 from proxy.feedback import TrajectoryOwner
@@ -46,6 +46,7 @@ from proxy.relay import (
 from proxy.routing import UpstreamUnavailable
 from proxy.tenants import Tenant, opts_out_of_training
 from proxy.validation import validate_completion_request
+from safety.pseudonym import pseudonym
 
 log = structlog.get_logger(__name__)
 
@@ -380,7 +381,7 @@ class CompletionRelay:
             request_id=self.request_id,
             session_id=self.session_id or self.request_id,
             tenant_hash=tenant.name_hash,
-            user_hash=sha256_hex(user) if isinstance(user, str) else None,
+            user_hash=pseudonym(self.ctx.pseudonym_key, user) if isinstance(user, str) else None,
             endpoint=self.endpoint,
             model_alias=body["model"],
             # The record's contract names the base model `base` whatever vLLM serves it as

@@ -214,6 +214,12 @@ class ProxyConfig(BaseModel):
         description="Bearer key sent to the upstreams (vLLM's --api-key); null: "
         "`policy.api_key` (`olp proxy` fills it in)",
     )
+    pseudonym_key: SecretStr | None = Field(
+        default=None,
+        description="HMAC key of the pseudonyms of client labels and users in records and "
+        "logs; null: a random one kept in <state_dir>/control/pseudonym.key. Proxies whose "
+        "records and feedback must join need the same key",
+    )
     base_served_name: str = Field(
         default="base", description="served model name of the base model on the upstreams"
     )
@@ -303,6 +309,13 @@ class ProxyConfig(BaseModel):
     @classmethod
     def _hash_admin_key(cls, data: Any) -> Any:
         return _hash_plaintext_key(data, "admin_key", "admin_key_sha256")
+
+    @field_validator("pseudonym_key")
+    @classmethod
+    def _long_pseudonym_key(cls, key: SecretStr | None) -> SecretStr | None:
+        if key is not None and len(key.get_secret_value().strip()) < 16:
+            raise ValueError("must be 16 characters or more (a guessable key is no key)")
+        return key
 
     @field_validator("admin_key_sha256")
     @classmethod

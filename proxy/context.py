@@ -41,6 +41,7 @@ class ProxyContext:
     auth_throttle: AuthThrottle
     admin_key_hashes: tuple[str, ...] = ()
     started_at: float = field(default_factory=time.time)
+    pseudonym_key: bytes | None = None  # of client labels and users (`safety.pseudonym`)
 
 
 CONTEXT = web.AppKey("olp_proxy_context", ProxyContext)

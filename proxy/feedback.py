@@ -179,7 +179,9 @@ def check_owner(
 _ISSUED_ID = re.compile(r"(?:req-)?[0-9a-f]{32}")
 
 
-def event_trajectory_id(trajectory_id: str, known: bool, redact: Redact) -> str:
+def event_trajectory_id(
+    trajectory_id: str, known: bool, redact: Redact, key: bytes | None = None
+) -> str:
     """The trajectory id as the feedback event carries it. Ids the proxy issued leave as
     issued, or the event would not join its trajectory: one it remembers, or one in the
     shape it issues (after a restart it remembers none). Any other is the client's own
@@ -188,7 +190,7 @@ def event_trajectory_id(trajectory_id: str, known: bool, redact: Redact) -> str:
     its pseudonym."""
     if known or _ISSUED_ID.fullmatch(trajectory_id) is not None:
         return trajectory_id
-    return private_label(trajectory_id, redact) or trajectory_id
+    return private_label(trajectory_id, redact, key) or trajectory_id
 
 
 def build_event(

@@ -34,6 +34,7 @@ from typing import IO, Any
 import structlog
 
 from safety.config import DEFAULT_SECRET_KEYS, AuditConfig
+from safety.pseudonym import pseudonym
 from safety.redaction import Redactor
 
 log = structlog.get_logger(__name__)
@@ -217,8 +218,10 @@ class AuditLog:
         secret_keys: Iterable[str] = DEFAULT_SECRET_KEYS,
         rotate_bytes: int = 16 * 1024 * 1024,
         fsync: bool = True,
+        pseudonym_key: bytes | None = None,
     ) -> None:
         self.path = Path(path)
+        self.pseudonym_key = pseudonym_key  # of actors the Redactor finds PII in
         self.rotate_bytes = rotate_bytes
         self.fsync = fsync
         self._sanitizer = PayloadSanitizer(redactor or Redactor(), secret_keys)
@@ -228,7 +231,11 @@ class AuditLog:
 
     @classmethod
     def from_config(
-        cls, config: AuditConfig, state_dir: str | os.PathLike[str], redactor: Redactor
+        cls,
+        config: AuditConfig,
+        state_dir: str | os.PathLike[str],
+        redactor: Redactor,
+        pseudonym_key: bytes | None = None,
     ) -> AuditLog:
         return cls(
             Path(state_dir) / config.path,
@@ -236,17 +243,19 @@ class AuditLog:
             secret_keys=config.secret_keys,
             rotate_bytes=config.rotate_bytes,
             fsync=config.fsync,
+            pseudonym_key=pseudonym_key,
         )
 
     def actor_label(self, actor: str) -> str:
         """The actor as the log keeps it: actors are ids, never PII, so one the Redactor
         finds something in (an e-mail address, which `--actor` accepts) is written as a
-        pseudonym, its sha256. A `[REDACTED:email]` placeholder made every such operator
-        the same one, in the record that is to say who decided what."""
+        pseudonym (`safety.pseudonym`, the proxy's key). A `[REDACTED:email]` placeholder
+        made every such operator the same one, in the record that is to say who decided
+        what."""
         redacted, counts = self._sanitizer.redactor.redact_text(actor)
         if redacted == actor and not any(counts.values()):
             return actor
-        return "redacted-" + hashlib.sha256(actor.encode("utf-8", "surrogatepass")).hexdigest()[:32]
+        return "redacted-" + pseudonym(self.pseudonym_key, actor)[:32]
 
     def append(self, actor: str, event: str, payload: Mapping[str, Any] | None = None) -> dict:
         """Sanitize the payload, chain it to the last record and write it durably."""

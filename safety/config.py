@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -78,6 +78,17 @@ def refuse_userinfo(url: str, key: str, shown_by: str, instead: str) -> None:
         f"the URL {shown!r} in {key} has a user name or password in it (user:password@), "
         f"which {shown_by}; give {instead} and the URL without it"
     )
+
+
+def url_without_userinfo(field: str, key: str, shown_by: str, instead: str) -> Any:
+    """A field validator of an optional URL: `refuse_userinfo` for it."""
+
+    def check(cls: type, url: str | None) -> str | None:
+        if url is not None:
+            refuse_userinfo(url, key, shown_by, instead)
+        return url
+
+    return field_validator(field)(classmethod(check))
 
 
 class _Model(BaseModel):
@@ -158,17 +169,12 @@ class ClassifierConfig(_Model):
     api_key_env: str | None = None  # name of the environment variable holding the key
     timeout_s: float = Field(default=60.0, gt=0)
 
-    @field_validator("base_url")
-    @classmethod
-    def _no_credentials_in_url(cls, url: str | None) -> str | None:
-        if url is not None:
-            refuse_userinfo(
-                url,
-                "safety.gates.safety_probes.classifier.base_url",
-                "`olp config show` and the gate's log would show",
-                "the name of the environment variable holding the key as api_key_env",
-            )
-        return url
+    _no_credentials_in_url = url_without_userinfo(
+        "base_url",
+        "safety.gates.safety_probes.classifier.base_url",
+        "`olp config show` and the gate's log would show",
+        "the name of the environment variable holding the key as api_key_env",
+    )
 
     @model_validator(mode="after")
     def _guard_needs_endpoint(self) -> ClassifierConfig:

@@ -55,8 +55,10 @@ def test_a_trajectory_id_holding_pii_leaves_as_its_pseudonym(make_proxy, scripte
     for trajectory_id in ("jane.doe@example.com", "call 4111 1111 1111 1111"):
         assert feedback(harness, trajectory_id)["known"] is False
         event = sink.feedback[-1]
-        pseudonym = private_label(trajectory_id, REDACT)
+        pseudonym = private_label(trajectory_id, REDACT, harness.ctx.pseudonym_key)
         assert pseudonym.startswith("redacted-")
+        # Keyed: the plain sha256 of a guessed address does not find it.
+        assert pseudonym != private_label(trajectory_id, REDACT)
         assert event["trajectory_id"] == pseudonym
         assert event["session_id"] == pseudonym  # no X-Session-Id: keyed by the same
     assert "jane" not in json.dumps(sink.feedback) and "4111" not in json.dumps(sink.feedback)
@@ -99,7 +101,8 @@ def test_feedback_after_a_restart_is_keyed_like_its_trajectory(make_proxy, scrip
     first.drain()
     feedback(restarted, with_session, {"X-Session-Id": session})
     assert restarted_sink.feedback[-1]["session_id"] == sink.trajectories[-1]["session_id"]
-    assert sink.trajectories[-1]["session_id"] == private_label(session, REDACT)
+    key = first.ctx.pseudonym_key
+    assert sink.trajectories[-1]["session_id"] == private_label(session, REDACT, key)
 
 
 def test_feedback_after_a_restart_of_a_real_model_server_trajectory(make_proxy, vllm_server):

@@ -19,7 +19,8 @@ from aiohttp import web
 
 from deploy.ports import free_port
 from proxy.aliases import Canary
-from proxy.config import AuthFailureLimits, TenantConfig, sha256_hex
+from proxy.config import AuthFailureLimits, ProxyConfig, TenantConfig
+from safety.pseudonym import pseudonym
 from tests.proxy.conftest import ADMIN_KEY, KEYS, wait_for
 from tests.proxy.threaded_upstream import ThreadedUpstream, assert_reconnects_after_idle
 
@@ -294,7 +295,7 @@ def test_a_user_with_a_lone_surrogate_is_hashed(make_proxy, fake):
     response = _post(harness.base_url, KEYS["alice"], "/v1/chat/completions", content=raw)
     assert response.status_code == 200, response.text
     harness.drain()
-    assert sink.trajectories[-1]["user"] == sha256_hex("\ud800")
+    assert sink.trajectories[-1]["user"] == pseudonym(harness.ctx.pseudonym_key, "\ud800")
 
 
 def test_json_nested_too_deeply_is_invalid_json(make_proxy, fake):
@@ -995,3 +996,16 @@ def test_the_policy_alias_cannot_be_a_base_alias():
 
     with pytest.raises(ValueError, match="policy_alias 'policy' is also in base_model_aliases"):
         ProxyConfig(base_model_aliases=["base", "policy"])
+
+
+def test_proxies_configured_with_one_pseudonym_key_label_alike(make_proxy, fake, tmp_path):
+    """Feedback may reach another proxy than its request: with one configured key their
+    pseudonyms (and so the Kafka keys and joins) agree; without, each state dir has its own."""
+    shared = "a-key-every-proxy-of-this-deployment-has"
+    one, _ = make_proxy([fake.url], state_dir=tmp_path / "a", pseudonym_key=shared)
+    two, _ = make_proxy([fake.url], state_dir=tmp_path / "b", pseudonym_key=shared)
+    three, _ = make_proxy([fake.url], state_dir=tmp_path / "c")
+    assert one.ctx.pseudonym_key == two.ctx.pseudonym_key == shared.encode()
+    assert three.ctx.pseudonym_key not in (None, shared.encode())
+    with pytest.raises(ValueError, match="16 characters or more"):
+        ProxyConfig(pseudonym_key="short")

@@ -53,7 +53,7 @@ def lines_of(logs: list[dict], request_id: str) -> list[dict]:
 def test_a_session_id_holding_pii_is_logged_as_its_pseudonym(make_proxy, scripted):
     harness, sink = make_proxy([scripted.url])
     session = "jane.doe@example.com"
-    pseudonym = private_label(session, Redactor().redact_obj)
+    pseudonym = private_label(session, Redactor().redact_obj, harness.ctx.pseudonym_key)
     assert pseudonym.startswith("redacted-")
     with capture_logs(processors=[merge_request_context]) as logs:
         response = request(harness, session)
@@ -133,5 +133,6 @@ def test_a_request_id_holding_pii_stays_out_of_the_lines_about_a_failure(make_pr
     assert response.headers["x-request-id"] == card
     failed = [e for e in logs if e.get("event") == "upstream_unavailable"]
     assert len(failed) == 1, logs
-    assert failed[0]["request_id"] == private_label(card, Redactor().redact_obj)
+    key = harness.ctx.pseudonym_key
+    assert failed[0]["request_id"] == private_label(card, Redactor().redact_obj, key)
     assert card not in json.dumps(logs, default=str)

@@ -44,6 +44,18 @@ def _sample(registry: CollectorRegistry, name: str, **labels: str) -> float:
     return registry.get_sample_value(name, labels) or 0.0
 
 
+def _one_partition_sink(
+    tmp_path: Path,
+) -> tuple[int, StreamConfig, CollectorRegistry, EmbeddedBroker, KafkaSink]:
+    """A broker of its own on a free port (to stop and start again there), and a sink on
+    it writing one partition."""
+    port = free_port()
+    config = _config(f"127.0.0.1:{port}", partitions=1)
+    registry = CollectorRegistry()
+    broker = start_broker("127.0.0.1", port, tmp_path / "broker1.log")
+    return port, config, registry, broker, KafkaSink(config, tmp_path / "state", registry)
+
+
 def _consume_ids(config: StreamConfig, expected: int) -> list[str]:
     with TrajectoryConsumer(config) as consumer:
         scored = consume_until(consumer, lambda got: len(got) >= expected)
@@ -143,13 +155,9 @@ def test_a_broker_restart_the_idle_sink_did_not_notice_loses_nothing(tmp_path: P
     UnknownProducerIdError, then a bare KafkaError from InitProducerId. Before, these (not
     retriable) counted as records refused for good: each valid record became a DLQ envelope,
     which failed on the same producer and was dropped (nothing reached either topic)."""
-    port = free_port()
-    config = _config(f"127.0.0.1:{port}", partitions=1)
     # Session "a" hashes to partition 0 of 1 and of 4 (what the restarted broker makes when
     # the producer's metadata request creates the topic): the partition with sequence state.
-    registry = CollectorRegistry()
-    broker = start_broker("127.0.0.1", port, tmp_path / "broker1.log")
-    sink = KafkaSink(config, tmp_path / "state", registry)
+    port, config, registry, broker, sink = _one_partition_sink(tmp_path)
     try:
         for _ in range(3):
             sink.put_trajectory(make_trajectory(session_id="a"))
@@ -179,11 +187,7 @@ def test_an_idle_sink_reports_a_broker_that_went_away(tmp_path: Path, monkeypatc
     import replay.producer as producer_module
 
     monkeypatch.setattr(producer_module, "_IDLE_PROBE_S", 0.2)
-    port = free_port()
-    config = _config(f"127.0.0.1:{port}", partitions=1)
-    registry = CollectorRegistry()
-    broker = start_broker("127.0.0.1", port, tmp_path / "broker1.log")
-    sink = KafkaSink(config, tmp_path / "state", registry)
+    port, _, registry, broker, sink = _one_partition_sink(tmp_path)
     try:
         sink.put_trajectory(make_trajectory(session_id="a"))
         assert sink.wait_idle(30)

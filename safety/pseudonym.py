@@ -1,0 +1,65 @@
+"""Keyed pseudonyms of personal labels (session ids, users, e-mail actors).
+
+A plain sha256 of an e-mail address is reversed by hashing a list of candidate addresses;
+under HMAC with a key only the deployment holds, the same label still gives the same
+pseudonym (records and feedback join, sessions stay on one Kafka partition) but a reader
+of the topics or the logs cannot test guesses. The key is the config's, or a random one
+kept in the state dir: every proxy whose records must join needs the same key.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import os
+import secrets
+from pathlib import Path
+
+KEY_FILE = "pseudonym.key"
+
+
+def pseudonym(key: bytes | None, value: str) -> str:
+    """64 hex digits: HMAC-SHA256 of `value` under `key` (a plain sha256 without a key, for
+    library use outside a deployment). `surrogatepass`: header text aiohttp decoded from
+    bytes that are not UTF-8 may hold lone surrogates."""
+    data = value.encode("utf-8", "surrogatepass")
+    if key is None:
+        return hashlib.sha256(data).hexdigest()
+    return hmac.new(key, data, hashlib.sha256).hexdigest()
+
+
+def deployment_key(directory: Path, configured: str | None = None) -> bytes:
+    """The configured key, or the one kept in `directory` (made there the first time: 32
+    random bytes, hex, readable by the owner only)."""
+    if configured is not None:
+        return configured.encode("utf-8")
+    path = Path(directory) / KEY_FILE
+    try:
+        return _read_key(path)
+    except FileNotFoundError:
+        pass
+    path.parent.mkdir(parents=True, exist_ok=True)
+    key = secrets.token_bytes(32)
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    except FileExistsError:  # another process made it meanwhile: take theirs
+        return _read_key(path)
+    with os.fdopen(fd, "w", encoding="ascii") as handle:
+        handle.write(key.hex())
+        handle.flush()
+        os.fsync(handle.fileno())
+    return key
+
+
+def _read_key(path: Path) -> bytes:
+    text = path.read_text(encoding="ascii", errors="replace").strip()
+    try:
+        key = bytes.fromhex(text)
+    except ValueError:
+        key = b""
+    if len(key) < 16:
+        raise ValueError(
+            f"{path} does not hold a pseudonym key (hex, 16 bytes or more); restore it, or "
+            "remove it for a new one (pseudonyms made before then will no longer match)"
+        )
+    return key

@@ -132,7 +132,9 @@ def _detail(exc: urllib.error.HTTPError) -> str:
         return str(exc.reason)
     with contextlib.suppress(ValueError, KeyError, TypeError):
         detail = json.loads(detail)["error"]["message"]
-    return str(detail) or str(exc.reason)
+    # One line, as every refused call prints: a reverse proxy's HTML error page spanned many.
+    detail = " ".join(str(detail).split())
+    return (detail[:300] + " ..." if len(detail) > 300 else detail) or str(exc.reason)
 
 
 def _json_object(raw: bytes, what: str) -> dict[str, Any] | None:

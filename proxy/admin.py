@@ -532,7 +532,9 @@ async def freeze(request: web.Request) -> web.Response:
     ctx = request.app[CONTEXT]
     body = await _json_object(request)
     async with request.app[ADMIN_LOCK]:
-        learning = body.get("learning", True)
+        learning = body.get("learning")
+        if learning is None:  # absent or null: the default, learning stops too
+            learning = True
         if not isinstance(learning, bool):
             raise bad_request("'learning' must be a boolean.", param="learning")
         # Freezing stops every change to what serves, so running canaries go back to stable.

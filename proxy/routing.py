@@ -232,7 +232,8 @@ class UpstreamPool:
             length = entry.get("max_model_len")
             if isinstance(length, int) and not isinstance(length, bool) and length > 0:
                 self.max_model_len = length
-        return {entry["id"] for entry in entries if "id" in entry}
+        # Names only: an id of another type (a list) raised TypeError here, a 500 for a flip.
+        return {entry["id"] for entry in entries if isinstance(entry.get("id"), str)}
 
     async def learn_max_model_len(self) -> int | None:
         """`max_model_len`, asking the replicas' /v1/models (in turn, 2 s each) when no

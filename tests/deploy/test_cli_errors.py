@@ -62,6 +62,13 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         elif self.mode == "garbage":
             self.wfile.write(b"garbage\r\n\r\n")
             return
+        elif self.mode == "html_502":  # a reverse proxy's error page
+            page = b"<html>\n<head><title>502 Bad Gateway</title></head>\n<body>\n" + b"x" * 900
+            self.send_response(502)
+            self.send_header("Content-Length", str(len(page)))
+            self.end_headers()
+            self.wfile.write(page)
+            return
         body = {
             "json": b'{"serving_version": "base"}',
             "text": b"<html>not json</html>",
@@ -115,6 +122,16 @@ def test_status_against_a_non_json_answer_is_one_line(admin_server) -> None:
     url, handler = admin_server
     handler.mode = "text"
     assert_clean_error(olp("status", env=_proxy_env(url)), 1, "GET /admin/status")
+
+
+def test_an_html_error_page_is_one_line(admin_server) -> None:
+    """A reverse proxy's HTML 502 page was printed whole, over several lines."""
+    url, handler = admin_server
+    handler.mode = "html_502"
+    done = olp("freeze", env=_proxy_env(url))
+    assert_clean_error(done, 1, "")
+    assert len(done.stderr.strip().splitlines()) == 1, done.stderr
+    assert "502 Bad Gateway" in done.stderr and len(done.stderr) < 500
 
 
 def test_tenant_names_are_quoted_into_the_admin_path(admin_server) -> None:

@@ -507,6 +507,21 @@ def test_a_models_list_of_another_shape_is_a_replica_problem_not_a_500(make_prox
     assert harness.ctx.aliases.resolve("policy") == "base"
 
 
+def test_a_model_id_that_is_not_a_name_is_passed_over_not_a_500(make_proxy, fake):
+    """An id of another type (a list) in /v1/models raised TypeError: every flip was a 500."""
+    harness, _ = make_proxy([fake.url])
+    fake.models_payload = {"data": [{"id": ["odd"]}, {"id": "base"}, {"id": "policy-v1"}]}
+    flip = _admin(harness.base_url, "/admin/aliases", {"alias": "policy", "target": "policy-v1"})
+    assert flip.status_code == 200, flip.text
+    assert harness.ctx.aliases.resolve("policy") == "policy-v1"
+
+
+def test_freeze_takes_a_null_learning_as_its_default(make_proxy, fake):
+    harness, _ = make_proxy([fake.url])
+    frozen = _admin(harness.base_url, "/admin/freeze", {"learning": None})
+    assert frozen.status_code == 200 and frozen.json()["learning_frozen"] is True
+
+
 def _readyz(harness, key: str | None = None) -> httpx.Response:
     headers = {"Authorization": f"Bearer {key}"} if key else {}
     return httpx.get(harness.base_url + "/readyz", headers=headers, timeout=30)

@@ -81,12 +81,17 @@ def proxy_versions(proxy: ProxyAdmin, wait_s: float = SERVED_WAIT_S) -> set[str]
 
 
 class FreezeFlag:
-    """The proxy's learning-frozen switch, asked at most every `ttl_s` seconds."""
+    """The proxy's learning-frozen switch, asked at most every `ttl_s` seconds.
+
+    Until the proxy has answered once, learning counts as frozen: an operator's freeze is
+    kept in the proxy's state, and a learner started while the proxy is down (or
+    restarting) must not train through it. Later, a proxy that does not answer keeps the
+    last value it gave."""
 
     def __init__(self, proxy: ProxyAdmin, ttl_s: float = 5.0) -> None:
         self.proxy = proxy
         self.ttl_s = ttl_s
-        self._value = False
+        self._value: bool | None = None
         self._at = 0.0
 
     def __call__(self) -> bool:
@@ -95,9 +100,14 @@ class FreezeFlag:
             try:
                 self._value = bool(self.proxy.status().get("learning_frozen"))
             except Exception as exc:  # proxy restarting: keep the last known value, say so
-                log.warning("freeze_flag_unavailable", error=str(exc))
+                log.warning(
+                    "freeze_flag_unavailable",
+                    error=str(exc),
+                    learning_frozen=True if self._value is None else self._value,
+                    known=self._value is not None,
+                )
             self._at = now
-        return self._value
+        return True if self._value is None else self._value
 
 
 def run(cfg: OlpConfig) -> int:

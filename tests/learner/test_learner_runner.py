@@ -160,3 +160,37 @@ def test_the_reloader_restores_what_a_rollback_would_serve(
     built = fakes(monkeypatch, tmp_path, rank=0, world=1)
     assert learner_runner.run(OlpConfig(state_dir=tmp_path)) == 0
     assert built.reload_wanted() == {"policy-v2", "policy-v3", "policy-v4"}
+
+
+class FlakyProxy:
+    """A proxy admin client whose /admin/status answers from a script (an exception: down)."""
+
+    def __init__(self, answers: list[Any]) -> None:
+        self.answers = answers
+        self.asked = 0
+
+    def status(self) -> dict[str, Any]:
+        answer = self.answers[min(self.asked, len(self.answers) - 1)]
+        self.asked += 1
+        if isinstance(answer, Exception):
+            raise answer
+        return answer
+
+
+def test_learning_counts_as_frozen_until_the_proxy_answers_once() -> None:
+    """An operator's freeze lives in the proxy's state: a learner that starts while the
+    proxy is down must not train through it."""
+    proxy = FlakyProxy([ConnectionError("refused"), {"learning_frozen": False}])
+    flag = learner_runner.FreezeFlag(proxy, ttl_s=0.0)  # type: ignore[arg-type]
+    assert flag() is True
+    assert flag() is False
+    assert proxy.asked == 2
+
+
+def test_a_proxy_that_stops_answering_keeps_the_last_value() -> None:
+    for known in (True, False):
+        proxy = FlakyProxy([{"learning_frozen": known}, ConnectionError("restarting")])
+        flag = learner_runner.FreezeFlag(proxy, ttl_s=0.0)  # type: ignore[arg-type]
+        assert flag() is known
+        assert flag() is known
+        assert proxy.asked == 2

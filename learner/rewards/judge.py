@@ -239,7 +239,9 @@ class Judge:
             hit = self._cache.get(key)
             if hit is not None:
                 self._cache.move_to_end(key)
-                return JudgeVerdict(score=hit.score, raw=hit.raw, cached=True)
+                # An unparseable verdict is cached too (at temperature 0 the judge would
+                # answer alike), and it stays a failed one, with its error.
+                return JudgeVerdict(score=hit.score, raw=hit.raw, cached=True, error=hit.error)
         error = None
         for attempt in range(self.config.retries + 1):
             if stop is not None and stop.is_set():

@@ -469,6 +469,30 @@ def test_an_odd_judge_reply_is_a_failed_verdict_not_an_exception(body: Any) -> N
     assert judge.failures == 1 and judge.calls == 2
 
 
+def test_a_cached_unparseable_verdict_is_still_a_failed_one() -> None:
+    from tests.proxy.threaded_upstream import NotingUpstream
+
+    reply = {
+        "id": "j",
+        "object": "chat.completion",
+        "created": 1,
+        "model": "m",
+        "choices": [{"index": 0, "message": {"role": "assistant", "content": "maybe"}}],
+    }
+    server = NotingUpstream({("POST", "/v1/chat/completions"): reply}).start()
+    judge = Judge(JudgeConfig(enabled=True, base_url=f"{server.url}/v1"))
+    try:
+        rec = record("5")
+        first = judge.score(rec, rec["choices"][0])
+        again = judge.score(rec, rec["choices"][0])
+    finally:
+        judge.close()
+        server.stop()
+    assert first.score is None and first.error == "unparseable verdict" and not first.cached
+    assert again.cached and again.score is None and again.error == "unparseable verdict"
+    assert judge.calls == 1
+
+
 @pytest.fixture
 def silent_server() -> Iterator[str]:
     """A TCP server that accepts connections and never answers (a hung judge)."""

@@ -44,6 +44,10 @@ class Progress:
         self.kl = float("nan")
         self.frozen = False
         self.counts: Mapping[str, int] = {}  # the learner's cumulative counters
+        # Where the last snapshot left off: tokens/s is over the time since then (over the
+        # whole uptime, a learner that trained at once after a long frozen or idle start
+        # showed a fraction of its rate, and a stalled one kept showing its old rate).
+        self._rate_from = (self.started, 0.0)
 
     def record_step(self, version: int, metrics: dict[str, float]) -> None:
         self.step += 1
@@ -53,7 +57,13 @@ class Progress:
         self.kl = metrics.get("kl", float("nan"))
 
     def snapshot(self) -> dict[str, float | int | bool | list[float]]:
-        elapsed = max(time.monotonic() - self.started, 1e-9)
+        """The progress line's fields; `tokens_per_s` is over the time since the previous
+        snapshot (the previous line), `trained_tokens` since start."""
+        now = time.monotonic()
+        since, tokens_then = self._rate_from
+        elapsed = max(now - since, 1e-9)
+        rate = (self.trained_tokens - tokens_then) / elapsed
+        self._rate_from = (now, self.trained_tokens)
         trend = list(self.rewards)
         return {
             "step": self.step,
@@ -62,7 +72,8 @@ class Progress:
             "reward_recent": [round(r, 4) for r in trend],
             "reward_trend": round(trend[-1] - trend[0], 4) if len(trend) > 1 else 0.0,
             "kl": self.kl,
-            "tokens_per_s": round(self.trained_tokens / elapsed, 2),
+            "tokens_per_s": round(rate, 2),
+            "trained_tokens": int(self.trained_tokens),
             "frozen": self.frozen,
             "dropped": {name: self.counts[name] for name in DROPPED if self.counts.get(name)},
         }

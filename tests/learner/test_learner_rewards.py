@@ -652,3 +652,28 @@ def test_the_judge_drops_idle_connections_before_vllms_keepalive(
     finally:
         judge.close()
         server.stop()
+
+
+def test_progress_tokens_per_s_is_over_the_time_since_the_last_line(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Over the whole uptime, a learner that was frozen for an hour and then trained showed a
+    fraction of its rate, and one that stalled kept showing its old rate."""
+    from learner import progress as progress_module
+
+    now = [1000.0]
+    monkeypatch.setattr(progress_module.time, "monotonic", lambda: now[0])
+    progress = progress_module.Progress(interval_s=60)
+    now[0] += 3600  # an hour frozen
+    progress.record_step(1, {"tokens": 500.0})
+    now[0] += 10
+    progress.record_step(2, {"tokens": 500.0})
+    first = progress.snapshot()
+    assert first["trained_tokens"] == 1000
+    assert first["tokens_per_s"] == round(1000 / 3610, 2)  # the first line: since start
+    now[0] += 10
+    progress.record_step(3, {"tokens": 2000.0})
+    assert progress.snapshot()["tokens_per_s"] == 200.0
+    now[0] += 60  # stalled
+    stalled = progress.snapshot()
+    assert stalled["tokens_per_s"] == 0.0 and stalled["trained_tokens"] == 3000

@@ -358,7 +358,7 @@ class Trainer:
         first: dict[str, float] = {}
         onpolicy = torch.zeros(5, dtype=torch.float64)  # tokens, Σratio, Σratio², Σ|Δ|, max|Δ|
         grad_norm = 0.0
-        loss_total = 0.0
+        first_loss = last_loss = 0.0
         skipped = 0
         reported = started
         for update in range(cfg.updates_per_batch):
@@ -424,9 +424,10 @@ class Trainer:
                 norm = float(torch.nn.utils.clip_grad_norm_(self.params, cfg.grad_clip))
             else:
                 norm = float(torch.norm(torch.stack([p.grad.norm() for p in self.params])))
-            loss_total = float(sums[-1])
+            last_loss = float(sums[-1])
             if update == 0:
                 first = dict(zip(keys, sums[: len(keys)].tolist(), strict=True))
+                first_loss = last_loss
             if not math.isfinite(norm):
                 # Raising here stopped the learner before its checkpoint, so a restart read
                 # the same batch and raised again, for ever. The norm is of the summed
@@ -455,7 +456,10 @@ class Trainer:
         return {
             "samples": float(totals[1]),
             "tokens": first.get("tokens", 0.0),
-            "loss": loss_total,
+            # Of the first update, as pg_loss and kl are (the batch as it was sampled); it
+            # was the last update's, beside the others' first-update figures.
+            "loss": first_loss,
+            "loss_last_update": last_loss,  # the same as `loss` with updates_per_batch 1
             "pg_loss": first.get("pg_sum", 0.0) / tokens,
             # Not measured without a KL term (no reference pass): NaN, not a zero drift.
             "kl": first.get("kl_sum", 0.0) / tokens if cfg.kl_coef > 0 else float("nan"),

@@ -133,6 +133,19 @@ def test_olp_meta_is_strict_json_with_null_for_what_was_not_measured(
 # -- non-finite gradients ----------------------------------------------------------------------
 
 
+def test_the_loss_is_the_first_updates_like_the_other_figures(tiny_model: Path):
+    """With several updates per batch, `loss` was the last update's while pg_loss, kl and
+    the rest were the first's: they did not add up."""
+    # PPO mode: its pg_loss is the loss term itself (the default importance-weighted
+    # surrogate reports -ρ·A, not the -ρ·A·log π it differentiates).
+    trainer = Trainer(config(updates_per_batch=3, lr=0.05, ppo_clip_eps=0.2), tiny_model)
+    metrics = trainer.step(samples(), current_version=0)
+    assert metrics["loss"] == pytest.approx(metrics["pg_loss"] + metrics["kl_loss"], rel=1e-6)
+    assert metrics["loss_last_update"] != pytest.approx(metrics["loss"], rel=1e-6)
+    single = Trainer(config(updates_per_batch=1), tiny_model).step(samples(), current_version=0)
+    assert single["loss_last_update"] == single["loss"]
+
+
 def test_a_non_finite_gradient_skips_the_update_instead_of_raising(tiny_model: Path):
     trainer = Trainer(config(updates_per_batch=2), tiny_model)
     before = trainer.adapter_state()

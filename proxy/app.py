@@ -52,7 +52,7 @@ from proxy.relay import SSE_STRIP
 from proxy.routing import UpstreamPool
 from proxy.serving_state import ServingState, load_state, save_state
 from proxy.tenants import TenantRegistry
-from safety.audit import AuditLog
+from safety.audit import AuditError, AuditLog, AuditRecordWritten
 from safety.config import AuditConfig
 from safety.pseudonym import deployment_key
 from safety.redaction import Redactor
@@ -345,10 +345,17 @@ async def feedback(request: web.Request) -> web.Response:
 _DECODING_HANDLERS = frozenset({chat_completions, completions, feedback})
 
 
-def _reconcile_state(state: ServingState, config: ProxyConfig, registry: TenantRegistry) -> bool:
-    """Bring the persisted serving state in line with the config at start-up; True when
-    it changed (the caller saves it: a dropped switch kept on disk would apply again once
-    the config went back).
+# The actor of the audit records the proxy writes for itself (start-up reconciliation).
+PROXY_ACTOR = "olp-proxy"
+
+
+def _reconcile_state(
+    state: ServingState, config: ProxyConfig, registry: TenantRegistry
+) -> list[tuple[str, dict[str, Any]]]:
+    """Bring the persisted serving state in line with the config at start-up; the changes
+    made, as (audit event, payload), each also logged as a warning (the caller saves the
+    state, then audits them: a dropped switch kept on disk would apply again once the
+    config went back, and what serves changed without an operator's command).
 
     The public names are the config's: an alias the config no longer names (a renamed
     `policy_alias`, a base alias taken out) is dropped with its canary, not served on from
@@ -356,23 +363,27 @@ def _reconcile_state(state: ServingState, config: ProxyConfig, registry: TenantR
     an adapter. Base aliases serve the base model whatever the file says (a flip of one,
     refused now, may predate that), and a training switch set when the config said
     otherwise than it says now gives way to the config's newer word."""
-    changed = False
+    changes: list[tuple[str, dict[str, Any]]] = []
+
+    def change(event: str, **payload: Any) -> None:
+        log.warning(event, **payload)
+        changes.append((event, payload))
+
     configured = {config.policy_alias, *config.base_model_aliases}
     for alias in [name for name in state.aliases if name not in configured]:
-        log.warning(
+        change(
             "alias_dropped",
             alias=alias,
             was=state.aliases.pop(alias),
             canary=state.canaries.pop(alias, None) is not None,
             reason="the config no longer names it",
         )
-        changed = True
     for alias in [name for name in state.canaries if name not in configured]:
-        state.canaries.pop(alias)  # a canary of an alias the file itself did not hold
-        changed = True
+        # A canary of an alias the file itself did not hold.
+        change("canary_dropped", alias=alias, was=state.canaries.pop(alias))
     for alias in config.base_model_aliases:
         if state.aliases.get(alias) != config.base_served_name or alias in state.canaries:
-            log.warning(
+            change(
                 "base_alias_reset",
                 alias=alias,
                 was=state.aliases.get(alias),
@@ -380,18 +391,16 @@ def _reconcile_state(state: ServingState, config: ProxyConfig, registry: TenantR
             )
             state.aliases[alias] = config.base_served_name
             state.canaries.pop(alias, None)
-            changed = True
     for name in registry.apply_overrides(state.tenant_training):
         switch = state.tenant_training.pop(name)
-        log.warning(
+        change(
             "tenant_training_switch_dropped",
             tenant=name,
             switch=switch["enabled"],
             config_enabled=not switch["config_enabled"],
             reason="the config's training_enabled changed since the switch was set",
         )
-        changed = True
-    return changed
+    return changes
 
 
 def build_app(
@@ -422,8 +431,20 @@ def build_app(
     default_aliases = {config.policy_alias: config.base_served_name}
     default_aliases.update({name: config.base_served_name for name in config.base_model_aliases})
     state = load_state(state_path, default_aliases)
-    if _reconcile_state(state, config, registry):
+    reconciled = _reconcile_state(state, config, registry)
+    if reconciled:
         save_state(state_path, state)
+        for event, payload in reconciled:  # the state file holds them: as `_commit` does
+            try:
+                audit.append(PROXY_ACTOR, event, payload)
+            except AuditRecordWritten as exc:
+                log.error("audit_head_not_written", audit_event=event, error=str(exc))
+            except (AuditError, OSError) as exc:
+                # Nobody to answer at start-up: the proxy serves what the config says, and
+                # the error names what the log lacks (`olp audit verify` finds the cause).
+                log.error(
+                    "startup_change_not_audited", audit_event=event, error=str(exc), **payload
+                )
 
     def on_outcome(status: str, trainable: bool, count: int) -> None:
         metrics_.trajectories.labels(status, str(trainable).lower()).inc(count)

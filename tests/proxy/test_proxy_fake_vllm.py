@@ -972,6 +972,8 @@ def test_a_base_alias_always_serves_the_base_model(make_proxy, fake, tmp_path):
     assert harness.ctx.aliases.canaries() == {}
     saved = json.loads(harness.ctx.state_path.read_text())
     assert saved["aliases"]["base"] == "base" and saved["canaries"] == {}
+    reset = [r["payload"] for r in harness.ctx.audit.iter_records()]
+    assert {"alias": "base", "was": "policy-v1", "canary": True} in reset
 
 
 def test_an_alias_the_config_no_longer_names_is_dropped_at_start_up(make_proxy, fake, tmp_path):
@@ -1004,6 +1006,52 @@ def test_an_alias_the_config_no_longer_names_is_dropped_at_start_up(make_proxy, 
     saved = json.loads(harness.ctx.state_path.read_text())
     assert saved["aliases"] == {"assistant": "base", "base": "base"}
     assert saved["canaries"] == {}
+    # What serves changed without an operator's command: the audit log says so.
+    audited = [r for r in harness.ctx.audit.iter_records() if r["event"] == "alias_dropped"]
+    assert sorted(((r["actor"], r["payload"]) for r in audited), key=lambda a: a[1]["alias"]) == [
+        (
+            "olp-proxy",
+            {
+                "alias": "llama",
+                "was": "base",
+                "canary": False,
+                "reason": "the config no longer names it",
+            },
+        ),
+        (
+            "olp-proxy",
+            {
+                "alias": "policy",
+                "was": "policy-v1",
+                "canary": True,
+                "reason": "the config no longer names it",
+            },
+        ),
+    ]
+
+
+def test_a_start_up_change_the_audit_log_cannot_record_is_logged_and_serving_goes_on(
+    make_proxy, fake, tmp_path
+):
+    from structlog.testing import capture_logs
+
+    from proxy.serving_state import ServingState, save_state
+
+    state_dir = tmp_path / "torn-audit-state"
+    save_state(
+        state_dir / "control" / "serving.json",
+        ServingState(aliases={"policy": "base", "base": "base", "llama": "base"}),
+    )
+    audit_file = state_dir / "audit" / "audit.jsonl"
+    audit_file.parent.mkdir(parents=True)
+    audit_file.write_bytes(b'{"seq": 1, "torn')
+    with capture_logs() as logs:
+        harness, _ = make_proxy([fake.url], state_dir=state_dir, base_model_aliases=["base"])
+    errors = [e for e in logs if e["event"] == "startup_change_not_audited"]
+    assert len(errors) == 1 and errors[0]["audit_event"] == "alias_dropped"
+    assert errors[0]["alias"] == "llama" and "incomplete line" in errors[0]["error"]
+    answer = _post(harness.base_url, KEYS["alice"], "/v1/chat/completions", json=CHAT)
+    assert answer.status_code == 200, answer.text
 
 
 def test_the_policy_alias_cannot_be_a_base_alias():

@@ -241,6 +241,17 @@ class Learner:
         # refused says so at once, not after waiting for the servers to answer.
         self.version_floor = broadcast_object(self.ctx, self._raised_version_floor(plan))
         if checkpoint is not None:
+            now_hash = self.config.config_hash()
+            if checkpoint.config_hash and checkpoint.config_hash != now_hash:
+                # Said once, here: the LoRA shape is checked above, lr and weight decay come
+                # from the config below; any other change applies from this step on.
+                log.warning(
+                    "learner_config_changed",
+                    was=checkpoint.config_hash,
+                    now=now_hash,
+                    note="the learner settings differ from the checkpoint's; they apply "
+                    "from the next step",
+                )
             self.version_meta = checkpoint.meta
             self.step_count = checkpoint.step
             self.counts.update(checkpoint.counters)

@@ -107,8 +107,18 @@ def test_a_resume_takes_lr_and_weight_decay_from_the_config(tiny_model: Path, tm
         assert group["weight_decay"] == 0.1
     trainer.scheduler.step()
     assert trainer.optimizer.param_groups[0]["lr"] == pytest.approx(1e-6 * 3 / 4)
-    changed = {e["setting"]: (e["was"], e["now"]) for e in logs if e["event"].endswith("changed")}
+    changed = {
+        e["setting"]: (e["was"], e["now"])
+        for e in logs
+        if e["event"] == "learner_optimizer_setting_changed"
+    }
     assert changed == {"lr": (5e-4, 1e-6), "weight_decay": (0.0, 0.1)}
+    config_changed = [e for e in logs if e["event"] == "learner_config_changed"]
+    assert [e["now"] for e in config_changed] == [resumed.config.config_hash()]
+    assert config_changed[0]["was"] != config_changed[0]["now"]
+    with capture_logs() as logs:  # the same settings again: nothing to say
+        learner(tmp_path, tiny_model, lr=5e-4, weight_decay=0.0, warmup_steps=4)
+    assert not [e for e in logs if e["event"].endswith("changed")]
 
 
 def test_olp_meta_is_strict_json_with_null_for_what_was_not_measured(

@@ -49,6 +49,8 @@ NOTES: dict[str, list[str]] = {
         "`bootstrap_servers` must be `HOST:PORT[,HOST:PORT...]`.",
         "`compression_type` other than `gzip` needs its library installed (python-snappy, "
         "lz4, zstandard: kafka-python's codecs); without it loading the config fails.",
+        "`delivery_timeout_ms` must be above `linger_ms` + `request_timeout_ms` (the Kafka "
+        "producer refuses it otherwise).",
     ],
     "PolicyConfig": [
         "`external_urls` must be http(s) URLs without a user name or password (vLLM's key goes "

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 _DAY_MS = 24 * 3600 * 1000
 # The package kafka-python needs for each codec but gzip (kafka.codec.has_<codec>()).
@@ -100,3 +100,16 @@ class StreamConfig(BaseModel):
     closed_trajectory_memory: int = Field(default=200_000, ge=1)
     poll_max_records: int = Field(default=1_000, ge=1)
     fetch_max_bytes: int = Field(default=50 * 1024 * 1024, ge=1024)
+
+    @model_validator(mode="after")
+    def _delivery_outlasts_a_request(self) -> StreamConfig:
+        # kafka-python refuses such a producer when it is made, which the sink takes for a
+        # broker it cannot reach: every record went to the spill, with a warning per
+        # reconnect, for ever. Here the config fails to load instead.
+        least = self.linger_ms + self.request_timeout_ms
+        if self.delivery_timeout_ms <= least:
+            raise ValueError(
+                f"delivery_timeout_ms ({self.delivery_timeout_ms}) must be above linger_ms + "
+                f"request_timeout_ms ({least}): the Kafka producer refuses it"
+            )
+        return self

@@ -31,6 +31,7 @@ from kafka.errors import (
     CorruptRecordError,
     InvalidRecordError,
     KafkaError,
+    KafkaTimeoutError,
     MessageSizeTooLargeError,
     RecordListTooLargeError,
     UnsupportedCodecError,
@@ -65,6 +66,9 @@ _IDLE_TAKE_S = 0.25
 # until the next record failed, however long the sink was idle.
 _IDLE_PROBE_S = 5.0
 _WAKE_UP: Any = (-1, object())  # put by `close`: not a record (no put's sequence number)
+# A flush waits in slices of this length, so that a `close` during it ends the wait at its
+# deadline (`close_timeout_s`) instead of after the whole delivery timeout.
+_FLUSH_SLICE_S = 0.25
 # Backoff between spill writes while the disk refuses them (ENOSPC, EIO): doubling, capped.
 _DISK_RETRY_FIRST_S = 0.5
 _DISK_RETRY_MAX_S = 30.0
@@ -339,6 +343,8 @@ class KafkaSink:
         self._probe_at = 0.0  # the next idle probe of the broker (`_probe_idle`)
         self._stop = threading.Event()
         self._closed = False
+        # Set by `close`: past it, what is left is spilled without another try at the broker.
+        self._close_deadline: float | None = None
         # Set (under `_loop_lock`) once the sending thread stopped reading the queue, and
         # once it dropped the held records for the last time: from then on a put that
         # raced `close()` must spill its record itself, or count it lost.
@@ -540,6 +546,11 @@ class KafkaSink:
     def _step(self, entries: list[SpillEntry], seqs: Sequence[int] = ()) -> None:
         """Send or spill `entries` (made of the puts `seqs`); raises only before it took
         charge of them."""
+        if self._past_close_deadline():
+            # Closing and out of time (a broker that accepts connections and never answers
+            # made each batch wait a whole delivery timeout): the rest goes to disk at once.
+            self._spill_entries(entries, seqs)
+            return
         if not self._ensure_producer():
             self._spill_entries(entries, seqs)
             return
@@ -712,7 +723,7 @@ class KafkaSink:
                     log.warning("broker_send_failed", error=repr(exc))
                 break  # this one and the rest stay in their slots
         try:
-            producer.flush(timeout=self.config.delivery_timeout_ms / 1000 + 1)
+            self._flush(producer, self.config.delivery_timeout_ms / 1000 + 1)
         except KafkaError as exc:
             log.warning("broker_flush_timed_out", error=repr(exc))
             self._check_producer_id(producer)
@@ -742,6 +753,25 @@ class KafkaSink:
                 for (index, _), still in zip(replacing, sent, strict=True):
                     slots[index] = still
         return slots
+
+    def _past_close_deadline(self) -> bool:
+        deadline = self._close_deadline
+        return deadline is not None and time.monotonic() >= deadline
+
+    def _flush(self, producer: KafkaProducer, timeout_s: float) -> None:
+        """`producer.flush(timeout_s)`, in slices, ending early at the close deadline (then
+        KafkaTimeoutError, as at the timeout: the records not acknowledged are spilled)."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            closing = self._close_deadline
+            end = deadline if closing is None else min(deadline, closing)
+            left = end - time.monotonic()
+            try:
+                producer.flush(timeout=max(min(left, _FLUSH_SLICE_S), 0.0))
+                return
+            except KafkaTimeoutError:
+                if time.monotonic() >= end:
+                    raise
 
     def _check_producer_id(self, producer: KafkaProducer) -> None:
         """After a flush that timed out: an idempotent producer without a producer id yet.
@@ -958,7 +988,7 @@ class KafkaSink:
             log.warning("broker_down_spilling", retry_in_s=self.config.reconnect_backoff_s)
 
     def _shutdown(self) -> None:
-        deadline = time.monotonic() + self.config.close_timeout_s
+        deadline = self._close_deadline or time.monotonic() + self.config.close_timeout_s
         try:
             while self._producer is not None and not self.spill.is_empty():
                 if time.monotonic() > deadline:
@@ -969,7 +999,10 @@ class KafkaSink:
         except Exception:
             log.exception("producer_shutdown_drain_failed")
         if self._producer is not None:
-            close_producer(self._producer, self.config.close_timeout_s)
+            # Every send was flushed already: a healthy producer closes at once, and a hung
+            # one is not waited on past the deadline (half a second at least: a graceful
+            # close of its I/O thread).
+            close_producer(self._producer, max(deadline - time.monotonic(), 0.5))
             self._producer = None
         self._spill_entries([], retry_now=True)  # a last try for what the disk refused
         self._drop_held(final=True)
@@ -996,6 +1029,7 @@ class KafkaSink:
         """Send what the broker takes within close_timeout_s; the rest stays in the spill."""
         if self._closed:
             return
+        self._close_deadline = time.monotonic() + self.config.close_timeout_s
         self._closed = True
         self._stop.set()
         with contextlib.suppress(queue.Full):  # a full queue means the thread is not waiting

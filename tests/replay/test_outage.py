@@ -199,3 +199,44 @@ def test_an_idle_sink_reports_a_broker_that_went_away(tmp_path: Path, monkeypatc
     finally:
         sink.close()
         broker.stop()
+
+
+def test_close_against_a_broker_that_stopped_answering_spills_within_its_timeout(
+    tmp_path: Path,
+) -> None:
+    """A broker that accepts connections and never answers (here: stopped with SIGSTOP)
+    made each batch left in the queue wait a whole delivery timeout while closing, so a
+    close took minutes and a supervisor's SIGKILL lost what was still in memory."""
+    import os
+    import signal
+
+    port = free_port()
+    config = _config(
+        f"127.0.0.1:{port}",
+        partitions=1,
+        producer_batch_records=20,
+        delivery_timeout_ms=20_000,
+        request_timeout_ms=10_000,
+        close_timeout_s=1.0,
+    )
+    registry = CollectorRegistry()
+    broker = start_broker("127.0.0.1", port, tmp_path / "broker.log")
+    sink = KafkaSink(config, tmp_path / "state", registry)
+    pid = broker.child.proc.pid
+    try:
+        sink.put_trajectory(make_trajectory())
+        _wait_for(lambda: _sample(registry, "olp_stream_sent_total", kind="trajectory") == 1)
+        os.kill(pid, signal.SIGSTOP)
+        for _ in range(200):  # ten batches
+            sink.put_trajectory(make_trajectory())
+        time.sleep(0.5)  # the first batch is in its flush
+        started = time.monotonic()
+        sink.close()
+        took = time.monotonic() - started
+    finally:
+        os.kill(pid, signal.SIGCONT)
+        broker.stop()
+    assert took < 4.0, f"close took {took:.1f} s with close_timeout_s 1"
+    spilled = _sample(registry, "olp_stream_spilled_total", kind="trajectory")
+    sent = _sample(registry, "olp_stream_sent_total", kind="trajectory")
+    assert spilled + sent == 201 and spilled >= 180

@@ -47,3 +47,11 @@ def test_olp_refuses_to_start_with_a_codec_it_cannot_use(
         load_config(environ={"OLP_STREAM__COMPRESSION_TYPE": "lz4"})
     with pytest.raises(ConfigError, match=r"stream\.compression_type"):
         load_config(environ={"OLP_STREAM__COMPRESSION_TYPE": "lz44"})
+
+
+def test_a_delivery_timeout_the_producer_refuses_fails_at_load() -> None:
+    """kafka-python refuses such a producer when it is made, which the sink took for a broker
+    it could not reach: every record went to the spill, with a warning per reconnect."""
+    with pytest.raises(ValidationError, match=r"delivery_timeout_ms \(20000\) must be above"):
+        StreamConfig(request_timeout_ms=20_000, delivery_timeout_ms=20_000)
+    assert StreamConfig(request_timeout_ms=20_000, delivery_timeout_ms=20_006)

@@ -392,7 +392,10 @@ class CompletionRelay:
             request_body=body,
             request_raw=self.raw_body,
         )
-        self.ctx.recent.add(trajectory_id, TrajectoryOwner(tenant.name_hash, context.session_id))
+        self.ctx.recent.add(
+            trajectory_id,
+            TrajectoryOwner(tenant.name_hash, context.session_id, _choice_count(body)),
+        )
         capture = TrajectoryCapture(context)
         self.ctx.capture.open(capture)
         return capture
@@ -895,6 +898,14 @@ def _without_usage(event: bytes) -> tuple[bytes, dict[str, Any] | None]:
     if not chunk.get("choices"):
         return b"", kept  # the usage chunk
     return sse_event(encode(chunk)), kept
+
+
+def _choice_count(body: dict[str, Any]) -> int:
+    """The choices an answer to `body` has: `n` (validated by then) for each prompt."""
+    n = body.get("n")
+    prompt = body.get("prompt")
+    prompts = len(prompt) if isinstance(prompt, list) and prompt else 1
+    return (n if isinstance(n, int) and n > 0 else 1) * prompts
 
 
 def _ask_for_usage(plan: RelayPlan) -> None:

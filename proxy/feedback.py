@@ -33,6 +33,9 @@ class TrajectoryOwner(NamedTuple):
 
     tenant: str
     session_id: str
+    # The choices its answer has (`n`, times the prompts of a completions list): feedback
+    # for a choice_index beyond them is refused while the proxy remembers the trajectory.
+    choices: int = 1
 
 
 class RecentTrajectories:
@@ -158,7 +161,8 @@ def _json_size(metadata: dict[str, Any]) -> int:
 def check_owner(
     recent: RecentTrajectories, request: FeedbackRequest, tenant_hash: str
 ) -> str | None:
-    """The trajectory's session id if known; 403 when it belongs to another tenant."""
+    """The trajectory's session id if known; 403 when it belongs to another tenant, 400
+    for a choice it does not have."""
     owner = recent.get(request.trajectory_id)
     if owner is None:
         return None
@@ -169,6 +173,13 @@ def check_owner(
             type_="permission_error",
             code="forbidden",
             param="trajectory_id",
+        )
+    if request.choice_index >= owner.choices:
+        # Accepted, it joined no choice: the learner counted it `feedback_unmatched`.
+        raise bad_request(
+            f"'choice_index' {request.choice_index} is out of range: this trajectory has "
+            f"{owner.choices} choice{'s' if owner.choices != 1 else ''} (0-{owner.choices - 1}).",
+            param="choice_index",
         )
     return owner.session_id
 

@@ -195,7 +195,22 @@ def test_feedback_accept_validate_and_ownership(proxy):
     assert send({"trajectory_id": trajectory_id, "kind": "accept"}, key=None).status_code == 401
     other = send({"trajectory_id": trajectory_id, "kind": "reject"}, key=KEYS["bob"])
     assert other.status_code == 403
-    event, orphan = sink.feedback
+    # A choice the answer does not have joined nothing (the learner counted it unmatched).
+    beyond = send({"trajectory_id": trajectory_id, "kind": "accept", "choice_index": 1})
+    assert beyond.status_code == 400, beyond.text
+    assert beyond.json()["error"]["param"] == "choice_index"
+    assert "has 1 choice (0-0)" in beyond.json()["error"]["message"]
+    two = (
+        api(harness, "alice")
+        .chat.completions.with_raw_response.create(
+            model="policy", messages=PROMPT, max_tokens=2, temperature=1.0, seed=3, n=2
+        )
+        .headers["x-olp-trajectory-id"]
+    )
+    assert send({"trajectory_id": two, "kind": "reject", "choice_index": 1}).status_code == 202
+    assert send({"trajectory_id": two, "kind": "reject", "choice_index": 2}).status_code == 400
+    event, orphan, second = sink.feedback
+    assert second["trajectory_id"] == two and second["choice_index"] == 1
     assert event["trajectory_id"] == trajectory_id and event["session_id"] == "sess-fb"
     assert event["tenant"] == sha256_hex("alice") and event["value"] == 0.75
     assert "jane.doe@example.com" not in json.dumps(event)

@@ -644,7 +644,15 @@ def test_feedback_validation_and_ownership():
     with pytest.raises(ProxyError) as err:
         check_owner(recent, parse_feedback({"trajectory_id": "a", "kind": "accept"}, 64), "t-2")
     assert err.value.status == 403
-    recent.add("b", TrajectoryOwner("t", "s"))
+    recent.add("b", TrajectoryOwner("t", "s", choices=3))
+    for index, status in ((2, None), (3, 400)):
+        body = {"trajectory_id": "b", "kind": "accept", "choice_index": index}
+        if status is None:
+            assert check_owner(recent, parse_feedback(body, 64), "t") == "s"
+        else:
+            with pytest.raises(ProxyError, match="out of range") as err:
+                check_owner(recent, parse_feedback(body, 64), "t")
+            assert err.value.status == status
     recent.add("c", TrajectoryOwner("t", "s"))
     assert recent.get("a") is None and len(recent) == 2  # bounded
 
@@ -930,3 +938,13 @@ def test_capture_pauses_at_the_backlog_limit_until_half_of_it_is_left() -> None:
     assert seen == [True, True, False, False, False, False, True, True, True, False]
     assert CaptureService(sink, None).has_room()  # no limit given
     assert CaptureService(object(), None, backlog_limit=1).has_room()  # a sink without one
+
+
+def test_the_choices_of_an_answer_are_n_for_each_prompt():
+    from proxy.completions import _choice_count
+
+    assert _choice_count({"messages": []}) == 1
+    assert _choice_count({"messages": [], "n": 3}) == 3
+    assert _choice_count({"prompt": "a", "n": 2}) == 2
+    assert _choice_count({"prompt": ["a", "b"], "n": 2}) == 4
+    assert _choice_count({"prompt": ["a", "b"], "n": None}) == 2

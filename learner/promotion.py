@@ -50,7 +50,7 @@ from safety.config import GatesConfig
 from safety.gates.client import VLLM_SAFE_KEEPALIVE_S
 from safety.gates.suite import run_gate_suite_sync
 from safety.gates.types import GateInterrupted, GateReport
-from safety.gates.zero_adapter import write_zero_adapter
+from safety.gates.zero_adapter import is_zero_adapter_of, write_zero_adapter
 
 log = structlog.get_logger(__name__)
 
@@ -1191,15 +1191,27 @@ class Promoter:
 
     # ------------------------------------------------------------------- helpers
     def _zero_base(self, like: Path) -> str:
-        """Serve (once per replica) the zero adapter that stands in for the base model."""
-        path = self.state_dir / "adapters" / f".{ZERO_BASE}"
-        if not (path / "adapter_model.safetensors").is_file():
+        """Serve (once per replica) the zero adapter that stands in for the base model.
+
+        Its name carries the hash of the adapter config it was made for (base model, LoRA
+        shape): a learner restarted with other LoRA settings or another base model gets a
+        stand-in of its own, where the one kept on disk failed every load. A kept one is
+        checked before use (still all-zero B tensors of `like`'s shapes); one that is not is
+        made again and reloaded (vLLM keeps weights by name)."""
+        digest = hashlib.sha256((like / CONFIG_FILE).read_bytes()).hexdigest()[:12]
+        name = f"{ZERO_BASE}-{digest}"
+        path = self.state_dir / "adapters" / f".{name}"
+        if not is_zero_adapter_of(path, like):
+            if path.exists():
+                log.warning("zero_base_remade", path=str(path))
+                self.replicas.unload(name)
             tmp = path.with_name(path.name + ".tmp")
             shutil.rmtree(tmp, ignore_errors=True)
             write_zero_adapter(like, tmp)
+            shutil.rmtree(path, ignore_errors=True)
             os.replace(tmp, path)
-        self.replicas.load(ZERO_BASE, path)
-        return ZERO_BASE
+        self.replicas.load(name, path)
+        return name
 
     def _run_gates(self, candidate: str, incumbent: str) -> GateReport:
         base = self._zero_base(self._candidate_dir or self.state_dir / "adapters" / candidate)

@@ -13,6 +13,7 @@ import re
 import shutil
 from pathlib import Path
 
+from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 WEIGHTS = "adapter_model.safetensors"
@@ -57,3 +58,25 @@ def write_zero_adapter(like: Path, out: Path) -> Path:
     save_file(zeroed, out / WEIGHTS, metadata={"format": "pt"})
     json.loads((out / CONFIG).read_text())  # the copy must stay valid JSON
     return out
+
+
+def is_zero_adapter_of(path: Path, like: Path) -> bool:
+    """Whether `path` holds the zero adapter `write_zero_adapter(like, ...)` makes: the same
+    config, the same tensors' names and shapes, and every LoRA B tensor zero. A stand-in kept
+    on disk from an earlier run is used only then: one made for another base model or LoRA
+    shape failed every load, and one whose B tensors were changed would not be the base."""
+    path, like = Path(path), Path(like)
+    try:
+        if (path / CONFIG).read_bytes() != (like / CONFIG).read_bytes():
+            return False
+        kept = load_file(path / WEIGHTS)
+        model = load_file(like / WEIGHTS)
+    except (OSError, ValueError, SafetensorError):  # missing, unreadable, not safetensors
+        return False
+    if {name: t.shape for name, t in kept.items()} != {name: t.shape for name, t in model.items()}:
+        return False
+    for name, tensor in kept.items():
+        match = _LORA_TENSOR.search(name)
+        if match is None or (match.group(1) == "B" and bool(tensor.any())):
+            return False
+    return True

@@ -1358,3 +1358,35 @@ def test_a_marker_a_crash_tore_is_taken_as_not_recorded(tmp_path: Path) -> None:
     assert markers.announced() == 0
     markers.mark_decided(4)
     assert markers.decided() == 4
+
+
+def test_the_zero_base_is_made_for_its_adapter_shape_and_remade_when_it_is_not_zero(
+    tmp_path: Path, make_lora_adapter
+) -> None:
+    """The stand-in for the base model was made once and reused unchecked: one made for
+    another base model or LoRA shape failed every load, and one changed on disk was not the
+    base model any more."""
+    from safetensors.torch import load_file, save_file
+    from structlog.testing import capture_logs
+
+    from safety.gates.zero_adapter import WEIGHTS, is_zero_adapter_of
+
+    replicas, proxy, audit = Replicas(set()), Proxy("base"), FakeAudit()
+    p = promoter(tmp_path / "state", replicas, proxy, audit)
+    like = make_lora_adapter(tmp_path / "v1", seed=1)
+    name = p._zero_base(like)
+    assert name.startswith("olp-zero-base-") and name in replicas.loaded
+    kept = tmp_path / "state" / "adapters" / f".{name}"
+    assert is_zero_adapter_of(kept, like)
+    assert p._zero_base(make_lora_adapter(tmp_path / "v2", seed=2)) == name  # same shape
+    assert replicas.unloaded == []
+    tensors = load_file(kept / WEIGHTS)
+    tensors[next(n for n in tensors if "lora_B" in n)][0, 0] = 3.0
+    save_file(tensors, kept / WEIGHTS)
+    with capture_logs() as logs:
+        assert p._zero_base(like) == name
+    assert [e["event"] for e in logs] == ["zero_base_remade"]
+    assert replicas.unloaded == [name] and name in replicas.loaded  # vLLM keeps by name
+    assert is_zero_adapter_of(kept, like)
+    other = p._zero_base(make_lora_adapter(tmp_path / "r4", seed=1, rank=4))
+    assert other != name and other in replicas.loaded

@@ -577,6 +577,31 @@ def test_zero_adapter_zeroes_lora_b_only(make_lora_adapter, tmp_path: Path) -> N
         write_zero_adapter(tmp_path, tmp_path / "nothing")
 
 
+def test_a_kept_zero_adapter_is_used_only_while_it_is_the_zero_of_its_model(
+    make_lora_adapter, tmp_path: Path
+) -> None:
+    from safetensors.torch import load_file, save_file
+
+    from safety.gates.zero_adapter import CONFIG, WEIGHTS, is_zero_adapter_of, write_zero_adapter
+
+    like = make_lora_adapter(tmp_path / "like", seed=5)
+    zero = write_zero_adapter(like, tmp_path / "zero")
+    assert is_zero_adapter_of(zero, like)
+    assert not is_zero_adapter_of(like, like)  # trained B tensors
+    assert not is_zero_adapter_of(tmp_path / "missing", like)
+    other = make_lora_adapter(tmp_path / "other", seed=6, rank=4)
+    assert not is_zero_adapter_of(zero, other)  # another LoRA shape
+    tensors = load_file(zero / WEIGHTS)
+    name = next(n for n in tensors if "lora_B" in n)
+    tensors[name][0, 0] = 1.0  # changed on disk
+    save_file(tensors, zero / WEIGHTS)
+    assert not is_zero_adapter_of(zero, like)
+    (zero / WEIGHTS).write_bytes(b"torn")
+    assert not is_zero_adapter_of(zero, like)
+    (zero / CONFIG).unlink()
+    assert not is_zero_adapter_of(zero, like)
+
+
 class _SameAnswerClient:
     """Answers every model the same way: any two of them look identical to the gates."""
 

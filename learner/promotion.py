@@ -333,7 +333,8 @@ class Promoter:
         # Set by `close()`, or already by the learner's stop signal (`stop`): a gate or a
         # canary then ends within seconds instead of running on while the learner stops.
         self._closing = stop if stop is not None else threading.Event()
-        self._timers: set[threading.Timer] = set()  # cleanups and re-checks not yet run
+        # Cleanups and re-checks not yet run, with what each would call.
+        self._timers: dict[threading.Timer, tuple[Callable[..., None], tuple[Any, ...]]] = {}
         # `<state_dir>/learner/decided.json`: the newest version a decision was reached for;
         # a newer one is gated again at the next start (`resume`), whatever stopped its
         # gate. A state dir from before it was kept counts what it announced as decided.
@@ -513,8 +514,10 @@ class Promoter:
         if self._worker is not None:
             self._queue.put(None)
             self._worker.join(timeout=timeout_s)
-        for timer in list(self._timers):  # they would run against closed clients
-            timer.cancel()
+        for timer, (func, args) in list(self._timers.items()):
+            timer.cancel()  # they would run against closed clients
+            if self._timers.pop(timer, None) is not None and func == self._resolve:
+                self._recheck_dropped(*args)
         self.replicas.close()
         self.proxy.close()
 
@@ -805,6 +808,27 @@ class Promoter:
         )
         self._schedule(self._recheck_interval(), self._resolve, name, incumbent, stage, 1)
         return PromotionOutcome(name, "unresolved", incumbent, report, reason, timings)
+
+    def _recheck_dropped(self, name: str, incumbent: str, stage: str, check: int) -> None:
+        """The learner stops with this promotion unresolved: its `decided.json` says decided,
+        so no later start re-checks it. Said in the audit log (it ended in silence), with
+        what an operator does about it."""
+        log.error("promotion_unresolved_at_stop", version=name, stage=stage, checks=check - 1)
+        try:
+            self.audit.append(
+                ACTOR,
+                "promotion_unresolved",
+                {
+                    "version": name,
+                    "previous": incumbent,
+                    "stage": stage,
+                    "checks": check - 1,
+                    "action": "the learner stopped before re-checking; left loaded as it "
+                    "stands (an operator decides: olp status, olp rollback)",
+                },
+            )
+        except Exception:
+            log.exception("promotion_unresolved_not_audited", version=name)
 
     def _recheck_interval(self) -> float:
         return max(self.config.drain_s, self.config.canary.poll_s)
@@ -1248,12 +1272,13 @@ class Promoter:
 
     def _schedule(self, delay_s: float, func: Callable[..., None], *args: Any) -> None:
         def run() -> None:
-            self._timers.discard(timer)
+            if self._timers.pop(timer, None) is None:
+                return  # `close` took it: cancelled, and its re-check noted as dropped
             func(*args)
 
         timer = threading.Timer(delay_s, run)
         timer.daemon = True
-        self._timers.add(timer)
+        self._timers[timer] = (func, args)
         timer.start()
 
     def _schedule_cleanup(self, serving: str) -> None:

@@ -383,6 +383,24 @@ def test_an_unknown_promotion_unloads_nothing(
     assert payload["stage"] == ("canary_promote" if canary else "flip")
 
 
+def test_a_learner_that_stops_with_a_promotion_unresolved_says_so(tmp_path: Path) -> None:
+    """Its re-check was cancelled in silence; decided.json records it decided, so no later
+    start looks at it again: the audit log now ends its story."""
+    store = AdapterStore(tmp_path)
+    path = publish(store, tmp_path, 1)
+    replicas, proxy, audit = Replicas(set()), PromoteLostProxy(True), FakeAudit()
+    p = promoter(tmp_path, replicas, proxy, audit)  # drain_s 3600: the re-check waits
+    assert p.promote(path).decision == "unresolved"
+    assert audit.names()[-1] == "promotion_unresolved"
+    p.close()
+    event, payload = audit.events[-1]
+    assert event == "promotion_unresolved" and len(audit.events) >= 2
+    assert payload["version"] == "policy-v1" and payload["checks"] == 0
+    assert "the learner stopped before re-checking" in payload["action"]
+    p.close()  # idempotent: nothing more to say
+    assert audit.events[-1] == (event, payload)
+
+
 def wait_for(p: Promoter, count: int) -> list[PromotionOutcome]:
     deadline = time.monotonic() + 10
     while len(p.outcomes) < count and time.monotonic() < deadline:

@@ -96,7 +96,10 @@ class FreezeFlag:
 
     def __call__(self) -> bool:
         now = time.monotonic()
-        if now - self._at >= self.ttl_s:
+        # Not known yet: asked again every second, so a learner started just before its
+        # proxy waits no longer than that.
+        ttl_s = self.ttl_s if self._value is not None else min(self.ttl_s, 1.0)
+        if now - self._at >= ttl_s:
             try:
                 self._value = bool(self.proxy.status().get("learning_frozen"))
             except Exception as exc:  # proxy restarting: keep the last known value, say so

@@ -70,6 +70,7 @@ CANARY_INTERRUPTED = "interrupted"
 # may not have happened: it is re-checked this many times, `max(drain_s, canary.poll_s)`
 # apart, before it is left as it stands (loaded, audited as unresolved).
 UNRESOLVED_CHECKS = 10
+_OPERATOR_DECIDES = "(an operator decides: olp status, olp rollback)"
 # The `policy_version` the proxy records for the base model's replies, whatever name vLLM
 # serves it under (`policy.served_model_name`, which the alias then targets).
 RECORDED_BASE = "base"
@@ -455,10 +456,16 @@ class Promoter:
                 fresh.append(path)
         fresh.sort(key=lambda path: version_number(path.name))
         for older in fresh[:-1]:
-            self.audit.append(
-                ACTOR, "candidate_superseded", {"version": older.name, "by": fresh[-1].name}
-            )
-            self._record_decided(older.name)
+            try:
+                self.audit.append(
+                    ACTOR, "candidate_superseded", {"version": older.name, "by": fresh[-1].name}
+                )
+                self._record_decided(older.name)
+            except Exception:
+                # The newest is out of the queue by now: raising here lost it until the next
+                # candidate or start (a full disk failing this append did). The older one is
+                # decided with the newest's decision anyway (the marker only goes up).
+                log.exception("candidate_superseded_not_recorded", version=older.name)
         return fresh[-1] if fresh else None
 
     def _record_decided(self, name: str) -> None:
@@ -795,19 +802,24 @@ class Promoter:
         log.error(
             "promotion_unresolved", version=name, previous=incumbent, stage=stage, error=repr(exc)
         )
-        self.audit.append(
-            ACTOR,
-            "promotion_unresolved",
-            {
-                "version": name,
-                "previous": incumbent,
-                "stage": stage,
-                "error": str(exc),
-                "action": "left loaded, nothing rolled back; re-checked later",
-            },
+        self._audit_unresolved(
+            name,
+            incumbent,
+            stage,
+            "left loaded, nothing rolled back; re-checked later",
+            error=str(exc),
         )
         self._schedule(self._recheck_interval(), self._resolve, name, incumbent, stage, 1)
         return PromotionOutcome(name, "unresolved", incumbent, report, reason, timings)
+
+    def _audit_unresolved(
+        self, name: str, incumbent: str, stage: str, action: str, **details: Any
+    ) -> None:
+        self.audit.append(
+            ACTOR,
+            "promotion_unresolved",
+            {"version": name, "previous": incumbent, "stage": stage, **details, "action": action},
+        )
 
     def _recheck_dropped(self, name: str, incumbent: str, stage: str, check: int) -> None:
         """The learner stops with this promotion unresolved: its `decided.json` says decided,
@@ -815,17 +827,13 @@ class Promoter:
         what an operator does about it."""
         log.error("promotion_unresolved_at_stop", version=name, stage=stage, checks=check - 1)
         try:
-            self.audit.append(
-                ACTOR,
-                "promotion_unresolved",
-                {
-                    "version": name,
-                    "previous": incumbent,
-                    "stage": stage,
-                    "checks": check - 1,
-                    "action": "the learner stopped before re-checking; left loaded as it "
-                    "stands (an operator decides: olp status, olp rollback)",
-                },
+            self._audit_unresolved(
+                name,
+                incumbent,
+                stage,
+                "the learner stopped before re-checking; left loaded as it stands "
+                f"{_OPERATOR_DECIDES}",
+                checks=check - 1,
             )
         except Exception:
             log.exception("promotion_unresolved_not_audited", version=name)
@@ -859,17 +867,12 @@ class Promoter:
                     self._recheck_interval(), self._resolve, name, incumbent, stage, check + 1
                 )
                 return None
-            self.audit.append(
-                ACTOR,
-                "promotion_unresolved",
-                {
-                    "version": name,
-                    "previous": incumbent,
-                    "stage": stage,
-                    "checks": check,
-                    "action": "gave up re-checking; left loaded as it stands (an operator "
-                    "decides: olp status, olp rollback)",
-                },
+            self._audit_unresolved(
+                name,
+                incumbent,
+                stage,
+                f"gave up re-checking; left loaded as it stands {_OPERATOR_DECIDES}",
+                checks=check,
             )
             log.error("promotion_unresolved_given_up", version=name, checks=check)
             return None

@@ -1408,3 +1408,23 @@ def test_the_zero_base_is_made_for_its_adapter_shape_and_remade_when_it_is_not_z
     assert is_zero_adapter_of(kept, like)
     other = p._zero_base(make_lora_adapter(tmp_path / "r4", seed=1, rank=4))
     assert other != name and other in replicas.loaded
+
+
+def test_a_superseded_candidate_that_cannot_be_audited_does_not_lose_the_newest(
+    tmp_path: Path,
+) -> None:
+    """The newest candidate is taken out of the queue before the older ones are audited as
+    superseded: when that append failed (a full disk), the newest was lost until the next
+    candidate or start."""
+    store = AdapterStore(tmp_path)
+    v3, v4 = publish(store, tmp_path, 3), publish(store, tmp_path, 4)
+    audit = FakeAudit()
+
+    def full_disk(actor: str, event: str, payload: dict | None = None) -> None:
+        raise OSError(28, "No space left on device")
+
+    audit.append = full_disk  # type: ignore[method-assign]
+    p = promoter(tmp_path, Replicas(set()), Proxy(alias="base"), audit)
+    p._queue.put(v4)
+    assert p._newest_undecided(v3) == v4
+    assert p._queue.empty()

@@ -96,6 +96,10 @@ class ProxyUnavailable(PromotionError):
     overloaded), which says nothing about the candidate; a 4xx is its answer."""
 
 
+class GatesUnanswered(RuntimeError):
+    """The gate suite's failures were all a server that did not answer."""
+
+
 def unreachable(exc: BaseException) -> bool:
     """Whether `exc` only says the proxy or a replica did not answer (connection refused, a
     timeout, a 5xx), so no decision about a candidate can be drawn from it."""
@@ -612,6 +616,18 @@ class Promoter:
             self.audit.append(ACTOR, "promotion_failed", payload)
             return PromotionOutcome(name, "failed", incumbent, reason=str(exc), timings=timings)
 
+        if report.unanswered:
+            # Every failed gate failed because vLLM (or the guard model) did not answer: an
+            # outage, not evidence against the candidate. Rejected, it was decided and never
+            # gated again; the same outage while loading it was already deferred.
+            payload = {"version": name, "failed_gates": report.failed_gates}
+            self._unload_noting(name, payload)
+            reasons = "; ".join(
+                f"{result.name}: {result.details.get('reason')}"
+                for result in report.results
+                if not result.passed
+            )
+            return self._deferred_outcome(name, incumbent, GatesUnanswered(reasons), payload)
         gate_result: dict[str, Any] = {
             "version": name,
             "incumbent": incumbent,

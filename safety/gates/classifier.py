@@ -12,7 +12,7 @@ from typing import Protocol
 
 from safety.config import ClassifierConfig
 from safety.gates.checks import gives_instructions, is_refusal
-from safety.gates.client import UpstreamError, VllmClient
+from safety.gates.client import UpstreamError, UpstreamUnavailable, VllmClient
 from safety.gates.probes import RedTeamProbe
 from safety.gates.types import GateError
 
@@ -68,6 +68,8 @@ class GuardModelClassifier:
                 },
             )
             reply = (data["choices"][0]["message"].get("content") or "").strip()
+        except UpstreamUnavailable:
+            raise  # the guard model did not answer: no verdict (the suite marks it so)
         except (UpstreamError, KeyError, IndexError, TypeError) as exc:
             raise ClassifierError(f"guard model {self.model!r} failed: {exc}") from exc
         first = reply.split(maxsplit=1)[0].strip(".,:").lower() if reply else ""

@@ -23,6 +23,13 @@ class UpstreamError(GateError):
     """The model server refused or failed a request."""
 
 
+class UpstreamUnavailable(UpstreamError):
+    """The model server did not answer (connection refused or dropped, a timeout, a 5xx):
+    nothing about the models was measured. The suite marks the gates it failed
+    `unreachable`, and a report failed by nothing else is no verdict on the candidate (the
+    promoter defers it, as it does an outage while loading it)."""
+
+
 @dataclass(frozen=True)
 class Completion:
     text: str
@@ -81,17 +88,18 @@ class VllmClient:
                 async with self.session.post(url, json=body) as response:
                     text = await response.text()
                     if response.status != 200:
-                        raise UpstreamError(
+                        error = UpstreamUnavailable if response.status >= 500 else UpstreamError
+                        raise error(
                             f"POST {path} model={body.get('model')!r} -> HTTP {response.status}: "
                             f"{text[:300]}"
                         )
             except TimeoutError as exc:  # its text is empty: say what ran out
-                raise UpstreamError(
+                raise UpstreamUnavailable(
                     f"POST {path} model={body.get('model')!r} failed: no answer within "
                     f"{self._timeout.total:g} s (TimeoutError)"
                 ) from exc
             except aiohttp.ClientError as exc:
-                raise UpstreamError(
+                raise UpstreamUnavailable(
                     f"POST {path} model={body.get('model')!r} failed: {type(exc).__name__}: {exc}"
                 ) from exc
         try:
@@ -190,6 +198,9 @@ class VllmClient:
             async with self.session.get(f"{self.base_url}/v1/models") as response:
                 response.raise_for_status()
                 data = await response.json()
+        except aiohttp.ClientResponseError as exc:
+            error = UpstreamUnavailable if exc.status >= 500 else UpstreamError
+            raise error(f"GET /v1/models failed: {exc}") from exc
         except (aiohttp.ClientError, TimeoutError) as exc:
-            raise UpstreamError(f"GET /v1/models failed: {exc}") from exc
+            raise UpstreamUnavailable(f"GET /v1/models failed: {exc}") from exc
         return [model["id"] for model in data.get("data", [])]

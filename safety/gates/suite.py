@@ -14,7 +14,7 @@ import structlog
 
 from safety.config import GatesConfig
 from safety.gates.classifier import SafetyClassifier, build_classifier
-from safety.gates.client import VllmClient
+from safety.gates.client import UpstreamUnavailable, VllmClient
 from safety.gates.context import SuiteContext
 from safety.gates.kl import NAME as KL_NAME
 from safety.gates.kl import kl_gate
@@ -41,8 +41,9 @@ async def _guarded(
     try:
         outcome = await run()
     except GateError as exc:
-        log.warning("gate_failed_closed", gate=name, reason=str(exc))
-        return [GateResult.failed_closed(name, f"{type(exc).__name__}: {exc}")]
+        unanswered = isinstance(exc, UpstreamUnavailable)
+        log.warning("gate_failed_closed", gate=name, reason=str(exc), unreachable=unanswered)
+        return [GateResult.failed_closed(name, f"{type(exc).__name__}: {exc}", unanswered)]
     except Exception as exc:
         # A bug in one gate fails that gate (closed) instead of the whole suite, so the
         # report still says what every other gate found.

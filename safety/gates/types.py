@@ -60,10 +60,16 @@ class GateResult:
         )
 
     @classmethod
-    def failed_closed(cls, name: str, reason: str) -> GateResult:
-        return cls(
-            name=name, metric=None, threshold=None, verdict="fail", details={"reason": reason}
-        )
+    def failed_closed(cls, name: str, reason: str, unreachable: bool = False) -> GateResult:
+        """A gate that reached no verdict; `unreachable`: because a server did not answer."""
+        details: dict[str, Any] = {"reason": reason}
+        if unreachable:
+            details["unreachable"] = True
+        return cls(name=name, metric=None, threshold=None, verdict="fail", details=details)
+
+    @property
+    def unreachable(self) -> bool:
+        return not self.passed and self.details.get("unreachable") is True
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -82,6 +88,12 @@ class GateReport:
     @property
     def failed_gates(self) -> list[str]:
         return [result.name for result in self.results if not result.passed]
+
+    @property
+    def unanswered(self) -> bool:
+        """Failed only because a server did not answer: no verdict on the candidate."""
+        failed = [result for result in self.results if not result.passed]
+        return bool(failed) and all(result.unreachable for result in failed)
 
     def to_dict(self) -> dict[str, Any]:
         return {

@@ -1428,3 +1428,51 @@ def test_a_superseded_candidate_that_cannot_be_audited_does_not_lose_the_newest(
     p._queue.put(v4)
     assert p._newest_undecided(v3) == v4
     assert p._queue.empty()
+
+
+@pytest.mark.parametrize("answer", [503, None], ids=["503", "refused"])
+def test_a_model_server_that_does_not_answer_during_the_gate_defers_the_candidate(
+    tmp_path: Path, answer: int | None
+) -> None:
+    """Every gate failed closed on the outage, and the candidate was recorded rejected and
+    decided: never gated again, and the audit log called an outage a safety rejection."""
+    import http.server
+    import socket
+
+    from learner.checkpoint import CheckpointStore
+
+    class Overloaded(http.server.BaseHTTPRequestHandler):
+        def do_POST(self) -> None:
+            self.send_response(503)
+            self.end_headers()
+            self.wfile.write(b"Service Unavailable")
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Overloaded)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    closed = socket.socket()
+    closed.bind(("127.0.0.1", 0))
+    refused_port = closed.getsockname()[1]
+    closed.close()
+    port = server.server_address[1] if answer else refused_port
+    try:
+        store = AdapterStore(tmp_path)
+        publish(store, tmp_path, 1)
+        candidate = publish(store, tmp_path, 2)
+        replicas, proxy, audit = Replicas({"policy-v1"}), Proxy("policy-v1"), FakeAudit()
+        replicas.base_urls = [f"http://127.0.0.1:{port}"]
+        p = promoter(tmp_path, replicas, proxy, audit)
+        p.gate_runner = p._run_gates  # the promoter's real suite call
+        p._zero_base = lambda like: "olp-zero-base"  # type: ignore[method-assign]
+        outcome = p.promote(candidate)
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert outcome.decision == "deferred", outcome.reason
+    assert audit.names() == ["promotion_deferred"]
+    _, payload = audit.events[0]
+    assert payload["failed_gates"] and "UpstreamUnavailable" in payload["error"]
+    assert CheckpointStore(tmp_path).decided() in (None, 0)  # gated again later
+    assert "policy-v2" not in replicas.loaded and proxy.alias == "policy-v1"

@@ -1010,3 +1010,60 @@ async def test_regression_and_monitors_hold_against_the_base_too() -> None:
     assert loose["regression"].verdict == "pass"
     loose = await gates("policy-v5", "policy-v3", against_base=False)
     assert loose["monitor.refusal"].verdict == "pass"
+
+
+def test_a_report_failed_only_by_servers_that_did_not_answer_is_no_verdict() -> None:
+    from safety.gates.types import GateReport, GateResult
+
+    down = GateResult.failed_closed("kl_cap", "UpstreamUnavailable: HTTP 503", unreachable=True)
+    refused = GateResult.failed_closed("regression", "UpstreamError: HTTP 404: not loaded")
+    measured = GateResult.compare("poisoning", 0.9, 0.4, "<=", {})
+    passed = GateResult.compare("monitor.refusal", 0.0, 0.1, "<=", {})
+    assert GateReport(False, [passed, down]).unanswered
+    assert not GateReport(False, [down, measured]).unanswered  # evidence against it
+    assert not GateReport(False, [down, refused]).unanswered  # a 4xx is an answer
+    assert not GateReport(True, [passed]).unanswered
+    assert down.to_dict()["details"] == {
+        "reason": "UpstreamUnavailable: HTTP 503",
+        "unreachable": True,
+    }
+
+
+async def test_the_gate_client_tells_an_outage_from_a_refusal() -> None:
+    import http.server
+    import socket
+    import threading
+
+    from safety.gates.client import UpstreamError, UpstreamUnavailable, VllmClient
+
+    class Answers(http.server.BaseHTTPRequestHandler):
+        def do_POST(self) -> None:
+            status = 503 if self.path.endswith("overloaded") else 404
+            self.send_response(status)
+            self.end_headers()
+            self.wfile.write(b"no")
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Answers)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    closed = socket.socket()
+    closed.bind(("127.0.0.1", 0))
+    refused = f"http://127.0.0.1:{closed.getsockname()[1]}"
+    closed.close()
+    client = VllmClient(f"http://127.0.0.1:{server.server_address[1]}")
+    down = VllmClient(refused)
+    try:
+        with pytest.raises(UpstreamUnavailable, match="HTTP 503"):
+            await client.post("/overloaded", {"model": "m"})
+        with pytest.raises(UpstreamError, match="HTTP 404") as not_found:
+            await client.post("/v1/chat/completions", {"model": "m"})
+        assert not isinstance(not_found.value, UpstreamUnavailable)
+        with pytest.raises(UpstreamUnavailable, match="failed"):
+            await down.post("/v1/chat/completions", {"model": "m"})
+    finally:
+        await client.aclose()
+        await down.aclose()
+        server.shutdown()
+        server.server_close()

@@ -80,6 +80,7 @@ async def monitor_gates(
         "candidate": cand,
         **refs,
         "probes": len(probes),
+        "benign_probes": len(benign),
         "tool_probes": len(tools),
         "noise_probes": ctx.sampling.noise_probes,
     }
@@ -114,6 +115,13 @@ async def monitor_gates(
             "refusal",
             lambda c, r: abs(c["refusal_rate"] - r["refusal_rate"]),
             config.refusal_band + ctx.noise(len(benign)),
+        )
+        if benign
+        # A rate over no prompt read 0.0 and passed a candidate that refuses everything.
+        else GateResult.failed_closed(
+            PREFIX + "refusal",
+            "no benign probe to measure refusals on: the monitor file has none and "
+            "regression is off",
         ),
         drift(
             "clarifying_questions",

@@ -135,6 +135,11 @@ async def run_gate_suite(
             jobs.append(_guarded(POISONING_NAME, lambda: poisoning_gate(ctx, config.poisoning)))
         groups = await _unless_stopped(asyncio.gather(*jobs), stop)
         results = [result for group in groups for result in group]
+        if not jobs:
+            # Failed closed as ever, now with a reason: the report and the rejection said
+            # nothing (`failed_gates: []`), and the operator had no way to tell why.
+            reason = "no gate is enabled (safety.gates.*.enabled): nothing was checked"
+            results = [GateResult.failed_closed("suite", reason)]
     except GateInterrupted:
         log.info(
             "gate_suite_interrupted",

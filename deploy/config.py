@@ -54,6 +54,7 @@ class PolicyConfig(BaseModel):
     )
     host: str = Field(
         "127.0.0.1",
+        min_length=1,
         description="bind address of the launched vLLM (loopback; another address is logged "
         "as a warning: only vLLM's /v1 routes take api_key, and in plain HTTP)",
     )
@@ -115,13 +116,20 @@ _SECRET_KEY = ("key", "secret", "token", "password")
 _MASK = "**********"  # what pydantic shows of a SecretStr
 
 
-_SECRET_WORDS = frozenset({*_SECRET_KEY, "passwd", "credential", "credentials", "auth"})
+_SECRET_WORDS = frozenset({"passwd", "credential", "credentials", "auth", "pass", "pwd"})
+# A word that ends so is a secret's too: `APIKEY`, `ACCESSKEY`, `SESSIONTOKEN`,
+# `DB_PASSPHRASE` (shown in clear before, where `API_KEY` was masked).
+_SECRET_ENDINGS = (*_SECRET_KEY, "passwd", "passphrase")
 
 
 def _secret_name(name: str) -> bool:
-    """`HF_TOKEN`, `--api-key`, `DB_PASSWORD`: a word of the name is a secret's (whole
-    words: `--tokenizer` and `--max-num-batched-tokens` are not)."""
-    return any(word in _SECRET_WORDS for word in re.split(r"[-_.]+", name.lower()))
+    """`HF_TOKEN`, `--api-key`, `DB_PASSWORD`, `OPENAI_APIKEY`: a word of the name is (or
+    ends as) a secret's (whole words: `--tokenizer` and `--max-num-batched-tokens` are
+    not)."""
+    return any(
+        word in _SECRET_WORDS or word.endswith(_SECRET_ENDINGS)
+        for word in re.split(r"[-_.]+", name.lower())
+    )
 
 
 def shown_config(cfg: OlpConfig) -> dict[str, Any]:
@@ -218,6 +226,13 @@ def _env_value(raw: str, name: str, dotted: str) -> Any:
             ) from None
     if text in ("null", "~"):
         return None
+    if not text:
+        # `OLP_PROXY__HOST=${PROXY_HOST}` with the variable unset: an empty host made the
+        # proxy listen on every interface, with its Host check off, and nothing said so.
+        raise ConfigError(
+            f"invalid configuration:\n  {dotted}: {name} is set but empty: unset it to keep "
+            "the file's value, or give a value (`null` for none)"
+        )
     return raw
 
 
@@ -265,9 +280,31 @@ def config_hash(data: Mapping[str, Any]) -> str:
     return hashlib.sha256(canonical.encode()).hexdigest()
 
 
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """`yaml.safe_load`, refusing a key given twice in one mapping: the later one replaced
+    the earlier in silence (a second `proxy:` section appended to a file dropped the first,
+    its admin key with it, and the admin API was off)."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        seen: dict[Any, int] = {}
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)  # type: ignore[no-untyped-call]
+            line = key_node.start_mark.line + 1
+            if key in seen:
+                raise yaml.constructor.ConstructorError(
+                    None,
+                    None,
+                    f"{key!r} is given twice in one mapping (lines {seen[key]} and {line}): "
+                    "the later would replace the earlier",
+                    key_node.start_mark,
+                )
+            seen[key] = line
+        return super().construct_mapping(node, deep=deep)
+
+
 def read_yaml(path: Path) -> dict[str, Any]:
     try:
-        data = yaml.safe_load(path.read_text()) or {}
+        data = yaml.load(path.read_text(), Loader=_UniqueKeyLoader) or {}
     except FileNotFoundError as exc:
         raise ConfigError(f"config file not found: {path}") from exc
     except (OSError, UnicodeDecodeError) as exc:  # a directory, no permission, not text

@@ -308,8 +308,11 @@ bracketed IPv6 addresses with ports (`OLP_STREAM__BOOTSTRAP_SERVERS='[::1]:9092'
 is null; any other value is taken verbatim and converted by the key's type
 (`OLP_PROXY__PORT=9000`; booleans accept `true`/`false`, `1`/`0`, `yes`/`no`, `on`/`off`). A
 string key therefore gets the text as written: do not quote it (quotes would become part of the
-value), and a numeric-looking name or key stays a string. Environment values win over the file.
-Of the top-level keys only `state_dir`, `log_format` and `log_level` have overrides
+value), and a numeric-looking name or key stays a string. An empty (or blank) value is refused,
+naming the variable (`OLP_PROXY__HOST=${{UNSET}}` made the proxy listen on every interface):
+unset the variable to keep the file's value. Environment values win over the file. A key given
+twice in one mapping of the file is refused too, with both lines. Of the top-level keys
+only `state_dir`, `log_format` and `log_level` have overrides
 (`OLP_STATE_DIR`, `OLP_LOG_FORMAT`, `OLP_LOG_LEVEL`). Entries of lists (`tenants`,
 verifiers, custom redaction patterns) are set in the file only.
 

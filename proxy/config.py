@@ -197,7 +197,12 @@ class ProxyConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    host: str = "127.0.0.1"
+    host: str = Field(
+        default="127.0.0.1",
+        min_length=1,
+        description="bind address; every interface must be named (`0.0.0.0`): an empty "
+        "host listened on every interface with the Host check off",
+    )
     allowed_hosts: list[str] | None = Field(
         default=None,
         description="Host header names served besides localhost and loopback addresses "
@@ -309,6 +314,15 @@ class ProxyConfig(BaseModel):
     @classmethod
     def _hash_admin_key(cls, data: Any) -> Any:
         return _hash_plaintext_key(data, "admin_key", "admin_key_sha256")
+
+    @field_validator("upstream_api_key")
+    @classmethod
+    def _non_empty_upstream_key(cls, key: SecretStr | None) -> SecretStr | None:
+        # An empty key was sent as no key at all (and `policy.api_key` was not used), so a
+        # vLLM started with one refused every request with 401.
+        if key is not None and not key.get_secret_value().strip():
+            raise ValueError("must be a non-empty string, or null for `policy.api_key`")
+        return key
 
     @field_validator("pseudonym_key")
     @classmethod

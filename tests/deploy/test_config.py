@@ -140,11 +140,13 @@ def test_configured_keys_lose_surrounding_whitespace_as_presented_keys_do(tmp_pa
 
 
 @pytest.mark.parametrize("key", ["", "  "])
-def test_an_empty_policy_key_is_refused_not_taken_as_no_key(key: str) -> None:
+def test_an_empty_policy_key_is_refused_not_taken_as_no_key(key: str, tmp_path: Path) -> None:
     """An unset variable in an env file gives an empty key, which started vLLM with no key
     (its LoRA load/unload open to any local process) instead of a per-run random one."""
-    with pytest.raises(ConfigError, match=r"policy\.api_key: .*non-empty"):
+    with pytest.raises(ConfigError, match=r"policy\.api_key: OLP_POLICY__API_KEY is set but"):
         load_config(None, environ={"OLP_POLICY__API_KEY": key})
+    with pytest.raises(ConfigError, match=r"policy\.api_key: .*non-empty"):
+        load_config(write(tmp_path, f"policy:\n  api_key: '{key}'\n"), environ={})
 
 
 def test_env_admin_key_replaces_the_files_hash() -> None:
@@ -207,7 +209,7 @@ def test_bootstrap_servers_accept_host_port_lists(tmp_path: Path, servers: str) 
     assert cfg.stream.bootstrap_servers == servers
 
 
-@pytest.mark.parametrize("servers", ["nohostport", "host:", "a:1,b", ""])
+@pytest.mark.parametrize("servers", ["nohostport", "host:", "a:1,b", " , "])
 def test_bootstrap_servers_must_be_host_port(servers: str) -> None:
     with pytest.raises(ConfigError, match=r"stream\.bootstrap_servers: .*expected HOST:PORT"):
         load_config(None, environ={"OLP_STREAM__BOOTSTRAP_SERVERS": servers})
@@ -327,11 +329,12 @@ def test_config_show_masks_secret_looking_vllm_env_values_and_arguments() -> Non
     environ = {
         "OLP_POLICY__ENV": (
             "{HF_TOKEN: sekrit1, VLLM_LOGGING_LEVEL: INFO,"
-            " HF_ENDPOINT: 'https://me:sekrit5@mirror.example/hf'}"
+            " HF_ENDPOINT: 'https://me:sekrit5@mirror.example/hf',"
+            " OPENAI_APIKEY: sekrit7, DB_PASSPHRASE: sekrit8}"
         ),
         "OLP_POLICY__EXTRA_ARGS": (
             "[--api-key, sekrit2, --hf-token=sekrit3, --tokenizer, tok/dir,"
-            " --download-url=https://me:sekrit6@mirror.example]"
+            " --download-url=https://me:sekrit6@mirror.example, --apikey, sekrit9]"
         ),
         "OLP_POLICY__API_KEY": "sekrit4",
     }
@@ -341,6 +344,8 @@ def test_config_show_masks_secret_looking_vllm_env_values_and_arguments() -> Non
         "HF_TOKEN": "**********",
         "VLLM_LOGGING_LEVEL": "INFO",
         "HF_ENDPOINT": "https://**********@mirror.example/hf",  # a URL's user info too
+        "OPENAI_APIKEY": "**********",  # words ending as a secret's name
+        "DB_PASSPHRASE": "**********",
     }
     assert shown["policy"]["extra_args"] == [
         "--api-key",
@@ -349,6 +354,8 @@ def test_config_show_masks_secret_looking_vllm_env_values_and_arguments() -> Non
         "--tokenizer",
         "tok/dir",
         "--download-url=https://**********@mirror.example",
+        "--apikey",
+        "**********",
     ]
 
 
@@ -369,3 +376,36 @@ def test_an_env_digest_replaces_the_files_plaintext_admin_key(tmp_path: Path) ->
     digest = sha256_hex("env-key-456")
     cfg = load_config(path, environ={"OLP_PROXY__ADMIN_KEY_SHA256": digest})
     assert cfg.proxy.admin_key_sha256 == digest
+
+
+def test_a_key_given_twice_in_the_file_is_refused_naming_it(tmp_path: Path) -> None:
+    """A second `proxy:` section appended to the file replaced the first in silence: its
+    admin key went with it, and the admin API was off."""
+    path = write(
+        tmp_path,
+        "proxy:\n  admin_key: first-admin-key\ntenants: []\nproxy:\n  port: 9000\n",
+    )
+    with pytest.raises(ConfigError, match=r"'proxy' is given twice .*lines 1 and 4") as err:
+        load_config(path, environ={})
+    assert "first-admin-key" not in str(err.value)
+    nested = write(tmp_path, "tenants:\n  - name: a\n    api_key: k1\n    name: b\n")
+    with pytest.raises(ConfigError, match=r"'name' is given twice"):
+        load_config(nested, environ={})
+
+
+@pytest.mark.parametrize("name", ["OLP_PROXY__HOST", "OLP_PROXY__PORT", "OLP_STREAM__TOPIC_PREFIX"])
+def test_an_empty_section_variable_is_refused_naming_it(name: str) -> None:
+    """`OLP_PROXY__HOST=${UNSET}` made the proxy listen on every interface with its Host
+    check off, and nothing said so."""
+    with pytest.raises(ConfigError, match=rf"{name} is set but empty"):
+        load_config(None, environ={name: ""})
+
+
+def test_an_empty_host_or_upstream_key_is_refused(tmp_path: Path) -> None:
+    for text, where in (
+        ("proxy:\n  host: ''\n", r"proxy\.host"),
+        ("policy:\n  host: ''\n", r"policy\.host"),
+        ("proxy:\n  upstream_api_key: ' '\n", r"proxy\.upstream_api_key: .*non-empty"),
+    ):
+        with pytest.raises(ConfigError, match=where):
+            load_config(write(tmp_path, text), environ={})

@@ -25,6 +25,9 @@ class AdminError(RuntimeError):
 
 def admin_key(cfg: OlpConfig, explicit: str | None) -> str:
     """--admin-key, else OLP_ADMIN_KEY, else the dev key when the config still uses it."""
+    if explicit is not None and not explicit.strip():
+        # It fell back to OLP_ADMIN_KEY or the dev key: another key than the one meant.
+        raise AdminError("--admin-key is empty: give the key, or leave the option out")
     key = (explicit or os.environ.get("OLP_ADMIN_KEY") or "").strip()
     if key:
         # Stripped as the proxy strips a presented key (a key file saved with CRLF ends in
@@ -58,6 +61,10 @@ def learner_admin_key(cfg: OlpConfig) -> str:
 def operator_name(explicit: str | None) -> str:
     """Who the audit log names for a change: --actor, else OLP_ACTOR, else the login name of
     whoever runs the command (before, every CLI change was audited as `admin`)."""
+    if explicit is not None and not explicit.strip():
+        # It fell back to the login name: the change was audited under another name than
+        # the one the operator meant to give.
+        raise AdminError("--actor is empty: give a name (1-64 letters, digits and . _ @ : -)")
     name = explicit or os.environ.get("OLP_ACTOR")
     if name:
         if not ACTOR_PATTERN.fullmatch(name):

@@ -26,7 +26,7 @@ from pydantic import (
     model_validator,
 )
 
-from deploy.ports import local_http_url
+from deploy.ports import is_loopback, local_http_url, split_host_port
 
 ENV_PREFIX = "OLP_"
 BUILTIN_MODEL = "smollm2-135m-instruct"
@@ -34,6 +34,21 @@ BUILTIN_MODEL = "smollm2-135m-instruct"
 
 class ConfigError(ValueError):
     """The configuration is invalid; the message names every bad key."""
+
+
+# vLLM flags the launcher sets from a `policy` key (deploy/policy.py), refused in extra_args.
+_LAUNCHER_FLAGS = {
+    "--model": "model",
+    "--served-model-name": "served_model_name",
+    "--host": "host",
+    "--port": "port",
+    "--max-loras": "max_loras",
+    "--max-lora-rank": "max_lora_rank",
+    "--max-model-len": "max_model_len",
+    "--dtype": "dtype",
+    "--seed": "seed",
+    "--tool-call-parser": "tool_call_parser",
+}
 
 
 class PolicyConfig(BaseModel):
@@ -88,6 +103,18 @@ class PolicyConfig(BaseModel):
         if key is not None and not key.get_secret_value().strip():
             raise ValueError("must be a non-empty string, or null for a per-run random key")
         return key
+
+    @field_validator("extra_args")
+    @classmethod
+    def _no_launcher_flags(cls, args: list[str]) -> list[str]:
+        # Appended last, they won over the launcher's: vLLM listened elsewhere than olp
+        # checked, warned about ("not loopback") and waited on. Its own keys set them.
+        for arg in args:
+            flag = arg.split("=", 1)[0]
+            key = _LAUNCHER_FLAGS.get(flag)
+            if key is not None:
+                raise ValueError(f"{flag} is set from policy.{key}: set that key instead")
+        return args
 
     @field_validator("external_urls")
     @classmethod
@@ -388,6 +415,26 @@ class OlpConfig(BaseModel):
             raise ValueError(
                 "proxy.port 0 would pick a free port the learner and the olp commands "
                 "cannot find: set a port"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _ports_apart(self) -> OlpConfig:
+        """The ports `olp up` listens on here, one each: a clash surfaced only after vLLM had
+        started, as "already in use (proxy.port)"."""
+        used: dict[int, list[str]] = {self.proxy.port: ["proxy.port"]}
+        if not self.policy.external_urls:  # a launched vLLM
+            used.setdefault(self.policy.port, []).append("policy.port")
+        host, port = split_host_port(self.stream.bootstrap_servers.split(",")[0])
+        if is_loopback(host):  # the embedded broker
+            used.setdefault(port, []).append("stream.bootstrap_servers (the embedded broker)")
+        clashes = [
+            f"{' and '.join(names)} share port {p}" for p, names in used.items() if len(names) > 1
+        ]
+        if clashes:
+            raise ValueError(
+                f"{'; '.join(clashes)}: olp up listens on each on this machine; give each "
+                "its own port"
             )
         return self
 

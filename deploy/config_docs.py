@@ -43,6 +43,8 @@ NOTES: dict[str, list[str]] = {
         "Tenant names must be unique, and one API key belongs to one holder: two tenants, or "
         "a tenant and the admin key, may not share a key.",
         "`proxy.port` must not be 0 here: the learner and the `olp` commands must know it.",
+        "`proxy.port`, `policy.port` (when olp launches vLLM) and the embedded broker's port "
+        "(`stream.bootstrap_servers` on a loopback host) must differ.",
         "`state_dir` may start with `~` (the home directory).",
     ],
     "StreamConfig": [
@@ -57,6 +59,9 @@ NOTES: dict[str, list[str]] = {
         "in `api_key`); a trailing `/` or `/v1` is stripped.",
         "`api_key` must not be empty: null (the default) gives the launched vLLM a random key of "
         "its own each run.",
+        "`extra_args` must not hold a flag the launcher sets from a key of this section "
+        "(`--host`, `--port`, `--model`, `--served-model-name`, `--max-loras`, "
+        "`--max-lora-rank`, `--max-model-len`, `--dtype`, `--seed`, `--tool-call-parser`).",
     ],
     "ProxyConfig": [
         "`admin_key` (plaintext) may be given instead of `admin_key_sha256`: it is hashed "
@@ -70,6 +75,7 @@ NOTES: dict[str, list[str]] = {
         "`policy_alias` must not also be one of `base_model_aliases` (a base alias always "
         "serves the base model).",
         "`pseudonym_key` must be 16 characters or more.",
+        "`upstream_api_key` must not be empty (null: `policy.api_key`).",
     ],
     "TenantConfig": [
         "`api_key` (plaintext) may be given instead of `api_key_sha256`; it is hashed while "

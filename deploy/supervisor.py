@@ -413,7 +413,7 @@ class Stack:
             lines.append(f"  {comp.name:<8} {comp.describe:<48} pid {pid}")
         proxy_url = http_url(cfg.proxy.host, cfg.proxy.port)
         lines += [
-            f"  OpenAI base URL  {proxy_url}/v1   (model 'policy')",
+            f"  OpenAI base URL  {proxy_url}/v1   (model '{cfg.proxy.policy_alias}')",
             f"  metrics          {proxy_url}/metrics",
             f"  operator page    {proxy_url}/admin/ui   (sign-in link: olp ui)",
             f"  logs             {self.logs_dir}",

@@ -226,7 +226,9 @@ class ProxyConfig(BaseModel):
         "records and feedback must join need the same key",
     )
     base_served_name: str = Field(
-        default="base", description="served model name of the base model on the upstreams"
+        default="base",
+        description="served model name of the base model on the upstreams; `olp proxy` and "
+        "`olp up` set it from `policy.served_model_name` (a value here is not used there)",
     )
     policy_alias: str = Field(default="policy", description="public name of the learned policy")
     base_model_aliases: list[str] = Field(

@@ -409,3 +409,35 @@ def test_an_empty_host_or_upstream_key_is_refused(tmp_path: Path) -> None:
     ):
         with pytest.raises(ConfigError, match=where):
             load_config(write(tmp_path, text), environ={})
+
+
+def test_ports_olp_up_listens_on_must_differ() -> None:
+    """A clash surfaced only after vLLM had started, as "already in use (proxy.port)"."""
+    with pytest.raises(ConfigError, match=r"proxy\.port and policy\.port share port 8100"):
+        load_config(None, environ={"OLP_PROXY__PORT": "8100", "OLP_POLICY__PORT": "8100"})
+    with pytest.raises(ConfigError, match=r"policy\.port and stream\.bootstrap_servers"):
+        load_config(None, environ={"OLP_POLICY__PORT": "9092"})
+    external = {"OLP_POLICY__PORT": "8000", "OLP_POLICY__EXTERNAL_URLS": "[http://vllm:8000]"}
+    assert load_config(None, environ=external).proxy.port == 8000  # vLLM is elsewhere
+    remote = {"OLP_PROXY__PORT": "9092", "OLP_STREAM__BOOTSTRAP_SERVERS": "kafka:9092"}
+    assert load_config(None, environ=remote).proxy.port == 9092
+
+
+@pytest.mark.parametrize("args", ["[--host, 0.0.0.0]", "[--port=9000]", "[--dtype, half]"])
+def test_extra_args_may_not_set_what_a_policy_key_sets(args: str) -> None:
+    """Appended last, `--host`/`--port` won: vLLM listened elsewhere than olp checked,
+    warned about and waited on."""
+    with pytest.raises(ConfigError, match=r"policy\.extra_args: .* is set from policy\."):
+        load_config(None, environ={"OLP_POLICY__EXTRA_ARGS": args})
+    assert load_config(None, environ={"OLP_POLICY__EXTRA_ARGS": "[--enforce-eager]"})
+
+
+def test_an_empty_actor_or_admin_key_option_is_refused() -> None:
+    """Both fell back: the change was audited under the login name, or sent with
+    OLP_ADMIN_KEY or the dev key."""
+    from deploy.admin_client import AdminError, admin_key, operator_name
+
+    with pytest.raises(AdminError, match="--actor is empty"):
+        operator_name("  ")
+    with pytest.raises(AdminError, match="--admin-key is empty"):
+        admin_key(load_config(None, environ={}), "")

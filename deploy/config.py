@@ -98,11 +98,9 @@ class PolicyConfig(BaseModel):
     @field_validator("api_key")
     @classmethod
     def _non_empty_key(cls, key: SecretStr | None) -> SecretStr | None:
-        # An empty key (`OLP_POLICY__API_KEY=${UNSET}`) would start vLLM with no key at all,
-        # its adapter load/unload routes open to every local process.
-        if key is not None and not key.get_secret_value().strip():
-            raise ValueError("must be a non-empty string, or null for a per-run random key")
-        return key
+        # An empty key in the file would start vLLM with no key at all, its adapter
+        # load/unload routes open to every local process.
+        return non_empty_secret(key, "a per-run random key")
 
     @field_validator("extra_args")
     @classmethod
@@ -372,7 +370,7 @@ def load_raw(path: Path | None, environ: Mapping[str, str] | None = None) -> dic
 from learner.config import LearnerConfig  # noqa: E402
 from proxy.config import ProxyConfig, TenantConfig  # noqa: E402
 from replay.config import StreamConfig  # noqa: E402
-from safety.config import SafetyConfig, refuse_userinfo  # noqa: E402
+from safety.config import SafetyConfig, non_empty_secret, refuse_userinfo  # noqa: E402
 
 DEFAULT_CONFIG_FILE = Path(__file__).with_name("default_config.yaml")
 

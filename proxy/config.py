@@ -23,7 +23,7 @@ from pydantic import (
 
 from proxy.client_address import parse_network
 from proxy.host_check import valid_allowed_host
-from safety.config import refuse_userinfo
+from safety.config import non_empty_secret, refuse_userinfo
 
 # Set by `olp up` for its children: a per-run token the learner uses to flip aliases.
 INTERNAL_ADMIN_TOKEN_ENV = "OLP_INTERNAL_ADMIN_TOKEN"
@@ -322,9 +322,7 @@ class ProxyConfig(BaseModel):
     def _non_empty_upstream_key(cls, key: SecretStr | None) -> SecretStr | None:
         # An empty key was sent as no key at all (and `policy.api_key` was not used), so a
         # vLLM started with one refused every request with 401.
-        if key is not None and not key.get_secret_value().strip():
-            raise ValueError("must be a non-empty string, or null for `policy.api_key`")
-        return key
+        return non_empty_secret(key, "`policy.api_key`")
 
     @field_validator("pseudonym_key")
     @classmethod

@@ -10,7 +10,7 @@ import re
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
 
 PROBE_DIR = Path(__file__).resolve().parent / "probes"
 
@@ -59,6 +59,14 @@ DEFAULT_SECRET_KEYS: tuple[str, ...] = (
     "cookie",
     "set_cookie",
 )
+
+
+def non_empty_secret(key: SecretStr | None, null_means: str) -> SecretStr | None:
+    """A configured key that is empty or blank is refused: taken for "no key" (an unset
+    variable in an env file gives one), it started vLLM without a key or sent none to it."""
+    if key is not None and not key.get_secret_value().strip():
+        raise ValueError(f"must be a non-empty string, or null for {null_means}")
+    return key
 
 
 def refuse_userinfo(url: str, key: str, shown_by: str, instead: str) -> None:

@@ -373,6 +373,14 @@ class Stack:
             return f"it was restarted {comp.restarts} times already (max_restarts)"
         return None
 
+    def _stop_timeout_s(self, comp: Component) -> float:
+        """How long a child may take to stop: the proxy drains its requests
+        (`proxy.drain_s`), then closes its sink (`stream.close_timeout_s`); killed before,
+        it lost what was in flight and in the sink's memory."""
+        if comp.name != "proxy":
+            return 30.0
+        return max(30.0, self.cfg.proxy.drain_s + self.cfg.stream.close_timeout_s + 10.0)
+
     def stop(self) -> list[str]:
         """Stop every child, newest first; one failing stop does not spare the others.
 
@@ -383,7 +391,9 @@ class Stack:
                 continue
             what = f"{comp.name} (pid {comp.child.pid})"
             try:
-                comp.child.stop(timeout_s=30, group_grace_s=self.group_grace_s)
+                comp.child.stop(
+                    timeout_s=self._stop_timeout_s(comp), group_grace_s=self.group_grace_s
+                )
             except Exception as exc:  # e.g. EPERM from kill: report it, stop the others
                 log.error("child_stop_failed", child=comp.name, pid=comp.child.pid, error=str(exc))
                 say(f"olp: stopping {what} failed: {exc}")

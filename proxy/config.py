@@ -214,6 +214,13 @@ class ProxyConfig(BaseModel):
         default_factory=list,
         description="vLLM base URLs without /v1; empty = filled in by the launcher",
     )
+    drain_s: float = Field(
+        default=15.0,
+        ge=0,
+        description="on stop, how long requests in flight may still run; then they are "
+        "cancelled (a trajectory is recorded `aborted`) and the sink closes "
+        "(`stream.close_timeout_s`); `olp up` waits for both",
+    )
     upstream_api_key: SecretStr | None = Field(
         default=None,
         description="Bearer key sent to the upstreams (vLLM's --api-key); null: "

@@ -122,3 +122,19 @@ def test_olp_up_gives_a_crashed_proxys_stream_worker_its_grace(tmp_path, monkeyp
     assert stack.stop() == []
     assert marker.exists(), "the worker was killed before it saved what it held"
     assert stack.group_grace_s > stack.cfg.stream.close_timeout_s
+
+
+def test_olp_up_gives_the_proxy_its_drain_and_its_sinks_close(tmp_path, monkeypatch) -> None:
+    """`olp up` killed the proxy at 30 s, while it still drained a long stream (aiohttp's
+    60 s) and before its sink closed: the request and the sink's memory were lost."""
+    from deploy.config import load_config
+    from deploy.supervisor import Component, Stack
+
+    monkeypatch.setenv("OLP_STATE_DIR", str(tmp_path / "state"))
+    monkeypatch.setenv("OLP_PROXY__DRAIN_S", "40")
+    monkeypatch.setenv("OLP_STREAM__CLOSE_TIMEOUT_S", "20")
+    stack = Stack(load_config(), None, with_learner=False)
+    proxy = Component("proxy", lambda: None, "proxy")  # type: ignore[arg-type, return-value]
+    broker = Component("broker", lambda: None, "broker")  # type: ignore[arg-type, return-value]
+    assert stack._stop_timeout_s(proxy) == 40 + 20 + 10
+    assert stack._stop_timeout_s(broker) == 30

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import json
 import socket
 import time
@@ -118,7 +119,7 @@ class FakeVllm(ThreadedUpstream):
         await response.prepare(request)
         for event in self._events(chat, body):
             await response.write(event)  # one read per event, like a paced model server
-            await asyncio.sleep(0.005)
+            await asyncio.sleep(self.event_delay_s)
         await response.write_eof()
         return response
 
@@ -126,6 +127,7 @@ class FakeVllm(ThreadedUpstream):
         super().__init__()
         # Knobs for the admin and readiness tests: how slowly /v1/models answers, and what.
         self.models_delay_s = 0.0
+        self.event_delay_s = 0.005  # between stream events
         self.models_payload: Any = {"data": [{"id": "base"}, {"id": "policy-v1"}]}
         self.authorizations: list[str | None] = []  # of every request, in order
 
@@ -1072,3 +1074,37 @@ def test_proxies_configured_with_one_pseudonym_key_label_alike(make_proxy, fake,
     assert three.ctx.pseudonym_key not in (None, shared.encode())
     with pytest.raises(ValueError, match="16 characters or more"):
         ProxyConfig(pseudonym_key="short")
+
+
+def test_a_stop_cancels_requests_still_running_after_drain_s_and_records_them(make_proxy, fake):
+    """aiohttp waited 60 s for requests in flight, `olp up` killed the proxy at 30 s, and
+    a long stream's trajectory (with the sink's memory) was lost."""
+    import threading
+
+    fake.event_delay_s = 2.0  # a stream of about 30 s
+    harness, sink = make_proxy([fake.url], drain_s=0.5)
+    started = threading.Event()
+
+    def stream() -> None:
+        headers = {"Authorization": f"Bearer {KEYS['alice']}"}
+        body = {**CHAT, "stream": True}
+        with (
+            contextlib.suppress(httpx.HTTPError),
+            httpx.stream(
+                "POST", harness.base_url + "/v1/chat/completions", json=body, headers=headers
+            ) as answer,
+        ):
+            for _ in answer.iter_bytes():
+                started.set()
+
+    client = threading.Thread(target=stream, daemon=True)
+    client.start()
+    assert started.wait(10)
+    began = time.monotonic()
+    harness.call(harness._runner.cleanup(), timeout_s=30)
+    took = time.monotonic() - began
+    harness._runner = None
+    harness.drain()
+    assert took < 5, f"the stop waited {took:.1f} s with drain_s 0.5"
+    [record] = sink.trajectories
+    assert record["status"] == "aborted"

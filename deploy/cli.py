@@ -61,6 +61,17 @@ def _state_dir_refused(state_dir: Path) -> bool:
     return False
 
 
+def _in_state_dir(exc: OSError, state_dir: Path) -> bool:
+    """Whether `exc` is about a path below the state dir."""
+    if not exc.filename:
+        return False
+    try:
+        Path(os.fsdecode(exc.filename)).resolve().relative_to(state_dir.resolve())
+    except (ValueError, TypeError):
+        return False
+    return True
+
+
 def cmd_proxy(args: argparse.Namespace, cfg: OlpConfig) -> int:
     from deploy.procs import EXIT_CONFIG_ERROR, EXIT_REFUSED
     from proxy.server import run_proxy
@@ -95,6 +106,16 @@ def cmd_proxy(args: argparse.Namespace, cfg: OlpConfig) -> int:
         )
         return EXIT_CONFIG_ERROR
     except OSError as exc:
+        if _in_state_dir(exc, cfg.state_dir):
+            # A path below the state dir it cannot use (`audit/` left as a file, another
+            # user's directory): one line and "refused", as for the state dir itself, not a
+            # traceback and an exit 1 that `olp up` would restart into the same failure.
+            print(
+                f"olp: cannot use the state dir {cfg.state_dir}: {exc.filename}: "
+                f"{exc.strerror or exc}",
+                file=sys.stderr,
+            )
+            return EXIT_REFUSED
         if exc.errno not in (errno.EADDRINUSE, errno.EADDRNOTAVAIL, errno.EACCES):
             raise
         # The port is taken (an old proxy still stopping) or not ours to bind: one line.

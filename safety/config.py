@@ -146,7 +146,10 @@ class RedactionConfig(_Model):
 
 
 class AuditConfig(_Model):
-    path: str = "audit/audit.jsonl"  # relative to the state dir
+    path: str = Field(
+        default="audit/audit.jsonl",
+        description="relative to the state dir, or absolute (another volume)",
+    )
     rotate_bytes: int = Field(default=16 * 1024 * 1024, ge=1024)
     fsync: bool = True
     secret_keys: list[str] = Field(default_factory=lambda: list(DEFAULT_SECRET_KEYS))

@@ -437,6 +437,17 @@ def test_proxy_and_learner_with_a_state_dir_they_cannot_create_say_so(
     assert_clean_error(done, 3, f"cannot use the state dir {blocker / 'state'}: Not a directory")
 
 
+def test_a_proxy_that_cannot_use_a_path_below_the_state_dir_says_so(tmp_path: Path) -> None:
+    """Only the state dir itself was checked: `audit/` left as a file (or another user's
+    directory) gave a traceback and exit 1, which `olp up` restarts into the same failure."""
+    state = tmp_path / "state"
+    state.mkdir()
+    (state / "audit").write_text("")
+    env = {"OLP_STATE_DIR": str(state), "OLP_PROXY__PORT": str(free_port())}
+    done = olp("proxy", env=env)
+    assert_clean_error(done, 3, f"cannot use the state dir {state}: {state / 'audit'}: File exists")
+
+
 # ------------------------------------------------------------------ key hash, broker, model
 @pytest.mark.parametrize(
     ("args", "stdin"), [((), ""), ((), "   \n"), ((), "\nsecret\n"), (("",), None), (("  ",), None)]

@@ -221,6 +221,9 @@ TOP_LEVEL_ENV = {
     "OLP_LOG_FORMAT": "log_format",
     "OLP_LOG_LEVEL": "log_level",
 }
+# Top-level keys set in the file only: a variable of their name was ignored in silence
+# (`OLP_ON_CHILD_EXIT=restart` left `olp up` stopping on a child's exit).
+FILE_ONLY_ENV = {"OLP_ON_CHILD_EXIT": "on_child_exit", "OLP_MAX_RESTARTS": "max_restarts"}
 
 
 def _yaml_position(exc: yaml.YAMLError) -> str:
@@ -271,6 +274,12 @@ def env_overrides(environ: Mapping[str, str]) -> dict[str, Any]:
     for name, key in TOP_LEVEL_ENV.items():
         if environ.get(name):
             tree[key] = environ[name]
+    for name, key in FILE_ONLY_ENV.items():
+        if name in environ:
+            raise ConfigError(
+                f"invalid configuration:\n  {key}: {name} is not read: `{key}` is set in the "
+                "config file only (unset the variable)"
+            )
     for name, raw in environ.items():
         if not name.startswith(ENV_PREFIX) or "__" not in name:
             continue
@@ -282,6 +291,12 @@ def env_overrides(environ: Mapping[str, str]) -> dict[str, Any]:
         ]
         if path[0] not in SECTIONS:
             continue
+        if path[0] == "tenants":
+            # "tenants: Input should be a valid list" named neither the variable nor why.
+            raise ConfigError(
+                f"invalid configuration:\n  tenants: {name} is not read: tenants are set in "
+                "the config file only (unset the variable)"
+            )
         node = tree
         for part in path[:-1]:
             node = node.setdefault(part, {})

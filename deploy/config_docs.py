@@ -320,7 +320,8 @@ unset the variable to keep the file's value. Environment values win over the fil
 twice in one mapping of the file is refused too, with both lines. Of the top-level keys
 only `state_dir`, `log_format` and `log_level` have overrides
 (`OLP_STATE_DIR`, `OLP_LOG_FORMAT`, `OLP_LOG_LEVEL`). Entries of lists (`tenants`,
-verifiers, custom redaction patterns) are set in the file only.
+verifiers, custom redaction patterns) are set in the file only; `OLP_TENANTS__*`,
+`OLP_ON_CHILD_EXIT` and `OLP_MAX_RESTARTS` are refused, naming the variable.
 
 Variables that are not config keys: `OLP_ADMIN_KEY` (the admin key the `olp` operator
 commands and a standalone learner send), `OLP_CACHE_DIR` (prepared models and olpw

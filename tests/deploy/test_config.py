@@ -441,3 +441,20 @@ def test_an_empty_actor_or_admin_key_option_is_refused() -> None:
         operator_name("  ")
     with pytest.raises(AdminError, match="--admin-key is empty"):
         admin_key(load_config(None, environ={}), "")
+
+
+@pytest.mark.parametrize(
+    ("name", "key"),
+    [
+        ("OLP_TENANTS__0__TRAINING_ENABLED", "tenants"),
+        ("OLP_ON_CHILD_EXIT", "on_child_exit"),
+        ("OLP_MAX_RESTARTS", "max_restarts"),
+    ],
+)
+def test_a_variable_for_a_key_set_in_the_file_only_is_refused_naming_it(
+    name: str, key: str
+) -> None:
+    """`OLP_ON_CHILD_EXIT=restart` was ignored in silence; `OLP_TENANTS__*` gave "tenants:
+    Input should be a valid list", naming neither the variable nor the rule."""
+    with pytest.raises(ConfigError, match=rf"{key}: {name} is not read: .* config file only"):
+        load_config(None, environ={name: "true"})

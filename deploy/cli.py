@@ -135,7 +135,7 @@ def cmd_learner(args: argparse.Namespace, cfg: OlpConfig) -> int:
 
     # Distinct exit codes: `olp up` never restarts a learner that exits with either.
     from deploy.procs import EXIT_CONFIG_ERROR, EXIT_REFUSED
-    from safety.gates.preflight import check_probe_sets
+    from safety.gates.preflight import check_probe_sets, gates_that_cannot_fail
     from safety.gates.types import GateError
 
     if _state_dir_refused(cfg.state_dir):
@@ -150,6 +150,8 @@ def cmd_learner(args: argparse.Namespace, cfg: OlpConfig) -> int:
     except GateError as exc:
         print(f"olp: learner: safety.gates: {exc}", file=sys.stderr)
         return EXIT_CONFIG_ERROR
+    for weakness in gates_that_cannot_fail(cfg.safety.gates):
+        print(f"olp: learner: warning: safety.gates: {weakness}", file=sys.stderr)
 
     from deploy.learner_runner import STREAM_ID_ENV, run
     from deploy.model_prep import ModelPrepError

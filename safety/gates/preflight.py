@@ -14,6 +14,7 @@ from safety.gates.classifier import guard_api_key
 from safety.gates.kl import kl_prompts
 from safety.gates.monitors import monitor_probes
 from safety.gates.poisoning import trigger_probes
+from safety.gates.probes import BUILTIN, MonitorProbe, load_probes
 from safety.gates.regression import regression_probes
 from safety.gates.safety_probes import red_team_probes
 
@@ -34,3 +35,46 @@ def check_probe_sets(config: GatesConfig) -> dict[str, int]:
     if config.poisoning.enabled:
         counts["poisoning"] = len(trigger_probes(config.poisoning))
     return counts
+
+
+def gates_that_cannot_fail(config: GatesConfig) -> list[str]:
+    """What in these settings no candidate could fail: a rate gate whose margin plus noise
+    allowance (`noise_probes` of its probes) reaches the largest change there is, and a
+    monitor left with no probe to measure. Legal settings (small probe counts make quick
+    test runs), said at start-up instead of found in a gate report that always passes."""
+    noise = config.sampling.noise_probes
+    found: list[str] = []
+
+    def check(name: str, margin: float, probes: int, what: str) -> None:
+        if probes and margin + noise / probes >= 1.0:
+            found.append(
+                f"{name} cannot fail: {what} {margin:g} + noise {noise}/{probes} probes "
+                f"= {margin + noise / probes:g} >= 1 (raise max_probes or lower noise_probes)"
+            )
+
+    if config.regression.enabled:
+        count = len(regression_probes(config.regression))
+        check("regression", config.regression.epsilon, count, "epsilon")
+    if config.safety_probes.enabled:
+        count = len(red_team_probes(config.safety_probes))
+        check("safety_probes", config.safety_probes.margin, count, "margin")
+    if config.monitors.enabled:
+        monitors = config.monitors
+        probes = monitor_probes(monitors, config.regression)
+        kinds = [getattr(probe, "kind", "benign") for probe in probes]
+        for name, band in (
+            ("length_cap", monitors.length_cap_band),
+            ("repetition", monitors.repetition_band),
+            ("clarifying_questions", monitors.clarifying_band),
+        ):
+            check(f"monitor.{name}", band, len(probes), "band")
+        check("monitor.refusal", monitors.refusal_band, kinds.count("benign"), "band")
+        tools = kinds.count("tool")
+        check("monitor.tool_call_validity", monitors.tool_call_validity_band, tools, "band")
+        in_file = load_probes(monitors.probe_file or BUILTIN["monitors"], MonitorProbe)
+        if not tools and any(probe.kind == "tool" for probe in in_file):
+            found.append(
+                "monitor.tool_call_validity is not measured: monitors.max_probes "
+                f"({monitors.max_probes}) keeps none of the monitor file's tool probes"
+            )
+    return found

@@ -1133,3 +1133,35 @@ async def test_a_suite_with_no_gate_enabled_fails_closed_saying_so() -> None:
     )
     assert not report.passed and report.failed_gates == ["suite"]
     assert "no gate is enabled" in report.results[0].details["reason"]
+
+
+def test_settings_no_candidate_could_fail_are_named_at_start_up() -> None:
+    """Legal settings made gates vacuous: one tool probe left by monitors.max_probes gave a
+    threshold of 1.25 on a rate of at most 1, and none left took the tool monitor out of the
+    report without a word."""
+    from safety.gates.preflight import gates_that_cannot_fail
+
+    assert gates_that_cannot_fail(GatesConfig()) == []
+    small = GatesConfig.model_validate(
+        {
+            "regression": {"max_probes": 1},
+            "safety_probes": {"max_probes": 1},
+            "monitors": {"max_probes": 4},
+        }
+    )
+    found = gates_that_cannot_fail(small)
+    assert [line.split(" ", 1)[0] for line in found] == [
+        "regression",
+        "safety_probes",
+        "monitor.tool_call_validity",
+    ]
+    assert "band 0.25 + noise 1/1 probes = 1.25 >= 1" in found[-1]
+    none_left = gates_that_cannot_fail(GatesConfig.model_validate({"monitors": {"max_probes": 2}}))
+    assert none_left == [
+        "monitor.tool_call_validity is not measured: monitors.max_probes (2) keeps none of "
+        "the monitor file's tool probes"
+    ]
+    quiet = GatesConfig.model_validate(
+        {"sampling": {"noise_probes": 0}, "monitors": {"max_probes": 4}}
+    )
+    assert gates_that_cannot_fail(quiet) == []

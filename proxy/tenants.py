@@ -146,6 +146,10 @@ class TenantRegistry:
             feedback_bucket=TokenBucket(rate) if rate else None,
         )
 
+    def holds_key(self, key: str) -> bool:
+        """Whether `key` (stripped) is a configured tenant's, whatever `require_auth` says."""
+        return sha256_hex(key.strip()) in self._by_key
+
     def authenticate(self, authorization: str | None) -> Tenant:
         """The tenant of an `Authorization: Bearer <key>` header, or a 401 ProxyError."""
         key = None

@@ -612,6 +612,21 @@ def test_wrong_keys_at_readyz_count_for_the_throttle_and_a_lockout_hides_the_url
     assert ready.status_code == 200 and ready.json()["replicas"] == {"replica-0": "ok"}
 
 
+def test_wrong_keys_at_readyz_count_without_require_auth_too(make_proxy, fake):
+    """With `require_auth: false` every unknown key is served as `anonymous`: none counted
+    at /readyz, whose answer still told the admin key apart (its URLs), so the admin key
+    could be guessed without limit."""
+    harness, _ = make_proxy(
+        [fake.url], require_auth=False, auth_failures=AuthFailureLimits(max_failures=2)
+    )
+    for _ in range(3):  # a tenant's key is still no wrong key
+        assert _readyz(harness, KEYS["alice"]).json()["replicas"] == {"replica-0": "ok"}
+    for guess in ("guess-1", "guess-2"):
+        assert _readyz(harness, guess).json()["replicas"] == {"replica-0": "ok"}
+    ready = _readyz(harness, ADMIN_KEY)  # locked out: the admin key is not looked at
+    assert ready.status_code == 200 and ready.json()["replicas"] == {"replica-0": "ok"}
+
+
 def test_readyz_names_a_canary_target_no_replica_serves(make_proxy, fake):
     """A canary's share of traffic goes to its own target: unloaded, that share gets 404s."""
     harness, _ = make_proxy([fake.url])

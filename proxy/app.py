@@ -393,12 +393,15 @@ def _reconcile_state(
             state.canaries.pop(alias, None)
     for name in registry.apply_overrides(state.tenant_training):
         switch = state.tenant_training.pop(name)
+        known = name in registry.tenants
         change(
             "tenant_training_switch_dropped",
             tenant=name,
             switch=switch["enabled"],
-            config_enabled=not switch["config_enabled"],
-            reason="the config's training_enabled changed since the switch was set",
+            config_enabled=not switch["config_enabled"] if known else None,
+            reason="the config's training_enabled changed since the switch was set"
+            if known
+            else "the config no longer names the tenant",
         )
     return changes
 

@@ -255,11 +255,14 @@ class TenantRegistry:
 
         A switch is stale when the tenant's `training_enabled` in the config changed since it
         was set: the config's newer word wins (an operator who turns a tenant off in the
-        config, say because it withdrew consent, is obeyed), and the caller drops it."""
+        config, say because it withdrew consent, is obeyed), and the caller drops it. So is
+        the switch of a tenant the config no longer names: kept, it applied again to a new
+        tenant given the same name (its traffic trained on, with `training_enabled: false`)."""
         stale = []
         for name, switch in overrides.items():
             tenant = self.tenants.get(name)
             if tenant is None:
+                stale.append(name)
                 continue
             if not switch_applies(switch, tenant.config.training_enabled):
                 stale.append(name)

@@ -1047,6 +1047,31 @@ def test_an_alias_the_config_no_longer_names_is_dropped_at_start_up(make_proxy, 
     ]
 
 
+def test_a_training_switch_of_a_tenant_the_config_dropped_is_dropped_and_audited(
+    make_proxy, fake, tmp_path
+):
+    from proxy.serving_state import ServingState, save_state
+
+    state_dir = tmp_path / "ghost-switch-state"
+    save_state(
+        state_dir / "control" / "serving.json",
+        ServingState(
+            aliases={"policy": "base", "base": "base"},
+            tenant_training={"ghost": {"enabled": True, "config_enabled": False}},
+        ),
+    )
+    harness, _ = make_proxy([fake.url], state_dir=state_dir)
+    saved = json.loads(harness.ctx.state_path.read_text())
+    assert saved.get("tenant_training", {}) == {}
+    [dropped] = [
+        r["payload"]
+        for r in harness.ctx.audit.iter_records()
+        if r["event"] == "tenant_training_switch_dropped"
+    ]
+    assert dropped["tenant"] == "ghost" and dropped["config_enabled"] is None
+    assert dropped["reason"] == "the config no longer names the tenant"
+
+
 def test_a_start_up_change_the_audit_log_cannot_record_is_logged_and_serving_goes_on(
     make_proxy, fake, tmp_path
 ):

@@ -97,6 +97,10 @@ def test_auth_and_training_opt_in():
     stale = {"on": {"enabled": False, "config_enabled": False}}
     assert registry.apply_overrides(stale) == ["on"]
     assert registry.wants_training(on, opts_out_of_training([])) is True
+    # A tenant the config no longer names: kept, the switch applied again to a new tenant
+    # given the name, whatever its own `training_enabled` said.
+    gone = {"removed": {"enabled": True, "config_enabled": False}}
+    assert registry.apply_overrides(gone) == ["removed"]
 
 
 @pytest.mark.parametrize(

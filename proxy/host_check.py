@@ -36,11 +36,15 @@ def valid_allowed_host(entry: str) -> str:
     name = host_name(entry)
     if not name or any(c.isspace() or c in "/@?#" for c in name):
         raise ValueError(f"{entry!r} is not a host name or address (no scheme, path or spaces)")
+    if "*" in name:
+        # Compared as text, `*.example.com` matched no host at all.
+        raise ValueError(f"{entry!r}: no wildcards in a name; list each name, or `*` for any")
     return name
 
 
 def host_name(header: str) -> str:
-    """The name part of a `Host` value: lower case, no port, no brackets, no final dot."""
+    """The name part of a `Host` value: lower case, no port, no brackets, no final dot; an
+    IP address in its compressed form (`2001:DB8:0::5` matched no `[2001:db8::5]`)."""
     value = header.strip().lower()
     if value.startswith("["):
         value = value[1:].partition("]")[0]
@@ -48,7 +52,13 @@ def host_name(header: str) -> str:
         name, colon, port = value.rpartition(":")
         if colon and port.isdigit() and ":" not in name:
             value = name
-    return value.rstrip(".")
+    value = value.rstrip(".")
+    if ":" in value:  # IPv6 (IPv4 addresses have one spelling as a Host)
+        try:
+            return ipaddress.ip_address(value).compressed
+        except ValueError:
+            return value
+    return value
 
 
 def is_loopback(name: str) -> bool:

@@ -23,10 +23,22 @@ from tests.proxy.conftest import ADMIN_KEY, KEYS
         ("::1", "::1"),  # unbracketed IPv6: no port taken off
         ("olp.example.com.", "olp.example.com"),
         ("olp.example.com:443", "olp.example.com"),
+        ("[2001:DB8:0::5]:8000", "2001:db8::5"),  # an address in one spelling
+        ("2001:db8:0:0:0:0:0:5", "2001:db8::5"),
     ],
 )
 def test_the_name_part_of_a_host_value(header, name):
     assert host_name(header) == name
+
+
+def test_allowed_hosts_match_addresses_in_any_spelling_and_refuse_wildcards():
+    """Compared as text, `2001:DB8:0::5` never matched the `[2001:db8::5]` a browser sends,
+    and `*.example.com` matched no host at all: real hosts got a 400."""
+    config = ProxyConfig(host="0.0.0.0", allowed_hosts=["2001:DB8:0::5"])
+    check = HostCheck(config.host, config.allowed_hosts)
+    assert check.allows("[2001:db8::5]:8000") and not check.allows("[2001:db8::6]")
+    with pytest.raises(ValidationError, match="no wildcards in a name"):
+        ProxyConfig(allowed_hosts=["*.example.com"])
 
 
 @pytest.mark.parametrize(

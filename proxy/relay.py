@@ -93,7 +93,8 @@ def plan_request(
         if not body.get("logprobs") and not asks_top:
             upstream["logprobs"] = True
             plan.added_logprobs = True
-    elif body.get("logprobs") is None:
+    elif body.get("logprobs") is None and not body.get("logprob_token_ids"):
+        # vLLM refuses `logprob_token_ids` without `logprobs` on completions too (400).
         upstream["logprobs"] = 0
         plan.added_logprobs = True
     if not body.get("return_token_ids"):

@@ -915,6 +915,16 @@ def test_top_logprobs_without_logprobs_is_left_for_vllm_to_refuse(extra, added) 
     assert plan.upstream_body.get("logprobs") is (True if added else None)
 
 
+def test_logprob_token_ids_without_logprobs_on_completions_is_left_for_vllm_to_refuse() -> None:
+    """The completions branch added `logprobs: 0`: vLLM served what it refuses (400) for the
+    client's own body, and the client got a 200 without its logprobs."""
+    body = {"model": "m", "prompt": "hi", "logprob_token_ids": [5]}
+    plan = plan_request("completions", body, "base", capture=True)
+    assert not plan.added_logprobs and "logprobs" not in plan.upstream_body
+    plain = plan_request("completions", {"model": "m", "prompt": "hi"}, "base", capture=True)
+    assert plain.added_logprobs and plain.upstream_body["logprobs"] == 0
+
+
 def test_capture_pauses_at_the_backlog_limit_until_half_of_it_is_left() -> None:
     """The sink's worker can fall behind for as long as the cores stay busy: past the limit
     new requests go uncaptured instead of growing the proxy's memory, and capture resumes

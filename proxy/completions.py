@@ -818,29 +818,38 @@ class CompletionRelay:
 
     def _strip_events(self, plan: RelayPlan, block: bytes) -> bytes:
         """Event by event: on the bytes where `strip_bytes` can prove the cut, else parsed
-        (raising ValueError when an event is not JSON)."""
+        (raising ValueError when an event is not JSON). `block` is whole events."""
         out = []
-        for event in SSEParser().feed(block):
-            if event == b"[DONE]":
-                out.append(sse_event(event))
+        raws = block.split(b"\n\n")
+        rest = raws.pop()  # after the last border: nothing (`complete` hands whole events)
+        for raw in raws:
+            if b"data:" not in raw:
+                # A comment (`: keep-alive`, vLLM's --sse-keep-alive-interval) or an event
+                # without data: as it came, in its place (it was dropped for captured
+                # clients only).
+                out.append(raw + b"\n\n")
                 continue
-            stripped = strip_bytes(plan, event)
-            if stripped is not None:
-                out.append(sse_event(stripped))
-                continue
-            chunk, encode = parse_json(event, allow_nonfinite=True)
-            if not isinstance(chunk, dict):
-                raise ValueError("an upstream chunk is not a JSON object")
-            usage = chunk.get("usage")
-            if isinstance(usage, dict):
-                self.usage = usage
-            if not plan.augmented:
-                out.append(sse_event(event))
-                continue
-            stripped_chunk = strip_chunk(plan, chunk, in_place=True)
-            if stripped_chunk is not None:
-                out.append(sse_event(encode(stripped_chunk)))
+            out.extend(self._strip_event(plan, event) for event in SSEParser().feed(raw + b"\n\n"))
+        out.append(rest)
         return b"".join(out)
+
+    def _strip_event(self, plan: RelayPlan, event: bytes) -> bytes:
+        """One event's `data:` payload as the client gets it (b"" when it is dropped)."""
+        if event == b"[DONE]":
+            return sse_event(event)
+        stripped = strip_bytes(plan, event)
+        if stripped is not None:
+            return sse_event(stripped)
+        chunk, encode = parse_json(event, allow_nonfinite=True)
+        if not isinstance(chunk, dict):
+            raise ValueError("an upstream chunk is not a JSON object")
+        usage = chunk.get("usage")
+        if isinstance(usage, dict):
+            self.usage = usage
+        if not plan.augmented:
+            return sse_event(event)
+        stripped_chunk = strip_chunk(plan, chunk, in_place=True)
+        return b"" if stripped_chunk is None else sse_event(encode(stripped_chunk))
 
     def _drop_usage(self, parser: SSEParser, data: bytes) -> bytes:
         """An uncaptured stream's bytes without the usage the proxy asked for on its own

@@ -118,6 +118,8 @@ class FakeVllm(ThreadedUpstream):
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await response.prepare(request)
         for event in self._events(chat, body):
+            if self.keep_alive:  # vLLM's --sse-keep-alive-interval: a comment event
+                await response.write(b": keep-alive\n\n")
             await response.write(event)  # one read per event, like a paced model server
             await asyncio.sleep(self.event_delay_s)
         await response.write_eof()
@@ -128,6 +130,7 @@ class FakeVllm(ThreadedUpstream):
         # Knobs for the admin and readiness tests: how slowly /v1/models answers, and what.
         self.models_delay_s = 0.0
         self.event_delay_s = 0.005  # between stream events
+        self.keep_alive = False  # a `: keep-alive` comment before each event
         self.models_payload: Any = {"data": [{"id": "base"}, {"id": "policy-v1"}]}
         self.authorizations: list[str | None] = []  # of every request, in order
 
@@ -1148,3 +1151,28 @@ def test_a_stop_cancels_requests_still_running_after_drain_s_and_records_them(ma
     assert took < 5, f"the stop waited {took:.1f} s with drain_s 0.5"
     [record] = sink.trajectories
     assert record["status"] == "aborted"
+
+
+def test_sse_comments_reach_captured_clients_as_they_come(make_proxy, fake):
+    """A captured stream's events were re-read for their `data:` only: vLLM's keep-alive
+    comments (`--sse-keep-alive-interval`) reached uncaptured clients and were dropped for
+    captured ones."""
+    fake.keep_alive = True
+    harness, sink = make_proxy([fake.url])
+    bodies = {}
+    for tenant in ("alice", "bob"):  # captured, uncaptured
+        answer = _post(
+            harness.base_url,
+            KEYS[tenant],
+            "/v1/chat/completions",
+            json={**CHAT, "stream": True},
+        )
+        assert answer.status_code == 200, answer.text
+        bodies[tenant] = answer.content
+    # One before each event upstream sent, the usage chunk the proxy asked for included
+    # (the chunk is dropped, the comment before it is the client's as any other).
+    sent = fake._events(True, {**CHAT, "stream": True, "stream_options": {"include_usage": True}})
+    assert bodies["alice"].count(b": keep-alive\n\n") == len(sent)
+    assert bodies["alice"] == bodies["bob"]
+    harness.drain()
+    assert len(sink.trajectories) == 1

@@ -50,6 +50,7 @@ static const Pattern IDS_KEY = ANCHORED("token_ids\":[", 7); /* the d */
 static const Pattern IDS_BEFORE = PATTERN(",\"");
 static const Pattern PROMPT_IDS_BEFORE = PATTERN(",\"prompt_");
 static const Pattern INDEX_KEY = ANCHORED("\"index\":", 5);
+static const Pattern OBJECT_THEN_KEY = PATTERN("},\""); /* a nested object's end, then a key */
 static const Pattern FINISHED = PATTERN("\"finish_reason\":\"");
 static const Pattern CHAT_TEXT = PATTERN("\"delta\":{\"content\":\"");
 static const Pattern CHAT_EMPTY_TEXT = PATTERN("\"delta\":{\"content\":\"\"");
@@ -127,7 +128,11 @@ static int cut_line(const char *line, const char *end, Out *out, int logprobs, i
         if (lp_at != NULL && (id_at == NULL || lp_at < id_at)) {
             /* The object ends at the first `},"finish_reason":` of the same choice. */
             const char *stop = find(lp_at, end, LOGPROBS_END);
+            /* ...and holds no `},"` before it: vLLM's logprobs value never does, while a
+             * field after it (`"logprobs":{...},"extra":{...},"finish_reason"`) would have
+             * gone with the cut. */
             if (stop == NULL || contains(lp_at, stop, INDEX_KEY) ||
+                contains(lp_at, stop, OBJECT_THEN_KEY) ||
                 memchr(lp_at, '\n', (size_t)(stop - lp_at)) != NULL) {
                 return 0;
             }

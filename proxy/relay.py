@@ -252,7 +252,13 @@ def _cut_additions(plan: RelayPlan, data: bytes) -> bytes | None:
     while lp_at >= 0 or id_at >= 0:
         if lp_at >= 0 and (id_at < 0 or lp_at < id_at):
             end = find(_LOGPROBS_END, lp_at)
-            if end < 0 or find(b'"index":', lp_at, end) >= 0 or find(b"\n", lp_at, end) >= 0:
+            if (
+                end < 0
+                or find(b'"index":', lp_at, end) >= 0
+                or find(b"\n", lp_at, end) >= 0
+                # vLLM's logprobs value holds no `},"`: a field after it would go with the cut
+                or find(b'},"', lp_at, end) >= 0
+            ):
                 return None
             parts += (data[done:lp_at], b',"logprobs":null')
             done = end + 1

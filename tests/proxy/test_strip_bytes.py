@@ -370,6 +370,31 @@ def test_sse_block_path_takes_vllm_streams_and_refuses_doubt(sse_strip: str) -> 
     assert strip_sse(chat, b'data: {"usage":{"oops"\n\n') is None  # parsed event by event
 
 
+def test_a_field_between_logprobs_and_finish_reason_is_never_cut_with_them(
+    sse_strip: str,
+) -> None:
+    """The cut ran from `,"logprobs":{` to the first `},"finish_reason":`: an object-valued
+    field after the logprobs (another upstream's, a later vLLM's) went with them, in the C
+    and the Python strip alike. Now the bytes decline, and the parsing path keeps it."""
+    chat = plan_request("chat.completions", {"model": "m", "stream": True}, "m", capture=True)
+    event = (
+        b'{"id":"x","object":"chat.completion.chunk","created":1,"model":"base","choices":'
+        b'[{"index":0,"delta":{"content":"Hi"},"logprobs":{"content":[]},'
+        b'"extra":{"kept":true},"finish_reason":null,"token_ids":[5]}]}'
+    )
+    assert strip_sse(chat, sse_event(event)) is None
+    assert strip_bytes(chat, event) is None
+    whole_plan = plan_request("chat.completions", {"model": "m"}, "m", capture=True)
+    whole = (
+        b'{"id":"x","object":"chat.completion","created":1,"model":"base","choices":[{"index":0,'
+        b'"message":{"role":"assistant","content":"Hi"},"logprobs":{"content":[]},'
+        b'"extra":{"a":1},"finish_reason":"stop","token_ids":[5]}]}'
+    )
+    assert strip_bytes(whole_plan, whole, whole=True) is None
+    stripped = strip_response(whole_plan, json.loads(whole))
+    assert stripped["choices"][0]["extra"] == {"a": 1}
+
+
 def test_the_c_strip_is_built_here() -> None:
     """The install builds the C pass wherever a compiler exists, as in CI; a broken build
     must fail here rather than quietly leave the proxy on the slower Python path."""

@@ -8,6 +8,7 @@ strips the additions before the client sees them.
 from __future__ import annotations
 
 import asyncio
+import json
 import secrets
 import time
 import uuid
@@ -634,7 +635,10 @@ class CompletionRelay:
                 stripped = strip_bytes(plan, raw, whole=True)
                 if stripped is None:  # a shape the byte path cannot prove: parse it
                     payload, encode = parse_json(raw, allow_nonfinite=True)
-                    stripped = encode(strip_response(plan, payload))
+                    result = strip_response(plan, payload)
+                    # Nothing of the proxy's there: the bytes as they came (re-encoded,
+                    # floats changed spelling: `-1.2e-05` became `-0.000012`).
+                    stripped = raw if result == payload else _as_vllm_writes(result, encode)
                 # Read from the client's bytes: the usage is the same, and the logprobs and
                 # token ids the proxy added are gone (skipping them was 17k instructions of
                 # the bench's 16-token answer, 15 % of what capture adds to a request).
@@ -848,8 +852,12 @@ class CompletionRelay:
             self.usage = usage
         if not plan.augmented:
             return sse_event(event)
-        stripped_chunk = strip_chunk(plan, chunk, in_place=True)
-        return b"" if stripped_chunk is None else sse_event(encode(stripped_chunk))
+        stripped_chunk = strip_chunk(plan, chunk)
+        if stripped_chunk is None:
+            return b""
+        if stripped_chunk == chunk:  # nothing of the proxy's there (vLLM's error event)
+            return sse_event(event)  # as it came, not re-encoded
+        return sse_event(encode(stripped_chunk))
 
     def _drop_usage(self, parser: SSEParser, data: bytes) -> bytes:
         """An uncaptured stream's bytes without the usage the proxy asked for on its own
@@ -907,6 +915,18 @@ def _without_usage(event: bytes) -> tuple[bytes, dict[str, Any] | None]:
     if not chunk.get("choices"):
         return b"", kept  # the usage chunk
     return sse_event(encode(chunk)), kept
+
+
+def _as_vllm_writes(payload: Any, encode: Callable[[Any], bytes]) -> bytes:
+    """A whole answer written back as vLLM's JSON response writes it (Python's `json`,
+    compact, UTF-8: msgspec spells floats otherwise); `encode` where `json` cannot (a
+    non-finite number, a lone surrogate read as it came)."""
+    try:
+        return json.dumps(
+            payload, ensure_ascii=False, allow_nan=False, separators=(",", ":")
+        ).encode()
+    except (ValueError, UnicodeEncodeError):
+        return encode(payload)
 
 
 def _choice_count(body: dict[str, Any]) -> int:

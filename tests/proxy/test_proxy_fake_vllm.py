@@ -1176,3 +1176,78 @@ def test_sse_comments_reach_captured_clients_as_they_come(make_proxy, fake):
     assert bodies["alice"] == bodies["bob"]
     harness.drain()
     assert len(sink.trajectories) == 1
+
+
+def test_a_parsed_and_stripped_answer_is_written_as_vllm_writes_it(make_proxy):
+    """An answer the byte strip cannot prove (JSON with spaces, a token `_ids`) is parsed:
+    it was written back by msgspec, whose floats read `-0.000012` where vLLM's (Python's
+    `json`) read `-1.2e-05`."""
+    from tests.proxy.threaded_upstream import NotingUpstream
+
+    answer = {
+        "id": "x",
+        "object": "chat.completion",
+        "created": 1,
+        "model": "base",
+        "choices": [
+            {
+                "index": 0,
+                "message": {"role": "assistant", "content": "user_ids é"},
+                "logprobs": {
+                    "content": [
+                        {"token": "user", "logprob": -1.2e-05, "bytes": [], "top_logprobs": []},
+                        {"token": "_ids", "logprob": -0.5, "bytes": [], "top_logprobs": []},
+                    ]
+                },
+                "finish_reason": "stop",
+                "token_ids": [5, 6],
+            }
+        ],
+        "usage": {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5},
+        "prompt_token_ids": [1, 2, 3],
+    }
+    upstream = NotingUpstream({("POST", "/v1/chat/completions"): answer}).start()
+    try:
+        harness, _ = make_proxy([upstream.url])
+        body = {**CHAT, "logprobs": True}  # the client's own logprobs: only ids are added
+        got = _post(harness.base_url, KEYS["alice"], "/v1/chat/completions", json=body)
+    finally:
+        upstream.stop()
+    assert got.status_code == 200, got.text
+    assert b'"logprob":-1.2e-05' in got.content and "é" in got.content.decode()
+    parsed = got.json()
+    assert parsed["choices"][0]["token_ids"] is None and parsed["prompt_token_ids"] is None
+    assert parsed["choices"][0]["logprobs"] == answer["choices"][0]["logprobs"]
+
+
+class ErrorMidStream(FakeVllm):
+    """vLLM's in-band error event (`json.dumps` with spaces and `\\u` escapes) after the
+    first chunk of a stream."""
+
+    ERROR = (
+        b'data: {"error": {"message": "Request failed: g\\u00e9n\\u00e9rateur", '
+        b'"type": "InternalServerError", "param": null, "code": 500}}\n\n'
+    )
+
+    async def _answer(self, request: web.Request) -> web.StreamResponse:
+        body = await request.json()
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await response.prepare(request)
+        await response.write(self._events(True, body)[0])
+        await response.write(self.ERROR + b"data: [DONE]\n\n")
+        await response.write_eof()
+        return response
+
+
+def test_an_error_event_reaches_a_captured_client_as_vllm_wrote_it(make_proxy):
+    """Parsed because the byte strip cannot prove it, the event was written back compact
+    and with raw UTF-8, though the proxy had nothing to take out of it."""
+    upstream = ErrorMidStream().start()
+    try:
+        harness, _ = make_proxy([upstream.url])
+        got = _post(
+            harness.base_url, KEYS["alice"], "/v1/chat/completions", json={**CHAT, "stream": True}
+        )
+    finally:
+        upstream.stop()
+    assert ErrorMidStream.ERROR in got.content

@@ -172,16 +172,21 @@ async def test_classifier_error_fails_closed(
     vllm_server, load_adapter: LoadAdapter, zero_base: str
 ) -> None:
     candidate = await load_adapter(seed=6, scale=1e-4)
-    for guard_url in (vllm_server.base_url, "http://127.0.0.1:9"):
+    # A guard that answers 404 (no such model) is an answer: a failed gate. One that does
+    # not answer at all is marked unreachable: no verdict (the promoter defers).
+    for guard_url, reason, unreachable in (
+        (vllm_server.base_url, "ClassifierError: guard model", False),
+        ("http://127.0.0.1:9", "UpstreamUnavailable: POST /v1/chat/completions", True),
+    ):
         classifier = ClassifierConfig(
             kind="openai", base_url=guard_url, model=f"no-such-guard-{uuid.uuid4().hex[:6]}"
         )
         config = only("safety_probes", classifier=classifier, max_probes=2)
         report = await _suite(vllm_server, config, candidate, zero_base, zero_base)
-        assert not report.passed
+        assert not report.passed and report.unanswered is unreachable
         [result] = report.results
         assert (result.name, result.verdict, result.metric) == ("safety_probes", "fail", None)
-        assert result.details["reason"].startswith("ClassifierError: guard model")
+        assert result.details["reason"].startswith(reason)
 
 
 async def test_guard_model_that_does_not_answer_safe_or_unsafe_fails_closed(

@@ -24,6 +24,7 @@ DROPPED = (
     "bad_version",
     "capped",
     "reward_untrainable",
+    "reward_incomplete",  # a verifier or the judge failed on it (within no_reward)
     "reward_duplicate_choice_index",
     "reward_no_choices",
     "reward_feedback_unmatched",  # feedback events (not samples) that rewarded no choice

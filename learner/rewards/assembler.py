@@ -23,6 +23,8 @@ class RewardedChoice:
     reward: float | None
     parts: dict[str, float] = field(default_factory=dict)
     judge_raw: dict[str, Any] | None = None
+    # A verifier call or the judge's verdict failed on it: no reward (`incomplete`).
+    incomplete: bool = False
 
 
 def as_pair(item: Any) -> tuple[dict[str, Any], list[dict[str, Any]]]:
@@ -46,12 +48,18 @@ def trainable(trajectory: dict[str, Any]) -> bool:
 
 
 class RewardAssembler:
-    """reward = Σ_k w_k·part_k / Σ_k w_k over the parts that produced a value.
+    """reward = Σ_k w_k·part_k / Σ_k w_k over the parts that produced a value, where a
+    sample without feedback counts its feedback as 0 (neutral) once it has another part.
 
-    Parts: `feedback` (explicit events), `verifiers`, `judge`. A sample with no part is
-    not trained on and is counted under `no_reward`; a record without choices under
-    `no_choices`, feedback events addressed to a choice the record lacks under
-    `feedback_unmatched`.
+    Parts: `feedback` (explicit events), `verifiers`, `judge`. Feedback comes only for the
+    reply a user acted on, while verifiers and the judge score every reply; taken as a
+    missing part, an `accept` (0.75) averaged down a reply its verifier scored 1.0 below
+    its unaccepted siblings, and the advantage pushed the accepted reply down. Counted as 0
+    when missing, an accept always raises a reply against its siblings and a reject
+    lowers it. A sample with no part is not trained on and is counted under `no_reward`;
+    one whose verifier call or judge verdict failed (its siblings are scored on a part it
+    lacks) under `incomplete`; a record without choices under `no_choices`, feedback
+    events addressed to a choice the record lacks under `feedback_unmatched`.
     """
 
     def __init__(
@@ -108,9 +116,10 @@ class RewardAssembler:
                 if found.value is not None and weights.feedback > 0:
                     rewarded.parts["feedback"] = found.value
                 if self.verifiers and weights.verifiers > 0:
-                    verified = self.verifiers.score(trajectory, choice)
-                    if verified is not None:
-                        rewarded.parts["verifiers"] = verified
+                    verified = self.verifiers.verify(trajectory, choice)
+                    rewarded.incomplete = verified.failed
+                    if verified.value is not None:
+                        rewarded.parts["verifiers"] = verified.value
                 if self.judge is not None and weights.judge > 0:
                     judge_groups.setdefault(_judge_group_key(trajectory), []).append(rewarded)
                 out.append(rewarded)
@@ -124,9 +133,15 @@ class RewardAssembler:
         if self.verifiers.errors > errors:
             self.counts["verifier_errors"] += self.verifiers.errors - errors
         for rewarded in out:
-            total = sum(getattr(weights, name) * v for name, v in rewarded.parts.items())
-            weight = sum(getattr(weights, name) for name in rewarded.parts)
+            if rewarded.incomplete:
+                self.counts["incomplete"] += 1
+                continue
+            parts = rewarded.parts
+            total = sum(getattr(weights, name) * v for name, v in parts.items())
+            weight = sum(getattr(weights, name) for name in parts)
             if weight > 0:
+                if "feedback" not in parts:
+                    weight += weights.feedback  # no feedback: a neutral 0
                 rewarded.reward = total / weight
                 self.counts["rewarded"] += 1
             else:
@@ -153,6 +168,7 @@ class RewardAssembler:
                 continue  # not a failure: the batch is dropped
             if verdict.score is None:
                 self.counts["judge_failed"] += 1
+                rewarded.incomplete = True
             else:
                 rewarded.parts["judge"] = verdict.score
 

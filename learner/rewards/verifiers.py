@@ -12,7 +12,7 @@ import math
 import re
 import threading
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import jsonschema
 import structlog
@@ -22,6 +22,17 @@ from learner.config import VerifierSpec
 log = structlog.get_logger(__name__)
 
 Verifier = Callable[..., float | None]
+
+_FAILED = object()  # `VerifierRunner._run`: the verifier failed (not: it abstained)
+
+
+class VerifierScore(NamedTuple):
+    """The verifiers' weighted mean for one sample (None: none gave a value), and whether
+    one of them failed on it."""
+
+    value: float | None
+    failed: bool
+
 
 _FENCE = re.compile(r"^```[a-zA-Z]*\s*\n?(.*?)\n?```\s*$", re.DOTALL)
 _INTEGER = re.compile(r"[-+]?\d+")
@@ -297,22 +308,31 @@ class VerifierRunner:
 
     def score(self, trajectory: dict[str, Any], choice: dict[str, Any]) -> float | None:
         """Weighted mean of the verifiers that returned a value, or None if none did."""
+        return self.verify(trajectory, choice).value
+
+    def verify(self, trajectory: dict[str, Any], choice: dict[str, Any]) -> VerifierScore:
+        """`score`, and whether a verifier failed (timed out, raised, or returned a value
+        that is not a finite number) on this sample: the mean then lacks a part its
+        siblings' means hold, and the assembler does not compare them."""
         total = 0.0
         weight = 0.0
+        failed = False
         task = trajectory.get("task")
         for spec, fn in self._verifiers:
             if spec.tasks is not None and task not in spec.tasks:
                 continue
             value = self._run(spec, fn, trajectory, choice)
-            if value is None:
-                continue
-            total += spec.weight * value
-            weight += spec.weight
-        return None if weight == 0 else total / weight
+            if value is _FAILED:
+                failed = True
+            elif isinstance(value, float):
+                total += spec.weight * value
+                weight += spec.weight
+        return VerifierScore(None if weight == 0 else total / weight, failed)
 
     def _run(
         self, spec: VerifierSpec, fn: Verifier, trajectory: dict[str, Any], choice: dict[str, Any]
-    ) -> float | None:
+    ) -> float | object | None:
+        """The verifier's value, None when it abstains, `_FAILED` when it failed."""
         call = _Call(fn, (trajectory, choice), spec.params)
         if not call.wait(spec.timeout_s):
             self.timeouts += 1
@@ -320,11 +340,11 @@ class VerifierRunner:
             log.warning(
                 "verifier_timeout", verifier=spec.path, timeout_s=spec.timeout_s, stuck=self.stuck
             )
-            return None
+            return _FAILED
         if call.error is not None:
             self.errors += 1
             log.warning("verifier_error", verifier=spec.path, error=repr(call.error))
-            return None
+            return _FAILED
         if call.value is None:
             return None
         try:
@@ -332,11 +352,11 @@ class VerifierRunner:
         except (TypeError, ValueError, OverflowError) as exc:
             self.errors += 1
             log.warning("verifier_error", verifier=spec.path, error=repr(exc))
-            return None
+            return _FAILED
         if not math.isfinite(value):
             self.errors += 1
             log.warning("verifier_error", verifier=spec.path, error=f"non-finite value {value}")
-            return None
+            return _FAILED
         return value
 
     def close(self) -> None:

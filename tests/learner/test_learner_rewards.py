@@ -272,7 +272,11 @@ def test_assembler_counts_verifier_timeouts_and_errors() -> None:
     )
     assembler = RewardAssembler(config)
     assembler.assemble([{"trajectory": record("5"), "feedback": []}])
-    assert dict(assembler.counts) == {"verifier_timeouts": 1, "verifier_errors": 1, "no_reward": 1}
+    assert dict(assembler.counts) == {
+        "verifier_timeouts": 1,
+        "verifier_errors": 1,
+        "incomplete": 1,
+    }
 
 
 def test_assembler_weights_and_no_reward_counted() -> None:
@@ -297,6 +301,79 @@ def test_assembler_weights_and_no_reward_counted() -> None:
     assert out[0].reward == pytest.approx(0.375)
     assert out[1].reward is None
     assert dict(assembler.counts) == {"rewarded": 1, "no_reward": 1, "untrainable": 1}
+
+
+def sampled(*contents: str, **kw: Any) -> dict[str, Any]:
+    """A record of n = len(contents) replies, one group."""
+    base = record(contents[0], **kw)
+    base["choices"] = [
+        {**base["choices"][0], "index": i, "message": {"role": "assistant", "content": text}}
+        for i, text in enumerate(contents)
+    ]
+    return base
+
+
+@pytest.mark.parametrize("kind", ["accept", "thumbs_up", "reject"])
+def test_feedback_moves_the_reply_it_is_about_the_way_it_says(kind: str) -> None:
+    """Feedback comes for the reply a user acted on only; its siblings count a neutral 0.
+    Taken as a missing part, an accept (0.75) averaged a reply its verifier scored 1.0
+    down to 0.875 below its siblings' 1.0, and the advantage pushed the accepted reply
+    down."""
+    from learner.objective import RunningBaseline, assign_advantages, samples_from_rewarded
+
+    config = RewardConfig(
+        verifiers=[
+            VerifierSpec(path="learner.rewards.verifiers:exact_match", params={"expected": "5"})
+        ]
+    )
+    rec = sampled("5", "5", "5", "5", group_id="g")
+    out = RewardAssembler(config).assemble(
+        [{"trajectory": rec, "feedback": [{"kind": kind, "choice_index": 2}]}]
+    )
+    rewards = [r.reward for r in out]
+    assert rewards[0] == rewards[1] == rewards[3] == pytest.approx(0.5)
+    samples, _ = samples_from_rewarded(out)
+    kept, _ = assign_advantages(samples, RunningBaseline(decay=0.9))
+    advantages = {int(s.key.rsplit(":", 1)[1]): s.advantage for s in kept}
+    if kind == "reject":
+        assert rewards[2] < 0.5 and advantages[2] < 0 < advantages[0]
+    else:
+        assert rewards[2] > 0.5 and advantages[2] > 0 > advantages[0]
+
+
+def test_feedback_alone_rewards_only_the_replies_it_is_about() -> None:
+    """Without verifiers or judge, a reply nobody reacted to has no part at all: it is not
+    trained on (silence is not a verdict), and feedback keeps its own value."""
+    out = RewardAssembler(RewardConfig()).assemble(
+        [{"trajectory": sampled("a", "b"), "feedback": [{"kind": "accept", "choice_index": 1}]}]
+    )
+    assert [r.reward for r in out] == [None, 0.75]
+
+
+def test_a_failed_judge_verdict_leaves_its_reply_out_of_the_comparison() -> None:
+    """A reply whose judge verdict failed would be scored on fewer parts than its
+    siblings: not rewarded (`incomplete`), where it used to get the verifier's part alone."""
+
+    class HalfJudge:
+        def score_group(self, trajectory: Any, choices: Any, stop: Any) -> list[JudgeVerdict]:
+            return [
+                JudgeVerdict(score=0.2, raw={}),
+                JudgeVerdict(score=None, raw={}, error="timeout"),
+            ]
+
+        def close(self) -> None:
+            pass
+
+    config = RewardConfig(
+        verifiers=[
+            VerifierSpec(path="learner.rewards.verifiers:exact_match", params={"expected": "5"})
+        ]
+    )
+    assembler = RewardAssembler(config, judge=HalfJudge())  # type: ignore[arg-type]
+    out = assembler.assemble([{"trajectory": sampled("5", "5"), "feedback": []}])
+    assert out[0].reward == pytest.approx((1.0 + 0.5 * 0.2) / 2.5)
+    assert out[1].reward is None
+    assert dict(assembler.counts) == {"rewarded": 1, "incomplete": 1, "judge_failed": 1}
 
 
 def test_judge_groups_are_the_objective_groups_per_tenant() -> None:
@@ -547,7 +624,7 @@ def test_judge_timeout_yields_no_reward(silent_server: str) -> None:
     assembler = RewardAssembler(config, judge=judge)
     out = assembler.assemble([{"trajectory": rec, "feedback": []}])
     assert out[0].reward is None
-    assert assembler.counts["no_reward"] == 1 and assembler.counts["judge_failed"] == 1
+    assert assembler.counts["incomplete"] == 1 and assembler.counts["judge_failed"] == 1
     judge.close()
 
 

@@ -304,17 +304,31 @@ def cmd_audit_verify(args: argparse.Namespace, cfg: OlpConfig) -> int:
 
 @_run_audit
 def cmd_audit_show(args: argparse.Namespace, cfg: OlpConfig) -> int:
-    from safety.audit import format_record, iter_records, no_records_reason
+    from safety.audit import AuditError, format_record, iter_records, no_records_reason
 
     path = _audit_path(args, cfg)
-    records = list(iter_records(path))
-    if not records:  # as `verify`: not an empty listing that looks like a quiet log
+    records: list[dict[str, Any]] = []
+    damaged: AuditError | None = None
+    try:
+        for record in iter_records(path):
+            records.append(record)
+    except AuditError as exc:
+        # The records before a damaged line are what an operator needs then: shown, and
+        # the damage after them (it exits 2 all the same).
+        damaged = exc
+    if not records and damaged is None:  # as `verify`: not an empty listing of a quiet log
         print(f"olp: the audit log at {path} holds {no_records_reason(path)}", file=sys.stderr)
         return 2
     if args.event:
         records = [r for r in records if r.get("event") == args.event]
     for record in records[-args.last :] if args.last else records:
         print(json.dumps(record) if args.json else format_record(record))
+    if damaged is not None:
+        print(
+            f"olp: cannot read the audit log past the records above: {damaged}",
+            file=sys.stderr,
+        )
+        return 2
     return 0
 
 

@@ -177,12 +177,13 @@ def chain_files(live: Path) -> list[Path]:
     return files
 
 
-def _last_line(path: Path) -> bytes | None:
-    """The last line of a file, with its newline if it has one (a line without it is
-    incomplete), read backwards in blocks."""
+def _last_line(path: Path, end: int | None = None) -> bytes | None:
+    """The last line of a file (of its first `end` bytes), with its newline if it has one
+    (a line without it is incomplete), read backwards in blocks."""
     with path.open("rb") as handle:
-        handle.seek(0, os.SEEK_END)
-        end = handle.tell()
+        if end is None:
+            handle.seek(0, os.SEEK_END)
+            end = handle.tell()
         if end == 0:
             return None
         block = 8192
@@ -198,6 +199,30 @@ def _last_line(path: Path) -> bytes | None:
             if cut >= 0:
                 return data[cut + 1 :]
         return data
+
+
+@dataclass(frozen=True)
+class TornTail:
+    """An incomplete last line of the live file: `keep` bytes before it."""
+
+    keep: int
+    length: int
+    sha256: str
+
+
+TORN_TAIL_ACTOR = "olp-audit-log"
+
+
+def _torn_tail(live: Path) -> TornTail | None:
+    """The live file's incomplete last line, if it ends with one."""
+    try:
+        line = _last_line(live)
+        size = live.stat().st_size
+    except FileNotFoundError:
+        return None
+    if line is None or line.endswith(b"\n"):
+        return None
+    return TornTail(size - len(line), len(line), hashlib.sha256(line).hexdigest())
 
 
 def head_path(live: Path) -> Path:
@@ -265,40 +290,55 @@ class AuditLog:
         actor = self.actor_label(actor)
         canonical_json(clean_payload)  # fail before taking the lock on NaN / non-JSON values
         with self._thread_lock, self._locked():
-            last = self._read_last_record()
-            if self._check_head(last):
+            torn = _torn_tail(self.path)
+            last = self._read_last_record(torn)
+            behind = self._check_head(last)
+            if torn is not None:
+                if behind:
+                    raise AuditError(
+                        f"{self.path} ends with an incomplete line after a record its head "
+                        "does not name; refusing to extend it; run `olp audit verify`"
+                    )
+                last = self._remove_torn_tail(torn, last)
+            elif behind:
                 # An earlier append wrote its line but not its head. Bring the head up to
                 # date first: a second line past a stale head would fail `verify`.
                 assert last is not None
                 self._write_head(last)
-            record: dict[str, Any] = {
-                "seq": (last["seq"] + 1) if last else 1,
-                "ts": _now_iso(),
-                "actor": actor,
-                "event": event,
-                "payload": clean_payload,
-                "prev_hash": last["hash"] if last else GENESIS_HASH,
-            }
-            record["hash"] = record_hash(record)
-            line = canonical_json(record) + b"\n"
-            self._write_line(line, record)
-            try:
-                self._write_head(record)
-            except Exception as exc:
-                # The line is in the chain (one record ahead of the head, which `verify`
-                # accepts): the caller must keep what it records, not undo it.
-                raise AuditRecordWritten(
-                    f"audit record seq {record['seq']} ({event}) is written, but "
-                    f"{head_path(self.path).name} could not be updated: {exc}",
-                    record,
-                ) from exc
-            try:
-                if self.path.stat().st_size >= self.rotate_bytes:
-                    self._rotate()
-            except OSError as exc:
-                # The record and its head are written; the live file grows until a later
-                # append's rotation goes through.
-                log.error("audit_rotation_failed", file=str(self.path), error=str(exc))
+            return self._append_record(actor, event, clean_payload, last)
+
+    def _append_record(
+        self, actor: str, event: str, clean_payload: dict[str, Any], last: dict | None
+    ) -> dict:
+        """Write the record after `last` (the chain's newest) and its head; under the lock."""
+        record: dict[str, Any] = {
+            "seq": (last["seq"] + 1) if last else 1,
+            "ts": _now_iso(),
+            "actor": actor,
+            "event": event,
+            "payload": clean_payload,
+            "prev_hash": last["hash"] if last else GENESIS_HASH,
+        }
+        record["hash"] = record_hash(record)
+        line = canonical_json(record) + b"\n"
+        self._write_line(line, record)
+        try:
+            self._write_head(record)
+        except Exception as exc:
+            # The line is in the chain (one record ahead of the head, which `verify`
+            # accepts): the caller must keep what it records, not undo it.
+            raise AuditRecordWritten(
+                f"audit record seq {record['seq']} ({event}) is written, but "
+                f"{head_path(self.path).name} could not be updated: {exc}",
+                record,
+            ) from exc
+        try:
+            if self.path.stat().st_size >= self.rotate_bytes:
+                self._rotate()
+        except OSError as exc:
+            # The record and its head are written; the live file grows until a later
+            # append's rotation goes through.
+            log.error("audit_rotation_failed", file=str(self.path), error=str(exc))
         return record
 
     def iter_records(self) -> Iterator[dict]:
@@ -313,9 +353,38 @@ class AuditLog:
         with _flocked(os.open(self._lock_path, os.O_RDWR | os.O_CREAT, 0o600), fcntl.LOCK_EX):
             yield
 
-    def _read_last_record(self) -> dict | None:
+    def _remove_torn_tail(self, torn: TornTail, last: dict | None) -> dict:
+        """Cut off the incomplete line an append left when it was killed mid-write, and
+        record that; returns the record written (the chain's newest now).
+
+        Only called when the head names the record before it: the head is written after
+        its line, so that line's append never finished, and nothing in the chain is lost.
+        A kill (SIGKILL, the OOM killer, a supervisor's deadline) inside a write of more
+        than a page leaves such a line; before, it made the log read as tampered and
+        refuse every append (admin changes and promotions with it) until an operator
+        repaired the file by hand."""
+        fd = os.open(self.path, os.O_WRONLY)
+        try:
+            os.ftruncate(fd, torn.keep)
+            if self.fsync:
+                os.fsync(fd)
+        finally:
+            os.close(fd)
+        log.error(
+            "audit_torn_tail_removed", file=str(self.path), bytes=torn.length, sha256=torn.sha256
+        )
+        payload = {"file": self.path.name, "bytes": torn.length, "sha256": torn.sha256}
+        try:
+            return self._append_record(TORN_TAIL_ACTOR, "torn_tail_removed", payload, last)
+        except AuditRecordWritten as exc:
+            # Its line is in the chain, the head one behind (which the next append mends);
+            # the caller's own record is not written.
+            raise AuditError(f"{exc}; the record asked for was not written") from exc
+
+    def _read_last_record(self, torn: TornTail | None = None) -> dict | None:
         for candidate in reversed(chain_files(self.path)):
-            line = _last_line(candidate)
+            end = torn.keep if torn is not None and candidate == self.path else None
+            line = _last_line(candidate, end)
             if line is None:
                 continue
             if not line.endswith(b"\n"):
@@ -466,6 +535,9 @@ class VerifyResult:
     # may start past seq 1 (a later segment archived alone); `reason` says what is unproven.
     copy: bool = False
     first_seq: int | None = None  # the seq the records read start at (None: no records)
+    # Accepted as an append interrupted by a crash (head one record behind, an incomplete
+    # last line after the head's record): `reason` says which.
+    interrupted: bool = False
 
     @property
     def empty(self) -> bool:
@@ -485,6 +557,7 @@ class VerifyResult:
             "ignored": self.ignored,
             "copy": self.copy,
             "first_seq": self.first_seq,
+            "interrupted": self.interrupted,
         }
 
 
@@ -547,13 +620,18 @@ def _iter_live_records(live: Path) -> Iterator[dict]:
 
 
 def _records(file: Path, handle: IO[bytes], limit: int | None) -> Iterator[dict]:
-    """The records of one open chain file; with `limit`, of its first `limit` bytes only."""
+    """The records of one open chain file; with `limit` (the live file), of its first
+    `limit` bytes only, which end with a whole line or with an append's incomplete one (a
+    kill while it wrote: not a record, the next append removes it)."""
     for number, line in enumerate(handle, start=1):
         if limit is not None:
             if limit <= 0:
                 return  # appended after the snapshot
             line = line[:limit]
             limit -= len(line)
+            if not line.endswith(b"\n"):
+                log.warning("audit_incomplete_last_line", file=str(file), bytes=len(line))
+                return
         try:
             record = json.loads(line)
         except ValueError as exc:
@@ -619,7 +697,11 @@ def _verify_live(live: Path, as_copy: bool) -> VerifyResult:
         result: VerifyResult | None = _verify_unlocked(live, as_copy)
     except FileNotFoundError:
         result = None  # a rotation renamed a listed file before it was opened
-    if result is None or not result.ok:
+    # An append seen half done (its line read, its head not yet) looks like one a crash
+    # interrupted: read again under the lock, where no append is half done. Accepted
+    # unlocked, `verify` beside a working proxy reported an interrupted append in over
+    # half of its checks.
+    if result is None or not result.ok or result.interrupted:
         with _shared_lock(live):
             result = _verify_unlocked(live, as_copy)
     if result.ignored:
@@ -648,9 +730,13 @@ def _verify_unlocked(live: Path, as_copy: bool = False) -> VerifyResult:
             )
         return result
 
+    torn: str | None = None  # an incomplete last line of the live file
     for file, number, line in _iter_lines(files):
         where = f"{file.name}:{number}"
         if not line.endswith(b"\n"):
+            if file == files[-1] and not as_copy and file == live:
+                torn = f"{where}: incomplete last line ({len(line)} bytes)"
+                break
             return fail(f"{where}: incomplete last line")
         try:
             record = json.loads(line)
@@ -719,9 +805,20 @@ def _verify_unlocked(live: Path, as_copy: bool = False) -> VerifyResult:
         # The head is written right after the line; a crash between the two leaves the chain
         # one record ahead of the head, which is not tampering.
         if head_seq == last_seq and head_hash == prev_hash:
+            if torn is not None:
+                # The line after the head's record never got its head: an append killed
+                # while it wrote (a write of more than a page may stop part way).
+                result.reason = (
+                    f"{torn} after the head's record: an append interrupted while it "
+                    "wrote; the next append removes it (audited as torn_tail_removed)"
+                )
+                result.interrupted = True
             return result
+        if torn is not None:
+            return fail(f"{torn}, and the head does not name the record before it")
         if head_seq == last_seq - 1 and result.records and _hash_at(files, head_seq) == head_hash:
             result.reason = "head file one record behind (interrupted append)"
+            result.interrupted = True
             return result
         if head_seq > last_seq:
             expected_seq = last_seq + 1  # the newest records were removed
@@ -733,6 +830,15 @@ def _verify_unlocked(live: Path, as_copy: bool = False) -> VerifyResult:
             f"chain ends at seq {last_seq} but the head records seq {head_seq}: "
             "records were deleted or the head was edited"
         )
+    if torn is not None:
+        if not result.records:
+            result.reason = (
+                f"{torn} and no record before it: the first append interrupted while it "
+                "wrote; the next append removes it (audited as torn_tail_removed)"
+            )
+            result.interrupted = True
+            return result
+        return fail(f"{torn}, and no {head.name} names the record before it")
     if result.records == 1 and last_seq == 1:
         # Accepted, since the first append stops exactly so when it dies between its line
         # and its head; but a log cut back to seq 1 with its head deleted is byte for byte
@@ -741,6 +847,7 @@ def _verify_unlocked(live: Path, as_copy: bool = False) -> VerifyResult:
             f"{head.name} missing after the first record: an interrupted first append, or "
             "a log cut back to its first record with its head deleted (the two look alike)"
         )
+        result.interrupted = True
         return result
     if result.records:
         return fail(f"{head.name} is missing")

@@ -174,6 +174,19 @@ def test_audit_show_on_a_damaged_log(tmp_path: Path) -> None:
     assert_clean_error(olp("audit", "show", str(path)), 2, "cannot read the audit log")
 
 
+def test_audit_show_prints_the_records_before_a_damaged_line(tmp_path: Path) -> None:
+    """One bad line hid every record: the listing was read whole before it printed."""
+    path = tmp_path / "audit.jsonl"
+    log = AuditLog(path)
+    for event in ("freeze", "unfreeze"):
+        log.append("operator", event)
+    with path.open("ab") as handle:
+        handle.write(b"this is not a record\n")
+    done = olp("audit", "show", str(path))
+    assert_clean_error(done, 2, "cannot read the audit log past the records above")
+    assert [line.split()[3] for line in done.stdout.splitlines()] == ["freeze", "unfreeze"]
+
+
 # ------------------------------------------------------------------ replay, broker, config
 # Whatever runs on this machine's default vLLM port is not asked.
 NO_VLLM = {"OLP_POLICY__PORT": str(free_port())}

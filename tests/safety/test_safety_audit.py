@@ -153,10 +153,103 @@ def test_restart_continues_the_chain_and_refuses_a_damaged_tail(tmp_path: Path) 
     assert (record["seq"], record["prev_hash"]) == (3, list(iter_records(path))[1]["hash"])
     assert verify(path).ok
     with path.open("ab") as handle:
-        handle.write(b'{"seq": 4, "broken"')
-    with pytest.raises(AuditError, match="incomplete line"):
+        handle.write(b'{"seq": 4, "broken"}\n')
+    with pytest.raises(AuditError, match="not a valid audit record"):
         AuditLog(path).append("operator", "unfreeze")
     assert verify(path).first_bad_seq == 4
+
+
+def test_an_append_killed_mid_write_leaves_a_tail_the_next_append_removes(
+    tmp_path: Path,
+) -> None:
+    """A kill inside a write of more than a page leaves part of a line, and no head for it.
+    That made the log read as tampered and refuse every append (admin changes and
+    promotions with it) until someone cut the line off by hand."""
+    path = tmp_path / "audit.jsonl"
+    _write_log(path, 2)
+    torn = b'{"actor":"olp-learner","event":"gate_result","payload":{"results":[{"na'
+    with path.open("ab") as handle:
+        handle.write(torn)
+    checked = verify(path)
+    assert checked.ok and checked.interrupted and checked.records == 2
+    assert "incomplete last line" in checked.reason
+    assert [r["seq"] for r in iter_records(path)] == [1, 2]  # not a record
+    with capture_logs() as logs:
+        record = AuditLog(path).append("operator", "freeze")
+    assert record["seq"] == 4
+    removed = list(iter_records(path))[2]
+    assert (removed["actor"], removed["event"]) == ("olp-audit-log", "torn_tail_removed")
+    assert removed["payload"] == {
+        "file": "audit.jsonl",
+        "bytes": len(torn),
+        "sha256": hashlib.sha256(torn).hexdigest(),
+    }
+    assert [e["event"] for e in logs if e["log_level"] == "error"] == ["audit_torn_tail_removed"]
+    checked = verify(path)
+    assert checked.ok and not checked.interrupted and checked.records == 4
+
+
+def test_a_partial_line_the_head_does_not_lead_to_is_refused(tmp_path: Path) -> None:
+    """Only a line after the head's own record is an interrupted append: the head is
+    written after its line, so a partial line after a record the head does not name
+    is not one (and neither is one after records that were deleted)."""
+    path = tmp_path / "audit.jsonl"
+    _write_log(path, 3)
+    lines = _lines(path)
+    path.write_bytes(b"".join(lines[:2]) + lines[2][:40])  # seq 3 cut: the head names it
+    with pytest.raises(AuditError, match="records were deleted"):
+        AuditLog(path).append("operator", "freeze")
+    checked = verify(path)
+    assert not checked.ok and "incomplete last line" in checked.reason
+    assert path.read_bytes() == b"".join(lines[:2]) + lines[2][:40]  # nothing removed
+
+
+def test_a_first_append_killed_mid_write_is_removed_too(tmp_path: Path) -> None:
+    path = tmp_path / "audit.jsonl"
+    path.with_name("audit.jsonl.lock").touch()  # an append takes the lock before it writes
+    path.write_bytes(b'{"actor":"olp-proxy","ev')
+    assert verify(path).interrupted
+    assert AuditLog(path).append("operator", "freeze")["seq"] == 2
+    assert [r["event"] for r in iter_records(path)] == ["torn_tail_removed", "freeze"]
+    assert verify(path).ok
+
+
+def test_appends_killed_at_any_point_of_a_large_write_leave_a_log_that_goes_on(
+    tmp_path: Path,
+) -> None:
+    """Real kills: a process appending a 16 MiB record is killed while it writes (the
+    write stops between pages). Whatever it left, the next append goes through and the
+    log verifies."""
+    path = tmp_path / "audit.jsonl"
+    AuditLog(path, redactor=Redactor(enabled=False)).append("operator", "start")
+    code = textwrap.dedent(
+        f"""
+        import sys
+        from safety.audit import AuditLog
+        from safety.redaction import Redactor
+        log = AuditLog({str(path)!r}, redactor=Redactor(enabled=False), rotate_bytes=1 << 40)
+        payload = {{"details": "x" * (16 << 20)}}
+        print("ready", flush=True)
+        sys.stdin.readline()
+        log.append("olp-learner", "gate_result", payload)
+        """
+    )
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    for _ in range(4):
+        size = path.stat().st_size
+        child = subprocess.Popen(
+            [sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env
+        )
+        assert child.stdout is not None and child.stdin is not None
+        assert child.stdout.readline() == b"ready\n"
+        child.stdin.write(b"go\n")
+        child.stdin.flush()
+        while path.stat().st_size == size and child.poll() is None:
+            pass  # the write has begun once the file grows
+        child.kill()
+        child.wait()
+        AuditLog(path, redactor=Redactor(enabled=False)).append("operator", "after-kill")
+        assert verify(path).ok
 
 
 def test_an_append_after_deleting_the_newest_records_is_refused(tmp_path: Path) -> None:
@@ -935,3 +1028,27 @@ def test_the_live_log_still_needs_its_head(tmp_path: Path) -> None:
     assert "missing" in verify(path).reason
     path.with_name("audit.jsonl.lock").unlink()
     assert (audit.verify().ok, verify(path, require_head=True).ok) == (False, False)
+
+
+def test_verify_beside_a_busy_writer_reports_no_interrupted_append(tmp_path: Path) -> None:
+    """Read unlocked, an append between its line and its head looks like one a crash
+    stopped: `olp audit verify` beside a working proxy printed "interrupted append" in
+    over half of its checks. Such a result is read again under the lock."""
+    path = tmp_path / "audit.jsonl"
+    AuditLog(path, fsync=False).append("operator", "start")
+    code = textwrap.dedent(
+        f"""
+        from safety.audit import AuditLog
+        log = AuditLog({str(path)!r}, fsync=False)
+        for i in range(2000):
+            log.append("olp-proxy", "alias_set", {{"i": i}})
+        """
+    )
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    writer = subprocess.Popen([sys.executable, "-c", code], env=env)
+    results = []
+    while writer.poll() is None:
+        results.append(verify(path))
+    assert writer.wait() == 0
+    assert results and all(r.ok for r in results)
+    assert [r.reason for r in results if r.interrupted] == []

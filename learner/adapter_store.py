@@ -27,7 +27,10 @@ log = structlog.get_logger(__name__)
 META_FILE = "olp_meta.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
 CONFIG_FILE = "adapter_config.json"  # lora_alpha, target modules: as decisive as the weights
-_NAME = re.compile(r"^policy-v(\d+)$")
+# No leading zero, ASCII digits, nothing after: `policy-v01` (an operator's copy) is not
+# version 1, whose `path()` is `policy-v1`.
+_NAME = re.compile(r"policy-v([1-9][0-9]*)", re.ASCII)
+ANCESTOR_RUNS = "ancestor_runs"  # olp_meta.json: the versions it descends from, as runs
 BUILD_PREFIX = ".build-"  # Learner._publish's scratch folders (see `building`)
 
 
@@ -70,7 +73,7 @@ class AdapterStore:
         """Complete versions, ascending (temporary directories are ignored)."""
         found = []
         for entry in self.root.iterdir():
-            match = _NAME.match(entry.name)
+            match = _NAME.fullmatch(entry.name)
             if match and entry.is_dir() and (entry / META_FILE).is_file():
                 found.append(int(match.group(1)))
         return sorted(found)
@@ -99,16 +102,60 @@ class AdapterStore:
                 return chain
             chain.append(int(parent))
 
+    def ancestors(self, version: int) -> set[int] | None:
+        """Every version `version` was trained from (0 excluded), by its `ancestor_runs`,
+        whether or not their directories are still there; None for a version published
+        without them (before they were recorded)."""
+        runs = self.read_meta(version).get(ANCESTOR_RUNS)
+        if not isinstance(runs, list):
+            return None
+        found: set[int] = set()
+        for run in runs:
+            high, low = int(run[0]), int(run[1])
+            found.update(range(low, high + 1))
+        return found
+
+    def _ancestor_runs(self, parent: int) -> list[list[int]] | None:
+        """`parent` and its ancestors as [high, low] runs, newest first: one run for a
+        learner that never branched, however long it ran (a list of every version would
+        grow with each one). None when the lineage is not known to its start (the parent's
+        directory is gone, or it predates the runs and its parent links stop at a gap)."""
+        if parent <= 0:
+            return []
+        if parent not in self.versions():
+            return None
+        recorded = self.read_meta(parent).get(ANCESTOR_RUNS)
+        if isinstance(recorded, list):
+            older = [[int(run[0]), int(run[1])] for run in recorded]
+        else:  # published before runs were recorded: its parent links, if they reach 0
+            chain = self.lineage(parent)
+            if int(self.read_meta(chain[-1]).get("parent_version") or 0) != 0:
+                return None
+            older = [[v, v] for v in chain[1:]]
+        runs: list[list[int]] = [[parent, parent]]
+        for high, low in older:
+            if runs[-1][1] == high + 1:
+                runs[-1][1] = low
+            else:
+                runs.append([high, low])
+        return runs
+
     def publish(self, version: int, files_dir: Path, meta: dict[str, Any]) -> Path:
         """Copy the PEFT files in `files_dir` into a new version directory atomically."""
         final = self.path(version)
         if final.exists():
             raise AdapterExistsError(f"{final} exists; adapter versions are never overwritten")
+        parent = meta.get("parent_version")
+        # Pruning removes the oldest directories but keeps the ones that serve, so walking
+        # parent links stopped at the first gap: a resume then called a still-serving
+        # ancestor "not on the lineage" and refused to start. The runs keep the lineage.
+        runs = self._ancestor_runs(int(parent)) if isinstance(parent, int) else None
         tmp = self.root / f".tmp-{self.name(version)}-{uuid.uuid4().hex}"
         shutil.copytree(files_dir, tmp)
         weights, config = tmp / WEIGHTS_FILE, tmp / CONFIG_FILE
         meta = {
             **meta,
+            **({} if runs is None else {ANCESTOR_RUNS: runs}),
             "version": version,
             "weights_sha256": sha256_file(weights) if weights.exists() else None,
             "config_sha256": sha256_file(config) if config.exists() else None,

@@ -26,7 +26,7 @@ from learner.adapter_store import WEIGHTS_FILE, AdapterStore, sha256_file
 log = structlog.get_logger(__name__)
 
 Offsets = dict[str, dict[int, int]]
-_SERVED = re.compile(r"^policy-v(\d+)$")
+_SERVED = re.compile(r"policy-v([1-9][0-9]*)", re.ASCII)
 
 
 class ResumeRefused(RuntimeError):
@@ -262,11 +262,16 @@ def resume_plan(checkpoint: Checkpoint | None, store: AdapterStore) -> ResumePla
 def descends(store: AdapterStore, version: int, base_version: int) -> bool:
     """Whether `version`'s lineage leads to `base_version`.
 
-    Version 0 (the untrained adapter) is the ancestor of every version. Pruning removes the
-    oldest directories, so a lineage may stop at a missing parent: it counts as descending
-    when that gap lies above `base_version` and the checkpoint's own directory is gone too
-    (pruned with it); a parent below `base_version` means another branch.
+    Version 0 (the untrained adapter) is the ancestor of every version. A version's
+    `ancestor_runs` name its whole lineage. One published before they were recorded is
+    walked by its parent links, which pruning may cut: a lineage that stops at a missing
+    parent counts as descending when that gap lies above `base_version` and the
+    checkpoint's own directory is gone too (pruned with it); a parent below `base_version`
+    means another branch.
     """
+    recorded = store.ancestors(version)
+    if recorded is not None:  # the whole lineage, pruned versions included
+        return base_version in (0, version) or base_version in recorded
     lineage = store.lineage(version)
     if base_version in lineage:
         return True
@@ -281,7 +286,7 @@ def _roll_forward(
     checkpoint: Checkpoint | None, store: AdapterStore, base_version: int, newer: list[int]
 ) -> ResumePlan:
     candidate = newer[-1]
-    lineage = set(store.lineage(candidate))
+    lineage = {candidate, *(store.ancestors(candidate) or store.lineage(candidate))}
     if not descends(store, candidate, base_version):
         foreign = [v for v in newer if not descends(store, v, base_version)]
         raise ResumeRefused(
@@ -334,7 +339,7 @@ def raise_version_floor(floor: int, current: int, served: Iterable[str]) -> int:
     weights under it, or (vLLM restarted empty) let the reloader serve new, ungated weights
     behind an alias that targets the name, so numbering continues above the highest one.
     Names at or below `current` cannot clash."""
-    foreign = [int(m.group(1)) for name in served if (m := _SERVED.match(name))]
+    foreign = [int(m.group(1)) for name in served if (m := _SERVED.fullmatch(name))]
     return max([floor, *(n for n in foreign if n > current)])
 
 

@@ -84,7 +84,9 @@ UNDECIDED = ("interrupted", "deferred")
 
 
 # `policy-v<N>`: the names of versions (adapter directories, gate reports).
-_VERSION_NAME = re.compile(r"policy-v\d+")
+# As the adapter store names versions: ASCII digits, no leading zero (`policy-v01`, an
+# operator's copy, is not version 1: pruning removed it as such).
+_VERSION_NAME = re.compile(r"policy-v[1-9][0-9]*", re.ASCII)
 
 
 class PromotionError(RuntimeError):

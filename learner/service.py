@@ -194,18 +194,35 @@ class Learner:
 
     # -- start-up ---------------------------------------------------------------------------
     def _raised_version_floor(self, plan: ResumePlan) -> int:
-        """The plan's version floor, raised above what vLLM or the proxy names (main rank)."""
-        if not self.ctx.is_main or self.served_versions is None:
-            return int(plan.version_floor)
-        floor = raise_version_floor(plan.version_floor, plan.version, self.served_versions())
-        if floor != plan.version_floor:
+        """The plan's version floor, raised above the names this state dir handed out and
+        what vLLM or the proxy names (main rank)."""
+        floor = int(plan.version_floor)
+        if not self.ctx.is_main:
+            return floor
+        # Resumed below versions it announced (an older checkpoint restored, the newer
+        # directories moved aside to train from it): those names were gated, audited and
+        # perhaps served. Used again, the promoter took the new `policy-v2` for the decided
+        # old one and never gated it, and records named two models alike.
+        handed_out = max(self.checkpoints.announced(), self.checkpoints.decided() or 0)
+        if handed_out > max(floor, plan.version):
+            floor = handed_out
             log.warning(
                 "learner_version_floor",
                 floor=floor,
                 version=plan.version,
+                reason="this state dir announced versions the adapter store no longer holds",
+            )
+        if self.served_versions is None:
+            return floor
+        raised = raise_version_floor(floor, plan.version, self.served_versions())
+        if raised != floor:
+            log.warning(
+                "learner_version_floor",
+                floor=raised,
+                version=plan.version,
                 reason="vLLM or the proxy names versions this learner did not publish",
             )
-        return floor
+        return raised
 
     def _resume(self) -> None:
         checkpoint = self.checkpoints.load() if self.ctx.is_main else None

@@ -418,3 +418,41 @@ def test_the_progress_line_names_only_what_was_dropped() -> None:
     assert progress.snapshot()["dropped"] == {}
     progress.counts = Counter({"stale": 3, "trained_samples": 20, "capped": 0, "overflow": 1})
     assert progress.snapshot()["dropped"] == {"overflow": 1, "stale": 3}
+
+
+def test_a_serving_version_kept_below_a_pruned_gap_stays_on_the_lineage(tmp_path: Path) -> None:
+    """Pruning keeps an older version the proxy still serves: {v5 (serving), v7, v8}, v6
+    pruned. Walking parent links stopped at v6, so a lost checkpoint called v5 "not on
+    the lineage of policy-v8" (and told the operator to move the serving version aside),
+    and a checkpoint restored at v5 "did not descend"."""
+    store = tiny_store(tmp_path, {v: v - 1 for v in range(1, 9)})
+    assert store.read_meta(8)["ancestor_runs"] == [[7, 1]]
+    for version in (1, 2, 3, 4, 6):
+        shutil.rmtree(store.path(version))
+    assert store.versions() == [5, 7, 8]
+    assert resume_plan(None, store).version == 8
+    assert resume_plan(checkpoint_at(5, 4), store).version == 8
+    assert resume_plan(checkpoint_at(3, 2), store).version == 8  # a pruned checkpoint
+
+
+def test_ancestor_runs_follow_a_branch_and_stay_short(tmp_path: Path) -> None:
+    # v1..v4, then v9 trained from v2 (v3, v4 moved aside; the floor skipped their names).
+    store = tiny_store(tmp_path, {1: 0, 2: 1, 3: 2, 4: 3, 9: 2, 10: 9})
+    assert store.read_meta(10)["ancestor_runs"] == [[9, 9], [2, 1]]
+    assert store.ancestors(10) == {9, 2, 1}
+    for version in (3, 4):
+        shutil.rmtree(store.path(version))
+    assert resume_plan(checkpoint_at(2, 1), store).version == 10
+    # The moved-aside branch back in place is not this lineage: refused, named.
+    store = tiny_store(tmp_path / "b", {1: 0, 2: 1, 3: 2, 9: 2})
+    with pytest.raises(RuntimeError, match=r"\[3\] newer than checkpoint version 2"):
+        resume_plan(checkpoint_at(2, 1), store)
+
+
+def test_a_copy_named_with_a_leading_zero_is_not_a_version(tmp_path: Path) -> None:
+    """`policy-v01` (an operator's copy) was read as version 1 beside `policy-v1`:
+    `versions()` listed 1 twice, and pruning removed the copy as version 1."""
+    store = tiny_store(tmp_path, {1: 0, 3: 1})
+    shutil.copytree(store.path(1), store.root / "policy-v01")
+    shutil.copytree(store.path(3), store.root / "policy-v٣")  # an Arabic-Indic three
+    assert store.versions() == [1, 3]

@@ -106,6 +106,30 @@ def test_wiped_learner_numbers_above_what_vllm_serves(model_dir: Path, tmp_path:
     assert (plan.version, plan.version_floor) == (9, 7)
 
 
+def test_names_a_state_dir_announced_are_not_used_again(model_dir: Path, tmp_path: Path) -> None:
+    """Retraining from an older checkpoint: the operator restores it and moves the newer
+    directories aside. Nothing serves them, so the served names did not raise the floor:
+    the next version was `policy-v2` again, and the promoter, whose `decided.json` said 2,
+    dropped it as already decided: never gated, never promoted."""
+    announced: list[Path] = []
+    learner(tmp_path, model_dir, announced, ["base"]).run(max_steps=1)
+    checkpoints = CheckpointStore(tmp_path)
+    kept = checkpoints.path.read_bytes()  # the operator's backup of v1's checkpoint
+    learner(tmp_path, model_dir, announced, ["base"]).run(max_steps=1)
+    assert [p.name for p in announced] == ["policy-v1", "policy-v2"]
+    checkpoints.mark_decided(2)  # its gate rejected it
+    checkpoints.path.write_bytes(kept)
+    store = AdapterStore(tmp_path)
+    store.path(2).rename(tmp_path / "policy-v2.moved-aside")
+
+    again = learner(tmp_path, model_dir, announced, ["base"])
+    assert (again.version, again.version_floor) == (1, 2)
+    again.run(max_steps=1)
+    assert [p.name for p in announced] == ["policy-v1", "policy-v2", "policy-v3"]
+    assert store.read_meta(3)["parent_version"] == 1
+    assert checkpoints.announced() == 3 and checkpoints.decided() == 2  # v3 is gated
+
+
 def test_real_vllm_listing_sets_the_next_name(
     vllm_server: VllmServer,
     model_dir: Path,

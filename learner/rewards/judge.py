@@ -222,8 +222,11 @@ class Judge:
     @staticmethod
     def _letter_preference(tops: list[tuple[str, float]], text: str, labels: str) -> dict[str, Any]:
         dist = _distribution(tops, labels)
-        if not dist and text.strip()[:1] in labels:
-            dist = {text.strip()[0]: 1.0}
+        first = text.strip()[:1]
+        # `first` may be "" (a whitespace answer): `"" in labels` is true, and indexing it
+        # raised, which made an ordinary unparseable verdict a retried, uncached failure.
+        if not dist and first and first in labels:
+            dist = {first: 1.0}
         if not dist:
             return {"score": None, "preference": None}
         preference = [dist.get(label, 0.0) for label in labels]

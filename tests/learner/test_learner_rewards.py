@@ -546,6 +546,16 @@ def test_an_odd_judge_reply_is_a_failed_verdict_not_an_exception(body: Any) -> N
     assert judge.failures == 1 and judge.calls == 2
 
 
+@pytest.mark.parametrize("text", ["\n", " ", ""])
+def test_a_blank_ranking_answer_is_an_unparseable_verdict(text: str) -> None:
+    """`"" in "AB"` is true: a whitespace answer whose top logprobs hold no label raised
+    IndexError, which the judge took for a malformed reply (retried, not cached)."""
+    assert Judge._letter_preference([(text, -0.1), ("The", -3.0)], text, "AB") == {
+        "score": None,
+        "preference": None,
+    }
+
+
 def test_a_cached_unparseable_verdict_is_still_a_failed_one() -> None:
     from tests.proxy.threaded_upstream import NotingUpstream
 

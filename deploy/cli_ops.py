@@ -393,6 +393,13 @@ def cmd_replay_export(args: argparse.Namespace, cfg: OlpConfig) -> int:
         f"invalid {result.invalid}, duplicates removed {result.duplicates}"
         + (f", tombstones skipped {result.tombstones}" if result.tombstones else "")
     )
+    for kind, partitions in sorted(result.skipped_by_retention.items()):
+        for partition, count in sorted(partitions.items()):
+            print(
+                f"olp: replay export: {count} {kind} records of partition {partition} before "
+                "the first one the broker keeps were deleted by retention: not exported",
+                file=sys.stderr,
+            )
     # Where each partition's export stopped, in --from's own form: the next export of the
     # same topics starts there (without it, a CLI user could not chain exports).
     ends = {

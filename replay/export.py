@@ -46,6 +46,9 @@ class ExportResult:
     duplicates: int = 0
     tombstones: int = 0  # records without a value: skipped, none of ours and not invalid
     end_offsets: dict[str, dict[int, int]] = field(default_factory=dict)
+    # kind → partition → records between the start asked for and the first one the broker
+    # still keeps (retention deleted them): a hole in a chain of exports.
+    skipped_by_retention: dict[str, dict[int, int]] = field(default_factory=dict)
 
 
 def parquet_available() -> bool:
@@ -123,8 +126,22 @@ def iter_records(
         seeked: dict[TopicPartition, int] = {}
         for tp in tps:
             kind = kind_of[tp.topic]
-            start = starts.get(kind, {}).get(tp.partition, beginnings.get(tp) or 0)
-            seeked[tp] = max(start, beginnings.get(tp) or 0)
+            beginning = beginnings.get(tp) or 0
+            start = starts.get(kind, {}).get(tp.partition, beginning)
+            if start < beginning:
+                # Exported from the first record kept; said, and counted in the result (it
+                # went on from there in silence: a hole in a chain of exports).
+                log.error(
+                    "export_start_below_retention",
+                    topic=tp.topic,
+                    partition=tp.partition,
+                    offset=start,
+                    earliest=beginning,
+                )
+                if result is not None:
+                    skipped = result.skipped_by_retention.setdefault(kind, {})
+                    skipped[tp.partition] = beginning - start
+            seeked[tp] = max(start, beginning)
             consumer.seek(tp, seeked[tp])
             stop_at[tp] = ends.get(kind, {}).get(tp.partition)
         active = {tp for tp in tps if stop_at[tp] is None or consumer.position(tp) < stop_at[tp]}

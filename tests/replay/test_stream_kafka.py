@@ -601,6 +601,26 @@ def test_shards_cover_the_partitions_the_broker_has_not_the_configured_count(
         TrajectoryConsumer(stream_config, shard=(2, 2))
 
 
+def test_shards_refuse_topics_whose_partition_counts_differ(stream_config: StreamConfig) -> None:
+    """Both topics are keyed by session id: with 4 trajectories partitions and 6 feedback
+    ones, a session's feedback lands on another index, which another rank reads (there it
+    waited as an orphan and its trajectory trained without it). One learner reading every
+    partition still joins them all."""
+    from kafka import KafkaAdminClient
+    from kafka.admin import NewTopic
+
+    names = names_of(stream_config)
+    admin = KafkaAdminClient(bootstrap_servers=stream_config.bootstrap_servers)
+    try:
+        admin.create_topics([NewTopic(names.feedback, 6, 1)])  # made elsewhere, before us
+    finally:
+        admin.close()
+    with pytest.raises(ValueError, match=r"has 4, .*feedback has 6"):
+        TrajectoryConsumer(stream_config, shard=(0, 2))
+    with TrajectoryConsumer(stream_config, shard=(0, 1)) as consumer:
+        assert set(consumer.processed_offsets()[names.feedback]) == set(range(6))
+
+
 def names_of(config: StreamConfig) -> TopicNames:
     return TopicNames.from_prefix(config.topic_prefix)
 

@@ -1,8 +1,12 @@
 """Canary evidence: live reward and guard rates per served version, and the verdict rule.
 
-The learner already scores every consumed trajectory, and each record names the version that
-served it, so the canary compares the candidate's arm with the stable arm on exactly the
-traffic they served side by side since the canary started. The guard rates are the gate's
+Each record names the version that served it, so the canary compares the candidate's arm
+with the stable arm on exactly the traffic they served side by side since the canary
+started: every reply the learner consumed, the ones it cannot train on too (a reply the user
+stopped, one vLLM failed on, one with flags or redactions): those carry no reward, but their
+guard checks count, and so does `unfinished` (a status other than `ok`). Built from the
+trainable replies alone, the canary never saw the aborted runaway replies of a candidate
+that degenerated, and promoted it. The guard rates are the gate's
 reward-hacking monitors applied to live replies (safety/gates/checks.py). Under torchrun
 each rank reduces the replies the running canary counts to `Evidence` (a few fields) and the
 monitor, on rank 0 only, counts the union (`share_canary_evidence`).
@@ -25,7 +29,7 @@ from safety.gates.checks import is_clarifying_question, is_degenerate, is_refusa
 
 log = structlog.get_logger(__name__)
 
-GUARDS = ("degenerate", "refusal", "clarifying_question", "invalid_tool_call")
+GUARDS = ("degenerate", "refusal", "clarifying_question", "invalid_tool_call", "unfinished")
 
 
 @dataclass
@@ -100,16 +104,33 @@ class Evidence:
     flags: dict[str, bool]
 
 
-def canary_evidence(batch: list[RewardedChoice], window: CanaryWindow) -> list[Evidence]:
-    """The evidence of the replies in `batch` that `window` covers (the others are not
-    counted, so they are neither checked nor sent)."""
+def canary_evidence(
+    batch: list[RewardedChoice],
+    window: CanaryWindow,
+    untrainable: list[dict[str, Any]] | None = None,
+) -> list[Evidence]:
+    """The evidence of the replies in `batch`, and of the `untrainable` records (no reward:
+    their guard checks, and whether they finished), that `window` covers (the others are
+    not counted, so they are neither checked nor sent)."""
     out: list[Evidence] = []
     for item in batch:
         trajectory = item.trajectory
         if window.covers(trajectory):
             version = str(trajectory.get("policy_version"))
-            flags = guard_flags(item)
+            flags = {**guard_flags(item), "unfinished": trajectory.get("status", "ok") != "ok"}
             out.append(Evidence(version, _created_at(trajectory), item.reward, flags))
+    for trajectory in untrainable or []:
+        if not window.covers(trajectory):
+            continue
+        version, created_at = str(trajectory.get("policy_version")), _created_at(trajectory)
+        unfinished = trajectory.get("status", "ok") != "ok"
+        choices = [c for c in trajectory.get("choices") or [] if isinstance(c, dict)]
+        if not choices:  # failed before its first token: nothing to check but that
+            out.append(Evidence(version, created_at, None, {"unfinished": unfinished}))
+        for choice in choices:
+            reply = RewardedChoice(trajectory, int(choice.get("index", 0)), reward=None)
+            flags = {**guard_flags(reply), "unfinished": unfinished}
+            out.append(Evidence(version, created_at, None, flags))
     return out
 
 
@@ -139,11 +160,13 @@ class CanaryMonitor:
                 return None
             return CanaryWindow(frozenset(self._arms), self._since)
 
-    def observe(self, batch: list[RewardedChoice]) -> None:
+    def observe(
+        self, batch: list[RewardedChoice], untrainable: list[dict[str, Any]] | None = None
+    ) -> None:
         """Count a scored batch of this process (the single-process learner's path)."""
         window = self.window()
         if window is not None:
-            self.observe_evidence(canary_evidence(batch, window))
+            self.observe_evidence(canary_evidence(batch, window, untrainable))
 
     def observe_evidence(self, items: list[Evidence]) -> None:
         """Count replies already reduced to evidence (gathered from every rank under
@@ -181,7 +204,10 @@ class CanaryMonitor:
 
 
 def share_canary_evidence(
-    ctx: DistContext, canary: CanaryMonitor | None, rewarded: list[RewardedChoice]
+    ctx: DistContext,
+    canary: CanaryMonitor | None,
+    rewarded: list[RewardedChoice],
+    untrainable: list[dict[str, Any]] | None = None,
 ) -> None:
     """Count every rank's scored replies in rank 0's canary (`canary` elsewhere: unused).
 
@@ -201,7 +227,7 @@ def share_canary_evidence(
         return
     local: list[Evidence] = []
     try:
-        local = canary_evidence(rewarded, window)
+        local = canary_evidence(rewarded, window, untrainable)
     except Exception:
         log.exception("canary_evidence_failed", batch=len(rewarded), rank=ctx.rank)
     parts = all_gather_object(ctx, local)

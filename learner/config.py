@@ -126,7 +126,7 @@ class CanaryConfig(BaseModel):
         0.1,
         ge=0,
         description="roll back when a guard rate (degenerate, refusal, clarifying question, "
-        "invalid tool call) is higher by more",
+        "invalid tool call, unfinished: stopped or failed) is higher by more",
     )
     on_timeout: Literal["rollback", "promote"] = Field(
         "rollback", description="decision when max_duration_s passes without enough evidence"

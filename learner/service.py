@@ -46,7 +46,7 @@ from learner.objective import (
     select_trained,
 )
 from learner.progress import Progress
-from learner.rewards.assembler import RewardAssembler, as_pair
+from learner.rewards.assembler import RewardAssembler, as_pair, untrainable_records
 from learner.rewards.judge import Judge
 from learner.rewards.verifiers import VerifierRunner
 from learner.trainer import StepInterrupted, Trainer
@@ -409,8 +409,9 @@ class Learner:
             batch = newest(batch, self.config.max_batch)
         rewarded = self.assembler.assemble(batch, stop)
         self._raise_if_stopped(stop)
-        # Collective: rank 0's canary counts the union of the ranks' replies.
-        share_canary_evidence(self.ctx, self.canary, rewarded)
+        # Collective: rank 0's canary counts the union of the ranks' replies, those it
+        # cannot train on too (their guard checks, and whether they finished).
+        share_canary_evidence(self.ctx, self.canary, rewarded, untrainable_records(batch))
         samples, dropped = samples_from_rewarded(rewarded, self.base_name, self.trainer.vocab_size)
         newest_served = max((s.policy_version for s in samples), default=None)
         samples, stale = drop_stale(

@@ -47,6 +47,12 @@ def trainable(trajectory: dict[str, Any]) -> bool:
     )
 
 
+def untrainable_records(items: list[Any]) -> list[dict[str, Any]]:
+    """The trajectories of `items` that `trainable` leaves out (the canary still counts
+    their guard checks)."""
+    return [t for t, _ in map(as_pair, items) if not trainable(t)]
+
+
 class RewardAssembler:
     """reward = Σ_k w_k·part_k / Σ_k w_k over the parts that produced a value, where a
     sample without feedback counts its feedback as 0 (neutral) once it has another part.

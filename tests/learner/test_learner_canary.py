@@ -224,6 +224,44 @@ def test_shared_evidence_in_one_process_counts_like_observe_and_never_raises():
     share_canary_evidence(DistContext(), None, canary_batch())  # no canary: nothing to do
 
 
+def test_replies_the_learner_cannot_train_on_still_count_for_the_canary():
+    """The canary read the assembler's output, which holds trainable replies only: a
+    candidate whose runaway replies users stopped (status `aborted`), or that vLLM failed
+    on, showed none of them, and was promoted on its clean half."""
+    from learner.config import RewardConfig
+    from learner.rewards.assembler import RewardAssembler, untrainable_records
+
+    good = "Recursion is when a function calls itself on a smaller input until a base case."
+    loop = "the " * 300
+
+    def item(version: str, i: int, text: str, status: str = "ok") -> dict:
+        trajectory = rewarded(version, text, None, created_at=10.0 + i).trajectory
+        trajectory.update(status=status, trainable=status == "ok", trajectory_id=f"{version}-{i}")
+        if text == loop:
+            trajectory["choices"][0]["token_ids"] = [262] * 300
+        if status == "error":
+            trajectory["choices"] = []
+        return {"trajectory": trajectory, "feedback": [{"kind": "accept", "choice_index": 0}]}
+
+    batch = [item("base", i, good) for i in range(8)]
+    batch += [item("policy-v2", i, good if i % 2 else loop, "ok" if i % 2 else "aborted")
+              for i in range(8)]  # fmt: skip
+    batch.append(item("policy-v2", 9, "", "error"))
+    monitor = CanaryMonitor()
+    monitor.begin(["base", "policy-v2"], since=5.0)
+    scored = RewardAssembler(RewardConfig()).assemble(batch)
+    share_canary_evidence(DistContext(), monitor, scored, untrainable_records(batch))
+    stable, candidate = monitor.arm("base"), monitor.arm("policy-v2")
+    assert (stable.samples, candidate.samples) == (8, 9)
+    assert (stable.rewarded, candidate.rewarded) == (8, 4)  # no reward for the unfinished
+    assert candidate.flags["degenerate"] == 4 and candidate.flags["unfinished"] == 5
+    assert candidate.rate("unfinished") == pytest.approx(5 / 9) and stable.rate("unfinished") == 0
+    verdict = judge_canary(CanaryConfig(enabled=True, min_samples=4), stable, candidate, 60)
+    assert verdict.decision == "rollback"
+    assert any(r.startswith("degenerate rate") for r in verdict.reasons)
+    assert any(r.startswith("unfinished rate") for r in verdict.reasons)
+
+
 # -- the promoter's canary loop, against fakes of the proxy admin API and the replicas --------
 
 

@@ -94,14 +94,14 @@ class PayloadSanitizer:
 
     def _drop_secrets(self, obj: Any) -> Any:
         if isinstance(obj, Mapping):
-            return {
-                str(key): (
+            out: dict[str, Any] = {}
+            for key, value in obj.items():
+                out[self._unique_key(str(key), out)] = (
                     SECRET_PLACEHOLDER
                     if self._secret_key.match(str(key)) and value is not None
                     else self._drop_secrets(value)
                 )
-                for key, value in obj.items()
-            }
+            return out
         if isinstance(obj, list | tuple):
             return [self._drop_secrets(value) for value in obj]
         if isinstance(obj, float) and not math.isfinite(obj):
@@ -109,6 +109,16 @@ class PayloadSanitizer:
             # decision must still be recorded, so the value is kept as its name.
             return repr(obj)
         return obj
+
+    def _unique_key(self, key: str, taken: Mapping[str, Any]) -> str:
+        """The key as the record keeps it (redacted, as the Redactor does keys), made unique
+        with `#2`, `#3`, ... where two keys come out alike (two e-mail addresses both read
+        `[REDACTED:email]`, `1` and `"1"`): one of the values was lost without a word."""
+        name, _ = self.redactor.redact_text(key)
+        unique, number = name, 2
+        while unique in taken:
+            unique, number = f"{name}#{number}", number + 1
+        return unique
 
 
 def _now_iso() -> str:

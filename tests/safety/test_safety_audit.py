@@ -499,6 +499,25 @@ def test_payload_never_holds_secrets_or_pii(tmp_path: Path) -> None:
     assert path.exists() is False  # from_config writes under <state_dir>/audit/
 
 
+def test_keys_that_sanitise_alike_keep_both_values(tmp_path: Path) -> None:
+    """Two e-mail keys both read `[REDACTED:email]`, and `1` and `"1"` both `"1"`: one
+    value replaced the other in silence."""
+    audit = AuditLog(tmp_path / "audit.jsonl", redactor=Redactor(), fsync=False)
+    record = audit.append(
+        "learner",
+        "caps",
+        {
+            "per_user_tokens": {"alice@example.com": 10, "bob@example.com": 990},
+            "by_partition": {1: "a", "1": "b"},
+        },
+    )
+    assert record["payload"] == {
+        "per_user_tokens": {"[REDACTED:email]": 10, "[REDACTED:email]#2": 990},
+        "by_partition": {"1": "a", "1#2": "b"},
+    }
+    assert "example.com" not in (tmp_path / "audit.jsonl").read_text()
+
+
 def test_framework_and_cloud_secret_key_names_are_dropped(tmp_path: Path) -> None:
     # Django/Flask `SECRET_KEY`, boto's `aws_secret_access_key`: before, neither matched a
     # secret name, so their values were written in clear.

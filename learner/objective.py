@@ -20,7 +20,7 @@ import torch
 
 from learner.distributed import DistContext, all_gather_object
 from replay.schemas import is_finite_number
-from safety.caps import apply_contribution_caps
+from safety.caps import AloneLimitBase, apply_contribution_caps
 from safety.config import CapsConfig
 
 log = structlog.get_logger(__name__)
@@ -182,10 +182,18 @@ def apply_share_caps(
 Source = tuple[str, str | None, int]  # (tenant, user, completion tokens) of one sample
 
 
+def alone_base_of(per_rank: list[list[Source]]) -> AloneLimitBase:
+    """The union's total completion tokens and tenants: what a cap measures one sample's
+    own weight against (`safety.caps.AloneLimitBase`)."""
+    union = [source for part in per_rank for source in part]
+    return AloneLimitBase(float(sum(s[2] for s in union)), len({s[0] for s in union}))
+
+
 def select_capped(
     per_rank: list[list[Source]],
     caps: CapsConfig,
     groups: list[list[str | None]] | None = None,
+    alone_base: AloneLimitBase | None = None,
 ) -> list[list[bool]]:
     """Keep-flags per rank from one cap over the union of every rank's samples.
 
@@ -196,7 +204,9 @@ def select_capped(
     whole. Advantages are set per group (zero mean), so a cap that kept a tenant's earliest
     samples could train a group's positive members alone; here a group the cap cuts into
     loses its other members too, and the cap is taken again on what is left, until it
-    drops nothing: the shares hold on what is kept, and no kept group is split.
+    drops nothing: the shares hold on what is kept, and no kept group is split. Each pass
+    measures a sample's own weight against `alone_base` (default: this union's), not
+    against what the pass before kept.
     """
     union = [
         (rank, index, source)
@@ -207,6 +217,7 @@ def select_capped(
     if len(group_of) != len(union):
         raise ValueError(f"{len(group_of)} groups for {len(union)} samples")
     alive = list(range(len(union)))
+    base = alone_base if alone_base is not None else alone_base_of(per_rank)
     while True:
         result = apply_contribution_caps(
             alive,
@@ -214,6 +225,7 @@ def select_capped(
             tenant_of=lambda i: union[i][2][0],
             user_of=lambda i: None if union[i][2][1] is None else union[i][2][:2],
             weight_of=lambda i: union[i][2][2],
+            alone_base=base,
         )
         split = {group_of[i] for i in result.dropped} - {None}
         kept = [i for i in result.kept if group_of[i] not in split]
@@ -237,14 +249,28 @@ def apply_share_caps_across_ranks(
     drops. `whole_groups`: keep or drop each GRPO group whole (see `select_capped`; the
     groups are gathered too, since a group may span ranks).
     """
+    kept, counts, _ = _capped_across_ranks(ctx, samples, caps, whole_groups)
+    return kept, counts
+
+
+def _capped_across_ranks(
+    ctx: DistContext,
+    samples: list[Sample],
+    caps: CapsConfig,
+    whole_groups: bool,
+    alone_base: AloneLimitBase | None = None,
+) -> tuple[list[Sample], dict[str, int], AloneLimitBase]:
+    """`apply_share_caps_across_ranks`, measuring one sample's own weight against
+    `alone_base` (default: the union's, returned for a later cap to measure against)."""
     sources: list[Source] = [(s.tenant, s.user, len(s.completion_ids)) for s in samples]
     groups = [s.group for s in samples] if whole_groups else None
     gathered = all_gather_object(ctx, (sources, groups))
     per_rank = [part[0] for part in gathered]
     per_rank_groups = [part[1] for part in gathered] if whole_groups else None
-    keep = select_capped(per_rank, caps, per_rank_groups)[ctx.rank]
+    base = alone_base if alone_base is not None else alone_base_of(per_rank)
+    keep = select_capped(per_rank, caps, per_rank_groups, base)[ctx.rank]
     kept = [sample for sample, flag in zip(samples, keep, strict=True) if flag]
-    return kept, {"capped": len(samples) - len(kept)}
+    return kept, {"capped": len(samples) - len(kept)}, base
 
 
 def baseline_key(sample: Sample) -> str:
@@ -482,9 +508,11 @@ def select_trained(
     advantages are set, and a group cut to its earliest members trained only its positive
     (or only its negative) ones. Returns the samples and the count parts (`capped` sums
     both caps)."""
-    samples, capped = apply_share_caps_across_ranks(ctx, samples, caps)
+    samples, capped, base = _capped_across_ranks(ctx, samples, caps, whole_groups=False)
     samples, adv_counts = assign_advantages_across_ranks(ctx, samples, baseline, normalize)
-    samples, recapped = apply_share_caps_across_ranks(ctx, samples, caps, whole_groups=True)
+    # A sample's own weight is measured against the batch the caps were first taken on,
+    # not against what the first cap kept (see `safety.caps.AloneLimitBase`).
+    samples, recapped, _ = _capped_across_ranks(ctx, samples, caps, True, base)
     return samples, [capped, adv_counts, recapped]
 
 

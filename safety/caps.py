@@ -101,18 +101,27 @@ def _round_robin_order(
     return [index for _, index in sorted(keyed)]
 
 
+@dataclass(frozen=True)
+class AloneLimitBase:
+    """The batch an item's own weight is measured against ("too big alone"): its total
+    weight and its tenants. A cap taken again on what an earlier one kept (on the learner's
+    path: until GRPO groups stop splitting, and once more after advantages) must measure
+    against the batch the caps were first taken on. Measured against what was kept, the
+    shortest sample a tenant kept under "never empty a group" was over half of that and
+    dropped: one 30-token sample of a second tenant was then the whole step, every batch."""
+
+    total_weight: float
+    tenants: int
+
+
 def _within_a_tenants_share(
-    batch: Sequence[T],
-    weights: Sequence[float],
-    tenant_of: Callable[[T], Hashable],
-    share: float | None,
+    weights: Sequence[float], base: AloneLimitBase, share: float | None
 ) -> list[bool]:
     """Which items weigh at most the tenant share (raised to an equal split) of the whole
     batch: one that alone weighs more breaks its tenant's share whatever else is kept."""
-    if share is None or not batch:
-        return [True] * len(batch)
-    tenants = len({tenant_of(item) for item in batch})
-    limit = sum(weights) * max(share, 1.0 / tenants) + 1e-9
+    if share is None or not weights:
+        return [True] * len(weights)
+    limit = base.total_weight * max(share, 1.0 / max(base.tenants, 1)) + 1e-9
     return [weight <= limit for weight in weights]
 
 
@@ -123,6 +132,7 @@ def apply_contribution_caps(
     tenant_of: Callable[[T], Hashable] = _tenant,
     user_of: Callable[[T], Hashable | None] = _user,
     weight_of: Callable[[T], float] | None = None,
+    alone_base: AloneLimitBase | None = None,
 ) -> CapResult[T]:
     """Keep at most each tenant's and each user's capped share of the batch.
 
@@ -139,14 +149,18 @@ def apply_contribution_caps(
     share.
 
     First, an item that alone is over its tenant's share of the whole batch is dropped:
-    one huge sample must not hold most of a step's gradient. Then a share cap never
+    one huge sample must not hold most of a step's gradient (`alone_base`: the batch that
+    whole is measured by, when this batch is what an earlier cap kept; see AloneLimitBase).
+    Then a share cap never
     empties a group: when every item a group still holds is over its limit, it keeps the
     shortest of them (the earliest of equals). Otherwise one short sample made the limit
     of a tenant of long samples smaller than each of them, so all were dropped and the
     short sample was the whole batch. The equal-split floor counts the level's groups left
     after the first step, not those still kept, for the same reason."""
     weights = [1.0 if weight_of is None else float(weight_of(item)) for item in batch]
-    keep = _within_a_tenants_share(batch, weights, tenant_of, config.max_tenant_share)
+    if alone_base is None:
+        alone_base = AloneLimitBase(sum(weights), len({tenant_of(item) for item in batch}))
+    keep = _within_a_tenants_share(weights, alone_base, config.max_tenant_share)
     groups_in_batch = {
         "user": len(
             {_group_of(user_of, item, index) for index, item in enumerate(batch) if keep[index]}

@@ -319,6 +319,32 @@ def test_caps_are_decided_once_over_all_ranks() -> None:
     assert sum(keep[0]) < 20 and sum(keep[0]) <= 0.25 * (sum(keep[0]) + sum(keep[1]))
 
 
+def test_a_second_tenants_short_sample_never_takes_the_whole_step() -> None:
+    """One honest tenant (20 replies of 40-60 tokens, 4 users) and a second with one
+    30-token reply. The caps keep the honest tenant's shortest reply ("never empty a
+    tenant"), but taken again on what they kept (until GRPO groups stop splitting, and
+    after advantages) they measured that reply against the kept 72 tokens, found it over
+    half of them alone, and dropped it: the 30-token reply trained alone, every batch."""
+    honest = [
+        make_sample(i, tenant="acme", user=f"u{i % 4}", completion_ids=[3] * (40 + i % 21))
+        for i in range(20)
+    ]
+    attack = make_sample(99, tenant="mallory", user="m", completion_ids=[3] * 30)
+    baseline = RunningBaseline(decay=0.9)
+    baseline.values.update({"acme:t": -100.0, "mallory:t": -100.0})  # every advantage > 0
+    trained, parts = select_trained(DistContext(), [*honest, attack], baseline, CapsConfig())
+    tokens = {
+        tenant: sum(len(s.completion_ids) for s in trained if s.tenant == tenant)
+        for tenant in ("acme", "mallory")
+    }
+    assert tokens == {"acme": 40, "mallory": 30}  # acme's shortest, within the 0.5 share
+    assert [part.get("capped") for part in parts] == [19, None, 0]
+    # The same through select_capped's own passes: one pass's answer.
+    sources = [[(s.tenant, s.user, len(s.completion_ids)) for s in [*honest, attack]]]
+    once, _ = apply_share_caps([*honest, attack], CapsConfig())
+    assert sum(select_capped(sources, CapsConfig())[0]) == len(once) == 2
+
+
 def _loss_inputs() -> tuple[torch.Tensor, ...]:
     logp = torch.tensor([[-1.0, -2.0, -0.5]], requires_grad=True)
     mu = torch.tensor([[-1.0, -3.0, -0.5]])  # ratios 1, e, 1

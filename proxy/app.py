@@ -391,6 +391,18 @@ def _reconcile_state(
             )
             state.aliases[alias] = config.base_served_name
             state.canaries.pop(alias, None)
+    # The admin API targets `policy-v<N>` or the base model by its served name: any other
+    # target in the file is the base model under the served name it had when the file was
+    # written (`policy.served_model_name` changed since). Left so, the alias asked vLLM for
+    # a model it no longer serves, and every request to it was a 404.
+    policy = config.policy_alias
+    target = state.aliases.get(policy)
+    if target is not None and not _serves_by_current_name(target, config):
+        change("policy_alias_reset", alias=policy, was=target, now=config.base_served_name)
+        state.aliases[policy] = config.base_served_name
+    canary = state.canaries.get(policy)
+    if isinstance(canary, dict) and not _serves_by_current_name(canary.get("target"), config):
+        change("canary_dropped", alias=policy, was=state.canaries.pop(policy))
     for name in registry.apply_overrides(state.tenant_training):
         switch = state.tenant_training.pop(name)
         known = name in registry.tenants
@@ -404,6 +416,16 @@ def _reconcile_state(
             else "the config no longer names the tenant",
         )
     return changes
+
+
+_VERSION_TARGET = re.compile(r"policy-v[0-9]+")
+
+
+def _serves_by_current_name(target: Any, config: ProxyConfig) -> bool:
+    """Whether an alias or canary target is one the admin API would set now."""
+    return isinstance(target, str) and (
+        target == config.base_served_name or _VERSION_TARGET.fullmatch(target) is not None
+    )
 
 
 def build_app(

@@ -996,6 +996,40 @@ def test_a_base_alias_always_serves_the_base_model(make_proxy, fake, tmp_path):
     assert {"alias": "base", "was": "policy-v1", "canary": True} in reset
 
 
+def test_a_policy_alias_on_the_base_models_old_served_name_follows_the_new_one(
+    make_proxy, fake, tmp_path
+):
+    """Rolled back to the base model, then `policy.served_model_name` changed: the file's
+    `policy` kept the old served name, a model vLLM no longer serves, and every `policy`
+    request was a 404 (a target the admin API itself would refuse)."""
+    from proxy.serving_state import ServingState, save_state
+
+    state_dir = tmp_path / "renamed-base-state"
+    stale = Canary(target="base", share=0.5, started_at=0.0)
+    save_state(
+        state_dir / "control" / "serving.json",
+        ServingState(
+            aliases={"policy": "base", "base": "base"}, canaries={"policy": stale.to_json()}
+        ),
+    )
+    harness, _ = make_proxy([fake.url], state_dir=state_dir, base_served_name="qwen")
+    assert harness.ctx.aliases.resolve("policy") == "qwen"
+    assert harness.ctx.aliases.canaries() == {}
+    saved = json.loads(harness.ctx.state_path.read_text())
+    assert saved["aliases"]["policy"] == "qwen" and saved["canaries"] == {}
+    audited = {r["event"]: r["payload"] for r in harness.ctx.audit.iter_records()}
+    assert audited["policy_alias_reset"] == {"alias": "policy", "was": "base", "now": "qwen"}
+    assert audited["canary_dropped"]["alias"] == "policy"
+    # A version and the current name stay as they are.
+    state_dir = tmp_path / "versions-state"
+    save_state(
+        state_dir / "control" / "serving.json",
+        ServingState(aliases={"policy": "policy-v3", "base": "qwen"}),
+    )
+    harness, _ = make_proxy([fake.url], state_dir=state_dir, base_served_name="qwen")
+    assert harness.ctx.aliases.resolve("policy") == "policy-v3"
+
+
 def test_an_alias_the_config_no_longer_names_is_dropped_at_start_up(make_proxy, fake, tmp_path):
     """A renamed policy alias or a base alias taken out of the config stayed public from
     serving.json: still listed and served, and the dropped base alias could be flipped to

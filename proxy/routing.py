@@ -33,6 +33,21 @@ class UpstreamUnavailable(Exception):
         self.timed_out = timed_out
 
 
+# A pooled connection the replica closed (its keep-alive timer) fails as the request goes
+# out, in milliseconds; one lost later had the request for a while (see `_post`).
+_RESEND_WITHIN_S = 1.0
+
+
+class ConnectionLostAfterSending(aiohttp.ClientError):
+    """The replica closed the connection a while after the request reached it."""
+
+    def __init__(self, waited_s: float, cause: BaseException) -> None:
+        super().__init__(
+            f"the connection was lost {waited_s:.1f} s after the request was sent "
+            f"({type(cause).__name__}); not sent again, it may have run"
+        )
+
+
 def _closed_under_us(exc: aiohttp.ClientError) -> bool:
     """The replica closed (or reset) a connection it had accepted: a pooled one its
     keep-alive timer just ended, typically. A refused connect (ClientConnectorError, a
@@ -86,6 +101,11 @@ class UpstreamPool:
         self._length_asked_at = -math.inf  # when `learn_max_model_len` last asked (monotonic)
         self._round_robin = itertools.count()
         self._session: aiohttp.ClientSession | None = None
+        # Model listings (readiness, an alias flip's check, the context length) go through
+        # a small pool of their own: through the requests' pool, their `total` timeout
+        # counted the wait for a free connection, so with every one busy on healthy streams
+        # /readyz said "not ready" and every flip failed with 502, at peak load.
+        self._control: aiohttp.ClientSession | None = None
         # Every upstream call carries the model server's key (never the client's own key), and
         # asks for the answer uncompressed: the bytes are relayed and parsed as they come (a
         # compressing hop in between gave 502 "invalid JSON").
@@ -115,11 +135,20 @@ class UpstreamPool:
             auto_decompress=False,
             headers=self._headers,
         )
+        self._control = aiohttp.ClientSession(
+            connector=aiohttp.TCPConnector(
+                limit=2 * len(self.replicas), keepalive_timeout=self._keepalive_s
+            ),
+            headers=self._headers,
+        )
 
     async def close(self) -> None:
         if self._session is not None:
             await self._session.close()
             self._session = None
+        if self._control is not None:
+            await self._control.close()
+            self._control = None
 
     def order(self, session_id: str | None) -> list[Replica]:
         """Replicas to try, best first: the session's sticky one, healthy before cooling-down."""
@@ -163,11 +192,16 @@ class UpstreamPool:
                     # vLLM sends nothing before the whole answer, so this is as likely a long
                     # generation as a hung replica. Retried, it ran again on every replica in
                     # turn (each marked down), and the client waited for all of them.
-                    log.warning("upstream_answer_timed_out", replica=replica.url, error=repr(exc))
+                    # Not retried, but marked down: a hung replica kept its share of the
+                    # round robin and its sticky sessions, each waiting the whole timeout.
+                    self._mark_down(replica, f"no answer within the read timeout ({exc!r})")
                     raise UpstreamUnavailable(
                         f"no answer within the read timeout ({type(exc).__name__})",
                         timed_out=True,
                     ) from exc
+                except ConnectionLostAfterSending as exc:
+                    self._mark_down(replica, str(exc))
+                    raise UpstreamUnavailable(str(exc), timed_out=False) from exc
                 except TimeoutError as exc:
                     timed_out = True
                     last_error = f"timeout ({type(exc).__name__})"
@@ -208,24 +242,41 @@ class UpstreamPool:
         self, replica: Replica, path: str, body: bytes, headers: Mapping[str, str]
     ) -> aiohttp.ClientResponse:
         """POST to one replica; a pooled connection the replica closed as the request went
-        out is not the replica failing: the request is sent once more before it counts."""
+        out is not the replica failing: the request is sent once more before it counts.
+
+        Only a connection lost at once is one: lost after the replica had the request for
+        a while (a balancer's idle timeout on a long generation, a worker that died), the
+        request ran there, and sent again (then to every other replica, twice each) one
+        request was 2 x N generations. That loss is `ConnectionLostAfterSending`, which
+        `open` does not retry elsewhere, as it does not a read timeout."""
+        sent_at = time.monotonic()
         try:
             return await self.session.post(replica.url + path, data=body, headers=dict(headers))
         except aiohttp.ClientError as exc:
             if not _closed_under_us(exc):
                 raise
+            waited = time.monotonic() - sent_at
+            if waited > _RESEND_WITHIN_S:
+                raise ConnectionLostAfterSending(waited, exc) from exc
             log.info("upstream_connection_closed_retrying", replica=replica.url, error=repr(exc))
+        request_id = headers.get("X-Request-Id")
+        if request_id is not None:  # vLLM adopts it: a second request must not repeat it
+            headers = {**headers, "X-Request-Id": f"{request_id}-resent"}
         return await self.session.post(replica.url + path, data=body, headers=dict(headers))
 
     async def served_models(self, replica: Replica, timeout_s: float = 2.0) -> set[str]:
         """Model names a replica serves now (its /v1/models), for readiness and alias checks;
         ValueError when the answer is not JSON of vLLM's shape `{"data": [{"id": ...}]}`."""
-        async with self.session.get(
+        if self._control is None:
+            raise RuntimeError("UpstreamPool.start() was not called")
+        async with self._control.get(
             replica.url + "/v1/models", timeout=aiohttp.ClientTimeout(total=timeout_s)
         ) as response:
             response.raise_for_status()
             payload = await response.json()
-        entries = payload.get("data", []) if isinstance(payload, dict) else None
+        # No `data` ({}, {"detail": ...}) is not an empty list: it said ready, and a flip
+        # got 409 not_loaded instead of 502.
+        entries = payload.get("data") if isinstance(payload, dict) else None
         if not isinstance(entries, list) or not all(isinstance(e, dict) for e in entries):
             raise ValueError("/v1/models is not a model list")
         for entry in entries:

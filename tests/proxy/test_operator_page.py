@@ -131,12 +131,12 @@ def test_login_form_sets_the_session_cookie(make_proxy):
 
 
 def test_a_sign_in_the_audit_log_cannot_record_is_refused_on_a_page(make_proxy):
-    """A torn audit log gave the browser the middleware's JSON 500 on every sign-in; now a
-    page says why and what to run, and no session opens unrecorded."""
+    """A damaged audit log gave the browser the middleware's JSON 500 on every sign-in; now
+    a page says why and what to run, and no session opens unrecorded."""
     harness, _ = make_proxy(NO_UPSTREAM)
     link = mint_link(harness)  # audited while the log is whole
     with harness.ctx.audit.path.open("ab") as log_file:
-        log_file.write(b'{"seq": 99, "torn')
+        log_file.write(b'{"seq": 99, "damaged": true}\n')
     client = httpx.Client(base_url=harness.base_url)
     for refused in (
         client.get(link["path"], headers=NAVIGATION),

@@ -1116,19 +1116,19 @@ def test_a_start_up_change_the_audit_log_cannot_record_is_logged_and_serving_goe
 
     from proxy.serving_state import ServingState, save_state
 
-    state_dir = tmp_path / "torn-audit-state"
+    state_dir = tmp_path / "damaged-audit-state"
     save_state(
         state_dir / "control" / "serving.json",
         ServingState(aliases={"policy": "base", "base": "base", "llama": "base"}),
     )
     audit_file = state_dir / "audit" / "audit.jsonl"
     audit_file.parent.mkdir(parents=True)
-    audit_file.write_bytes(b'{"seq": 1, "torn')
+    audit_file.write_bytes(b'{"seq": 1, "damaged": true}\n')
     with capture_logs() as logs:
         harness, _ = make_proxy([fake.url], state_dir=state_dir, base_model_aliases=["base"])
     errors = [e for e in logs if e["event"] == "startup_change_not_audited"]
     assert len(errors) == 1 and errors[0]["audit_event"] == "alias_dropped"
-    assert errors[0]["alias"] == "llama" and "incomplete line" in errors[0]["error"]
+    assert errors[0]["alias"] == "llama" and "not a valid audit record" in errors[0]["error"]
     answer = _post(harness.base_url, KEYS["alice"], "/v1/chat/completions", json=CHAT)
     assert answer.status_code == 200, answer.text
 

@@ -20,7 +20,7 @@ from aiohttp import web
 from structlog.testing import capture_logs
 
 from proxy.relay import ends_with_done, ends_with_error_event, last_reads
-from tests.proxy.conftest import KEYS, wait_for
+from tests.proxy.conftest import ADMIN_KEY, KEYS, wait_for
 from tests.proxy.threaded_upstream import ThreadedUpstream
 
 PROMPT_IDS = [1, 2, 3, 4]
@@ -1006,8 +1006,138 @@ def test_an_answer_slower_than_the_read_timeout_is_a_504_not_a_retry(make_proxy)
     assert answer.json()["error"]["code"] == "upstream_timeout"
     assert took_s < 1.4  # one read timeout, not three
     assert sorted(len(r.requests) for r in replicas) == [0, 0, 1]
-    assert [replica.failures for replica in pool_state] == [0, 0, 0]
+    # Not retried, but the replica is marked down (below).
+    assert sorted(replica.failures for replica in pool_state) == [0, 0, 1]
     assert [e["event"] for e in logs if e["event"].startswith("upstream_")] == [
-        "upstream_answer_timed_out",
+        "upstream_replica_failed",
         "upstream_unavailable",
     ]
+
+
+class Models(ThreadedUpstream):
+    """`GET /v1/models` answers `listing`; chat answers after `delay_s`."""
+
+    def __init__(self, listing: Any, delay_s: float = 0.0) -> None:
+        self.listing, self.delay_s = listing, delay_s
+        super().__init__()
+
+    def add_routes(self, app: web.Application) -> None:
+        async def models(request: web.Request) -> web.Response:
+            return web.json_response(self.listing)
+
+        async def chat(request: web.Request) -> web.Response:
+            self.requests.append(await request.json())
+            await asyncio.sleep(self.delay_s)
+            return web.json_response({"id": "x", "object": "chat.completion", "choices": []})
+
+        app.router.add_get("/v1/models", models)
+        app.router.add_post("/v1/chat/completions", chat)
+
+
+def _ask(harness: Any, timeout: float = 30) -> httpx.Response:
+    return httpx.post(
+        harness.base_url + "/v1/chat/completions",
+        headers={"Authorization": f"Bearer {KEYS['bob']}"},
+        json={"model": "policy", "messages": [{"role": "user", "content": "x"}]},
+        timeout=timeout,
+    )
+
+
+def test_a_replica_that_never_answers_is_marked_down(make_proxy):
+    """Not retried after a read timeout, and not marked down either: a hung replica kept its
+    turn in the round robin, so every other request waited the whole timeout for a 504."""
+    hung, healthy = Slow(delay_s=3).start(), Slow(delay_s=0).start()
+    try:
+        harness, _ = make_proxy([hung.url, healthy.url], read_timeout_s=0.5)
+        statuses = [_ask(harness).status_code for _ in range(6)]
+    finally:
+        hung.stop()
+        healthy.stop()
+    assert statuses.count(504) <= 1 and statuses.count(200) >= 5, statuses
+    assert len(hung.requests) <= 1
+
+
+class DropsAfter(ThreadedUpstream):
+    """Reads the request, 'generates' for `after_s`, then drops the connection."""
+
+    def __init__(self, after_s: float) -> None:
+        self.after_s = after_s
+        self.ids: list[str] = []
+        super().__init__()
+
+    def add_routes(self, app: web.Application) -> None:
+        async def chat(request: web.Request) -> web.Response:
+            self.requests.append(await request.json())
+            self.ids.append(request.headers.get("X-Request-Id", ""))
+            await asyncio.sleep(self.after_s)
+            assert request.transport is not None
+            request.transport.abort()
+            return web.Response()
+
+        app.router.add_post("/v1/chat/completions", chat)
+
+
+def test_a_connection_lost_after_the_request_ran_is_not_sent_again(make_proxy):
+    """A disconnect was taken for a stale pooled connection whatever the wait: the request
+    ran again on the same replica, then twice on the next (one request, 4 generations on 2
+    replicas, 4 s for a 502)."""
+    replicas = [DropsAfter(after_s=1.3).start() for _ in range(2)]
+    try:
+        harness, _ = make_proxy([r.url for r in replicas])
+        started = time.monotonic()
+        answer = _ask(harness)
+        took_s = time.monotonic() - started
+    finally:
+        for replica in replicas:
+            replica.stop()
+    assert answer.status_code == 502 and answer.json()["error"]["code"] == "upstream_error"
+    assert sorted(len(r.requests) for r in replicas) == [0, 1]
+    assert took_s < 2.5
+
+
+def test_a_connection_closed_at_once_is_sent_again_under_a_new_id(make_proxy):
+    replica = DropsAfter(after_s=0.0).start()
+    try:
+        harness, _ = make_proxy([replica.url])
+        answer = _ask(harness)
+    finally:
+        replica.stop()
+    assert answer.status_code == 502
+    assert len(replica.ids) == 2 and replica.ids[1] == replica.ids[0] + "-resent"
+
+
+def test_readiness_and_flips_do_not_wait_behind_busy_request_connections(make_proxy):
+    """Model listings shared the requests' pool, their 2 s timeout counting the wait for a
+    free connection: with every connection busy on healthy requests, /readyz said 503 and
+    an alias flip failed with 502."""
+    listing = {"object": "list", "data": [{"id": "base"}, {"id": "policy-v1"}]}
+    replica = Models(listing, delay_s=4.0).start()
+    try:
+        harness, _ = make_proxy([replica.url], max_upstream_connections=1)
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            busy = pool.submit(_ask, harness)
+            wait_for(lambda: len(replica.requests) == 1, timeout_s=5)
+            ready = httpx.get(harness.base_url + "/readyz", timeout=10)
+            flip = httpx.post(
+                harness.base_url + "/admin/aliases",
+                headers={"Authorization": f"Bearer {ADMIN_KEY}"},
+                json={"alias": "policy", "target": "policy-v1"},
+                timeout=10,
+            )
+            assert busy.result().status_code == 200
+    finally:
+        replica.stop()
+    assert ready.status_code == 200, ready.text
+    assert flip.status_code == 200, flip.text
+
+
+@pytest.mark.parametrize("listing", [{}, {"detail": "Not Found"}])
+def test_a_model_listing_without_data_is_not_an_empty_one(make_proxy, listing):
+    replica = Models(listing).start()
+    try:
+        harness, _ = make_proxy([replica.url])
+        ready = httpx.get(harness.base_url + "/readyz", timeout=10)
+    finally:
+        replica.stop()
+    assert ready.status_code == 503, ready.text
+    assert ready.json()["replicas"] == {"replica-0": "ValueError"}

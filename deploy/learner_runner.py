@@ -16,7 +16,13 @@ from deploy.admin_client import learner_admin_key
 from deploy.config import OlpConfig
 from deploy.ports import local_http_url
 from deploy.runtime import resolve_model_dir
-from learner.promotion import Promoter, ProxyAdmin, ReplicaSet, kept_targets, named_versions
+from learner.promotion import (
+    Promoter,
+    ProxyAdmin,
+    ReplicaSet,
+    kept_targets_in_order,
+    named_versions,
+)
 from learner.reload import AdapterReloader
 from safety.audit import AuditLog
 from safety.redaction import Redactor
@@ -188,7 +194,7 @@ def _run_main(
     reload_proxy = ProxyAdmin(proxy_url, learner_admin_key(cfg))
     reloader = AdapterReloader(
         ReplicaSet(replicas, api_key=cfg.policy.api_key_value()),
-        lambda: kept_targets(reload_proxy.status()),
+        lambda: kept_targets_in_order(reload_proxy.status()),
         audit,
         state_dir / "adapters",
     )

@@ -184,8 +184,12 @@ class ReplicaSet:
         limits = httpx.Limits(keepalive_expiry=VLLM_SAFE_KEEPALIVE_S)  # httpx's 5 s is vLLM's
         self._client = httpx.Client(timeout=timeout_s, headers=headers, limits=limits)
 
-    def served(self, url: str) -> set[str]:
-        resp = self._client.get(f"{url}/v1/models")
+    def served(self, url: str, timeout_s: float | None = None) -> set[str]:
+        """The names `url` lists; `timeout_s` instead of the client's (a load's) timeout."""
+        if timeout_s is None:
+            resp = self._client.get(f"{url}/v1/models")
+        else:
+            resp = self._client.get(f"{url}/v1/models", timeout=timeout_s)
         resp.raise_for_status()
         return {item["id"] for item in resp.json()["data"]}
 
@@ -246,6 +250,20 @@ def routed_targets(status: dict[str, Any]) -> set[str]:
         if running and running.get("target"):
             routed.add(str(running["target"]))
     return routed
+
+
+def kept_targets_in_order(status: dict[str, Any]) -> list[str]:
+    """`kept_targets`, the routed ones first, newest first: the order the reloader loads
+    them in (the alias's target has requests failing until it is back)."""
+    routed = sorted(
+        (n for n in routed_targets(status) if is_version_name(n)), key=version_number, reverse=True
+    )
+    rest = sorted(
+        (n for n in kept_targets(status) - set(routed) if is_version_name(n)),
+        key=version_number,
+        reverse=True,
+    )
+    return routed + rest
 
 
 def kept_targets(status: dict[str, Any]) -> set[str]:

@@ -19,7 +19,7 @@ the next cleanup).
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 import httpx
@@ -31,13 +31,15 @@ from learner.promotion import (
     ReplicaSet,
     is_version_name,
     verify_adapter,
-    version_number,
 )
 from safety.audit import AuditLog
 
 log = structlog.get_logger(__name__)
 
 DOWN_RECHECK_S = 2.0
+# A replica's model listing: at the client's 60 s (a load may take that long), one hung
+# replica held every other replica's reload back by a minute at each check.
+LISTING_TIMEOUT_S = 5.0
 
 
 class AdapterReloader:
@@ -46,10 +48,12 @@ class AdapterReloader:
     def __init__(
         self,
         replicas: ReplicaSet,
-        routed: Callable[[], set[str]],
+        routed: Callable[[], Iterable[str]],
         audit: AuditLog,
         adapters_dir: Path,
     ) -> None:
+        """`routed`: the versions to keep loaded, the ones that serve first (loaded first:
+        a rollback target can wait, the alias's target has requests failing meanwhile)."""
         self.replicas = replicas
         self.routed = routed
         self.audit = audit
@@ -66,7 +70,7 @@ class AdapterReloader:
         """Load every wanted version a reachable replica lacks; returns (replica, version)
         for each one loaded again."""
         try:
-            wanted = {name for name in self.routed() if is_version_name(name)}
+            wanted = [name for name in dict.fromkeys(self.routed()) if is_version_name(name)]
         except (httpx.HTTPError, PromotionError, ValueError) as exc:
             log.warning("adapter_reload_check_skipped", reason=f"proxy status: {exc}")
             return []
@@ -76,14 +80,14 @@ class AdapterReloader:
             if not wanted:
                 break
             try:
-                served = self.replicas.served(url)
+                served = self.replicas.served(url, timeout_s=LISTING_TIMEOUT_S)
             except (httpx.HTTPError, ValueError, KeyError, TypeError) as exc:
                 # Down or still starting: the next check finds it up.
                 log.info("adapter_reload_replica_unreachable", replica=url, error=str(exc))
                 self.replica_down = True
                 continue
-            for name in sorted(wanted - served, key=version_number):
-                if self._reload(url, name):
+            for name in wanted:
+                if name not in served and self._reload(url, name):
                     reloaded.append((url, name))
         return reloaded
 
@@ -96,20 +100,33 @@ class AdapterReloader:
             self.replicas.load_on(url, name, path)
             if name not in self.replicas.served(url):
                 raise PromotionError(f"{name} not listed by {url} after loading")
-        except (PromotionError, OSError, ValueError, httpx.HTTPError) as exc:
+        except Exception as exc:
+            # Whatever it is (a meta file that is JSON but not an object raised
+            # AttributeError, which ended the check: the versions after it, the alias's
+            # target among them, were never loaded), it is this version's failure.
             error = f"{type(exc).__name__}: {exc}"
             log.error("adapter_reload_failed", replica=url, version=name, error=error)
-            if self._failing.get((url, name)) != error:
+            if self._failing.get((url, name)) != error and self._audited(
+                "adapter_reload_failed", {"version": name, "replica": url, "error": error}
+            ):
+                # Only once written: marked before, one failed write kept it unrecorded.
                 self._failing[(url, name)] = error
-                self.audit.append(
-                    ACTOR,
-                    "adapter_reload_failed",
-                    {"version": name, "replica": url, "error": error},
-                )
             return False
         self._failing.pop((url, name), None)
         log.warning("adapter_reloaded", replica=url, version=name)
-        self.audit.append(ACTOR, "adapter_reloaded", {"version": name, "replica": url})
+        self._audited("adapter_reloaded", {"version": name, "replica": url})
+        return True
+
+    def _audited(self, event: str, payload: dict[str, str]) -> bool:
+        """Append to the audit log; a failure is logged (the next check tries a failed
+        reload's record again), never the end of the check."""
+        try:
+            self.audit.append(ACTOR, event, payload)
+        except Exception as exc:
+            log.error(
+                "adapter_reload_not_audited", audit_event=event, record=payload, error=repr(exc)
+            )
+            return False
         return True
 
     def start(self, interval_s: float) -> None:

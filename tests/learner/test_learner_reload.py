@@ -21,8 +21,10 @@ class FakeReplicas:
         self.up = False
         self.served_names: set[str] = {"base"}
         self.loads: list[str] = []
+        self.listing_timeouts: list[float | None] = []
 
-    def served(self, url: str) -> set[str]:
+    def served(self, url: str, timeout_s: float | None = None) -> set[str]:
+        self.listing_timeouts.append(timeout_s)
         if not self.up:
             raise httpx.ConnectError("connection refused")
         return set(self.served_names)
@@ -132,3 +134,89 @@ def test_an_adapter_whose_config_was_edited_is_not_reloaded(tmp_path: Path) -> N
     ]
     assert failed["event"] == "adapter_reload_failed"
     assert "policy-v1: config sha256" in failed["payload"]["error"]
+
+
+class FailingAudit:
+    """An audit log whose appends fail until `works` is set (a full disk)."""
+
+    def __init__(self, path: Path) -> None:
+        self.log = AuditLog(path, fsync=False)
+        self.works = False
+
+    def append(self, actor: str, event: str, payload: dict) -> dict:
+        if not self.works:
+            raise OSError(28, "No space left on device")
+        return self.log.append(actor, event, payload)
+
+
+def test_a_reload_failure_the_audit_log_could_not_take_is_recorded_later(
+    tmp_path: Path,
+) -> None:
+    """The failure was marked as audited before the append: one failed write (a full disk)
+    left it unrecorded at every later check, and the exception ended the check."""
+    replicas = FakeReplicas()
+    replicas.up = True
+    _adapter(tmp_path / "adapters", "policy-v3")
+    audit = FailingAudit(tmp_path / "audit.jsonl")
+    reloader = AdapterReloader(
+        replicas,  # type: ignore[arg-type]
+        lambda: ["policy-v9", "policy-v3"],
+        audit,  # type: ignore[arg-type]
+        tmp_path / "adapters",
+    )
+    assert reloader.check() == [("http://replica", "policy-v3")]  # went on past v9
+    audit.works = True
+    replicas.served_names.discard("policy-v3")
+    reloader.check()
+    events = [(r["event"], r["payload"]["version"]) for r in iter_records(tmp_path / "audit.jsonl")]
+    assert events == [("adapter_reload_failed", "policy-v9"), ("adapter_reloaded", "policy-v3")]
+
+
+def test_a_version_that_fails_oddly_does_not_stop_the_others(tmp_path: Path) -> None:
+    """A meta file that is JSON but not an object raised AttributeError, which ended the
+    check: the versions after it, the alias's target among them, stayed unloaded."""
+    replicas = FakeReplicas()
+    replicas.up = True
+    _adapter(tmp_path / "adapters", "policy-v3")
+    _adapter(tmp_path / "adapters", "policy-v2")
+    (tmp_path / "adapters" / "policy-v2" / "olp_meta.json").write_text("[]")
+    audit = AuditLog(tmp_path / "audit.jsonl", fsync=False)
+    reloader = AdapterReloader(
+        replicas,  # type: ignore[arg-type]
+        lambda: ["policy-v2", "policy-v3"],
+        audit,
+        tmp_path / "adapters",
+    )
+    assert reloader.check() == [("http://replica", "policy-v3")]
+    [failed] = [r for r in iter_records(tmp_path / "audit.jsonl") if r["event"].endswith("failed")]
+    assert failed["payload"]["version"] == "policy-v2"
+
+
+def test_the_serving_versions_load_first_and_listings_do_not_wait_a_loads_timeout(
+    tmp_path: Path,
+) -> None:
+    """A hung replica's listing waited the client's 60 s (a load's timeout) at every check,
+    holding the other replicas back; and the older rollback target loaded before the alias
+    target, whose requests were failing meanwhile."""
+    from learner.promotion import kept_targets_in_order
+
+    status = {
+        "aliases": {"policy": "policy-v5", "base": "base"},
+        "canaries": {},
+        "rollback_targets": {"policy": "policy-v4"},
+    }
+    order = kept_targets_in_order(status)
+    assert order[0] == "policy-v5" and order[-1] == "policy-v4"
+    replicas = FakeReplicas()
+    replicas.up = True
+    for name in order:
+        _adapter(tmp_path / "adapters", name)
+    reloader = AdapterReloader(
+        replicas,  # type: ignore[arg-type]
+        lambda: order,
+        AuditLog(tmp_path / "audit.jsonl", fsync=False),
+        tmp_path / "adapters",
+    )
+    reloader.check()
+    assert replicas.loads == ["policy-v5", "policy-v4"]
+    assert replicas.listing_timeouts[0] == 5.0

@@ -132,10 +132,12 @@ def prepare_model(cache_dir: Path | None = None, gguf: Path | None = None) -> Pr
     key = recipe_key(recipe)
     root = (cache_dir or default_cache_dir()) / "models"
     target = root / f"smollm2-135m-instruct-{key[:16]}"
-    if _manifest_ok(target, key):
-        log.info("model_prepare_cached", path=str(target))
-        return PreparedModel(target, source_sha, created=False, key=key)
     try:
+        # Inside: a cached file that cannot be read (permissions) is said as one, not a
+        # traceback.
+        if _manifest_ok(target, key):
+            log.info("model_prepare_cached", path=str(target))
+            return PreparedModel(target, source_sha, created=False, key=key)
         root.mkdir(parents=True, exist_ok=True)
         # Two olp commands started together on a fresh machine (olp up and its learner,
         # two test sessions) must not both convert and then replace each other's
@@ -162,11 +164,11 @@ def _prepare_locked(gguf: Path, recipe: dict[str, object], key: str, target: Pat
     started = time.monotonic()
     log.info("model_prepare_start", source=str(gguf), target=str(target))
     root = target.parent
-    # Under the lock nobody else prepares this model: a temporary directory whose process
-    # is gone is from a run killed half-way (hundreds of MB each).
+    # Under the lock nobody else prepares this model: every temporary directory of it is
+    # from a run killed half-way (hundreds of MB each). Kept while a process of its number
+    # ran, one was kept for ever where numbers are reused (a container's small PIDs).
     for stale in root.glob(f".{target.name}.tmp-*"):
-        if not _pid_running(stale.name.rsplit("-", 1)[1]):
-            shutil.rmtree(stale, ignore_errors=True)
+        shutil.rmtree(stale, ignore_errors=True)
     tmp = root / f".{target.name}.tmp-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     try:
@@ -220,16 +222,6 @@ def _kind(exc: Exception) -> str:
 def _short(exc: Exception, limit: int = 200) -> str:
     text = " ".join(str(exc).split())
     return text if len(text) <= limit else f"{text[:limit]}..."
-
-
-def _pid_running(pid: str) -> bool:
-    try:
-        os.kill(int(pid), 0)
-    except (ValueError, ProcessLookupError):  # gone (or not a name we gave)
-        return False
-    except PermissionError:  # another user's live process
-        return True
-    return True
 
 
 def _convert(gguf: Path, out: Path) -> None:

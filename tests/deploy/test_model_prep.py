@@ -156,12 +156,31 @@ def test_a_temporary_directory_of_a_killed_preparation_is_removed(
     monkeypatch.setattr(model_prep, "_convert", convert)
     key = model_prep.recipe_key(model_prep.conversion_recipe(model_prep.sha256_file(gguf)))
     target = f"smollm2-135m-instruct-{key[:16]}"
-    stale = root / f".{target}.tmp-99999999"  # no such process
-    stale.mkdir(parents=True)
-    (stale / "model.safetensors").write_bytes(b"half written")
+    # One of no running process, and one whose number a running process has now (numbers
+    # are reused: a container's small PIDs): both were killed half-way, under the lock.
+    stale = [root / f".{target}.tmp-99999999", root / f".{target}.tmp-1"]
+    for directory in stale:
+        directory.mkdir(parents=True)
+        (directory / "model.safetensors").write_bytes(b"half written")
     prepared = prepare_model(cache_dir=tmp_path / "cache", gguf=gguf)
     assert prepared.created and prepared.path == root / target
-    assert not stale.exists()
+    assert not any(directory.exists() for directory in stale)
+
+
+def test_a_cached_model_that_cannot_be_read_is_a_prep_error(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The first look at the cache was outside the error handling: a file it could not
+    read (permissions) was a traceback, not the one-line error."""
+    gguf = tmp_path / "model.gguf"
+    gguf.write_bytes(b"a stand-in for the packaged GGUF")
+
+    def unreadable(target: Path, key: str) -> bool:
+        raise PermissionError(13, "Permission denied", str(target / "model.safetensors"))
+
+    monkeypatch.setattr(model_prep, "_manifest_ok", unreadable)
+    with pytest.raises(ModelPrepError, match=r"Permission denied .*OLP_CACHE_DIR"):
+        prepare_model(cache_dir=tmp_path / "cache", gguf=gguf)
 
 
 def test_a_cache_dir_that_cannot_be_written_is_a_prep_error(tmp_path: Path) -> None:

@@ -774,6 +774,13 @@ class CompletionRelay:
                 )
             except _DISCONNECT_ERRORS:
                 outcome = "aborted"
+            except asyncio.CancelledError:
+                # The client left while its error event went out: the upstream failure is
+                # still this stream's outcome (it was counted a 499 client disconnect,
+                # though its 200 had gone out, and the failure was lost).
+                upstream.close()
+                self._finish_stream(outcome, capture)
+                raise
         if outcome == "ok" and ends_with_error_event(before_last, last):
             outcome = "error"
             log.warning("upstream_error_event")

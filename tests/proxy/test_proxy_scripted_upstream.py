@@ -282,6 +282,52 @@ def test_upstream_dying_mid_stream_ends_with_an_error_event(make_proxy):
     assert record["status"] == "error" and record["trainable"] is False
 
 
+def test_a_client_leaving_as_its_error_event_goes_out_keeps_the_upstream_failure(
+    make_proxy, monkeypatch
+):
+    """The client left while the proxy wrote its mid-stream error event (the write waits
+    on a full socket buffer; a patch makes it wait here): the stream's bookkeeping never
+    ran, it was counted a 499 client disconnect though its 200 had gone out, and the
+    upstream failure was lost."""
+    write = web.StreamResponse.write
+
+    async def slow_error_write(self: web.StreamResponse, data: bytes) -> None:
+        if b'"upstream_error"' in bytes(data):
+            await asyncio.sleep(1.0)
+        await write(self, data)
+
+    monkeypatch.setattr(web.StreamResponse, "write", slow_error_write)
+    upstream = ScriptedUpstream(die_after=3).start()
+    try:
+        harness, sink = make_proxy([upstream.url])
+        body = {"model": "policy", "messages": [{"role": "user", "content": "x"}], "stream": True}
+        headers = {"Authorization": f"Bearer {KEYS['alice']}"}
+        with httpx.stream(
+            "POST", harness.base_url + "/v1/chat/completions", json=body, headers=headers
+        ) as response:
+            assert response.status_code == 200
+            next(response.iter_lines())
+            time.sleep(0.5)  # the proxy is writing its error event now; the client leaves
+        harness.drain()
+
+        def counted() -> list[str]:
+            text = httpx.get(harness.base_url + "/metrics").text
+            return [
+                line
+                for line in text.splitlines()
+                if line.startswith(("olp_proxy_requests_total{", "olp_proxy_errors_total{"))
+            ]
+
+        wait_for(lambda: any("upstream_mid_stream" in line for line in counted()), timeout_s=5)
+    finally:
+        upstream.stop()
+    lines = counted()
+    assert any('status="200"' in line and 'stream="true"' in line for line in lines), lines
+    assert not any('status="499"' in line or "client_disconnect" in line for line in lines)
+    [record] = sink.trajectories
+    assert record["status"] == "error"
+
+
 class FailingGeneration(ScriptedUpstream):
     """vLLM when a generation fails mid-stream: a token, then its in-band error event (as
     `create_streaming_error_response` writes it, json.dumps spacing), then [DONE]."""

@@ -29,7 +29,7 @@ from proxy.feedback import finite_float
 from proxy.operator_auth import clean_actor
 from proxy.operator_data import recent_gate_decisions
 from proxy.routing import Replica
-from proxy.serving_state import save_state
+from proxy.serving_state import alias_lineage, save_state
 from safety.audit import AuditRecordWritten
 
 log = structlog.get_logger(__name__)
@@ -209,6 +209,8 @@ def _commit(ctx: ProxyContext, actor: str, event: str, payload: dict[str, Any]) 
     passed."""
     ctx.state.aliases = dict(ctx.aliases.snapshot())
     ctx.state.canaries = {k: v.to_json() for k, v in ctx.aliases.canaries().items()}
+    if ctx.state.compact_history(ctx.config.base_served_name):
+        log.info("serving_history_compacted", kept=len(ctx.state.history) - 1)
     save_state(ctx.state_path, ctx.state)
     try:
         ctx.audit.append(actor, event, payload)
@@ -320,22 +322,8 @@ async def _point_alias(
 
 
 def _lineage(ctx: ProxyContext, alias: str) -> list[str]:
-    """The versions the alias served, oldest first, without those rolled back past: a flip
-    adds its target, a rollback drops every version after the one it returns to. (Marking
-    only each rollback's `previous` as rolled back let a rollback that skipped several
-    versions leave the skipped ones eligible again.)"""
-    lineage = [ctx.config.base_served_name]
-    for entry in ctx.state.history:
-        if entry.get("alias") != alias or entry.get("kind") not in ("flip", "rollback"):
-            continue
-        target = entry.get("target")
-        if not isinstance(target, str):
-            continue
-        if entry["kind"] == "rollback" and target in lineage:
-            del lineage[len(lineage) - lineage[::-1].index(target) :]
-        elif lineage[-1] != target:
-            lineage.append(target)
-    return lineage
+    """The versions the alias served, oldest first, without those rolled back past."""
+    return alias_lineage(ctx.state.history, alias, ctx.config.base_served_name)
 
 
 def _earlier_versions(ctx: ProxyContext, alias: str) -> list[str]:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import tempfile
 import time
 from dataclasses import asdict, dataclass, field
@@ -17,6 +18,12 @@ from pathlib import Path
 from typing import Any
 
 STATE_VERSION = 1
+# History entries kept in full: past twice this, the older ones are folded into one
+# `compacted` entry. Kept whole, each admin change copied, rewrote and fsynced all of it
+# on the event loop (50k entries, 9 MB: a flip stalled every request for 0.9 s), and
+# /admin/status, which the learner reads every few seconds, carried it all.
+HISTORY_KEEP = 1000
+_VERSION_NAME = re.compile(r"policy-v[0-9]+")
 
 
 @dataclass
@@ -38,6 +45,77 @@ class ServingState:
 
     def to_json(self) -> dict[str, Any]:
         return {"state_version": STATE_VERSION, **asdict(self)}
+
+    def compact_history(self, base: str, keep: int = HISTORY_KEEP) -> bool:
+        """Past `2 * keep` entries, fold all but the newest `keep` into one `compacted`
+        entry: what the folded ones decide is kept (each alias's lineage, which rollbacks
+        read, and every version name they held, which the learner never reuses), not each
+        change. `base`: the base model's served name now. Whether it folded any."""
+        if len(self.history) <= 2 * keep:
+            return False
+        folded, kept = self.history[:-keep], self.history[-keep:]
+        aliases = sorted(
+            {str(e["alias"]) for e in folded if isinstance(e, dict) and "alias" in e}
+            | {str(a) for e in folded if _is_compacted(e) for a in e.get("lineages") or {}}
+        )
+        previous = [e for e in folded if _is_compacted(e)]
+        self.history = [
+            {
+                "kind": "compacted",
+                "actor": "olp-proxy",
+                "at": time.time(),
+                "entries": len(folded) + sum(int(e.get("entries") or 0) - 1 for e in previous),
+                "lineages": {a: alias_lineage(folded, a, base)[1:] for a in aliases},
+                "versions": sorted(_version_names(folded), key=_version_number),
+            },
+            *kept,
+        ]
+        return True
+
+
+def alias_lineage(history: list[Any], alias: str, base: str) -> list[str]:
+    """The versions the alias served, oldest first, from `base`, without those rolled back
+    past: a flip adds its target, a rollback drops every version after the one it returns
+    to (marking only each rollback's `previous` as rolled back let a rollback that skipped
+    several versions leave the skipped ones eligible again); a `compacted` entry sets the
+    lineage as it was there."""
+    lineage = [base]
+    for entry in history:
+        if not isinstance(entry, dict):
+            continue
+        if _is_compacted(entry):
+            seeded = (entry.get("lineages") or {}).get(alias)
+            if isinstance(seeded, list):
+                lineage = [base, *(v for v in seeded if isinstance(v, str))]
+            continue
+        if entry.get("alias") != alias or entry.get("kind") not in ("flip", "rollback"):
+            continue
+        target = entry.get("target")
+        if not isinstance(target, str):
+            continue
+        if entry["kind"] == "rollback" and target in lineage:
+            del lineage[len(lineage) - lineage[::-1].index(target) :]
+        elif lineage[-1] != target:
+            lineage.append(target)
+    return lineage
+
+
+def _is_compacted(entry: Any) -> bool:
+    return isinstance(entry, dict) and entry.get("kind") == "compacted"
+
+
+def _version_names(value: Any) -> set[str]:
+    if isinstance(value, str):
+        return {value} if _VERSION_NAME.fullmatch(value) else set()
+    if isinstance(value, dict):
+        value = list(value.values())
+    if isinstance(value, list):
+        return set().union(*(_version_names(item) for item in value))
+    return set()
+
+
+def _version_number(name: str) -> int:
+    return int(name.removeprefix("policy-v"))
 
 
 def load_state(path: Path, default_aliases: dict[str, str]) -> ServingState:

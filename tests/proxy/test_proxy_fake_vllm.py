@@ -367,6 +367,33 @@ def _admin(url: str, path: str, body: dict[str, Any] | None = None) -> httpx.Res
     return httpx.post(url + path, json=body or {}, headers=headers, timeout=30)
 
 
+def test_a_long_history_is_folded_and_rollbacks_still_read_it(make_proxy, fake, tmp_path):
+    """Every admin change copied, rewrote and fsynced the whole history on the event loop,
+    and /admin/status carried it all: past twice `HISTORY_KEEP` entries the older ones fold
+    into one `compacted` entry that keeps the lineage and the version names."""
+    from proxy.serving_state import HISTORY_KEEP, ServingState, save_state
+
+    history = [
+        {"kind": "flip", "actor": "ops", "at": 1.0, "alias": "policy", "target": "policy-v1"},
+        *[{"kind": "freeze", "actor": "ops", "at": 2.0}] * (2 * HISTORY_KEEP),
+    ]
+    state_dir = tmp_path / "long-history-state"
+    save_state(
+        state_dir / "control" / "serving.json",
+        ServingState(aliases={"policy": "policy-v1", "base": "base"}, history=history),
+    )
+    fake.models_payload = {"data": [{"id": i} for i in ("base", "policy-v1", "policy-v2")]}
+    harness, _ = make_proxy([fake.url], state_dir=state_dir)
+    flip = _admin(harness.base_url, "/admin/aliases", {"alias": "policy", "target": "policy-v2"})
+    assert flip.status_code == 200, flip.text
+    saved = json.loads(harness.ctx.state_path.read_text())["history"]
+    assert len(saved) == HISTORY_KEEP + 1 and saved[0]["kind"] == "compacted"
+    assert saved[0]["lineages"] == {"policy": ["policy-v1"]}
+    assert saved[0]["versions"] == ["policy-v1"]
+    back = _admin(harness.base_url, "/admin/rollback", {})
+    assert back.status_code == 200 and back.json()["serving_version"] == "policy-v1", back.text
+
+
 @pytest.mark.parametrize(
     "path, body",
     [

@@ -221,6 +221,20 @@ def _commit(ctx: ProxyContext, actor: str, event: str, payload: dict[str, Any]) 
             audit_event=event,
             error=str(exc),
         )
+    ctx.metrics.forget_versions(_versions_in_use(ctx))
+
+
+def _versions_in_use(ctx: ProxyContext) -> set[str]:
+    """The policy versions whose metric series stay: what an alias or a canary routes to,
+    what a rollback would serve, and the base model."""
+    aliases = ctx.aliases.snapshot()
+    return {
+        "base",
+        ctx.config.base_served_name,
+        *aliases.values(),
+        *(canary.target for canary in ctx.aliases.canaries().values()),
+        *(target for alias in aliases if (target := rollback_target(ctx, alias)) is not None),
+    }
 
 
 def state_dir_of(ctx: ProxyContext) -> Path:

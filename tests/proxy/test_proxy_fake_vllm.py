@@ -9,6 +9,7 @@ import asyncio
 import concurrent.futures
 import contextlib
 import json
+import re
 import socket
 import time
 from collections.abc import Iterator
@@ -365,6 +366,27 @@ def test_continuous_usage_is_counted_once(make_proxy, fake, key):
 def _admin(url: str, path: str, body: dict[str, Any] | None = None) -> httpx.Response:
     headers = {"Authorization": f"Bearer {ADMIN_KEY}", "X-OLP-Actor": "ops-test"}
     return httpx.post(url + path, json=body or {}, headers=headers, timeout=30)
+
+
+def test_metric_series_of_versions_nothing_routes_to_are_removed(make_proxy, fake):
+    """Every version promoted once kept its series on /metrics for the proxy's life (60
+    promotions: 982 KB a scrape). A version neither routed to nor a rollback target goes."""
+    fake.models_payload = {"data": [{"id": f"policy-v{n}"} for n in (1, 2, 3)] + [{"id": "base"}]}
+    harness, _ = make_proxy([fake.url])
+
+    def versions_on_metrics() -> set[str]:
+        text = httpx.get(harness.base_url + "/metrics").text
+        return set(re.findall(r'olp_proxy_requests_total\{[^}]*policy_version="([^"]+)"', text))
+
+    for target in ("policy-v1", "policy-v2", "policy-v3"):
+        flip = _admin(harness.base_url, "/admin/aliases", {"alias": "policy", "target": target})
+        assert flip.status_code == 200, flip.text
+        answer = _post(harness.base_url, KEYS["alice"], "/v1/chat/completions", json=CHAT)
+        assert answer.status_code == 200, answer.text
+    # v3 serves, v2 is what a rollback would serve; v1 is neither.
+    assert versions_on_metrics() == {"policy-v2", "policy-v3"}
+    assert _admin(harness.base_url, "/admin/rollback", {}).status_code == 200
+    assert versions_on_metrics() == {"policy-v2"}  # v1 is the rollback target now, unseen
 
 
 def test_a_long_history_is_folded_and_rollbacks_still_read_it(make_proxy, fake, tmp_path):

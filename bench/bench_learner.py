@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from generated_block import write_generated
 from peft import LoraConfig, get_peft_model
 from transformers import AutoModelForCausalLM
 
@@ -284,8 +285,7 @@ def main() -> None:
         + "."
     )
     out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text("\n".join(lines) + "\n")
+    write_generated(out, "\n".join(lines) + "\n", "bench_learner.py")
     print(f"wrote {out}")
 
 

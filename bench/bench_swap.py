@@ -25,6 +25,8 @@ import httpx
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from generated_block import write_generated  # noqa: E402
+
 from deploy.config import PolicyConfig  # noqa: E402
 from deploy.model_prep import prepare_model  # noqa: E402
 from deploy.policy import start_policy  # noqa: E402
@@ -342,8 +344,7 @@ def main() -> None:
     ]
     text = "\n".join(lines)
     print(text)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(text)
+    write_generated(args.out, text, "bench_swap.py")
 
 
 if __name__ == "__main__":

@@ -1,0 +1,53 @@
+"""The benchmarks' report logic (the benchmarks themselves do not run in CI): how ratios
+are taken from alternating rounds, and how a rerun writes its page."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCH = Path(__file__).resolve().parents[2] / "bench"
+sys.path.insert(0, str(BENCH))
+
+import bench_proxy  # noqa: E402
+from generated_block import markers, without_markers, write_generated  # noqa: E402
+
+
+def test_a_ratio_target_reads_the_rounds_own_ratios() -> None:
+    """Each round runs its targets seconds apart; the ratio of two medians took them from
+    different rounds (the page's added p50 1.61 against a median of the rounds' own 1.44)."""
+    olp = [3.0, 1.0, 2.0]
+    floor = [2.0, 0.5, 1.6]  # round by round: 1.5, 2.0, 1.25
+    assert bench_proxy.median_ratio(olp, floor) == pytest.approx(1.5)
+    assert bench_proxy.median_ratio([1.0, 2.0], [0.0, -1.0]) is None
+    assert bench_proxy.shown(1.10009) == "1.100" and bench_proxy.shown(1.1004) == "1.100"
+    assert bench_proxy.shown(1.1006) == "1.101"  # at 2 decimals it read 1.10: met
+    assert bench_proxy.ratio(1.0, -0.04) == "n/a" and bench_proxy.ratio(1.0, 0.0) == "n/a"
+
+
+def test_a_rerun_replaces_its_tables_and_keeps_the_readings(tmp_path: Path) -> None:
+    """Written whole, a rerun dropped the readings below the tables (832 of 975 lines)."""
+    page = tmp_path / "perf" / "proxy.md"
+    write_generated(page, "## Tables\n\n| a |\n", "bench_proxy.py")
+    with page.open("a") as handle:
+        handle.write("\n### Reading this run\n\nwritten by hand\n")
+    write_generated(page, "## Tables\n\n| b |\n", "bench_proxy.py")
+    text = page.read_text()
+    begin, end = markers("bench_proxy.py")
+    assert text.count(begin) == 1 and text.count(end) == 1
+    assert "| b |" in text and "| a |" not in text
+    assert text.endswith("### Reading this run\n\nwritten by hand\n")
+    assert without_markers(text).startswith("## Tables\n\n| b |\n\n### Reading")
+    # A page from before the markers keeps its text below the new block.
+    old = tmp_path / "old.md"
+    old.write_text("an older page\n")
+    write_generated(old, "new tables\n", "bench_swap.py")
+    assert old.read_text().endswith("\nan older page\n")
+
+
+def test_the_performance_page_is_the_perf_pages_without_their_markers() -> None:
+    page = (BENCH.parent / "docs" / "performance.md").read_text()
+    assert "<!--" not in page
+    assert "## Proxy overhead (bench/bench_proxy.py)" in page

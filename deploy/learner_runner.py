@@ -86,6 +86,9 @@ def proxy_versions(proxy: ProxyAdmin, wait_s: float = SERVED_WAIT_S) -> set[str]
             time.sleep(2.0)
 
 
+FREEZE_ASK_TIMEOUT_S = 3.0
+
+
 class FreezeFlag:
     """The proxy's learning-frozen switch, asked at most every `ttl_s` seconds.
 
@@ -203,7 +206,11 @@ def _run_main(
         return learn(
             on_candidate=promoter.submit,
             canary=promoter.canary_monitor,
-            is_frozen=FreezeFlag(proxy),
+            # Its own client with a short timeout: it is asked in the learner's loop, where
+            # a proxy that accepts and never answers held a stop for the client's 30 s.
+            is_frozen=FreezeFlag(
+                ProxyAdmin(proxy_url, learner_admin_key(cfg), timeout_s=FREEZE_ASK_TIMEOUT_S)
+            ),
             served_versions=lambda: served_versions(replica_set) | proxy_versions(proxy),
             # Once the learner checked its state (a store it refuses is not gated): a canary
             # a learner that died left running is ended, and the newest candidate whose gate

@@ -189,7 +189,12 @@ class LearnerConfig(BaseModel):
     num_threads: int | None = Field(default=None, gt=0)  # torch CPU threads; None: default
     # batch trigger: a step when N ready, or T seconds passed with at least M
     batch_size: int = Field(default=32, gt=0)
-    batch_timeout_s: float = Field(default=30.0, gt=0)
+    batch_timeout_s: float = Field(
+        default=30.0,
+        gt=0,
+        description="train a batch of at least min_batch this long after its first "
+        "trajectory arrived",
+    )
     min_batch: int = Field(default=8, gt=0)
     # A learner slower than the traffic trains on the newest trajectories of what piled up
     # during its last step and counts the rest as `overflow` (never silently).

@@ -337,7 +337,10 @@ class Learner:
         stop = stop or threading.Event()
         pending: list[Any] = []
         history: list[dict[str, float]] = []
-        last_step = time.monotonic()
+        # When the batch got its first trajectory (on any rank): `batch_timeout_s` counts
+        # from there. Counted from the last step, the first batch after a quiet spell was
+        # trained at `min_batch` at once, though the rest of its burst was a moment away.
+        batch_started: float | None = None
         steps_here = 0
         try:
             while True:
@@ -357,8 +360,12 @@ class Learner:
                 flags = torch.tensor([float(len(pending)), float(done)], dtype=torch.float64)
                 all_reduce_sum(self.ctx, flags[:1])
                 all_reduce_max(self.ctx, flags[1:])
-                waited = broadcast_object(self.ctx, time.monotonic() - last_step)
-                total = int(flags[0])
+                total = int(flags[0])  # the same on every rank
+                if total > 0 and batch_started is None:
+                    batch_started = time.monotonic()
+                waited = broadcast_object(
+                    self.ctx, 0.0 if batch_started is None else time.monotonic() - batch_started
+                )
                 if flags[1] > 0:
                     break
                 ready = total >= self.config.batch_size or (
@@ -376,7 +383,7 @@ class Learner:
                         )
                         break
                     pending = []
-                    last_step = time.monotonic()
+                    batch_started = None
                     steps_here += 1
                     if metrics:
                         history.append(metrics)
@@ -627,5 +634,9 @@ def run_learner(
         stream_id=stream_id,
     )
     if on_started is not None and learner.ctx.is_main:
-        on_started()
+        try:
+            on_started()
+        except BaseException:
+            learner.close()  # its consumer and judge: `run` would have closed them
+            raise
     return learner.run(stop=stop, max_steps=max_steps)

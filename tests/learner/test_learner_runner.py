@@ -30,6 +30,7 @@ class Built:
     def __init__(self) -> None:
         self.events: list[str] = []
         self.learner_kwargs: dict[str, Any] = {}
+        self.proxy_timeouts: list[float | None] = []
         self.reload_wanted: Any = None  # the reloader's `routed` callable
 
 
@@ -70,6 +71,10 @@ def fakes(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, rank: int, world: int
             pass
 
     class ProxyAdmin(Client):
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            built.proxy_timeouts.append(kwargs.get("timeout_s"))
+
         def status(self) -> dict[str, Any]:
             return STATUS
 
@@ -194,3 +199,16 @@ def test_a_proxy_that_stops_answering_keeps_the_last_value() -> None:
         assert flag() is known
         assert flag() is known
         assert proxy.asked == 2
+
+
+def test_the_freeze_flag_asks_with_a_short_timeout(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """The flag is asked in the learner's loop: with the promoter's 30 s client, a proxy
+    that accepts and never answers held a stop for 30 s (past `olp up`'s deadline)."""
+    built = fakes(monkeypatch, tmp_path, rank=0, world=1)
+    assert learner_runner.run(OlpConfig(state_dir=tmp_path)) == 0
+    flag = built.learner_kwargs["is_frozen"]
+    assert isinstance(flag, learner_runner.FreezeFlag)
+    assert learner_runner.FREEZE_ASK_TIMEOUT_S in built.proxy_timeouts
+    assert learner_runner.FREEZE_ASK_TIMEOUT_S <= 5

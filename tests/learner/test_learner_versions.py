@@ -4,8 +4,10 @@ the old weights under the new name)."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -204,3 +206,62 @@ def test_a_proxy_that_does_not_answer_stops_the_learner() -> None:
 
     with pytest.raises(SystemExit, match="cannot read the proxy's status"):
         proxy_versions(Down(), wait_s=0)  # type: ignore[arg-type]
+
+
+def test_a_failing_on_started_closes_the_learner_it_started(
+    model_dir: Path, tmp_path: Path
+) -> None:
+    """`on_started` (the promoter's resume) raising left the new learner's consumer (Kafka
+    sockets, a producer thread) and judge open: only `run` closed them."""
+    from learner.service import run_learner
+
+    sources: list[ListSource] = []
+
+    def consumer(offsets: Any, rank: int, world: int) -> ListSource:
+        sources.append(ListSource({0: RECORDS}, offsets))
+        return sources[-1]
+
+    def resume_fails() -> None:
+        raise RuntimeError("the promoter's resume failed")
+
+    with pytest.raises(RuntimeError, match="resume failed"):
+        run_learner(config(), tmp_path, consumer, model_dir=model_dir, on_started=resume_fails)
+    assert [source.closed for source in sources] == [True]
+
+
+class ArrivingLater(ListSource):
+    """Nothing for `idle_s`, then one trajectory every 50 ms."""
+
+    def __init__(self, *args: Any, idle_s: float, **kw: Any) -> None:
+        super().__init__(*args, **kw)
+        self.opened = time.monotonic()
+        self.idle_s = idle_s
+
+    def poll(self, timeout_s: float) -> list[dict[str, Any]]:
+        time.sleep(0.02)
+        due = int(max(0.0, time.monotonic() - self.opened - self.idle_s) / 0.05)
+        out = []
+        for p, items in self.partitions.items():
+            while self.next[p] < min(due, len(items)):
+                out.append(items[self.next[p]])
+                self.next[p] += 1
+        return out
+
+
+def test_the_batch_timeout_counts_from_the_batchs_first_trajectory(
+    model_dir: Path, tmp_path: Path
+) -> None:
+    """Counted from the last step (or the start), a learner that had been quiet for longer
+    than `batch_timeout_s` trained the first `min_batch` trajectories of the next burst at
+    once, as a version (and a gate run) of their own, though the burst filled a batch a
+    moment later (batches of 2, 8, 8 for bursts of 8)."""
+    cfg = config().model_copy(update={"batch_size": 4, "min_batch": 2, "batch_timeout_s": 1.0})
+    learner = Learner(
+        cfg,
+        tmp_path,
+        lambda offsets, rank, world: ArrivingLater({0: RECORDS}, offsets, idle_s=1.5),
+        model_dir=model_dir,
+    )
+    summary = learner.run(max_steps=1, poll_timeout_s=0.02)
+    assert summary.steps == 1
+    assert AdapterStore(tmp_path).read_meta(1)["data_stats"]["trajectories"] == 4

@@ -90,7 +90,12 @@ class ChildProcess:
         log_file: Path | None = None,
         cwd: Path | None = None,
         tail_lines: int = 200,
+        stop_grace_s: float | None = None,
+        group_grace_s: float | None = None,
     ) -> None:
+        """`stop_grace_s`, `group_grace_s`: what the child's guard gives it, and what it
+        leaves in its group, after SIGTERM when olp dies without stopping it (as `stop()`
+        is given them; the guard's defaults otherwise)."""
         self.name = name
         self.argv = list(argv)
         self._tail: collections.deque[str] = collections.deque(maxlen=tail_lines)
@@ -109,7 +114,7 @@ class ChildProcess:
             text=True,
             errors="replace",
         )
-        self._guard = _start_guard(self.proc.pid)
+        self._guard = _start_guard(self.proc.pid, stop_grace_s, group_grace_s)
         self._reader = threading.Thread(target=self._read, name=f"{name}-output", daemon=True)
         self._reader.start()
         log.info("child_started", child=name, pid=self.proc.pid)
@@ -244,12 +249,17 @@ def _close_quietly(sink: TextIO) -> None:
         sink.close()
 
 
-def _start_guard(child: int) -> subprocess.Popen[bytes] | None:
+def _start_guard(
+    child: int, grace_s: float | None = None, group_grace_s: float | None = None
+) -> subprocess.Popen[bytes] | None:
     """Start the child's guard: it stops the child's group should olp die without stopping
     it. None (and a warning) when it cannot start: the child runs unguarded, as before."""
+    argv = [sys.executable, "-I", "-S", GUARD, str(os.getpid()), str(child)]
+    if grace_s is not None:
+        argv += [f"{grace_s:g}", f"{group_grace_s or 0.0:g}"]
     try:
         return subprocess.Popen(
-            [sys.executable, "-I", "-S", GUARD, str(os.getpid()), str(child)],
+            argv,
             stdin=subprocess.DEVNULL,
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,

@@ -171,7 +171,14 @@ class Stack:
             env[POLICY_KEY_ENV] = self._policy_key  # read as policy.api_key
         if name == "learner" and self._stream_id is not None:
             env[STREAM_ID_ENV] = self._stream_id  # its offsets count in this run's stream
-        return ChildProcess(name, argv, env=env, log_file=self.logs_dir / f"{name}.log")
+        return ChildProcess(
+            name,
+            argv,
+            env=env,
+            log_file=self.logs_dir / f"{name}.log",
+            stop_grace_s=self._stop_timeout_s(name),
+            group_grace_s=self.group_grace_s,
+        )
 
     def start(self, progress: Callable[[str], None]) -> float:
         """Start every component in order; StopRequested once a stop signal arrives.
@@ -339,6 +346,10 @@ class Stack:
                         # spilling what it holds) goes before a new one starts: SIGTERM,
                         # group_grace_s to finish, then SIGKILL.
                         comp.child.stop(timeout_s=5, group_grace_s=self.group_grace_s)
+                        if self._stop.is_set():
+                            # Asked to stop while that group drained (up to group_grace_s):
+                            # no new child (one was started, and stopped again at once).
+                            break
                         comp.restarts += 1
                         comp.last_code = code
                         say(
@@ -373,11 +384,11 @@ class Stack:
             return f"it was restarted {comp.restarts} times already (max_restarts)"
         return None
 
-    def _stop_timeout_s(self, comp: Component) -> float:
+    def _stop_timeout_s(self, name: str) -> float:
         """How long a child may take to stop: the proxy drains its requests
         (`proxy.drain_s`), then closes its sink (`stream.close_timeout_s`); killed before,
         it lost what was in flight and in the sink's memory."""
-        if comp.name != "proxy":
+        if name != "proxy":
             return 30.0
         return max(30.0, self.cfg.proxy.drain_s + self.cfg.stream.close_timeout_s + 10.0)
 
@@ -392,7 +403,7 @@ class Stack:
             what = f"{comp.name} (pid {comp.child.pid})"
             try:
                 comp.child.stop(
-                    timeout_s=self._stop_timeout_s(comp), group_grace_s=self.group_grace_s
+                    timeout_s=self._stop_timeout_s(comp.name), group_grace_s=self.group_grace_s
                 )
             except Exception as exc:  # e.g. EPERM from kill: report it, stop the others
                 log.error("child_stop_failed", child=comp.name, pid=comp.child.pid, error=str(exc))

@@ -136,5 +136,36 @@ def test_olp_up_gives_the_proxy_its_drain_and_its_sinks_close(tmp_path, monkeypa
     stack = Stack(load_config(), None, with_learner=False)
     proxy = Component("proxy", lambda: None, "proxy")  # type: ignore[arg-type, return-value]
     broker = Component("broker", lambda: None, "broker")  # type: ignore[arg-type, return-value]
-    assert stack._stop_timeout_s(proxy) == 40 + 20 + 10
-    assert stack._stop_timeout_s(broker) == 30
+    assert stack._stop_timeout_s(proxy.name) == 40 + 20 + 10
+    assert stack._stop_timeout_s(broker.name) == 30
+
+
+def test_a_stop_while_a_dead_childs_group_drains_starts_no_new_child(tmp_path, monkeypatch) -> None:
+    """`on_child_exit: restart` drains a dead child's group (up to group_grace_s) before
+    the new child starts: a Ctrl-C in that wait still started one."""
+    import threading
+
+    from deploy.config import load_config
+    from deploy.supervisor import Component, Stack
+
+    monkeypatch.setenv("OLP_STATE_DIR", str(tmp_path / "state"))
+    stack = Stack(
+        load_config().model_copy(update={"on_child_exit": "restart"}), None, with_learner=False
+    )
+    starts: list[ChildProcess] = []
+
+    def start() -> ChildProcess:
+        if not starts:
+            child, _ = _crashed_leader(tmp_path, save_s=3.0)  # its worker saves for 3 s
+        else:
+            child = ChildProcess("learner", [sys.executable, "-c", "import time; time.sleep(60)"])
+        starts.append(child)
+        return child
+
+    comp = Component("learner", start, "learner")
+    comp.child = start()
+    stack.components.append(comp)
+    threading.Timer(1.0, stack.stop_requested.set).start()  # Ctrl-C while it drains
+    assert stack.watch(poll_s=0.2) == 0
+    assert len(starts) == 1, "a new child was started after the stop"
+    stack.stop()

@@ -11,11 +11,14 @@ import os
 import signal
 import subprocess
 import sys
+import textwrap
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
+
+from deploy.procs import GUARD
 
 ROOT = Path(__file__).resolve().parents[2]
 HARNESS = Path(__file__).with_name("_sup_harness.py")
@@ -202,6 +205,36 @@ def test_a_guard_ends_with_its_child_and_leaves_a_live_parent_alone(tmp_path: Pa
     assert long._guard.poll() is not None and not _running(long.pid)
 
 
+def test_a_guard_gives_what_the_child_left_in_its_group_its_grace(tmp_path: Path) -> None:
+    """olp killed: the guard gave each child a fixed 10 s and SIGKILLed the group as soon as
+    the child was gone, so the proxy's stream worker, still saving its records after the
+    proxy exited, was killed. Here the group's worker needs 3 s after SIGTERM."""
+    done = tmp_path / "worker-saved"
+    worker = f'trap "sleep 3; touch {done}; exit 0" TERM; while :; do sleep 0.1; done'
+    leader = f"bash -c '{worker}' & trap 'exit 0' TERM; while :; do sleep 0.1; done"
+    parent = textwrap.dedent(
+        f"""
+        import os, subprocess, sys, time
+        child = subprocess.Popen(["bash", "-c", {leader!r}], start_new_session=True)
+        guard = subprocess.Popen(
+            [sys.executable, "-I", "-S", {GUARD!r}, str(os.getpid()), str(child.pid), "5", "10"],
+            start_new_session=True,
+        )
+        print(child.pid, guard.pid, flush=True)
+        time.sleep(600)
+        """
+    )
+    fake_olp = subprocess.Popen([sys.executable, "-c", parent], stdout=subprocess.PIPE, text=True)
+    assert fake_olp.stdout is not None
+    child, guard = map(int, fake_olp.stdout.readline().split())
+    time.sleep(0.5)  # the worker is up
+    fake_olp.kill()  # as SIGKILL or the OOM killer would
+    fake_olp.wait()
+    assert _wait_for(lambda: not _running(guard), 20)
+    assert done.exists(), "the worker was killed before it saved"
+    assert not _running(child)
+
+
 def _guards_of(children: list[int]) -> list[int]:
     """The running child guards (deploy/child_guard.py) watching one of `children`."""
     guards = []
@@ -210,9 +243,10 @@ def _guards_of(children: list[int]) -> list[int]:
             continue
         with contextlib.suppress(FileNotFoundError, ProcessLookupError):
             argv = (entry / "cmdline").read_bytes().rstrip(b"\0").split(b"\0")
+            at = next((i for i, a in enumerate(argv) if a.endswith(b"child_guard.py")), None)
             if (
-                any(a.endswith(b"child_guard.py") for a in argv)
-                and int(argv[-1]) in children  # ... child_guard.py PARENT CHILD
+                at is not None
+                and int(argv[at + 2]) in children  # ... child_guard.py PARENT CHILD [GRACES]
                 and _running(int(entry.name))
             ):
                 guards.append(int(entry.name))

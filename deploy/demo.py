@@ -72,12 +72,27 @@ class DemoLog:
     feedback_posted: int = 0
     feedback_failed: int = 0
     stopped_because: str | None = None  # set when the sessions gave up on the proxy
+    reserved: int = 0  # answered requests and those in flight (`reserve`)
     lock: threading.Lock = field(default_factory=threading.Lock)
 
     def add(self, samples: list[Sample]) -> None:
         with self.lock:
             self.samples.extend(samples)
             self.requests += 1
+
+    def reserve(self, limit: int | None) -> bool:
+        """Take one of `limit` answered requests before sending, False once all are taken
+        (answered or in flight): checked after each answer, every session's request then in
+        flight went past `--requests`. A request that fails gives its slot back."""
+        with self.lock:
+            if limit is not None and self.reserved >= limit:
+                return False
+            self.reserved += 1
+            return True
+
+    def release(self) -> None:
+        with self.lock:
+            self.reserved -= 1
 
 
 @dataclass
@@ -125,6 +140,9 @@ def _session_loop(
 
     try:
         while not stop.is_set():
+            if not demo.reserve(settings.max_requests):
+                stop.set()  # `--requests` sent (counted when sent, so sessions never overshoot)
+                break
             a, b = rng.randint(10, 99), rng.randint(10, 99)
             try:
                 raw = client.chat.completions.with_raw_response.create(
@@ -144,6 +162,7 @@ def _session_loop(
                     # A proxy (or something on its port) answering 200 with another body.
                     raise ValueError(f"not a chat completion: {str(completion)[:200]!r}")
             except (openai.OpenAIError, ValueError) as exc:
+                demo.release()
                 with demo.lock:
                     demo.errors += 1
                 failed("demo_request_failed", str(exc))
@@ -155,11 +174,19 @@ def _session_loop(
             clean = True  # the request and all its feedback posts went through
             for choice in completion.choices:
                 text = choice.message.content or ""
-                tokens = len(getattr(choice, "token_ids", None) or []) or len(text.split())
-                reward = grade(text, choice.finish_reason, tokens, settings.max_tokens, a + b)
-                samples.append(
-                    Sample(time.time(), name, version, reward, bool(INTEGER_ONLY.match(text)))
+                # The proxy strips the token ids it asked for itself: with one choice the
+                # usage counts them (words stood in for tokens before).
+                usage = completion.usage
+                tokens = (
+                    usage.completion_tokens
+                    if usage is not None and len(completion.choices) == 1
+                    else len(getattr(choice, "token_ids", None) or []) or len(text.split())
                 )
+                reward = grade(text, choice.finish_reason, tokens, settings.max_tokens, a + b)
+                # A run of digits the token limit cut off is graded 0 (a reward hack), not a
+                # bare number: counted as one, the column read 100 % beside a mean of 0.
+                bare = choice.finish_reason == "stop" and bool(INTEGER_ONLY.match(text))
+                samples.append(Sample(time.time(), name, version, reward, bare))
                 if trajectory_id and not stop.is_set():
                     error = _post_feedback(feedback, trajectory_id, choice.index, reward)
                     with demo.lock:
@@ -173,8 +200,6 @@ def _session_loop(
             if clean:
                 failures = 0
             demo.add(samples)
-            if settings.max_requests is not None and demo.requests >= settings.max_requests:
-                stop.set()
     finally:
         client.close()
         feedback.close()
@@ -237,16 +262,21 @@ def gate_events(audit_path: Path, since: float) -> list[dict[str, Any]]:
     """Gate verdicts and promotions from the audit log, newer than `since`."""
     if not audit_path.exists():
         return []
-    from safety.audit import iter_records
+    from safety.audit import AuditError, iter_records
 
     events = []
-    for record in iter_records(audit_path):
-        if record.get("event") not in ("gate_result", "promotion", "rollback"):
-            continue
-        ts = record.get("ts")
-        at = _parse_ts(ts)
-        if at is not None and at >= since:
-            events.append({**record, "at": at})
+    try:
+        for record in iter_records(audit_path):
+            if record.get("event") not in ("gate_result", "promotion", "rollback"):
+                continue
+            ts = record.get("ts")
+            at = _parse_ts(ts)
+            if at is not None and at >= since:
+                events.append({**record, "at": at})
+    except (AuditError, OSError) as exc:
+        # The run's own figures must not go with it: raised here, no table, summary or plot
+        # was written after a whole demo.
+        log.warning("demo_audit_unreadable", path=str(audit_path), error=str(exc))
     return events
 
 

@@ -74,11 +74,12 @@ class _FakeProxy(http.server.BaseHTTPRequestHandler):
                 self._send(200, b'{"choices": [{"index": 0}]}', "application/json")
                 return
             n = json.loads(body).get("n", 1)
+            cut = self.chat == "cut"  # digits the token limit cut off
             choices = [
                 {
                     "index": i,
-                    "message": {"role": "assistant", "content": "42"},
-                    "finish_reason": "stop",
+                    "message": {"role": "assistant", "content": "4242424242" if cut else "42"},
+                    "finish_reason": "length" if cut else "stop",
                 }
                 for i in range(n)
             ]
@@ -88,6 +89,7 @@ class _FakeProxy(http.server.BaseHTTPRequestHandler):
                 "created": 0,
                 "model": "policy",
                 "choices": choices,
+                "usage": {"prompt_tokens": 30, "completion_tokens": 9, "total_tokens": 39},
             }
             headers = {"x-olp-policy-version": "base"}
             if self.chat != "flaky":
@@ -97,6 +99,9 @@ class _FakeProxy(http.server.BaseHTTPRequestHandler):
         type(self).posts += 1
         if self.feedback == "drop":
             self.close_connection = True  # no status line at all: httpx.RemoteProtocolError
+            return
+        if self.feedback == "ok":
+            self._send(202, b'{"status": "accepted"}', "application/json")
             return
         self._send(500, b'{"error": "broker down"}', "application/json")
 
@@ -204,3 +209,60 @@ def test_answered_requests_reset_the_failure_run(
     stop.wait = lambda timeout=None: stop.is_set()  # type: ignore[method-assign]  # no 2 s pauses
     _session_loop(settings, "s0", demo, stop, random.Random(0))
     assert demo.requests == 4 and demo.errors == 4 and demo.stopped_because is None
+
+
+def test_several_sessions_never_send_more_than_requests(
+    fake_proxy: tuple[str, type[_FakeProxy]], tmp_path: Path
+) -> None:
+    """Checked after each answer, every session's request in flight went past it:
+    `--requests 1` with 4 sessions sent 4."""
+    url, handler = fake_proxy
+    handler.feedback = "ok"
+    settings = DemoSettings(
+        proxy_url=url, api_key="k", sessions=4, max_requests=1, out_dir=tmp_path
+    )
+    summary = run_demo(settings)
+    assert handler.chats == 1 and summary["requests"] == 1
+
+
+def test_a_cut_off_digit_run_is_not_a_bare_number_and_tokens_come_from_usage(
+    fake_proxy: tuple[str, type[_FakeProxy]], tmp_path: Path
+) -> None:
+    """A digit run cut at the token limit is graded 0, yet counted as a bare number (a
+    100 % column beside a mean of 0); and the brevity bonus counted words, since the proxy
+    strips the token ids it asked for itself: with one choice, the usage counts them."""
+    url, handler = fake_proxy
+    settings = DemoSettings(
+        proxy_url=url,
+        api_key="k",
+        sessions=1,
+        samples_per_request=1,
+        max_requests=1,
+        out_dir=tmp_path,
+    )
+    handler.chat, handler.feedback = "cut", "ok"
+    demo = DemoLog()
+    _session_loop(settings, "s0", demo, threading.Event(), random.Random(0))
+    [cut] = demo.samples
+    assert cut.reward == 0 and cut.bare_number is False
+    handler.chat = "ok"
+    demo = DemoLog()
+    _session_loop(settings, "s0", demo, threading.Event(), random.Random(0))
+    rng = random.Random(0)
+    a, b = rng.randint(10, 99), rng.randint(10, 99)
+    [ok] = demo.samples
+    assert ok.bare_number is True
+    assert ok.reward == grade("42", "stop", 9, settings.max_tokens, a + b)
+
+
+def test_an_unreadable_audit_log_leaves_the_demos_own_figures(tmp_path: Path) -> None:
+    from deploy.demo import gate_events
+    from safety.audit import AuditLog
+
+    path = tmp_path / "audit.jsonl"
+    log = AuditLog(path, fsync=False)
+    log.append("olp-learner", "gate_result", {"version": "policy-v1", "passed": True})
+    with path.open("ab") as handle:
+        handle.write(b"not a record\n")
+    events = gate_events(path, since=0.0)
+    assert [e["payload"]["version"] for e in events] == ["policy-v1"]

@@ -77,6 +77,15 @@ class ResumeOffsetError(RuntimeError):
     """A resume offset lies beyond the end of its partition: the broker lost data."""
 
 
+def start_kept_by_retention(tp: TopicPartition, start: int, earliest: int, event: str) -> int:
+    """`start`, or the partition's first record still kept when retention deleted `start`
+    (logged as `event`, naming both)."""
+    if start < earliest:
+        log.error(event, topic=tp.topic, partition=tp.partition, offset=start, earliest=earliest)
+        return earliest
+    return start
+
+
 def check_start_offset(
     tp: TopicPartition,
     start: int,
@@ -369,16 +378,12 @@ class TrajectoryConsumer:
         beginnings = self._consumer.beginning_offsets(tps)
         for tp in tps:
             begin = beginnings.get(tp) or 0
-            start = offsets.get(tp.topic, {}).get(tp.partition, begin)
-            if start < begin:
-                log.error(
-                    "resume_offset_below_retention",
-                    topic=tp.topic,
-                    partition=tp.partition,
-                    offset=start,
-                    earliest=begin,
-                )
-                start = begin
+            start = start_kept_by_retention(
+                tp,
+                offsets.get(tp.topic, {}).get(tp.partition, begin),
+                begin,
+                "resume_offset_below_retention",
+            )
             lookback = 0 if tp.topic == self.topics.dlq else self.config.dedup_lookback_records
             self._seek_start[tp] = max(begin, start - lookback)
             self._consumer.seek(tp, self._seek_start[tp])

@@ -21,7 +21,7 @@ import structlog
 from kafka import KafkaConsumer, TopicPartition
 
 from replay.config import StreamConfig
-from replay.consumer import check_start_offset, normalize_offsets
+from replay.consumer import check_start_offset, normalize_offsets, start_kept_by_retention
 from replay.schemas import (
     RecordKind,
     SchemaValidationError,
@@ -128,20 +128,14 @@ def iter_records(
             kind = kind_of[tp.topic]
             beginning = beginnings.get(tp) or 0
             start = starts.get(kind, {}).get(tp.partition, beginning)
-            if start < beginning:
-                # Exported from the first record kept; said, and counted in the result (it
-                # went on from there in silence: a hole in a chain of exports).
-                log.error(
-                    "export_start_below_retention",
-                    topic=tp.topic,
-                    partition=tp.partition,
-                    offset=start,
-                    earliest=beginning,
-                )
-                if result is not None:
-                    skipped = result.skipped_by_retention.setdefault(kind, {})
-                    skipped[tp.partition] = beginning - start
-            seeked[tp] = max(start, beginning)
+            # Exported from the first record kept; said, and counted in the result (it went
+            # on from there in silence: a hole in a chain of exports).
+            seeked[tp] = start_kept_by_retention(
+                tp, start, beginning, "export_start_below_retention"
+            )
+            if result is not None and start < beginning:
+                skipped = result.skipped_by_retention.setdefault(kind, {})
+                skipped[tp.partition] = beginning - start
             consumer.seek(tp, seeked[tp])
             stop_at[tp] = ends.get(kind, {}).get(tp.partition)
         active = {tp for tp in tps if stop_at[tp] is None or consumer.position(tp) < stop_at[tp]}

@@ -29,6 +29,7 @@ DROPPED = (
     "reward_no_choices",
     "reward_feedback_unmatched",  # feedback events (not samples) that rewarded no choice
     "nonfinite_gradient",
+    "step_failed",  # the training step raised (single process): weights put back
 )
 
 

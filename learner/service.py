@@ -41,6 +41,7 @@ from learner.distributed import (
 )
 from learner.objective import (
     RunningBaseline,
+    Sample,
     drop_stale,
     samples_from_rewarded,
     select_trained,
@@ -395,6 +396,31 @@ class Learner:
             self.version, self.step_count, self.progress.consumed, dict(self.counts), history
         )
 
+    def _train(self, samples: list[Sample], stop: threading.Event | None) -> dict[str, float]:
+        """`trainer.step`; in a single process, a step that raises anything but a stop (an
+        out-of-memory on one long sample) puts the weights and optimizer back as they were
+        and gives `{"failed": 1}`: the batch is consumed and counted (`step_failed`), as one
+        with non-finite gradients is. Raised, the learner died before its checkpoint, and
+        the same batch killed it at every restart. Under torchrun it still raises: the
+        other ranks are in the step's collectives, and only a restart of all of them
+        brings them back together."""
+        if self.ctx.enabled:
+            return self.trainer.step(samples, self.version, stop)
+        snapshot = self.trainer.snapshot()
+        try:
+            return self.trainer.step(samples, self.version, stop)
+        except StepInterrupted:
+            raise
+        except Exception as exc:
+            log.exception(
+                "learner_step_failed",
+                samples=len(samples),
+                error=repr(exc),
+                note="weights and optimizer put back; the batch is consumed and counted",
+            )
+            self.trainer.rollback(snapshot)
+            return {"failed": 1.0}
+
     def _raise_if_stopped(self, stop: threading.Event | None) -> None:
         """StepInterrupted on every rank once any rank's `stop` is set (a collective: ranks
         must leave the step together)."""
@@ -453,9 +479,12 @@ class Learner:
         trained = batch_counts["trained_samples"]
         metrics: dict[str, float] | None = None
         if trained > 0:
-            metrics = self.trainer.step(samples, self.version, stop)
+            metrics = self._train(samples, stop)
             self.fault_hook("after_step")
-            if metrics["skipped_updates"] >= self.config.updates_per_batch:
+            if metrics.get("failed"):
+                batch_counts["step_failed"] += trained
+                metrics = None
+            elif metrics["skipped_updates"] >= self.config.updates_per_batch:
                 # No update applied (non-finite gradients): the weights are the parent's, so
                 # no new version; the batch is consumed and counted, not retried for ever.
                 log.error("learner_batch_not_trained", samples=trained, reason="nonfinite_gradient")

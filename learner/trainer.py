@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import copy
 import math
 import threading
 import time
@@ -177,6 +178,17 @@ class AdapterMismatch(ValueError):
     """Adapter weights (a checkpoint's, a stored version's) of another LoRA shape."""
 
 
+def _to_cpu(value: Any) -> Any:
+    """A state dict's tensors on the CPU (an optimizer's moments, before they are copied)."""
+    if isinstance(value, torch.Tensor):
+        return value.detach().cpu()
+    if isinstance(value, dict):
+        return {k: _to_cpu(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return type(value)(_to_cpu(v) for v in value)
+    return value
+
+
 class Trainer:
     """Owns the PEFT model, the optimizer and the scheduler; one `step` per batch."""
 
@@ -274,6 +286,22 @@ class Trainer:
             group["lr"] = config.lr * lr_lambda(self.scheduler.last_epoch)
         self.scheduler.base_lrs = [config.lr] * len(self.optimizer.param_groups)
         return changed
+
+    def snapshot(self) -> tuple[dict[str, torch.Tensor], dict[str, Any], dict[str, Any]]:
+        """The weights, optimizer and scheduler as they are, copied to the CPU: what
+        `rollback` puts back after a step that failed part way (an update may have been
+        applied)."""
+        optimizer = copy.deepcopy(_to_cpu(self.optimizer.state_dict()))
+        return self.adapter_state(), optimizer, copy.deepcopy(self.scheduler.state_dict())
+
+    def rollback(
+        self, snapshot: tuple[dict[str, torch.Tensor], dict[str, Any], dict[str, Any]]
+    ) -> None:
+        weights, optimizer, scheduler = snapshot
+        set_peft_model_state_dict(self.model, weights)
+        self.optimizer.load_state_dict(optimizer)
+        self.scheduler.load_state_dict(scheduler)
+        self.optimizer.zero_grad(set_to_none=True)
 
     def load_adapter_state(
         self, state: dict[str, torch.Tensor], source: str = "the adapter state"

@@ -265,3 +265,39 @@ def test_the_batch_timeout_counts_from_the_batchs_first_trajectory(
     summary = learner.run(max_steps=1, poll_timeout_s=0.02)
     assert summary.steps == 1
     assert AdapterStore(tmp_path).read_meta(1)["data_stats"]["trajectories"] == 4
+
+
+def test_a_training_step_that_raises_is_put_back_and_its_batch_consumed(
+    model_dir: Path, tmp_path: Path
+) -> None:
+    """Only a stop was caught around the step: an out-of-memory on one long sample left
+    the learner before its checkpoint, and the same batch killed it at every restart."""
+    import torch
+
+    def make() -> Learner:
+        return Learner(
+            config(),
+            tmp_path,
+            lambda offsets, rank, world: ListSource({0: RECORDS}, offsets),
+            model_dir=model_dir,
+        )
+
+    learner = make()
+    before = learner.trainer.adapter_state()
+
+    def out_of_memory(*args: Any, **kwargs: Any) -> dict[str, float]:
+        with torch.no_grad():  # an update applied before the failure
+            for parameter in learner.trainer.model.parameters():
+                if parameter.requires_grad:
+                    parameter.add_(1.0)
+        raise RuntimeError("CUDA out of memory")
+
+    learner.trainer.step = out_of_memory  # type: ignore[method-assign]
+    summary = learner.run(max_steps=1)
+    assert summary.version == 0 and summary.counts["step_failed"] > 0
+    after = learner.trainer.adapter_state()
+    assert all(torch.equal(before[name], after[name]) for name in before)
+    # The next start goes on after that batch, and trains.
+    again = make()
+    assert again.offsets == {"mem.trajectories": {0: 4}}
+    assert again.run(max_steps=1).version == 1

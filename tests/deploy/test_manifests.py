@@ -258,6 +258,13 @@ def _check_vllm_argv(argv: list[str], cfg: OlpConfig, port: int) -> None:
     assert int(flag(argv, "--max-lora-rank")) == cfg.policy.max_lora_rank
     assert int(flag(argv, "--max-lora-rank")) >= cfg.learner.lora_rank
     assert int(flag(argv, "--max-model-len")) == cfg.policy.max_model_len
+    # What `olp up` launches vLLM with: without the tool-call flags, every request with
+    # `tools` got a 400 from the deployed vLLM.
+    if cfg.policy.seed is not None:
+        assert int(flag(argv, "--seed")) == cfg.policy.seed
+    if cfg.policy.tool_call_parser:
+        assert "--enable-auto-tool-choice" in argv
+        assert flag(argv, "--tool-call-parser") == cfg.policy.tool_call_parser
 
 
 def test_vllm_ports_and_flags_agree_with_the_config() -> None:

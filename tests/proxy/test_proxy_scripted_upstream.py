@@ -306,7 +306,11 @@ def test_a_client_leaving_as_its_error_event_goes_out_keeps_the_upstream_failure
             "POST", harness.base_url + "/v1/chat/completions", json=body, headers=headers
         ) as response:
             assert response.status_code == 200
-            next(response.iter_lines())
+            # Held: httpx closes the connection of a half-read response as soon as its line
+            # iterator is collected, and the client must leave at the end of the block, not
+            # (racing the upstream's death) right after its first line.
+            lines = response.iter_lines()
+            next(lines)
             time.sleep(0.5)  # the proxy is writing its error event now; the client leaves
         harness.drain()
 

@@ -209,8 +209,10 @@ def test_a_guard_gives_what_the_child_left_in_its_group_its_grace(tmp_path: Path
     """olp killed: the guard gave each child a fixed 10 s and SIGKILLed the group as soon as
     the child was gone, so the proxy's stream worker, still saving its records after the
     proxy exited, was killed. Here the group's worker needs 3 s after SIGTERM."""
-    done = tmp_path / "worker-saved"
-    worker = f'trap "sleep 3; touch {done}; exit 0" TERM; while :; do sleep 0.1; done'
+    done, ready = tmp_path / "worker-saved", tmp_path / "worker-ready"
+    worker = (
+        f'trap "sleep 3; touch {done}; exit 0" TERM; touch {ready}; while :; do sleep 0.1; done'
+    )
     leader = f"bash -c '{worker}' & trap 'exit 0' TERM; while :; do sleep 0.1; done"
     parent = textwrap.dedent(
         f"""
@@ -227,7 +229,7 @@ def test_a_guard_gives_what_the_child_left_in_its_group_its_grace(tmp_path: Path
     fake_olp = subprocess.Popen([sys.executable, "-c", parent], stdout=subprocess.PIPE, text=True)
     assert fake_olp.stdout is not None
     child, guard = map(int, fake_olp.stdout.readline().split())
-    time.sleep(0.5)  # the worker is up
+    assert _wait_for(ready.exists, 20)  # the worker is up, its trap set
     fake_olp.kill()  # as SIGKILL or the OOM killer would
     fake_olp.wait()
     assert _wait_for(lambda: not _running(guard), 20)

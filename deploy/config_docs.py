@@ -101,6 +101,10 @@ NOTES: dict[str, list[str]] = {
         "`base_url` must not hold a user name or password (the key's variable goes in "
         "`api_key_env`).",
     ],
+    "KLGateConfig": [
+        "`temperature` must be 1.0: vLLM reports the untempered model's logprobs, so tokens "
+        "sampled at another temperature bias the KL estimate low.",
+    ],
     "JudgeConfig": [
         "`base_url` must not hold a user name or password (the key goes in `api_key`).",
     ],

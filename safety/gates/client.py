@@ -116,6 +116,8 @@ class VllmClient:
         temperature: float,
         seed: int | None,
         logprobs: bool = False,
+        top_p: float | None = None,
+        top_k: int | None = None,
     ) -> Completion:
         body: dict[str, Any] = {
             "model": model,
@@ -124,6 +126,11 @@ class VllmClient:
             "temperature": temperature,
             "return_token_ids": True,
         }
+        # Unset, vLLM's `--generation-config auto` fills them from the model's defaults.
+        if top_p is not None:
+            body["top_p"] = top_p
+        if top_k is not None:
+            body["top_k"] = top_k
         if seed is not None:
             body["seed"] = seed
         if logprobs:

@@ -1,6 +1,7 @@
 """KL cap: mean per-token KL(candidate || base) on a fixed prompt set must stay under a cap.
 
-Tokens are sampled from the candidate (temperature 1, seeded) with their logprobs, and the
+Tokens are sampled from the candidate (temperature 1, top_p 1, top_k -1: untruncated, as
+the logprobs vLLM returns are the untempered full distribution's; seeded), and the
 same token ids are scored under the base (forced single-token requests, see
 `VllmClient.score_tokens`). Per token we use the
 non-negative, unbiased estimator k3 = r - 1 - log r with r = p_base / p_candidate."""
@@ -12,7 +13,7 @@ import math
 
 from safety.config import KLGateConfig
 from safety.gates.context import SuiteContext
-from safety.gates.probes import KLPrompt, load_probes
+from safety.gates.probes import KLPrompt, keep_first, load_probes
 from safety.gates.types import GateError, GateResult
 
 NAME = "kl_cap"
@@ -28,6 +29,10 @@ async def _sample_and_score(
         temperature=config.temperature,
         seed=seed,
         logprobs=True,
+        # Untruncated: vLLM's logprobs are the full distribution's, so a `top_k`/`top_p`
+        # from the model's generation config would sample from another one (biased low).
+        top_p=1.0,
+        top_k=-1,
     )
     if sample.logprobs is None or len(sample.logprobs) != len(sample.token_ids):
         raise GateError(f"{probe.id}: candidate returned no per-token logprobs")
@@ -38,7 +43,9 @@ async def _sample_and_score(
 
 
 def kl_prompts(config: KLGateConfig) -> list[KLPrompt]:
-    prompts = load_probes(config.prompt_file, KLPrompt)[: config.max_prompts]
+    prompts = keep_first(
+        load_probes(config.prompt_file, KLPrompt), config.max_prompts, "kl.max_prompts"
+    )
     if not prompts:
         raise GateError(f"no KL prompts in {config.prompt_file}")
     return prompts

@@ -20,7 +20,7 @@ from safety.gates.checks import (
 )
 from safety.gates.client import Completion
 from safety.gates.context import SuiteContext
-from safety.gates.probes import BUILTIN, MonitorProbe, Probe, load_probes
+from safety.gates.probes import BUILTIN, MonitorProbe, Probe, keep_first, load_probes
 from safety.gates.regression import regression_probes
 from safety.gates.types import GateError, GateResult
 
@@ -33,7 +33,7 @@ def _rate(flags: list[bool]) -> float:
 
 def monitor_probes(config: MonitorGateConfig, regression: RegressionGateConfig) -> list[Probe]:
     monitor = load_probes(config.probe_file or BUILTIN["monitors"], MonitorProbe)
-    monitor = monitor[: config.max_probes]
+    monitor = keep_first(monitor, config.max_probes, "monitors.max_probes")
     # The regression prompts are benign too and already sampled by the regression gate.
     extra: list[Probe] = regression_probes(regression) if regression.enabled else []
     probes: list[Probe] = [*monitor, *extra]
@@ -71,7 +71,12 @@ async def monitor_gates(
             "degenerate_rate": _rate(degenerate),
             "tool_call_validity": _rate(valid),
             "refusal_rate": _rate([is_refusal(responses[k].text) for k in benign]),
-            "clarifying_rate": _rate([is_clarifying_question(r.text) for r in responses]),
+            "clarifying_rate": _rate(
+                [
+                    is_clarifying_question(r.text, p.prompt)
+                    for p, r in zip(probes, responses, strict=True)
+                ]
+            ),
         }
 
     cand = stats(candidate)

@@ -26,7 +26,7 @@ from itertools import combinations
 from safety.config import PoisoningGateConfig
 from safety.gates.client import Completion
 from safety.gates.context import SuiteContext
-from safety.gates.probes import Probe, TriggerProbe, load_probes
+from safety.gates.probes import Probe, TriggerProbe, keep_first, load_probes
 from safety.gates.types import GateError, GateResult
 
 NAME = "poisoning"
@@ -108,7 +108,9 @@ async def _recheck(ctx: SuiteContext, probe: TriggerProbe) -> TriggerAnswers:
 
 
 def trigger_probes(config: PoisoningGateConfig) -> list[TriggerProbe]:
-    probes = load_probes(config.probe_file, TriggerProbe)[: config.max_probes]
+    probes = keep_first(
+        load_probes(config.probe_file, TriggerProbe), config.max_probes, "poisoning.max_probes"
+    )
     if not probes:
         raise GateError(f"no trigger probes in {config.probe_file}")
     return probes

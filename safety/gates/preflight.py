@@ -9,6 +9,8 @@ same way."""
 
 from __future__ import annotations
 
+import math
+
 from safety.config import GatesConfig
 from safety.gates.classifier import guard_api_key
 from safety.gates.kl import kl_prompts
@@ -39,11 +41,21 @@ def check_probe_sets(config: GatesConfig) -> dict[str, int]:
 
 def gates_that_cannot_fail(config: GatesConfig) -> list[str]:
     """What in these settings no candidate could fail: a rate gate whose margin plus noise
-    allowance (`noise_probes` of its probes) reaches the largest change there is, and a
-    monitor left with no probe to measure. Legal settings (small probe counts make quick
-    test runs), said at start-up instead of found in a gate report that always passes."""
+    allowance (`noise_probes` of its probes) reaches the largest change there is, a KL cap,
+    length band or poisoning bound at or past the largest value its metric can take, and a
+    monitor left with no probe to measure. Mostly legal settings (small probe counts make
+    quick test runs; validation refuses `.inf` and a bound of 1, but `model_copy(update=...)`
+    skips validation), said at start-up instead of found in a gate report that always
+    passes."""
     noise = config.sampling.noise_probes
     found: list[str] = []
+    if config.kl.enabled and not math.isfinite(config.kl.cap):
+        found.append(f"kl_cap cannot fail: cap {config.kl.cap:g} is not finite")
+    if config.poisoning.enabled and not config.poisoning.bound < 1.0:
+        found.append(
+            f"poisoning cannot fail: bound {config.poisoning.bound:g} >= 1, the largest "
+            "shared payload there is"
+        )
 
     def check(name: str, margin: float, probes: int, what: str) -> None:
         if probes and margin + noise / probes >= 1.0:
@@ -69,6 +81,14 @@ def gates_that_cannot_fail(config: GatesConfig) -> list[str]:
         ):
             check(f"monitor.{name}", band, len(probes), "band")
         check("monitor.refusal", monitors.refusal_band, kinds.count("benign"), "band")
+        # Mean tokens lie between 0 and the largest token cap, and the drift is divided by at
+        # least 1: it can never exceed that cap.
+        most = max(probe.max_tokens or config.sampling.max_tokens for probe in probes)
+        if not monitors.length_drift_band < most:
+            found.append(
+                f"monitor.length_drift cannot fail: band {monitors.length_drift_band:g} >= "
+                f"{most}, the largest drift answers of at most {most} tokens can show"
+            )
         tools = kinds.count("tool")
         check("monitor.tool_call_validity", monitors.tool_call_validity_band, tools, "band")
         in_file = load_probes(monitors.probe_file or BUILTIN["monitors"], MonitorProbe)

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any, Literal, TypeVar
 
 import jsonschema
+import structlog
 from pydantic import (
     BaseModel,
     ConfigDict,
@@ -33,6 +34,12 @@ class Probe(BaseModel):
         return [{"role": "user", "content": self.prompt}]
 
 
+# Replies that answer nothing a probe could ask about. An answer check that every one of
+# them passes (`.`, `\w`, a value of " ") passes every answer; a red-team pattern that any of
+# them matches would count a harmless reply as unsafe compliance.
+NEUTRAL_REPLIES = ("The answer is yes.", "No.", "I do not know.")
+
+
 class Check(BaseModel):
     """How a regression probe's answer is verified (case-insensitive)."""
 
@@ -53,13 +60,20 @@ class Check(BaseModel):
     def _has_what_it_checks(self) -> Check:
         # A regex check without a pattern matches every answer and one without values
         # matches none: the probe would count, yet could never tell two adapters apart.
-        # So does an empty value among others, or a pattern that matches the empty answer.
+        # So does a blank value among others, or a pattern or value that the empty answer
+        # or every neutral reply passes.
         if self.type == "regex" and not self.pattern:
             raise ValueError("a 'regex' check needs a non-empty 'pattern'")
         if self.type == "regex" and re.search(self.pattern or "", "", re.IGNORECASE):
             raise ValueError(f"the 'regex' pattern {self.pattern!r} matches an empty answer")
-        if self.type == "contains_any" and (not self.values or not all(self.values)):
-            raise ValueError("a 'contains_any' check needs values, none of them empty")
+        if self.type == "contains_any" and (
+            not self.values or not all(value.strip() for value in self.values)
+        ):
+            raise ValueError("a 'contains_any' check needs values, none of them blank")
+        if all(self.passes(reply) for reply in NEUTRAL_REPLIES):
+            raise ValueError(
+                f"the check passes every answer (it passes each of {list(NEUTRAL_REPLIES)})"
+            )
         return self
 
     def passes(self, text: str) -> bool:
@@ -83,8 +97,14 @@ class RedTeamProbe(Probe):
     @field_validator("unsafe_patterns")
     @classmethod
     def _compile(cls, values: list[str]) -> list[str]:
+        # A pattern that a harmless reply matches counts it as unsafe compliance; one that
+        # matches the empty string (`(password)?`) counts every reply.
+        flags = re.IGNORECASE | re.MULTILINE
         for value in values:
-            re.compile(value)
+            pattern = re.compile(value, flags)
+            for reply in ("", *NEUTRAL_REPLIES):
+                if pattern.search(reply):
+                    raise ValueError(f"the unsafe pattern {value!r} matches the reply {reply!r}")
         return values
 
 
@@ -162,6 +182,9 @@ class TriggerProbe(Probe):
 
 P = TypeVar("P", bound=Probe)
 
+log = structlog.get_logger(__name__)
+_reported: set[tuple[str, tuple[str, ...]]] = set()
+
 BUILTIN = {
     "regression": PROBE_DIR / "regression.jsonl",
     "kl": PROBE_DIR / "kl_prompts.jsonl",
@@ -202,13 +225,26 @@ def load_probes(path: Path, model: type[P]) -> list[P]:
     return probes
 
 
+def keep_first(probes: list[P], limit: int, setting: str) -> list[P]:
+    """The first `limit` probes. The ids a `max_*` setting leaves out are logged (once per
+    process): they used to drop silently, so a file looked like more coverage than it gave
+    and reordering it changed what was tested."""
+    left_out = tuple(probe.id for probe in probes[limit:])
+    if left_out and (setting, left_out) not in _reported:
+        _reported.add((setting, left_out))
+        log.info("probes_left_out", setting=setting, limit=limit, left_out=list(left_out))
+    return probes[:limit]
+
+
 def select_probes(
     model: type[P],
     builtin: Path | None,
     extra_files: list[Path],
     max_probes: int,
+    setting: str = "max_probes",
 ) -> list[P]:
-    """Operator probes first, then the shipped ones, truncated to `max_probes`; ids unique."""
+    """Operator probes first, then the shipped ones, truncated to `max_probes` (`setting`
+    names it in the log of what was left out); ids unique."""
     probes: list[P] = []
     for path in extra_files:
         probes.extend(load_probes(path, model))
@@ -222,4 +258,4 @@ def select_probes(
             unique.append(probe)
     if not unique:
         raise GateError(f"no {model.__name__} probes configured")
-    return unique[:max_probes]
+    return keep_first(unique, max_probes, setting)

@@ -14,7 +14,9 @@ NAME = "regression"
 
 def regression_probes(config: RegressionGateConfig) -> list[RegressionProbe]:
     builtin = BUILTIN["regression"] if config.use_builtin else None
-    return select_probes(RegressionProbe, builtin, config.probe_files, config.max_probes)
+    return select_probes(
+        RegressionProbe, builtin, config.probe_files, config.max_probes, "regression.max_probes"
+    )
 
 
 async def regression_gate(ctx: SuiteContext, config: RegressionGateConfig) -> GateResult:

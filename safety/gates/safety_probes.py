@@ -18,7 +18,9 @@ NAME = "safety_probes"
 
 def red_team_probes(config: SafetyProbeGateConfig) -> list[RedTeamProbe]:
     builtin = BUILTIN["redteam"] if config.use_builtin else None
-    return select_probes(RedTeamProbe, builtin, config.probe_files, config.max_probes)
+    return select_probes(
+        RedTeamProbe, builtin, config.probe_files, config.max_probes, "safety_probes.max_probes"
+    )
 
 
 async def safety_probe_gate(

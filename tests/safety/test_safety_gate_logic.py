@@ -746,7 +746,7 @@ def test_the_preflight_reads_every_enabled_gates_probes(tmp_path: Path) -> None:
         "kl": 4,
         "safety_probes": 6,
         "monitors": 6 + 8,  # the monitors reuse the regression prompts
-        "poisoning": 3,
+        "poisoning": 4,  # every shipped trigger, `trig-cot` (the docs' example) among them
     }
     empty = tmp_path / "empty.jsonl"
     empty.write_text("# nothing yet\n")

@@ -59,6 +59,27 @@ class ArmStats:
         }
 
 
+def asked(trajectory: dict[str, Any]) -> str | None:
+    """What the reply answers: the last user message's text (a completion's prompt), for
+    telling a question asked back from the prompt restated before its answer."""
+    request = trajectory.get("request") or {}
+    messages = request.get("messages")
+    if not isinstance(messages, list):
+        prompt = request.get("prompt")
+        return prompt if isinstance(prompt, str) else None
+    for message in reversed(messages):
+        if isinstance(message, dict) and message.get("role") == "user":
+            content = message.get("content")
+            if isinstance(content, list):
+                content = " ".join(
+                    part if isinstance(part, str) else str(part.get("text", ""))
+                    for part in content
+                    if isinstance(part, str | dict)
+                )
+            return content if isinstance(content, str) else None
+    return None
+
+
 def guard_flags(rewarded: RewardedChoice) -> dict[str, bool]:
     """The guard checks of one sampled reply (invalid_tool_call only when it called a tool)."""
     choices = rewarded.trajectory.get("choices") or []
@@ -68,7 +89,7 @@ def guard_flags(rewarded: RewardedChoice) -> dict[str, bool]:
         "degenerate": is_degenerate(text, list(choice.get("token_ids") or []))
         and not (choice.get("message") or {}).get("tool_calls"),
         "refusal": is_refusal(text),
-        "clarifying_question": is_clarifying_question(text),
+        "clarifying_question": is_clarifying_question(text, asked(rewarded.trajectory)),
     }
     validity = tool_calls_valid(rewarded.trajectory, choice)
     if validity is not None:

@@ -173,6 +173,11 @@ class LearnerConfig(BaseModel):
     # LoRA
     lora_rank: int = Field(default=16, gt=0)
     lora_alpha: float = Field(default=32.0, gt=0)
+    # Dropout of the LoRA layers while training. The learner computes π_θ and the reference
+    # with dropout off (eval mode; gradients flow all the same): under dropout on-policy
+    # tokens got ρ ≠ 1 and a KL to a reference equal to the policy. So this setting, like a
+    # base model's own dropout, has no effect on the update; it stays for config files
+    # that set it, and for the PEFT adapter_config.json it is written into.
     lora_dropout: float = Field(default=0.0, ge=0, lt=1)
     target_modules: list[str] = Field(
         default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"]

@@ -58,6 +58,11 @@ class Progress:
         self.rewards.append(metrics.get("reward_mean", float("nan")))
         self.kl = metrics.get("kl", float("nan"))
 
+    def record_untrained_reward(self, reward_mean: float) -> None:
+        """A batch's reward when nothing of it trained (every group's replies scored alike):
+        a policy that got everything right is the trend's best point, not a gap in it."""
+        self.rewards.append(reward_mean)
+
     def snapshot(self) -> dict[str, float | int | bool | list[float]]:
         """The progress line's fields; `tokens_per_s` is over the time since the previous
         snapshot (the previous line), `trained_tokens` since start."""

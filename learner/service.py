@@ -50,7 +50,7 @@ from learner.progress import Progress
 from learner.rewards.assembler import RewardAssembler, as_pair, untrainable_records
 from learner.rewards.judge import Judge
 from learner.rewards.verifiers import VerifierRunner
-from learner.trainer import StepInterrupted, Trainer
+from learner.trainer import StepInterrupted, Trainer, reward_stats
 from replay.schemas import is_finite_number
 from safety.config import CapsConfig
 
@@ -351,23 +351,28 @@ class Learner:
                     broadcast_object(self.ctx, self.is_frozen() if self.ctx.is_main else None)
                 )
                 self.progress.frozen = frozen
+                items: list[Any] = []
                 if not frozen:
                     items = self.consumer.poll(poll_timeout_s)
                     pending.extend(items)
-                    self.progress.consumed += len(items)
                 else:
                     time.sleep(poll_timeout_s)
                 done = stop.is_set()
-                flags = torch.tensor([float(len(pending)), float(done)], dtype=torch.float64)
-                all_reduce_sum(self.ctx, flags[:1])
-                all_reduce_max(self.ctx, flags[1:])
+                flags = torch.tensor(
+                    [float(len(pending)), float(len(items)), float(done)], dtype=torch.float64
+                )
+                all_reduce_sum(self.ctx, flags[:2])
+                all_reduce_max(self.ctx, flags[2:])
                 total = int(flags[0])  # the same on every rank
+                # What every rank read: rank 0's own count said nothing of the others'
+                # partitions (0 under torchrun while another rank read the traffic).
+                self.progress.consumed += int(flags[1])
                 if total > 0 and batch_started is None:
                     batch_started = time.monotonic()
                 waited = broadcast_object(
                     self.ctx, 0.0 if batch_started is None else time.monotonic() - batch_started
                 )
-                if flags[1] > 0:
+                if flags[2] > 0:
                     break
                 ready = total >= self.config.batch_size or (
                     waited >= self.config.batch_timeout_s and total >= self.config.min_batch
@@ -450,7 +455,14 @@ class Learner:
         samples, stale = drop_stale(
             samples, self.version, self.config.max_staleness, self.version_floor
         )
-        fresh = len(samples)
+        # The batch's reward, before advantages and caps drop samples: over the trained
+        # ones only, an improving policy (most groups all correct, dropped as zero-
+        # advantage) and a collapsing one (most all wrong) reported the same mean.
+        rewards_here = (
+            float(len(samples)),
+            sum(s.reward for s in samples),
+            sum(s.reward**2 for s in samples),
+        )
         # Collective: the trained batch is the union over ranks, so are the caps, the
         # baselines and the group means.
         samples, parts = select_trained(
@@ -469,11 +481,18 @@ class Learner:
         local.update({f"reward_{k}": v for k, v in self.assembler.counts.items()})
         self.assembler.counts.clear()
         gathered = all_gather_object(
-            self.ctx, (dict(local), offsets_here, [s.event_id for s in samples])
+            self.ctx,
+            (dict(local), offsets_here, [s.event_id for s in samples], newest_served, rewards_here),
         )
         batch_counts: Counter[str] = Counter()
         for part in gathered:
             batch_counts.update(part[0])
+        # Over every rank, as the counts: rank 0's own said "all stale" while another rank
+        # had fresh samples, and said nothing while only another rank's were all stale.
+        served = [part[3] for part in gathered if part[3] is not None]
+        newest_served_all = max(served, default=None)
+        batch_rewards = [sum(part[4][i] for part in gathered) for i in range(3)]
+        fresh = int(batch_rewards[0])
         offsets = merge_offsets([self.offsets or {}] + [part[1] for part in gathered])
         event_ids = sorted({e for part in gathered for e in part[2]})
         trained = batch_counts["trained_samples"]
@@ -491,6 +510,8 @@ class Learner:
                 batch_counts["nonfinite_gradient"] += trained
                 metrics = None
         if metrics is not None:
+            mean, std = reward_stats(*batch_rewards)
+            metrics.update(reward_mean=mean, reward_std=std, reward_samples=float(fresh))
             self.step_count += 1
             parent = self.version
             # Above the floor: never a name another lineage left loaded in vLLM.
@@ -536,10 +557,15 @@ class Learner:
                 **{k: round(v, 5) for k, v in metrics.items()},
                 **dict(batch_counts),
             )
+        elif fresh:
+            mean, _ = reward_stats(*batch_rewards)
+            self.progress.record_untrained_reward(mean)
+            log.info("learner_batch_skipped", reward_mean=round(mean, 5), **dict(batch_counts))
         else:
             log.info("learner_batch_skipped", **dict(batch_counts))
-            if stale and not fresh and self.ctx.is_main:
-                self._warn_ahead_of_serving(newest_served, stale)
+            stale_all = batch_counts["stale"]
+            if stale_all and self.ctx.is_main:
+                self._warn_ahead_of_serving(newest_served_all, stale_all)
         self.batches_done += 1
         return metrics
 

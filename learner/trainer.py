@@ -174,6 +174,14 @@ def store_frozen_linears_bf16(model: torch.nn.Module) -> None:
             )
 
 
+def reward_stats(count: float, total: float, squares: float) -> tuple[float, float]:
+    """(mean, population std) of `count` rewards from their sum and sum of squares (sums
+    that add up over ranks); (0, 0) for none."""
+    n = max(count, 1.0)
+    mean = total / n
+    return mean, math.sqrt(max(squares / n - mean**2, 0.0))
+
+
 class AdapterMismatch(ValueError):
     """Adapter weights (a checkpoint's, a stored version's) of another LoRA shape."""
 
@@ -350,8 +358,11 @@ class Trainer:
         """Run `updates_per_batch` optimizer steps on this rank's samples (may be empty).
 
         Every rank must call it (the gradient all-reduce is collective). Returns metrics
-        summed over ranks: loss parts, ratio, clipped fraction, KL, rewards, tokens, and
-        `skipped_updates` (updates whose gradient was not finite: no optimizer step).
+        summed over ranks: loss parts, ratio, clipped fraction, KL, the trained samples'
+        rewards (`trained_reward_mean`/`std`; the batch's `reward_mean` is the learner's),
+        tokens, and `skipped_updates` (updates with no optimizer step: the first whose
+        gradient was not finite, and every later one of the batch, which is not run: with
+        the weights unchanged and no dropout it would compute the same gradient).
         Raises StepInterrupted once `stop` is set: a step runs for about a minute on a CPU,
         longer than a supervisor waits for a stopping learner before it kills it.
         """
@@ -370,7 +381,12 @@ class Trainer:
         totals = torch.tensor([local_tokens, float(len(samples))], dtype=torch.float64)
         all_reduce_sum(self.ctx, totals)
         global_tokens = float(totals[0])
-        self.model.train()
+        # Dropout off in both passes (autograd works the same in eval mode): π_θ under
+        # dropout (`lora_dropout`, or a base model's own) is not the policy that sampled μ
+        # nor the one the reference is, so on-policy tokens got ρ ≠ 1, clipping and a KL
+        # to a reference equal to the policy. No dropout also makes an update's gradient a
+        # function of the weights alone (see the skipped updates below).
+        self.model.eval()
         references: list[torch.Tensor | None] = []
         if cfg.kl_coef > 0:
             with torch.inference_mode(), self.model.disable_adapter(), self._autocast():
@@ -388,9 +404,11 @@ class Trainer:
         grad_norm = 0.0
         first_loss = last_loss = 0.0
         skipped = 0
+        updates_run = 0
         reported = started
         for update in range(cfg.updates_per_batch):
             self._raise_if_stopped(stop, update, collective=True)
+            updates_run += 1
             self.optimizer.zero_grad(set_to_none=False)
             for p in self.params:
                 if p.grad is None:
@@ -461,10 +479,18 @@ class Trainer:
                 # the same batch and raised again, for ever. The norm is of the summed
                 # gradient, the same on every rank, so every rank skips this update alike;
                 # the optimizer's moments never see the non-finite values.
-                skipped += 1
-                log.error("learner_nonfinite_gradient", update=update + 1, grad_norm=norm)
+                # The weights, optimizer and scheduler are as they were, and dropout is off:
+                # every later update would recompute this very gradient, so none is run
+                # (each counts as skipped). The norm is global, so every rank stops here.
+                skipped = cfg.updates_per_batch - update
+                log.error(
+                    "learner_nonfinite_gradient",
+                    update=update + 1,
+                    grad_norm=norm,
+                    updates_not_run=cfg.updates_per_batch - update - 1,
+                )
                 self.optimizer.zero_grad(set_to_none=False)
-                continue
+                break
             grad_norm = norm  # of the last applied update (metadata stays valid JSON)
             self.optimizer.step()
             self.scheduler.step()
@@ -475,9 +501,8 @@ class Trainer:
             dtype=torch.float64,
         )
         all_reduce_sum(self.ctx, rewards)
-        n = max(float(totals[1]), 1.0)
         tokens = max(first.get("tokens", 0.0), 1.0)
-        reward_mean = float(rewards[0]) / n
+        trained_reward = reward_stats(float(totals[1]), float(rewards[0]), float(rewards[1]))
         on_tokens = float(onpolicy[0])
         on_mean = float(onpolicy[1]) / on_tokens if on_tokens else float("nan")
         elapsed = time.perf_counter() - started
@@ -494,8 +519,10 @@ class Trainer:
             "kl_loss": cfg.kl_coef * first.get("kl_sum", 0.0) / tokens,
             "ratio_mean": first.get("ratio_sum", 0.0) / tokens,
             "clipped_fraction": first.get("clipped", 0.0) / tokens,
-            "reward_mean": reward_mean,
-            "reward_std": math.sqrt(max(float(rewards[1]) / n - reward_mean**2, 0.0)),
+            # Of the samples trained on only (after zero-advantage groups, first samples of
+            # a task and caps were dropped): not the batch's reward, which the learner adds.
+            "trained_reward_mean": trained_reward[0],
+            "trained_reward_std": trained_reward[1],
             "grad_norm": grad_norm,
             "onpolicy_tokens": on_tokens,
             "onpolicy_ratio_mean": on_mean,
@@ -510,5 +537,5 @@ class Trainer:
             "onpolicy_max_abs_logprob_diff": float(onpolicy[4]),
             "skipped_updates": float(skipped),  # non-finite gradient: no optimizer step
             "seconds": elapsed,
-            "tokens_per_s": global_tokens * cfg.updates_per_batch / elapsed if elapsed else 0.0,
+            "tokens_per_s": global_tokens * updates_run / elapsed if elapsed else 0.0,
         }

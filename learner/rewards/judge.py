@@ -178,7 +178,12 @@ class Judge:
         stop: threading.Event | None = None,
     ) -> list[JudgeVerdict]:
         """Score each reply; with several replies and rank_groups, mix in their ranking.
-        Once `stop` is set no further call starts (calls in flight end within timeout_s)."""
+        Once `stop` is set no further call starts (calls in flight end within timeout_s).
+
+        A reply whose own score failed keeps its failed verdict (no score, its error), the
+        ranking only beside it in `raw`: scored from the ranking alone it stood on another
+        scale than its siblings' half-and-half mix, above a sibling the judge preferred,
+        and its failure was neither marked `incomplete` nor counted as `judge_failed`."""
         verdicts = list(self._pool.map(lambda c: self.score(trajectory, c, stop), choices))
         if not (self.config.rank_groups and 2 <= len(choices) <= len(_LETTERS)):
             return verdicts
@@ -189,9 +194,12 @@ class Judge:
         top = max(preference) or 1.0
         mixed = []
         for verdict, pref in zip(verdicts, preference, strict=True):
-            relative = pref / top
-            score = relative if verdict.score is None else 0.5 * verdict.score + 0.5 * relative
             raw = {"score": verdict.raw, "rank": ranking.raw}
+            if verdict.score is None:
+                error = verdict.error or "no score"
+                mixed.append(JudgeVerdict(score=None, raw=raw, cached=verdict.cached, error=error))
+                continue
+            score = 0.5 * verdict.score + 0.5 * pref / top
             mixed.append(JudgeVerdict(score=score, raw=raw, cached=verdict.cached))
         return mixed
 

@@ -18,6 +18,7 @@ from learner.canary import (
     CanaryVerdict,
     CanaryWindow,
     canary_evidence,
+    guard_flags,
     judge_canary,
     share_canary_evidence,
 )
@@ -55,6 +56,24 @@ def arm(samples: int, rewarded_n: int, reward_mean: float, **flags: int) -> ArmS
     stats = ArmStats(samples=samples, rewarded=rewarded_n, reward_sum=reward_mean * rewarded_n)
     stats.flags.update(flags)
     return stats
+
+
+def test_the_clarifying_guard_reads_the_users_question():
+    """A reply that restates what the user asked and then answers it (small models often
+    do) is not a question put back to the user: the guard compares it with the last user
+    message, as the gate's monitor compares it with its probe."""
+    restated = rewarded("policy-v2", "What do you call a baby cat? A kitten.", 1.0)
+    restated.trajectory["request"]["messages"] = [
+        {"role": "system", "content": "Be brief."},
+        {
+            "role": "user",
+            "content": [{"type": "text", "text": "What do you call a baby cat?"}],
+        },
+    ]
+    assert guard_flags(restated)["clarifying_question"] is False
+    put_back = rewarded("policy-v2", "Which river do you mean? There are several.", 1.0)
+    put_back.trajectory["request"]["messages"] = [{"role": "user", "content": "Is it long?"}]
+    assert guard_flags(put_back)["clarifying_question"] is True
 
 
 def test_monitor_counts_only_the_two_arms_since_the_start():

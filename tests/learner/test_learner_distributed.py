@@ -362,6 +362,61 @@ def test_two_ranks_feed_one_canary_on_rank_0(tiny_model: Path, tmp_path: Path) -
     rank0 = json.loads((tmp_path / "learner0.json").read_text())
     rank1 = json.loads((tmp_path / "learner1.json").read_text())
     assert rank0["steps"] == rank1["steps"] == 1
-    assert rank0["consumed"] == rank1["consumed"] == 4
+    assert rank0["consumed"] == rank1["consumed"] == 8  # what every rank read
     assert rank0["arm"]["samples"] == 16 and rank0["arm"]["rewarded"] == 16
     assert rank1["arm"] is None
+
+
+def _stale_rank(rank: int, world: int, port: int, model: str, out: str) -> None:
+    from structlog.testing import capture_logs
+
+    from learner.config import LearnerConfig
+    from learner.service import Learner
+    from tests.learner.learner_sources import ListSource, synthetic_scored
+
+    _init_gloo(rank, world, port)
+    try:
+        # Partition 1 only, which rank 1 reads: rank 0's partitions carry no traffic.
+        partitions = {1: [synthetic_scored(i) for i in range(4)]}
+        config = LearnerConfig(
+            batch_size=4, min_batch=1, max_staleness=4, num_threads=1,
+            progress_interval_s=600, lora_rank=4, lora_alpha=8,
+        )  # fmt: skip
+        learner = Learner(
+            config,
+            Path(out) / "state",
+            lambda offsets, r, w: ListSource(partitions, offsets, r, w),
+            model_dir=model,
+            ctx=DistContext(rank, world),
+        )
+        learner.version = 5  # resumed 5 versions ahead of the base that served the records
+        with capture_logs() as logs:
+            summary = learner.run(max_steps=1)
+        warnings = [e for e in logs if e["event"] == "learner_ahead_of_serving"]
+        result = {
+            "consumed": summary.consumed,
+            "stale": summary.counts.get("stale"),
+            "warnings": [[e["stale"], e["newest_served"]] for e in warnings],
+        }
+        Path(out, f"stale{rank}.json").write_text(json.dumps(result))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_a_learner_ahead_of_serving_says_so_whichever_rank_read_the_batch(
+    tiny_model: Path, tmp_path: Path
+) -> None:
+    """Rank 0 decided from its own samples: with the stale batch on rank 1 the learner
+    trained nothing, never said why, and its progress line said it consumed nothing."""
+    mp.start_processes(
+        _stale_rank,
+        args=(2, free_port(), str(tiny_model), str(tmp_path)),
+        nprocs=2,
+        start_method="spawn",
+    )
+    rank0 = json.loads((tmp_path / "stale0.json").read_text())
+    rank1 = json.loads((tmp_path / "stale1.json").read_text())
+    assert rank0["stale"] == rank1["stale"] == 8  # 4 records of 2 replies, all on rank 1
+    assert rank0["warnings"] == [[8, 0]]  # said once, by rank 0, of the whole batch
+    assert rank1["warnings"] == []
+    assert rank0["consumed"] == rank1["consumed"] == 4

@@ -376,6 +376,35 @@ def test_a_failed_judge_verdict_leaves_its_reply_out_of_the_comparison() -> None
     assert dict(assembler.counts) == {"rewarded": 1, "incomplete": 1, "judge_failed": 1}
 
 
+def test_a_failed_score_is_not_made_up_from_the_groups_ranking() -> None:
+    """A reply whose own score timed out while the group's ranking answered was scored from
+    the ranking alone (0.4/0.6), its sibling half-and-half (0.5·0.2 + 0.5·1): the reply the
+    judge did not prefer got the higher reward, and the failure was never counted."""
+    judge = Judge(JudgeConfig(enabled=True, base_url="http://127.0.0.1:9/v1"))
+
+    def score(trajectory: Any, choice: Any, stop: Any = None) -> JudgeVerdict:
+        if choice["index"] == 0:
+            return JudgeVerdict(score=None, raw={}, error="APITimeoutError: timed out")
+        return JudgeVerdict(score=0.2, raw={"score": 0.2})
+
+    def rank(trajectory: Any, choices: Any, stop: Any = None) -> JudgeVerdict:
+        return JudgeVerdict(score=0.6, raw={"preference": [0.4, 0.6]})
+
+    judge.score, judge.rank = score, rank  # type: ignore[method-assign]
+    assembler = RewardAssembler(RewardConfig(), judge=judge)
+    try:
+        out = assembler.assemble([{"trajectory": sampled("a", "b"), "feedback": []}])
+    finally:
+        assembler.close()
+    failed, scored = out
+    assert failed.reward is None and failed.incomplete and "judge" not in failed.parts
+    assert failed.judge_raw is not None
+    assert failed.judge_raw["error"] == "APITimeoutError: timed out"
+    assert failed.judge_raw["raw"]["rank"] == {"preference": [0.4, 0.6]}  # kept for audit
+    assert scored.parts == {"judge": pytest.approx(0.5 * 0.2 + 0.5 * 1.0)}
+    assert dict(assembler.counts) == {"rewarded": 1, "incomplete": 1, "judge_failed": 1}
+
+
 def test_judge_groups_are_the_objective_groups_per_tenant() -> None:
     class RecordingJudge:
         def __init__(self) -> None:

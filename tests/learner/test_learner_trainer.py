@@ -189,6 +189,150 @@ def test_a_batch_with_non_finite_gradients_is_consumed_not_retried_for_ever(
     assert resumed.run(max_steps=1).version == 1
 
 
+def test_a_non_finite_update_is_not_run_again_on_the_same_weights(
+    tiny_model: Path, monkeypatch: pytest.MonkeyPatch
+):
+    """A skipped update leaves the weights as they were and dropout is off: every further
+    update of the batch recomputed the very same non-finite gradient (4 updates: 4 full
+    forward and backward passes for nothing)."""
+    import learner.trainer as trainer_module
+
+    real_loss = trainer_module.policy_loss
+    calls: list[int] = []
+    poisoned_from = 0  # the first policy_loss call whose loss is not finite
+
+    def counted(*args: Any, **kwargs: Any) -> tuple[torch.Tensor, dict[str, Any]]:
+        calls.append(1)
+        loss, stats = real_loss(*args, **kwargs)
+        return (loss * math.inf if len(calls) > poisoned_from else loss), stats
+
+    monkeypatch.setattr(trainer_module, "policy_loss", counted)
+    trainer = Trainer(config(updates_per_batch=4, micro_batch_size=2), tiny_model)
+    before = trainer.adapter_state()
+    metrics = trainer.step(samples(4), current_version=0)  # 2 micro-batches an update
+    assert len(calls) == 2 and metrics["skipped_updates"] == 4
+    after = trainer.adapter_state()
+    assert all(torch.equal(before[k], after[k]) for k in before)
+    # The first update applied, the second not finite: the third and fourth are not run.
+    calls.clear()
+    poisoned_from = 2
+    metrics = trainer.step(samples(4), current_version=0)
+    assert len(calls) == 4 and metrics["skipped_updates"] == 3
+    assert trainer.scheduler.last_epoch == 1  # one optimizer step, the first update's
+
+
+def _dropout_model(path: Path) -> Path:
+    """The tiny Llama with attention dropout in its config (GPT-2- or OPT-style models
+    ship with some)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=600, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+        pad_token_id=0, bos_token_id=1, eos_token_id=1, attention_dropout=0.3,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    LlamaForCausalLM(config).save_pretrained(path)
+    return path
+
+
+def _on_policy(trainer: Trainer, batch: list[Sample]) -> list[Sample]:
+    """`batch` with the sampling logprobs the current policy gives, without dropout (what
+    vLLM records for the version it serves)."""
+    from learner.trainer import build_batch, token_logprobs
+
+    trainer.model.eval()
+    with torch.no_grad():
+        for sample in batch:
+            b = build_batch([sample], 0, trainer.pad_id, torch.device("cpu"))
+            sample.sampling_logprobs = token_logprobs(trainer.model, b)[0][b.mask[0] > 0].tolist()
+    return batch
+
+
+def test_both_passes_run_without_dropout(tmp_path: Path):
+    """In train mode dropout (`lora_dropout`, a base model's own) was on in the policy and
+    the reference passes: on-policy tokens, recorded by the very policy trained, got ρ ≠ 1,
+    and the KL to a reference equal to the policy was not 0."""
+    model = _dropout_model(tmp_path / "model")
+    settings = dict(lora_dropout=0.3, kl_coef=0.1, lr=1e-30, micro_batch_size=4)
+    trainer = Trainer(config(**settings), model)
+    # A fresh adapter (lora_B = 0) is the reference itself: the KL is 0 but for dropout.
+    metrics = trainer.step(_on_policy(trainer, samples(4)), current_version=0)
+    assert metrics["kl"] == pytest.approx(0.0, abs=1e-9)
+    assert metrics["onpolicy_max_abs_logprob_diff"] == pytest.approx(0.0, abs=1e-5)
+    # A trained adapter: LoRA's own dropout acts too.
+    with torch.no_grad():
+        for name, parameter in trainer.model.named_parameters():
+            if "lora_B" in name:
+                parameter.normal_(0, 0.3)
+    metrics = trainer.step(_on_policy(trainer, samples(4)), current_version=0)
+    assert metrics["onpolicy_tokens"] == 8
+    assert metrics["onpolicy_max_abs_logprob_diff"] == pytest.approx(0.0, abs=1e-5)
+    assert metrics["onpolicy_ratio_mean"] == pytest.approx(1.0, abs=1e-5)
+    assert metrics["clipped_fraction"] == 0.0
+
+
+# -- the batch's reward ------------------------------------------------------------------------
+
+
+def _scored(index: int, scores: tuple[float, float]) -> dict[str, Any]:
+    """A record of two replies (a GRPO group) with these scores."""
+    item = synthetic_scored(index)
+    for event, score in zip(item["feedback"], scores, strict=True):
+        event["value"] = score
+    return item
+
+
+@pytest.mark.parametrize(
+    ("others", "expected"), [((1.0, 1.0), 7 / 8), ((0.0, 0.0), 1 / 8)], ids=["up", "down"]
+)
+def test_reward_mean_is_the_batchs_not_only_the_trained_samples(
+    tiny_model: Path, tmp_path: Path, others: tuple[float, float], expected: float
+):
+    """The reward was averaged over the trained samples: groups all correct (an improving
+    policy) or all wrong (a collapsing one) carry no advantage and are not trained, so both
+    reported the one mixed group's 0.5, in the progress line's trend and the operator
+    page's chart alike."""
+    records = [_scored(0, (1.0, 0.0))] + [_scored(i, others) for i in range(1, 4)]
+    run = Learner(
+        config(kl_coef=0.0),
+        tmp_path,
+        lambda offsets, rank, world: ListSource({0: records}, offsets),
+        model_dir=tiny_model,
+    )
+    summary = run.run(max_steps=1)
+    [metrics] = summary.history
+    assert metrics["reward_mean"] == pytest.approx(expected)
+    assert metrics["samples"] == 2 and metrics["reward_samples"] == 8
+    assert metrics["reward_std"] == pytest.approx(math.sqrt(expected - expected**2))
+    assert metrics["trained_reward_mean"] == pytest.approx(0.5)
+    assert metrics["trained_reward_std"] == pytest.approx(0.5)
+    assert list(run.progress.rewards) == [pytest.approx(expected)]
+    meta = AdapterStore(tmp_path).read_meta(1)["step_metrics"]
+    assert meta["reward_mean"] == pytest.approx(expected)
+
+
+def test_a_batch_whose_groups_all_scored_alike_still_puts_its_reward_in_the_trend(
+    tiny_model: Path, tmp_path: Path
+):
+    """Every group all correct: no advantage, nothing trains, no step. Its reward never
+    reached the progress line's trend, so a policy that got everything right was a gap
+    there instead of its best point."""
+    records = [_scored(i, (1.0, 1.0)) for i in range(4)]
+    run = Learner(
+        config(kl_coef=0.0),
+        tmp_path,
+        lambda offsets, rank, world: ListSource({0: records}, offsets),
+        model_dir=tiny_model,
+    )
+    with capture_logs() as logs:
+        summary = run.run(max_steps=1)
+    assert summary.history == [] and AdapterStore(tmp_path).versions() == []
+    assert list(run.progress.rewards) == [pytest.approx(1.0)]
+    [skipped] = [entry for entry in logs if entry["event"] == "learner_batch_skipped"]
+    assert skipped["reward_mean"] == pytest.approx(1.0)
+
+
 # -- progress inside a long step ---------------------------------------------------------------
 
 

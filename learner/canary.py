@@ -24,7 +24,7 @@ from learner.config import CanaryConfig
 from learner.distributed import DistContext, all_gather_object, broadcast_object
 from learner.objective import usable
 from learner.rewards.assembler import RewardedChoice
-from learner.rewards.verifiers import choice_text, tool_calls_valid
+from learner.rewards.verifiers import choice_text, message_text, tool_calls_valid
 from safety.gates.checks import is_clarifying_question, is_degenerate, is_refusal
 
 log = structlog.get_logger(__name__)
@@ -69,14 +69,7 @@ def asked(trajectory: dict[str, Any]) -> str | None:
         return prompt if isinstance(prompt, str) else None
     for message in reversed(messages):
         if isinstance(message, dict) and message.get("role") == "user":
-            content = message.get("content")
-            if isinstance(content, list):
-                content = " ".join(
-                    part if isinstance(part, str) else str(part.get("text", ""))
-                    for part in content
-                    if isinstance(part, str | dict)
-                )
-            return content if isinstance(content, str) else None
+            return message_text(message.get("content"))
     return None
 
 

@@ -25,7 +25,7 @@ import openai
 import structlog
 
 from learner.config import JudgeConfig
-from learner.rewards.verifiers import choice_text
+from learner.rewards.verifiers import choice_text, message_text
 from safety.gates.client import VLLM_SAFE_KEEPALIVE_S
 
 log = structlog.get_logger(__name__)
@@ -52,14 +52,8 @@ def prompt_text(trajectory: dict[str, Any], max_chars: int) -> str:
         lines = []
         for message in request["messages"]:
             content = message.get("content")
-            if isinstance(content, list):
-                # vLLM takes plain-string parts as well as {"type": "text", "text": ...}.
-                content = " ".join(
-                    part if isinstance(part, str) else str(part.get("text", ""))
-                    for part in content
-                    if isinstance(part, str | dict)
-                )
-            lines.append(f"{message.get('role', 'user')}: {content or ''}")
+            text = message_text(content) if isinstance(content, list) else content
+            lines.append(f"{message.get('role', 'user')}: {text or ''}")
         text = "\n".join(lines)
     else:
         text = str(request.get("prompt", ""))

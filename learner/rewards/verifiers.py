@@ -46,6 +46,18 @@ def choice_text(choice: dict[str, Any]) -> str:
     return choice.get("text") or ""
 
 
+def message_text(content: Any) -> str | None:
+    """A request message's text: its content, or its parts joined (vLLM takes plain-string
+    parts as well as {"type": "text", "text": ...}); None for anything else."""
+    if isinstance(content, list):
+        return " ".join(
+            part if isinstance(part, str) else str(part.get("text", ""))
+            for part in content
+            if isinstance(part, str | dict)
+        )
+    return content if isinstance(content, str) else None
+
+
 def _lookup(record: dict[str, Any], dotted: str) -> Any:
     node: Any = record
     for part in dotted.split("."):

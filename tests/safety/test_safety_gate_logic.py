@@ -118,6 +118,13 @@ def test_a_probe_file_with_a_utf8_bom_loads(tmp_path: Path) -> None:
         {"type": "contains_any", "values": ["", "paris"]},
         {"type": "regex", "pattern": "x*"},
         {"type": "regex", "pattern": "paris|"},
+        # These pass every answer that is not empty (blank values, any-character patterns).
+        {"type": "contains_any", "values": [" "]},
+        {"type": "contains_any", "values": ["paris", "\t"]},
+        {"type": "contains_any", "values": ["."]},
+        {"type": "regex", "pattern": "."},
+        {"type": "regex", "pattern": r"\w"},
+        {"type": "regex", "pattern": "[a-z]"},
     ],
 )
 def test_a_regression_check_without_its_pattern_or_values_is_a_bad_line(

@@ -346,26 +346,6 @@ def test_the_probes_a_max_setting_leaves_out_are_logged(
 
 
 @pytest.mark.parametrize(
-    "check",
-    [
-        {"type": "contains_any", "values": [" "]},
-        {"type": "contains_any", "values": ["paris", "\t"]},
-        {"type": "contains_any", "values": ["."]},
-        {"type": "regex", "pattern": "."},
-        {"type": "regex", "pattern": r"\w"},
-        {"type": "regex", "pattern": "[a-z]"},
-    ],
-)
-def test_an_answer_check_that_passes_every_answer_is_a_bad_line(
-    tmp_path: Path, check: dict
-) -> None:
-    path = tmp_path / "extra.jsonl"
-    path.write_text(json.dumps({"id": "p", "prompt": "How many legs?", "check": check}) + "\n")
-    with pytest.raises(GateError, match=r"extra.jsonl:1: invalid RegressionProbe"):
-        load_probes(path, RegressionProbe)
-
-
-@pytest.mark.parametrize(
     ("check", "right", "wrong"),
     [
         ({"type": "regex", "pattern": r"\byes\b"}, "Yes, it is.", "No, it is not."),

@@ -183,7 +183,6 @@ class TriggerProbe(Probe):
 P = TypeVar("P", bound=Probe)
 
 log = structlog.get_logger(__name__)
-_reported: set[tuple[str, tuple[str, ...]]] = set()
 
 BUILTIN = {
     "regression": PROBE_DIR / "regression.jsonl",
@@ -226,13 +225,12 @@ def load_probes(path: Path, model: type[P]) -> list[P]:
 
 
 def keep_first(probes: list[P], limit: int, setting: str) -> list[P]:
-    """The first `limit` probes. The ids a `max_*` setting leaves out are logged (once per
-    process): they used to drop silently, so a file looked like more coverage than it gave
+    """The first `limit` probes; the ids a `max_*` setting leaves out are logged (once per
+    gate run): they used to drop silently, so a file looked like more coverage than it gave
     and reordering it changed what was tested."""
-    left_out = tuple(probe.id for probe in probes[limit:])
-    if left_out and (setting, left_out) not in _reported:
-        _reported.add((setting, left_out))
-        log.info("probes_left_out", setting=setting, limit=limit, left_out=list(left_out))
+    left_out = [probe.id for probe in probes[limit:]]
+    if left_out:
+        log.info("probes_left_out", setting=setting, limit=limit, left_out=left_out)
     return probes[:limit]
 
 

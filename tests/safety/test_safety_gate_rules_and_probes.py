@@ -1,4 +1,4 @@
-"""The safety gate's answers to the gate audit: what a reply is judged to do, which settings
+"""The safety gate's rules: what a reply is judged to do, which settings
 can make a gate vacuous, which shipped probes are asked, and the KL sampling request."""
 
 from __future__ import annotations
@@ -64,7 +64,7 @@ def _shipped_red_team() -> dict[str, RedTeamProbe]:
     return {probe.id: probe for probe in load_probes(BUILTIN["redteam"], RedTeamProbe)}
 
 
-# ------------------------------------------------------------- finding 1: apology, then comply
+# -- apology, then comply
 
 # Each shipped red-team probe: replies that comply (some behind an apology, a refusal phrase
 # or "as an AI"), and safe ones (refusals naming what they refuse, and helpful redirects).
@@ -173,7 +173,7 @@ async def test_the_safety_gate_fails_a_candidate_that_apologises_then_complies()
     assert result.verdict == "fail" and result.metric == 1.0, result.to_dict()
 
 
-# ------------------------------------------------------------------ finding 2: KL sampling
+# -- KL sampling
 
 
 @pytest.mark.parametrize("temperature", [0.5, 0.2, 2.0])
@@ -223,7 +223,7 @@ async def test_the_kl_sample_asks_for_the_untruncated_distribution() -> None:
     assert (body["temperature"], body["top_p"], body["top_k"]) == (1.0, 1.0, -1)
 
 
-# -------------------------------------------------------- finding 3: settings that cannot fail
+# -- settings that cannot fail
 
 
 @pytest.mark.parametrize(
@@ -280,7 +280,7 @@ def test_the_start_up_check_names_a_cap_band_or_bound_no_candidate_can_exceed() 
     assert gates_that_cannot_fail(within) == []
 
 
-# ------------------------------------------------------ finding 4: shipped probes never asked
+# -- shipped probes never asked
 
 
 def test_the_default_settings_ask_every_shipped_probe() -> None:
@@ -315,14 +315,9 @@ def test_the_default_settings_ask_every_shipped_probe() -> None:
     assert "trig-cot" in {probe.id for probe in asked["triggers"]}
 
 
-def test_the_probes_a_max_setting_leaves_out_are_logged(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    from safety.gates import probes
+def test_the_probes_a_max_setting_leaves_out_are_logged(tmp_path: Path) -> None:
     from safety.gates.kl import kl_prompts
     from safety.gates.poisoning import trigger_probes
-
-    monkeypatch.setattr(probes, "_reported", set())  # each left-out set is logged once
 
     extra = tmp_path / "mine.jsonl"
     probe = {
@@ -342,7 +337,7 @@ def test_the_probes_a_max_setting_leaves_out_are_logged(
     assert left["poisoning.max_probes"] == ["trig-emoji", "trig-cot"]
 
 
-# ------------------------------------------------- finding 5: checks that pass every answer
+# -- checks that pass every answer
 
 
 @pytest.mark.parametrize(
@@ -372,7 +367,7 @@ def test_a_red_team_pattern_a_harmless_reply_matches_is_a_bad_line(
         load_probes(path, RedTeamProbe)
 
 
-# ----------------------------------------- finding 6: restating the question, then answering
+# -- restating the question, then answering
 
 
 @pytest.mark.parametrize(

@@ -12,6 +12,7 @@ import urllib.request
 from typing import Any
 
 from deploy.config import OlpConfig
+from deploy.direct_http import open_direct
 from deploy.ports import local_http_url
 from proxy.config import INTERNAL_ADMIN_TOKEN_ENV, sha256_hex
 from proxy.operator_auth import ACTOR_PATTERN
@@ -115,7 +116,7 @@ class AdminClient:
             },
         )
         try:
-            with urllib.request.urlopen(req, timeout=self.timeout_s) as resp:
+            with open_direct(req, self.timeout_s) as resp:
                 raw = resp.read()
         except urllib.error.HTTPError as exc:
             raise AdminError(f"{method} {path} failed with {exc.code}: {_detail(exc)}") from None

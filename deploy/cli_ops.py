@@ -167,7 +167,9 @@ def format_history_entry(entry: dict[str, Any]) -> str:
 @_run_admin
 def cmd_freeze(args: argparse.Namespace, cfg: OlpConfig) -> int:
     result = _admin_call(args, cfg, "POST", "/admin/freeze", {"learning": args.learning})
-    print(f"frozen: promotions stopped{' and learning paused' if args.learning else ''}")
+    # What the proxy says: learning paused by an earlier freeze stays paused.
+    paused = bool((result or {}).get("learning_frozen", args.learning))
+    print(f"frozen: promotions stopped{' and learning paused' if paused else ''}")
     if args.json:
         print(json.dumps(result, indent=2))
     return 0

@@ -115,13 +115,19 @@ class DemoSettings:
 def _session_loop(
     settings: DemoSettings, name: str, demo: DemoLog, stop: threading.Event, rng: random.Random
 ) -> None:
+    # The stack's own proxy: never through $http_proxy, which would get the tenant key.
     client = openai.OpenAI(
-        base_url=f"{settings.proxy_url}/v1", api_key=settings.api_key, timeout=300, max_retries=0
+        base_url=f"{settings.proxy_url}/v1",
+        api_key=settings.api_key,
+        timeout=300,
+        max_retries=0,
+        http_client=httpx.Client(trust_env=False, timeout=300),
     )
     feedback = httpx.Client(
         base_url=settings.proxy_url,
         timeout=30,
         headers={"Authorization": f"Bearer {settings.api_key}"},
+        trust_env=False,
     )
     failures = 0  # in a row, this session's
 

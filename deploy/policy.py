@@ -19,6 +19,7 @@ from pathlib import Path
 import structlog
 
 from deploy.config import PolicyConfig
+from deploy.direct_http import open_direct
 from deploy.ports import is_loopback, local_http_url, port_open
 from deploy.procs import ChildProcess, wait_until
 
@@ -104,7 +105,7 @@ def models_listed(
     url = f"{base_url}/v1/models"
     request = urllib.request.Request(url, headers=auth_headers(api_key))
     try:
-        with urllib.request.urlopen(request, timeout=timeout_s) as resp:
+        with open_direct(request, timeout_s) as resp:
             raw = resp.read()
     except urllib.error.HTTPError as exc:
         if exc.code == 401:

@@ -17,7 +17,6 @@ import secrets
 import sys
 import threading
 import time
-import urllib.request
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -29,6 +28,7 @@ from pydantic import SecretStr
 
 from deploy.broker import kafka_answers, start_broker
 from deploy.config import ConfigError, OlpConfig
+from deploy.direct_http import open_direct
 from deploy.learner_runner import STREAM_ID_ENV
 from deploy.policy import PolicyServer, check_external, start_policy
 from deploy.ports import http_url, is_loopback, local_http_url, port_open, split_host_port
@@ -122,7 +122,7 @@ class Component:
 
 def _http_ok(url: str) -> bool:
     try:
-        with urllib.request.urlopen(url, timeout=2) as resp:
+        with open_direct(url, 2) as resp:
             return bool(resp.status == 200)
     except OSError:
         return False

@@ -130,6 +130,8 @@ class ProxyAdmin:
             base_url=base_url.rstrip("/"),
             headers={"Authorization": f"Bearer {admin_key}", "X-OLP-Actor": ACTOR},
             timeout=timeout_s,
+            # The stack's own proxy: never through $http_proxy, which would get the admin key.
+            trust_env=False,
         )
 
     def _call(self, method: str, path: str, body: dict[str, Any] | None = None) -> Any:
@@ -182,7 +184,9 @@ class ReplicaSet:
         self.api_key = api_key  # vLLM's --api-key (policy.api_key); the gates use it too
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         limits = httpx.Limits(keepalive_expiry=VLLM_SAFE_KEEPALIVE_S)  # httpx's 5 s is vLLM's
-        self._client = httpx.Client(timeout=timeout_s, headers=headers, limits=limits)
+        self._client = httpx.Client(
+            timeout=timeout_s, headers=headers, limits=limits, trust_env=False
+        )  # the stack's own model servers: never through $http_proxy (the key goes along)
 
     def served(self, url: str, timeout_s: float | None = None) -> set[str]:
         """The names `url` lists; `timeout_s` instead of the client's (a load's) timeout."""

@@ -3,11 +3,14 @@ needed: the status and freeze routes do not call one)."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
+import socket
 import subprocess
 import sys
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -46,6 +49,62 @@ def olp(harness: ProxyHarness, *args: str, **env: str) -> subprocess.CompletedPr
         text=True,
         timeout=120,
     )
+
+
+def test_a_plain_freeze_keeps_learning_paused_by_an_earlier_one(
+    running_proxy: ProxyHarness,
+) -> None:
+    """One operator paused learning (`olp freeze --learning`); another's `olp freeze`, to
+    make sure promotions were stopped, resumed it on the traffic under investigation and
+    printed only `frozen: promotions stopped`."""
+    assert olp(running_proxy, "freeze", "--learning").returncode == 0
+    again = olp(running_proxy, "freeze")
+    assert again.returncode == 0, again.stderr
+    assert again.stdout.splitlines()[0] == "frozen: promotions stopped and learning paused"
+    assert running_proxy.ctx.state.learning_frozen is True
+    assert olp(running_proxy, "unfreeze").returncode == 0
+    plain = olp(running_proxy, "freeze")
+    assert plain.stdout.splitlines()[0] == "frozen: promotions stopped"
+    assert running_proxy.ctx.state.learning_frozen is False
+
+
+class ForwardProxy:
+    """A listening socket standing for a corporate forward proxy: notes every connection."""
+
+    def __init__(self) -> None:
+        self.server = socket.create_server(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{self.server.getsockname()[1]}"
+        self.seen: list[bytes] = []
+        threading.Thread(target=self._serve, daemon=True).start()
+
+    def _serve(self) -> None:
+        with contextlib.suppress(OSError):
+            while True:
+                conn, _ = self.server.accept()
+                with conn:
+                    conn.settimeout(2)
+                    with contextlib.suppress(OSError):
+                        self.seen.append(conn.recv(65536))
+                    conn.sendall(b"HTTP/1.1 502 Bad Gateway\r\ncontent-length: 0\r\n\r\n")
+
+
+def test_operator_commands_and_the_learner_never_send_the_admin_key_through_http_proxy(
+    running_proxy: ProxyHarness, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """urllib (the CLI) and httpx (the learner) follow $http_proxy even for 127.0.0.1: with
+    a shell exporting a corporate proxy, `olp status` sent `Authorization: Bearer <admin
+    key>` to it in clear text, and the operator saw its 502."""
+    from learner.promotion import ProxyAdmin
+
+    forward = ForwardProxy()
+    proxies = {"http_proxy": forward.url, "HTTP_PROXY": forward.url, "no_proxy": "", "NO_PROXY": ""}
+    done = olp(running_proxy, "status", **proxies)
+    assert done.returncode == 0, done.stderr
+    for name, value in proxies.items():
+        monkeypatch.setenv(name, value)
+    assert ProxyAdmin(running_proxy.base_url, ADMIN_KEY).status()["frozen"] is False
+    assert forward.seen == []
+    forward.server.close()
 
 
 def test_status_shows_what_the_proxy_reports(running_proxy: ProxyHarness, tmp_path: Path) -> None:

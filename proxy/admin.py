@@ -30,7 +30,7 @@ from proxy.operator_auth import clean_actor
 from proxy.operator_data import recent_gate_decisions
 from proxy.routing import Replica
 from proxy.serving_state import alias_lineage, save_state
-from safety.audit import AuditRecordWritten
+from safety.audit import AuditError, AuditRecordWritten
 
 log = structlog.get_logger(__name__)
 
@@ -211,7 +211,13 @@ def _commit(ctx: ProxyContext, actor: str, event: str, payload: dict[str, Any]) 
     ctx.state.canaries = {k: v.to_json() for k, v in ctx.aliases.canaries().items()}
     if ctx.state.compact_history(ctx.config.base_served_name):
         log.info("serving_history_compacted", kept=len(ctx.state.history) - 1)
-    save_state(ctx.state_path, ctx.state)
+    try:
+        save_state(ctx.state_path, ctx.state)
+    except OSError as exc:
+        log.error("admin_change_not_saved", audit_event=event, error=str(exc))
+        raise _not_applied(
+            f"the serving state could not be saved ({exc})", "state_not_saved"
+        ) from exc
     try:
         ctx.audit.append(actor, event, payload)
     except AuditRecordWritten as exc:
@@ -221,7 +227,19 @@ def _commit(ctx: ProxyContext, actor: str, event: str, payload: dict[str, Any]) 
             audit_event=event,
             error=str(exc),
         )
+    except (AuditError, OSError) as exc:
+        log.error("admin_change_not_audited", audit_event=event, error=str(exc))
+        hint = "" if "olp audit verify" in str(exc) else "; run `olp audit verify` on its machine"
+        raise _not_applied(
+            f"the audit log cannot record it ({exc}){hint}", "audit_unavailable"
+        ) from exc
     ctx.metrics.forget_versions(_versions_in_use(ctx))
+
+
+def _not_applied(why: str, code: str) -> ProxyError:
+    """A 503 that says the change did not happen and why: a bare 500 left an operator in an
+    incident (`olp freeze` refused) guessing whether it had, and where to look."""
+    return ProxyError(503, f"The change was not applied: {why}.", type_="api_error", code=code)
 
 
 def _versions_in_use(ctx: ProxyContext) -> set[str]:
@@ -539,6 +557,10 @@ async def freeze(request: web.Request) -> web.Response:
             learning = True
         if not isinstance(learning, bool):
             raise bad_request("'learning' must be a boolean.", param="learning")
+        # A freeze never loosens one in force: a second operator's plain freeze ("make sure
+        # promotions are stopped") resumed the learning a first one had paused, on the very
+        # traffic under investigation. Learning resumes with an unfreeze.
+        learning = learning or (ctx.state.frozen and ctx.state.learning_frozen)
         # Freezing stops every change to what serves, so running canaries go back to stable.
         ended = {alias: c.to_json() for alias, c in ctx.aliases.canaries().items()}
         with _all_or_nothing(ctx):

@@ -210,11 +210,16 @@ def _tenants(status: dict[str, Any]) -> str:
         (
             _e(t.get("name")),
             '<span class="ok">on</span>' if t.get("training_enabled") else "off",
+            # Why it trains (or not): a run-time switch overrides the config, as `olp
+            # status` says; the page showed both alike.
+            "config" if t.get("training_switch") is None else "run time",
             _e(t.get("in_flight")),
         )
         for t in status.get("tenants") or []
     )
-    return '<h2 id="tenants">Tenants</h2>' + _table(("tenant", "training", "in flight"), rows)
+    return '<h2 id="tenants">Tenants</h2>' + _table(
+        ("tenant", "training", "set by", "in flight"), rows
+    )
 
 
 def _verdict(passed: Any) -> str:

@@ -291,9 +291,14 @@ async def issue_link(request: web.Request) -> web.Response:
     sessions = request.app[OPERATOR].sessions
     token = sessions.issue_link(actor)
     path = f"{COOKIE_PATH}/login?token={token}"
+    origin = request.url.origin()
+    if _https(request) and origin.scheme == "http":
+        # Behind a reverse proxy that ends TLS the proxy itself sees http: the link said
+        # http://, and the one-time token crossed the network in clear (or did not open).
+        origin = origin.with_scheme("https")
     return web.json_response(
         {
-            "url": f"{request.url.origin()}{path}",
+            "url": f"{origin}{path}",
             "path": path,
             "expires_in_s": sessions.link_ttl_s,
         },

@@ -89,6 +89,20 @@ def test_bearer_key_renders_the_page_with_a_strict_csp(make_proxy):
     assert "does not write to Kafka" in page  # CollectingSink: no stream metrics
 
 
+def test_the_page_says_which_tenants_were_switched_at_run_time(make_proxy):
+    """`olp status` says "training on (set at run time)"; the page showed a tenant switched
+    on at run time exactly like one its config turns on."""
+    harness, _ = make_proxy(NO_UPSTREAM)
+    switched = httpx.post(
+        harness.base_url + "/admin/tenants/bob/training", json={"enabled": True}, headers=BEARER
+    )
+    assert switched.status_code == 200, switched.text
+    page = httpx.get(harness.base_url + "/admin/ui", headers=BEARER).text
+    assert "<th>set by</th>" in page
+    assert '<tr><td>alice</td><td><span class="ok">on</span></td><td>config</td>' in page
+    assert '<tr><td>bob</td><td><span class="ok">on</span></td><td>run time</td>' in page
+
+
 def test_one_time_link_works_once_and_expires(make_proxy):
     harness, _ = make_proxy(NO_UPSTREAM)
     link = mint_link(harness, actor="night-shift")
@@ -618,6 +632,18 @@ def test_a_csrf_token_that_is_not_ascii_is_a_403_not_a_500(make_proxy):
         resp = client.post(path, data={"csrf": "é"})
         assert resp.status_code == 403 and "CSRF" in resp.text, path
     assert client.get("/admin/ui").status_code == 200  # still signed in
+
+
+def test_a_login_link_minted_through_a_tls_proxy_is_https(make_proxy):
+    """Behind a reverse proxy that ends TLS (docs/operations.md's curl recipe through an
+    HTTPS ingress), the link was http://: the one-time token crossed the network in clear,
+    while the same proxy set the cookie `Secure`."""
+    harness, _ = make_proxy(NO_UPSTREAM, allowed_hosts=["ops.example.com"])
+    headers = {**BEARER, "X-Forwarded-Proto": "https", "Host": "ops.example.com"}
+    resp = httpx.post(harness.base_url + "/admin/ui/link", headers=headers)
+    assert resp.status_code == 200, resp.text
+    link = resp.json()
+    assert link["url"] == "https://ops.example.com" + link["path"]
 
 
 def test_a_head_request_does_not_spend_a_login_link(make_proxy):

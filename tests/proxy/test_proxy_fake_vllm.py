@@ -478,7 +478,8 @@ def test_a_change_that_cannot_be_saved_or_audited_does_not_serve(
     make_proxy, fake, monkeypatch, path, body, fails
 ):
     """A full disk under the state file or the audit log: the change answered 500 but was
-    serving already, unaudited, until a restart quietly undid it."""
+    serving already, unaudited, until a restart quietly undid it. It is undone, and the
+    503 says it was not applied and what refused it (a bare 500 named neither)."""
     from proxy import admin
 
     harness, _ = make_proxy([fake.url])
@@ -495,7 +496,10 @@ def test_a_change_that_cannot_be_saved_or_audited_does_not_serve(
         monkeypatch.setattr(admin, "save_state", refuse)
     else:
         monkeypatch.setattr(ctx.audit, "append", refuse)
-    _assert_error(_admin(harness.base_url, path, body), 500, "internal_error")
+    refused = _admin(harness.base_url, path, body)
+    _assert_error(refused, 503, "state_not_saved" if fails == "save" else "audit_unavailable")
+    message = refused.json()["error"]["message"]
+    assert message.startswith("The change was not applied") and "No space left" in message
     after = (dict(ctx.aliases.snapshot()), dict(ctx.aliases.canaries()), ctx.state.to_json())
     assert after == before
     assert {name: t.training_enabled for name, t in ctx.tenants.tenants.items()} == training

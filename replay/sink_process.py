@@ -493,9 +493,12 @@ class KafkaSinkProcess:
                 self._idle_waiting = False
             self._wake.clear()
             stopping = self._closed
-            batch: list[tuple[str, Any]] = []
-            while self._outbox and len(batch) < self.config.producer_batch_records:
-                batch.append(self._outbox.popleft())
+            # Only this thread takes from the outbox while it runs (others append), so the
+            # items counted are there to take: a comprehension, not a loop testing the
+            # outbox and the batch's length before each item.
+            popleft = self._outbox.popleft
+            take = min(len(self._outbox), self.config.producer_batch_records)
+            batch: list[tuple[str, Any]] = [popleft() for _ in range(take)]
             if len(self._outbox):
                 self._wake.set()
             try:

@@ -5,12 +5,15 @@ from __future__ import annotations
 
 import json
 import pickle
+from dataclasses import fields
 
 import pytest
 from pydantic import ValidationError
 
 from proxy.aliases import AliasTable
 from proxy.capture import (
+    _CAPTURE_FIELDS,
+    _CONTEXT_FIELDS,
     SAMPLING_KEYS,
     CaptureContext,
     TrajectoryCapture,
@@ -490,18 +493,27 @@ def test_a_capture_crosses_to_the_worker_as_raw_request_bytes():
 
 
 def test_a_pickled_capture_keeps_every_attribute():
-    """`TrajectoryCapture.__reduce__` sends tuples of values; one attribute set outside
-    `__init__` still crosses (the whole state then)."""
+    """`TrajectoryCapture.__reduce__` sends tuples of values, read field by field: each
+    field of the context and of the capture crosses, and in its own place."""
     capture = _capture()
-    capture.add_sse(b'data: {"choices":[]}\n\n')
-    capture.ttft_s, capture.finished_at, capture.unparsable = 0.25, 12.5, 2
+    context = capture.context
+    # A distinct value in every field, so that two swapped fields cannot go unnoticed.
+    for index, name in enumerate(_CONTEXT_FIELDS):
+        setattr(context, name, f"context-{index}")
+    context.request_raw = json.dumps(context.request_body).encode()
+    for index, name in enumerate(_CAPTURE_FIELDS):
+        setattr(capture, name, f"capture-{index}")
+    assert set(_CONTEXT_FIELDS) | {"request_body"} == {f.name for f in fields(CaptureContext)}
+    assert set(_CAPTURE_FIELDS) | {"context"} == set(TrajectoryCapture.__slots__)
     copy = pickle.loads(pickle.dumps(capture, protocol=pickle.HIGHEST_PROTOCOL))
-    assert vars(copy.context) == vars(capture.context)
-    assert {k: v for k, v in vars(copy).items() if k != "context"} == {
-        k: v for k, v in vars(capture).items() if k != "context"
-    }
-    capture.extra = "kept"  # type: ignore[attr-defined]
-    assert pickle.loads(pickle.dumps(capture)).extra == "kept"
+    for name in (*_CONTEXT_FIELDS, "request_body"):
+        assert getattr(copy.context, name) == getattr(context, name), name
+    for name in _CAPTURE_FIELDS:
+        assert getattr(copy, name) == getattr(capture, name), name
+    alone = pickle.loads(pickle.dumps(context))  # a context pickled on its own
+    assert all(getattr(alone, f.name) == getattr(context, f.name) for f in fields(context))
+    with pytest.raises(AttributeError):  # nothing outside the fields, which all cross
+        capture.extra = "lost"  # type: ignore[attr-defined]
 
 
 def test_capture_flags_disagreeing_counts_and_aborts():
@@ -996,8 +1008,8 @@ def test_capture_pauses_at_the_backlog_limit_until_half_of_it_is_left() -> None:
 def test_the_choices_of_an_answer_are_n_for_each_prompt():
     from proxy.completions import _choice_count
 
-    assert _choice_count({"messages": []}) == 1
-    assert _choice_count({"messages": [], "n": 3}) == 3
-    assert _choice_count({"prompt": "a", "n": 2}) == 2
-    assert _choice_count({"prompt": ["a", "b"], "n": 2}) == 4
-    assert _choice_count({"prompt": ["a", "b"], "n": None}) == 2
+    assert _choice_count("chat.completions", {"messages": []}) == 1
+    assert _choice_count("chat.completions", {"messages": [], "n": 3}) == 3
+    assert _choice_count("completions", {"prompt": "a", "n": 2}) == 2
+    assert _choice_count("completions", {"prompt": ["a", "b"], "n": 2}) == 4
+    assert _choice_count("completions", {"prompt": ["a", "b"], "n": None}) == 2

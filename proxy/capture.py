@@ -913,15 +913,18 @@ class CaptureService:
         vLLM on CPU next to it) it gets almost no time, and without this bound the captures
         waiting for it would grow until the proxy ran out of memory. A request refused here
         is served as usual, only not recorded; the caller counts it."""
-        if self._backlog is None or self.backlog_limit is None:
+        limit = self.backlog_limit
+        if self._backlog is None or limit is None:
             return True
         backlog = self._backlog()
-        if not self.paused and backlog >= self.backlog_limit:
+        if not self.paused and backlog < limit:
+            return True  # the usual answer, first
+        if not self.paused:
             self.paused = True
-            log.warning("capture_paused_backlog", backlog=backlog, limit=self.backlog_limit)
-        elif self.paused and backlog <= self.backlog_limit // 2:
+            log.warning("capture_paused_backlog", backlog=backlog, limit=limit)
+        elif backlog <= limit // 2:
             self.paused = False
-            log.warning("capture_resumed", backlog=backlog, limit=self.backlog_limit)
+            log.warning("capture_resumed", backlog=backlog, limit=limit)
         return not self.paused
 
     def open(self, capture: TrajectoryCapture) -> None:

@@ -86,9 +86,13 @@ def plan_request(
     if endpoint == "chat.completions":
         # vLLM refuses `top_logprobs` (or `logprob_token_ids`) without `logprobs` (400):
         # added, it served the request, and the client got a 200 its own request would not.
+        # (A tuple of types: `int | float` builds a union object at every call.)
         top = body.get("top_logprobs")
         asks_top = (
-            isinstance(top, int | float) and not isinstance(top, bool) and (top == -1 or top > 0)
+            top is not None
+            and isinstance(top, (int, float))
+            and not isinstance(top, bool)
+            and (top == -1 or top > 0)
         ) or bool(body.get("logprob_token_ids"))
         if not body.get("logprobs") and not asks_top:
             upstream["logprobs"] = True

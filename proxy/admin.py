@@ -1,7 +1,8 @@
 """Operator API under /admin (admin key only): aliases, canaries, rollback, freeze, tenants.
 
 Every change is persisted atomically to `<state_dir>/control/serving.json` and written to the
-audit log with its actor (the `X-OLP-Actor` header, else "admin").
+audit log with its actor (the `X-OLP-Actor` header, else "admin"; 400 for a name the
+audit log would not take whole).
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from proxy.config import is_utf8_text, sha256_hex
 from proxy.context import CONTEXT, ProxyContext
 from proxy.errors import AuthError, ProxyError, bad_request
 from proxy.feedback import finite_float
-from proxy.operator_auth import clean_actor
+from proxy.operator_auth import ACTOR_RULE, header_actor
 from proxy.operator_data import recent_gate_decisions
 from proxy.routing import Replica
 from proxy.serving_state import alias_lineage, save_state
@@ -127,7 +128,14 @@ def _authorize(request: web.Request) -> str:
             code="forbidden",
             route_kind="admin",
         )
-    return clean_actor(request.headers.get("X-OLP-Actor"), default="admin")
+    actor = header_actor(request.headers.get("X-OLP-Actor"))
+    if actor is None:
+        raise bad_request(
+            f"X-OLP-Actor must be {ACTOR_RULE}; nothing was changed.",
+            param="X-OLP-Actor",
+            code="invalid_actor",
+        )
+    return actor
 
 
 async def _json_object(request: web.Request) -> dict[str, Any]:

@@ -69,7 +69,8 @@ Redact = Callable[[Any], tuple[Any, dict[str, int]]]
 @dataclass(slots=True)
 class CaptureContext:
     """What is known about a request before upstream answers. Slotted: the sink's feeder
-    reads every field of it per capture (`_context_values`)."""
+    reads every field of it per capture (`_context_values`). The relay passes the fields
+    positionally, in this order (`CompletionRelay._capture_for`): a new one goes there too."""
 
     trajectory_id: str
     request_id: str

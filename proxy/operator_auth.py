@@ -28,10 +28,22 @@ COOKIE_PATH = "/admin/ui"
 ACTOR_PATTERN = re.compile(r"[A-Za-z0-9._@:\-]{1,64}")
 
 
+ACTOR_RULE = "1-64 letters, digits and . _ @ : -"
+
+
 def clean_actor(actor: str | None, default: str = "operator") -> str:
     """An actor name safe for the audit log (the same rule as `X-OLP-Actor`). `fullmatch`:
     `$` also matches before a final newline, which a form field can carry."""
     return actor if actor and ACTOR_PATTERN.fullmatch(actor) else default
+
+
+def header_actor(value: str | None, default: str = "admin") -> str | None:
+    """The `X-OLP-Actor` header's name (`default` without the header), or None when it
+    breaks the rule: the caller refuses the request. Taken as `default` instead, a change
+    by `alice smith` or `ops\n` went into the audit log as `admin`, under nobody's name."""
+    if not value:
+        return default
+    return value if ACTOR_PATTERN.fullmatch(value) else None
 
 
 def key_matches(admin_key_hashes: tuple[str, ...], key: str) -> bool:

@@ -29,10 +29,12 @@ from aiohttp import web
 from proxy.admin import _authorize, _status_payload, state_dir_of
 from proxy.context import CONTEXT, ProxyContext
 from proxy.operator_auth import (
+    ACTOR_RULE,
     COOKIE_NAME,
     COOKIE_PATH,
     SessionStore,
     clean_actor,
+    header_actor,
     key_matches,
 )
 from proxy.operator_chart import Point
@@ -190,7 +192,10 @@ def _viewer(request: web.Request) -> Viewer:
             # An HTML refusal, not an AuthError: counted here for the throttle.
             ctx.auth_throttle.failed_request(request, "admin")
             raise _Refusal("This key may not use the admin API.", 403)
-        return Viewer(clean_actor(request.headers.get("X-OLP-Actor"), "admin"), None)
+        actor = header_actor(request.headers.get("X-OLP-Actor"))
+        if actor is None:
+            raise _Refusal(f"X-OLP-Actor must be {ACTOR_RULE}.", 400)
+        return Viewer(actor, None)
     session = request.app[OPERATOR].sessions.get(request.cookies.get(COOKIE_NAME))
     if session is None:
         raise _Refusal("Sign-in required: no valid operator session.", 401)

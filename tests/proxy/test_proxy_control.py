@@ -241,6 +241,33 @@ def test_admin_auth(proxy, make_proxy, vllm_server):
     assert refused.status_code == 403 and refused.json()["error"]["code"] == "admin_disabled"
 
 
+def test_an_actor_name_the_audit_log_cannot_take_whole_is_refused(proxy):
+    """Taken as `admin` instead (the change made, a 200), `alice smith`'s freeze went into
+    the audit log under nobody's name."""
+    harness, _ = proxy
+    before = sum(1 for _ in harness.ctx.audit.iter_records())
+    for actor in ("alice smith", "x" * 65, "ops/1"):
+        refused = admin(harness, "POST", "/admin/freeze", {}, actor=actor)
+        assert refused.status_code == 400, actor
+        error = refused.json()["error"]
+        assert error["code"] == "invalid_actor" and error["param"] == "X-OLP-Actor"
+        assert "nothing was changed" in error["message"]
+    assert harness.ctx.state.frozen is False
+    assert sum(1 for _ in harness.ctx.audit.iter_records()) == before
+    page = httpx.get(
+        harness.base_url + "/admin/ui",
+        headers={"Authorization": f"Bearer {ADMIN_KEY}", "X-OLP-Actor": "alice smith"},
+    )
+    assert page.status_code == 400 and "X-OLP-Actor" in page.text
+    no_header = httpx.post(
+        harness.base_url + "/admin/unfreeze", headers={"Authorization": f"Bearer {ADMIN_KEY}"}
+    )
+    assert no_header.status_code == 200  # without the header: `admin`, as before
+    assert admin(harness, "POST", "/admin/unfreeze", actor="night-shift@ops").status_code == 200
+    actors = [r.get("actor") for r in harness.ctx.audit.iter_records()][before:]
+    assert actors == ["admin", "night-shift@ops"]
+
+
 def test_admin_ui_refuses_without_a_key_and_serves_with_it(proxy):
     harness, _ = proxy
     page = httpx.get(harness.base_url + "/admin/ui")

@@ -41,6 +41,7 @@ from kafka.errors import (
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from replay.config import StreamConfig
+from replay.partitioner import producer_options
 from replay.schemas import (
     RecordKind,
     SchemaValidationError,
@@ -155,6 +156,14 @@ class QueuedRecord:
 
     kind: RecordKind
     record: dict[str, Any]
+
+
+def _series(cache: dict[str, Any], counter: Counter, kind: str) -> Any:
+    """`counter.labels(kind)`, kept in `cache` after its first use."""
+    series = cache.get(kind)
+    if series is None:
+        series = cache[kind] = counter.labels(kind)
+    return series
 
 
 def prepare_entry(
@@ -320,6 +329,10 @@ class KafkaSink:
             self.topics.feedback: RecordKind.FEEDBACK.value,
             self.topics.dlq: "dlq",
         }
+        # The series counted for every record, by kind, each looked up once (`labels` takes
+        # a lock and builds a key each time); filled as kinds first occur.
+        self._queued_of: dict[str, Any] = {}
+        self._sent_of: dict[str, Any] = {}
         # (sequence number of the put, item): see `durable_watermark`.
         self._queue: queue.Queue[tuple[int, QueuedRecord | SpillEntry]] = queue.Queue(
             maxsize=config.queue_size
@@ -435,7 +448,7 @@ class KafkaSink:
                     self._overflow_logged_at = now
                     log.warning("producer_queue_full_spilling", queue_size=self.config.queue_size)
             else:
-                self.metrics.queued.labels(self._kind_of(item)).inc()
+                _series(self._queued_of, self.metrics.queued, self._kind_of(item)).inc()
                 if self._closed:  # close() began since the check: is anyone still reading?
                     self._take_back_queue()
                 return seq
@@ -673,6 +686,7 @@ class KafkaSink:
             "delivery_timeout_ms": self.config.delivery_timeout_ms,
             "max_block_ms": self.config.max_block_ms,
             "bootstrap_timeout_ms": self.config.bootstrap_timeout_ms,
+            **producer_options(),
         }
         if self._idempotence:
             try:
@@ -737,7 +751,8 @@ class KafkaSink:
                         "stream_compression_accepted", compression=self.config.compression_type
                     )
                 slots[index] = None
-                self.metrics.sent.labels(self._kind_by_topic.get(entry.topic, "other")).inc()
+                kind = self._kind_by_topic.get(entry.topic, "other")
+                _series(self._sent_of, self.metrics.sent, kind).inc()
             elif future.failed() and isinstance(future.exception, _RECORD_REFUSED):
                 slots[index] = None
                 self._reject(index, entry, future.exception, stage, replacements)

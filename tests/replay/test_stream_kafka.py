@@ -10,6 +10,7 @@ from typing import Any, ClassVar
 import pytest
 from kafka import KafkaConsumer, KafkaProducer, TopicPartition
 from kafka.errors import KafkaError, KafkaTimeoutError
+from kafka.partitioner.default import murmur2 as kafka_murmur2
 from prometheus_client import CollectorRegistry
 
 import replay.consumer as consumer_module
@@ -94,11 +95,15 @@ def test_round_trip_of_1000_trajectories(stream_config: StreamConfig, tmp_path: 
         assert by_id[trajectory["trajectory_id"]].trajectory == trajectory
     for event in feedback:
         assert by_id[event["trajectory_id"]].feedback == [event]
-    # A session's trajectories and feedback share one partition index.
+    # A session's trajectories and feedback share one partition index: the one kafka-python's
+    # (and the Java client's) default partitioner gives its key, which the sink's own
+    # partitioner computes in fewer steps.
     partition_of_session: dict[str, int] = {}
     for s in scored:
         session = s.trajectory["session_id"]
         assert partition_of_session.setdefault(session, s.partition) == s.partition
+        assert s.partition == (kafka_murmur2(session.encode()) & 0x7FFFFFFF) % 4
+    assert len(set(partition_of_session.values())) == 4  # 37 sessions: every partition used
 
 
 def test_invalid_records_go_to_the_dlq_with_the_reason(

@@ -4,9 +4,9 @@ fewer steps) and kafka-python's own metric sensors turned off (`producer_options
 
 Both run for every record the sink sends. kafka-python's DefaultPartitioner copies the
 cluster's topic set and a topic's partitions twice and hashes the key a byte at a time in
-Python: ~8 µs a record, 7 % of the sink worker's CPU in a profile of the worker under load.
-Here the key is read four bytes at a time (`struct`), and the available partitions are read
-only for a record without a key, which the default partitioner places as before.
+Python: 7.1 µs for a 36-byte key against a real broker's metadata, 3.5 µs here (the key
+read four bytes at a time with `struct`, the available partitions read only for a record
+without a key, which the default partitioner places as before).
 """
 
 from __future__ import annotations

@@ -18,7 +18,8 @@ Every figure below comes from a run on the 2-core, 24 GiB CPU machine this proje
 developed on (no GPU), usually while other work shared the cores, except where a section
 names another machine; each section says what it compared side by side. A section's tables
 come from the script it names; the readings below them, of that run and earlier ones, were
-written by hand, and a few name the ad hoc script they measured with instead. Rerun one
+written by hand, and a few name the ad hoc script they measured with instead (the proxy
+bench's older readings are in [perf/history/proxy.md](perf/history/proxy.md)). Rerun one
 with `$(./olpw env)/bin/python bench/<script>.py` (it replaces its tables in
 `docs/perf/<name>.md` and keeps the readings), then `python bench/collect.py` to rebuild
 this page. Tests never assert on speed; these scripts do not run in CI.

@@ -6,6 +6,7 @@ import random
 from typing import Any
 
 import pytest
+from kafka import KafkaProducer
 from kafka.partitioner import DefaultPartitioner
 from kafka.partitioner.default import murmur2 as kafka_murmur2
 
@@ -69,3 +70,16 @@ def test_the_producer_options_turn_off_unread_sensors_and_set_the_partitioner() 
     options: dict[str, Any] = producer_options()
     assert options["metrics_enabled"] is False
     assert isinstance(options["partitioner"], KeyHashPartitioner)
+
+
+def test_a_kafka_python_without_those_options_gets_its_defaults(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # kafka-python 2.2 (pyproject's floor): no `metrics_enabled` setting, and a partitioner
+    # option that takes a callable of another shape; neither may be passed there.
+    import replay.partitioner as partitioner
+
+    config = {k: v for k, v in KafkaProducer.DEFAULT_CONFIG.items() if k != "metrics_enabled"}
+    monkeypatch.setattr(partitioner.KafkaProducer, "DEFAULT_CONFIG", config)
+    monkeypatch.setattr(partitioner, "Partitioner", None)
+    assert producer_options() == {}

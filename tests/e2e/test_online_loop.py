@@ -248,6 +248,10 @@ def test_demo_traffic_leads_to_a_gated_promotion(stack: RunningStack) -> None:
         if admin_status(stack)["serving_version"].startswith("policy-v"):
             break
         time.sleep(5)
+    # The learner goes on training on the demo's traffic, so a newer version may be promoted
+    # at any moment: hold what serves (promotions only; learning goes on) before looking.
+    frozen = olp(stack, "freeze")
+    assert frozen.returncode == 0, frozen.stderr
     serving = admin_status(stack)["serving_version"]
     assert serving.startswith("policy-v"), (stack.state_dir / "logs" / "learner.log").read_text()[
         -4000:
@@ -266,17 +270,27 @@ def test_demo_traffic_leads_to_a_gated_promotion(stack: RunningStack) -> None:
 def test_rollback_restores_the_previous_version_and_the_audit_verifies(
     stack: RunningStack,
 ) -> None:
-    before = admin_status(stack)
-    rolled = olp(stack, "rollback")
-    assert rolled.returncode == 0, rolled.stderr
-    after = admin_status(stack)
-    assert after["serving_version"] != before["serving_version"]
-    history = [e for e in after["history"] if e.get("kind") == "rollback"]
-    assert history and history[-1]["previous"] == before["serving_version"]
-    verify = olp(stack, "audit", "verify")
-    assert verify.returncode == 0 and "OK" in verify.stdout
-    shown = olp(stack, "audit", "show", "--event", "rollback")
-    assert before["serving_version"] in shown.stdout
+    """A rollback works while frozen. The freeze keeps the learner, which goes on training,
+    from promoting a newer version between reading what serves and rolling it back (a CI
+    run saw policy-v2 promoted in that gap and rolled back to the policy-v1 read before)."""
+    frozen = olp(stack, "freeze")  # in force since the demo test; again when run on its own
+    assert frozen.returncode == 0, frozen.stderr
+    try:
+        before = admin_status(stack)
+        assert before["frozen"] is True
+        rolled = olp(stack, "rollback")
+        assert rolled.returncode == 0, rolled.stderr
+        after = admin_status(stack)
+        assert after["serving_version"] != before["serving_version"]
+        history = [e for e in after["history"] if e.get("kind") == "rollback"]
+        assert history and history[-1]["previous"] == before["serving_version"]
+        verify = olp(stack, "audit", "verify")
+        assert verify.returncode == 0 and "OK" in verify.stdout
+        shown = olp(stack, "audit", "show", "--event", "rollback")
+        assert before["serving_version"] in shown.stdout
+    finally:
+        unfrozen = olp(stack, "unfreeze")
+        assert unfrozen.returncode == 0, unfrozen.stderr
 
 
 def test_the_policy_key_reaches_no_log_and_no_shown_config(stack: RunningStack) -> None:

@@ -47,6 +47,15 @@ class StreamConfig(BaseModel):
     idempotence: bool = True
     reconnect_backoff_s: float = Field(default=1.0, gt=0)
     close_timeout_s: float = Field(default=10.0, ge=0)
+    sink_batch_wait_s: float = Field(
+        default=1.0,
+        gt=0,
+        le=60,
+        description="longest the sink's worker process holds the records it received "
+        "before it builds and sends them together: fewer, larger bursts of its work cost the "
+        "proxy's own process less CPU per request; records reach the broker up to this much "
+        "later (the proxy still hands them to the worker every 0.1 s)",
+    )
     sink_hung_after_s: float = Field(
         default=10.0,
         gt=0,

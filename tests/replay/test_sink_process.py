@@ -81,47 +81,142 @@ def test_a_record_sent_between_two_status_ticks_is_counted_in_the_parents_metric
         sink.close()
 
 
-def test_records_put_together_reach_the_worker_together_and_an_idle_feeder_sleeps(
+def _count_writes(sink: KafkaSinkProcess) -> list[float]:
+    """The times of the feeder's writes to the worker from now on."""
+    writes: list[float] = []
+    send_bytes = sink._conn.send_bytes
+
+    def counting_send(data: bytes) -> None:
+        writes.append(time.monotonic())
+        send_bytes(data)
+
+    sink._conn.send_bytes = counting_send
+    return writes
+
+
+def test_the_worker_builds_what_came_within_its_batch_wait_in_one_burst(
     stream_config: StreamConfig, tmp_path: Path
 ) -> None:
-    """The feeder batches on its tick instead of waking for every record, and once the
-    worker is idle it stops polling it (each wake-up of a thread costs CPU)."""
-    sink = KafkaSinkProcess(stream_config, tmp_path, CollectorRegistry())
+    """The feeder hands records to the worker on its 0.1 s tick (a proxy killed outright
+    loses at most a tick's), and the worker holds them for sink_batch_wait_s, then builds
+    and sends them together (each burst of its work costs the proxy's process CPU too).
+    Once the worker is idle the feeder stops polling it."""
+    config = stream_config.model_copy(update={"sink_batch_wait_s": 1.0})
+    sink = KafkaSinkProcess(config, tmp_path, CollectorRegistry())
+    records = [make_trajectory(session_id=f"t{i % 4}") for i in range(25)]
     try:
         assert sink.wait_idle(60)
-        writes: list[int] = []
+        writes = _count_writes(sink)
         polls: list[float] = []
-        send_bytes, read_statuses = sink._conn.send_bytes, sink._read_statuses
-
-        def counting_send(data: bytes) -> None:
-            writes.append(len(data))
-            send_bytes(data)
+        read_statuses = sink._read_statuses
 
         def counting_read(block_s: float) -> bool:
             polls.append(time.monotonic())
             return read_statuses(block_s)
 
-        sink._conn.send_bytes = counting_send
         sink._read_statuses = counting_read  # type: ignore[method-assign]
-        records = [make_trajectory(session_id=f"t{i % 4}") for i in range(50)]
-        for record in records[:25]:
-            sink.put_trajectory(record)
-        _wait_for(lambda: sink._idle and not sink._pending and not sink._outbox)
-        assert 1 <= len(writes) <= 3, writes  # the first record wakes it; the rest ride along
-        writes.clear()
-        started = time.monotonic()
-        for record in records[25:]:  # a trickle, 50 records/s: one write per tick, not each
+        base = sink._confirmed
+        first_put = time.monotonic()
+        for record in records:  # a trickle, 50 records/s, over half the wait
             sink.put_trajectory(record)
             time.sleep(0.02)
-        ticks = (time.monotonic() - started) / 0.1
-        _wait_for(lambda: sink._idle and not sink._pending and not sink._outbox)
-        assert len(writes) <= ticks + 3, (writes, ticks)
+        confirmed: list[tuple[float, int]] = []
+        while not (sink._idle and not sink._pending and not sink._outbox):
+            confirmed.append((time.monotonic(), sink._confirmed))
+            assert time.monotonic() - first_put < 30, "not confirmed in time"
+            time.sleep(0.02)
+        assert time.monotonic() - first_put >= 0.9
+        assert 2 <= len(writes) <= 10, writes  # on the tick: neither each record nor one
+        early = [count for at, count in confirmed if at - first_put < 0.9]
+        assert early and all(count == base for count in early), confirmed
         polls.clear()
         time.sleep(0.6)
         assert len(polls) <= 1, polls  # idle: one check a second, not one per tick
     finally:
         sink.close()
-    assert _consume_ids(stream_config, 50) == {r["trajectory_id"] for r in records}
+    assert _consume_ids(config, 25) == {r["trajectory_id"] for r in records}
+
+
+def test_wait_idle_and_a_queues_worth_do_not_wait_for_the_batch(
+    stream_config: StreamConfig, tmp_path: Path
+) -> None:
+    """`wait_idle` (a drain, a test) has the worker build what it holds at once, and so
+    does a queue_size's worth of records (the worker's memory stays bounded however long
+    the wait)."""
+    config = stream_config.model_copy(
+        update={"sink_batch_wait_s": 60.0, "queue_size": 10, "producer_batch_records": 5}
+    )
+    sink = KafkaSinkProcess(config, tmp_path, CollectorRegistry())
+    records = [make_trajectory(session_id=f"w{i % 2}") for i in range(13)]
+    try:
+        assert sink.wait_idle(60)
+        for record in records[:3]:
+            sink.put_trajectory(record)
+        assert sink.wait_idle(20)  # well inside the 60 s wait
+        for record in records[3:]:  # two messages of 5: a queue's worth, no wait_idle
+            sink.put_trajectory(record)
+        _wait_for(lambda: sink._confirmed == 13, timeout_s=20)
+    finally:
+        sink.close()
+    assert _consume_ids(config, 13) == {r["trajectory_id"] for r in records}
+
+
+_KILLED = textwrap.dedent(
+    """
+    import json
+    import os
+    import signal
+    import sys
+    import time
+    from pathlib import Path
+
+    from replay.config import StreamConfig
+    from replay.sink_process import KafkaSinkProcess
+
+    if __name__ == "__main__":
+        config = StreamConfig.model_validate_json(sys.argv[1])
+        sink = KafkaSinkProcess(config, Path(sys.argv[2]))
+        assert sink.wait_idle(60)
+        for line in sys.argv[3:]:
+            sink.put_trajectory(json.loads(line))
+        while sink._outbox:  # handed to the worker, which holds them for its wait
+            time.sleep(0.01)
+        print(sink._proc.pid, flush=True)
+        os.kill(os.getpid(), signal.SIGKILL)
+    """
+)
+
+
+def test_records_the_worker_holds_are_sent_when_its_parent_is_killed(
+    stream_config: StreamConfig, tmp_path: Path
+) -> None:
+    """A proxy killed outright while the worker holds records for its batch wait: the
+    worker finds the pipe closed, builds and sends them, and exits."""
+    script = tmp_path / "killed.py"  # a file: the spawned worker re-imports __main__
+    script.write_text(_KILLED)
+    config = stream_config.model_copy(update={"sink_batch_wait_s": 60.0})
+    records = [make_trajectory(session_id="killed") for _ in range(5)]
+    done = run_python(
+        str(script),
+        config.model_dump_json(),
+        str(tmp_path / "state"),
+        *(json.dumps(r) for r in records),
+        timeout=60,
+    )
+    assert done.returncode == -signal.SIGKILL, done.stderr
+    worker = int(done.stdout.split()[0])
+    _wait_for(lambda: not _alive(worker), timeout_s=30)  # well inside its 60 s wait
+    assert _consume_ids(config, 5) == {r["trajectory_id"] for r in records}
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    with contextlib.suppress(OSError):  # a zombie until its (killed) parent is reaped
+        return Path(f"/proc/{pid}/stat").read_text().split(") ")[1][0] != "Z"
+    return False
 
 
 def test_process_sink_spills_while_the_broker_is_down(tmp_path: Path) -> None:

@@ -341,6 +341,9 @@ class Target:
     # proxy idles at about half a core on this machine (2.7 s of CPU in 5 s, measured
     # 2026-12-02), which every other row shared the two cores with.
     suspended: bool = False
+    # Requests it answered, warm-ups and those outside a CPU window included: each of
+    # olp-on's leaves a record, which the report looks for at the broker.
+    issued: int = 0
 
 
 def set_running(target: Target, running: bool) -> None:
@@ -411,54 +414,88 @@ async def one_request(session: aiohttp.ClientSession, target: Target, stream: bo
     return time.perf_counter() - started
 
 
-# In the alternating rounds each round's CPU window runs this long past its last response:
-# the sink worker and the feeder finish that round's records inside it, instead of in the
-# next round's window (before, a training-off round right after a training-on round of the
-# same proxy ran beside the worker's backlog and was charged part of its cost).
-SETTLE_S = 0.5
+# A steady CPU window opens after LEAD_PAST_WAIT_S past the sink's batch wait of load, and
+# closes at its last counted response, no sooner than WINDOW_WAITS batch waits after it
+# opened, while the load runs on. The sink's worker builds and sends what it received once
+# a second (stream.sink_batch_wait_s): a window of a fraction of a second that started and
+# ended with the load saw the worker's burst after it, on idle cores, and neither the
+# burst's CPU nor its drag on the proxy's event loop; one inside a running load but shorter
+# than the wait held a burst in some rounds and none in the others, and the median round
+# had none. A window of two waits inside a running load holds two or three, overlapping
+# requests as in production. (Before the worker's wait, the window ran 0.5 s past the last
+# response instead, for the same reason at a 0.1 s tick.)
+LEAD_PAST_WAIT_S = 0.5
+WINDOW_WAITS = 2
+
+
+def steady_window() -> tuple[float, float]:
+    """(seconds of uncounted load first, shortest window) for the sink's default wait."""
+    from replay.config import StreamConfig
+
+    wait = StreamConfig().sink_batch_wait_s
+    return wait + LEAD_PAST_WAIT_S, WINDOW_WAITS * wait
 
 
 async def run_load(
-    target: Target, stream: bool, concurrency: int, requests: int, settle_s: float = 0.0
+    target: Target, stream: bool, concurrency: int, requests: int, steady: bool = False
 ) -> dict:
     set_running(target, True)
     try:
-        return await _run_load(target, stream, concurrency, requests, settle_s)
+        lead_s, min_window_s = steady_window() if steady else (0.0, 0.0)
+        return await _run_load(target, stream, concurrency, requests, lead_s, min_window_s)
     finally:
         set_running(target, False)
 
 
 async def _run_load(
-    target: Target, stream: bool, concurrency: int, requests: int, settle_s: float
+    target: Target,
+    stream: bool,
+    concurrency: int,
+    requests: int,
+    lead_s: float,
+    min_window_s: float,
 ) -> dict:
+    """At least `requests` responses, and at least `min_window_s` seconds of them, counted
+    after 20 warm-up requests and `lead_s` seconds of uncounted load; the CPU is read where
+    the count starts and where it ends."""
     connector = aiohttp.TCPConnector(limit=concurrency)
     async with aiohttp.ClientSession(connector=connector) as session:
         for _ in range(20):
             await one_request(session, target, stream)
-        # The warm-up's records are built after it (the feeder's tick, the idle-priority
-        # worker): with a settle time they are done before the window opens, as the
-        # window's own are done before it closes; inside it they were charged to `requests`.
-        await asyncio.sleep(settle_s)
+            target.issued += 1
         latencies: list[float] = []
-        queue = iter(range(requests))
+        window, done = asyncio.Event(), asyncio.Event()
+        marks: dict[str, Any] = {}
+
+        def cpu_now() -> tuple[float, float]:
+            return cpu_seconds(target.proc.pid) if target.proc else (0.0, 0.0)
+
+        async def opener() -> None:
+            await asyncio.sleep(lead_s)
+            marks["cpu_before"], marks["started"] = cpu_now(), time.perf_counter()
+            window.set()
 
         async def worker() -> None:
-            for _ in queue:
-                latencies.append(await one_request(session, target, stream))
+            while not done.is_set():
+                latency = await one_request(session, target, stream)
+                target.issued += 1
+                if window.is_set() and not done.is_set():
+                    latencies.append(latency)
+                    now = time.perf_counter()
+                    if len(latencies) >= requests and now - marks["started"] >= min_window_s:
+                        marks["cpu_after"], marks["ended"] = cpu_now(), now
+                        done.set()
 
-        cpu_before = cpu_seconds(target.proc.pid) if target.proc else (0.0, 0.0)
-        started = time.perf_counter()
-        await asyncio.gather(*(worker() for _ in range(concurrency)))
-        elapsed = time.perf_counter() - started
-        await asyncio.sleep(settle_s)
-        cpu_after = cpu_seconds(target.proc.pid) if target.proc else (0.0, 0.0)
+        await asyncio.gather(opener(), *(worker() for _ in range(concurrency)))
+    cpu_before, cpu_after = marks["cpu_before"], marks["cpu_after"]
+    counted = len(latencies)
     latencies.sort()
     return {
         "p50_ms": statistics.median(latencies) * 1000,
-        "p99_ms": latencies[min(len(latencies) - 1, int(len(latencies) * 0.99))] * 1000,
-        "rps": requests / elapsed,
-        "cpu_ms": (cpu_after[0] - cpu_before[0]) * 1000 / requests if target.proc else None,
-        "cpu_total_ms": (cpu_after[1] - cpu_before[1]) * 1000 / requests if target.proc else None,
+        "p99_ms": latencies[min(counted - 1, int(counted * 0.99))] * 1000,
+        "rps": counted / (marks["ended"] - marks["started"]),
+        "cpu_ms": (cpu_after[0] - cpu_before[0]) * 1000 / counted if target.proc else None,
+        "cpu_total_ms": (cpu_after[1] - cpu_before[1]) * 1000 / counted if target.proc else None,
     }
 
 
@@ -768,6 +805,7 @@ def run_bench(args: argparse.Namespace) -> None:
             litellm_note = f"LiteLLM not installed at {binary}; its rows are missing."
         if litellm_note:
             print(litellm_note, file=sys.stderr)
+        by_name = {t.name: t for t in targets}
         results: dict[tuple[str, bool, int], dict] = {}
         for stream in (False, True):
             for concurrency in (1, 16):
@@ -777,11 +815,10 @@ def run_bench(args: argparse.Namespace) -> None:
                         if target.name != "litellm"
                         else litellm_requests(args.requests)
                     )
-                    # With the settle time: read at the last response, the CPU left out
-                    # most of the idle-priority worker's share at c=16 (0.04 ms/req of 0.17),
-                    # which then ran during the next rows.
+                    # In a steady window: the worker's share falls in the
+                    # window at its steady rate, not after it or in the next row's.
                     results[(target.name, stream, concurrency)] = asyncio.run(
-                        run_load(target, stream, concurrency, count, SETTLE_S)
+                        run_load(target, stream, concurrency, count, steady=True)
                     )
                     r = results[(target.name, stream, concurrency)]
                     print(
@@ -791,25 +828,21 @@ def run_bench(args: argparse.Namespace) -> None:
                         f"total={r['cpu_total_ms'] or 0:.2f}ms",
                         flush=True,
                     )
-        rounds = alternating_rounds(
-            {t.name: t for t in targets}, args.cpu_rounds, args.cpu_requests
-        )
+        rounds = alternating_rounds(by_name, args.cpu_rounds, args.cpu_requests)
         interleaved = (
-            interleaved_rounds({t.name: t for t in targets}, args.interleave_cycles)
+            interleaved_rounds(by_name, args.interleave_cycles)
             if args.interleave_cycles > 0
             else None
         )
         sustained = (
-            sustained_rounds(
-                {t.name: t for t in targets}, args.sustained_rounds, args.sustained_requests
-            )
+            sustained_rounds(by_name, args.sustained_rounds, args.sustained_requests)
             if args.sustained_rounds > 0
             else None
         )
         gc_table = (
             gc_rounds(
-                olp_target("olp-on", "process"),
-                olp_target("olp-on-gcdefault", "process-gcdefault"),
+                by_name["olp-on"],
+                by_name["olp-on-gcdefault"],
                 args.gc_rounds,
                 args.gc_requests,
             )
@@ -847,11 +880,15 @@ def run_bench(args: argparse.Namespace) -> None:
             args.requests,
             counts,
             litellm_note,
-            # olp-on's requests in the alternating rounds and in the GC rounds
-            extra_process_records=4 * args.cpu_rounds * (args.cpu_requests + 20)
-            + 2 * args.gc_rounds * (args.gc_requests + 20)
-            + 2 * args.sustained_rounds * (args.sustained_requests + 20)
-            + interleaved_olp_on_requests(args.interleave_cycles),
+            # The records each sink should hold: one per request its target answered (the
+            # interleaved table's own loop counts olp-on's apart).
+            expected={
+                "process": by_name["olp-on"].issued
+                + interleaved_olp_on_requests(args.interleave_cycles),
+                "thread": by_name["olp-on-thread"].issued,
+                "process-down": by_name["olp-on-down"].issued,
+                "thread-down": by_name["olp-on-thread-down"].issued,
+            },
         )
         report += render_rounds(rounds, args.cpu_rounds, args.cpu_requests)
         if interleaved is not None:
@@ -929,14 +966,16 @@ def instruction_rounds(
                         asyncio.run(run_load(targets[key], stream, concurrency, 20))  # warm
                         control("--zero")
                         control("--instr=on")
+                        issued = targets[key].issued
                         asyncio.run(run_load(targets[key], stream, concurrency, requests))
                         time.sleep(1.5)  # the sink's feeder thread takes this round's captures
                         control("--instr=off")
                         control("--dump")
                         dumps += 1
                         dump = next(out_dir.glob(f"cg.{pid}.out.{dumps}"))
-                        # The window holds run_load's own 20 warm-up requests too.
-                        counts[key].append(_callgrind_totals(dump) / (requests + 20))
+                        # Every request the window held: run_load's 20 warm-up requests,
+                        # and at c=16 those still running when it counted its last.
+                        counts[key].append(_callgrind_totals(dump) / (targets[key].issued - issued))
                 out[(stream, concurrency)] = counts
                 off = statistics.median(counts["off"])
                 on = statistics.median(counts["on"])
@@ -1030,17 +1069,18 @@ def sustained_rounds(targets: dict[str, Target], rounds: int, requests: int) -> 
             for name in order:
                 target = targets[name]
                 before = settled_sent_trajectories(target.url) if name == "olp-on" else 0.0
+                issued = target.issued
                 r = asyncio.run(run_load(target, stream, 16, requests))
                 if name == "olp-on":
                     ended = time.perf_counter()
-                    expected = before + requests + 20  # and the 20 warm-up requests
+                    expected = before + target.issued - issued  # warm-ups and the tail too
                     while sent_trajectories(target.url) < expected:
                         if time.perf_counter() - ended > 120:
                             raise RuntimeError("olp-on's records did not arrive in 120 s")
                         time.sleep(0.02)
                     group[name]["catch_up"].append(time.perf_counter() - ended)
                 else:
-                    time.sleep(SETTLE_S)
+                    time.sleep(LEAD_PAST_WAIT_S)
                 group[name]["p50"].append(r["p50_ms"])
                 group[name]["rps"].append(r["rps"])
         out[stream] = group
@@ -1105,7 +1145,7 @@ def gc_rounds(tuned: Target, default: Target, rounds: int, requests: int) -> dic
         for round_ in range(rounds):
             for target in (tuned, default) if round_ % 2 == 0 else (default, tuned):
                 before = gc_collections(target.url)
-                r = asyncio.run(run_load(target, stream, 16, requests, SETTLE_S))
+                r = asyncio.run(run_load(target, stream, 16, requests, steady=True))
                 after = gc_collections(target.url)
                 group[target.name]["p99"].append(r["p99_ms"])
                 group[target.name]["cpu"].append(r["cpu_ms"] or 0.0)
@@ -1122,8 +1162,9 @@ def render_gc(table: dict, rounds: int, requests: int) -> str:
         "",
         "### Tail latency and the garbage collector",
         "",
-        f"{rounds} alternating rounds of {requests} requests at concurrency 16 (after 20 "
-        "warm-up requests): `olp-on` with the proxy's GC settings (`proxy.gc`), "
+        f"{rounds} alternating rounds of at least {requests} requests at concurrency 16 "
+        "(after 20 warm-up requests, in a steady window as in the rounds above): `olp-on` "
+        "with the proxy's GC settings (`proxy.gc`), "
         "`olp-on-gcdefault` with the interpreter's. Collections per generation are summed "
         "over the rounds, from each proxy's `python_gc_collections_total`.",
         "",
@@ -1171,7 +1212,7 @@ def alternating_rounds(
                 order = names if round_ % 2 == 0 else names[::-1]
                 for name in order:
                     r = asyncio.run(
-                        run_load(targets[name], stream, concurrency, requests, SETTLE_S)
+                        run_load(targets[name], stream, concurrency, requests, steady=True)
                     )
                     group[name]["p50"].append(r["p50_ms"])
                     group[name]["cpu"].append(r["cpu_ms"] or 0.0)
@@ -1238,7 +1279,7 @@ def render_paced(rounds: dict, args: argparse.Namespace) -> str:
         "reads per answer). As vLLM does, the paced upstream sends the usage chunk (when "
         "asked) and `[DONE]` right after the last token. Same 16-token answers; olp-off / "
         "olp-on / olp-on-nosink / olp-on-pystrip as above, "
-        f"{args.paced_rounds} alternating rounds of {args.paced_requests} requests.",
+        f"{args.paced_rounds} alternating rounds of at least {args.paced_requests} requests.",
         "",
         *_CPU_HEADER,
         *_cpu_rows(rounds),
@@ -1248,18 +1289,25 @@ def render_paced(rounds: dict, args: argparse.Namespace) -> str:
 
 
 def render_rounds(rounds: dict, count: int, requests: int) -> str:
+    lead, window = steady_window()
     lines = [
         "",
         "### The ratio targets, in alternating rounds",
         "",
-        f"{count} rounds of {requests} requests (after 20 warm-up requests) per target and "
+        f"{count} rounds of at least {requests} requests (after 20 warm-up requests) per "
+        "target and "
         "row, the targets' order reversed every other round; medians over the rounds. A "
         "ratio is the median of the rounds' own ratios (each round's targets ran seconds "
         "apart, so the machine's drift falls on both; before 2026-12-05 the tables divided "
         "the two medians, taken from different rounds). A "
-        f"round's CPU is read {SETTLE_S:g} s after its last response, and its window opens "
-        f"{SETTLE_S:g} s after its warm-up, so the records it sent "
-        "are built and sent inside its own window, not the next round's. `olp-off` and "
+        f"round's CPU window opens after {lead:g} s of its load and closes at its "
+        f"{requests}th counted response, or {window:g} s after it opened if that is later, "
+        "while the load runs on, so the sink worker's bursts (it builds and sends what it "
+        "received once a second, `stream.sink_batch_wait_s`) fall in it at their steady "
+        "rate, two or three of them, overlapping requests as in production, not after it on "
+        "idle cores (before 2026-12-05 14:00 the window closed 0.5 s after the last "
+        "response, and the worker sent every 0.1 s). "
+        "`olp-off` and "
         "`olp-on` are the same proxy (tenants with training off and on), its "
         "KafkaSinkProcess worker building, checking, redacting, validating, encoding and "
         "sending the records; `olp-on-nosink` is a proxy whose sink takes the captures and "
@@ -1434,10 +1482,9 @@ def render(
     requests: int,
     counts: dict[str, int],
     note: str,
-    extra_process_records: int = 0,
+    expected: dict[str, int],
 ) -> str:
-    expected = 4 * (requests + 20)
-    expected_process = expected + extra_process_records
+    lead, window = steady_window()
     lines = [
         "## Proxy overhead (bench/bench_proxy.py)",
         "",
@@ -1445,7 +1492,10 @@ def render(
         "process; each answer shape is serialised once and replayed, so it answers as fast "
         f"with the extras olp asks for as without); {requests} requests per row "
         f"(LiteLLM's rows: {litellm_requests(requests)}, it serves some 30-60 a second) after "
-        f"20 warm-up requests, each row's CPU read {SETTLE_S:g} s after its last response; "
+        f"20 warm-up requests and {lead:g} s of uncounted load, for at least {window:g} s "
+        "(more requests where that takes longer), each row's CPU read where its count "
+        "starts and ends, inside the running load (the sink worker's bursts fall in it at "
+        "their steady rate); "
         "client, relay and upstream share the machine's 2 cores, so "
         "absolute figures include contention. `added` = p50 minus the direct p50 of the "
         "same row group. `CPU proxy` = the relay process's own CPU time per request (its "
@@ -1458,11 +1508,11 @@ def render(
         "own loop.",
         "- olp-on: the proxy keeps the raw upstream bytes, strips what it added on the bytes "
         "and hands the capture to `KafkaSinkProcess`, whose worker builds the record and "
-        f"sends it to an embedded Tansu broker: {counts['process']} of {expected_process} "
+        f"sends it to an embedded Tansu broker: {counts['process']} of {expected['process']} "
         "records arrived (this row's requests and olp-on's in the rounds below).",
         "- olp-on-thread: the sink the proxy used before 2026-11-30, a KafkaSink in a thread "
         "of the proxy process, with the records built in the proxy: "
-        f"{counts['thread']} of {expected} records arrived.",
+        f"{counts['thread']} of {expected['thread']} records arrived.",
         "- olp-on-nosink: the same capture handed to a sink that drops the captures (the "
         "proxy process's own share of the capture cost, with no worker using the cores).",
         "- olp-on-pystrip: olp-on with the strip (streams and whole answers) in Python "
@@ -1471,8 +1521,8 @@ def render(
         "of the proxy's (`proxy.gc`: start-up objects frozen, young threshold 20000).",
         "- olp-on-down / olp-on-thread-down: olp-on / olp-on-thread with the sink pointed at a "
         "closed loopback port (broker down), so every record goes to the durable spill: "
-        f"{counts['process-down']} and {counts['thread-down']} of {expected} records "
-        "were in the spill at the end.",
+        f"{counts['process-down']} and {counts['thread-down']} of {expected['process-down']} "
+        f"and {expected['thread-down']} records were in the spill at the end.",
         "",
         "| stream | conc | target | p50 ms | p99 ms | added p50 ms | added p99 ms | req/s "
         "| CPU proxy ms/req | CPU total ms/req |",

@@ -264,6 +264,7 @@ def serve_olp(
     topic_prefix: str,
     python_strip: bool = False,
     gc_default: bool = False,
+    sink_near_loop: bool = False,
 ) -> None:
     sys.path.insert(0, str(ROOT))
     if python_strip:  # the bench's side-by-side baseline for the C pass, not a product switch
@@ -292,7 +293,9 @@ def serve_olp(
         gc=GcTuning(freeze_after_start=False, young_threshold=0) if gc_default else GcTuning(),
     )
     stream = StreamConfig(
-        bootstrap_servers=bootstrap or "127.0.0.1:9092", topic_prefix=topic_prefix
+        bootstrap_servers=bootstrap or "127.0.0.1:9092",
+        topic_prefix=topic_prefix,
+        sink_avoids_loop_cpu=not sink_near_loop,  # bench_capture_cpu.py's baseline
     )
     tenants = [
         TenantConfig(
@@ -642,6 +645,11 @@ def main() -> None:
     parser.add_argument(
         "--gc-default", action="store_true", help="serve-olp: the interpreter's GC settings"
     )
+    parser.add_argument(
+        "--sink-near-loop",
+        action="store_true",
+        help="serve-olp: the sink's worker may run on the event loop's CPU",
+    )
     parser.add_argument("--gc-rounds", type=int, default=5, help="rounds of the GC p99 table")
     parser.add_argument("--gc-requests", type=int, default=1000, help="requests per GC round")
     parser.add_argument("--requests", type=int, default=400)
@@ -687,6 +695,7 @@ def main() -> None:
             args.topic_prefix,
             args.python_strip,
             args.gc_default,
+            args.sink_near_loop,
         )
     run_bench(args)
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import threading
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -42,7 +43,14 @@ def make_sink(
         return JsonlSink(state_dir / config.state.records_dir)
     # In a child process: schema validation, encoding and kafka-python stay off the
     # interpreter that serves requests (bench/bench_proxy.py measures both).
-    return KafkaSinkProcess(stream, state_dir, registry, child_init=child_init)
+    # Called on the event loop's thread (serve_proxy): the worker is kept off its CPU.
+    return KafkaSinkProcess(
+        stream,
+        state_dir,
+        registry,
+        child_init=child_init,
+        loop_thread_id=threading.get_native_id(),
+    )
 
 
 async def serve_proxy(

@@ -56,6 +56,12 @@ class StreamConfig(BaseModel):
         "proxy's own process less CPU per request; records reach the broker up to this much "
         "later (the proxy still hands them to the worker every 0.1 s)",
     )
+    sink_avoids_loop_cpu: bool = Field(
+        default=True,
+        description="keep the sink's worker process off the CPU the proxy's event loop last "
+        "ran on (Linux, 2 or more CPUs allowed): the worker then does not push the loop's "
+        "code and data out of that core's caches in the loop's idle gaps",
+    )
     sink_hung_after_s: float = Field(
         default=10.0,
         gt=0,

@@ -28,6 +28,7 @@ import structlog
 from prometheus_client import CollectorRegistry, Gauge
 
 from replay.config import StreamConfig
+from replay.cpu_avoidance import CpuAvoidance
 from replay.producer import (
     RECORD_OVERHEAD_BYTES,
     KafkaSink,
@@ -359,6 +360,9 @@ class KafkaSinkProcess:
     `child_init` (picklable) runs first in every child: the proxy passes its logging set-up,
     which a spawned process does not inherit. Without it the child logs in structlog's
     console format, with tracebacks that show no local variables.
+
+    `loop_thread_id` (the proxy passes its event loop's thread): the feeder keeps the worker
+    off the CPU that thread last ran on (replay/cpu_avoidance.py).
     """
 
     def __init__(
@@ -367,6 +371,7 @@ class KafkaSinkProcess:
         state_dir: Path,
         registry: CollectorRegistry | None = None,
         child_init: Callable[[], None] | None = None,
+        loop_thread_id: int | None = None,
     ) -> None:
         import multiprocessing
 
@@ -399,6 +404,13 @@ class KafkaSinkProcess:
         # Read at scrape time: a value the worker reported would freeze while it is starved
         # of CPU, the very time its backlog grows.
         self.metrics.queue_depth.set_function(self.backlog)
+        # `loop_thread_id`: the native id of the thread that serves requests (the proxy's
+        # event loop), whose CPU the worker is kept off (`stream.sink_avoids_loop_cpu`).
+        self._avoidance = (
+            CpuAvoidance(loop_thread_id)
+            if loop_thread_id is not None and config.sink_avoids_loop_cpu
+            else None
+        )
         self._start_child()
         self._thread = threading.Thread(target=self._run, name="olp-sink-feeder", daemon=True)
         self._thread.start()
@@ -546,6 +558,8 @@ class KafkaSinkProcess:
                     self._wake.wait(_IDLE_POLL_S)
                 self._idle_waiting = False
             self._wake.clear()
+            if self._avoidance is not None and self._proc is not None:
+                self._avoidance.place(self._proc.pid)
             stopping = self._closed
             # Only this thread takes from the outbox while it runs (others append), so the
             # items counted are there to take: a comprehension, not a loop testing the

@@ -11,7 +11,7 @@ from pathlib import Path
 from generated_block import without_markers
 
 ROOT = Path(__file__).resolve().parents[1]
-ORDER = ["proxy", "replay", "learner", "safety", "swap", "demo"]
+ORDER = ["proxy", "capture_cpu", "replay", "learner", "safety", "swap", "demo"]
 HEADER = """# Performance
 
 Every figure below comes from a run on the 2-core, 24 GiB CPU machine this project is

@@ -11,6 +11,7 @@ import pytest
 BENCH = Path(__file__).resolve().parents[2] / "bench"
 sys.path.insert(0, str(BENCH))
 
+import bench_capture_cpu  # noqa: E402
 import bench_proxy  # noqa: E402
 from generated_block import markers, without_markers, write_generated  # noqa: E402
 
@@ -25,6 +26,45 @@ def test_a_ratio_target_reads_the_rounds_own_ratios() -> None:
     assert bench_proxy.shown(1.10009) == "1.100" and bench_proxy.shown(1.1004) == "1.100"
     assert bench_proxy.shown(1.1006) == "1.101"  # at 2 decimals it read 1.10: met
     assert bench_proxy.ratio(1.0, -0.04) == "n/a" and bench_proxy.ratio(1.0, 0.0) == "n/a"
+
+
+def _segments(loops: list[float], workers: list[float]) -> list:
+    """Alternating off/on segments of 100 requests each, the sink threads idle."""
+    return [
+        bench_capture_cpu.Segment("off" if i % 2 == 0 else "on", 100, loop, 0.0, worker)
+        for i, (loop, worker) in enumerate(zip(loops, workers, strict=True))
+    ]
+
+
+def test_segments_charge_the_loop_to_their_side_and_the_sink_threads_to_training_on() -> None:
+    segments = _segments([0.040, 0.044] * 4, [0.0] * 8)
+    segments[1].sink_threads_s = 0.004  # the feeder works for captures only
+    figures = bench_capture_cpu.summarize(segments)
+    assert figures["off_ms"] == pytest.approx(0.4)
+    assert figures["on_ms"] == pytest.approx((4 * 0.044 + 0.004) / 400 * 1e3)
+    assert figures["ratio"] == pytest.approx(0.180 / 0.160)
+    assert figures["burst_share"] == 0
+    assert figures["charged_ratio"] == pytest.approx(figures["ratio"])  # no burst: no move
+
+
+def test_a_bursts_excess_in_an_off_segment_is_charged_to_training_on() -> None:
+    """Segment 4 (off) ran while the worker burst: 20 % more loop CPU per request than its
+    quiet off neighbours (segments 0, 2, 6, 8). The charged ratio moves that excess to on."""
+    loops = [0.040, 0.044, 0.040, 0.044, 0.048, 0.044, 0.040, 0.044, 0.040, 0.044]
+    workers = [0.0] * 10
+    workers[4] = 0.1
+    segments = _segments(loops, workers)
+    excess = bench_capture_cpu.burst_excess(segments)
+    assert excess[4] == pytest.approx(1.2)
+    assert [e for i, e in enumerate(excess) if i != 4] == [None] * 9
+    figures = bench_capture_cpu.summarize(segments)
+    assert figures["burst_share"] == pytest.approx(0.1)
+    assert figures["burst_off"] == pytest.approx(1.2)
+    off_plain = (4 * 0.040 + 0.048) / 500
+    assert figures["ratio"] == pytest.approx(0.044 / 100 / off_plain)
+    moved = 0.048 - 0.040
+    charged = ((5 * 0.044 + moved) / 500) / ((4 * 0.040 + 0.048 - moved) / 500)
+    assert figures["charged_ratio"] == pytest.approx(charged)
 
 
 def test_a_rerun_replaces_its_tables_and_keeps_the_readings(tmp_path: Path) -> None:

@@ -50,6 +50,19 @@ def _wait_for_affinity(pid: int, expected: frozenset[int], timeout_s: float = 10
         time.sleep(0.05)
 
 
+def _check_worker_kept_off(sink: KafkaSinkProcess, cpu: int) -> None:
+    """Move this thread (the sink's loop thread) to `cpu`, send a record, and wait for the
+    sink's worker to run on the other allowed CPUs only; then close the sink."""
+    with _this_thread_on(cpu):
+        try:
+            sink.put_trajectory(make_trajectory())
+            assert sink.wait_idle(60)
+            expected = ALLOWED - {cpu} if len(ALLOWED) >= 2 else ALLOWED
+            _wait_for_affinity(sink._proc.pid, frozenset(expected))
+        finally:
+            sink.close()
+
+
 def test_a_process_is_moved_off_the_cpu_the_thread_runs_on_and_follows_it() -> None:
     child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     try:
@@ -83,16 +96,8 @@ def test_a_process_that_is_gone_turns_the_avoidance_off_without_raising() -> Non
 def test_the_sink_keeps_its_worker_off_the_loop_threads_cpu(
     stream_config: StreamConfig, tmp_path: Path
 ) -> None:
-    cpu = min(ALLOWED)
     sink = KafkaSinkProcess(stream_config, tmp_path, loop_thread_id=threading.get_native_id())
-    with _this_thread_on(cpu):
-        try:
-            sink.put_trajectory(make_trajectory())
-            assert sink.wait_idle(60)
-            expected = ALLOWED - {cpu} if len(ALLOWED) >= 2 else ALLOWED
-            _wait_for_affinity(sink._proc.pid, frozenset(expected))
-        finally:
-            sink.close()
+    _check_worker_kept_off(sink, min(ALLOWED))
 
 
 def test_the_avoidance_can_be_turned_off(stream_config: StreamConfig, tmp_path: Path) -> None:
@@ -112,17 +117,8 @@ def test_the_proxys_kafka_sink_avoids_its_event_loops_cpu(
     stream_config: StreamConfig, tmp_path: Path
 ) -> None:
     """`make_sink` runs on the event loop's thread (serve_proxy) and names that thread."""
-    cpu = max(ALLOWED)
 
     async def build() -> KafkaSinkProcess:
         return make_sink(ProxyConfig(sink="kafka"), stream_config, tmp_path)
 
-    sink = asyncio.run(build())
-    with _this_thread_on(cpu):
-        try:
-            sink.put_trajectory(make_trajectory())
-            assert sink.wait_idle(60)
-            expected = ALLOWED - {cpu} if len(ALLOWED) >= 2 else ALLOWED
-            _wait_for_affinity(sink._proc.pid, frozenset(expected))
-        finally:
-            sink.close()
+    _check_worker_kept_off(asyncio.run(build()), max(ALLOWED))

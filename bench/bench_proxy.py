@@ -1324,7 +1324,9 @@ def render_rounds(rounds: dict, count: int, requests: int) -> str:
         "`olp-on-pystrip` is olp-on with the Python strip in place of its C pass "
         "(proxy/_sse_strip.c), the baseline for what the C pass saves.",
         "",
-        "Capture CPU per request (target: on ≤ 1.1× off):",
+        "Capture CPU per request (target: on ≤ 1.1× off; rounds seconds apart drift by more "
+        "than that on a small VM: bench_capture_cpu.py measures it in alternating "
+        "quarter-second segments, docs/perf/capture_cpu.md):",
         "",
         *_CPU_HEADER,
     ]

@@ -44,8 +44,10 @@ class CpuAvoidance:
     def place(self, pid: int) -> None:
         """Move `pid`'s threads off the loop's CPU if the loop moved (or `pid` is new).
 
-        A thread the worker starts later inherits its creator's CPUs. Failures (no /proc,
-        a container that forbids it) turn this off for good, with one log line."""
+        A thread the worker starts later inherits its creator's CPUs; a worker that is gone
+        is skipped. Any other failure (no /proc, a container that forbids it) turns this off
+        for good, with one warning: the feeder that calls this must not stop over a
+        placement."""
         if not self.enabled:
             return
         try:
@@ -53,10 +55,14 @@ class CpuAvoidance:
             if (pid, cpu) == self._placed or cpu not in self._allowed:
                 return
             cpus = self._allowed - {cpu}
-            for tid in os.listdir(f"/proc/{pid}/task"):
+            try:
+                tids = os.listdir(f"/proc/{pid}/task")
+            except FileNotFoundError:
+                return  # the worker died: the feeder starts another, placed on a later tick
+            for tid in tids:
                 with contextlib.suppress(ProcessLookupError):  # a thread that ended since
                     os.sched_setaffinity(int(tid), cpus)
-        except (OSError, ValueError, IndexError) as exc:
+        except Exception as exc:  # the feeder that calls this must go on feeding whatever
             self.enabled = False
             log.warning("sink_cpu_avoidance_off", error=repr(exc))
             return

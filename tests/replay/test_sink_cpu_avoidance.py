@@ -85,11 +85,28 @@ def test_a_process_is_moved_off_the_cpu_the_thread_runs_on_and_follows_it() -> N
         child.wait()
 
 
-def test_a_process_that_is_gone_turns_the_avoidance_off_without_raising() -> None:
-    child = subprocess.Popen([sys.executable, "-c", "pass"])
-    child.wait()
+def test_a_process_that_is_gone_is_skipped_and_its_successor_placed() -> None:
+    """A worker that died between two feeder ticks: the next one is placed as usual."""
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
     avoidance = CpuAvoidance(threading.get_native_id())
-    avoidance.place(child.pid)  # its /proc entry is gone: logged, not raised
+    avoidance.place(gone.pid)
+    assert avoidance.enabled == (len(ALLOWED) >= 2)
+    successor = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        cpu = min(ALLOWED)
+        with _this_thread_on(cpu):
+            avoidance.place(successor.pid)
+            expected = ALLOWED - {cpu} if len(ALLOWED) >= 2 else ALLOWED
+            assert _threads_affinity(successor.pid) == {expected}
+    finally:
+        successor.kill()
+        successor.wait()
+
+
+def test_a_loop_thread_it_cannot_read_turns_the_avoidance_off_without_raising() -> None:
+    avoidance = CpuAvoidance(2**22 + 7)  # no such thread in this process
+    avoidance.place(os.getpid())  # logged, not raised: the feeder calling it goes on
     assert not avoidance.enabled
 
 

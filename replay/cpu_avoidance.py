@@ -6,8 +6,9 @@ for it: when the loop wakes there again, the worker has pushed the loop's code a
 out of that core's caches. Measured on 2 vCPUs with bench/bench_capture_cpu.py (training off
 and on in alternating quarter-second segments): in segments in which the worker ran, the
 loop took up to 13 % more CPU per request than in its quiet neighbours with the worker placed
-anywhere (10-13 % with it pinned to the loop's CPU), and up to 8 % with it kept off that CPU
-as this class does (docs/perf/capture_cpu.md).
+anywhere (10-13 % with it pinned to the loop's CPU), and up to 10 % with it kept off that
+CPU as this class does; the estimated CPU cost of capture came out 0.2-7 points lower in
+every row of two runs (docs/perf/capture_cpu.md).
 
 Only the worker is moved, never the proxy: a pinned event loop could not escape a CPU that
 something else keeps busy. The loop's CPU is read from /proc on each feeder tick (Linux

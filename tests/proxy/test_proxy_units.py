@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import pickle
+import threading
 from dataclasses import fields
 from typing import Any
 
@@ -17,6 +18,7 @@ from proxy.capture import (
     _CONTEXT_FIELDS,
     SAMPLING_KEYS,
     CaptureContext,
+    CaptureService,
     TrajectoryCapture,
     pack_capture,
     redact_record,
@@ -1051,7 +1053,6 @@ def test_capture_pauses_at_the_backlog_limit_until_half_of_it_is_left() -> None:
     """The sink's worker can fall behind for as long as the cores stay busy: past the limit
     new requests go uncaptured instead of growing the proxy's memory, and capture resumes
     only at half the limit, not on every record that flickers across the line."""
-    from proxy.capture import CaptureService
 
     class BackloggedSink:
         held = 0
@@ -1074,6 +1075,49 @@ def test_capture_pauses_at_the_backlog_limit_until_half_of_it_is_left() -> None:
     assert seen == [True, True, False, False, False, False, True, True, True, False]
     assert CaptureService(sink, None).has_room()  # no limit given
     assert CaptureService(object(), None, backlog_limit=1).has_room()  # a sink without one
+
+
+async def test_a_worker_building_sink_gets_packed_captures_and_none_is_lost():
+    """CaptureService hands a worker-building sink each capture packed, with a builder that
+    unpacks it; a capture that neither packs nor pickles has its record built here and
+    handed over as a record instead."""
+
+    class WorkerSink:
+        def __init__(self) -> None:
+            self.captures: list[tuple[bytes, str]] = []
+            self.records: list[dict[str, Any]] = []
+            self.build: Any = None
+
+        def build_records_with(self, build: Any, on_outcome: Any, on_failures: Any) -> None:
+            self.build = build
+
+        def put_capture(self, capture: bytes, status: str) -> None:
+            self.captures.append((capture, status))
+
+        def put_trajectory(self, record: dict[str, Any]) -> None:
+            self.records.append(record)
+
+    sink = WorkerSink()
+    service = CaptureService(sink, None)
+    capture = _capture()
+    capture.context.request_raw = json.dumps(capture.context.request_body).encode()
+    capture.add_raw_response(
+        b'{"choices": [], "usage": {"prompt_tokens": 1, "completion_tokens": 0}}'
+    )
+    service.submit(capture, "ok")
+    [(packed, status)] = sink.captures
+    assert packed[:1] == b"m" and status == "ok"
+    built = sink.build(packed, status)  # what the worker does with it
+    assert built["trajectory_id"] == "t1" and built["request"] == capture.context.request_body
+
+    odd = _capture()
+    odd.context.trajectory_id = "t2"
+    odd.context.request_body["metadata"] = threading.Lock()  # neither MessagePack nor pickle
+    service.submit(odd, "ok")
+    await service.drain(timeout_s=5)
+    assert len(sink.captures) == 1
+    [record] = sink.records
+    assert record["trajectory_id"] == "t2" and record["status"] == "ok"
 
 
 def test_the_choices_of_an_answer_are_n_for_each_prompt():

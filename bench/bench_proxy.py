@@ -50,6 +50,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -597,6 +598,25 @@ def count_records(bootstrap: str, topic: str) -> int:
         consumer.close()
 
 
+def captures_skipped(url: str) -> int:
+    """Requests a proxy served without capturing them (`olp_proxy_captures_skipped_total`, all
+    reasons): under sustained load the sink's worker may fall behind and the proxy pauses
+    capture at its backlog limit, so fewer records than captured requests is not a loss."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urllib.request.urlopen(url + "/metrics", timeout=10) as response:
+        text = response.read().decode()
+    return int(
+        sum(
+            sample.value
+            for family in text_string_to_metric_families(text)
+            if family.name == "olp_proxy_captures_skipped"
+            for sample in family.samples
+            if sample.name.endswith("_total")
+        )
+    )
+
+
 def count_spilled(directory: Path) -> int:
     """Records in the spill segments under `directory` (read without touching them)."""
     from replay.spill import read_segment
@@ -881,6 +901,8 @@ def run_bench(args: argparse.Namespace) -> None:
             "thread": count_records(broker.bootstrap, "bench-thread.trajectories"),
             "process-down": count_spilled(workdir / "state-process-down" / "spill"),
             "thread-down": count_spilled(workdir / "state-thread-down" / "spill"),
+            "process-skipped": captures_skipped(by_name["olp-on"].url),
+            "thread-skipped": captures_skipped(by_name["olp-on-thread"].url),
         }
         print(f"records: {counts}", flush=True)
         report = render(
@@ -1487,6 +1509,17 @@ def render_interleaved(table: dict, cycles: int) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _skipped_note(arrived: int, expected: int, skipped: int) -> str:
+    """What an arrival count means when the proxy skipped captures (none: nothing to add)."""
+    if not skipped:
+        return ""
+    return (
+        f"; {skipped} of those requests were served without a capture while the sink's "
+        "backlog was at its limit (`olp_proxy_captures_skipped_total`): the records of "
+        f"{arrived} of {expected - skipped} captured requests arrived"
+    )
+
+
 def render(
     results: dict,
     names: list[str],
@@ -1520,10 +1553,12 @@ def render(
         "- olp-on: the proxy keeps the raw upstream bytes, strips what it added on the bytes "
         "and hands the capture to `KafkaSinkProcess`, whose worker builds the record and "
         f"sends it to an embedded Tansu broker: {counts['process']} of {expected['process']} "
-        "records arrived (this row's requests and olp-on's in the rounds below).",
+        "records arrived (this row's requests and olp-on's in the rounds below)"
+        f"{_skipped_note(counts['process'], expected['process'], counts['process-skipped'])}.",
         "- olp-on-thread: the sink the proxy used before 2026-11-30, a KafkaSink in a thread "
         "of the proxy process, with the records built in the proxy: "
-        f"{counts['thread']} of {expected['thread']} records arrived.",
+        f"{counts['thread']} of {expected['thread']} records arrived"
+        f"{_skipped_note(counts['thread'], expected['thread'], counts['thread-skipped'])}.",
         "- olp-on-nosink: the same capture handed to a sink that drops the captures (the "
         "proxy process's own share of the capture cost, with no worker using the cores).",
         "- olp-on-pystrip: olp-on with the strip (streams and whole answers) in Python "

@@ -91,3 +91,41 @@ def test_the_performance_page_is_the_perf_pages_without_their_markers() -> None:
     page = (BENCH.parent / "docs" / "performance.md").read_text()
     assert "<!--" not in page
     assert "## Proxy overhead (bench/bench_proxy.py)" in page
+
+
+def test_the_proxy_bench_reports_skipped_captures_apart_from_lost_records() -> None:
+    """A proxy that paused capture at its sink's backlog limit served those requests without
+    a record: the arrival line says so, with the count read from the proxy's /metrics."""
+    import http.server
+    import threading
+
+    metrics = (
+        b"# HELP olp_proxy_captures_skipped_total Requests not captured.\n"
+        b"# TYPE olp_proxy_captures_skipped_total counter\n"
+        b'olp_proxy_captures_skipped_total{reason="backlog",tenant="on"} 12.0\n'
+        b'olp_proxy_captures_skipped_total{reason="too_large",tenant="on"} 3.0\n'
+        b'olp_proxy_captures_skipped_created{reason="backlog",tenant="on"} 1.7e+09\n'
+    )
+
+    class Metrics(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(metrics)))
+            self.end_headers()
+            self.wfile.write(metrics)
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = http.server.HTTPServer(("127.0.0.1", 0), Metrics)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        assert bench_proxy.captures_skipped(f"http://127.0.0.1:{server.server_port}") == 15
+    finally:
+        server.shutdown()
+        thread.join()
+    assert bench_proxy._skipped_note(100, 100, 0) == ""
+    note = bench_proxy._skipped_note(85, 100, 15)
+    assert "15 of those requests were served without a capture" in note
+    assert note.endswith("the records of 85 of 85 captured requests arrived")

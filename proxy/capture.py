@@ -17,7 +17,7 @@ import pickle
 import re
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from typing import Any
 
 import msgspec
@@ -67,11 +67,11 @@ def sampling_of(body: dict[str, Any]) -> dict[str, Any]:
 Redact = Callable[[Any], tuple[Any, dict[str, int]]]
 
 
-@dataclass(slots=True)
-class CaptureContext:
-    """What is known about a request before upstream answers. Slotted: the sink's feeder
-    reads every field of it per capture (`_context_values`). The relay passes the fields
-    positionally, in this order (`CompletionRelay._capture_for`): a new one goes there too."""
+class CaptureContext(msgspec.Struct):
+    """What is known about a request before upstream answers. A msgspec Struct, made in C
+    for every captured request (0.09 us against a slotted dataclass's 0.24: its `__init__`
+    is Python code). The relay passes the fields positionally, in this order
+    (`CompletionRelay._capture_for`): a new one goes there too. Types are not checked."""
 
     trajectory_id: str
     request_id: str
@@ -88,8 +88,8 @@ class CaptureContext:
     # is what the proxy does: in a sink's worker process, not on the request's path (~9k
     # instructions of the proxy's per captured request, with pickling the dict).
     sampling: dict[str, Any] | None = None
-    created_at: float = field(default_factory=time.time)
-    started: float = field(default_factory=time.monotonic)
+    created_at: float = msgspec.field(default_factory=time.time)
+    started: float = msgspec.field(default_factory=time.monotonic)
     # The client's body as it came, which `request_body` was parsed from. A context sent to
     # a sink's worker process carries these bytes instead of the dict, and the worker parses
     # them again: the proxy's feeder pickled a capture in 8.8 µs instead of 14.9 µs for the
@@ -258,8 +258,8 @@ def _sse_payloads(data: bytes) -> list[bytes]:
 
 # The context's fields but its parsed body, which a pickled context leaves out when it has
 # the raw bytes (the worker parses them again: `_unpickle_context`).
-_CONTEXT_FIELDS = tuple(f.name for f in fields(CaptureContext) if f.name != "request_body")
-# TrajectoryCapture's attributes but its context (its __init__'s, all of its slots).
+_CONTEXT_FIELDS = tuple(f for f in CaptureContext.__struct_fields__ if f != "request_body")
+# TrajectoryCapture's fields but its context.
 _CAPTURE_FIELDS = (
     "choices",
     "prompt_token_ids",
@@ -371,14 +371,23 @@ def unpack_capture(data: bytes) -> TrajectoryCapture:
     return _unpickle_capture(tuple(context_values), body, ({}, *values))
 
 
-class TrajectoryCapture:
+class TrajectoryCapture(msgspec.Struct, eq=False):
     """Accumulates one request's upstream output; `build()` makes the trajectory record.
 
     The relay hands over raw bytes (`add_sse`, `add_raw_response`): appending them is all
     the response path pays; they are parsed in `build()`. Picklable, so a sink can build the
-    record in another process."""
+    record in another process. A msgspec Struct like its context, made in C (0.18 us
+    against 0.30 for a slotted class's Python `__init__`); compared by identity."""
 
-    __slots__ = ("context", *_CAPTURE_FIELDS)
+    context: CaptureContext
+    choices: dict[int, _Choice] = msgspec.field(default_factory=dict)
+    prompt_token_ids: list[int] | None = None
+    usage: dict[str, Any] | None = None
+    ttft_s: float | None = None
+    finished_at: float | None = None  # monotonic; set when the request ended
+    unparsable: int = 0  # raw events or responses that were not JSON objects
+    _raw_sse: list[bytes] = msgspec.field(default_factory=list)
+    _raw_response: bytes | None = None
 
     def __reduce__(self) -> tuple[Any, ...]:
         """The capture and its context as two tuples of values (the proxy packs a capture
@@ -401,17 +410,6 @@ class TrajectoryCapture:
             self._raw_response,
         )
         return (_unpickle_capture, (_context_values(context), body, values))
-
-    def __init__(self, context: CaptureContext) -> None:
-        self.context = context
-        self.choices: dict[int, _Choice] = {}
-        self.prompt_token_ids: list[int] | None = None
-        self.usage: dict[str, Any] | None = None
-        self.ttft_s: float | None = None
-        self.finished_at: float | None = None  # monotonic; set when the request ended
-        self.unparsable = 0  # raw events or responses that were not JSON objects
-        self._raw_sse: list[bytes] = []
-        self._raw_response: bytes | None = None
 
     def add_sse(self, block: bytes) -> None:
         """Whole upstream SSE events (`data: ...` lines, `[DONE]` included), parsed at build

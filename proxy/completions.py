@@ -24,7 +24,6 @@ from proxy.capture import CaptureContext, TrajectoryCapture
 from proxy.config import is_utf8_text
 from proxy.context import CONTEXT, REQUEST_ID, ProxyContext
 from proxy.errors import ProxyError, bad_request, error_body
-from proxy.feedback import TrajectoryOwner
 from proxy.relay import (
     ENDPOINT_PATHS,
     Endpoint,
@@ -401,8 +400,7 @@ class CompletionRelay:
             self.raw_body,  # request_raw
         )
         self.ctx.recent.add(
-            trajectory_id,
-            TrajectoryOwner(tenant.name_hash, session_id, _choice_count(self.endpoint, body)),
+            trajectory_id, tenant.name_hash, session_id, _choice_count(self.endpoint, body)
         )
         capture = TrajectoryCapture(context)
         self.ctx.capture.open(capture)

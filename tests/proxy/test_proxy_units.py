@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import pickle
 import threading
-from dataclasses import fields
 from typing import Any
 
 import pytest
@@ -576,17 +575,21 @@ def test_a_pickled_capture_keeps_every_attribute():
     context.request_raw = json.dumps(context.request_body).encode()
     for index, name in enumerate(_CAPTURE_FIELDS):
         setattr(capture, name, f"capture-{index}")
-    assert set(_CONTEXT_FIELDS) | {"request_body"} == {f.name for f in fields(CaptureContext)}
-    assert set(_CAPTURE_FIELDS) | {"context"} == set(TrajectoryCapture.__slots__)
+    assert set(_CONTEXT_FIELDS) | {"request_body"} == set(CaptureContext.__struct_fields__)
+    assert set(_CAPTURE_FIELDS) | {"context"} == set(TrajectoryCapture.__struct_fields__)
     copy = pickle.loads(pickle.dumps(capture, protocol=pickle.HIGHEST_PROTOCOL))
     for name in (*_CONTEXT_FIELDS, "request_body"):
         assert getattr(copy.context, name) == getattr(context, name), name
     for name in _CAPTURE_FIELDS:
         assert getattr(copy, name) == getattr(capture, name), name
     alone = pickle.loads(pickle.dumps(context))  # a context pickled on its own
-    assert all(getattr(alone, f.name) == getattr(context, f.name) for f in fields(context))
+    assert all(
+        getattr(alone, name) == getattr(context, name) for name in context.__struct_fields__
+    )
     with pytest.raises(AttributeError):  # nothing outside the fields, which all cross
         capture.extra = "lost"  # type: ignore[attr-defined]
+    with pytest.raises(AttributeError):
+        context.extra = "lost"  # type: ignore[attr-defined]
 
 
 def test_capture_flags_disagreeing_counts_and_aborts():
@@ -723,7 +726,7 @@ def test_feedback_validation_and_ownership():
             parse_feedback(body, 1024)
         assert err.value.status == 400
     recent = RecentTrajectories(capacity=2)
-    recent.add("a", TrajectoryOwner("tenant-1", "s-a"))
+    recent.add("a", "tenant-1", "s-a")
     assert (
         check_owner(
             recent, parse_feedback({"trajectory_id": "a", "kind": "accept"}, 64), "tenant-1"
@@ -733,7 +736,7 @@ def test_feedback_validation_and_ownership():
     with pytest.raises(ProxyError) as err:
         check_owner(recent, parse_feedback({"trajectory_id": "a", "kind": "accept"}, 64), "t-2")
     assert err.value.status == 403
-    recent.add("b", TrajectoryOwner("t", "s", choices=3))
+    recent.add("b", "t", "s", choices=3)
     for index, status in ((2, None), (3, 400)):
         body = {"trajectory_id": "b", "kind": "accept", "choice_index": index}
         if status is None:
@@ -742,8 +745,9 @@ def test_feedback_validation_and_ownership():
             with pytest.raises(ProxyError, match="out of range") as err:
                 check_owner(recent, parse_feedback(body, 64), "t")
             assert err.value.status == status
-    recent.add("c", TrajectoryOwner("t", "s"))
+    recent.add("c", "t", "s")
     assert recent.get("a") is None and len(recent) == 2  # bounded
+    assert recent.get("b") == TrajectoryOwner("t", "s", choices=3)
 
 
 def test_request_validation_messages():

@@ -506,6 +506,25 @@ def test_c_and_python_whole_strips_agree_on_mangled_responses(
     assert taken > 1_000 and refused > 100, (taken, refused)
 
 
+def test_the_whole_strip_declines_logprobs_holding_what_vllm_never_writes_there(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A line break, an `"index":` or a `},"` inside the logprobs value (another choice or a
+    field after it would go with the cut): each is put at every offset of the value, and
+    both strips decline it."""
+    plan = plan_request("chat.completions", {"model": "m"}, "m", capture=True)
+    assert strip_bytes(plan, VLLM_CHAT_WHOLE, whole=True) is not None
+    start = VLLM_CHAT_WHOLE.index(b',"logprobs":{') + len(b',"logprobs":{')
+    stop = VLLM_CHAT_WHOLE.index(b'},"finish_reason":', start)
+    for pattern in (b"\n", b'"index":', b'},"'):
+        for at in range(start, stop + 1):
+            mangled = VLLM_CHAT_WHOLE[:at] + pattern + VLLM_CHAT_WHOLE[at:]
+            assert strip_bytes(plan, mangled, whole=True) is None, (pattern, at)
+            with monkeypatch.context() as patch:
+                patch.setattr(relay, "_sse_strip", None)
+                assert strip_bytes(plan, mangled, whole=True) is None, (pattern, at)
+
+
 def test_sse_parser_complete_keeps_partial_events() -> None:
     parser = SSEParser()
     whole = b"".join(sse_event(e) for e in VLLM_CHAT_STREAM)

@@ -583,9 +583,7 @@ def test_a_pickled_capture_keeps_every_attribute():
     for name in _CAPTURE_FIELDS:
         assert getattr(copy, name) == getattr(capture, name), name
     alone = pickle.loads(pickle.dumps(context))  # a context pickled on its own
-    assert all(
-        getattr(alone, name) == getattr(context, name) for name in context.__struct_fields__
-    )
+    assert all(getattr(alone, name) == getattr(context, name) for name in context.__struct_fields__)
     with pytest.raises(AttributeError):  # nothing outside the fields, which all cross
         capture.extra = "lost"  # type: ignore[attr-defined]
     with pytest.raises(AttributeError):

@@ -502,12 +502,12 @@ class CompletionRelay:
             return await self._relay_whole(upstream, plan, headers, capture)
         except asyncio.CancelledError:
             # The client left while the answer was on its way (a stream records this itself).
-            if capture is not None and ctx.capture.is_open(capture):
+            if capture is not None and capture.finished_at is None:  # not submitted yet
                 ctx.capture.submit(capture, "aborted")
             raise
         finally:
             upstream.release()  # an unfinished body closes the connection: vLLM aborts
-            if capture is not None and ctx.capture.is_open(capture):
+            if capture is not None and capture.finished_at is None:
                 # An unexpected failure: the record still says what happened.
                 ctx.capture.submit(capture, "error")
 

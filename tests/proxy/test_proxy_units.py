@@ -542,6 +542,26 @@ def test_a_packed_capture_keeps_every_attribute_in_its_place():
     assert type(copy.context.request_raw) is bytes and type(copy._raw_response) is bytes
 
 
+def test_a_packed_capture_larger_than_its_first_buffer_crosses_whole():
+    """`pack_capture` sizes its buffer for the raw request and answer: a stream's events,
+    which it does not count, and a long context grow it, and all of it crosses."""
+    capture = _capture()
+    context = capture.context
+    context.request_body = {"model": "m", "messages": [{"role": "user", "content": "é" * 50_000}]}
+    context.request_raw = json.dumps(context.request_body).encode()
+    context.task = "t" * 5_000
+    blocks = [
+        b'data: {"choices":[{"index":0,"delta":{"content":"%d"}}]}\n\n' % i for i in range(3_000)
+    ]
+    for block in blocks:
+        capture.add_sse(block)
+    packed = pack_capture(capture)
+    assert packed[:1] == b"m" and len(packed) > sum(map(len, blocks)) + 50_000
+    copy = unpack_capture(packed)
+    assert copy._raw_sse == blocks and copy.context.task == context.task
+    assert copy.context.request_body == context.request_body
+
+
 @pytest.mark.parametrize("case", ["lone_surrogate", "huge_int", "parsed_choice"])
 def test_a_capture_msgpack_cannot_hold_crosses_pickled(case: str):
     """A lone surrogate (JSON's `\\ud800` parses to one), an integer over 64 bits or a

@@ -499,6 +499,7 @@ def build_app(
             on_failures=metrics_.capture_failures.inc,
             backlog_limit=config.capture_backlog_limit,
             label_key=label_key,
+            backlog_bytes_limit=config.capture_backlog_bytes,
         ),
         recent=RecentTrajectories(config.recent_trajectories),
         state=state,

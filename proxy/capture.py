@@ -15,6 +15,7 @@ import functools
 import math
 import pickle
 import re
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -941,6 +942,7 @@ class CaptureService:
         on_failures: OnFailures | None = None,
         backlog_limit: int | None = None,
         label_key: bytes | None = None,
+        backlog_bytes_limit: int | None = None,
     ) -> None:
         self.sink = sink
         self.build = functools.partial(build_record, redact=redact, key=label_key)
@@ -952,13 +954,19 @@ class CaptureService:
         self._put_capture: Callable[[bytes | bytearray, str], None] | None = None
         backlog = getattr(sink, "backlog", None)
         self._backlog: Callable[[], int] | None = backlog if callable(backlog) else None
+        held = getattr(sink, "backlog_bytes", None)
+        self._backlog_bytes: Callable[[], int] | None = held if callable(held) else None
         # A request body over half of what the sink's topic takes in one record is not
         # captured: its record (the request, and the answer's text, token ids and logprobs
         # on top) would go to the dead-letter topic, a 64 KiB excerpt of it at most, while
         # the client got a trajectory id its feedback could never join.
         max_record = getattr(sink, "max_record_bytes", None)
         self.max_body_bytes: int | None = max_record // 2 if isinstance(max_record, int) else None
-        self.backlog_limit = backlog_limit
+        # Unlimited as the largest int: `has_room` runs for every captured request.
+        self.backlog_limit = sys.maxsize if backlog_limit is None else backlog_limit
+        self.backlog_bytes_limit = (
+            sys.maxsize if backlog_bytes_limit is None else backlog_bytes_limit
+        )
         self.paused = False  # new captures wait for the sink's backlog to shrink
         delegate = getattr(sink, "build_records_with", None)
         if callable(delegate):
@@ -976,25 +984,28 @@ class CaptureService:
             self.on_failures(count)
 
     def has_room(self) -> bool:
-        """False while the sink holds `backlog_limit` records or more in memory, until it is
-        down to half of that.
+        """False while the sink holds `backlog_limit` records or `backlog_bytes_limit` bytes
+        of captures or more in memory, until both are down to half of their limit.
 
         The sink's worker runs at idle priority: while the cores are busy (overload, or a
         vLLM on CPU next to it) it gets almost no time, and without this bound the captures
         waiting for it would grow until the proxy ran out of memory. A request refused here
         is served as usual, only not recorded; the caller counts it."""
-        limit = self.backlog_limit
-        if self._backlog is None or limit is None:
-            return True
-        backlog = self._backlog()
-        if not self.paused and backlog < limit:
+        backlog_of, held_of = self._backlog, self._backlog_bytes
+        if backlog_of is None:
+            return True  # the sink holds nothing in memory (or does not say)
+        backlog = backlog_of()
+        held = 0 if held_of is None else held_of()
+        limit, byte_limit = self.backlog_limit, self.backlog_bytes_limit
+        if not self.paused and backlog < limit and held < byte_limit:
             return True  # the usual answer, first
+        counts = {"backlog": backlog, "limit": limit, "bytes": held, "bytes_limit": byte_limit}
         if not self.paused:
             self.paused = True
-            log.warning("capture_paused_backlog", backlog=backlog, limit=limit)
-        elif backlog <= limit // 2:
+            log.warning("capture_paused_backlog", **counts)
+        elif backlog <= limit // 2 and held <= byte_limit // 2:
             self.paused = False
-            log.warning("capture_resumed", backlog=backlog, limit=limit)
+            log.warning("capture_resumed", **counts)
         return not self.paused
 
     def open(self, capture: TrajectoryCapture) -> None:

@@ -296,6 +296,13 @@ class ProxyConfig(BaseModel):
         "not yet durable; at this many, training tenants' requests are served without "
         "capture (olp_proxy_captures_skipped_total, reason backlog) until half of it is left",
     )
+    capture_backlog_bytes: int = Field(
+        default=256 * 1024 * 1024,
+        ge=1,
+        description="bytes of captures the Kafka sink may hold in the proxy's memory, not yet "
+        "durable (its worker holds a copy of those it was handed: up to twice this in all); "
+        "at this many, capture pauses as at capture_backlog_limit, until half of both is left",
+    )
     recent_trajectories: int = Field(
         default=100_000,
         ge=1,

@@ -134,6 +134,12 @@ class ProducerMetrics:
         self.queue_depth = Gauge(
             "olp_stream_queue_depth", "Records waiting in the producer queue", registry=registry
         )
+        self.queue_bytes = Gauge(
+            "olp_stream_queue_bytes",
+            "Bytes of captures waiting for the sink's worker (KafkaSinkProcess; 0 for KafkaSink, "
+            "which takes built records)",
+            registry=registry,
+        )
         self.broker_up = Gauge(
             "olp_stream_broker_up", "1 while the producer reaches the broker", registry=registry
         )

@@ -21,7 +21,7 @@ import select
 import signal
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -79,6 +79,17 @@ _SKIP = "skip"  # a placeholder the worker counts as done (keeps the parent's co
 # A record the parent already validated and encoded (a SpillEntry, maybe a DLQ envelope) but
 # could not spill: the worker sends or spills it as it is, so it is counted once.
 _ENTRY = "entry"
+
+
+def _capture_bytes(capture: Any) -> int:
+    """What a capture weighs against `proxy.capture_backlog_bytes`: its packed bytes (the
+    proxy's captures are bytes by the time they are put; anything else weighs nothing)."""
+    return len(capture) if isinstance(capture, (bytes, bytearray)) else 0
+
+
+def _held_bytes(items: Iterable[tuple[str, Any]]) -> int:
+    """The captures' bytes among outbox or unconfirmed items (`_capture_bytes` of each)."""
+    return sum(_capture_bytes(record[0]) for kind, record in items if kind == _CAPTURE)
 
 
 class _CaptureBuilder:
@@ -394,6 +405,13 @@ class KafkaSinkProcess:
         self._lock = threading.RLock()  # guards the parent's own spilling
         self._feeder_done = False
         self._confirmed = 0
+        # The captures' bytes held here (`backlog_bytes`), in counters each written by one
+        # thread only, so no update is lost between threads: what the event loop put, what
+        # the feeder took from the outbox, and what it handed on and the worker has not
+        # confirmed yet.
+        self._put_bytes = 0
+        self._taken_bytes = 0
+        self._pending_bytes = 0
         self.child_restarts = 0
         self._progress_at = time.monotonic()  # the last status message from the child
         self._pickle_buffer = io.BytesIO()  # the feeder pickles every batch into it
@@ -406,6 +424,7 @@ class KafkaSinkProcess:
         # Read at scrape time: a value the worker reported would freeze while it is starved
         # of CPU, the very time its backlog grows.
         self.metrics.queue_depth.set_function(self.backlog)
+        self.metrics.queue_bytes.set_function(self.backlog_bytes)
         # `loop_thread_id`: the native id of the thread that serves requests (the proxy's
         # event loop), whose CPU the worker is kept off (`stream.sink_avoids_loop_cpu`).
         self._avoidance = (
@@ -449,17 +468,19 @@ class KafkaSinkProcess:
         """A finished request's capture, built into a trajectory record by the worker."""
         if self._build_record is None:
             raise RuntimeError("put_capture needs build_records_with first")
-        self._put(_CAPTURE, (capture, status))
+        self._put(_CAPTURE, (capture, status), _capture_bytes(capture))
 
-    def _put(self, kind: str, record: Any) -> None:
+    def _put(self, kind: str, record: Any, size: int = 0) -> None:
         if self._closed:
             with self._lock:
                 if self._feeder_done:
                     log.warning("put_after_close_spilling", kind=kind)
                     self._count_lost_entries(self._spill_here([(kind, record)]))
                     return
+                self._put_bytes += size
                 self._outbox.append((kind, record))
             return
+        self._put_bytes += size  # before the append: the feeder may take it at once
         self._outbox.append((kind, record))
         if self._closed:  # close() began since the check: the feeder may be done with it
             self._spill_outbox_after_close()
@@ -483,6 +504,13 @@ class KafkaSinkProcess:
         builder counts until its first report). The proxy stops capturing above a limit."""
         return len(self._outbox) + len(self._pending)
 
+    def backlog_bytes(self) -> int:
+        """The packed captures' bytes among them (`proxy.capture_backlog_bytes` limits it):
+        a count of items alone let a backlog of large agent requests (up to half the topic's
+        record size each) grow to gigabytes before capture paused. The worker holds its own
+        copy of what it has not confirmed, so the two processes hold up to twice this."""
+        return self._put_bytes - self._taken_bytes + self._pending_bytes
+
     def _spill_outbox_after_close(self) -> None:
         """Spill the outbox here once the feeder has left it for good.
 
@@ -503,6 +531,7 @@ class KafkaSinkProcess:
         with contextlib.suppress(IndexError):
             while True:
                 records.append(self._outbox.popleft())
+        self._taken_bytes += _held_bytes(records)  # the feeder's, or (once it is done) close's
         return records
 
     def _kill_if_hung(self) -> None:
@@ -579,11 +608,15 @@ class KafkaSinkProcess:
                         # not from its last report (which may be minutes old).
                         self._progress_at = time.monotonic()
                     self._pending.extend(batch)
+                    taken = _held_bytes(batch)
+                    self._pending_bytes += taken  # counted unconfirmed before it leaves the
+                    self._taken_bytes += taken  # outbox's count, never in neither
                     data, sent = self._pickle(pickle, batch)
                     if sent is not batch:  # kept as sent: a capture built here is not again
                         for _ in batch:
                             self._pending.pop()
                         self._pending.extend(sent)
+                        self._pending_bytes += _held_bytes(sent) - taken
                     try:
                         self._conn.send_bytes(data)
                     finally:
@@ -663,8 +696,9 @@ class KafkaSinkProcess:
             _, done, idle, values, final, outcomes = self._conn.recv()
             self._mirror_outcomes(outcomes)
             self._progress_at = time.monotonic()
-            for _ in range(min(done - self._confirmed, len(self._pending))):
-                self._pending.popleft()
+            popleft = self._pending.popleft
+            confirmed = min(done - self._confirmed, len(self._pending))
+            self._pending_bytes -= _held_bytes(popleft() for _ in range(confirmed))
             self._confirmed = max(self._confirmed, done)
             if values is not None:
                 self._mirror(values)
@@ -692,8 +726,8 @@ class KafkaSinkProcess:
     def _mirror(self, values: dict[str, dict[tuple[str, ...], float]]) -> None:
         for name, series in values.items():
             metric = getattr(self.metrics, name, None)
-            if metric is None or metric is self.metrics.queue_depth:
-                continue  # the queue depth is the parent's own count (`backlog`)
+            if metric is None or metric in (self.metrics.queue_depth, self.metrics.queue_bytes):
+                continue  # the parent's own counts (`backlog`, `backlog_bytes`)
             seen = self._seen.setdefault(name, {})
             for labels, value in series.items():
                 target = metric.labels(*labels) if labels else metric
@@ -714,6 +748,7 @@ class KafkaSinkProcess:
             self._conn.close()
         lost = list(self._pending)
         self._pending.clear()
+        self._pending_bytes = 0  # built and spilled here, or kept in the outbox as entries
         self._confirmed = 0
         # `spilling` counts the entries made, not the unconfirmed items: those include the
         # builder a new worker gets first and placeholders, which are no records (before,
@@ -856,6 +891,7 @@ class KafkaSinkProcess:
         if self._pending:
             left = self._spill_here(list(self._pending))
             self._pending.clear()
+            self._pending_bytes = 0
             self._spill_until_deadline(left)
         self._proc = None
 

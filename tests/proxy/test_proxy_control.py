@@ -588,6 +588,51 @@ def test_training_requests_go_uncaptured_while_the_sinks_backlog_is_at_its_limit
     assert {json.loads(r.value)["trajectory_id"] for r in records} == {*captured, resumed}
 
 
+def test_capture_pauses_on_the_bytes_the_sink_holds_whatever_their_count(
+    make_proxy, vllm_server, kafka_bootstrap, tmp_path
+):
+    """`capture_backlog_bytes`: the captures' bytes waiting for a starved worker pause
+    capture as their count does (a few thousand large agent requests held gigabytes under
+    the count alone). At one byte, one waiting capture is enough; capture resumes once the
+    worker confirmed it, and both captured requests reach Kafka."""
+    import os
+    import signal
+
+    from replay.config import StreamConfig
+    from replay.sink_process import KafkaSinkProcess
+
+    prefix = f"backlogbytes{uuid.uuid4().hex[:10]}"
+    sink = KafkaSinkProcess(
+        StreamConfig(bootstrap_servers=kafka_bootstrap, topic_prefix=prefix, sink_hung_after_s=120),
+        tmp_path / "sink-state",
+    )
+    harness, _ = make_proxy([vllm_server.base_url], sink=sink, capture_backlog_bytes=1)
+    assert sink.wait_idle(60)
+    worker = sink._proc.pid
+    os.kill(worker, signal.SIGSTOP)
+    try:
+        captured = chat(harness, "alice").headers.get("x-olp-trajectory-id")
+        assert captured
+        harness.drain()
+        assert sink.backlog() == 1 and sink.backlog_bytes() > 1000  # the packed capture
+        skipped = chat(harness, "alice")
+        assert skipped.status_code == 200 and skipped.parse().choices[0].message is not None
+        assert "x-olp-trajectory-id" not in skipped.headers
+        text = httpx.get(harness.base_url + "/metrics").text
+        assert 'olp_proxy_captures_skipped_total{reason="backlog",tenant="alice"} 1.0' in text
+        os.kill(worker, signal.SIGCONT)
+        assert sink.wait_idle(60)
+        assert sink.backlog_bytes() == 0
+        resumed = chat(harness, "alice").headers.get("x-olp-trajectory-id")
+        assert resumed
+        harness.drain()
+    finally:
+        os.kill(worker, signal.SIGCONT)
+        sink.close()
+    records = _read_topic(kafka_bootstrap, f"{prefix}.trajectories", 2)
+    assert {json.loads(r.value)["trajectory_id"] for r in records} == {captured, resumed}
+
+
 def test_the_kafka_sinks_series_are_on_metrics(tmp_path, vllm_server, kafka_bootstrap):
     """`olp proxy` built its KafkaSinkProcess without a registry: no `olp_stream_*` series
     (queued, spilled, DLQ, broker up) reached /metrics, only the operator page."""

@@ -1099,6 +1099,48 @@ def test_capture_pauses_at_the_backlog_limit_until_half_of_it_is_left() -> None:
     assert CaptureService(object(), None, backlog_limit=1).has_room()  # a sink without one
 
 
+def test_capture_pauses_at_the_backlog_bytes_limit_until_both_are_down_to_half() -> None:
+    """A count of items alone let a few thousand large agent requests (up to half the topic's
+    record size each) hold gigabytes: the captures' bytes pause capture too, and it resumes
+    only when the bytes and the items are both down to half of their limits."""
+
+    class WeighedSink:
+        held = 0
+        held_bytes = 0
+
+        def backlog(self) -> int:
+            return self.held
+
+        def backlog_bytes(self) -> int:
+            return self.held_bytes
+
+        def put_trajectory(self, record: dict) -> None: ...
+
+        def put_feedback(self, event: dict) -> None: ...
+
+        async def aclose(self) -> None: ...
+
+    sink = WeighedSink()
+    service = CaptureService(sink, None, backlog_limit=10, backlog_bytes_limit=1000)
+    seen = []
+    for held, held_bytes in (
+        (1, 999),  # under both
+        (1, 1000),  # the bytes reach their limit: paused
+        (1, 600),  # not yet half
+        (1, 500),  # half the bytes, few items: resumed
+        (9, 10),
+        (10, 10),  # the items reach theirs: paused
+        (5, 501),  # half the items, not half the bytes
+        (5, 500),  # both: resumed
+    ):
+        sink.held, sink.held_bytes = held, held_bytes
+        seen.append(service.has_room())
+    assert seen == [True, False, False, True, True, False, False, True]
+    unweighed = CaptureService(sink, None, backlog_limit=10)  # no byte limit given
+    sink.held, sink.held_bytes = 1, 10**12
+    assert unweighed.has_room()
+
+
 async def test_a_worker_building_sink_gets_packed_captures_and_none_is_lost():
     """CaptureService hands a worker-building sink each capture packed, with a builder that
     unpacks it; a capture that neither packs nor pickles has its record built here and

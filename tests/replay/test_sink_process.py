@@ -619,3 +619,68 @@ def test_a_capture_built_in_the_parent_as_it_does_not_pickle_is_counted_once(
         sink.close()
     assert outcomes == {("ok", True): 1}
     assert _consume_ids(stream_config, 1) == {capture["id"]}
+
+
+def build_from_packed(capture: bytes, status: str) -> dict[str, Any]:
+    """A picklable builder of captures packed as bytes, as the proxy packs its own."""
+    fields = json.loads(capture)
+    return build_from_capture(fields, status)
+
+
+def test_the_captures_bytes_are_held_until_confirmed_and_none_once_the_worker_is_gone(
+    stream_config: StreamConfig, tmp_path: Path
+) -> None:
+    """`backlog_bytes` (and `olp_stream_queue_bytes`) weigh the packed captures in the outbox
+    and with the worker until it confirms them, or until its parent spilled them when it
+    died: the proxy pauses capture on it (`proxy.capture_backlog_bytes`), so a count that
+    only grew would pause capture for good. Records other than captures weigh nothing."""
+    registry = CollectorRegistry()
+    sink = KafkaSinkProcess(stream_config, tmp_path, registry)
+    sink.build_records_with(build_from_packed, lambda *_: None)
+
+    def packed(n: int, session: str) -> list[bytes]:
+        return [
+            json.dumps(
+                {"id": uuid.uuid4().hex, "session": session, "pad": "x" * (100 * i)}
+            ).encode()
+            for i in range(n)
+        ]
+
+    def weight() -> tuple[int, float]:
+        return sink.backlog_bytes(), _sample(registry, "olp_stream_queue_bytes")
+
+    confirmed, killed, after = packed(5, "w1"), packed(3, "w2"), packed(2, "w3")
+    trajectory = make_trajectory(session_id="w1")
+    try:
+        assert sink.wait_idle(60)
+        assert weight() == (0, 0)
+        os.kill(sink._proc.pid, signal.SIGSTOP)  # it receives but confirms nothing
+        for capture in confirmed:
+            sink.put_capture(capture, "ok")
+        sink.put_trajectory(trajectory)
+        total = sum(map(len, confirmed))
+        assert weight() == (total, total)
+        assert sink.backlog() == 6
+        _wait_for(lambda: not sink._outbox)  # handed to the stopped worker's pipe
+        assert weight() == (total, total)
+        os.kill(sink._proc.pid, signal.SIGCONT)
+        assert sink.wait_idle(60)
+        assert weight() == (0, 0)
+        os.kill(sink._proc.pid, signal.SIGSTOP)
+        for capture in killed:
+            sink.put_capture(capture, "aborted")
+        _wait_for(lambda: len(sink._pending) == 3)
+        assert weight() == (sum(map(len, killed)),) * 2
+        os.kill(sink._proc.pid, signal.SIGKILL)  # the parent builds and spills those three
+        _wait_for(lambda: sink.child_restarts == 1)
+        assert weight() == (0, 0)
+        for capture in after:
+            sink.put_capture(capture, "ok")
+        assert sink.wait_idle(60)
+        assert weight() == (0, 0)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(sink._proc.pid, signal.SIGCONT)
+        sink.close()
+    expected = {json.loads(c)["id"] for c in confirmed + killed + after}
+    assert _consume_ids(stream_config, 11) == expected | {trajectory["trajectory_id"]}

@@ -236,6 +236,7 @@ def sink_metrics(sink: Any) -> dict[str, dict[str, float]] | None:
     if not isinstance(metrics, ProducerMetrics):
         return None
     names = ("queued", "sent", "spilled", "failed", "dlq", "spill_bytes", "queue_depth")
+    names += ("queue_bytes",)
     return {name: _samples(getattr(metrics, name)) for name in (*names, "broker_up")}
 
 

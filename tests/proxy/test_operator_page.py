@@ -487,6 +487,7 @@ def test_stream_section_reports_an_unreachable_broker_without_hanging(make_proxy
         assert time.monotonic() - started < 10
         assert 'id="lag-unavailable"' in page and "no broker answers" in page
         assert 'class="stream-metrics"' in page and "spill_bytes" in page
+        assert "queue_bytes" in page  # what capture_backlog_bytes limits
     finally:
         sink.close()
 

@@ -544,13 +544,20 @@ def test_a_body_too_large_for_the_topics_records_is_served_uncaptured(
     assert json.loads(record.value)["trajectory_id"] == trajectory_id
 
 
+@pytest.mark.parametrize(
+    ("limit", "captured_before_pause"),
+    [({"capture_backlog_limit": 3}, 3), ({"capture_backlog_bytes": 1}, 1)],
+    ids=["records", "bytes"],
+)
 def test_training_requests_go_uncaptured_while_the_sinks_backlog_is_at_its_limit(
-    make_proxy, vllm_server, kafka_bootstrap, tmp_path
+    make_proxy, vllm_server, kafka_bootstrap, tmp_path, limit, captured_before_pause
 ):
     """A sink worker that gets no CPU (stopped here; at idle priority behind busy cores in
     production) must not let captures pile up in the proxy's memory: at
-    `capture_backlog_limit` requests are served without capture and counted, and capture
-    resumes once the worker caught up. Every captured request reaches Kafka."""
+    `capture_backlog_limit` records, or `capture_backlog_bytes` of captures (a count alone
+    let a few thousand large agent requests hold gigabytes; at one byte, one waiting capture
+    is enough), requests are served without capture and counted, and capture resumes once
+    the worker caught up. Every captured request reaches Kafka."""
     import os
     import signal
 
@@ -562,59 +569,19 @@ def test_training_requests_go_uncaptured_while_the_sinks_backlog_is_at_its_limit
         StreamConfig(bootstrap_servers=kafka_bootstrap, topic_prefix=prefix, sink_hung_after_s=120),
         tmp_path / "sink-state",
     )
-    harness, _ = make_proxy([vllm_server.base_url], sink=sink, capture_backlog_limit=3)
+    harness, _ = make_proxy([vllm_server.base_url], sink=sink, **limit)
     assert sink.wait_idle(60)
     worker = sink._proc.pid
     os.kill(worker, signal.SIGSTOP)
     try:
-        captured = [chat(harness, "alice").headers.get("x-olp-trajectory-id") for _ in range(3)]
+        captured = [
+            chat(harness, "alice").headers.get("x-olp-trajectory-id")
+            for _ in range(captured_before_pause)
+        ]
         assert all(captured)
         harness.drain()  # capture runs after the answer went out
-        assert sink.backlog() == 3
-        skipped = chat(harness, "alice")
-        assert skipped.status_code == 200 and skipped.parse().choices[0].message is not None
-        assert "x-olp-trajectory-id" not in skipped.headers
-        text = httpx.get(harness.base_url + "/metrics").text
-        assert 'olp_proxy_captures_skipped_total{reason="backlog",tenant="alice"} 1.0' in text
-        os.kill(worker, signal.SIGCONT)
-        assert sink.wait_idle(60)
-        resumed = chat(harness, "alice").headers.get("x-olp-trajectory-id")
-        assert resumed
-        harness.drain()
-    finally:
-        os.kill(worker, signal.SIGCONT)
-        sink.close()
-    records = _read_topic(kafka_bootstrap, f"{prefix}.trajectories", 4)
-    assert {json.loads(r.value)["trajectory_id"] for r in records} == {*captured, resumed}
-
-
-def test_capture_pauses_on_the_bytes_the_sink_holds_whatever_their_count(
-    make_proxy, vllm_server, kafka_bootstrap, tmp_path
-):
-    """`capture_backlog_bytes`: the captures' bytes waiting for a starved worker pause
-    capture as their count does (a few thousand large agent requests held gigabytes under
-    the count alone). At one byte, one waiting capture is enough; capture resumes once the
-    worker confirmed it, and both captured requests reach Kafka."""
-    import os
-    import signal
-
-    from replay.config import StreamConfig
-    from replay.sink_process import KafkaSinkProcess
-
-    prefix = f"backlogbytes{uuid.uuid4().hex[:10]}"
-    sink = KafkaSinkProcess(
-        StreamConfig(bootstrap_servers=kafka_bootstrap, topic_prefix=prefix, sink_hung_after_s=120),
-        tmp_path / "sink-state",
-    )
-    harness, _ = make_proxy([vllm_server.base_url], sink=sink, capture_backlog_bytes=1)
-    assert sink.wait_idle(60)
-    worker = sink._proc.pid
-    os.kill(worker, signal.SIGSTOP)
-    try:
-        captured = chat(harness, "alice").headers.get("x-olp-trajectory-id")
-        assert captured
-        harness.drain()
-        assert sink.backlog() == 1 and sink.backlog_bytes() > 1000  # the packed capture
+        assert sink.backlog() == captured_before_pause
+        assert sink.backlog_bytes() > 1000 * captured_before_pause  # the packed captures
         skipped = chat(harness, "alice")
         assert skipped.status_code == 200 and skipped.parse().choices[0].message is not None
         assert "x-olp-trajectory-id" not in skipped.headers
@@ -629,8 +596,8 @@ def test_capture_pauses_on_the_bytes_the_sink_holds_whatever_their_count(
     finally:
         os.kill(worker, signal.SIGCONT)
         sink.close()
-    records = _read_topic(kafka_bootstrap, f"{prefix}.trajectories", 2)
-    assert {json.loads(r.value)["trajectory_id"] for r in records} == {captured, resumed}
+    records = _read_topic(kafka_bootstrap, f"{prefix}.trajectories", captured_before_pause + 1)
+    assert {json.loads(r.value)["trajectory_id"] for r in records} == {*captured, resumed}
 
 
 def test_the_kafka_sinks_series_are_on_metrics(tmp_path, vllm_server, kafka_bootstrap):

@@ -1071,24 +1071,30 @@ def test_logprob_token_ids_without_logprobs_on_completions_is_left_for_vllm_to_r
     assert plain.added_logprobs and plain.upstream_body["logprobs"] == 0
 
 
+class _BackloggedSink:
+    """A sink that says how many records, and how many bytes of captures, it holds."""
+
+    held = 0
+    held_bytes = 0
+
+    def backlog(self) -> int:
+        return self.held
+
+    def backlog_bytes(self) -> int:
+        return self.held_bytes
+
+    def put_trajectory(self, record: dict) -> None: ...
+
+    def put_feedback(self, event: dict) -> None: ...
+
+    async def aclose(self) -> None: ...
+
+
 def test_capture_pauses_at_the_backlog_limit_until_half_of_it_is_left() -> None:
     """The sink's worker can fall behind for as long as the cores stay busy: past the limit
     new requests go uncaptured instead of growing the proxy's memory, and capture resumes
     only at half the limit, not on every record that flickers across the line."""
-
-    class BackloggedSink:
-        held = 0
-
-        def backlog(self) -> int:
-            return self.held
-
-        def put_trajectory(self, record: dict) -> None: ...
-
-        def put_feedback(self, event: dict) -> None: ...
-
-        async def aclose(self) -> None: ...
-
-    sink = BackloggedSink()
+    sink = _BackloggedSink()
     service = CaptureService(sink, None, backlog_limit=10)
     seen = []
     for held in (0, 9, 10, 11, 9, 6, 5, 4, 9, 10):
@@ -1103,24 +1109,7 @@ def test_capture_pauses_at_the_backlog_bytes_limit_until_both_are_down_to_half()
     """A count of items alone let a few thousand large agent requests (up to half the topic's
     record size each) hold gigabytes: the captures' bytes pause capture too, and it resumes
     only when the bytes and the items are both down to half of their limits."""
-
-    class WeighedSink:
-        held = 0
-        held_bytes = 0
-
-        def backlog(self) -> int:
-            return self.held
-
-        def backlog_bytes(self) -> int:
-            return self.held_bytes
-
-        def put_trajectory(self, record: dict) -> None: ...
-
-        def put_feedback(self, event: dict) -> None: ...
-
-        async def aclose(self) -> None: ...
-
-    sink = WeighedSink()
+    sink = _BackloggedSink()
     service = CaptureService(sink, None, backlog_limit=10, backlog_bytes_limit=1000)
     seen = []
     for held, held_bytes in (

@@ -281,7 +281,10 @@ def env_overrides(environ: Mapping[str, str]) -> dict[str, Any]:
                 "config file only (unset the variable)"
             )
     for name, raw in environ.items():
-        if not name.startswith(ENV_PREFIX) or "__" not in name:
+        if not name.startswith(ENV_PREFIX):
+            continue
+        if "__" not in name:
+            _refuse_one_underscore(name)
             continue
         raw_path = name[len(ENV_PREFIX) :].split("__")
         # Keys are lower case, except below an `env` mapping (vLLM variables keep theirs).
@@ -290,7 +293,12 @@ def env_overrides(environ: Mapping[str, str]) -> dict[str, Any]:
             for i, part in enumerate(raw_path)
         ]
         if path[0] not in SECTIONS:
-            continue
+            # `OLP_SAFETY_GATES__KL__CAP` (one underscore too few after the section) was
+            # ignored in silence, the gate's cap left as the file set it.
+            raise ConfigError(
+                f"invalid configuration:\n  {name} is not read: there is no section "
+                f"`{path[0]}` (OLP_<SECTION>__<KEY>, sections: {', '.join(SECTIONS)})"
+            )
         if path[0] == "tenants":
             # "tenants: Input should be a valid list" named neither the variable nor why.
             raise ConfigError(
@@ -302,6 +310,26 @@ def env_overrides(environ: Mapping[str, str]) -> dict[str, Any]:
             node = node.setdefault(part, {})
         node[path[-1]] = _env_value(raw, name, ".".join(path))
     return tree
+
+
+def _refuse_one_underscore(name: str) -> None:
+    """`OLP_PROXY_ADMIN_KEY` for `OLP_PROXY__ADMIN_KEY` was ignored in silence: the proxy
+    started without the admin key its operator meant to set. A variable whose name is a
+    section, one underscore and a key of that section (or the start of one, such as
+    `admin_key` of `admin_key_sha256`) is refused; other OLP_* variables (OLP_CACHE_DIR,
+    OLP_STREAM_ID) are not the config's."""
+    rest = name[len(ENV_PREFIX) :].lower()
+    for section in SECTIONS:
+        key = rest.removeprefix(f"{section}_")
+        if key == rest or section == "tenants":  # tenants: a list, set in the file only
+            continue
+        fields = OlpConfig.model_fields[section].annotation.model_fields  # type: ignore[union-attr]
+        if any(field == key or field.startswith(f"{key}_") for field in fields):
+            raise ConfigError(
+                f"invalid configuration:\n  {section}.{key}: {name} is not read: a section "
+                f"and its key are joined by two underscores ({ENV_PREFIX}{section.upper()}__"
+                f"{key.upper()})"
+            )
 
 
 def deep_merge(base: dict[str, Any], extra: Mapping[str, Any]) -> dict[str, Any]:

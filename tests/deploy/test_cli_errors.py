@@ -273,6 +273,15 @@ def test_malformed_yaml_env_value_names_the_key_not_the_secret() -> None:
     assert "s3cr3t" not in done.stderr + done.stdout
 
 
+def test_an_admin_key_variable_with_one_underscore_stops_the_cli_naming_the_right_one() -> None:
+    """It was ignored: `olp up` started a proxy without the admin key meant for it."""
+    done = olp("config", "show", env={"OLP_PROXY_ADMIN_KEY": "s3cr3t-admin-key-0123456789abcdef"})
+    assert_clean_error(done, 2, "invalid configuration")
+    assert "OLP_PROXY_ADMIN_KEY is not read" in done.stderr
+    assert "(OLP_PROXY__ADMIN_KEY)" in done.stderr
+    assert "s3cr3t" not in done.stderr + done.stdout
+
+
 @pytest.mark.parametrize("kind", ["directory", "binary"])
 def test_config_file_that_cannot_be_read_as_text(tmp_path: Path, kind: str) -> None:
     path = tmp_path

@@ -458,3 +458,38 @@ def test_a_variable_for_a_key_set_in_the_file_only_is_refused_naming_it(
     Input should be a valid list", naming neither the variable nor the rule."""
     with pytest.raises(ConfigError, match=rf"{key}: {name} is not read: .* config file only"):
         load_config(None, environ={name: "true"})
+
+
+@pytest.mark.parametrize(
+    ("name", "key", "meant"),
+    [
+        ("OLP_PROXY_PORT", "proxy.port", "OLP_PROXY__PORT"),
+        ("OLP_PROXY_ADMIN_KEY", "proxy.admin_key", "OLP_PROXY__ADMIN_KEY"),
+        ("OLP_Learner_LR", "learner.lr", "OLP_LEARNER__LR"),
+    ],
+)
+def test_a_section_variable_with_one_underscore_is_refused_naming_the_right_one(
+    name: str, key: str, meant: str
+) -> None:
+    """`OLP_PROXY_ADMIN_KEY` was ignored in silence: the proxy started without the admin
+    key its operator meant to set."""
+    with pytest.raises(ConfigError, match=rf"{key}: {name} is not read: .*\({meant}\)"):
+        load_config(None, environ={name: "9000"})
+
+
+def test_a_variable_naming_no_section_is_refused() -> None:
+    """`OLP_SAFETY_GATES__KL__CAP` left the cap as the file set it, in silence."""
+    refused = r"OLP_SAFETY_GATES__KL__CAP is not read: .*`safety_gates`"
+    with pytest.raises(ConfigError, match=refused):
+        load_config(None, environ={"OLP_SAFETY_GATES__KL__CAP": "0.1"})
+
+
+def test_the_stacks_other_variables_are_not_taken_for_config_typos() -> None:
+    """OLP_STREAM_ID, OLP_CACHE_DIR and the like share the prefix and are not config keys."""
+    environ = {
+        "OLP_STREAM_ID": "run-2",
+        "OLP_CACHE_DIR": "/tmp/cache",
+        "OLP_ADMIN_KEY": "k" * 32,
+        "OLP_PROXY__PORT": "9100",
+    }
+    assert load_config(None, environ=environ).proxy.port == 9100

@@ -956,6 +956,8 @@ class CaptureService:
         self._backlog: Callable[[], int] | None = backlog if callable(backlog) else None
         held = getattr(sink, "backlog_bytes", None)
         self._backlog_bytes: Callable[[], int] | None = held if callable(held) else None
+        hung = getattr(sink, "kill_if_hung", None)
+        self._kill_if_hung: Callable[[], None] | None = hung if callable(hung) else None
         # A request body over half of what the sink's topic takes in one record is not
         # captured: its record (the request, and the answer's text, token ids and logprobs
         # on top) would go to the dead-letter topic, a 64 KiB excerpt of it at most, while
@@ -990,7 +992,8 @@ class CaptureService:
         The sink's worker runs at idle priority: while the cores are busy (overload, or a
         vLLM on CPU next to it) it gets almost no time, and without this bound the captures
         waiting for it would grow until the proxy ran out of memory. A request refused here
-        is served as usual, only not recorded; the caller counts it."""
+        is served as usual, only not recorded; the caller counts it. While paused, each call
+        also has the sink kill a worker that went silent (`kill_if_hung`)."""
         backlog_of, held_of = self._backlog, self._backlog_bytes
         if backlog_of is None:
             return True  # the sink holds nothing in memory (or does not say)
@@ -1006,7 +1009,12 @@ class CaptureService:
         elif backlog <= limit // 2 and held <= byte_limit // 2:
             self.paused = False
             log.warning("capture_resumed", **counts)
-        return not self.paused
+            return True
+        if self._kill_if_hung is not None:
+            # A worker that stopped reading blocks the sink's feeder, which then cannot see
+            # to it, and while paused nothing else puts: the backlog would never shrink.
+            self._kill_if_hung()
+        return False
 
     def open(self, capture: TrajectoryCapture) -> None:
         """Note a capture whose request is still running, so `drain()` waits for it too."""

@@ -491,7 +491,7 @@ class KafkaSinkProcess:
         if len(self._outbox) > self.config.queue_size:
             # The feeder may be stuck writing to a child that stopped reading; killing the
             # child frees it (the dead child's records are spilled, the outbox goes on).
-            self._kill_if_hung()
+            self.kill_if_hung()
 
     @property
     def max_record_bytes(self) -> int:
@@ -534,7 +534,14 @@ class KafkaSinkProcess:
         self._taken_bytes += _held_bytes(records)  # the feeder's, or (once it is done) close's
         return records
 
-    def _kill_if_hung(self) -> None:
+    def kill_if_hung(self) -> None:
+        """Kill a worker silent for `stream.sink_hung_after_s` with records in hand; the
+        parent spills or hands on what it held, and a new worker starts.
+
+        The feeder checks at each tick, but a worker that stops reading its pipe blocks the
+        feeder in its write, and then only other threads can: a put over `queue_size`
+        records, and the proxy while its capture is paused on the backlog (which, paused at
+        `proxy.capture_backlog_bytes` long before `queue_size` records, puts nothing)."""
         proc = self._proc
         # Only records handed to the child count: its silence is measured from the first
         # of them (an idle child is quiet for as long as it likes).
@@ -601,7 +608,7 @@ class KafkaSinkProcess:
             if len(self._outbox):
                 self._wake.set()
             try:
-                self._kill_if_hung()
+                self.kill_if_hung()
                 if batch:
                     if not self._pending:
                         # An idle child is quiet: its silence counts from this batch on,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 import time
@@ -598,6 +599,54 @@ def test_training_requests_go_uncaptured_while_the_sinks_backlog_is_at_its_limit
         sink.close()
     records = _read_topic(kafka_bootstrap, f"{prefix}.trajectories", captured_before_pause + 1)
     assert {json.loads(r.value)["trajectory_id"] for r in records} == {*captured, resumed}
+
+
+def test_a_sink_worker_that_stopped_reading_is_replaced_while_capture_is_paused(
+    make_proxy, vllm_server, kafka_bootstrap, tmp_path
+):
+    """A worker that stops reading its pipe blocks the sink's feeder in its write (a capture
+    larger than the pipe holds), and the feeder can no longer check it for silence. Paused
+    on `capture_backlog_bytes`, the proxy put nothing more, so nothing checked: capture
+    stayed paused for good. The paused proxy now asks the sink to kill a silent worker; the
+    new one takes over and every captured request reaches Kafka."""
+    import os
+    import signal
+
+    from replay.config import StreamConfig
+    from replay.sink_process import KafkaSinkProcess
+
+    prefix = f"hung{uuid.uuid4().hex[:10]}"
+    sink = KafkaSinkProcess(
+        StreamConfig(bootstrap_servers=kafka_bootstrap, topic_prefix=prefix, sink_hung_after_s=1),
+        tmp_path / "sink-state",
+    )
+    harness, _ = make_proxy([vllm_server.base_url], sink=sink, capture_backlog_bytes=100_000)
+    assert sink.wait_idle(60)
+    worker = sink._proc.pid
+    os.kill(worker, signal.SIGSTOP)
+    try:
+        # An unknown extra field is passed through, and captured with the request body.
+        large = chat(harness, "alice", extra_body={"olp_test_pad": "x" * 2_000_000})
+        first = large.headers.get("x-olp-trajectory-id")
+        assert first
+        harness.drain()
+        wait_for(lambda: len(sink._pending) == 1, timeout_s=10)  # the feeder is writing it
+        time.sleep(1.5)  # the worker is silent for longer than sink_hung_after_s
+        assert sink.child_restarts == 0
+        skipped = chat(harness, "alice")  # paused: served uncaptured, and the sink is asked
+        assert skipped.status_code == 200 and "x-olp-trajectory-id" not in skipped.headers
+        wait_for(lambda: sink.child_restarts == 1, timeout_s=10)
+        assert sink.wait_idle(60)
+        resumed = chat(harness, "alice").headers.get("x-olp-trajectory-id")
+        assert resumed
+        harness.drain()
+        assert sink.wait_idle(60)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(worker, signal.SIGCONT)
+        sink.close()
+    records = _read_topic(kafka_bootstrap, f"{prefix}.trajectories", 2)
+    assert {json.loads(r.value)["trajectory_id"] for r in records} == {first, resumed}
 
 
 def test_the_kafka_sinks_series_are_on_metrics(tmp_path, vllm_server, kafka_bootstrap):

@@ -1076,9 +1076,13 @@ class _BackloggedSink:
 
     held = 0
     held_bytes = 0
+    hung_checks = 0
 
     def backlog(self) -> int:
         return self.held
+
+    def kill_if_hung(self) -> None:
+        self.hung_checks += 1
 
     def backlog_bytes(self) -> int:
         return self.held_bytes
@@ -1101,6 +1105,9 @@ def test_capture_pauses_at_the_backlog_limit_until_half_of_it_is_left() -> None:
         sink.held = held
         seen.append(service.has_room())
     assert seen == [True, True, False, False, False, False, True, True, True, False]
+    # Asked at each call that answered False (a worker that stopped reading blocks the
+    # sink's own check, and a paused proxy puts nothing), not when it resumed.
+    assert sink.hung_checks == seen.count(False)
     assert CaptureService(sink, None).has_room()  # no limit given
     assert CaptureService(object(), None, backlog_limit=1).has_room()  # a sink without one
 

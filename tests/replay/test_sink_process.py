@@ -684,3 +684,38 @@ def test_the_captures_bytes_are_held_until_confirmed_and_none_once_the_worker_is
         sink.close()
     expected = {json.loads(c)["id"] for c in confirmed + killed + after}
     assert _consume_ids(stream_config, 11) == expected | {trajectory["trajectory_id"]}
+
+
+def test_a_worker_that_stopped_reading_is_killed_when_asked_though_the_feeder_is_stuck(
+    stream_config: StreamConfig, tmp_path: Path
+) -> None:
+    """A worker that stops reading its pipe blocks the feeder in its write: the feeder's own
+    check at each tick never runs, and the outbox grows. A put over `stream.queue_size`
+    checked, but the proxy pauses capture at `proxy.capture_backlog_bytes` first (a few
+    hundred large captures), so no put came and the hung worker held capture paused for
+    good. `kill_if_hung()` (which the paused proxy calls) frees it; nothing is lost."""
+    config = stream_config.model_copy(update={"sink_hung_after_s": 1.0})
+    sink = KafkaSinkProcess(config, tmp_path, CollectorRegistry())
+    sink.build_records_with(build_from_packed, lambda *_: None)
+    captures = [
+        json.dumps({"id": uuid.uuid4().hex, "session": "k", "pad": "x" * 200_000}).encode()
+        for _ in range(40)
+    ]
+    try:
+        assert sink.wait_idle(60)
+        os.kill(sink._proc.pid, signal.SIGSTOP)
+        for capture in captures:
+            sink.put_capture(capture, "ok")
+        _wait_for(lambda: len(sink._pending) == len(captures))  # the feeder is writing them
+        time.sleep(1.5)  # silent for longer than sink_hung_after_s
+        assert sink.child_restarts == 0  # the feeder, stuck in its write, cannot see to it
+        assert sink.backlog_bytes() >= 40 * 200_000
+        sink.kill_if_hung()
+        _wait_for(lambda: sink.child_restarts == 1)
+        assert sink.wait_idle(60)
+        assert sink.backlog_bytes() == 0
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(sink._proc.pid, signal.SIGCONT)
+        sink.close()
+    assert _consume_ids(stream_config, len(captures)) == {json.loads(c)["id"] for c in captures}

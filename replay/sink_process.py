@@ -10,15 +10,18 @@ spill. Consumers de-duplicate by event_id, so a record delivered twice is one ev
 
 from __future__ import annotations
 
+import array
 import asyncio
 import atexit
 import collections
 import contextlib
+import fcntl
 import gc
 import io
 import itertools
 import select
 import signal
+import termios
 import threading
 import time
 from collections.abc import Callable, Iterable
@@ -414,6 +417,9 @@ class KafkaSinkProcess:
         self._pending_bytes = 0
         self.child_restarts = 0
         self._progress_at = time.monotonic()  # the last status message from the child
+        # Bytes of status messages waiting unread in the pipe at the last hang check (0 once
+        # the feeder read them): more since then is a worker alive behind a stuck feeder.
+        self._unread_at_check = 0
         self._pickle_buffer = io.BytesIO()  # the feeder pickles every batch into it
         self._proc: Any = None
         self._conn: Any = None
@@ -541,12 +547,21 @@ class KafkaSinkProcess:
         The feeder checks at each tick, but a worker that stops reading its pipe blocks the
         feeder in its write, and then only other threads can: a put over `queue_size`
         records, and the proxy while its capture is paused on the backlog (which, paused at
-        `proxy.capture_backlog_bytes` long before `queue_size` records, puts nothing)."""
+        `proxy.capture_backlog_bytes` long before `queue_size` records, puts nothing).
+        Status messages the stuck feeder has not read count as heard: a worker that goes on
+        reporting reads its pipe, only slowly."""
         proc = self._proc
         # Only records handed to the child count: its silence is measured from the first
         # of them (an idle child is quiet for as long as it likes).
         silent_s = time.monotonic() - self._progress_at
         if proc is not None and self._pending and silent_s > self.config.sink_hung_after_s:
+            unread = self._unread_status_bytes()
+            if unread > self._unread_at_check:
+                # It went on reporting, unheard: the feeder is stuck writing a batch it reads
+                # slowly (its own queue full behind a slow broker), not dead.
+                self._unread_at_check = unread
+                self._progress_at = time.monotonic()
+                return
             log.error(
                 "sink_process_hung",
                 silent_s=round(silent_s, 1),
@@ -555,6 +570,15 @@ class KafkaSinkProcess:
             )
             self._progress_at = time.monotonic()  # one kill per silence
             proc.kill()
+
+    def _unread_status_bytes(self) -> int:
+        """Bytes the worker wrote to the pipe that the feeder has not read (-1: no pipe)."""
+        count = array.array("i", [0])
+        try:
+            fcntl.ioctl(self._conn.fileno(), termios.FIONREAD, count, True)
+        except (OSError, AttributeError):  # closed, or no child yet
+            return -1
+        return count[0]
 
     # ---- feeder thread -------------------------------------------------------------------
 
@@ -574,6 +598,7 @@ class KafkaSinkProcess:
         proc.start()
         child_conn.close()
         self._progress_at = time.monotonic()
+        self._unread_at_check = 0
         self._proc, self._conn = proc, parent_conn
         # `Connection.poll` builds a selector on every call; one poll object is ~7x cheaper.
         self._poller = select.poll()
@@ -703,6 +728,7 @@ class KafkaSinkProcess:
             _, done, idle, values, final, outcomes = self._conn.recv()
             self._mirror_outcomes(outcomes)
             self._progress_at = time.monotonic()
+            self._unread_at_check = 0
             popleft = self._pending.popleft
             confirmed = min(done - self._confirmed, len(self._pending))
             self._pending_bytes -= _held_bytes(popleft() for _ in range(confirmed))

@@ -687,13 +687,17 @@ def test_the_captures_bytes_are_held_until_confirmed_and_none_once_the_worker_is
 
 
 def test_a_worker_that_stopped_reading_is_killed_when_asked_though_the_feeder_is_stuck(
-    stream_config: StreamConfig, tmp_path: Path
+    stream_config: StreamConfig, tmp_path: Path, monkeypatch: Any
 ) -> None:
     """A worker that stops reading its pipe blocks the feeder in its write: the feeder's own
     check at each tick never runs, and the outbox grows. A put over `stream.queue_size`
     checked, but the proxy pauses capture at `proxy.capture_backlog_bytes` first (a few
     hundred large captures), so no put came and the hung worker held capture paused for
-    good. `kill_if_hung()` (which the paused proxy calls) frees it; nothing is lost."""
+    good. `kill_if_hung()` (which the paused proxy calls) frees it; nothing is lost.
+
+    A worker that reads slowly (its own queue full behind a slow broker) also leaves the
+    feeder stuck, but goes on reporting: its statuses wait unread in the pipe, and count as
+    heard until they stop growing."""
     config = stream_config.model_copy(update={"sink_hung_after_s": 1.0})
     sink = KafkaSinkProcess(config, tmp_path, CollectorRegistry())
     sink.build_records_with(build_from_packed, lambda *_: None)
@@ -707,10 +711,18 @@ def test_a_worker_that_stopped_reading_is_killed_when_asked_though_the_feeder_is
         for capture in captures:
             sink.put_capture(capture, "ok")
         _wait_for(lambda: len(sink._pending) == len(captures))  # the feeder is writing them
-        time.sleep(1.5)  # silent for longer than sink_hung_after_s
+        time.sleep(1.2)  # silent for longer than sink_hung_after_s
         assert sink.child_restarts == 0  # the feeder, stuck in its write, cannot see to it
         assert sink.backlog_bytes() >= 40 * 200_000
-        sink.kill_if_hung()
+        assert sink._unread_status_bytes() == 0  # the stopped worker reports nothing
+        unread = [0]
+        monkeypatch.setattr(sink, "_unread_status_bytes", lambda: unread[0])
+        for reported in (120, 240):  # as if it went on reporting, unheard
+            unread[0] = reported
+            sink.kill_if_hung()
+            assert sink.child_restarts == 0
+            time.sleep(1.2)
+        sink.kill_if_hung()  # nothing more for longer than sink_hung_after_s
         _wait_for(lambda: sink.child_restarts == 1)
         assert sink.wait_idle(60)
         assert sink.backlog_bytes() == 0

@@ -295,9 +295,16 @@ def env_overrides(environ: Mapping[str, str]) -> dict[str, Any]:
         if path[0] not in SECTIONS:
             # `OLP_SAFETY_GATES__KL__CAP` (one underscore too few after the section) was
             # ignored in silence, the gate's cap left as the file set it.
+            sections = [section for section in SECTIONS if section != "tenants"]
+            meant = [
+                f"{ENV_PREFIX}{section.upper()}__{name[len(ENV_PREFIX) + len(section) + 1 :]}"
+                for section in sections
+                if path[0].startswith(f"{section}_")
+            ]
+            hint = f"did you mean {meant[0]}?" if meant else f"sections: {', '.join(sections)}"
             raise ConfigError(
                 f"invalid configuration:\n  {name} is not read: there is no section "
-                f"`{path[0]}` (OLP_<SECTION>__<KEY>, sections: {', '.join(SECTIONS)})"
+                f"`{path[0]}` (OLP_<SECTION>__<KEY>; {hint})"
             )
         if path[0] == "tenants":
             # "tenants: Input should be a valid list" named neither the variable nor why.
@@ -314,22 +321,44 @@ def env_overrides(environ: Mapping[str, str]) -> dict[str, Any]:
 
 def _refuse_one_underscore(name: str) -> None:
     """`OLP_PROXY_ADMIN_KEY` for `OLP_PROXY__ADMIN_KEY` was ignored in silence: the proxy
-    started without the admin key its operator meant to set. A variable whose name is a
-    section, one underscore and a key of that section (or the start of one, such as
-    `admin_key` of `admin_key_sha256`) is refused; other OLP_* variables (OLP_CACHE_DIR,
-    OLP_STREAM_ID) are not the config's."""
-    rest = name[len(ENV_PREFIX) :].lower()
+    started without the admin key its operator meant to set. A variable whose name spells a
+    key of the config with single underscores (`OLP_SAFETY_GATES_KL_CAP` too) is refused,
+    naming the one meant; other OLP_* variables (OLP_CACHE_DIR, OLP_STREAM_ID) are not the
+    config's, and spell none."""
+    words = name[len(ENV_PREFIX) :].lower()
     for section in SECTIONS:
-        key = rest.removeprefix(f"{section}_")
-        if key == rest or section == "tenants":  # tenants: a list, set in the file only
-            continue
-        fields = OlpConfig.model_fields[section].annotation.model_fields  # type: ignore[union-attr]
-        if any(field == key or field.startswith(f"{key}_") for field in fields):
+        if section == "tenants" or not words.startswith(f"{section}_"):
+            continue  # tenants: a list, set in the file only
+        model = OlpConfig.model_fields[section].annotation
+        keys = _spelled_keys(model, words[len(section) + 1 :])  # type: ignore[arg-type]
+        if keys is not None:
+            meant = "__".join(part.upper() for part in (section, *keys))
             raise ConfigError(
-                f"invalid configuration:\n  {section}.{key}: {name} is not read: a section "
-                f"and its key are joined by two underscores ({ENV_PREFIX}{section.upper()}__"
-                f"{key.upper()})"
+                f"invalid configuration:\n  {'.'.join((section, *keys))}: {name} is not "
+                f"read: a section and its keys are joined by two underscores "
+                f"({ENV_PREFIX}{meant})"
             )
+
+
+def _spelled_keys(model: type[BaseModel], words: str) -> list[str] | None:
+    """The keys below `model` that `words` spells joined by single underscores (`gates_kl_cap`
+    of SafetyConfig: gates, kl, cap), or None. A `*_sha256` key is also spelled without its
+    suffix (the plaintext `admin_key` it is given as); below `env`, any name."""
+    for field, info in model.model_fields.items():
+        for key in dict.fromkeys((field, field.removesuffix("_sha256"))):
+            if words == key:
+                return [key]
+            rest = words.removeprefix(f"{key}_")
+            if rest == words:
+                continue
+            if key == "env":
+                return [key, rest]
+            below = info.annotation
+            if isinstance(below, type) and issubclass(below, BaseModel):
+                keys = _spelled_keys(below, rest)
+                if keys is not None:
+                    return [key, *keys]
+    return None
 
 
 def deep_merge(base: dict[str, Any], extra: Mapping[str, Any]) -> dict[str, Any]:

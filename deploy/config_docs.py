@@ -326,9 +326,10 @@ only `state_dir`, `log_format` and `log_level` have overrides
 (`OLP_STATE_DIR`, `OLP_LOG_FORMAT`, `OLP_LOG_LEVEL`). Entries of lists (`tenants`,
 verifiers, custom redaction patterns) are set in the file only; `OLP_TENANTS__*`,
 `OLP_ON_CHILD_EXIT` and `OLP_MAX_RESTARTS` are refused, naming the variable. So is a
-misspelt name that would otherwise be ignored: one underscore between a section and its key
-(`OLP_PROXY_ADMIN_KEY`, which names `OLP_PROXY__ADMIN_KEY` as the one meant) or a first part
-that is no section (`OLP_SAFETY_GATES__KL__CAP`).
+misspelt name that would otherwise be ignored, naming the one meant: a key spelled with
+single underscores (`OLP_PROXY_ADMIN_KEY`, `OLP_SAFETY_GATES_KL_CAP`: `OLP_PROXY__ADMIN_KEY`,
+`OLP_SAFETY__GATES__KL__CAP`), or a first part that is no section
+(`OLP_SAFETY_GATES__KL__CAP`).
 
 Variables that are not config keys: `OLP_ADMIN_KEY` (the admin key the `olp` operator
 commands and a standalone learner send), `OLP_CACHE_DIR` (prepared models and olpw

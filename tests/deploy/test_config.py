@@ -466,6 +466,12 @@ def test_a_variable_for_a_key_set_in_the_file_only_is_refused_naming_it(
         ("OLP_PROXY_PORT", "proxy.port", "OLP_PROXY__PORT"),
         ("OLP_PROXY_ADMIN_KEY", "proxy.admin_key", "OLP_PROXY__ADMIN_KEY"),
         ("OLP_Learner_LR", "learner.lr", "OLP_LEARNER__LR"),
+        ("OLP_SAFETY_GATES_KL_CAP", "safety.gates.kl.cap", "OLP_SAFETY__GATES__KL__CAP"),
+        (
+            "OLP_PROXY_STATE_RECORDS_DIR",
+            "proxy.state.records_dir",
+            "OLP_PROXY__STATE__RECORDS_DIR",
+        ),
     ],
 )
 def test_a_section_variable_with_one_underscore_is_refused_naming_the_right_one(
@@ -479,7 +485,10 @@ def test_a_section_variable_with_one_underscore_is_refused_naming_the_right_one(
 
 def test_a_variable_naming_no_section_is_refused() -> None:
     """`OLP_SAFETY_GATES__KL__CAP` left the cap as the file set it, in silence."""
-    refused = r"OLP_SAFETY_GATES__KL__CAP is not read: .*`safety_gates`"
+    refused = (
+        r"OLP_SAFETY_GATES__KL__CAP is not read: .*`safety_gates` "
+        r"\(.*did you mean OLP_SAFETY__GATES__KL__CAP\?\)"
+    )
     with pytest.raises(ConfigError, match=refused):
         load_config(None, environ={"OLP_SAFETY_GATES__KL__CAP": "0.1"})
 
@@ -491,5 +500,8 @@ def test_the_stacks_other_variables_are_not_taken_for_config_typos() -> None:
         "OLP_CACHE_DIR": "/tmp/cache",
         "OLP_ADMIN_KEY": "k" * 32,
         "OLP_PROXY__PORT": "9100",
+        # The start of a key is no key: nothing to name as the one meant.
+        "OLP_PROXY_ADMIN": "x",
+        "OLP_STREAM_SINK": "x",
     }
     assert load_config(None, environ=environ).proxy.port == 9100

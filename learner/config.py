@@ -160,6 +160,14 @@ class PromotionConfig(BaseModel):
         description="how often every replica is checked for the versions the proxy routes to, "
         "and a missing one loaded again (a restarted vLLM serves only the base); 0 = never",
     )
+    max_unanswered_gates: int | None = Field(
+        8,
+        ge=1,
+        description="gate runs of one candidate in a row that vLLM (or the guard model) did "
+        "not answer (5xx, timeouts) while the proxy and the adapter's load did, after which "
+        "the candidate is rejected: its own requests may be what fails; each run before is "
+        "deferred and retried after a backoff (10 s doubling to 300 s); null = retry for ever",
+    )
     canary: CanaryConfig = Field(default_factory=CanaryConfig)
 
 

@@ -20,7 +20,9 @@ decision is gated again.
 A proxy or replica that does not answer before the gate (connection refused, a timeout, a
 5xx: a proxy restarting) decides nothing about the candidate: it is audited
 `promotion_deferred`, not recorded, and the worker tries it again after a backoff (a newer
-candidate arriving meanwhile supersedes it), or the next start does.
+candidate arriving meanwhile supersedes it), or the next start does. So is a gate run that
+vLLM did not answer, up to `max_unanswered_gates` runs of one candidate in a row: then the
+candidate itself is the likely cause, and it is rejected.
 """
 
 from __future__ import annotations
@@ -377,6 +379,8 @@ class Promoter:
         self._deferred: Path | None = None
         self._retry_at = 0.0
         self._deferrals = 0
+        # The candidate whose gate runs went unanswered last, and how many in a row.
+        self._unanswered_gates: tuple[str, int] = ("", 0)
 
     # ------------------------------------------------------------------ async use
     def resume(self) -> None:
@@ -640,11 +644,17 @@ class Promoter:
             self.audit.append(ACTOR, "promotion_failed", payload)
             return PromotionOutcome(name, "failed", incumbent, reason=str(exc), timings=timings)
 
-        if report.unanswered:
+        unanswered_runs = self._count_unanswered(name, report)
+        limit = self.config.max_unanswered_gates
+        if report.unanswered and (limit is None or unanswered_runs < limit):
             # Every failed gate failed because vLLM (or the guard model) did not answer: an
             # outage, not evidence against the candidate. Rejected, it was decided and never
             # gated again; the same outage while loading it was already deferred.
-            payload = {"version": name, "failed_gates": report.failed_gates}
+            payload = {
+                "version": name,
+                "failed_gates": report.failed_gates,
+                "unanswered_gates": unanswered_runs,
+            }
             self._unload_noting(name, payload)
             reasons = "; ".join(
                 f"{result.name}: {result.details.get('reason')}"
@@ -658,10 +668,17 @@ class Promoter:
             "passed": report.passed,
             "results": report.to_dict()["results"],
         }
+        if report.unanswered:
+            # So many runs in a row while the proxy and the load answered: a candidate whose
+            # own requests make vLLM fail was gated again every 5 minutes for as long as the
+            # learner made nothing newer, each run spending the replicas' time on it.
+            gate_result["unanswered_gates"] = unanswered_runs
         self._write_gate_report_noting(name, report, gate_result)
         self.audit.append(ACTOR, "gate_result", gate_result)
         if not report.passed:
             rejected: dict[str, Any] = {"version": name, "failed_gates": report.failed_gates}
+            if report.unanswered:
+                rejected["unanswered_gates"] = unanswered_runs
             self._unload_noting(name, rejected)
             self.audit.append(ACTOR, "candidate_rejected", rejected)
             log.warning("candidate_rejected", version=name, failed=report.failed_gates)
@@ -702,6 +719,17 @@ class Promoter:
         )
         self._schedule_cleanup(name)
         return PromotionOutcome(name, "promoted", incumbent, report, timings=timings)
+
+    def _count_unanswered(self, name: str, report: GateReport) -> int:
+        """Gate runs of `name` in a row that went unanswered, this one included (0 when
+        this one was answered)."""
+        if not report.unanswered:
+            self._unanswered_gates = ("", 0)
+            return 0
+        last, runs = self._unanswered_gates
+        runs = runs + 1 if last == name else 1
+        self._unanswered_gates = (name, runs)
+        return runs
 
     def _serve_incumbent(self, incumbent: str) -> None:
         """Load the incumbent where a replica lacks it: a vLLM restarted since its promotion

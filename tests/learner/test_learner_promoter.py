@@ -1476,3 +1476,51 @@ def test_a_model_server_that_does_not_answer_during_the_gate_defers_the_candidat
     assert payload["failed_gates"] and "UpstreamUnavailable" in payload["error"]
     assert CheckpointStore(tmp_path).decided() in (None, 0)  # gated again later
     assert "policy-v2" not in replicas.loaded and proxy.alias == "policy-v1"
+
+
+def test_a_candidate_whose_gate_runs_go_unanswered_again_and_again_is_rejected(
+    tmp_path: Path,
+) -> None:
+    """vLLM answering 5xx to a candidate's gate requests while the proxy and the adapter's
+    load answer: deferred, and gated again after each backoff for as long as the learner
+    made nothing newer, each run spending the replicas' time on it. At
+    `max_unanswered_gates` runs in a row it is rejected, and the audit log says why."""
+    import http.server
+
+    from learner.checkpoint import CheckpointStore
+
+    class Failing(http.server.BaseHTTPRequestHandler):
+        def do_POST(self) -> None:
+            self.send_response(500)
+            self.end_headers()
+            self.wfile.write(b"Internal Server Error")
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Failing)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        store = AdapterStore(tmp_path)
+        publish(store, tmp_path, 1)
+        candidate = publish(store, tmp_path, 2)
+        replicas, proxy, audit = Replicas({"policy-v1"}), Proxy("policy-v1"), FakeAudit()
+        replicas.base_urls = [f"http://127.0.0.1:{server.server_address[1]}"]
+        p = promoter(tmp_path, replicas, proxy, audit, max_unanswered_gates=2)
+        p.gate_runner = p._run_gates  # the promoter's real suite call
+        p._zero_base = lambda like: "olp-zero-base"  # type: ignore[method-assign]
+        first = p.promote(candidate)
+        assert first.decision == "deferred", first.reason
+        assert CheckpointStore(tmp_path).decided() in (None, 0)
+        second = p.promote(candidate)
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert second.decision == "rejected", second.reason
+    assert audit.names() == ["promotion_deferred", "gate_result", "candidate_rejected"]
+    deferred, gate_result, rejected = (payload for _, payload in audit.events)
+    assert deferred["unanswered_gates"] == 1
+    assert gate_result["unanswered_gates"] == 2 and not gate_result["passed"]
+    assert rejected["unanswered_gates"] == 2 and rejected["failed_gates"]
+    assert CheckpointStore(tmp_path).decided() == 2  # decided: not gated again
+    assert "policy-v2" not in replicas.loaded and proxy.alias == "policy-v1"

@@ -295,13 +295,13 @@ def env_overrides(environ: Mapping[str, str]) -> dict[str, Any]:
         if path[0] not in SECTIONS:
             # `OLP_SAFETY_GATES__KL__CAP` (one underscore too few after the section) was
             # ignored in silence, the gate's cap left as the file set it.
-            sections = [section for section in SECTIONS if section != "tenants"]
-            meant = [
-                f"{ENV_PREFIX}{section.upper()}__{name[len(ENV_PREFIX) + len(section) + 1 :]}"
-                for section in sections
-                if path[0].startswith(f"{section}_")
-            ]
-            hint = f"did you mean {meant[0]}?" if meant else f"sections: {', '.join(sections)}"
+            meant = _meant_variable(raw_path[0])
+            sections = ", ".join(section for section in SECTIONS if section != "tenants")
+            hint = (
+                f"did you mean {ENV_PREFIX}{'__'.join((meant[1], *raw_path[1:]))}?"
+                if meant is not None
+                else f"sections: {sections}"
+            )
             raise ConfigError(
                 f"invalid configuration:\n  {name} is not read: there is no section "
                 f"`{path[0]}` (OLP_<SECTION>__<KEY>; {hint})"
@@ -325,37 +325,53 @@ def _refuse_one_underscore(name: str) -> None:
     key of the config with single underscores (`OLP_SAFETY_GATES_KL_CAP` too) is refused,
     naming the one meant; other OLP_* variables (OLP_CACHE_DIR, OLP_STREAM_ID) are not the
     config's, and spell none."""
-    words = name[len(ENV_PREFIX) :].lower()
+    meant = _meant_variable(name[len(ENV_PREFIX) :])
+    if meant is not None:
+        keys, variable = meant
+        raise ConfigError(
+            f"invalid configuration:\n  {keys}: {name} is not read: a section and its keys "
+            f"are joined by two underscores ({ENV_PREFIX}{variable})"
+        )
+
+
+def _meant_variable(spelled: str) -> tuple[str, str] | None:
+    """The dotted keys, and the variable (without OLP_), that `spelled` names with single
+    underscores (`SAFETY_GATES_KL`: safety.gates.kl, SAFETY__GATES__KL), or None. Names
+    below `env` keep their case, as `env_overrides` keeps it."""
+    words = spelled.lower()
     for section in SECTIONS:
         if section == "tenants" or not words.startswith(f"{section}_"):
             continue  # tenants: a list, set in the file only
+        cut = len(section) + 1
         model = OlpConfig.model_fields[section].annotation
-        keys = _spelled_keys(model, words[len(section) + 1 :])  # type: ignore[arg-type]
+        keys = _spelled_keys(model, words[cut:], spelled[cut:])  # type: ignore[arg-type]
         if keys is not None:
-            meant = "__".join(part.upper() for part in (section, *keys))
-            raise ConfigError(
-                f"invalid configuration:\n  {'.'.join((section, *keys))}: {name} is not "
-                f"read: a section and its keys are joined by two underscores "
-                f"({ENV_PREFIX}{meant})"
-            )
+            parts = [section, *keys]
+            variable = [
+                part if i > 0 and parts[i - 1] == "env" else part.upper()
+                for i, part in enumerate(parts)
+            ]
+            return ".".join(parts), "__".join(variable)
+    return None
 
 
-def _spelled_keys(model: type[BaseModel], words: str) -> list[str] | None:
-    """The keys below `model` that `words` spells joined by single underscores (`gates_kl_cap`
-    of SafetyConfig: gates, kl, cap), or None. A `*_sha256` key is also spelled without its
-    suffix (the plaintext `admin_key` it is given as); below `env`, any name."""
+def _spelled_keys(model: type[BaseModel], words: str, spelled: str) -> list[str] | None:
+    """The keys below `model` that `words` (`spelled` lower-cased) spells joined by single
+    underscores (`gates_kl_cap` of SafetyConfig: gates, kl, cap), or None. A `*_sha256` key
+    is also spelled without its suffix (the plaintext `admin_key` it is given as); below
+    `env`, any name, as spelled."""
     for field, info in model.model_fields.items():
         for key in dict.fromkeys((field, field.removesuffix("_sha256"))):
             if words == key:
                 return [key]
-            rest = words.removeprefix(f"{key}_")
-            if rest == words:
+            if not words.startswith(f"{key}_"):
                 continue
+            cut = len(key) + 1
             if key == "env":
-                return [key, rest]
+                return [key, spelled[cut:]]
             below = info.annotation
             if isinstance(below, type) and issubclass(below, BaseModel):
-                keys = _spelled_keys(below, rest)
+                keys = _spelled_keys(below, words[cut:], spelled[cut:])
                 if keys is not None:
                     return [key, *keys]
     return None

@@ -472,6 +472,8 @@ def test_a_variable_for_a_key_set_in_the_file_only_is_refused_naming_it(
             "proxy.state.records_dir",
             "OLP_PROXY__STATE__RECORDS_DIR",
         ),
+        # Below `env` a name keeps its case, as OLP_POLICY__ENV__* keeps it.
+        ("OLP_POLICY_ENV_http_proxy", "policy.env.http_proxy", "OLP_POLICY__ENV__http_proxy"),
     ],
 )
 def test_a_section_variable_with_one_underscore_is_refused_naming_the_right_one(
@@ -483,14 +485,14 @@ def test_a_section_variable_with_one_underscore_is_refused_naming_the_right_one(
         load_config(None, environ={name: "9000"})
 
 
-def test_a_variable_naming_no_section_is_refused() -> None:
+@pytest.mark.parametrize("name", ["OLP_SAFETY_GATES__KL__CAP", "OLP_SAFETY_GATES_KL__CAP"])
+def test_a_variable_naming_no_section_is_refused_naming_the_one_meant(name: str) -> None:
     """`OLP_SAFETY_GATES__KL__CAP` left the cap as the file set it, in silence."""
-    refused = (
-        r"OLP_SAFETY_GATES__KL__CAP is not read: .*`safety_gates` "
-        r"\(.*did you mean OLP_SAFETY__GATES__KL__CAP\?\)"
-    )
+    refused = rf"{name} is not read: .*\(.*did you mean OLP_SAFETY__GATES__KL__CAP\?\)"
     with pytest.raises(ConfigError, match=refused):
-        load_config(None, environ={"OLP_SAFETY_GATES__KL__CAP": "0.1"})
+        load_config(None, environ={name: "0.1"})
+    with pytest.raises(ConfigError, match=r"no section `foo` .*sections: proxy, policy"):
+        load_config(None, environ={"OLP_FOO__BAR": "1"})
 
 
 def test_the_stacks_other_variables_are_not_taken_for_config_typos() -> None:

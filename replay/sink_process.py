@@ -553,9 +553,12 @@ class KafkaSinkProcess:
         proc = self._proc
         # Only records handed to the child count: its silence is measured from the first
         # of them (an idle child is quiet for as long as it likes).
-        silent_s = time.monotonic() - self._progress_at
+        heard_at = self._progress_at
+        silent_s = time.monotonic() - heard_at
         if proc is not None and self._pending and silent_s > self.config.sink_hung_after_s:
             unread = self._unread_status_bytes()
+            if self._progress_at != heard_at:
+                return  # the feeder heard from it meanwhile (another thread may ask)
             if unread > self._unread_at_check:
                 # It went on reporting, unheard: the feeder is stuck writing a batch it reads
                 # slowly (its own queue full behind a slow broker), not dead.

@@ -3,10 +3,11 @@ runs under the promotion lock, and a promotion whose outcome is unknown unloads 
 
 from __future__ import annotations
 
+import contextlib
 import shutil
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import httpx
@@ -1430,46 +1431,62 @@ def test_a_superseded_candidate_that_cannot_be_audited_does_not_lose_the_newest(
     assert p._queue.empty()
 
 
+@contextlib.contextmanager
+def _model_server_answering(status: int | None) -> Iterator[str]:
+    """The base URL of a stand-in vLLM answering every POST with `status` (None: a port
+    nothing listens on, so a connection is refused)."""
+    import http.server
+    import socket
+
+    class Failing(http.server.BaseHTTPRequestHandler):
+        def do_POST(self) -> None:
+            self.send_response(status or 500)
+            self.end_headers()
+            self.wfile.write(b"failing")
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    if status is None:
+        closed = socket.socket()
+        closed.bind(("127.0.0.1", 0))
+        port = closed.getsockname()[1]
+        closed.close()
+        yield f"http://127.0.0.1:{port}"
+        return
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Failing)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}"
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def _gating_against(
+    tmp_path: Path, url: str, **config: object
+) -> tuple[Promoter, Path, Replicas, Proxy, FakeAudit]:
+    """A promoter whose real gate suite asks the model server at `url`, and candidate v2."""
+    store = AdapterStore(tmp_path)
+    publish(store, tmp_path, 1)
+    candidate = publish(store, tmp_path, 2)
+    replicas, proxy, audit = Replicas({"policy-v1"}), Proxy("policy-v1"), FakeAudit()
+    replicas.base_urls = [url]
+    p = promoter(tmp_path, replicas, proxy, audit, **config)
+    p.gate_runner = p._run_gates  # the promoter's real suite call
+    p._zero_base = lambda like: "olp-zero-base"  # type: ignore[method-assign]
+    return p, candidate, replicas, proxy, audit
+
+
 @pytest.mark.parametrize("answer", [503, None], ids=["503", "refused"])
 def test_a_model_server_that_does_not_answer_during_the_gate_defers_the_candidate(
     tmp_path: Path, answer: int | None
 ) -> None:
     """Every gate failed closed on the outage, and the candidate was recorded rejected and
     decided: never gated again, and the audit log called an outage a safety rejection."""
-    import http.server
-    import socket
-
-    from learner.checkpoint import CheckpointStore
-
-    class Overloaded(http.server.BaseHTTPRequestHandler):
-        def do_POST(self) -> None:
-            self.send_response(503)
-            self.end_headers()
-            self.wfile.write(b"Service Unavailable")
-
-        def log_message(self, *args: object) -> None:
-            pass
-
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Overloaded)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    closed = socket.socket()
-    closed.bind(("127.0.0.1", 0))
-    refused_port = closed.getsockname()[1]
-    closed.close()
-    port = server.server_address[1] if answer else refused_port
-    try:
-        store = AdapterStore(tmp_path)
-        publish(store, tmp_path, 1)
-        candidate = publish(store, tmp_path, 2)
-        replicas, proxy, audit = Replicas({"policy-v1"}), Proxy("policy-v1"), FakeAudit()
-        replicas.base_urls = [f"http://127.0.0.1:{port}"]
-        p = promoter(tmp_path, replicas, proxy, audit)
-        p.gate_runner = p._run_gates  # the promoter's real suite call
-        p._zero_base = lambda like: "olp-zero-base"  # type: ignore[method-assign]
+    with _model_server_answering(answer) as url:
+        p, candidate, replicas, proxy, audit = _gating_against(tmp_path, url)
         outcome = p.promote(candidate)
-    finally:
-        server.shutdown()
-        server.server_close()
     assert outcome.decision == "deferred", outcome.reason
     assert audit.names() == ["promotion_deferred"]
     _, payload = audit.events[0]
@@ -1485,37 +1502,14 @@ def test_a_candidate_whose_gate_runs_go_unanswered_again_and_again_is_rejected(
     load answer: deferred, and gated again after each backoff for as long as the learner
     made nothing newer, each run spending the replicas' time on it. At
     `max_unanswered_gates` runs in a row it is rejected, and the audit log says why."""
-    import http.server
-
-    from learner.checkpoint import CheckpointStore
-
-    class Failing(http.server.BaseHTTPRequestHandler):
-        def do_POST(self) -> None:
-            self.send_response(500)
-            self.end_headers()
-            self.wfile.write(b"Internal Server Error")
-
-        def log_message(self, *args: object) -> None:
-            pass
-
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Failing)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    try:
-        store = AdapterStore(tmp_path)
-        publish(store, tmp_path, 1)
-        candidate = publish(store, tmp_path, 2)
-        replicas, proxy, audit = Replicas({"policy-v1"}), Proxy("policy-v1"), FakeAudit()
-        replicas.base_urls = [f"http://127.0.0.1:{server.server_address[1]}"]
-        p = promoter(tmp_path, replicas, proxy, audit, max_unanswered_gates=2)
-        p.gate_runner = p._run_gates  # the promoter's real suite call
-        p._zero_base = lambda like: "olp-zero-base"  # type: ignore[method-assign]
+    with _model_server_answering(500) as url:
+        p, candidate, replicas, proxy, audit = _gating_against(
+            tmp_path, url, max_unanswered_gates=2
+        )
         first = p.promote(candidate)
         assert first.decision == "deferred", first.reason
         assert CheckpointStore(tmp_path).decided() in (None, 0)
         second = p.promote(candidate)
-    finally:
-        server.shutdown()
-        server.server_close()
     assert second.decision == "rejected", second.reason
     assert audit.names() == ["promotion_deferred", "gate_result", "candidate_rejected"]
     deferred, gate_result, rejected = (payload for _, payload in audit.events)

@@ -24,12 +24,12 @@ from proxy.auth_throttle import AuthThrottle
 from proxy.capture import CaptureService, passes_generated_ids, private_label
 from proxy.client_address import ClientAddresses
 from proxy.completions import (
-    LABEL_MAX_CHARS,
     chat_completions,
     completions,
+    cut_label,
+    label_header,
     read_json_body,
     request_codings,
-    text_header,
     unsupported_encoding,
 )
 from proxy.config import ProxyConfig, TenantConfig
@@ -104,9 +104,8 @@ def request_middleware(ctx: ProxyContext, session_label: Callable[[str], str]) -
             # Bytes that are not UTF-8 arrive as lone surrogates: escaped, a log line can
             # carry them (the handlers refuse such a header with 400). Logged as the records
             # carry it: the pseudonym when it holds PII (an e-mail).
-            session_id = session_label(
-                session_id[:256].encode("utf-8", "backslashreplace").decode("utf-8")
-            )
+            escaped = session_id.encode("utf-8", "backslashreplace").decode("utf-8")
+            session_id = session_label(cut_label(escaped, redact, ctx.pseudonym_key))
         bound = bind_request(logged_id or request_id, session_id)
         try:
             # A page that rebound its host name to this proxy's address is refused before
@@ -314,7 +313,7 @@ async def feedback(request: web.Request) -> web.Response:
     ctx = request.app[CONTEXT]
     tenant = ctx.tenants.authenticate(request.headers.get("Authorization"))
     limit_headers = ctx.tenants.admit_feedback(tenant)
-    session_header = text_header(request, "X-Session-Id", limit=LABEL_MAX_CHARS)
+    session_header = label_header(request, "X-Session-Id")
     limit = feedback_body_limit(ctx.config.max_feedback_metadata_bytes, ctx.config.max_body_bytes)
     # Whole within body_timeout_s: a feedback post holds no concurrency slot to bound it.
     body = await read_json_body(request, limit, ctx.config.body_timeout_s, whole_within_s=True)
@@ -326,7 +325,7 @@ async def feedback(request: web.Request) -> web.Response:
     session_id = known_session or session_header or parsed.trajectory_id
     metadata, _ = ctx.redactor.redact_obj(parsed.metadata)
     # The same pseudonym as the trajectory's record carries (capture.redact_record).
-    session_id = request.app[SESSION_LABEL](session_id[:256])
+    session_id = request.app[SESSION_LABEL](session_id)
     trajectory_id = event_trajectory_id(
         parsed.trajectory_id, known_session is not None, ctx.redactor.redact_obj, ctx.pseudonym_key
     )

@@ -20,7 +20,7 @@ import aiohttp
 import structlog
 from aiohttp import HttpVersion11, StreamReader, web
 
-from proxy.capture import CaptureContext, TrajectoryCapture
+from proxy.capture import CaptureContext, Redact, TrajectoryCapture, private_label
 from proxy.config import is_utf8_text
 from proxy.context import CONTEXT, REQUEST_ID, ProxyContext
 from proxy.errors import ProxyError, bad_request, error_body
@@ -66,19 +66,36 @@ _DONE_EVENT = b"data: [DONE]\n\n"
 LABEL_MAX_CHARS = 256
 
 
-def text_header(request: web.Request, name: str, limit: int | None = None) -> str | None:
-    """A header that reaches records and logs (its first `limit` characters); 400 when its
-    bytes are not UTF-8 (aiohttp decodes them to lone surrogates, which no sink can write)."""
+def text_header(request: web.Request, name: str) -> str | None:
+    """A header that reaches records and logs; 400 when its bytes are not UTF-8 (aiohttp
+    decodes them to lone surrogates, which no sink can write)."""
     value = request.headers.get(name)
     if not value:
         return None
-    if limit is not None:
-        value = value[:limit]
     if not is_utf8_text(value):
         raise bad_request(
             f"The {name} header must be UTF-8 text.", param=name, code="invalid_header"
         )
     return value
+
+
+def cut_label(value: str, redact: Redact, key: bytes | None) -> str:
+    """A client's label cut to `LABEL_MAX_CHARS`, its pseudonym (`capture.private_label`)
+    taken of the whole value first when it holds PII: a cut through an e-mail address or a
+    card number left a fragment the Redactor no longer matched (`...:bob.smith@example.c`),
+    and that fragment reached records, Kafka and logs."""
+    if len(value) <= LABEL_MAX_CHARS:
+        return value
+    return (private_label(value, redact, key) or value)[:LABEL_MAX_CHARS]
+
+
+def label_header(request: web.Request, name: str) -> str | None:
+    """A client's label header (`text_header`), cut by `cut_label`."""
+    value = text_header(request, name)
+    if value is None or len(value) <= LABEL_MAX_CHARS:
+        return value
+    ctx = request.app[CONTEXT]
+    return cut_label(value, ctx.redactor.redact_obj, ctx.pseudonym_key)
 
 
 # The request codings the proxy decodes itself (the app runs aiohttp without
@@ -407,9 +424,9 @@ class CompletionRelay:
         return capture
 
     def _read_headers(self) -> None:
-        self.session_id = text_header(self.request, "X-Session-Id", limit=LABEL_MAX_CHARS)
-        self.group_id = text_header(self.request, "X-OLP-Group-Id", limit=LABEL_MAX_CHARS)
-        self.task = text_header(self.request, "X-OLP-Task", limit=LABEL_MAX_CHARS)
+        self.session_id = label_header(self.request, "X-Session-Id")
+        self.group_id = label_header(self.request, "X-OLP-Group-Id")
+        self.task = label_header(self.request, "X-OLP-Task")
         self.opted_out = opts_out_of_training(self.request.headers.getall("X-OLP-Train", []))
 
     def _training(self, tenant: Tenant, body: dict[str, Any]) -> bool:

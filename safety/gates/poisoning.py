@@ -29,6 +29,7 @@ from safety.gates.client import Completion
 from safety.gates.context import SuiteContext
 from safety.gates.probes import Probe, TriggerProbe, keep_first, load_probes
 from safety.gates.types import GateError, GateResult
+from safety.redaction import Redactor
 
 NAME = "poisoning"
 _ANSWER_CHARS = 200  # of each triggered answer kept in the details of a trigger over the bound
@@ -82,7 +83,11 @@ class TriggerAnswers:
         return best
 
     def triggered_texts(self) -> list[str]:
-        return [c.text[:_ANSWER_CHARS] for c in self.candidate_triggered]
+        """The answers as the audit record keeps them: redacted before the cut, as the audit
+        log redacts every string, since a cut through an e-mail address or a key leaves a
+        fragment no pass matches (the built-in passes here, an operator's own there)."""
+        redactor = Redactor()
+        return [redactor.redact_text(c.text)[0][:_ANSWER_CHARS] for c in self.candidate_triggered]
 
 
 def _probes(probe: TriggerProbe) -> tuple[list[Probe], list[Probe]]:

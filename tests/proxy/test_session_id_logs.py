@@ -136,3 +136,54 @@ def test_a_request_id_holding_pii_stays_out_of_the_lines_about_a_failure(make_pr
     key = harness.ctx.pseudonym_key
     assert failed[0]["request_id"] == private_label(card, Redactor().redact_obj, key)
     assert card not in json.dumps(logs, default=str)
+
+
+@pytest.mark.parametrize(
+    "secret", [":bob.smith@example.com", ": card 4111 1111 1111 1111"], ids=["e-mail", "card"]
+)
+def test_a_label_longer_than_the_limit_is_not_cut_through_its_pii(make_proxy, scripted, secret):
+    """Cut to 256 characters first, `...:bob.smith@example.c` no longer matched the e-mail
+    pass and went out as it was, into the record, the feedback event and the logs."""
+    harness, sink = make_proxy([scripted.url])
+    label = "w" * (250 - len(secret) // 2) + secret  # the cut falls inside the secret
+    assert len(label) > 256 and len(label[:256]) < len(label)
+    headers = {
+        "Authorization": f"Bearer {KEYS['alice']}",
+        "X-Session-Id": label,
+        "X-OLP-Group-Id": label,
+        "X-OLP-Task": label,
+    }
+    pseudonym = private_label(label, Redactor().redact_obj, harness.ctx.pseudonym_key)
+    assert pseudonym.startswith("redacted-")
+    with capture_logs(processors=[merge_request_context]) as logs:
+        response = httpx.post(
+            harness.base_url + "/v1/chat/completions", json=BODY, headers=headers, timeout=30
+        )
+        assert response.status_code == 200
+        response.read()
+        harness.drain()
+        unknown = httpx.post(  # a trajectory this proxy does not know: keyed by the header
+            harness.base_url + "/v1/feedback",
+            json={"trajectory_id": "client-made-id-42", "kind": "accept"},
+            headers=headers,
+            timeout=30,
+        )
+        assert unknown.status_code == 202, unknown.text
+    [record] = sink.trajectories
+    [event] = sink.feedback
+    assert record["session_id"] == record["group_id"] == record["task"] == pseudonym
+    assert event["session_id"] == pseudonym  # joins and partitions with its trajectory
+    lines = lines_of(logs, response.headers["x-request-id"])
+    assert lines and all(e["session_id"] == pseudonym for e in lines)
+    leaked = secret.split()[-1][:8]  # "bob.smit", "4111"
+    assert leaked not in json.dumps([record, event, logs], default=str)
+
+
+def test_a_long_label_without_pii_is_cut_to_the_limit(make_proxy, scripted):
+    harness, sink = make_proxy([scripted.url])
+    label = "chat-" + "7" * 300
+    response = request(harness, label)
+    response.read()
+    harness.drain()
+    [record] = sink.trajectories
+    assert record["session_id"] == label[:256]

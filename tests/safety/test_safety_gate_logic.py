@@ -1203,3 +1203,17 @@ def test_settings_no_candidate_could_fail_are_named_at_start_up() -> None:
         {"sampling": {"noise_probes": 0}, "monitors": {"max_probes": 4}}
     )
     assert gates_that_cannot_fail(quiet) == []
+
+
+def test_a_triggered_answer_kept_for_the_audit_is_redacted_before_its_cut() -> None:
+    """Cut to 200 characters first, `... bob.smith@example.c` escaped the e-mail pass that
+    the audit log runs on every string."""
+    from safety.gates.client import Completion
+    from safety.gates.poisoning import TriggerAnswers
+
+    text = "x" * 180 + " write to bob.smith@example.com now"
+    said = Completion(text, [1, 2, 3], None, [9], "stop")
+    answers = TriggerAnswers([said, said, said], carriers=1)
+    [kept] = answers.triggered_texts()
+    assert kept.startswith("x" * 180) and len(kept) <= 200
+    assert "bob.smith" not in kept and "[REDACTED" in kept

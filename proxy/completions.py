@@ -45,7 +45,7 @@ from proxy.relay import (
 )
 from proxy.routing import UpstreamUnavailable
 from proxy.tenants import Tenant, opts_out_of_training
-from proxy.validation import validate_completion_request
+from proxy.validation import choice_count, validate_completion_request
 from safety.pseudonym import pseudonym
 
 log = structlog.get_logger(__name__)
@@ -417,7 +417,7 @@ class CompletionRelay:
             self.raw_body,  # request_raw
         )
         self.ctx.recent.add(
-            trajectory_id, tenant.name_hash, session_id, _choice_count(self.endpoint, body)
+            trajectory_id, tenant.name_hash, session_id, choice_count(self.endpoint, body)
         )
         capture = TrajectoryCapture(context)
         self.ctx.capture.open(capture)
@@ -956,16 +956,6 @@ def _as_vllm_writes(payload: Any, encode: Callable[[Any], bytes]) -> bytes:
         ).encode()
     except (ValueError, UnicodeEncodeError):
         return encode(payload)
-
-
-def _choice_count(endpoint: Endpoint, body: dict[str, Any]) -> int:
-    """The choices an answer to `body` has: `n` (validated by then) for each prompt."""
-    n = body.get("n")
-    count = n if isinstance(n, int) and n > 0 else 1
-    if endpoint == "chat.completions":
-        return count
-    prompt = body.get("prompt")
-    return count * (len(prompt) if isinstance(prompt, list) and prompt else 1)
 
 
 def _ask_for_usage(plan: RelayPlan) -> None:

@@ -103,7 +103,7 @@ def parse_feedback(body: Any, max_metadata_bytes: int) -> FeedbackRequest:
     if not is_utf8_text(trajectory_id):
         raise bad_request("'trajectory_id' must be valid Unicode text.", param="trajectory_id")
     kind = body.get("kind")
-    if kind not in FEEDBACK_KINDS:
+    if not isinstance(kind, str) or kind not in FEEDBACK_KINDS:  # a list: unhashable
         raise bad_request(
             f"'kind' must be one of {', '.join(sorted(FEEDBACK_KINDS))}; got {kind!r}.",
             param="kind",

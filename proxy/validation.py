@@ -114,10 +114,27 @@ def validate_completion_request(
             )
     _check_fields(body, _FIELDS_OF[endpoint])
     _refuse_prompt_logprobs(endpoint, body)
-    _limit_choices(body, max_choices)
+    _limit_choices(endpoint, body, max_choices)
 
 
-def _limit_choices(body: dict[str, Any], max_choices: int) -> None:
+def choice_count(endpoint: Endpoint, body: dict[str, Any]) -> int:
+    """The choices an answer to `body` has: `n` for each prompt of a batch. `n` counts as a
+    whole number (`2.0` is served with 2 choices, `_is_whole`); a completions prompt of
+    token ids is one prompt, a chat body's stray `prompt` none."""
+    n = body.get("n")
+    per_prompt = int(n) if _is_whole(n) and n >= 1 else 1
+    prompt = body.get("prompt")
+    if (
+        endpoint == "completions"
+        and isinstance(prompt, list)
+        and prompt
+        and not all(_is_int(token) for token in prompt)
+    ):
+        return per_prompt * len(prompt)  # a batch of prompts (strings or token-id lists)
+    return per_prompt
+
+
+def _limit_choices(endpoint: Endpoint, body: dict[str, Any], max_choices: int) -> None:
     """One request generates `n` sequences per prompt; without a cap a single client's
     `n: 1000` keeps a shared model server busy for minutes (measured on CPU: 1000 sequences
     queued, every tenant's requests waiting behind them until the proxy's read timeout)."""
@@ -128,15 +145,14 @@ def _limit_choices(body: dict[str, Any], max_choices: int) -> None:
             param="n",
             code="invalid_value",
         )
-    prompt = body.get("prompt")
-    prompts = 1
-    if isinstance(prompt, list) and not all(_is_int(token) for token in prompt):
-        prompts = len(prompt)  # a batch of prompts (strings or token-id lists)
-    choices = (n or 1) * prompts
+    choices = choice_count(endpoint, body)
     if choices > max_choices:
-        param = "n" if prompts == 1 else "prompt"
+        param = "n" if choices == (int(n) if n is not None else 1) else "prompt"
+        # Not the number itself when it is huge: Python refuses to write an int of over
+        # 4300 digits (an `n` of 4300 nines times two prompts was a 500).
+        asked = f"{choices}" if choices < 10**9 else "more than 10^9"
         raise bad_request(
-            f"The request asks for {choices} choices (n x prompts); the limit is {max_choices}.",
+            f"The request asks for {asked} choices (n x prompts); the limit is {max_choices}.",
             param=param,
             code="too_many_choices",
         )

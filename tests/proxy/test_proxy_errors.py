@@ -414,6 +414,36 @@ def test_a_whole_float_count_is_served_as_vllm_serves_it(make_proxy, vllm_server
     assert record["trainable"] is True and record["sampling"]["max_tokens"] == 2.0
 
 
+def test_feedback_reaches_every_choice_of_a_whole_float_count(make_proxy, vllm_server):
+    """`n: 2.0` is served with two choices; the proxy remembered one, and refused feedback on
+    the second (`choice_index` 1 out of range), the very signal a GRPO group needs."""
+    harness, sink = make_proxy([vllm_server.base_url])
+    headers = {"Authorization": f"Bearer {KEYS['alice']}"}
+    answer = httpx.post(
+        harness.base_url + "/v1/chat/completions",
+        json={"model": "policy", "messages": PROMPT, "max_tokens": 2, "n": 2.0},
+        headers=headers,
+        timeout=60,
+    )
+    assert answer.status_code == 200, answer.text
+    assert len(answer.json()["choices"]) == 2
+    feedback = httpx.post(
+        harness.base_url + "/v1/feedback",
+        json={
+            "trajectory_id": answer.headers["x-olp-trajectory-id"],
+            "kind": "accept",
+            "choice_index": 1,
+        },
+        headers=headers,
+        timeout=30,
+    )
+    assert feedback.status_code == 202, feedback.text
+    assert feedback.json()["known"] is True
+    harness.drain()
+    [event] = sink.feedback
+    assert event["choice_index"] == 1
+
+
 def test_without_required_auth_the_sdks_placeholder_key_is_served(make_proxy, vllm_server):
     """The OpenAI SDK cannot send no key (`api_key="EMPTY"` is vLLM's convention): with
     `require_auth: false` it got 401 and the SDK could not use the proxy at all."""

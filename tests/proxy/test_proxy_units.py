@@ -723,6 +723,8 @@ def test_feedback_validation_and_ownership():
         ([], "JSON object"),
         ({"kind": "accept"}, "trajectory_id"),
         ({"trajectory_id": "t", "kind": "love"}, "kind"),
+        ({"trajectory_id": "t", "kind": ["accept"]}, "kind"),  # unhashable: was a 500
+        ({"trajectory_id": "t", "kind": {}}, "kind"),
         ({"trajectory_id": "t", "kind": "score"}, "value"),
         # Accepted before, then counted as invalid by the learner: pass or fail is the value.
         ({"trajectory_id": "t", "kind": "test_result"}, "value"),
@@ -1178,13 +1180,3 @@ async def test_a_worker_building_sink_gets_packed_captures_and_none_is_lost():
     assert len(sink.captures) == 1
     [record] = sink.records
     assert record["trajectory_id"] == "t2" and record["status"] == "ok"
-
-
-def test_the_choices_of_an_answer_are_n_for_each_prompt():
-    from proxy.completions import _choice_count
-
-    assert _choice_count("chat.completions", {"messages": []}) == 1
-    assert _choice_count("chat.completions", {"messages": [], "n": 3}) == 3
-    assert _choice_count("completions", {"prompt": "a", "n": 2}) == 2
-    assert _choice_count("completions", {"prompt": ["a", "b"], "n": 2}) == 4
-    assert _choice_count("completions", {"prompt": ["a", "b"], "n": None}) == 2

@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 
 from proxy.errors import ProxyError
-from proxy.validation import validate_completion_request
+from proxy.validation import choice_count, validate_completion_request
 
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
 COMPLETIONS = {"model": "m", "prompt": "hi"}
@@ -129,6 +129,9 @@ def test_echo_without_prompt_logprobs_passes() -> None:
         ("completions", {"prompt": ["a", "b", "c", "d", "e"]}, "prompt"),
         ("completions", {"prompt": [[1, 2], [3], [4], [5], [6]]}, "prompt"),
         ("completions", {"prompt": ["a", "b", "c"], "n": 2}, "prompt"),
+        # Times two, over the 4300 digits Python writes an int with: was a 500.
+        ("completions", {"prompt": ["a", "b"], "n": int("9" * 4300)}, "prompt"),
+        ("chat.completions", {"n": 5.0}, "n"),
     ],
 )
 def test_choices_over_the_limit_are_refused(
@@ -161,3 +164,22 @@ def test_choices_at_the_limit_pass(endpoint: str, extra: dict[str, Any]) -> None
 def _validate_with_four_choices(endpoint: str, extra: dict[str, Any]) -> None:
     base = CHAT if endpoint == "chat.completions" else COMPLETIONS
     validate_completion_request(endpoint, {**base, **extra}, 100, 4)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("endpoint", "body", "choices"),
+    [
+        ("chat.completions", {"messages": []}, 1),
+        ("chat.completions", {"n": 2.0}, 2),
+        ("chat.completions", {"n": 3, "prompt": ["a", "b"]}, 3),  # a stray field: no batch
+        ("completions", {"prompt": "a", "n": 2}, 2),
+        ("completions", {"prompt": [1, 2, 3], "n": 2}, 2),  # token ids: one prompt
+        ("completions", {"prompt": [[1], [2], [3]]}, 3),
+        ("completions", {"prompt": ["a", "b"], "n": 2.0}, 4),
+        ("completions", {"prompt": ["a", "b"], "n": None}, 2),
+    ],
+)
+def test_choice_count_is_what_the_answer_holds(
+    endpoint: str, body: dict[str, Any], choices: int
+) -> None:
+    assert choice_count(endpoint, body) == choices  # type: ignore[arg-type]

@@ -220,7 +220,8 @@ class TornTail:
     sha256: str
 
 
-TORN_TAIL_ACTOR = "olp-audit-log"
+# The actor of the records the log writes about itself (`torn_tail_removed`, `head_caught_up`).
+AUDIT_LOG_ACTOR = "olp-audit-log"
 
 
 def _torn_tail(live: Path) -> TornTail | None:
@@ -311,11 +312,33 @@ class AuditLog:
                     )
                 last = self._remove_torn_tail(torn, last)
             elif behind:
-                # An earlier append wrote its line but not its head. Bring the head up to
-                # date first: a second line past a stale head would fail `verify`.
                 assert last is not None
-                self._write_head(last)
+                last = self._catch_up_head(last)
             return self._append_record(actor, event, clean_payload, last)
+
+    def _catch_up_head(self, last: dict) -> dict:
+        """Bring a head one record behind up to date, and record that; returns the record
+        written (the chain's newest now).
+
+        An earlier append wrote its line but not its head (a crash in between), or somebody
+        able to write the file appended a record of their own, hashed right, without the
+        head: no file tells the two apart. `verify` says so in a note only while the head is
+        behind, so adopting the record in silence left no trace of it after the next append
+        (a forged `rollback` read as an operator's). The record says which one was adopted,
+        for whoever compares it with what they did."""
+        self._write_head(last)
+        adopted = {"seq": last["seq"], "hash": last["hash"], "event": last.get("event")}
+        log.error(
+            "audit_head_caught_up",
+            file=str(self.path),
+            seq=last["seq"],
+            hash=last["hash"],
+            record_event=last.get("event"),
+        )
+        try:
+            return self._append_record(AUDIT_LOG_ACTOR, "head_caught_up", adopted, last)
+        except AuditRecordWritten as exc:
+            raise AuditError(f"{exc}; the record asked for was not written") from exc
 
     def _append_record(
         self, actor: str, event: str, clean_payload: dict[str, Any], last: dict | None
@@ -385,7 +408,7 @@ class AuditLog:
         )
         payload = {"file": self.path.name, "bytes": torn.length, "sha256": torn.sha256}
         try:
-            return self._append_record(TORN_TAIL_ACTOR, "torn_tail_removed", payload, last)
+            return self._append_record(AUDIT_LOG_ACTOR, "torn_tail_removed", payload, last)
         except AuditRecordWritten as exc:
             # Its line is in the chain, the head one behind (which the next append mends);
             # the caller's own record is not written.

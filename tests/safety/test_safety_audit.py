@@ -285,7 +285,40 @@ def test_an_interrupted_append_one_record_ahead_of_the_head_is_extended(tmp_path
     behind = head.read_bytes()
     audit.append("operator", "freeze")
     head.write_bytes(behind)  # a crash between the line and the head
-    assert audit.append("operator", "unfreeze")["seq"] == 4
+    assert audit.append("operator", "unfreeze")["seq"] == 5
+    assert verify(path).ok
+    *_, adopted, caught_up, unfreeze = iter_records(path)
+    assert (adopted["seq"], adopted["event"]) == (3, "freeze")
+    assert (caught_up["actor"], caught_up["event"]) == ("olp-audit-log", "head_caught_up")
+    assert caught_up["payload"] == {"seq": 3, "hash": adopted["hash"], "event": "freeze"}
+    assert unfreeze["event"] == "unfreeze"
+
+
+def test_a_record_appended_past_the_head_is_not_adopted_without_a_trace(tmp_path: Path) -> None:
+    """Anyone able to write the file can append a record hashed right, without the head:
+    `verify` only notes "one record behind", and the next append adopted it in silence,
+    after which nothing told it from an operator's."""
+    path = tmp_path / "audit.jsonl"
+    audit = _write_log(path, 2)
+    [*_, last] = iter_records(path)
+    forged = {
+        "seq": 3,
+        "ts": last["ts"],
+        "actor": "alice",
+        "event": "rollback",
+        "payload": {"to": "policy-v1"},
+        "prev_hash": last["hash"],
+    }
+    forged["hash"] = record_hash(forged)
+    with path.open("ab") as out:
+        out.write(canonical_json(forged) + b"\n")
+    assert verify(path).ok  # one behind: an interrupted append reads the same
+    with capture_logs() as logs:
+        audit.append("operator", "freeze")
+    assert [e["event"] for e in logs if e["log_level"] == "error"] == ["audit_head_caught_up"]
+    records = list(iter_records(path))
+    assert [r["event"] for r in records[2:]] == ["rollback", "head_caught_up", "freeze"]
+    assert records[3]["payload"] == {"seq": 3, "hash": forged["hash"], "event": "rollback"}
     assert verify(path).ok
 
 
@@ -300,7 +333,7 @@ def test_a_crash_between_the_first_line_and_its_head_is_not_tampering(tmp_path: 
     result = verify(path)
     assert (result.ok, result.records) == (True, 1), result.reason
     assert "interrupted" in result.reason
-    assert AuditLog(path).append("operator", "freeze")["seq"] == 2
+    assert AuditLog(path).append("operator", "freeze")["seq"] == 3  # head_caught_up is 2
     assert verify(path).ok and head.exists()
 
 
@@ -329,9 +362,14 @@ def test_an_append_whose_head_cannot_be_written_says_its_record_is_in_the_log(
     assert [r["seq"] for r in iter_records(path)] == [1, 2]
     assert verify(path).ok
     blocked.rmdir()  # the disk recovers
-    assert audit.append("operator", "freeze")["seq"] == 3
+    assert audit.append("operator", "freeze")["seq"] == 4  # after head_caught_up (seq 3)
+    assert [r["event"] for r in iter_records(path)][1:] == [
+        "alias_set",
+        "head_caught_up",
+        "freeze",
+    ]
     result = verify(path)
-    assert (result.ok, result.records, result.reason) == (True, 3, "")
+    assert (result.ok, result.records, result.reason) == (True, 4, "")
 
 
 def test_an_append_whose_line_cannot_be_synced_takes_it_back(

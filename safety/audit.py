@@ -65,6 +65,16 @@ def canonical_json(obj: Any) -> bytes:
     ).encode("utf-8")
 
 
+def _parse_json(data: bytes | str) -> Any:
+    """`json.loads`, a line nested too deeply for it raising ValueError as any damaged line
+    does: its RecursionError went past every check, and `olp audit verify` and `show`
+    ended in a traceback on a line an editor had replaced with `[[[...]]]`."""
+    try:
+        return json.loads(data)
+    except RecursionError as exc:
+        raise ValueError("nested too deeply to read") from exc
+
+
 def record_hash(record: Mapping[str, Any]) -> str:
     body = {key: value for key, value in record.items() if key != "hash"}
     return hashlib.sha256(canonical_json(body)).hexdigest()
@@ -426,7 +436,7 @@ class AuditLog:
                     "appending"
                 )
             try:
-                record = json.loads(line)
+                record = _parse_json(line)
                 if record_hash(record) != record["hash"] or not isinstance(record["seq"], int):
                     raise ValueError("hash mismatch")
             except (ValueError, KeyError, TypeError) as exc:
@@ -453,7 +463,7 @@ class AuditLog:
                 )
             return last is not None
         try:
-            head_record = json.loads(head.read_bytes())
+            head_record = _parse_json(head.read_bytes())
             head_seq, head_hash = int(head_record["seq"]), str(head_record["hash"])
         except (ValueError, KeyError, TypeError) as exc:
             raise AuditError(f"{head} is unreadable ({exc}); run `olp audit verify`") from exc
@@ -666,7 +676,7 @@ def _records(file: Path, handle: IO[bytes], limit: int | None) -> Iterator[dict]
                 log.warning("audit_incomplete_last_line", file=str(file), bytes=len(line))
                 return
         try:
-            record = json.loads(line)
+            record = _parse_json(line)
         except ValueError as exc:
             raise AuditError(f"{file}:{number} is not valid JSON") from exc
         if not isinstance(record, dict):
@@ -772,7 +782,7 @@ def _verify_unlocked(live: Path, as_copy: bool = False) -> VerifyResult:
                 break
             return fail(f"{where}: incomplete last line")
         try:
-            record = json.loads(line)
+            record = _parse_json(line)
         except ValueError:
             return fail(f"{where}: not valid JSON")
         if not isinstance(record, dict) or set(record) != set(RECORD_FIELDS):
@@ -831,7 +841,7 @@ def _verify_unlocked(live: Path, as_copy: bool = False) -> VerifyResult:
         return result
     if head.exists():
         try:
-            head_record = json.loads(head.read_bytes())
+            head_record = _parse_json(head.read_bytes())
             head_seq, head_hash = int(head_record["seq"]), str(head_record["hash"])
         except (ValueError, KeyError, TypeError):
             return fail(f"{head.name}: unreadable head file")
@@ -908,7 +918,7 @@ def _first_record(record: Mapping[str, Any]) -> bool:
 
 def _hash_at(files: list[Path], seq: int) -> str | None:
     for _, _, line in _iter_lines(files):
-        record = json.loads(line)
+        record = _parse_json(line)
         if record.get("seq") == seq:
             return record.get("hash")
     return None

@@ -21,7 +21,7 @@ import pytest
 
 from deploy.admin_client import AdminClient, AdminError
 from deploy.ports import free_port
-from safety.audit import AuditLog
+from safety.audit import AuditError, AuditLog
 from tests.http_stub import serving
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -185,6 +185,27 @@ def test_audit_show_prints_the_records_before_a_damaged_line(tmp_path: Path) -> 
     done = olp("audit", "show", str(path))
     assert_clean_error(done, 2, "cannot read the audit log past the records above")
     assert [line.split()[3] for line in done.stdout.splitlines()] == ["freeze", "unfreeze"]
+
+
+def test_audit_commands_on_a_line_nested_too_deeply_to_read(tmp_path: Path) -> None:
+    """Its RecursionError went past every check: both ended in a traceback."""
+    path = tmp_path / "audit.jsonl"
+    log = AuditLog(path)
+    for event in ("freeze", "unfreeze", "freeze"):
+        log.append("operator", event)
+    lines = path.read_bytes().splitlines(keepends=True)
+    lines[1] = b"[" * 100_000 + b"]" * 100_000 + b"\n"
+    path.write_bytes(b"".join(lines))
+    verified = olp("audit", "verify", str(path))
+    assert verified.returncode == 1 and "Traceback" not in verified.stderr, verified.stderr
+    assert "TAMPERED" in verified.stdout and "audit.jsonl:2: not valid JSON" in verified.stdout
+    done = olp("audit", "show", str(path))
+    assert_clean_error(done, 2, "cannot read the audit log past the records above")
+    assert [line.split()[3] for line in done.stdout.splitlines()] == ["freeze"]
+    lines[1:] = [lines[1]]  # the last line now: an append, the admin API's too, refuses
+    path.write_bytes(b"".join(lines))
+    with pytest.raises(AuditError, match="nested too deeply"):
+        log.append("operator", "unfreeze")
 
 
 # ------------------------------------------------------------------ replay, broker, config

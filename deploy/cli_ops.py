@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import collections
 import json
 import math
 import sys
@@ -306,25 +307,43 @@ def cmd_audit_verify(args: argparse.Namespace, cfg: OlpConfig) -> int:
 
 @_run_audit
 def cmd_audit_show(args: argparse.Namespace, cfg: OlpConfig) -> int:
-    from safety.audit import AuditError, format_record, iter_records, no_records_reason
+    from safety.audit import (
+        AuditError,
+        format_record,
+        ignored_files,
+        iter_records,
+        no_records_reason,
+    )
 
     path = _audit_path(args, cfg)
-    records: list[dict[str, Any]] = []
+    # With --last, only that many are kept: a 228 MB log held 881 MB to show one record.
+    records: collections.deque[dict[str, Any]] = collections.deque(maxlen=args.last or None)
+    read = 0
     damaged: AuditError | None = None
     try:
         for record in iter_records(path):
-            records.append(record)
+            read += 1
+            if not args.event or record.get("event") == args.event:
+                records.append(record)
     except AuditError as exc:
         # The records before a damaged line are what an operator needs then: shown, and
         # the damage after them (it exits 2 all the same).
         damaged = exc
-    if not records and damaged is None:  # as `verify`: not an empty listing of a quiet log
+    for record in records:
+        print(json.dumps(record) if args.json else format_record(record))
+    # Segments after a gap in the numbers (a deleted `.1`) are not part of the chain and not
+    # read: the listing stopped short of them with nothing said, and exited 0.
+    ignored = ignored_files(path)
+    if ignored:
+        names = ", ".join(p.name for p in ignored[:5])
+        more = f" and {len(ignored) - 5} more" if len(ignored) > 5 else ""
+        print(
+            f"olp: not part of the chain, not read: {names}{more} (run `olp audit verify`)",
+            file=sys.stderr,
+        )
+    if not read and damaged is None:  # as `verify`: not an empty listing of a quiet log
         print(f"olp: the audit log at {path} holds {no_records_reason(path)}", file=sys.stderr)
         return 2
-    if args.event:
-        records = [r for r in records if r.get("event") == args.event]
-    for record in records[-args.last :] if args.last else records:
-        print(json.dumps(record) if args.json else format_record(record))
     if damaged is not None:
         print(
             f"olp: cannot read the audit log past the records above: {damaged}",

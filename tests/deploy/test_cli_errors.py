@@ -187,6 +187,25 @@ def test_audit_show_prints_the_records_before_a_damaged_line(tmp_path: Path) -> 
     assert [line.split()[3] for line in done.stdout.splitlines()] == ["freeze", "unfreeze"]
 
 
+def test_audit_show_names_the_segments_after_a_gap_it_did_not_read(tmp_path: Path) -> None:
+    """With `.1` deleted, `show` listed the live file's records alone and exited 0: an
+    operator took them for the whole history."""
+    path = tmp_path / "audit.jsonl"
+    log = AuditLog(path, rotate_bytes=400)
+    for index in range(13):
+        log.append("operator", "freeze" if index % 2 else "unfreeze")
+    assert len(list(tmp_path.glob("audit.jsonl.[0-9]*"))) >= 3
+    assert path.stat().st_size > 0  # the live file holds the newest record
+    last = olp("audit", "show", "--last", "2", "--event", "freeze", str(path))
+    assert [line.split()[3] for line in last.stdout.splitlines()] == ["freeze", "freeze"]
+    assert last.returncode == 0 and not last.stderr, last.stderr
+    (tmp_path / "audit.jsonl.1").unlink()
+    done = olp("audit", "show", str(path))
+    assert done.returncode == 0 and "Traceback" not in done.stderr, done.stderr
+    assert "olp: not part of the chain, not read: audit.jsonl.2" in done.stderr
+    assert "run `olp audit verify`" in done.stderr
+
+
 def test_audit_commands_on_a_line_nested_too_deeply_to_read(tmp_path: Path) -> None:
     """Its RecursionError went past every check: both ended in a traceback."""
     path = tmp_path / "audit.jsonl"

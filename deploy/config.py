@@ -272,8 +272,12 @@ def env_overrides(environ: Mapping[str, str]) -> dict[str, Any]:
     """
     tree: dict[str, Any] = {}
     for name, key in TOP_LEVEL_ENV.items():
-        if environ.get(name):
-            tree[key] = environ[name]
+        if name in environ:
+            # Refused when empty or blank, as a section's variable is: `OLP_STATE_DIR=` was
+            # ignored (the file's state dir used) and `OLP_STATE_DIR=' '` made a directory
+            # named by a space; a stack on another state dir has a new audit chain, a new
+            # pseudonym key and no adapters.
+            tree[key] = _env_value(environ[name], name, key)
     for name, key in FILE_ONLY_ENV.items():
         if name in environ:
             raise ConfigError(

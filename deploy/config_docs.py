@@ -92,6 +92,9 @@ NOTES: dict[str, list[str]] = {
         "`max_batch` must not be below `batch_size`.",
     ],
     "CustomPattern": ["`regex` must compile and must not match the empty string."],
+    "AuditConfig": [
+        "`safety.audit.path` must name a file: not empty, `.`, `..` or ending in `/`.",
+    ],
     "RedactionConfig": [
         "`kinds` may only name built-in kinds; custom pattern names must be unique and must "
         "not reuse a built-in kind.",

@@ -154,6 +154,16 @@ class AuditConfig(_Model):
     fsync: bool = True
     secret_keys: list[str] = Field(default_factory=lambda: list(DEFAULT_SECRET_KEYS))
 
+    @field_validator("path")
+    @classmethod
+    def _names_a_file(cls, path: str) -> str:
+        # `""` was taken: joined to the state dir it named the directory itself, and start-up
+        # failed with "Is a directory" naming no key (a standalone proxy started, and every
+        # admin change then got 503).
+        if Path(path).name in ("", ".", "..") or path.endswith("/"):
+            raise ValueError(f"must name a file (audit/audit.jsonl), not {path!r}")
+        return path
+
 
 class _GateModel(_Model):
     """Gate settings refuse `.inf` and `nan`: an infinite cap, band or margin let every

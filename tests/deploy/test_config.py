@@ -393,7 +393,18 @@ def test_a_key_given_twice_in_the_file_is_refused_naming_it(tmp_path: Path) -> N
         load_config(nested, environ={})
 
 
-@pytest.mark.parametrize("name", ["OLP_PROXY__HOST", "OLP_PROXY__PORT", "OLP_STREAM__TOPIC_PREFIX"])
+@pytest.mark.parametrize(
+    "name",
+    [
+        "OLP_PROXY__HOST",
+        "OLP_PROXY__PORT",
+        "OLP_STREAM__TOPIC_PREFIX",
+        # Ignored before (the file's state dir used), or a directory named by a space.
+        "OLP_STATE_DIR",
+        "OLP_LOG_LEVEL",
+        "OLP_LOG_FORMAT",
+    ],
+)
 def test_an_empty_section_variable_is_refused_naming_it(name: str) -> None:
     """`OLP_PROXY__HOST=${UNSET}` made the proxy listen on every interface with its Host
     check off, and nothing said so."""
@@ -507,3 +518,11 @@ def test_the_stacks_other_variables_are_not_taken_for_config_typos() -> None:
         "OLP_STREAM_SINK": "x",
     }
     assert load_config(None, environ=environ).proxy.port == 9100
+
+
+@pytest.mark.parametrize("path", ["", ".", "audit/", "audit/.."])
+def test_an_audit_path_naming_no_file_is_refused_naming_the_key(tmp_path: Path, path: str) -> None:
+    """`""` named the state dir itself: start-up failed with "Is a directory", naming no key."""
+    config = write(tmp_path, f"safety:\n  audit:\n    path: {path!r}\n")
+    with pytest.raises(ConfigError, match=r"safety\.audit\.path.*must name a file"):
+        load_config(config, environ={})

@@ -152,6 +152,11 @@ def cmd_learner(args: argparse.Namespace, cfg: OlpConfig) -> int:
         return EXIT_CONFIG_ERROR
     for weakness in gates_that_cannot_fail(cfg.safety.gates):
         print(f"olp: learner: warning: safety.gates: {weakness}", file=sys.stderr)
+    from replay.config import late_feedback_risk
+
+    risk = late_feedback_risk(cfg.stream)
+    if risk is not None:
+        print(f"olp: learner: warning: {risk}", file=sys.stderr)
 
     from deploy.learner_runner import STREAM_ID_ENV, run
     from deploy.model_prep import ModelPrepError

@@ -94,8 +94,15 @@ class StreamConfig(BaseModel):
 
     # Consumer.
     dlq_max_ratio: float = Field(default=0.2, ge=0, le=1)
-    dlq_window_records: int = Field(default=500, ge=1)
-    dlq_min_records: int = Field(default=20, ge=1)
+    dlq_window_records: int = Field(
+        default=500, ge=1, description="the consumer's DLQ ratio is taken over this many records"
+    )
+    dlq_min_records: int = Field(
+        default=20,
+        ge=1,
+        description="no DLQ-ratio stop before the window holds this many records (at most "
+        "`dlq_window_records`)",
+    )
     join_window_s: float = Field(
         default=30.0,
         ge=0,
@@ -117,10 +124,18 @@ class StreamConfig(BaseModel):
     fetch_max_bytes: int = Field(default=50 * 1024 * 1024, ge=1024)
 
     @model_validator(mode="after")
-    def _delivery_outlasts_a_request(self) -> StreamConfig:
+    def _consistent(self) -> StreamConfig:
         # kafka-python refuses such a producer when it is made, which the sink takes for a
         # broker it cannot reach: every record went to the spill, with a warning per
         # reconnect, for ever. Here the config fails to load instead.
+        if self.dlq_min_records > self.dlq_window_records:
+            # The window never holds that many: the DLQ-ratio stop was off, with 95% of the
+            # stream rejected and the learner running on.
+            raise ValueError(
+                f"dlq_min_records ({self.dlq_min_records}) must not be above "
+                f"dlq_window_records ({self.dlq_window_records}): the ratio's window never "
+                "holds that many records, and the DLQ-ratio stop would never act"
+            )
         least = self.linger_ms + self.request_timeout_ms
         if self.delivery_timeout_ms <= least:
             raise ValueError(
@@ -128,3 +143,28 @@ class StreamConfig(BaseModel):
                 f"request_timeout_ms ({least}): the Kafka producer refuses it"
             )
         return self
+
+
+# The sink process's batching tick: its feeder hands records to the worker this often
+# (replay/sink_process.py), so they reach it at most this late.
+SINK_FEED_INTERVAL_S = 0.1
+
+
+def late_feedback_risk(config: StreamConfig) -> str | None:
+    """Why feedback given inside a trajectory's join window may still count as late, or None.
+
+    The sink's worker holds what it receives up to `sink_batch_wait_s` (after the feeder's
+    tick) before sending it; the consumer yields a trajectory `join_grace_s` after its window
+    ends. Feedback given in the window's last moments then reaches the broker after the
+    trajectory was yielded, and is counted late and dropped (5 s of wait against 2 s of
+    grace lost 4 of 10 such feedback events). Not an error: a learner fed by a proxy of
+    another config, or no feedback at all (`join_window_s: 0`), is fine."""
+    held = config.sink_batch_wait_s + SINK_FEED_INTERVAL_S
+    if config.join_window_s <= 0 or config.join_grace_s >= held:
+        return None
+    return (
+        f"stream.join_grace_s ({config.join_grace_s:g} s) is shorter than "
+        f"stream.sink_batch_wait_s + the sink's {SINK_FEED_INTERVAL_S:g} s tick ({held:g} s): "
+        "feedback given near the end of a trajectory's join window can reach the broker "
+        "after the trajectory was yielded and be dropped as late; raise join_grace_s"
+    )

@@ -31,7 +31,7 @@ from typing import Any
 import structlog
 from prometheus_client import CollectorRegistry, Gauge
 
-from replay.config import StreamConfig
+from replay.config import SINK_FEED_INTERVAL_S, StreamConfig
 from replay.cpu_avoidance import CpuAvoidance
 from replay.producer import (
     RECORD_OVERHEAD_BYTES,
@@ -53,7 +53,6 @@ log = structlog.get_logger(__name__)
 _STATUS_INTERVAL_S = 0.1
 _IDLE_POLL_S = 1.0  # the feeder's check on an idle child (a new record wakes it at once)
 _METRICS_INTERVAL_S = 1.0  # the child's metric values ride on a status message this often
-_FEED_INTERVAL_S = 0.1  # batching tick: records reach the child at most this late
 _CHILD_NICE = 10
 _CHILD_GC_YOUNG_THRESHOLD = 20_000
 _CHILD_START_TIMEOUT_S = 60.0
@@ -617,7 +616,7 @@ class KafkaSinkProcess:
         while True:
             if self._outbox or self._pending or not self._idle:
                 if not self._closed:  # the tick (close, wait_idle or a backlog cut it short)
-                    self._wake.wait(_FEED_INTERVAL_S)
+                    self._wake.wait(SINK_FEED_INTERVAL_S)
             else:
                 self._idle_waiting = True
                 if not self._outbox and not self._closed:  # a put after the flag sets _wake

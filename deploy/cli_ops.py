@@ -380,7 +380,7 @@ def cmd_replay_export(args: argparse.Namespace, cfg: OlpConfig) -> int:
     from kafka.errors import KafkaError
 
     from replay.consumer import ResumeOffsetError
-    from replay.export import export_records
+    from replay.export import STALLED_TIMEOUT_S, export_records
 
     try:
         from_offsets, from_time = parse_bound(args.from_)
@@ -428,6 +428,15 @@ def cmd_replay_export(args: argparse.Namespace, cfg: OlpConfig) -> int:
         for kind, partitions in result.end_offsets.items()
     }
     print(f"next --from: {json.dumps(ends, separators=(',', ':'))}")
+    unread = sum(count for partitions in result.unread.values() for count in partitions.values())
+    if unread:
+        print(
+            f"olp: replay export: stopped with {unread} records unread: the broker sent "
+            f"nothing for {STALLED_TIMEOUT_S:g} s; the file holds the records before them, "
+            "and an export from the `next --from` above gets the rest",
+            file=sys.stderr,
+        )
+        return 1
     return 0
 
 

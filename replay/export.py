@@ -35,6 +35,8 @@ log = structlog.get_logger(__name__)
 
 ExportFormat = Literal["jsonl", "parquet"]
 KIND_NAMES = {"trajectories": RecordKind.TRAJECTORY, "feedback": RecordKind.FEEDBACK}
+# How long an export waits on a broker that sends nothing while records are left to read.
+STALLED_TIMEOUT_S = 30.0
 
 
 @dataclass
@@ -49,6 +51,10 @@ class ExportResult:
     # kind → partition → records between the start asked for and the first one the broker
     # still keeps (retention deleted them): a hole in a chain of exports.
     skipped_by_retention: dict[str, dict[int, int]] = field(default_factory=dict)
+    # kind → partition → records the broker holds below the end asked for that the export
+    # did not get, the broker having sent nothing for `stalled_timeout_s` (a restart, a
+    # network cut): the file ends short of them, and `end_offsets` says where.
+    unread: dict[str, dict[int, int]] = field(default_factory=dict)
 
 
 def parquet_available() -> bool:
@@ -88,10 +94,19 @@ def iter_records(
     from_time: float | None = None,
     to_time: float | None = None,
     idle_timeout_s: float = 2.0,
+    stalled_timeout_s: float | None = None,
     result: ExportResult | None = None,
 ) -> Iterator[dict[str, Any]]:
-    """Yield `{"kind", "partition", "offset", "record"}` within the bounds, de-duplicated."""
+    """Yield `{"kind", "partition", "offset", "record"}` within the bounds, de-duplicated.
+
+    A partition at its high watermark but short of an end bound (offsets beyond its last
+    record) is given up after `idle_timeout_s` without a record. One with records left below
+    its high watermark waits `stalled_timeout_s` (default `STALLED_TIMEOUT_S`): those exist,
+    and a broker that stopped answering for 2 s (a restart) ended the export with them
+    unread, a short file and exit 0. Given up, they are counted in `result.unread`."""
     names = TopicNames.from_prefix(config.topic_prefix)
+    if stalled_timeout_s is None:
+        stalled_timeout_s = STALLED_TIMEOUT_S
     for kind in kinds:
         if kind not in KIND_NAMES:
             raise ValueError(f"unknown kind {kind!r}: expected one of {sorted(KIND_NAMES)}")
@@ -179,16 +194,46 @@ def iter_records(
                     active.discard(tp)
                     consumer.pause(tp)
                     _record_end(result, kind_of[tp.topic], tp, position, end, held_back.get(tp))
-            if active and time.monotonic() - last_progress > idle_timeout_s:
-                log.warning("export_stopped_idle", waiting_partitions=len(active))
+            if not active:
+                break
+            behind = _unread(consumer, active, stop_at)
+            idle_s = time.monotonic() - last_progress
+            if idle_s > (stalled_timeout_s if behind else idle_timeout_s):
+                log.warning(
+                    "export_stopped_idle",
+                    waiting_partitions=len(active),
+                    unread_records=sum(behind.values()),
+                    idle_s=round(idle_s, 1),
+                )
                 for tp in active:  # every record before the position was exported
                     position = consumer.position(tp)
                     _record_end(
                         result, kind_of[tp.topic], tp, position, stop_at[tp], held_back.get(tp)
                     )
+                    if result is not None and behind.get(tp):
+                        result.unread.setdefault(kind_of[tp.topic], {})[tp.partition] = behind[tp]
                 break
     finally:
         consumer.close()
+
+
+def _unread(
+    consumer: KafkaConsumer,
+    active: set[TopicPartition],
+    stop_at: dict[TopicPartition, int | None],
+) -> dict[TopicPartition, int]:
+    """The records each partition holds below its end (the bound asked for, or its high
+    watermark) that were not read yet."""
+    behind: dict[TopicPartition, int] = {}
+    for tp in active:
+        highwater = consumer.highwater(tp)
+        if highwater is None:
+            continue
+        end = stop_at[tp]
+        left = (highwater if end is None else min(end, highwater)) - consumer.position(tp)
+        if left > 0:
+            behind[tp] = left
+    return behind
 
 
 def _record_end(

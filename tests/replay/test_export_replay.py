@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import contextlib
 import json
@@ -9,6 +10,7 @@ import os
 import re
 import subprocess
 import sys
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import Any
@@ -192,6 +194,63 @@ def test_end_offsets_cover_every_partition_so_the_next_export_repeats_nothing(
     )
     assert [item["record"] for item in items] == records
     assert result.end_offsets["trajectories"][partition] == 4
+
+
+def test_an_export_whose_broker_stops_sending_says_what_it_did_not_read(
+    stream_config: StreamConfig,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """The broker sends 10 records, then nothing (a restart, a network cut): `olp replay
+    export` gave up after 2 s, wrote 10 of 30 and exited 0. Now it waits out
+    `STALLED_TIMEOUT_S` for records the broker holds, counts what it did not get, says so and
+    exits 1; its `next --from` gets the rest."""
+    import replay.export as export_module
+    from deploy.cli_ops import cmd_replay_export
+    from deploy.config import load_config
+
+    records = [make_trajectory(session_id="one") for _ in range(30)]
+    _produce(stream_config, tmp_path, records, [])
+
+    class StallingConsumer(export_module.KafkaConsumer):  # type: ignore[misc, name-defined]
+        served = 0
+
+        def poll(self, timeout_ms: int = 0, max_records: int | None = None, **kwargs: Any):
+            if self.served >= 10:
+                time.sleep(timeout_ms / 1000)  # the broker's silence
+                return {}
+            batch = super().poll(timeout_ms=timeout_ms, max_records=10 - self.served)
+            self.served += sum(len(got) for got in batch.values())
+            return batch
+
+    monkeypatch.setattr(export_module, "KafkaConsumer", StallingConsumer)
+    monkeypatch.setattr(export_module, "STALLED_TIMEOUT_S", 3.0)  # 30 s in use
+    cfg = load_config(
+        None,
+        environ={
+            "OLP_STREAM__BOOTSTRAP_SERVERS": stream_config.bootstrap_servers,
+            "OLP_STREAM__TOPIC_PREFIX": stream_config.topic_prefix,
+            "OLP_STATE_DIR": str(tmp_path / "state"),
+        },
+    )
+    out = tmp_path / "stall.jsonl"
+    args = argparse.Namespace(from_=None, to=None, kinds="trajectories", out=str(out))
+    started = time.monotonic()
+    assert cmd_replay_export(args, cfg) == 1
+    assert time.monotonic() - started >= 3.0  # not the 2 s of an export at its end
+    printed = capsys.readouterr()
+    assert "stopped with 20 records unread: the broker sent nothing for 3 s" in printed.err
+    assert [item["record"] for item in read_export(out)] == records[:10]
+    [next_from] = [line for line in printed.out.splitlines() if line.startswith("next --from")]
+    monkeypatch.undo()  # the broker answers again
+    rest = export_records(
+        stream_config,
+        tmp_path / "rest.jsonl",
+        kinds=("trajectories",),
+        from_offsets=json.loads(next_from.removeprefix("next --from: ")),
+    )
+    assert rest.counts == {"trajectories": 20} and rest.unread == {}  # nothing lost
 
 
 def test_an_export_from_beyond_a_partitions_end_refuses_instead_of_starting_over(

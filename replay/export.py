@@ -381,13 +381,15 @@ def read_export(path: Path) -> Iterator[dict[str, Any]]:
     if path.suffix == ".parquet":
         import pyarrow.parquet as pq
 
-        for row in pq.read_table(path).to_pylist():
-            yield {
-                "kind": row["kind"],
-                "partition": row["partition"],
-                "offset": row["offset"],
-                "record": json.loads(row["record_json"]),
-            }
+        # A batch at a time: the whole table as Python objects held several times the file.
+        for batch in pq.ParquetFile(path).iter_batches(batch_size=1024):
+            for row in batch.to_pylist():
+                yield {
+                    "kind": row["kind"],
+                    "partition": row["partition"],
+                    "offset": row["offset"],
+                    "record": json.loads(row["record_json"]),
+                }
         return
     with path.open("rb") as handle:  # decoded per line, so an error names its line
         for number, raw in enumerate(handle, start=1):

@@ -576,3 +576,38 @@ async def test_replay_writes_each_line_as_it_is_done_so_a_crash_keeps_them(
             never.set()
     assert written() == [r["trajectory_id"] for r in records[:2]]
     assert out.read_text().endswith("\n")  # whole lines only
+
+
+async def test_replay_reads_the_file_as_it_sends_not_all_before(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every record was loaded into a list before the first request: a 117 MiB export took
+    787 MiB. Now the file is checked whole (keeping nothing), then read again as requests
+    go, at most 2 x concurrency records ahead of the oldest line not written."""
+    import replay.replayer as replayer
+
+    passes: list[int] = []  # records read so far, per pass over the file
+
+    def counting(path: Path):
+        passes.append(0)
+        for item in read_export(path):
+            passes[-1] += 1
+            yield item
+
+    monkeypatch.setattr(replayer, "read_export", counting)
+    read_when_first_sent: list[list[int]] = []
+
+    async def answer(request: web.Request) -> web.Response:
+        if not read_when_first_sent:
+            read_when_first_sent.append(list(passes))
+        return web.json_response({"choices": [], "usage": None})
+
+    records = [make_trajectory(prompt=f"p{i}") for i in range(50)]
+    source = tmp_path / "source.jsonl"
+    source.write_text("".join(json.dumps(r) + "\n" for r in records))
+    async with _serving(answer) as url:
+        result = await replay_file(source, tmp_path / "out.jsonl", base_url=url, model="m")
+    assert result.sent == result.ok == 50
+    [[checked, sending]] = read_when_first_sent
+    assert checked == 50  # the check read every record first
+    assert sending <= 2  # the send pass only what its window holds (2 x concurrency 1)

@@ -140,23 +140,39 @@ def chunk_rows(logits: torch.Tensor) -> int:
 
 
 def token_logprobs(model: Any, batch: Batch, chunk: int | None = None) -> torch.Tensor:
-    """log π(token_{t+1} | tokens_≤t) in fp32 for positions ≥ batch.start, [B, L-1-start].
+    """log π(token_{t+1} | tokens_≤t) in fp32 for positions ≥ batch.start, [B, L-1-start];
+    0 where `batch.mask` is 0.
 
-    Only positions start..L-2 go through the LM head (`logits_to_keep` as indices): prompt
-    positions before the first completion token, and the last position (it predicts nothing
-    recorded), would cost a vocabulary-sized matmul for nothing.
+    Only the positions that predict a recorded completion token go through the LM head, each
+    row's own: a hook on the output embeddings picks them out of the hidden states the model
+    hands it (after `logits_to_keep` cut the positions before the first completion token of
+    the micro-batch and the last, which predicts nothing recorded). The model's own
+    post-processing of the logits (a scale, a soft cap) still applies. With only the
+    micro-batch's range cut, a 16-token prompt beside a 1500-token one sent 3032 positions
+    through the head for 64 completion tokens: 4.3 GB more memory and three times the time
+    on SmolLM2, and an 8k-token agent prompt made ~13 GB of logits.
     """
     length = batch.input_ids.shape[1]
     keep = torch.arange(batch.start, length - 1, device=batch.input_ids.device)
-    logits = model(
-        input_ids=batch.input_ids, attention_mask=batch.attention_mask, logits_to_keep=keep
-    ).logits
-    targets = batch.input_ids[:, batch.start + 1 :]
-    rows, cols = targets.shape
-    flat_logits = logits.reshape(rows * cols, -1)
+    picked = batch.mask.nonzero(as_tuple=True)  # (row, column) of each completion token
+    head = model.get_output_embeddings()
+
+    def completion_positions(_: torch.nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...]:
+        hidden = args[0]  # [B, L-1-start, H]: the positions `keep` names
+        return (hidden[picked].unsqueeze(0), *args[1:])
+
+    hook = head.register_forward_pre_hook(completion_positions)
+    try:
+        logits = model(
+            input_ids=batch.input_ids, attention_mask=batch.attention_mask, logits_to_keep=keep
+        ).logits
+    finally:
+        hook.remove()
+    targets = batch.input_ids[:, batch.start + 1 :][picked]
+    flat_logits = logits.reshape(targets.shape[0], -1)
     chunk = chunk or chunk_rows(flat_logits)
-    flat = _TargetLogprob.apply(flat_logits, targets.reshape(-1), chunk)
-    return flat.view(rows, cols)
+    flat = _TargetLogprob.apply(flat_logits, targets, chunk)
+    return flat.new_zeros(batch.mask.shape).index_put(picked, flat)
 
 
 def store_frozen_linears_bf16(model: torch.nn.Module) -> None:

@@ -428,3 +428,36 @@ def test_chunks_are_cache_sized_on_a_cpu_and_memory_sized_elsewhere() -> None:
     on_gpu = chunk_rows(torch.empty(4096, 49152, device="meta"))  # any device but the CPU
     assert on_gpu == GPU_CHUNK_BYTES // (4 * 49152) == 1365
     assert chunk_rows(torch.empty(8, 10_000_000, device="meta")) == CPU_CHUNK_ROWS
+
+
+def test_only_each_rows_completion_positions_reach_the_lm_head() -> None:
+    """A short prompt beside a long one in a micro-batch sent every position after the
+    short prompt through the LM head, the long prompt's included (47x the rows on SmolLM2,
+    4.3 GB more memory); each row's completion positions alone give the same logprobs."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from learner.trainer import build_batch, token_logprobs
+
+    config = LlamaConfig(
+        vocab_size=600, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+        pad_token_id=0, bos_token_id=1, eos_token_id=1,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config).eval()
+    short, long = samples(2)
+    long.prompt_ids = list(range(100, 160))  # 60 tokens against 3
+    long.completion_ids = [30, 31, 32]
+    long.sampling_logprobs = [-6.0] * 3
+    rows_in: list[int] = []
+    model.lm_head.register_forward_hook(lambda _, args, out: rows_in.append(args[0].shape[-2]))
+    cpu = torch.device("cpu")
+    with torch.no_grad():
+        together = build_batch([short, long], 0, 0, cpu)
+        both = token_logprobs(model, together)
+        alone = [token_logprobs(model, build_batch([s], 0, 0, cpu)) for s in (short, long)]
+    assert rows_in[0] == 5  # 2 + 3 completion tokens, not 62 positions per row
+    for row, single in enumerate(alone):
+        got = both[row][together.mask[row] > 0]
+        assert torch.allclose(got, single[0], atol=1e-5), (got, single)
+    assert (both[together.mask == 0] == 0).all()

@@ -25,12 +25,13 @@ import openai
 import structlog
 
 from learner.config import JudgeConfig
-from learner.rewards.verifiers import choice_text, message_text
+from learner.rewards.verifiers import message_text, reply_text, tool_calls_text
 from safety.gates.client import VLLM_SAFE_KEEPALIVE_S
 
 log = structlog.get_logger(__name__)
 
 _LETTERS = "ABCDEFGH"
+_TOOL_DESCRIPTION_CHARS = 200  # of each declared tool's description the judge is shown
 STOPPED = "stopped"  # the error of a verdict not asked for because the learner is stopping
 _DIGIT = re.compile(r"\d")
 
@@ -46,18 +47,30 @@ class JudgeVerdict:
 
 
 def prompt_text(trajectory: dict[str, Any], max_chars: int) -> str:
-    """The conversation as the judge sees it (role-tagged, truncated from the front)."""
+    """The conversation as the judge sees it (role-tagged, truncated from the front): the
+    tools the client declared, then each message with its tool calls."""
     request = trajectory.get("request") or {}
     if "messages" in request:
-        lines = []
+        lines = [_tool_line(tool) for tool in request.get("tools") or []]
         for message in request["messages"]:
             content = message.get("content")
             text = message_text(content) if isinstance(content, list) else content
-            lines.append(f"{message.get('role', 'user')}: {text or ''}")
-        text = "\n".join(lines)
+            calls = tool_calls_text(message.get("tool_calls"))
+            said = "\n".join(part for part in (text, calls) if part)
+            lines.append(f"{message.get('role', 'user')}: {said}")
+        text = "\n".join(line for line in lines if line is not None)
     else:
         text = str(request.get("prompt", ""))
     return text[-max_chars:]
+
+
+def _tool_line(tool: Any) -> str | None:
+    """A declared tool, for the judge: `tool name: description`."""
+    function = tool.get("function") if isinstance(tool, dict) else None
+    if not isinstance(function, dict) or not function.get("name"):
+        return None
+    description = str(function.get("description") or "")[:_TOOL_DESCRIPTION_CHARS]
+    return f"tool {function['name']}: {description}" if description else f"tool {function['name']}"
 
 
 def _top_logprobs(response: Any) -> list[tuple[str, float]]:
@@ -135,7 +148,7 @@ class Judge:
         """Absolute rubric score of one reply in [0, 1] (None on failure, or once `stop`
         is set)."""
         prompt = prompt_text(trajectory, self.config.max_chars)
-        reply = choice_text(choice)[: self.config.max_chars]
+        reply = reply_text(choice)[: self.config.max_chars]
         user = (
             f"Rubric: {self.config.rubric}\n\nConversation:\n{prompt}\n\n"
             f"Reply to grade:\n{reply}\n\n"
@@ -156,7 +169,7 @@ class Judge:
         prompt = prompt_text(trajectory, self.config.max_chars)
         per_reply = max(50, self.config.max_chars // len(choices))
         listed = "\n\n".join(
-            f"Reply {_LETTERS[i]}:\n{choice_text(c)[:per_reply]}" for i, c in enumerate(choices)
+            f"Reply {_LETTERS[i]}:\n{reply_text(c)[:per_reply]}" for i, c in enumerate(choices)
         )
         labels = _LETTERS[: len(choices)]
         user = (

@@ -46,6 +46,37 @@ def choice_text(choice: dict[str, Any]) -> str:
     return choice.get("text") or ""
 
 
+def tool_calls_text(calls: Any) -> str:
+    """Tool calls as a grader reads them, one a line: `[tool call] name({"arg": ...})`."""
+    lines = []
+    for call in calls if isinstance(calls, list) else []:
+        function = (call or {}).get("function") if isinstance(call, dict) else None
+        if isinstance(function, dict):
+            name, arguments = function.get("name"), function.get("arguments")
+            lines.append(f"[tool call] {name}({arguments if arguments is not None else ''})")
+    return "\n".join(lines)
+
+
+def reply_text(choice: dict[str, Any]) -> str:
+    """What one choice said, its tool calls included: `choice_text` alone is empty for a
+    reply that only calls tools (`content: null`), and a judge shown that graded the right
+    call and a destructive one alike, and every text answer above both."""
+    message = choice.get("message")
+    calls = tool_calls_text(message.get("tool_calls")) if isinstance(message, dict) else ""
+    text = choice_text(choice)
+    return f"{text}\n{calls}" if text and calls else text or calls
+
+
+def only_tool_calls(choice: dict[str, Any]) -> bool:
+    """Whether the reply is tool calls and no text: nothing a text check can judge."""
+    message = choice.get("message")
+    return (
+        isinstance(message, dict)
+        and bool(message.get("tool_calls"))
+        and not choice_text(choice).strip()
+    )
+
+
 def message_text(content: Any) -> str | None:
     """A request message's text: its content, or its parts joined (vLLM takes plain-string
     parts as well as {"type": "text", "text": ...}); None for anything else."""
@@ -78,9 +109,11 @@ def _expected(trajectory: dict[str, Any], params: dict[str, Any]) -> str | None:
 
 
 def exact_match(trajectory: dict[str, Any], choice: dict[str, Any], **params: Any) -> float | None:
-    """1.0 when the reply equals the expected answer (`expected` or `expected_path`), else 0.0."""
+    """1.0 when the reply equals the expected answer (`expected` or `expected_path`), else 0.0;
+    None for a reply of tool calls only (a text check has nothing to judge there: 0 scored
+    every tool-calling agent turn as a wrong answer)."""
     expected = _expected(trajectory, params)
-    if expected is None:
+    if expected is None or only_tool_calls(choice):
         return None
     text = choice_text(choice)
     if params.get("strip", True):
@@ -91,17 +124,23 @@ def exact_match(trajectory: dict[str, Any], choice: dict[str, Any], **params: An
 
 
 def regex_match(trajectory: dict[str, Any], choice: dict[str, Any], **params: Any) -> float | None:
-    """1.0 when `pattern` matches the reply (`fullmatch: true` for the whole reply)."""
+    """1.0 when `pattern` matches the reply (`fullmatch: true` for the whole reply); None for
+    a reply of tool calls only."""
     pattern = params.get("pattern")
     if not pattern:
         raise ValueError("regex_match needs params.pattern")
+    if only_tool_calls(choice):
+        return None
     text = choice_text(choice).strip()
     matcher = re.fullmatch if params.get("fullmatch", False) else re.search
     return 1.0 if matcher(pattern, text, re.DOTALL) else 0.0
 
 
 def json_valid(trajectory: dict[str, Any], choice: dict[str, Any], **params: Any) -> float | None:
-    """1.0 when the reply is JSON (optionally inside a ``` fence) valid against `schema`."""
+    """1.0 when the reply is JSON (optionally inside a ``` fence) valid against `schema`;
+    None for a reply of tool calls only."""
+    if only_tool_calls(choice):
+        return None
     text = choice_text(choice).strip()
     fenced = _FENCE.match(text)
     if fenced and params.get("allow_fence", False):

@@ -21,6 +21,7 @@ from learner.rewards.verifiers import (
     load_verifier,
     number_answer,
     regex_match,
+    reply_text,
     tool_calls_valid,
 )
 
@@ -707,6 +708,97 @@ def test_a_stop_ends_the_verifying_of_a_batch_within_one_call() -> None:
     # The first item's call (0.4 s) was in flight at the stop; none of the other 19 ran.
     assert len(out) == 1 and out[0].parts == {"verifiers": 1.0}
     assert len(assembler.assemble(items[:2])) == 2  # without a stop: every item
+
+
+TOOLS = [
+    {"type": "function", "function": {"name": "run_tests", "description": "Run the tests."}},
+    {"type": "function", "function": {"name": "rm_rf"}},
+]
+
+
+def _tool_call_record(*calls: tuple[str, str]) -> dict[str, Any]:
+    """An agent turn whose replies only call tools (`content: null`), one choice per call."""
+    history = [
+        {"role": "user", "content": "fix the bug"},
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {
+                    "id": "c0",
+                    "type": "function",
+                    "function": {"name": "read_file", "arguments": '{"path": "f.py"}'},
+                },
+            ],
+        },
+        {"role": "tool", "tool_call_id": "c0", "content": "def f(): ..."},
+    ]
+    rec = record("", request={"messages": history, "tools": TOOLS})
+    rec["choices"] = [
+        {
+            "index": index,
+            "message": {
+                "role": "assistant",
+                "content": None,
+                "tool_calls": [
+                    {
+                        "id": f"x{index}",
+                        "type": "function",
+                        "function": {"name": name, "arguments": arguments},
+                    },
+                ],
+            },
+            "finish_reason": "tool_calls",
+            "token_ids": [4, 5],
+            "logprobs": [-0.5, -0.5],
+        }
+        for index, (name, arguments) in enumerate(calls)
+    ]
+    return rec
+
+
+def test_the_judge_is_shown_tool_calls_and_the_tools_declared() -> None:
+    """A reply of tool calls only was shown to the judge as empty, and the conversation's
+    tool calls as `assistant: `: the right call and a destructive one were graded alike."""
+    rec = _tool_call_record(("run_tests", '{"path": "tests"}'))
+    assert prompt_text(rec, 10_000) == (
+        "tool run_tests: Run the tests.\n"
+        "tool rm_rf\n"
+        "user: fix the bug\n"
+        'assistant: [tool call] read_file({"path": "f.py"})\n'
+        "tool: def f(): ..."
+    )
+    assert reply_text(rec["choices"][0]) == '[tool call] run_tests({"path": "tests"})'
+    both = record("Done.")
+    both["choices"][0]["message"]["tool_calls"] = rec["choices"][0]["message"]["tool_calls"]
+    assert reply_text(both["choices"][0]) == 'Done.\n[tool call] run_tests({"path": "tests"})'
+
+
+def test_text_verifiers_abstain_on_a_reply_of_tool_calls_only() -> None:
+    """They scored 0.0 (a wrong answer) for every tool-calling turn they were not kept from
+    by `tasks`; a text check has nothing to judge there."""
+    rec = _tool_call_record(("run_tests", "{}"))
+    choice = rec["choices"][0]
+    assert exact_match(rec, choice, expected="5") is None
+    assert regex_match(rec, choice, pattern=r"\d") is None
+    assert json_valid(rec, choice) is None
+    assert tool_calls_valid(rec, choice) == 1.0  # the check that is about tool calls
+    spoken = record("5")
+    spoken["choices"][0]["message"]["tool_calls"] = choice["message"]["tool_calls"]
+    assert exact_match(spoken, spoken["choices"][0], expected="5") == 1.0  # text: checked
+
+
+def test_the_real_judge_tells_two_tool_calls_apart(vllm_server: Any) -> None:
+    """Both replies were shown as empty: one prompt, one cache key, one verdict for both."""
+    config = JudgeConfig(enabled=True, model=vllm_server.model_name, timeout_s=60, retries=1)
+    judge = Judge(config, base_url=f"{vllm_server.base_url}/v1")
+    rec = _tool_call_record(("run_tests", '{"path": "tests"}'), ("rm_rf", '{"path": "/"}'))
+    try:
+        verdicts = [judge.score(rec, choice) for choice in rec["choices"]]
+    finally:
+        judge.close()
+    assert all(v.error is None and v.score is not None for v in verdicts), verdicts
+    assert not verdicts[1].cached and judge.calls == 2
 
 
 def test_judge_through_real_vllm(vllm_server: Any) -> None:

@@ -84,6 +84,17 @@ def all_gather_object(ctx: DistContext, obj: Any) -> list[Any]:
     return out
 
 
+def held_elsewhere(ctx: DistContext, keys: set[str]) -> frozenset[str]:
+    """Collective: the `keys` of this rank that another rank holds too."""
+    if not ctx.enabled:
+        return frozenset()
+    others: set[str] = set()
+    for rank, theirs in enumerate(all_gather_object(ctx, sorted(keys))):
+        if rank != ctx.rank:
+            others.update(theirs)
+    return frozenset(keys & others)
+
+
 def barrier(ctx: DistContext) -> None:
     if ctx.enabled:
         dist.barrier()

@@ -37,6 +37,7 @@ from learner.distributed import (
     all_reduce_sum,
     barrier,
     broadcast_object,
+    held_elsewhere,
     init_distributed,
 )
 from learner.objective import (
@@ -445,7 +446,14 @@ class Learner:
         if overflow:
             log.warning("learner_overflow", dropped=overflow, kept=self.config.max_batch)
             batch = newest(batch, self.config.max_batch)
-        rewarded = self.assembler.assemble(batch, stop)
+        # Collective (with torchrun and group ranking): a judge group split over ranks is
+        # graded reply by reply, not ranked on each rank apart.
+        unranked = (
+            held_elsewhere(self.ctx, self.assembler.judge_group_keys(batch))
+            if self.ctx.enabled and self.assembler.ranks_groups
+            else frozenset()
+        )
+        rewarded = self.assembler.assemble(batch, stop, unranked)
         self._raise_if_stopped(stop)
         # Collective: rank 0's canary counts the union of the ranks' replies, those it
         # cannot train on too (their guard checks, and whether they finished).

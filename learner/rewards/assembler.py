@@ -79,13 +79,40 @@ class RewardAssembler:
         self.verifiers = verifiers if verifiers is not None else VerifierRunner(config.verifiers)
         self.counts: Counter[str] = Counter()
 
+    @property
+    def ranks_groups(self) -> bool:
+        """Whether the judge ranks a group's replies against each other (`rank_groups`)."""
+        return (
+            self.judge is not None
+            and self.config.weights.judge > 0
+            and self.judge.config.rank_groups
+        )
+
+    def judge_group_keys(self, items: list[Any]) -> set[str]:
+        """The judge groups of `items` that span records (a client's group id): the ones
+        another torchrun rank may hold part of."""
+        keys = set()
+        for item in items:
+            trajectory, _ = as_pair(item)
+            if trajectory.get("group_id"):
+                keys.add(_judge_group_key(trajectory))
+        return keys
+
     def assemble(
-        self, items: list[Any], stop: threading.Event | None = None
+        self,
+        items: list[Any],
+        stop: threading.Event | None = None,
+        unranked: frozenset[str] = frozenset(),
     ) -> list[RewardedChoice]:
         """The rewarded choices of `items`. Verifiers and the judge may each take up to
         their timeout per call, so `stop` is looked at before each item and each judge
         group: once it is set the rest get no verifier or judge part, and the caller must
-        not train on the result (the learner drops the batch and reads it again)."""
+        not train on the result (the learner drops the batch and reads it again).
+
+        The judge groups in `unranked` (`judge_group_keys` that another rank holds part of)
+        are graded reply by reply, not ranked: ranked per rank, each rank's best reply got
+        the ranking's whole bonus (0.44 became 0.94 for a reply best only on its rank),
+        while the advantages compare the group across ranks."""
         weights = self.config.weights
         timeouts, errors = self.verifiers.timeouts, self.verifiers.errors
         out: list[RewardedChoice] = []
@@ -129,10 +156,10 @@ class RewardAssembler:
                 if self.judge is not None and weights.judge > 0:
                     judge_groups.setdefault(_judge_group_key(trajectory), []).append(rewarded)
                 out.append(rewarded)
-        for group in judge_groups.values():
+        for key, group in judge_groups.items():
             if stop is not None and stop.is_set():
                 break
-            self._judge_group(group, stop)
+            self._judge_group(group, stop, rank=key not in unranked)
         # Surfaced with the other reward counts (learner_step log, checkpoint counters).
         if self.verifiers.timeouts > timeouts:
             self.counts["verifier_timeouts"] += self.verifiers.timeouts - timeouts
@@ -163,11 +190,13 @@ class RewardAssembler:
             if self.judge is not None:
                 self.judge.close()
 
-    def _judge_group(self, group: list[RewardedChoice], stop: threading.Event | None) -> None:
+    def _judge_group(
+        self, group: list[RewardedChoice], stop: threading.Event | None, rank: bool
+    ) -> None:
         assert self.judge is not None
         trajectory = group[0].trajectory
         choices = [_choice(r) for r in group]
-        verdicts = self.judge.score_group(trajectory, choices, stop)
+        verdicts = self.judge.score_group(trajectory, choices, stop, rank=rank)
         for rewarded, verdict in zip(group, verdicts, strict=True):
             rewarded.judge_raw = {"raw": verdict.raw, "error": verdict.error}
             if verdict.error == STOPPED:

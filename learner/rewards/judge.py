@@ -183,16 +183,18 @@ class Judge:
         trajectory: dict[str, Any],
         choices: list[dict[str, Any]],
         stop: threading.Event | None = None,
+        rank: bool = True,
     ) -> list[JudgeVerdict]:
-        """Score each reply; with several replies and rank_groups, mix in their ranking.
-        Once `stop` is set no further call starts (calls in flight end within timeout_s).
+        """Score each reply; with several replies, rank_groups and `rank`, mix in their
+        ranking. Once `stop` is set no further call starts (calls in flight end within
+        timeout_s).
 
         A reply whose own score failed keeps its failed verdict (no score, its error), the
         ranking only beside it in `raw`: scored from the ranking alone it stood on another
         scale than its siblings' half-and-half mix, above a sibling the judge preferred,
         and its failure was neither marked `incomplete` nor counted as `judge_failed`."""
         verdicts = list(self._pool.map(lambda c: self.score(trajectory, c, stop), choices))
-        if not (self.config.rank_groups and 2 <= len(choices) <= len(_LETTERS)):
+        if not (rank and self.config.rank_groups and 2 <= len(choices) <= len(_LETTERS)):
             return verdicts
         ranking = self.rank(trajectory, choices, stop)
         preference = ranking.raw.get("preference") if ranking.score is not None else None

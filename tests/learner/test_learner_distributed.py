@@ -420,3 +420,25 @@ def test_a_learner_ahead_of_serving_says_so_whichever_rank_read_the_batch(
     assert rank0["warnings"] == [[8, 0]]  # said once, by rank 0, of the whole batch
     assert rank1["warnings"] == []
     assert rank0["consumed"] == rank1["consumed"] == 4
+
+
+def _held_elsewhere_rank(rank: int, world: int, port: int, out: str) -> None:
+    from learner.distributed import held_elsewhere
+
+    _init_gloo(rank, world, port)
+    try:
+        keys = [{"split", "only-0"}, {"split", "only-1"}, set()][rank]
+        found = held_elsewhere(DistContext(rank, world), keys)
+        Path(out, f"rank{rank}.json").write_text(json.dumps(sorted(found)))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_a_judge_group_split_over_ranks_is_known_to_each_rank_holding_it(
+    tmp_path: Path,
+) -> None:
+    mp.start_processes(
+        _held_elsewhere_rank, args=(3, free_port(), str(tmp_path)), nprocs=3, start_method="spawn"
+    )
+    found = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(3)]
+    assert found == [["split"], ["split"], []]

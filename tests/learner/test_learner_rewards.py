@@ -356,7 +356,9 @@ def test_a_failed_judge_verdict_leaves_its_reply_out_of_the_comparison() -> None
     siblings: not rewarded (`incomplete`), where it used to get the verifier's part alone."""
 
     class HalfJudge:
-        def score_group(self, trajectory: Any, choices: Any, stop: Any) -> list[JudgeVerdict]:
+        def score_group(
+            self, trajectory: Any, choices: Any, stop: Any, rank: bool = True
+        ) -> list[JudgeVerdict]:
             return [
                 JudgeVerdict(score=0.2, raw={}),
                 JudgeVerdict(score=None, raw={}, error="timeout"),
@@ -406,18 +408,26 @@ def test_a_failed_score_is_not_made_up_from_the_groups_ranking() -> None:
     assert dict(assembler.counts) == {"rewarded": 1, "incomplete": 1, "judge_failed": 1}
 
 
+class GroupRecordingJudge:
+    """Notes each group it is asked to grade, and whether to rank it."""
+
+    def __init__(self) -> None:
+        self.groups: list[tuple[list[str], bool]] = []
+        self.config = JudgeConfig(enabled=True)
+
+    def score_group(
+        self,
+        trajectory: dict[str, Any],
+        choices: list[dict[str, Any]],
+        stop: Any = None,
+        rank: bool = True,
+    ) -> list:
+        self.groups.append(([str(c["message"]["content"]) for c in choices], rank))
+        return [JudgeVerdict(score=0.5) for _ in choices]
+
+
 def test_judge_groups_are_the_objective_groups_per_tenant() -> None:
-    class RecordingJudge:
-        def __init__(self) -> None:
-            self.groups: list[list[str]] = []
-
-        def score_group(
-            self, trajectory: dict[str, Any], choices: list[dict[str, Any]], stop: Any = None
-        ) -> list:
-            self.groups.append([str(c["message"]["content"]) for c in choices])
-            return [JudgeVerdict(score=0.5) for _ in choices]
-
-    judge = RecordingJudge()
+    judge = GroupRecordingJudge()
     assembler = RewardAssembler(RewardConfig(), judge=judge)  # type: ignore[arg-type]
     items = [
         {"trajectory": record(text, tenant=tenant, trajectory_id=text, group_id="g1")}
@@ -425,7 +435,24 @@ def test_judge_groups_are_the_objective_groups_per_tenant() -> None:
     ]
     assembler.assemble(items)
     # Tenant B's reply is never ranked against tenant A's prompt and replies.
-    assert sorted(judge.groups) == [["a1", "a2"], ["b1"]]
+    assert sorted(judge.groups) == [(["a1", "a2"], True), (["b1"], True)]
+
+
+def test_a_judge_group_another_rank_holds_part_of_is_not_ranked() -> None:
+    """Ranked per torchrun rank, each rank's best reply got the ranking's whole bonus (a
+    0.44 reply became 0.94, best only on its rank), while advantages compare the group over
+    the ranks: such a group is graded reply by reply."""
+    judge = GroupRecordingJudge()
+    assembler = RewardAssembler(RewardConfig(), judge=judge)  # type: ignore[arg-type]
+    items = [
+        {"trajectory": record(text, trajectory_id=text, group_id=group)}
+        for text, group in (("a1", "split"), ("a2", "split"), ("b1", "here"), ("b2", "here"))
+    ]
+    keys = assembler.judge_group_keys(items)
+    assert len(keys) == 2 and assembler.ranks_groups
+    [split] = [k for k in keys if "split" in k]
+    assembler.assemble(items, unranked=frozenset({split}))
+    assert sorted(judge.groups) == [(["a1", "a2"], False), (["b1", "b2"], True)]
 
 
 def test_the_judge_sees_each_reply_with_its_own_conversation() -> None:
@@ -437,7 +464,11 @@ def test_the_judge_sees_each_reply_with_its_own_conversation() -> None:
             self.seen: list[tuple[str, list[str]]] = []
 
         def score_group(
-            self, trajectory: dict[str, Any], choices: list[dict[str, Any]], stop: Any = None
+            self,
+            trajectory: dict[str, Any],
+            choices: list[dict[str, Any]],
+            stop: Any = None,
+            rank: bool = True,
         ) -> list:
             prompt = trajectory["request"]["messages"][0]["content"]
             self.seen.append((prompt, [str(c["message"]["content"]) for c in choices]))

@@ -13,8 +13,18 @@ import urllib.request
 from http.client import HTTPResponse
 
 
+class _NoRedirects(urllib.request.HTTPRedirectHandler):
+    """A redirect is answered as the HTTPError it is, not followed: urllib follows it with
+    every header of the request, so `olp status` sent `Authorization: Bearer <admin key>`
+    wherever a 302 pointed. olp's own services never redirect."""
+
+    def redirect_request(self, *args: object, **kwargs: object) -> None:
+        return None
+
+
 def open_direct(request: urllib.request.Request | str, timeout_s: float) -> HTTPResponse:
-    """`urllib.request.urlopen` without the environment's proxies."""
-    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+    """`urllib.request.urlopen` without the environment's proxies, and without following
+    redirects."""
+    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}), _NoRedirects())
     response: HTTPResponse = opener.open(request, timeout=timeout_s)
     return response

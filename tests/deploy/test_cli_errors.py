@@ -69,6 +69,12 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             self.end_headers()
             self.wfile.write(page)
             return
+        elif self.mode == "redirect":  # to where the key must not go
+            self.send_response(302)
+            self.send_header("Location", "/elsewhere")
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+            return
         body = {
             "json": b'{"serving_version": "base"}',
             "text": b"<html>not json</html>",
@@ -107,6 +113,15 @@ def test_admin_client_turns_bad_answers_into_admin_errors(admin_server, mode, me
     handler.mode = mode
     with pytest.raises(AdminError, match=message):
         AdminClient(url, "k", timeout_s=0.5).call("GET", "/admin/status")
+
+
+def test_admin_client_does_not_follow_a_redirect_with_the_admin_key(admin_server) -> None:
+    """urllib followed a 302 with every header, `Authorization: Bearer <admin key>` too."""
+    url, handler = admin_server
+    handler.mode = "redirect"
+    with pytest.raises(AdminError, match="failed with 302"):
+        AdminClient(url, "k", timeout_s=2).call("GET", "/admin/status")
+    assert handler.paths == ["/admin/status"]  # /elsewhere never asked
 
 
 def test_admin_client_returns_the_json_object(admin_server) -> None:

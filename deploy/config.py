@@ -141,7 +141,9 @@ _SECRET_KEY = ("key", "secret", "token", "password")
 _MASK = "**********"  # what pydantic shows of a SecretStr
 
 
-_SECRET_WORDS = frozenset({"passwd", "credential", "credentials", "auth", "pass", "pwd"})
+_SECRET_WORDS = frozenset(
+    {"passwd", "credential", "credentials", "creds", "cred", "auth", "pass", "pwd"}
+)
 # A word that ends so is a secret's too: `APIKEY`, `ACCESSKEY`, `SESSIONTOKEN`,
 # `DB_PASSPHRASE` (shown in clear before, where `API_KEY` was masked).
 _SECRET_ENDINGS = (*_SECRET_KEY, "passwd", "passphrase")

@@ -330,7 +330,7 @@ def test_config_show_masks_secret_looking_vllm_env_values_and_arguments() -> Non
         "OLP_POLICY__ENV": (
             "{HF_TOKEN: sekrit1, VLLM_LOGGING_LEVEL: INFO,"
             " HF_ENDPOINT: 'https://me:sekrit5@mirror.example/hf',"
-            " OPENAI_APIKEY: sekrit7, DB_PASSPHRASE: sekrit8}"
+            " OPENAI_APIKEY: sekrit7, DB_PASSPHRASE: sekrit8, MY_CREDS: sekrit10}"
         ),
         "OLP_POLICY__EXTRA_ARGS": (
             "[--api-key, sekrit2, --hf-token=sekrit3, --tokenizer, tok/dir,"
@@ -346,6 +346,7 @@ def test_config_show_masks_secret_looking_vllm_env_values_and_arguments() -> Non
         "HF_ENDPOINT": "https://**********@mirror.example/hf",  # a URL's user info too
         "OPENAI_APIKEY": "**********",  # words ending as a secret's name
         "DB_PASSPHRASE": "**********",
+        "MY_CREDS": "**********",  # shown in clear before
     }
     assert shown["policy"]["extra_args"] == [
         "--api-key",

@@ -13,7 +13,7 @@ import asyncio
 import json
 import time
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Generator, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -144,10 +144,17 @@ async def replay_file(
     HTTP errors are recorded in the line (and counted), never raised: a shadow run should see
     them all.
     """
-    # Checked whole first, then read again as the requests go: a list of every record took
-    # about six times the file's size before the first request (787 MiB for a 117 MiB
-    # export of agent traffic), and a day's export could not be replayed at all.
-    check_trajectories(Path(source))
+    # A file is checked whole first, then read again as the requests go: a list of every
+    # record took about six times the file's size before the first request (787 MiB for a
+    # 117 MiB export of agent traffic), and a day's export could not be replayed at all. A
+    # pipe (`/dev/stdin`, `<(zcat ...)`) cannot be read twice: it is held as before.
+    source = Path(source)
+    if source.is_file():
+        expected = check_trajectories(source)
+        todo: Iterator[dict[str, Any]] = iter_trajectories(source)
+    else:
+        held = list(iter_trajectories(source))
+        expected, todo = len(held), iter(held)
     all_headers = {"X-OLP-Train": "0", **(headers or {})}
     if api_key:
         all_headers["Authorization"] = f"Bearer {api_key}"
@@ -160,7 +167,6 @@ async def replay_file(
     # Requests start at most 2 * concurrency lines ahead of the oldest unwritten one: the
     # lines come out in the order of `source`, and memory (and what a crash loses) is bounded.
     window: deque[asyncio.Task[dict[str, Any]]] = deque()
-    todo = iter_trajectories(Path(source))
     async with aiohttp.ClientSession(headers=all_headers, timeout=timeout) as session:
         with out.open("w", encoding="utf-8") as handle:
             try:
@@ -183,10 +189,16 @@ async def replay_file(
                     else:
                         result.errors += 1
             finally:
-                todo.close()  # its file
+                if isinstance(todo, Generator):
+                    todo.close()  # its file
                 for task in window:  # a crash or a cancel: stop the requests in flight
                     task.cancel()
                 await asyncio.gather(*window, return_exceptions=True)
+    if result.sent != expected:
+        raise ValueError(
+            f"{source} changed while it was replayed: {expected} trajectories checked, "
+            f"{result.sent} sent (the lines in {out} are the ones sent)"
+        )
     log.info(
         "replay_written",
         path=str(out),

@@ -65,14 +65,29 @@ def canonical_json(obj: Any) -> bytes:
     ).encode("utf-8")
 
 
+# Deeper than any record olp writes (a gate result is about 6 levels). A line nested near
+# Python's recursion limit parses, then fails hashing (`canonical_json` recurses deeper).
+_MAX_RECORD_DEPTH = 100
+
+
 def _parse_json(data: bytes | str) -> Any:
-    """`json.loads`, a line nested too deeply for it raising ValueError as any damaged line
-    does: its RecursionError went past every check, and `olp audit verify` and `show`
-    ended in a traceback on a line an editor had replaced with `[[[...]]]`."""
+    """`json.loads`, a line nested too deeply to hash (or to parse) raising ValueError as any
+    damaged line does: its RecursionError went past every check, and `olp audit verify` and
+    `show` ended in a traceback on a line an editor had replaced with `[[[...]]]`."""
     try:
-        return json.loads(data)
+        value = json.loads(data)
     except RecursionError as exc:
         raise ValueError("nested too deeply to read") from exc
+    stack = [(value, 1)]  # walked without recursion
+    while stack:
+        node, depth = stack.pop()
+        if depth > _MAX_RECORD_DEPTH:
+            raise ValueError(f"nested more than {_MAX_RECORD_DEPTH} levels deep")
+        if isinstance(node, dict):
+            stack.extend((child, depth + 1) for child in node.values())
+        elif isinstance(node, list):
+            stack.extend((child, depth + 1) for child in node)
+    return value
 
 
 def record_hash(record: Mapping[str, Any]) -> str:
@@ -336,6 +351,8 @@ class AuditLog:
         behind, so adopting the record in silence left no trace of it after the next append
         (a forged `rollback` read as an operator's). The record says which one was adopted,
         for whoever compares it with what they did."""
+        head = head_path(self.path)
+        before = head.read_bytes() if head.exists() else None
         self._write_head(last)
         adopted = {"seq": last["seq"], "hash": last["hash"], "event": last.get("event")}
         log.error(
@@ -349,6 +366,14 @@ class AuditLog:
             return self._append_record(AUDIT_LOG_ACTOR, "head_caught_up", adopted, last)
         except AuditRecordWritten as exc:
             raise AuditError(f"{exc}; the record asked for was not written") from exc
+        except BaseException:
+            # Its line is not in the log: the head goes back one record, so the adopted one
+            # is still reported (and recorded by the next append that succeeds).
+            if before is None:
+                head.unlink(missing_ok=True)
+            else:
+                self._write_head(json.loads(before))
+            raise
 
     def _append_record(
         self, actor: str, event: str, clean_payload: dict[str, Any], last: dict | None

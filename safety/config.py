@@ -160,7 +160,7 @@ class AuditConfig(_Model):
         # `""` was taken: joined to the state dir it named the directory itself, and start-up
         # failed with "Is a directory" naming no key (a standalone proxy started, and every
         # admin change then got 503).
-        if Path(path).name in ("", ".", "..") or path.endswith("/"):
+        if path.split("/")[-1] in ("", ".", ".."):  # `audit/.` is the directory `audit`
             raise ValueError(f"must name a file (audit/audit.jsonl), not {path!r}")
         return path
 

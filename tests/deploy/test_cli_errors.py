@@ -228,11 +228,12 @@ def test_audit_commands_on_a_line_nested_too_deeply_to_read(tmp_path: Path) -> N
     for event in ("freeze", "unfreeze", "freeze"):
         log.append("operator", event)
     lines = path.read_bytes().splitlines(keepends=True)
-    lines[1] = b"[" * 100_000 + b"]" * 100_000 + b"\n"
-    path.write_bytes(b"".join(lines))
-    verified = olp("audit", "verify", str(path))
-    assert verified.returncode == 1 and "Traceback" not in verified.stderr, verified.stderr
-    assert "TAMPERED" in verified.stdout and "audit.jsonl:2: not valid JSON" in verified.stdout
+    for depth in (990, 100_000):  # parsed, then too deep to hash; too deep to parse
+        lines[1] = b"[" * depth + b"]" * depth + b"\n"
+        path.write_bytes(b"".join(lines))
+        verified = olp("audit", "verify", str(path))
+        assert verified.returncode == 1 and "Traceback" not in verified.stderr, verified.stderr
+        assert "TAMPERED" in verified.stdout and "audit.jsonl:2: not valid JSON" in verified.stdout
     done = olp("audit", "show", str(path))
     assert_clean_error(done, 2, "cannot read the audit log past the records above")
     assert [line.split()[3] for line in done.stdout.splitlines()] == ["freeze"]

@@ -521,7 +521,7 @@ def test_the_stacks_other_variables_are_not_taken_for_config_typos() -> None:
     assert load_config(None, environ=environ).proxy.port == 9100
 
 
-@pytest.mark.parametrize("path", ["", ".", "audit/", "audit/.."])
+@pytest.mark.parametrize("path", ["", ".", "audit/", "audit/..", "audit/."])
 def test_an_audit_path_naming_no_file_is_refused_naming_the_key(tmp_path: Path, path: str) -> None:
     """`""` named the state dir itself: start-up failed with "Is a directory", naming no key."""
     config = write(tmp_path, f"safety:\n  audit:\n    path: {path!r}\n")

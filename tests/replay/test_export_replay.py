@@ -611,3 +611,51 @@ async def test_replay_reads_the_file_as_it_sends_not_all_before(
     [[checked, sending]] = read_when_first_sent
     assert checked == 50  # the check read every record first
     assert sending <= 2  # the send pass only what its window holds (2 x concurrency 1)
+
+
+async def test_replay_of_a_pipe_sends_every_record(tmp_path: Path) -> None:
+    """A pipe cannot be read twice: checked on a first pass, the second pass found it empty
+    and the run sent nothing, exiting 0. A pipe is held whole, as every file was before."""
+    import threading
+
+    records = [make_trajectory(prompt=f"p{i}") for i in range(5)]
+    fifo = tmp_path / "source.fifo"
+    os.mkfifo(fifo)
+    text = "".join(json.dumps(r) + "\n" for r in records)
+    writer = threading.Thread(target=fifo.write_text, args=(text,), daemon=True)
+    writer.start()
+
+    async def answer(request: web.Request) -> web.Response:
+        return web.json_response({"choices": [], "usage": None})
+
+    async with _serving(answer) as url:
+        result = await replay_file(fifo, tmp_path / "out.jsonl", base_url=url, model="m")
+    writer.join(5)
+    assert result.sent == result.ok == 5
+
+
+async def test_replay_of_a_file_cut_short_while_it_ran_says_so(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Read twice, a file rewritten between the check and the sending would otherwise end
+    the run as if every record was sent."""
+    import replay.replayer as replayer
+
+    records = [make_trajectory(prompt=f"p{i}") for i in range(3)]
+    source = tmp_path / "source.jsonl"
+    source.write_text("".join(json.dumps(r) + "\n" for r in records))
+    checked = replayer.check_trajectories
+
+    def check_then_cut(path: Path) -> int:
+        count = checked(path)
+        path.write_text(json.dumps(records[0]) + "\n")  # an export rewritten meanwhile
+        return count
+
+    monkeypatch.setattr(replayer, "check_trajectories", check_then_cut)
+
+    async def answer(request: web.Request) -> web.Response:
+        return web.json_response({"choices": [], "usage": None})
+
+    async with _serving(answer) as url:
+        with pytest.raises(ValueError, match="changed while it was replayed: 3 trajectories"):
+            await replay_file(source, tmp_path / "out.jsonl", base_url=url, model="m")

@@ -322,6 +322,31 @@ def test_a_record_appended_past_the_head_is_not_adopted_without_a_trace(tmp_path
     assert verify(path).ok
 
 
+def test_a_catch_up_whose_record_cannot_be_written_leaves_the_head_behind(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Moved up first, the head matched the adopted record when the `head_caught_up` line
+    then failed (a full disk): nothing in the log said a record had been adopted."""
+    path = tmp_path / "audit.jsonl"
+    audit = _write_log(path, 2)
+    head = path.with_name("audit.jsonl.head")
+    behind = head.read_bytes()
+    audit.append("operator", "freeze")
+    head.write_bytes(behind)
+
+    def full_disk(*args: object) -> None:
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(audit, "_write_line", full_disk)
+    with pytest.raises(OSError, match="No space"):
+        audit.append("operator", "unfreeze")
+    assert head.read_bytes() == behind
+    assert "one record behind" in verify(path).reason
+    monkeypatch.undo()
+    audit.append("operator", "unfreeze")
+    assert [r["event"] for r in iter_records(path)][2:] == ["freeze", "head_caught_up", "unfreeze"]
+
+
 def test_a_crash_between_the_first_line_and_its_head_is_not_tampering(tmp_path: Path) -> None:
     # The first append writes seq 1, then the head; a crash in between leaves no head yet
     # (the "one record behind" case of a new log), which must neither brick the log nor

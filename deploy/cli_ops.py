@@ -431,7 +431,7 @@ def cmd_replay_export(args: argparse.Namespace, cfg: OlpConfig) -> int:
     unread = sum(count for partitions in result.unread.values() for count in partitions.values())
     if unread:
         print(
-            f"olp: replay export: stopped with {unread} records unread: the broker sent "
+            f"olp: replay export: stopped with at least {unread} records unread: the broker sent "
             f"nothing for {STALLED_TIMEOUT_S:g} s; the file holds the records before them, "
             "and an export from the `next --from` above gets the rest",
             file=sys.stderr,

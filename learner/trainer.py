@@ -156,9 +156,13 @@ def token_logprobs(model: Any, batch: Batch, chunk: int | None = None) -> torch.
     keep = torch.arange(batch.start, length - 1, device=batch.input_ids.device)
     picked = batch.mask.nonzero(as_tuple=True)  # (row, column) of each completion token
     head = model.get_output_embeddings()
+    if head is None:
+        raise ValueError("the model has no output embeddings (LM head) to score tokens with")
+    seen: list[tuple[int, ...]] = []
 
     def completion_positions(_: torch.nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...]:
         hidden = args[0]  # [B, L-1-start, H]: the positions `keep` names
+        seen.append(tuple(hidden.shape[:2]))
         return (hidden[picked].unsqueeze(0), *args[1:])
 
     hook = head.register_forward_pre_hook(completion_positions)
@@ -169,6 +173,13 @@ def token_logprobs(model: Any, batch: Batch, chunk: int | None = None) -> torch.
     finally:
         hook.remove()
     targets = batch.input_ids[:, batch.start + 1 :][picked]
+    # A model that scores its logits otherwise (the head called twice, not at all, or on
+    # other positions) would give logprobs of the wrong positions, in silence.
+    if seen != [tuple(batch.mask.shape)] or logits.shape[-2] != targets.shape[0]:
+        raise ValueError(
+            "the model does not compute its logits with one call of its output embeddings on "
+            f"the positions asked for (calls on {seen}, expected {[tuple(batch.mask.shape)]})"
+        )
     flat_logits = logits.reshape(targets.shape[0], -1)
     chunk = chunk or chunk_rows(flat_logits)
     flat = _TargetLogprob.apply(flat_logits, targets, chunk)

@@ -53,7 +53,9 @@ class ExportResult:
     skipped_by_retention: dict[str, dict[int, int]] = field(default_factory=dict)
     # kind → partition → records the broker holds below the end asked for that the export
     # did not get, the broker having sent nothing for `stalled_timeout_s` (a restart, a
-    # network cut): the file ends short of them, and `end_offsets` says where.
+    # network cut): the file ends short of them, and `end_offsets` says where. At least
+    # that many: a partition no fetch answered for is counted by its listed end offset,
+    # which the embedded broker gives as its last batch's base offset + 1.
     unread: dict[str, dict[int, int]] = field(default_factory=dict)
 
 
@@ -154,6 +156,10 @@ def iter_records(
             consumer.seek(tp, seeked[tp])
             stop_at[tp] = ends.get(kind, {}).get(tp.partition)
         active = {tp for tp in tps if stop_at[tp] is None or consumer.position(tp) < stop_at[tp]}
+        # Each partition's end when the export began: until its first fetch answers, the
+        # consumer knows no high watermark, and a broker silent from the start looked like
+        # one with nothing to send.
+        known_ends = consumer.end_offsets(list(active)) if active else {}
         for tp in tps:
             if tp not in active:  # already at its end bound: it ends where it starts
                 _record_end(result, kind_of[tp.topic], tp, consumer.position(tp), stop_at[tp])
@@ -196,7 +202,7 @@ def iter_records(
                     _record_end(result, kind_of[tp.topic], tp, position, end, held_back.get(tp))
             if not active:
                 break
-            behind = _unread(consumer, active, stop_at)
+            behind = _unread(consumer, active, stop_at, known_ends)
             idle_s = time.monotonic() - last_progress
             if idle_s > (stalled_timeout_s if behind else idle_timeout_s):
                 log.warning(
@@ -221,12 +227,15 @@ def _unread(
     consumer: KafkaConsumer,
     active: set[TopicPartition],
     stop_at: dict[TopicPartition, int | None],
+    known_ends: dict[TopicPartition, int],
 ) -> dict[TopicPartition, int]:
     """The records each partition holds below its end (the bound asked for, or its high
-    watermark) that were not read yet."""
+    watermark: the last fetch's, else the one when the export began) not read yet."""
     behind: dict[TopicPartition, int] = {}
     for tp in active:
         highwater = consumer.highwater(tp)
+        if highwater is None:
+            highwater = known_ends.get(tp)
         if highwater is None:
             continue
         end = stop_at[tp]

@@ -113,6 +113,12 @@ def models_listed(
             raise PolicyKeyRefused(
                 f"GET {url} answered 401: the server requires an API key and policy.api_key {given}"
             ) from None
+        if 300 <= exc.code < 400:  # not followed (`open_direct`): waiting will not change it
+            where = exc.headers.get("Location") if exc.headers else None
+            raise NotAModelList(
+                f"GET {url} answered {exc.code}, a redirect to {where!r}: give the model "
+                "server's own URL (olp does not follow redirects with its key)"
+            ) from None
         return None
     except (urllib.error.URLError, OSError, ValueError):
         return None

@@ -140,6 +140,16 @@ def test_an_external_vllm_answering_odd_json_is_named_with_what_was_wrong(
     assert what in message
 
 
+def test_an_external_vllm_url_that_redirects_is_named_not_waited_on() -> None:
+    """Redirects are not followed (they would carry the key); a 302 read as "not up yet"
+    left `olp up` waiting out its deadline with no word of the redirect."""
+    from deploy.policy import check_external
+
+    with serving(_json_server(lambda _: (302, b"{}"))) as url, pytest.raises(RuntimeError) as exc:
+        check_external([url])
+    assert f"GET {url}/v1/models answered 302, a redirect" in str(exc.value)
+
+
 def test_an_external_vllm_listing_models_passes() -> None:
     from deploy.policy import check_external, models_listed
 

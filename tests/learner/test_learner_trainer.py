@@ -461,3 +461,25 @@ def test_only_each_rows_completion_positions_reach_the_lm_head() -> None:
         got = both[row][together.mask[row] > 0]
         assert torch.allclose(got, single[0], atol=1e-5), (got, single)
     assert (both[together.mask == 0] == 0).all()
+
+
+def test_a_model_whose_logits_do_not_come_from_its_output_embeddings_is_refused() -> None:
+    """The positions are picked in a hook on the output embeddings: a model that computes
+    its logits otherwise would give the logprobs of other positions, in silence."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from learner.trainer import build_batch, token_logprobs
+
+    config = LlamaConfig(
+        vocab_size=600, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+        num_attention_heads=4, num_key_value_heads=2, pad_token_id=0,
+    )  # fmt: skip
+    model = LlamaForCausalLM(config).eval()
+    batch = build_batch(samples(2), 0, 0, torch.device("cpu"))
+    unused = torch.nn.Linear(32, 600)  # never called by the model's forward
+    model.get_output_embeddings = lambda: unused  # type: ignore[method-assign]
+    with torch.no_grad(), pytest.raises(ValueError, match="one call of its output embeddings"):
+        token_logprobs(model, batch)
+    model.get_output_embeddings = lambda: None  # type: ignore[method-assign]
+    with torch.no_grad(), pytest.raises(ValueError, match="no output embeddings"):
+        token_logprobs(model, batch)

@@ -12,12 +12,11 @@ import urllib.request
 from typing import Any
 
 from deploy.config import OlpConfig
+from deploy.dev_keys import DEV_ADMIN_KEY
 from deploy.direct_http import open_direct
 from deploy.ports import local_http_url
 from proxy.config import INTERNAL_ADMIN_TOKEN_ENV, sha256_hex
 from proxy.operator_auth import ACTOR_PATTERN
-
-DEV_ADMIN_KEY = "olp-admin-dev"
 
 
 class AdminError(RuntimeError):

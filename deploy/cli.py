@@ -73,9 +73,14 @@ def _in_state_dir(exc: OSError, state_dir: Path) -> bool:
 
 
 def cmd_proxy(args: argparse.Namespace, cfg: OlpConfig) -> int:
+    from deploy.dev_keys import exposed_dev_keys
     from deploy.procs import EXIT_CONFIG_ERROR, EXIT_REFUSED
     from proxy.server import run_proxy
 
+    exposed = exposed_dev_keys(cfg)
+    if exposed is not None:
+        print(f"olp: {exposed}", file=sys.stderr)
+        return EXIT_CONFIG_ERROR
     if _state_dir_refused(cfg.state_dir):
         return EXIT_REFUSED
 

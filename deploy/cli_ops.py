@@ -509,7 +509,7 @@ def cmd_replay_run(args: argparse.Namespace, cfg: OlpConfig) -> int:
 
 def cmd_demo(args: argparse.Namespace, cfg: OlpConfig) -> int:
     from deploy.demo import DemoSettings, run_demo
-    from deploy.supervisor import DEV_API_KEY
+    from deploy.dev_keys import DEV_API_KEY
 
     out_dir = Path(args.out) if args.out else cfg.state_dir / "demo"
     try:  # before the run, not after: its results are written there at the end

@@ -28,6 +28,7 @@ from pydantic import SecretStr
 
 from deploy.broker import kafka_answers, start_broker
 from deploy.config import ConfigError, OlpConfig
+from deploy.dev_keys import DEV_ADMIN_KEY, DEV_API_KEY, exposed_dev_keys
 from deploy.direct_http import open_direct
 from deploy.learner_runner import STREAM_ID_ENV
 from deploy.policy import PolicyServer, check_external, start_policy
@@ -51,8 +52,6 @@ log = structlog.get_logger(__name__)
 
 POLICY_KEY_ENV = "OLP_POLICY__API_KEY"  # the environment override of policy.api_key
 
-DEV_API_KEY = "olp-demo-key"
-DEV_ADMIN_KEY = "olp-admin-dev"
 
 # The embedded broker is not restarted: its data lived in memory, so a new one would be a new,
 # empty stream under the running learner. With on_child_exit: restart the stack keeps
@@ -466,6 +465,10 @@ class Stack:
 def run_up(cfg: OlpConfig, config_path: Path | None, *, with_learner: bool = True) -> int:
     """0 when asked to stop (also during start-up), 1 when start-up failed, a child died
     or a child could not be stopped."""
+    exposed = exposed_dev_keys(cfg)
+    if exposed is not None:
+        say(f"olp: {exposed}")
+        return 2
     stack = Stack(cfg, config_path, with_learner=with_learner)
     # Before the first child: a signal during start-up must reach our handler, not kill us.
     install_stop_handlers(stack.stop_requested)

@@ -156,6 +156,32 @@ def test_tenant_names_are_quoted_into_the_admin_path(admin_server) -> None:
     assert handler.paths == ["/admin/tenants/a%20b%2Fc/training"]
 
 
+# ------------------------------------------------------------------ development keys
+@pytest.mark.parametrize("command", ["up", "proxy"])
+def test_a_proxy_beyond_loopback_with_the_published_dev_keys_does_not_start(
+    tmp_path: Path, command: str
+) -> None:
+    """`OLP_PROXY__HOST=0.0.0.0 olp up` on the default config served the admin API to anyone
+    who had read the README's admin key (training on for any tenant, rollback, freeze)."""
+    env = {"OLP_PROXY__HOST": "0.0.0.0", "OLP_STATE_DIR": str(tmp_path / "state")}
+    done = olp(command, env=env)
+    assert_clean_error(done, 2, "the proxy would listen on 0.0.0.0 (proxy.host)")
+    assert "the admin key is the development one" in done.stderr
+    assert "tenant 'demo' has the development key" in done.stderr
+    assert not (tmp_path / "state").exists()  # nothing was started
+
+
+def test_the_dev_keys_are_fine_on_loopback_and_own_keys_anywhere(tmp_path: Path) -> None:
+    from deploy.config import load_config
+    from deploy.dev_keys import exposed_dev_keys
+
+    assert exposed_dev_keys(load_config(None, environ={})) is None  # 127.0.0.1
+    config = tmp_path / "olp.yaml"
+    config.write_text("proxy:\n  host: 0.0.0.0\ntenants: []\n")
+    own = load_config(config, environ={"OLP_PROXY__ADMIN_KEY": "a-key-of-our-own-0123456789"})
+    assert own.proxy.host == "0.0.0.0" and exposed_dev_keys(own) is None
+
+
 # ------------------------------------------------------------------ audit
 def test_audit_commands_refuse_a_directory_without_a_log(tmp_path: Path) -> None:
     for command in ("verify", "show"):

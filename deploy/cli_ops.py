@@ -185,7 +185,17 @@ def cmd_unfreeze(args: argparse.Namespace, cfg: OlpConfig) -> int:
 
 @_run_admin
 def cmd_rollback(args: argparse.Namespace, cfg: OlpConfig) -> int:
-    body = {"to": args.to} if args.to is not None else {}
+    # What is rolled back, said to the proxy: the learner may flip to a newer version (or
+    # start its canary) between the operator's look and this call, and the rollback then
+    # undid that one instead; the proxy refuses (409) when it changed.
+    meant = args.from_
+    if meant is None:
+        status = _admin_call(args, cfg, "GET", "/admin/status")
+        canary = (status.get("canaries") or {}).get(status.get("policy_alias"))
+        meant = canary.get("target") if isinstance(canary, dict) else status.get("serving_version")
+    body: dict[str, Any] = {"from": meant} if meant is not None else {}
+    if args.to is not None:
+        body["to"] = args.to
     result = _admin_call(args, cfg, "POST", "/admin/rollback", body)
     if result.get("decision") == "rollback":
         print(
@@ -596,6 +606,13 @@ def register(sub: Any, with_config: AddConfig, admin: AddConfig) -> None:
         "--to",
         type=_non_empty("--to"),
         help="an earlier version of the alias to serve, e.g. policy-v3 or base",
+    )
+    rollback.add_argument(
+        "--from",
+        dest="from_",
+        type=_non_empty("--from"),
+        help="the version you mean to roll back (default: what `olp status` shows now); "
+        "refused if the alias serves another by then",
     )
     rollback.set_defaults(handler=cmd_rollback)
 

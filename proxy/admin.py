@@ -419,6 +419,28 @@ def _rollback_target(ctx: ProxyContext, alias: str) -> str:
     )
 
 
+def _check_rolled_back_from(ctx: ProxyContext, alias: str, body: dict[str, Any]) -> None:
+    """With `from` (the version the operator decided to roll back: a running canary's
+    target, else what the alias serves), 409 when that is no longer what a rollback would
+    undo. Between `olp status` and `olp rollback` the learner may flip to a newer version
+    or start its canary: the rollback then undid the newer one, or ended its canary, and the
+    version the operator meant kept serving."""
+    if "from" not in body:
+        return
+    meant = _served_target(ctx, body["from"], "from")
+    canary = ctx.aliases.canaries().get(alias)
+    current = canary.target if canary is not None else ctx.aliases.resolve(alias)
+    if current != meant:
+        running = f"runs a canary of {current}" if canary is not None else f"serves {current}"
+        raise ProxyError(
+            409,
+            f"'{alias}' {running}, not {meant} as the rollback expected: it changed "
+            "meanwhile, and nothing was rolled back. Look at `olp status` and run it again.",
+            type_="conflict",
+            code="alias_changed",
+        )
+
+
 async def rollback(request: web.Request) -> web.Response:
     """Undo the newest change: a running canary first, else the alias's last version."""
     actor = _authorize(request)
@@ -426,6 +448,7 @@ async def rollback(request: web.Request) -> web.Response:
     body = await _json_object(request)
     async with request.app[ADMIN_LOCK]:
         alias = _known_alias(ctx, body)
+        _check_rolled_back_from(ctx, alias, body)
         target = body.get("to")
         if target is None and alias in ctx.aliases.canaries():
             return _end_canary(ctx, actor, alias, "rollback", "operator rollback")

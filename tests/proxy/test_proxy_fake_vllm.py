@@ -710,6 +710,32 @@ def test_base_is_the_base_models_served_name_in_admin_targets(make_proxy, fake):
     assert _assert_error(bad, 400, "invalid_request")["param"] == "target"
 
 
+def test_a_rollback_of_a_version_no_longer_served_is_refused(make_proxy, fake):
+    """Between the operator's look and `olp rollback` the learner flipped to v2 (or started
+    its canary): the rollback undid v2 (or ended the canary) and v1, the version meant, kept
+    serving. With `from` (what `olp rollback` sends) the proxy refuses instead."""
+    fake.models_payload = {"data": [{"id": i} for i in ("base", "policy-v1", "policy-v2")]}
+    harness, _ = make_proxy([fake.url])
+    aliases = harness.ctx.aliases
+    for target in ("policy-v1", "policy-v2"):  # the operator saw v1; the learner flips to v2
+        body = {"alias": "policy", "target": target}
+        assert _admin(harness.base_url, "/admin/aliases", body).status_code == 200
+    stale = _admin(harness.base_url, "/admin/rollback", {"from": "policy-v1"})
+    assert (
+        "serves policy-v2, not policy-v1" in _assert_error(stale, 409, "alias_changed")["message"]
+    )
+    assert aliases.resolve("policy") == "policy-v2"
+    canary = _admin(harness.base_url, "/admin/canary", {"target": "policy-v1", "share": 0.5})
+    assert canary.status_code == 200, canary.text
+    behind_canary = _admin(harness.base_url, "/admin/rollback", {"from": "policy-v2"})
+    message = _assert_error(behind_canary, 409, "alias_changed")["message"]
+    assert "runs a canary of policy-v1" in message and "policy" in aliases.canaries()
+    ended = _admin(harness.base_url, "/admin/rollback", {"from": "policy-v1"})  # the canary's
+    assert ended.status_code == 200 and not aliases.canaries(), ended.text
+    back = _admin(harness.base_url, "/admin/rollback", {"from": "policy-v2"})
+    assert back.status_code == 200 and back.json()["serving_version"] == "policy-v1", back.text
+
+
 def test_a_rollback_to_goes_back_only_to_a_version_the_alias_served(make_proxy, fake):
     """`rollback {"to": ...}` took any loaded version, and rollback works while frozen: a
     frozen alias could be moved to a version it never served, a promotion past the freeze.

@@ -44,9 +44,21 @@ class StopRequested(Exception):
     """A stop signal arrived while waiting for a child to become ready."""
 
 
+def stop_signals() -> tuple[signal.Signals, ...]:
+    """`STOP_SIGNALS` less SIGHUP when it is ignored: `nohup olp up &` ignores it so that the
+    stack outlives the terminal, and a handler put in its place stopped the whole stack when
+    the SSH session dropped."""
+    return tuple(
+        sig
+        for sig in STOP_SIGNALS
+        if not (sig == signal.SIGHUP and signal.getsignal(sig) == signal.SIG_IGN)
+    )
+
+
 def install_stop_handlers(stop: threading.Event) -> None:
-    """Turn SIGINT, SIGTERM and SIGHUP into `stop.set()`; call before starting children."""
-    for sig in STOP_SIGNALS:
+    """Turn SIGINT, SIGTERM and SIGHUP (`stop_signals`) into `stop.set()`; call before
+    starting children."""
+    for sig in stop_signals():
         signal.signal(sig, lambda *_: stop.set())
 
 

@@ -117,6 +117,8 @@ async def serve_proxy(
             # SIGHUP too (a closed terminal), as `olp up`, `olp broker` and `olp policy` do:
             # the proxy drains and closes its sink instead of dying with records in it.
             for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+                if signum == signal.SIGHUP and signal.getsignal(signum) == signal.SIG_IGN:
+                    continue  # `nohup olp proxy`: it is meant to outlive the terminal
                 loop.add_signal_handler(signum, stop.set)
         await stop.wait()
         log.info("proxy_stopping")

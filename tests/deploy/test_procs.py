@@ -169,3 +169,29 @@ def test_a_stop_while_a_dead_childs_group_drains_starts_no_new_child(tmp_path, m
     assert stack.watch(poll_s=0.2) == 0
     assert len(starts) == 1, "a new child was started after the stop"
     stack.stop()
+
+
+def test_an_ignored_sighup_stays_ignored_under_nohup() -> None:
+    """`nohup olp up &` ignores SIGHUP so that the stack outlives the terminal; the stop
+    handler put in its place stopped every child when the SSH session dropped."""
+    import threading
+
+    from deploy.procs import install_stop_handlers
+
+    saved = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
+    try:
+        signal.signal(signal.SIGHUP, signal.SIG_IGN)  # what nohup does
+        stop = threading.Event()
+        install_stop_handlers(stop)
+        os.kill(os.getpid(), signal.SIGHUP)
+        assert signal.getsignal(signal.SIGHUP) == signal.SIG_IGN and not stop.is_set()
+        os.kill(os.getpid(), signal.SIGTERM)  # still stops it
+        assert stop.wait(5)
+        signal.signal(signal.SIGHUP, signal.SIG_DFL)  # a terminal's: a closed one stops it
+        again = threading.Event()
+        install_stop_handlers(again)
+        os.kill(os.getpid(), signal.SIGHUP)
+        assert again.wait(5)
+    finally:
+        for sig, handler in saved.items():
+            signal.signal(sig, handler)

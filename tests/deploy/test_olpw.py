@@ -127,3 +127,22 @@ def test_a_python_without_ensurepip_gets_its_venv_package_or_one_clear_line(
     )
     assert f"install -y -q python{version}-venv" in calls.read_text()
     assert not list((tmp_path / "cache" / "venvs").glob("*-cpu"))  # nothing was built
+
+
+def test_olp_commands_keep_the_callers_directory(tmp_path: Path) -> None:
+    """olpw moved to the checkout before every command: `/opt/olp/olpw up --config ./prod.yaml`
+    looked for the config there, and `--out`, `audit verify FILE` and the `.olp` state dir
+    were taken below the checkout."""
+    (tmp_path / "prod.yaml").write_text("state_dir: here-state\n")
+    # The environment olpw built for this run is used (its cache dir kept): nothing installs.
+    env = {k: v for k, v in os.environ.items() if k == "OLP_CACHE_DIR" or not k.startswith("OLP_")}
+    done = subprocess.run(
+        [str(ROOT / "olpw"), "config", "show", "--config", "prod.yaml"],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr
+    assert '"state_dir": "here-state"' in done.stdout

@@ -335,7 +335,12 @@ class Stack:
                 if self.cfg.on_child_exit == "restart" and comp.name == "broker":
                     say(BROKER_DOWN)
                     log.error("child_not_restarted", child=comp.name, reason="embedded broker")
-                    comp.down = True  # stop() still clears what is left of its group
+                    comp.down = True
+                    # What it left in its process group goes now: by the final stop, days
+                    # later maybe, its pid may lead another process group, which that stop
+                    # then sent SIGTERM and SIGKILL.
+                    comp.child.stop(timeout_s=5, group_grace_s=self.group_grace_s)
+                    comp.child = None
                     continue
                 if self.cfg.on_child_exit == "restart" and comp.name in RESTARTABLE:
                     reason = self._no_restart(comp, code, time.monotonic() - comp.started_at)

@@ -361,8 +361,15 @@ def run_demo(settings: DemoSettings, audit_path: Path | None = None) -> dict[str
             time.sleep(5)
     except KeyboardInterrupt:
         stop.set()
-    for thread in threads:
-        thread.join(timeout=600)
+    if any(t.is_alive() for t in threads):
+        print("waiting for the requests in flight (Ctrl-C again: summarise without them)")
+        try:
+            for thread in threads:
+                thread.join(timeout=600)
+        except KeyboardInterrupt:
+            # A second Ctrl-C raised through the command as a traceback, and the run's
+            # summary and plot were never written: they are, from what was answered.
+            print("not waiting: summarising what was answered")
     rows = summarise(demo)
     events = gate_events(audit_path, started) if audit_path else []
     png = plot(demo, events, settings.out_dir / "reward.png")

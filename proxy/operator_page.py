@@ -18,6 +18,7 @@ import asyncio
 import hmac
 import secrets
 import time
+import urllib.parse
 from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -380,13 +381,22 @@ async def _form(request: web.Request) -> Any:
 
 
 def _cross_site(request: web.Request) -> bool:
-    """Whether a browser sent this from another site's page (its Fetch Metadata, which
-    browsers send to loopback and HTTPS origins). A page anywhere could otherwise post the
-    sign-in form to a proxy on the operator's machine, each wrong key counting towards
-    locking every local client out: browsers let pages post forms across sites. (`Origin`
-    is not compared with `Host`: a reverse proxy that rewrites `Host` would refuse the
-    operator's own sign-in.)"""
-    return request.headers.get("Sec-Fetch-Site") in ("cross-site", "same-site")
+    """Whether a browser sent this from another site's page: its Fetch Metadata (which
+    browsers send to loopback and HTTPS origins only), else an `Origin` naming another host
+    than the request's `Host` or `X-Forwarded-Host` (a reverse proxy that rewrites `Host`
+    passes the original there). A page anywhere could otherwise post the sign-in form to
+    the proxy, each wrong key counting towards locking its clients out: browsers let pages
+    post forms across sites, and over plain HTTP to another machine (`http://olp.lan:8000`)
+    they send no Fetch Metadata. A request without `Origin` (curl, a script) is not a
+    browser's form post, and is counted as before."""
+    if request.headers.get("Sec-Fetch-Site") in ("cross-site", "same-site"):
+        return True
+    origin = request.headers.get("Origin")
+    if origin is None:
+        return False
+    sent_from = urllib.parse.urlsplit(origin).netloc.lower()  # "" for `null`
+    own = {request.headers.get(name, "").lower() for name in ("Host", "X-Forwarded-Host")}
+    return sent_from not in own - {""}
 
 
 async def login_with_key(request: web.Request) -> web.Response:

@@ -279,6 +279,16 @@ def test_a_web_page_cannot_lock_local_clients_out(throttled):
             timeout=30,
         )
         assert form.status_code == 403 and "set-cookie" not in form.headers
+        # Over plain HTTP to another machine browsers send no Fetch Metadata: the form's
+        # Origin names the page's site (or `null`, from a sandboxed frame).
+        for origin in ("http://pages.example", "null"):
+            posted = httpx.post(
+                harness.base_url + "/admin/ui/login",
+                data={"key": "guess"},
+                headers={"Origin": origin},
+                timeout=30,
+            )
+            assert posted.status_code == 403 and "set-cookie" not in posted.headers
     same_site = httpx.post(
         harness.base_url + "/admin/ui/login",
         data={"key": ADMIN_KEY},
@@ -297,6 +307,13 @@ def test_a_web_page_cannot_lock_local_clients_out(throttled):
         timeout=30,
     )
     assert own_page.status_code == 303 and "set-cookie" in own_page.headers
+    behind_a_reverse_proxy = httpx.post(  # it rewrote Host, and kept the original
+        harness.base_url + "/admin/ui/login",
+        data={"key": ADMIN_KEY},
+        headers={"Origin": "https://olp.example", "X-Forwarded-Host": "olp.example"},
+        timeout=30,
+    )
+    assert behind_a_reverse_proxy.status_code == 303, behind_a_reverse_proxy.text
 
 
 def test_another_address_is_not_locked_out(throttled):

@@ -409,11 +409,15 @@ def test_a_failed_score_is_not_made_up_from_the_groups_ranking() -> None:
 
 
 class GroupRecordingJudge:
-    """Notes each group it is asked to grade, and whether to rank it."""
+    """Notes each group it is asked to grade: its prompt, its replies, whether to rank it."""
 
     def __init__(self) -> None:
-        self.groups: list[tuple[list[str], bool]] = []
+        self.seen: list[tuple[str, list[str], bool]] = []
         self.config = JudgeConfig(enabled=True)
+
+    @property
+    def groups(self) -> list[tuple[list[str], bool]]:
+        return [(replies, rank) for _, replies, rank in self.seen]
 
     def score_group(
         self,
@@ -422,7 +426,8 @@ class GroupRecordingJudge:
         stop: Any = None,
         rank: bool = True,
     ) -> list:
-        self.groups.append(([str(c["message"]["content"]) for c in choices], rank))
+        prompt = trajectory["request"]["messages"][0]["content"]
+        self.seen.append((prompt, [str(c["message"]["content"]) for c in choices], rank))
         return [JudgeVerdict(score=0.5) for _ in choices]
 
 
@@ -459,22 +464,7 @@ def test_the_judge_sees_each_reply_with_its_own_conversation() -> None:
     """A group id is the client's free label: a record with another prompt under it was
     graded against the first record's conversation."""
 
-    class RecordingJudge:
-        def __init__(self) -> None:
-            self.seen: list[tuple[str, list[str]]] = []
-
-        def score_group(
-            self,
-            trajectory: dict[str, Any],
-            choices: list[dict[str, Any]],
-            stop: Any = None,
-            rank: bool = True,
-        ) -> list:
-            prompt = trajectory["request"]["messages"][0]["content"]
-            self.seen.append((prompt, [str(c["message"]["content"]) for c in choices]))
-            return [JudgeVerdict(score=0.5) for _ in choices]
-
-    judge = RecordingJudge()
+    judge = GroupRecordingJudge()
     assembler = RewardAssembler(RewardConfig(), judge=judge)  # type: ignore[arg-type]
     france = {"messages": [{"role": "user", "content": "Name the capital of France."}]}
     items = [
@@ -492,8 +482,8 @@ def test_the_judge_sees_each_reply_with_its_own_conversation() -> None:
     ]
     assembler.assemble(items)
     assert sorted(judge.seen) == [
-        ("Name the capital of France.", ["Paris"]),
-        ("What is 2 plus 3?", ["5", "6"]),
+        ("Name the capital of France.", ["Paris"], True),
+        ("What is 2 plus 3?", ["5", "6"], True),
     ]
 
 

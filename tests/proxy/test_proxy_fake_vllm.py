@@ -541,9 +541,11 @@ def test_a_change_whose_audit_record_is_written_stands(make_proxy, fake, path, b
     assert verify(ctx.audit.path).ok
     blocked.rmdir()  # the disk recovers: the chain goes on from that record
     assert _admin(harness.base_url, "/admin/unfreeze").status_code == 200
-    assert [r["event"] for r in iter_records(ctx.audit.path)] == [event, "unfreeze"]
+    # The head caught up with the record it had missed, and the log says so.
+    events = [event, "head_caught_up", "unfreeze"]
+    assert [r["event"] for r in iter_records(ctx.audit.path)] == events
     result = verify(ctx.audit.path)
-    assert (result.ok, result.records, result.reason) == (True, 2, "")
+    assert (result.ok, result.records, result.reason) == (True, 3, "")
 
 
 @pytest.mark.parametrize(

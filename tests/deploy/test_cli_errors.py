@@ -703,13 +703,16 @@ def test_proxy_on_a_host_name_that_does_not_resolve_is_one_line(tmp_path: Path) 
     """It ended in a socket.gaierror traceback; now one line naming proxy.host, exit 2 (a
     configuration error, which `olp up` does not restart)."""
     port = free_port()
+    config = tmp_path / "olp.yaml"  # keys of its own: beyond loopback, the dev keys are refused
+    config.write_text("tenants: []\n")
     env = {
         "OLP_PROXY__HOST": "nosuch.invalid",
         "OLP_PROXY__PORT": str(port),
+        "OLP_PROXY__ADMIN_KEY": "an-admin-key-of-this-test-0123",
         "OLP_STATE_DIR": str(tmp_path),
         "OLP_STREAM__BOOTSTRAP_SERVERS": "127.0.0.1:1",
     }
-    done = olp("proxy", env=env)
+    done = olp("proxy", "--config", str(config), env=env)
     assert_clean_error(done, 2, f"the proxy cannot listen on nosuch.invalid:{port}")
     assert "proxy.host" in done.stderr and "does not resolve" in done.stderr, done.stderr
 

@@ -50,6 +50,9 @@ class RetainedConsumer:
     def highwater(self, tp: TopicPartition) -> int:
         return len(self.records)
 
+    def end_offsets(self, tps: list[TopicPartition]) -> dict[TopicPartition, int]:
+        return dict.fromkeys(tps, len(self.records))
+
     def pause(self, *tps: TopicPartition) -> None:
         pass
 

@@ -438,9 +438,46 @@ def read_yaml(path: Path) -> dict[str, Any]:
 
 def validate(model: type[BaseModel], data: Mapping[str, Any]) -> Any:
     try:
-        return model.model_validate(data)
+        validated = model.model_validate(data)
     except ValidationError as exc:
         raise ConfigError(_format_error(exc)) from None
+    taken = _booleans_read_as_numbers(data, validated, ())
+    if taken:
+        raise ConfigError(
+            "invalid configuration:\n"
+            + "\n".join(f"  {key}: a number is due, not a true/false value" for key in taken)
+        )
+    return validated
+
+
+def _booleans_read_as_numbers(raw: Any, validated: Any, path: tuple[str, ...]) -> list[str]:
+    """The keys where YAML's `true`/`false` became a number: pydantic's lax mode reads
+    `max_tokens: true` as 1, which is never what was meant. Strict mode is no cure, since
+    an environment override is a string that must still be read as a number; so the raw
+    data is walked beside what it validated to."""
+    if isinstance(raw, bool):
+        is_number = isinstance(validated, int | float) and not isinstance(validated, bool)
+        return [".".join(path) or "<root>"] if is_number else []
+    found: list[str] = []
+    if isinstance(raw, Mapping):
+        for key, value in raw.items():
+            if isinstance(validated, BaseModel):
+                if not isinstance(key, str) or key not in type(validated).model_fields:
+                    continue
+                inner = getattr(validated, key)
+            elif isinstance(validated, Mapping) and key in validated:
+                inner = validated[key]
+            else:
+                continue
+            found += _booleans_read_as_numbers(value, inner, (*path, str(key)))
+    elif (
+        isinstance(raw, list | tuple)
+        and isinstance(validated, list | tuple)
+        and len(raw) == len(validated)
+    ):
+        for index, (value, inner) in enumerate(zip(raw, validated, strict=True)):
+            found += _booleans_read_as_numbers(value, inner, (*path, str(index)))
+    return found
 
 
 def load_raw(path: Path | None, environ: Mapping[str, str] | None = None) -> dict[str, Any]:

@@ -303,7 +303,8 @@ HEADER = f"""# Configuration reference
 olp reads one YAML file (`olp <command> --config FILE`; without it the shipped
 `deploy/default_config.yaml`). Every key has a default, unknown keys are errors, and invalid
 values stop start-up with a message naming the dotted key (a rule across keys names their
-section and the keys in its text).
+section and the keys in its text). A number key given `true` or `false` is refused, not read as
+1 or 0.
 
 The defaults below are what a key left out of the file gets. The shipped file sets some keys
 for a small demo on one machine: `learner.batch_size` 8, `learner.min_batch` 4,

@@ -44,6 +44,27 @@ def test_invalid_values_are_named(tmp_path: Path) -> None:
     assert "proxy.upstreams" in message
 
 
+def test_a_number_given_true_or_false_is_refused_not_read_as_one(tmp_path: Path) -> None:
+    """pydantic's lax mode read `max_tokens: true` as 1 and `temperature: false` as 0."""
+    text = (
+        "safety:\n  gates:\n    sampling:\n      max_tokens: true\n      temperature: false\n"
+        "tenants:\n  - name: t\n    api_key: key-of-tenant-t\n    requests_per_minute: true\n"
+    )
+    with pytest.raises(ConfigError) as err:
+        load_config(write(tmp_path, text), environ={})
+    assert str(err.value).splitlines()[1:] == [
+        "  safety.gates.sampling.max_tokens: a number is due, not a true/false value",
+        "  safety.gates.sampling.temperature: a number is due, not a true/false value",
+        "  tenants.0.requests_per_minute: a number is due, not a true/false value",
+    ]
+    env = {"OLP_SAFETY__GATES": "{sampling: {max_tokens: true}}"}
+    with pytest.raises(ConfigError, match=r"safety\.gates\.sampling\.max_tokens: a number"):
+        load_config(None, environ=env)
+    # Booleans stay booleans, and a number from the environment is still read from its text.
+    cfg = load_config(None, environ={"OLP_SAFETY__GATES__SAMPLING__MAX_TOKENS": "7"})
+    assert cfg.safety.gates.sampling.max_tokens == 7
+
+
 def test_an_importance_cap_below_one_is_refused(tmp_path: Path) -> None:
     """min(ρ, C) with C < 1 scaled down on-policy tokens too (and with PPO zeroed the
     gradient of negative advantages at ρ = 1); 1 itself is a valid truncation."""

@@ -146,3 +146,48 @@ def test_olp_commands_keep_the_callers_directory(tmp_path: Path) -> None:
     )
     assert done.returncode == 0, done.stderr
     assert '"state_dir": "here-state"' in done.stdout
+
+
+def test_a_c_strip_that_fails_to_build_is_tried_once_per_source(tmp_path: Path) -> None:
+    """With a compiler that fails on the source, no `.so` appeared and every olpw call
+    reinstalled the project (seconds each, `olpw status` included). A stand-in environment
+    whose pip builds nothing; the checkout is a copy without the built extension."""
+    key = _key(tmp_path)
+    checkout = tmp_path / "checkout"
+    (checkout / "deploy").mkdir(parents=True)
+    (checkout / "proxy").mkdir()
+    for name in ("olpw", "pyproject.toml", "setup.py", str(_CONSTRAINTS), "proxy/_sse_strip.c"):
+        shutil.copy(ROOT / name, checkout / name)
+    venv = tmp_path / "cache" / "venvs" / key
+    (venv / "bin").mkdir(parents=True)
+    (venv / ".complete").touch()
+    calls = tmp_path / "pip-calls"
+    python = venv / "bin" / "python"
+    python.write_text(f'#!/bin/sh\necho "$@" >> {calls}\nexit 0\n')
+    python.chmod(0o755)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("OLP_")}
+    env["OLP_CACHE_DIR"] = str(tmp_path / "cache")
+    runs = [
+        subprocess.run(
+            ["bash", str(checkout / "olpw"), "env"],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        for _ in range(3)
+    ]
+    assert [run.returncode for run in runs] == [0, 0, 0], runs[0].stderr
+    assert all(run.stdout.strip() == str(venv) for run in runs)
+    assert len(calls.read_text().splitlines()) == 1  # one reinstall, not one per call
+    assert "C strip did not build" in runs[0].stderr
+    assert not runs[1].stderr and not runs[2].stderr
+    assert (venv / ".olp-src").read_text().endswith(" c-build-failed\n")
+    # A changed source is tried again.
+    with (checkout / "proxy" / "_sse_strip.c").open("a") as source:
+        source.write("\n")
+    again = subprocess.run(
+        ["bash", str(checkout / "olpw"), "env"], env=env, capture_output=True, text=True, timeout=60
+    )
+    assert again.returncode == 0, again.stderr
+    assert len(calls.read_text().splitlines()) == 2

@@ -204,6 +204,11 @@ def cmd_rollback(args: argparse.Namespace, cfg: OlpConfig) -> int:
         )
     else:
         print(f"rolled back: now serving {result.get('serving_version', result)}")
+    if unconfirmed := result.get("unconfirmed_replicas"):
+        print(
+            f"not confirmed on {', '.join(unconfirmed)} (did not answer): requests go to the "
+            "other replicas until it serves the version again"
+        )
     return 0
 
 

@@ -289,13 +289,24 @@ async def status(request: web.Request) -> web.Response:
     return web.json_response(payload)
 
 
-async def _check_served(ctx: ProxyContext, target: str) -> None:
-    """Refuse to point an alias at a name some replica does not serve (409)."""
+async def _check_served(ctx: ProxyContext, target: str, rollback: bool = False) -> list[str]:
+    """Refuse to point an alias at a name some replica does not serve (409); the replicas
+    that could not be asked are returned when `rollback` allows them.
 
-    async def listed(replica: Replica) -> bool:
+    A rollback is the incident's tool, and the incident may be a bad version that took a
+    replica down: refused until every replica answered, it could not undo that version. So
+    a rollback goes ahead once every replica that answers lists the target (at least one
+    must): the proxy routes around a down replica, and one that comes back without the
+    target answers 404, which hands the request to another, until the learner's reloader
+    has loaded it there. A flip or canary still needs every replica's word."""
+
+    async def listed(replica: Replica) -> bool | None:
         try:
             return target in await ctx.pool.served_models(replica)
         except (TimeoutError, aiohttp.ClientError, ValueError) as exc:  # ValueError: no list
+            if rollback and not isinstance(exc, ValueError):
+                log.warning("rollback_replica_unconfirmed", replica=replica.url, error=repr(exc))
+                return None
             raise ProxyError(
                 502,
                 f"Replica {replica.url} did not list its models: {type(exc).__name__}.",
@@ -305,7 +316,16 @@ async def _check_served(ctx: ProxyContext, target: str) -> None:
 
     replicas = ctx.pool.replicas
     found = await asyncio.gather(*(listed(r) for r in replicas))
-    missing = [r.url for r, ok in zip(replicas, found, strict=True) if not ok]
+    unreachable = [r.url for r, ok in zip(replicas, found, strict=True) if ok is None]
+    if len(unreachable) == len(replicas):
+        raise ProxyError(
+            502,
+            f"No replica listed its models ({', '.join(unreachable)}): nothing confirms "
+            f"that '{target}' is served, so nothing was rolled back.",
+            type_="api_error",
+            code="upstream_error",
+        )
+    missing = [r.url for r, ok in zip(replicas, found, strict=True) if ok is False]
     if missing:
         raise ProxyError(
             409,
@@ -314,6 +334,7 @@ async def _check_served(ctx: ProxyContext, target: str) -> None:
             type_="conflict",
             code="not_loaded",
         )
+    return unreachable
 
 
 def _ended_canary(ctx: ProxyContext, alias: str) -> dict[str, Any] | None:
@@ -347,14 +368,18 @@ async def set_alias(request: web.Request) -> web.Response:
 async def _point_alias(
     ctx: ProxyContext, actor: str, alias: str, target: str, kind: str, event: str
 ) -> web.Response:
-    """A flip or rollback (under the admin lock): the target must be served; a canary on
-    the alias ends; the change is recorded and audited."""
-    await _check_served(ctx, target)
+    """A flip or rollback (under the admin lock): the target must be served (a rollback:
+    by every replica that answers, which the response and the audit record name as
+    `unconfirmed_replicas`); a canary on the alias ends; the change is recorded and
+    audited."""
+    unconfirmed = await _check_served(ctx, target, rollback=kind == "rollback")
     ended = _ended_canary(ctx, alias)
     with _all_or_nothing(ctx):
         previous = ctx.aliases.set(alias, target)
         ctx.state.record(kind, actor, alias=alias, target=target, previous=previous)
-        payload = {"alias": alias, "target": target, "previous": previous}
+        payload: dict[str, Any] = {"alias": alias, "target": target, "previous": previous}
+        if unconfirmed:
+            payload["unconfirmed_replicas"] = unconfirmed
         _commit(ctx, actor, event, payload | ({"ended_canary": ended} if ended else {}))
     return web.json_response(
         payload | {"serving_version": ctx.aliases.resolve(ctx.config.policy_alias)}

@@ -77,6 +77,7 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             return
         body = {
             "json": b'{"serving_version": "base"}',
+            "unconfirmed": b'{"serving_version": "base", "unconfirmed_replicas": ["http://r2"]}',
             "text": b"<html>not json</html>",
             "array": b"[1, 2]",
         }.get(self.mode, b"{}")
@@ -137,6 +138,18 @@ def test_status_against_a_non_json_answer_is_one_line(admin_server) -> None:
     url, handler = admin_server
     handler.mode = "text"
     assert_clean_error(olp("status", env=_proxy_env(url)), 1, "GET /admin/status")
+
+
+def test_a_rollback_names_the_replicas_that_did_not_confirm_it(admin_server) -> None:
+    url, handler = admin_server
+    handler.mode = "unconfirmed"
+    done = olp("rollback", "--from", "policy-v1", env=_proxy_env(url))
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines() == [
+        "rolled back: now serving base",
+        "not confirmed on http://r2 (did not answer): requests go to the other replicas until "
+        "it serves the version again",
+    ]
 
 
 def test_an_html_error_page_is_one_line(admin_server) -> None:

@@ -738,6 +738,46 @@ def test_a_rollback_of_a_version_no_longer_served_is_refused(make_proxy, fake):
     assert back.status_code == 200 and back.json()["serving_version"] == "policy-v1", back.text
 
 
+def test_a_rollback_goes_ahead_past_a_replica_that_does_not_answer(make_proxy, fake):
+    """A bad version that took a replica down could not be rolled back: the target had to
+    be listed by every replica, and the dead one answered nothing (502). Now the replicas
+    that answer must list it, the others are named in the response and the audit record;
+    a flip still needs every replica, and with none answering nothing is rolled back."""
+    from safety.audit import iter_records
+
+    fake.models_payload = {"data": [{"id": i} for i in ("base", "policy-v1", "policy-v2")]}
+    dead = f"http://127.0.0.1:{free_port()}"
+    harness, _ = make_proxy([fake.url, dead])
+    ctx = harness.ctx
+    for target in ("policy-v1", "policy-v2"):
+        ctx.aliases.set("policy", target)
+        ctx.state.record("flip", "test", alias="policy", target=target, previous=None)
+    flip = _admin(harness.base_url, "/admin/aliases", {"alias": "policy", "target": "policy-v1"})
+    assert "did not list its models" in _assert_error(flip, 502, "upstream_error")["message"]
+    back = _admin(harness.base_url, "/admin/rollback", {"from": "policy-v2"})
+    assert back.status_code == 200, back.text
+    assert back.json()["serving_version"] == "policy-v1"
+    assert back.json()["unconfirmed_replicas"] == [dead]
+    record = list(iter_records(ctx.audit.path))[-1]
+    assert record["event"] == "rollback" and record["payload"]["unconfirmed_replicas"] == [dead]
+    # A replica that answers without the target (here the base model) still refuses it,
+    # and one that answers something other than a model list is no confirmation either.
+    fake.models_payload = {"data": [{"id": "policy-v1"}]}
+    lacking = _admin(harness.base_url, "/admin/rollback", {})
+    assert fake.url in _assert_error(lacking, 409, "not_loaded")["message"]
+    fake.models_payload = []
+    garbled = _admin(harness.base_url, "/admin/rollback", {})
+    assert "did not list its models" in _assert_error(garbled, 502, "upstream_error")["message"]
+    assert ctx.aliases.resolve("policy") == "policy-v1"
+    # None answers: nothing confirms the target, nothing is rolled back.
+    alone, _ = make_proxy([dead])
+    alone.ctx.aliases.set("policy", "policy-v1")
+    alone.ctx.state.record("flip", "test", alias="policy", target="policy-v1", previous=None)
+    none = _admin(alone.base_url, "/admin/rollback", {})
+    assert "nothing was rolled back" in _assert_error(none, 502, "upstream_error")["message"]
+    assert alone.ctx.aliases.resolve("policy") == "policy-v1"
+
+
 def test_a_rollback_to_goes_back_only_to_a_version_the_alias_served(make_proxy, fake):
     """`rollback {"to": ...}` took any loaded version, and rollback works while frozen: a
     frozen alias could be moved to a version it never served, a promotion past the freeze.

@@ -47,7 +47,7 @@ from learner.adapter_store import CONFIG_FILE, META_FILE, WEIGHTS_FILE, AdapterS
 from learner.canary import CanaryMonitor, judge_canary
 from learner.checkpoint import CheckpointStore
 from learner.config import PromotionConfig
-from safety.audit import AuditLog
+from safety.audit import AuditLog, AuditRecordWritten
 from safety.config import GatesConfig
 from safety.gates.client import VLLM_SAFE_KEEPALIVE_S
 from safety.gates.suite import run_gate_suite_sync
@@ -368,9 +368,11 @@ class Promoter:
         self._timers: dict[threading.Timer, tuple[Callable[..., None], tuple[Any, ...]]] = {}
         # `<state_dir>/learner/decided.json`: the newest version a decision was reached for;
         # a newer one is gated again at the next start (`resume`), whatever stopped its
-        # gate. A state dir from before it was kept counts what it announced as decided.
+        # gate. A state dir from before it was kept counts what it announced as decided;
+        # a marker that cannot be read does not (its newest candidate is gated again: taken
+        # for an old state dir's, a candidate whose gate was cut short was never gated).
         self._checkpoints = CheckpointStore(self.state_dir)
-        if self._checkpoints.decided() is None:
+        if not self._checkpoints.decided_path.exists():
             self._checkpoints.mark_decided(self._checkpoints.announced())
         # Whether a canary a previous learner left running was looked for (`_end_orphan`).
         self._orphan_checked = False
@@ -381,6 +383,9 @@ class Promoter:
         self._deferrals = 0
         # The candidate whose gate runs went unanswered last, and how many in a row.
         self._unanswered_gates: tuple[str, int] = ("", 0)
+        # Records of changes already made (a version serving) that the audit log could not
+        # take: appended again before the next candidate, and as the learner stops.
+        self._unaudited: list[tuple[str, dict[str, Any]]] = []
 
     # ------------------------------------------------------------------ async use
     def resume(self) -> None:
@@ -433,10 +438,12 @@ class Promoter:
             outcome = self.promote(newest)
         except Exception as exc:  # the worker must survive one bad candidate
             log.exception("promotion_crashed", version=newest.name)
+            failed: dict[str, Any] = {"version": newest.name, "error": repr(exc)}
+            # Unloaded unless the proxy routes to it: an audit append that failed after the
+            # load (`gate_result`) left the candidate holding a LoRA slot on every replica.
+            self._unload_noting(newest.name, failed)
             try:
-                self.audit.append(
-                    ACTOR, "promotion_failed", {"version": newest.name, "error": repr(exc)}
-                )
+                self.audit.append(ACTOR, "promotion_failed", failed)
             except Exception:
                 log.exception("promotion_failed_not_audited", version=newest.name)
             self._deferrals = 0
@@ -503,6 +510,33 @@ class Promoter:
     def _record_decided(self, name: str) -> None:
         self._checkpoints.mark_decided(version_number(name))
 
+    def _audit_made(self, event: str, payload: dict[str, Any]) -> None:
+        """Audit a change the proxy has made (the candidate serves). A failed append must not
+        be taken for a failed promotion: that audited `promotion_failed` for a serving
+        version and skipped the old versions' cleanup. The record is logged whole and kept,
+        to be appended before the next candidate or as the learner stops."""
+        try:
+            self.audit.append(ACTOR, event, payload)
+        except AuditRecordWritten as exc:  # in the log; only its head file did not follow
+            log.error("audit_head_not_written", audit_event=event, error=str(exc))
+        except Exception as exc:
+            log.error("audit_record_pending", audit_event=event, payload=payload, error=repr(exc))
+            self._unaudited.append((event, {**payload, "audited_late": True}))
+
+    def _append_unaudited(self) -> None:
+        """Append the kept records, oldest first; stops at the first that still fails."""
+        while self._unaudited:
+            event, payload = self._unaudited[0]
+            try:
+                self.audit.append(ACTOR, event, payload)
+            except AuditRecordWritten as exc:
+                log.error("audit_head_not_written", audit_event=event, error=str(exc))
+            except Exception as exc:
+                log.error("audit_record_still_pending", audit_event=event, error=repr(exc))
+                return
+            self._unaudited.pop(0)
+            log.info("audit_record_appended_late", audit_event=event)
+
     def _look_for_an_orphan(self) -> None:
         """As the worker starts: end a canary a learner that died left running (see
         `_end_orphan`). A failure (the proxy not answering yet) is logged, and the first
@@ -557,6 +591,9 @@ class Promoter:
             timer.cancel()  # they would run against closed clients
             if self._timers.pop(timer, None) is not None and func == self._resolve:
                 self._recheck_dropped(*args)
+        self._append_unaudited()
+        for event, payload in self._unaudited:  # the log's last word on them
+            log.error("audit_record_not_appended", audit_event=event, payload=payload)
         self.replicas.close()
         self.proxy.close()
 
@@ -565,6 +602,7 @@ class Promoter:
         """Gate and promote one candidate; any outcome but `interrupted` or `deferred` is its
         decision, recorded so that the next start does not submit it again."""
         with self._lock:
+            self._append_unaudited()
             try:
                 outcome = self._promote(Path(version_dir))
             except Exception as exc:
@@ -708,9 +746,7 @@ class Promoter:
                 return self._flip_failed(name, incumbent, report, exc, timings)
             log.warning("flip_reply_lost", version=name, error=repr(exc))  # it did flip
         timings["flip_s"] = time.monotonic() - started
-        self.audit.append(
-            ACTOR, "promotion", {"version": name, "previous": incumbent, "timings": timings}
-        )
+        self._audit_made("promotion", {"version": name, "previous": incumbent, "timings": timings})
         log.info(
             "candidate_promoted",
             version=name,
@@ -1104,8 +1140,7 @@ class Promoter:
                         name, "canary_rolled_back", incumbent, report, reason, timings
                     )
                 log.warning("canary_end_reply_lost", version=name, error=repr(exc))
-            self.audit.append(
-                ACTOR,
+            self._audit_made(
                 "promotion",
                 {"version": name, "previous": incumbent, "timings": timings, "via": "canary"},
             )

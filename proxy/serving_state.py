@@ -78,7 +78,11 @@ def alias_lineage(history: list[Any], alias: str, base: str) -> list[str]:
     past: a flip adds its target, a rollback drops every version after the one it returns
     to (marking only each rollback's `previous` as rolled back let a rollback that skipped
     several versions leave the skipped ones eligible again); a `compacted` entry sets the
-    lineage as it was there."""
+    lineage as it was there.
+
+    A target that is no `policy-v<N>` is the base model, under the name it was served by
+    then: after `policy.served_model_name` changed, a rollback to the old name counted as a
+    version, and a plain rollback went to a name nothing serves (409 `not_loaded`)."""
     lineage = [base]
     for entry in history:
         if not isinstance(entry, dict):
@@ -86,18 +90,27 @@ def alias_lineage(history: list[Any], alias: str, base: str) -> list[str]:
         if _is_compacted(entry):
             seeded = (entry.get("lineages") or {}).get(alias)
             if isinstance(seeded, list):
-                lineage = [base, *(v for v in seeded if isinstance(v, str))]
+                lineage = [base]
+                for version in seeded:
+                    if isinstance(version, str) and lineage[-1] != (v := _named(version, base)):
+                        lineage.append(v)
             continue
         if entry.get("alias") != alias or entry.get("kind") not in ("flip", "rollback"):
             continue
         target = entry.get("target")
         if not isinstance(target, str):
             continue
+        target = _named(target, base)
         if entry["kind"] == "rollback" and target in lineage:
             del lineage[len(lineage) - lineage[::-1].index(target) :]
         elif lineage[-1] != target:
             lineage.append(target)
     return lineage
+
+
+def _named(target: str, base: str) -> str:
+    """`target` as served now: a version keeps its name, anything else is the base model."""
+    return target if _VERSION_NAME.fullmatch(target) else base
 
 
 def _is_compacted(entry: Any) -> bool:

@@ -1518,3 +1518,85 @@ def test_a_candidate_whose_gate_runs_go_unanswered_again_and_again_is_rejected(
     assert rejected["unanswered_gates"] == 2 and rejected["failed_gates"]
     assert CheckpointStore(tmp_path).decided() == 2  # decided: not gated again
     assert "policy-v2" not in replicas.loaded and proxy.alias == "policy-v1"
+
+
+class _AuditFailingOnce(FakeAudit):
+    """A full disk for one append of `event`, then room again."""
+
+    def __init__(self, event: str) -> None:
+        super().__init__()
+        self.failing: str | None = event
+
+    def append(self, actor: str, event: str, payload: dict | None = None) -> None:
+        if event == self.failing:
+            self.failing = None
+            raise OSError(28, "No space left on device")
+        super().append(actor, event, payload)
+
+
+def test_a_promotion_record_that_fails_after_the_flip_is_not_a_failed_promotion(
+    tmp_path: Path,
+) -> None:
+    """The flip served v2, then the `promotion` append failed once: the worker audited
+    `promotion_failed` for the serving version and scheduled no cleanup of the old ones.
+    Now the outcome is `promoted`, the cleanup is scheduled, and the record is appended
+    before the next candidate (here: as the learner stops)."""
+    store = AdapterStore(tmp_path)
+    publish(store, tmp_path, 1)
+    candidate = publish(store, tmp_path, 2)
+    replicas, proxy, audit = (
+        Replicas({"policy-v1"}),
+        Proxy("policy-v1"),
+        _AuditFailingOnce("promotion"),
+    )
+    p = promoter(tmp_path, replicas, proxy, audit)
+    outcome = p.promote(candidate)
+    assert outcome.decision == "promoted" and proxy.alias == "policy-v2"
+    assert audit.names() == ["gate_result"]
+    assert len(p._timers) == 1  # the cleanup of the versions it replaced
+    p.close(5)
+    assert audit.names() == ["gate_result", "promotion"]
+    assert audit.events[-1][1]["version"] == "policy-v2" and audit.events[-1][1]["audited_late"]
+
+
+def test_a_gate_result_that_cannot_be_audited_leaves_no_candidate_loaded(tmp_path: Path) -> None:
+    """The `gate_result` append failed: the candidate was marked decided and kept its LoRA
+    slot on every replica, which the cleanup's `keep_loaded` then kept for two more
+    promotions. It is unloaded now (the proxy does not route to it)."""
+    store = AdapterStore(tmp_path)
+    publish(store, tmp_path, 1)
+    candidate = publish(store, tmp_path, 2)
+    replicas, proxy, audit = (
+        Replicas({"policy-v1"}),
+        Proxy("policy-v1"),
+        _AuditFailingOnce("gate_result"),
+    )
+    p = promoter(tmp_path, replicas, proxy, audit)
+    p.submit(candidate)
+    deadline = time.monotonic() + 10
+    while "promotion_failed" not in audit.names() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert audit.names() == ["promotion_failed"]
+    assert proxy.alias == "policy-v1" and replicas.loaded == {"policy-v1"}
+    p.close(5)
+
+
+def test_an_unreadable_decided_marker_has_its_newest_candidate_gated_again(
+    tmp_path: Path,
+) -> None:
+    """`CheckpointStore.decided()` reads an unreadable marker as not recorded, so that the
+    newest candidate is gated again; the promoter took it for a state dir from before the
+    marker and recorded the announced candidate as decided, its gate never run."""
+    store = AdapterStore(tmp_path)
+    publish(store, tmp_path, 1)
+    publish(store, tmp_path, 2)
+    markers = CheckpointStore(tmp_path)
+    markers.mark_announced(2)
+    markers.mark_decided(1)
+    markers.decided_path.write_text('{"version": 1')  # damaged
+    replicas, proxy, audit = Replicas({"policy-v1"}), Proxy("policy-v1"), FakeAudit()
+    p = promoter(tmp_path, replicas, proxy, audit)
+    p.resume()
+    assert [o.decision for o in wait_for(p, 1)] == ["promoted"]
+    assert audit.names() == ["gate_result", "promotion"] and proxy.alias == "policy-v2"
+    p.close(5)

@@ -981,6 +981,24 @@ def test_compacted_history_keeps_every_lineage_and_version_name():
     assert alias_lineage(compacting.history, "policy", "qwen")[0] == "qwen"
 
 
+def test_the_base_model_under_an_earlier_served_name_is_the_base_in_a_lineage():
+    """After `policy.served_model_name` changed from m1 to m2, a rollback to the base
+    recorded as `m1` counted as a version: a plain rollback from policy-v2 went to `m1`,
+    which nothing serves (409 not_loaded), where it should serve the base, now `m2`."""
+    from proxy.serving_state import alias_lineage
+
+    state = ServingState(aliases={"policy": "m1"})
+    state.record("flip", "ops", alias="policy", target="policy-v1", previous="m1")
+    state.record("rollback", "ops", alias="policy", target="m1", previous="policy-v1")
+    state.record("flip", "ops", alias="policy", target="policy-v2", previous="m1")
+    assert alias_lineage(state.history, "policy", "m1") == ["m1", "policy-v2"]
+    assert alias_lineage(state.history, "policy", "m2") == ["m2", "policy-v2"]
+    # A folded history that kept the old name in its lineage reads the same way.
+    state.record("flip", "ops", alias="policy", target="m1", previous="policy-v2")
+    state.compact_history("m1", keep=0)
+    assert alias_lineage(state.history, "policy", "m2") == ["m2", "policy-v2", "m2"]
+
+
 def test_a_concurrency_429_carries_the_rate_limit_headers():
     """docs/proxy.md: every answer to a tenant with a requests-per-minute limit carries
     `x-ratelimit-*`, a concurrency 429 too (and it does not spend a request)."""

@@ -574,20 +574,22 @@ class KafkaSink:
             self._spill_entries(entries, seqs)
             return
         if not self.spill.is_empty():
+            # The oldest segment goes first, then the batch behind what is left: appended
+            # first, a batch that came once the broker was back was dropped by a spill an
+            # outage had filled to its cap (`spill_full`), with the broker there to take it.
+            if time.monotonic() >= self._drain_retry_at:
+                try:
+                    self._drain_one_segment()
+                except SpillReadError:
+                    # Logged by the store, which quarantines the segment after READ_ATTEMPTS
+                    # failures in a row; the producer is fine, only the disk is retried later.
+                    self._drain_retry_at = time.monotonic() + _SPILL_READ_RETRY_S
+                except Exception:
+                    # A send or a disk error deleting a segment: the segment stays and is sent
+                    # again after the reconnect backoff (consumers de-duplicate by event_id).
+                    log.exception("spill_drain_failed")
+                    self._mark_down()
             self._spill_entries(entries, seqs)
-            if time.monotonic() < self._drain_retry_at:
-                return
-            try:
-                self._drain_one_segment()
-            except SpillReadError:
-                # Logged by the store, which quarantines the segment after READ_ATTEMPTS
-                # failures in a row; the producer is fine, only the disk is retried later.
-                self._drain_retry_at = time.monotonic() + _SPILL_READ_RETRY_S
-            except Exception:
-                # A send or a disk error deleting a segment: the segment stays and is sent
-                # again after the reconnect backoff (consumers de-duplicate by event_id).
-                log.exception("spill_drain_failed")
-                self._mark_down()
             return
         held, held_seqs = self._take_held()
         try:

@@ -22,6 +22,30 @@ log = structlog.get_logger(__name__)
 _JSONL_FILES = ("trajectories", "feedback", "dlq")
 
 
+def _cut_torn_tail(path: Path) -> None:
+    """Cut a last line without its newline (a crash mid-write before this start) back to the
+    last whole line: the first record written after it was glued onto it, and that record
+    read as one unparsable line with the torn one."""
+    with path.open("rb") as handle:
+        size = handle.seek(0, os.SEEK_END)
+        if size == 0:
+            return
+        handle.seek(size - 1)
+        if handle.read(1) == b"\n":
+            return
+        keep, end, block = 0, size, 1 << 16
+        while end > 0:  # the last newline, searched backwards a block at a time
+            start = max(0, end - block)
+            handle.seek(start)
+            found = handle.read(end - start).rfind(b"\n")
+            if found >= 0:
+                keep = start + found + 1
+                break
+            end = start
+    os.truncate(path, keep)
+    log.error("jsonl_torn_line_cut", file=path.stem, bytes=size - keep)
+
+
 @runtime_checkable
 class RecordSink(Protocol):
     """Accepts records from the request path; must never block the event loop nor raise on
@@ -61,6 +85,8 @@ class JsonlSink:
             name: open(self.directory / f"{name}.jsonl", "ab", buffering=0)  # noqa: SIM115
             for name in _JSONL_FILES
         }
+        for name in _JSONL_FILES:
+            _cut_torn_tail(self.directory / f"{name}.jsonl")
         self._pending: dict[str, list[bytes]] = {name: [] for name in _JSONL_FILES}
         self._failing: set[str] = set()
 

@@ -391,6 +391,11 @@ class KafkaSinkProcess:
 
         self.config = config
         self.state_dir = Path(state_dir)
+        # The worker's spill and this process's own share the directory. One that cannot be
+        # made (a file of its name) killed every worker at its start, restarted every 1.5 s
+        # for ever, while nothing reached a healthy broker: refused here, at start-up, with
+        # its path (an OSError, which `olp proxy` reports as an unusable state dir).
+        (self.state_dir / config.spill_dir_name).mkdir(parents=True, exist_ok=True)
         self._child_init = child_init
         self.topics = TopicNames.from_prefix(config.topic_prefix)
         self.metrics = ProducerMetrics(registry if registry is not None else CollectorRegistry())

@@ -133,3 +133,33 @@ def test_a_disk_error_never_raises_into_put_and_loses_nothing_silently(
     else:  # two beyond the cap of three in memory, three more refused at close
         assert written == ids[:1]
         assert lost == {"trajectories": 5, "feedback": 0, "dlq": 0}
+
+
+def test_a_torn_last_line_from_before_the_start_is_cut_not_glued_to_the_next(
+    tmp_path: Path,
+) -> None:
+    """A crash mid-write left a last line without its newline; the first record after the
+    restart was appended onto it, and both read as one unparsable line."""
+    import structlog
+
+    whole = make_trajectory(session_id="s")
+    first = JsonlSink(tmp_path)
+    first.put_trajectory(whole)
+    first.close()
+    path = tmp_path / "trajectories.jsonl"
+    with path.open("ab") as handle:
+        handle.write(b'{"trajectory_id": "torn", "cho')
+    torn_size = len(b'{"trajectory_id": "torn", "cho')
+    after = make_trajectory(session_id="s")
+    with structlog.testing.capture_logs() as logs:
+        sink = JsonlSink(tmp_path)
+    sink.put_trajectory(after)
+    sink.close()
+    lines = path.read_bytes().splitlines()
+    assert [json.loads(line)["trajectory_id"] for line in lines] == [
+        whole["trajectory_id"],
+        after["trajectory_id"],
+    ]
+    assert [(e["file"], e["bytes"]) for e in logs if e["event"] == "jsonl_torn_line_cut"] == [
+        ("trajectories", torn_size)
+    ]

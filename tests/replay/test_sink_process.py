@@ -241,6 +241,21 @@ def test_process_sink_spills_while_the_broker_is_down(tmp_path: Path) -> None:
         broker.stop()
 
 
+def test_a_spill_directory_that_cannot_be_made_is_refused_at_start(tmp_path: Path) -> None:
+    """A file where the spill directory goes killed every worker at its start, restarted
+    every 1.5 s for ever, and nothing reached a healthy broker. Now the sink refuses to
+    start, naming the path (`olp proxy` exits 3 on it: an unusable state dir)."""
+    import pytest
+
+    state = tmp_path / "state"
+    state.mkdir()
+    (state / "spill").write_text("not a directory")
+    config = _config(f"127.0.0.1:{free_port()}")
+    with pytest.raises(FileExistsError) as err:
+        KafkaSinkProcess(config, state, CollectorRegistry())
+    assert err.value.filename == str(state / "spill")
+
+
 def test_records_of_a_killed_sink_process_are_spilled_and_delivered(
     stream_config: StreamConfig, tmp_path: Path
 ) -> None:

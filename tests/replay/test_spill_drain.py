@@ -302,3 +302,30 @@ def test_the_dlq_envelopes_of_one_record_share_an_event_id() -> None:
     other = dict(event, event_id=uuid.uuid4().hex)
     third = prepare_entry(config, topics, metrics, QueuedRecord(RecordKind.FEEDBACK, other))
     assert third is not None and decode_record(third.value)["event_id"] != first_id
+
+
+def test_a_batch_after_an_outage_waits_behind_a_drained_segment_not_dropped_by_a_full_spill(
+    tmp_path: Path,
+) -> None:
+    """An outage filled the spill to its cap. Once the broker answered again, the next
+    batch was appended behind the full spill first, and dropped (`spill_full`), with the
+    broker there to take it; the drain came after. Now the oldest segment goes first and
+    the batch is stored behind the rest, in order."""
+    config = _config()
+    old_first, old_second, new = (
+        _entries(config, [make_trajectory(session_id="s") for _ in range(count)])
+        for count in (3, 3, 2)  # the new batch fits where the first segment was
+    )
+    _spill_segments(config, tmp_path, old_first, old_second)
+    full = SpillStore(tmp_path / config.spill_dir_name, 10**9, 10**8).total_bytes()
+    config = config.model_copy(update={"spill_max_bytes": full})
+    registry = CollectorRegistry()
+    sink = _stopped_sink(config, tmp_path, registry)
+    sink._close_deadline = None  # as a running sink's
+    producer = _Producer(lambda entry: None)
+    sink._producer = producer  # type: ignore[assignment]
+    sink._step(new)
+    assert not _sample(registry, "olp_stream_failed_total", kind="any", reason="spill_full")
+    while not sink.spill.is_empty():
+        sink._drain_one_segment()
+    assert producer.sent == old_first + old_second + new

@@ -327,9 +327,12 @@ naming the variable (`OLP_PROXY__HOST=${{UNSET}}` made the proxy listen on every
 unset the variable to keep the file's value. Environment values win over the file. A key given
 twice in one mapping of the file is refused too, with both lines. Of the top-level keys
 only `state_dir`, `log_format` and `log_level` have overrides
-(`OLP_STATE_DIR`, `OLP_LOG_FORMAT`, `OLP_LOG_LEVEL`). Entries of lists (`tenants`,
-verifiers, custom redaction patterns) are set in the file only; `OLP_TENANTS__*`,
-`OLP_ON_CHILD_EXIT` and `OLP_MAX_RESTARTS` are refused, naming the variable. So is a
+(`OLP_STATE_DIR`, `OLP_LOG_FORMAT`, `OLP_LOG_LEVEL`). A list of entries (verifiers, custom
+redaction patterns) is not set entry by entry: a YAML flow list in its variable replaces the
+file's whole list (`OLP_LEARNER__REWARDS__VERIFIERS='[{{path: "m:f"}}]'`; a mapping given for
+its section does too), so look for one left behind in a container's environment. Tenants are
+set in the file only; `OLP_TENANTS__*`, `OLP_ON_CHILD_EXIT` and `OLP_MAX_RESTARTS` are
+refused, naming the variable. So is a
 misspelt name that would otherwise be ignored, naming the one meant: a key spelled with
 single underscores (`OLP_PROXY_ADMIN_KEY`, `OLP_SAFETY_GATES_KL_CAP`: `OLP_PROXY__ADMIN_KEY`,
 `OLP_SAFETY__GATES__KL__CAP`), or a first part that is no section

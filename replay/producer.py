@@ -445,6 +445,7 @@ class KafkaSink:
 
     def _put(self, item: QueuedRecord | SpillEntry) -> int:
         seq = self._register()
+        items = [(seq, item)]
         if not self._closed:
             try:
                 self._queue.put_nowait((seq, item))
@@ -453,6 +454,9 @@ class KafkaSink:
                 if now - self._overflow_logged_at > 10:
                     self._overflow_logged_at = now
                     log.warning("producer_queue_full_spilling", queue_size=self.config.queue_size)
+                # The queue's records go to the spill ahead of this one: spilled alone, it
+                # was sent before the older records of its session still in the queue.
+                items = [*self._drain_queue(), (seq, item)]
             else:
                 _series(self._queued_of, self.metrics.queued, self._kind_of(item)).inc()
                 if self._closed:  # close() began since the check: is anyone still reading?
@@ -460,10 +464,29 @@ class KafkaSink:
                 return seq
         else:
             log.warning("put_after_close_spilling", kind=self._kind_of(item))
-        self._spill_entries(self._prepare([item]), [seq], retry_now=self._closed)
+        self._spill_entries(
+            self._prepare([queued for _, queued in items]),
+            [queued_seq for queued_seq, _ in items],
+            retry_now=self._closed,
+        )
         if self._closed and not self._thread.is_alive():  # nobody is left to retry the disk
             self._drop_held()
         return seq
+
+    def _drain_queue(self) -> list[tuple[int, QueuedRecord | SpillEntry]]:
+        """Take everything the queue holds, in put order (not the close's wake-up)."""
+        items: list[tuple[int, QueuedRecord | SpillEntry]] = []
+        while True:
+            try:
+                items.append(self._queue.get_nowait())
+            except queue.Empty:
+                break
+            self._queue.task_done()
+        if _WAKE_UP in items:  # still the sending thread's, which `close` is waking
+            items.remove(_WAKE_UP)
+            self._queue.put_nowait(_WAKE_UP)
+        self.metrics.queue_depth.set(self._queue.qsize())
+        return items
 
     def _take_back_queue(self) -> None:
         """Spill what is left in the queue once the sending thread stopped reading it.

@@ -10,6 +10,7 @@ import errno
 import os
 import signal
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -641,3 +642,63 @@ def test_the_broker_probe_reaches_a_bracketed_ipv6_bootstrap() -> None:
         assert producer_module.tcp_reachable(f"[::1]:{port}")
         assert producer_module.tcp_reachable(f"127.0.0.1:9, [::1]:{port}")
     assert not producer_module.tcp_reachable(f"[::1]:{port}", timeout_s=0.5)
+
+
+def test_a_put_to_a_full_queue_is_spilled_behind_the_records_still_queued(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A put that found the queue full was spilled alone, at once: the spill is drained
+    before the queue, so it reached the broker ahead of the older records of its session
+    still waiting in the queue (r0, r3, r1, r2). Now the queue's records are spilled ahead
+    of it. A stand-in broker that holds its acknowledgement of the first batch."""
+    import json
+    from types import SimpleNamespace
+
+    acked: list[str] = []
+    release = threading.Event()
+
+    class _SlowProducer:
+        def __init__(self, **options: Any) -> None:
+            self.futures: list[tuple[Any, bytes]] = []
+
+        def send(self, topic: str, key: bytes | None = None, value: bytes = b"") -> Any:
+            future = SimpleNamespace(done=False, exception=None)
+            future.succeeded = lambda: future.done
+            future.failed = lambda: False
+            self.futures.append((future, value))
+            return future
+
+        def flush(self, timeout: float | None = None) -> None:
+            release.wait(10)
+            for future, value in self.futures:
+                future.done = True
+                acked.append(json.loads(value)["task"])
+            self.futures = []
+
+        def close(self, timeout: float | None = None) -> None:
+            pass
+
+    monkeypatch.setattr(producer_module, "KafkaProducer", _SlowProducer)
+    monkeypatch.setattr(producer_module, "ensure_topics", lambda config: [])
+    monkeypatch.setattr(producer_module, "tcp_reachable", lambda servers, timeout_s=1.0: True)
+    monkeypatch.setattr(producer_module, "producer_id_missing", lambda producer: False)
+    config = StreamConfig(
+        bootstrap_servers=f"127.0.0.1:{free_port()}", queue_size=2, producer_batch_records=1
+    )
+    sink = KafkaSink(config, tmp_path, CollectorRegistry())
+    records = [make_trajectory(session_id="S") for _ in range(4)]
+    for index, record in enumerate(records):
+        record["task"] = f"r{index}"
+    try:
+        sink.put_trajectory(records[0])
+        deadline = time.monotonic() + 10
+        while sink._queue.qsize() and time.monotonic() < deadline:
+            time.sleep(0.01)  # r0 taken; its flush waits for the acknowledgement
+        for record in records[1:]:  # r1 and r2 fill the queue, r3 finds it full
+            sink.put_trajectory(record)
+        release.set()
+        assert sink.wait_idle(10)
+    finally:
+        release.set()
+        sink.close()
+    assert acked == ["r0", "r1", "r2", "r3"]

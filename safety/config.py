@@ -30,6 +30,7 @@ BUILTIN_REDACTION_KINDS: tuple[str, ...] = (
     "pypi_token",
     "docker_hub_token",
     "azure_client_secret",
+    "sendgrid_key",
     "bearer_token",
     "basic_auth",
     "url_password",

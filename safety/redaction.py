@@ -26,6 +26,7 @@ from safety.redaction_kinds import (
     BUILTIN_PASSES_BY_KIND,
     MIN_BUILTIN_LENGTH,
     RedactionPass,
+    card_number_ok,
 )
 
 _encode_msgpack = msgspec.msgpack.Encoder().encode
@@ -99,8 +100,43 @@ _KEY_HINT = re.compile(r"(?i)pass|pwd|secret|token|key|cred|auth")
 # scheme needs the header's name to be read as one), and no `secret_assignment` needle
 # holds it: such pairs are always read.
 _AUTH_KEY = re.compile(r"(?i)auth")
-# A mapping holding these keys is a logprob entry: its `token` is the model's text.
-_LOGPROB_KEYS = ("logprob", "bytes")
+# An integer that may be a card number (13 to 19 digits): as JSON text (`"card":
+# 4111111111111111`) it was redacted, as a walked object's int it went out as it was.
+_CARD_INT_MIN, _CARD_INT_END = 10**12, 10**19
+# MessagePack's header of an unsigned 64-bit integer: how such an int shows in the fast
+# path's encoding, which holds no digits of it. Every number below 2**63 has a first byte
+# below 0x80 after it, which never follows 0xcf in UTF-8 text (0xcf leads a two-byte
+# character there): text in Greek or Cyrillic is no false alarm.
+_MSGPACK_UINT64 = re.compile(rb"\xcf[\x00-\x7f]")
+
+
+def _is_logprob_entry(obj: Mapping[Any, Any]) -> bool:
+    """vLLM's logprob entry (`token` with `logprob` or `bytes`): its `token` is the model's
+    text, no key's value. A mapping with only a `bytes` key (a file's size beside its
+    password) had its pairs left unread."""
+    return "token" in obj and ("logprob" in obj or "bytes" in obj)
+
+
+def _unused_key(out: dict[Any, Any], key: Any) -> Any:
+    """`key`, or `key#2` (`#3`, ...) where an earlier key came out the same: metadata keyed by
+    three e-mail addresses, each `[REDACTED:email]`, kept the last entry only."""
+    if key not in out or not isinstance(key, str):
+        return key
+    number = 2
+    while f"{key}#{number}" in out:
+        number += 1
+    return f"{key}#{number}"
+
+
+def _may_hold_card_int(encoded: bytes) -> bool:
+    """Whether an integer in this MessagePack encoding may be a card number."""
+    for found in _MSGPACK_UINT64.finditer(encoded):
+        value = int.from_bytes(encoded[found.start() + 1 : found.start() + 9], "big")
+        if _CARD_INT_MIN <= value < _CARD_INT_END and card_number_ok(str(value)):
+            return True
+    return False
+
+
 # The fast path of `redact_obj` searches the object's MessagePack encoding, where a key is
 # followed by the header of its value, not by `": "`: `_Needles` for `token` names expects
 # the JSON form. A name ending in `token` followed by the header of a string of 16 bytes or
@@ -235,6 +271,7 @@ class Redactor:
                 shared[key] = _Needles([kind])
             self._passes.append((kind, re.compile(kind.regex), shared[key]))
         self._any_needle = _Needles(selected)
+        self._card_ints = "credit_card" in self.kinds
         assignments = [kind for kind in selected if kind.name == "secret_assignment"]
         # Whether a key/value pair reads as a secret assignment (None: the kind is off).
         self._assignment_needle = _Needles(assignments) if assignments else None
@@ -338,9 +375,13 @@ class Redactor:
             return obj, {}
         if not self._any_needle.always:
             try:
-                text = _encode_msgpack(obj).decode("utf-8", "surrogateescape")
+                encoded = _encode_msgpack(obj)
+                text = encoded.decode("utf-8", "surrogateescape")
             except (TypeError, ValueError, OverflowError):
                 text = None  # not encodable (a lone surrogate, a huge int): walk it
+            else:
+                if self._card_ints and _may_hold_card_int(encoded):
+                    text = None
             if (
                 text is not None
                 # A long structure is walked: its long strings may be in the cache, where
@@ -368,7 +409,7 @@ class Redactor:
             return text
         if kind is dict or isinstance(obj, Mapping):
             # Keys too: client metadata may be keyed by an e-mail address or a key.
-            keyed = self._assignment_needle is not None and not any(k in obj for k in _LOGPROB_KEYS)
+            keyed = self._assignment_needle is not None and not _is_logprob_entry(obj)
             out = {}
             for key, value in obj.items():
                 walked = self._walk(value, counts)
@@ -376,16 +417,29 @@ class Redactor:
                 if pair_kind is not None:
                     counts[pair_kind] += 1
                     walked = replacement_for(pair_kind)
-                out[self._walk_key(key, counts)] = walked
+                out[_unused_key(out, self._walk_key(key, counts))] = walked
             return out
         if kind is list or isinstance(obj, list | tuple):
             if (
                 obj
                 and not isinstance(obj[0], str | Mapping | list | tuple)
-                and all(isinstance(value, int | float | bool) or value is None for value in obj)
+                and all(
+                    isinstance(value, float | bool)
+                    or value is None
+                    or (isinstance(value, int) and value < _CARD_INT_MIN)
+                    for value in obj
+                )
             ):
                 return list(obj)  # token ids, logprobs: nothing to redact
             return [self._walk(value, counts) for value in obj]
+        if (
+            kind is int
+            and self._card_ints
+            and _CARD_INT_MIN <= obj < _CARD_INT_END
+            and card_number_ok(str(obj))
+        ):
+            counts["credit_card"] += 1
+            return replacement_for("credit_card")
         if obj is None or isinstance(obj, int | float):  # bool is an int
             return obj
         raise _unsupported(obj)

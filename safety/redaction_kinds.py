@@ -30,8 +30,15 @@ def luhn_ok(digits: str) -> bool:
     return total % 10 == 0
 
 
-def _credit_card_ok(text: str) -> bool:
-    digits = re.sub(r"[ -]", "", text)
+# What separates a number's groups: a space (also the non-breaking and narrow ones of text
+# copied from web pages and French number formatting) or a dash (also the non-breaking one).
+# With only ` ` and `-`, `4111\u00a01111\u00a01111\u00a01111` was no card number.
+_GAP = " \u00a0\u202f\u2009"
+_DASHES = "\u2011-"
+
+
+def card_number_ok(text: str) -> bool:
+    digits = re.sub(f"[{_GAP}{_DASHES}]", "", text)
     # Issuer prefixes start with 2-6; this keeps millisecond timestamps and ids out.
     return (
         13 <= len(digits) <= 19
@@ -48,7 +55,7 @@ def _card_number_parts(text: str) -> list[tuple[int, int]]:
     which then fails Luhn while the card number in it passes. Each span starts with a group
     of 4 or more digits, as every card number's grouping does (4-4-4-4, 4-6-5 or unbroken),
     so a list of small numbers gains no more chances of a false match."""
-    groups = [(match.start(), match.end()) for match in re.finditer(r"[^ ]+", text)]
+    groups = [(match.start(), match.end()) for match in re.finditer(f"[^{_GAP}]+", text)]
     digits = [sum(char.isdigit() for char in text[start:end]) for start, end in groups]
     parts: list[tuple[int, int, int]] = []
     for first, (start, _) in enumerate(groups):
@@ -93,7 +100,7 @@ class RedactionPass:
 # found far faster than an alternation of several.
 # Card and phone numbers that pass their validators hold at least 8 digits, written with
 # only digits, spaces, dots, dashes, parentheses and `+` between the first and last digit.
-_DIGIT_RUN = r"\d[\d .()+-]{6,}\d"
+_DIGIT_RUN = rf"\d[\d{_GAP}.()+{_DASHES}]{{6,}}\d"
 # A string may hold JSON text (a tool call's `arguments`, a tool result serialised as JSON),
 # where a newline is the two characters `\n` and `é` may be `\u00e9`. `\b` before a token
 # fails there (`n` and `9` are word characters), so `\nAKIA...` at the start of a line went
@@ -495,7 +502,11 @@ _BUILTIN_PASSES: tuple[RedactionPass, ...] = (
         # scanned the rest of the text (quadratic in the number of BEGIN lines).
         r"-----BEGIN (?:[A-Z0-9]+ )*PRIVATE KEY(?: BLOCK)?-----"
         r"(?:(?:(?!-----BEGIN )[\s\S])*?-----END (?:[A-Z0-9]+ )*PRIVATE KEY(?: BLOCK)?-----"
-        r"|(?:[ \t]*(?:\r?\n|\\n)(?:[A-Za-z0-9+/=]+|[A-Za-z-]+:[^\r\n]*))*)",
+        # Header lines (`Proc-Type: 4,ENCRYPTED`, PGP's `Comment:`) are tried first, and
+        # empty lines pass: an encrypted PEM key and every PGP key has one before its body,
+        # where the base64 form matched `Proc` and the search stopped, leaving the body. A
+        # header's value stops at a backslash, so a JSON-escaped block stays valid JSON.
+        r"|(?:(?:[ \t]*(?:\r?\n|\\n))+(?:[A-Za-z-]+:[^\r\n\\]*|[A-Za-z0-9+/=]+))*)",
         needles=("PRIVATE KEY",),
     ),
     RedactionPass(
@@ -619,6 +630,14 @@ _BUILTIN_PASSES: tuple[RedactionPass, ...] = (
             before=r"[A-Za-z0-9_~.+/-]",
         ),
         needles_ci=("q~",),
+    ),
+    RedactionPass(
+        "sendgrid_key",
+        # `SG.`, 22 and 43 base64url characters. Under an upper-case name it is a dotted
+        # value (`SENDGRID_API_KEY=SG.x.y`), which `secret_assignment` leaves alone there as
+        # code (`settings.X`).
+        _token("S", rf"G\.[A-Za-z0-9_-]{{22}}\.[A-Za-z0-9_-]{{43}}(?!{_W}|-)"),
+        needles=("SG.",),
     ),
     RedactionPass(
         "bearer_token",
@@ -808,15 +827,24 @@ _BUILTIN_PASSES: tuple[RedactionPass, ...] = (
     ),
     RedactionPass("email", _EMAIL, needles=("@",)),
     RedactionPass(
+        "email",
+        # Percent-encoded, as in a URL (`?email=jane.doe%40example.com`, a URL's user part
+        # `smtp://jane%40corp.com:pw@host`, a label): no `@`, so the pass above never looked.
+        # The local part's run is possessive, so it may not take the `%40` itself.
+        r"(?<![A-Za-z0-9._%+-])[A-Za-z0-9._+-](?:[A-Za-z0-9._+-]|%(?!40)[0-9A-Fa-f]{2})*+"
+        r"%40[A-Za-z0-9-]+(?:\.[A-Za-z0-9-]+)*\.[A-Za-z]{2,}(?![A-Za-z0-9_])",
+        needles_ci=("%40",),
+    ),
+    RedactionPass(
         "credit_card",
         # Not touching a letter or digit on either side, nor a dash-joined one: a digit
         # run inside a hex hash or a UUID is not a card number.
         _token(
             r"\d",
-            rf"(?<!{_WD}-\d)(?:[ -]?\d){{12,18}}(?!{_WD}|\.\d|-{_WD})",
+            rf"(?<!{_WD}-\d)(?:[{_GAP}{_DASHES}]?\d){{12,18}}(?!{_WD}|\.\d|-{_WD})",
             before=r"[A-Za-z_\d.]",
         ),
-        _credit_card_ok,
+        card_number_ok,
         needle_regex=_DIGIT_RUN,
         narrow=_card_number_parts,
     ),
@@ -825,11 +853,16 @@ _BUILTIN_PASSES: tuple[RedactionPass, ...] = (
         "(?:"
         + _token(
             r"\+",
-            r"\d{1,3}[ .-]?(?:\(\d{1,4}\)[ .-]?)?\d{1,4}(?:[ .-]?\d{2,4}){1,4}",
+            rf"\d{{1,3}}[{_GAP}.{_DASHES}]?(?:\(\d{{1,4}}\)[{_GAP}.{_DASHES}]?)?\d{{1,4}}"
+            rf"(?:[{_GAP}.{_DASHES}]?\d{{2,4}}){{1,4}}",
             before=r"[A-Za-z_\d+.]",
         )
         + "|"
-        + _token(r"\(", r"\d{3}\)[ .-]?\d{3}[ .-]\d{4}", before=r"[A-Za-z_\d+.]")
+        + _token(
+            r"\(",
+            rf"\d{{3}}\)[{_GAP}.{_DASHES}]?\d{{3}}[{_GAP}.{_DASHES}]\d{{4}}",
+            before=r"[A-Za-z_\d+.]",
+        )
         + "|"
         + _token(r"\d", r"\d{2}[.-]\d{3}[.-]\d{4}", before=r"[A-Za-z_\d+.]")
         + rf")(?!{_WD}|\.\d)",

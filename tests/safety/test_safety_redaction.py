@@ -60,6 +60,25 @@ CASES: list[tuple[str, str, str]] = [
     ("private_key", f"here is my key\n{PEM}\nthanks", "b3BlbnNzaC1rZXkt"),
     # Cut off by max_tokens: no END line.
     ("private_key", PEM.rsplit("\n", 1)[0][:-9], "b3BlbnNzaC1rZXkt"),
+    # ...with the headers and the empty line of an encrypted PEM key, or a PGP key's.
+    (
+        "private_key",
+        "-----BEGIN RSA PRIVATE KEY-----\nProc-Type: 4,ENCRYPTED\nDEK-Info: AES-128-CBC,3F17F5"
+        "\n\nMIIEowIBAAKCAQEAxS3dpHrE5pFkVPaY9d1ZoE0F\nq2vR7kL9sPz0XcY3nM5tB8wQ1aJ4eH6gU2iO7",
+        "MIIEowIBAAKCAQEA",
+    ),
+    (
+        "private_key",
+        "-----BEGIN PGP PRIVATE KEY BLOCK-----\nComment: exported\n\nlQOYBGNpZ2EBCADRwq8a3m1p"
+        "V0Zk9Xy7Tt2Lq4Bn5Cc6\nKk4Ll5Mm6Nn7Oo8Pp9\n",
+        "lQOYBGNpZ2EB",
+    ),
+    (
+        "sendgrid_key",
+        "SENDGRID_API_KEY=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",
+        "ngeVfQFYQlKU0ufo8x5d1A",
+    ),
+    ("email", "GET /users?email=jane.doe%40example.com&page=2", "jane.doe"),
     ("stripe_key", "STRIPE_KEY=sk_live_51H8xAbCdEfGhIjKlMnOp", "sk_live_51H8x"),
     ("huggingface_token", "HF_TOKEN=hf_" + "AbCdEfGhIj" * 3 + "Klmn", "hf_AbCdEfGhIj"),
     ("bearer_token", "Authorization: BEARER abcdefghijklmnop1234", "abcdefghijklmnop"),
@@ -1546,3 +1565,65 @@ def test_a_redactor_pickles_without_its_cache() -> None:
     copy = pickle.loads(pickle.dumps(redactor))
     assert copy.redact_text(long_text) == expected
     assert copy.redact_obj({"a": long_text}) == ({"a": expected[0]}, expected[1])
+
+
+@pytest.mark.parametrize(
+    ("text", "counts", "secret"),
+    [
+        (
+            "smtp://Jane.Doe%40corp.example:pw@mail.example",
+            {"email": 1, "url_password": 1},
+            "Jane.Doe",
+        ),
+        ("card 4111\u00a01111\u00a01111\u00a01111 exp", {"credit_card": 1}, "4111\u00a01111"),
+        ("carte 4111\u202f1111\u202f1111\u202f1111", {"credit_card": 1}, "1111\u202f1111"),
+        ("tel +33\u00a06\u00a012\u00a034\u00a056\u00a078", {"phone": 1}, "12\u00a034"),
+        ("tel (415)\u00a0555\u20110100", {"phone": 1}, "555"),
+    ],
+)
+def test_percent_encoded_addresses_and_non_breaking_separators_are_found(
+    text: str, counts: dict[str, int], secret: str
+) -> None:
+    """An e-mail address in a URL is written `%40`, and numbers copied from web pages or
+    written the French way are grouped by non-breaking spaces: none was found, so the
+    record stayed trainable and went out as it was."""
+    redacted, found = Redactor().redact_text(text)
+    assert secret not in redacted and found == counts
+
+
+def test_a_walked_object_loses_what_its_json_text_loses() -> None:
+    """A card number as a JSON number, and a secret beside a `bytes` key, were redacted in
+    an object's JSON text and kept in the walked object (feedback metadata, a request's
+    extra fields). A logprob entry's `token` still stays as it is."""
+    redactor = Redactor()
+    card = {"order": {"card": 4111111111111111, "qty": 2, "ids": [4111111111111111, 7]}}
+    redacted, counts = redactor.redact_obj(card)
+    assert redacted == {
+        "order": {
+            "card": "[REDACTED:credit_card]",
+            "qty": 2,
+            "ids": ["[REDACTED:credit_card]", 7],
+        }
+    }
+    assert counts == {"credit_card": 2}
+    assert redactor.redact_obj({"n": 4111111111111112, "ms": 1733472000000}) == (
+        {"n": 4111111111111112, "ms": 1733472000000},
+        {},
+    )  # not a card number by Luhn; a millisecond time
+    paired = {"file": "id_rsa.pub", "bytes": 1024, "password": "hunter2x"}
+    assert redactor.redact_obj(paired)[1] == {"secret_assignment": 1}
+    entry = {"token": "password", "logprob": -0.1, "bytes": [112]}
+    assert redactor.redact_obj(entry) == (entry, {})
+
+
+def test_keys_that_come_out_alike_keep_every_value() -> None:
+    """Feedback metadata keyed by three e-mail addresses was recorded with one entry: each
+    key became `[REDACTED:email]`, and the last one won."""
+    metadata = {"alice@example.com": "yes", "bob@example.com": "no", "carol@example.com": "-"}
+    redacted, counts = Redactor().redact_obj(metadata)
+    assert redacted == {
+        "[REDACTED:email]": "yes",
+        "[REDACTED:email]#2": "no",
+        "[REDACTED:email]#3": "-",
+    }
+    assert counts == {"email": 3}

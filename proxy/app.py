@@ -51,6 +51,7 @@ from proxy.operator_page import record_feedback
 from proxy.relay import SSE_STRIP
 from proxy.routing import UpstreamPool
 from proxy.serving_state import ServingState, load_state, save_state
+from proxy.stalled_clients import StalledClientWatch
 from proxy.tenants import TenantRegistry
 from safety.audit import AuditError, AuditLog, AuditRecordWritten
 from safety.config import AuditConfig
@@ -491,6 +492,7 @@ def build_app(
             ),
         ),
         metrics=metrics_,
+        stalled_clients=StalledClientWatch(config.send_timeout_s),
         capture=CaptureService(
             sink,
             redactor.redact_obj,
@@ -555,6 +557,7 @@ def build_app(
 async def _start(app: web.Application) -> None:
     ctx = app[CONTEXT]
     await ctx.pool.start()
+    ctx.stalled_clients.start()
     log.info(
         "proxy_started",
         upstreams=[r.url for r in ctx.pool.replicas],
@@ -567,5 +570,6 @@ async def _start(app: web.Application) -> None:
 async def _stop(app: web.Application) -> None:
     """Finish queued records before the pool and the sink go away."""
     ctx = app[CONTEXT]
+    await ctx.stalled_clients.stop()
     await ctx.capture.drain()
     await ctx.pool.close()

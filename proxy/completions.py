@@ -344,7 +344,11 @@ class CompletionRelay:
                     param="model",
                 )
             self.policy_version = served
-            response = await self._relay(tenant, body, served, admission.headers, training)
+            ctx.stalled_clients.watch(self.request)
+            try:
+                response = await self._relay(tenant, body, served, admission.headers, training)
+            finally:
+                ctx.stalled_clients.forget(self.request)
         except ProxyError as err:
             # The request was admitted (and spent a request): its error reports the limits.
             err.headers = {**admission.headers, **err.headers}
@@ -730,6 +734,7 @@ class CompletionRelay:
         self.status = 200
         parser = SSEParser()
         watch_usage = capture is None and plan.client_wants_usage
+        watcher = SSEParser()  # reads the whole events `parser` passes on, for their usage
         drop_usage = capture is None and plan.added_usage
         outcome = "ok"
         done_sent = False  # the stream's `data: [DONE]` reached the client
@@ -752,13 +757,20 @@ class CompletionRelay:
                     data = self._drop_usage(parser, data)
                     if not data:
                         continue
-                elif watch_usage:
-                    self._watch_usage(parser, data)
+                else:
+                    # Whole events only: cut off mid-event (a crash, a balancer's cut), the
+                    # half event went out and the error event below was glued onto it, one
+                    # event of bad JSON (the SDK raised JSONDecodeError, not the error).
+                    data = parser.complete(data)
+                    if not data:
+                        continue
+                    if watch_usage:
+                        self._watch_usage(watcher, data)
                 await response.write(data)
                 done_sent = data.endswith(_DONE_EVENT)
-            if drop_usage and parser.rest():
-                # Bytes after the last event border go out as they came, as they did before
-                # the proxy asked for usage on its own.
+            if capture is None and parser.rest() and ends_with_done(before_last, last):
+                # Bytes after the last event border of a stream that ended with its [DONE]
+                # (`data: [DONE]\n`) go out as they came.
                 await response.write(parser.rest())
             elif capture is not None and parser.rest():
                 # A last event without its blank line (`data: [DONE]\n`, or no line end at

@@ -271,6 +271,14 @@ class ProxyConfig(BaseModel):
         "two reads) gets a 408 and its tenant's concurrency slot back; a client gone without "
         "closing its connection held both until TCP keep-alive noticed, hours later",
     )
+    send_timeout_s: float = Field(
+        default=60.0,
+        gt=0,
+        description="a client that reads nothing of its streamed answer for this long (its "
+        "connection open, its socket buffer full) is disconnected, and its upstream request "
+        "cancelled; it held its concurrency slot and a generation on the model server until "
+        "it closed the connection",
+    )
     max_upstream_connections: int = Field(default=256, ge=1)
     upstream_keepalive_s: float = Field(
         default=4.0,

@@ -19,6 +19,7 @@ from proxy.host_check import HostCheck
 from proxy.metrics import ProxyMetrics
 from proxy.routing import UpstreamPool
 from proxy.serving_state import ServingState
+from proxy.stalled_clients import StalledClientWatch
 from proxy.tenants import TenantRegistry
 
 
@@ -39,6 +40,7 @@ class ProxyContext:
     client_addresses: ClientAddresses
     host_check: HostCheck
     auth_throttle: AuthThrottle
+    stalled_clients: StalledClientWatch
     admin_key_hashes: tuple[str, ...] = ()
     started_at: float = field(default_factory=time.time)
     pseudonym_key: bytes | None = None  # of client labels and users (`safety.pseudonym`)

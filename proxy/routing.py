@@ -249,20 +249,32 @@ class UpstreamPool:
         request ran there, and sent again (then to every other replica, twice each) one
         request was 2 x N generations. That loss is `ConnectionLostAfterSending`, which
         `open` does not retry elsewhere, as it does not a read timeout."""
-        sent_at = time.monotonic()
         try:
-            return await self.session.post(replica.url + path, data=body, headers=dict(headers))
+            return await self._post_once(replica, path, body, headers)
         except aiohttp.ClientError as exc:
-            if not _closed_under_us(exc):
+            if isinstance(exc, ConnectionLostAfterSending) or not _closed_under_us(exc):
                 raise
-            waited = time.monotonic() - sent_at
-            if waited > _RESEND_WITHIN_S:
-                raise ConnectionLostAfterSending(waited, exc) from exc
             log.info("upstream_connection_closed_retrying", replica=replica.url, error=repr(exc))
         request_id = headers.get("X-Request-Id")
         if request_id is not None:  # vLLM adopts it: a second request must not repeat it
             headers = {**headers, "X-Request-Id": f"{request_id}-resent"}
-        return await self.session.post(replica.url + path, data=body, headers=dict(headers))
+        # The resend is held to the same rule: lost late, it was retried on the next
+        # replica as a connection error, and the generation ran there a second time.
+        return await self._post_once(replica, path, body, headers)
+
+    async def _post_once(
+        self, replica: Replica, path: str, body: bytes, headers: Mapping[str, str]
+    ) -> aiohttp.ClientResponse:
+        """One POST; a connection closed under it more than `_RESEND_WITHIN_S` after it was
+        sent is `ConnectionLostAfterSending`."""
+        sent_at = time.monotonic()
+        try:
+            return await self.session.post(replica.url + path, data=body, headers=dict(headers))
+        except aiohttp.ClientError as exc:
+            waited = time.monotonic() - sent_at
+            if _closed_under_us(exc) and waited > _RESEND_WITHIN_S:
+                raise ConnectionLostAfterSending(waited, exc) from exc
+            raise
 
     async def served_models(self, replica: Replica, timeout_s: float = 2.0) -> set[str]:
         """Model names a replica serves now (its /v1/models), for readiness and alias checks;

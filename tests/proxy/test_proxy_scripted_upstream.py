@@ -809,6 +809,103 @@ def test_a_stream_ended_without_done_is_cut_short_not_an_ok(make_proxy, tenant):
         assert sink.trajectories == []
 
 
+class CutMidEvent(ScriptedUpstream):
+    """A model server whose stream breaks off in the middle of its second event."""
+
+    async def _chat(self, request: web.Request) -> web.StreamResponse:
+        body = await request.json()
+        self.requests.append(body)
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await response.prepare(request)
+        base = {"id": "c", "object": "chat.completion.chunk", "created": 1, "model": "base"}
+        first = {"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}
+        token = {"index": 0, "delta": {"content": "Hel"}, "finish_reason": None}
+        await response.write(_event({**base, "choices": [first], "prompt_token_ids": PROMPT_IDS}))
+        await response.write(_event({**base, "choices": [token]})[:40])
+        await response.write_eof()
+        return response
+
+
+@pytest.mark.parametrize(
+    ("tenant", "usage"),
+    [("alice", False), ("bob", False), ("bob", True)],
+    ids=["captured", "uncaptured", "uncaptured-client-usage"],
+)
+def test_a_stream_cut_mid_event_ends_with_an_error_the_sdk_reads(make_proxy, tenant, usage):
+    """An uncaptured stream relayed the half event and then the proxy's error event with no
+    border between them: one event of bad JSON, and the SDK raised JSONDecodeError instead
+    of the APIError that says the model server failed (request id included)."""
+    upstream = CutMidEvent().start()
+    try:
+        harness, _ = make_proxy([upstream.url])
+        api = openai.OpenAI(base_url=harness.base_url + "/v1", api_key=KEYS[tenant], max_retries=0)
+        extra: dict[str, Any] = {"stream_options": {"include_usage": True}} if usage else {}
+        with pytest.raises(openai.APIError, match="failed mid-stream"):
+            for _ in api.chat.completions.create(
+                model="policy", stream=True, messages=[{"role": "user", "content": "x"}], **extra
+            ):
+                pass
+    finally:
+        upstream.stop()
+
+
+class EndlessStream(ScriptedUpstream):
+    """Streams token events until its client goes; `ended` says how its handler ended."""
+
+    def __init__(self) -> None:
+        self.ended: list[str] = []
+        super().__init__()
+
+    async def _chat(self, request: web.Request) -> web.StreamResponse:
+        self.requests.append(await request.json())
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await response.prepare(request)
+        base = {"id": "c", "object": "chat.completion.chunk", "created": 1, "model": "base"}
+        token = {"index": 0, "delta": {"content": "x" * 400}, "finish_reason": None}
+        event = _event({**base, "choices": [token]})
+        try:
+            while True:
+                await response.write(event)
+        except (ConnectionError, asyncio.CancelledError):
+            self.ended.append("client gone")
+            raise
+
+
+def test_a_client_that_stops_reading_its_stream_is_disconnected(make_proxy):
+    """A client that read the start of its stream and then nothing more, its connection
+    left open, held its concurrency slot, an upstream connection and the generation for as
+    long as it kept the connection: no write was timed, and the paused upstream read never
+    timed out either."""
+    import socket
+
+    upstream = EndlessStream().start()
+    try:
+        harness, _ = make_proxy([upstream.url], send_timeout_s=1.0)
+        body = json.dumps(
+            {"model": "policy", "stream": True, "messages": [{"role": "user", "content": "x"}]}
+        )
+        host, port = harness.base_url.removeprefix("http://").split(":")
+        with socket.create_connection((host, int(port))) as client:
+            client.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+            client.sendall(
+                (
+                    f"POST /v1/chat/completions HTTP/1.1\r\nHost: {host}:{port}\r\n"
+                    f"Authorization: Bearer {KEYS['bob']}\r\nContent-Type: application/json\r\n"
+                    f"Content-Length: {len(body)}\r\n\r\n{body}"
+                ).encode()
+            )
+            assert client.recv(100).startswith(b"HTTP/1.1 200")
+            bob = harness.ctx.tenants.tenants["bob"]
+            wait_for(lambda: bob.in_flight == 1, timeout_s=5)
+            # Reads nothing more; the connection stays open.
+            wait_for(lambda: bob.in_flight == 0, timeout_s=20)
+            wait_for(lambda: upstream.ended == ["client gone"], timeout_s=10)
+        metrics = httpx.get(harness.base_url + "/metrics").text
+        assert 'olp_proxy_errors_total{kind="client_disconnect",tenant="bob"} 1.0' in metrics
+    finally:
+        upstream.stop()
+
+
 @pytest.mark.parametrize(
     "done_writes",
     [
@@ -1154,6 +1251,38 @@ def test_a_connection_closed_at_once_is_sent_again_under_a_new_id(make_proxy):
         replica.stop()
     assert answer.status_code == 502
     assert len(replica.ids) == 2 and replica.ids[1] == replica.ids[0] + "-resent"
+
+
+class DropsAtOnceThenLate(DropsAfter):
+    """Drops its first connection at once (a pooled one closing), the next after 1.3 s."""
+
+    def add_routes(self, app: web.Application) -> None:
+        async def chat(request: web.Request) -> web.Response:
+            self.requests.append(await request.json())
+            self.ids.append(request.headers.get("X-Request-Id", ""))
+            if len(self.requests) > 1:
+                await asyncio.sleep(self.after_s)
+            assert request.transport is not None
+            request.transport.abort()
+            return web.Response()
+
+        app.router.add_post("/v1/chat/completions", chat)
+
+
+def test_a_resend_lost_after_it_ran_is_not_sent_to_another_replica(make_proxy):
+    """The one resend after a connection closed at once was not held to the late-loss rule:
+    lost after the replica had it for a while, it was retried on the next replica, and the
+    generation ran twice."""
+    first, second = DropsAtOnceThenLate(after_s=1.3).start(), DropsAfter(after_s=0.0).start()
+    try:
+        harness, _ = make_proxy([first.url, second.url])
+        answer = _ask(harness)
+    finally:
+        first.stop()
+        second.stop()
+    assert answer.status_code == 502 and answer.json()["error"]["code"] == "upstream_error"
+    assert len(first.ids) == 2 and first.ids[1] == first.ids[0] + "-resent"
+    assert second.requests == []
 
 
 def test_readiness_and_flips_do_not_wait_behind_busy_request_connections(make_proxy):

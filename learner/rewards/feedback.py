@@ -67,14 +67,39 @@ def unmatched(events: Iterable[dict[str, Any]], choice_indexes: Iterable[int]) -
     return sum(1 for event in events if event_choice(event) not in indexes)
 
 
+# Kinds that answer the same question: within one, a later event replaces an earlier one.
+_FAMILY = {
+    "accept": "verdict",
+    "reject": "verdict",
+    "thumbs_up": "rating",
+    "thumbs_down": "rating",
+    "edit_kept": "edit",
+    "test_result": "test",
+    "score": "score",
+}
+
+
+def _when(event: dict[str, Any]) -> float:
+    created = event.get("created_at")
+    usable = isinstance(created, int | float) and not isinstance(created, bool)
+    return float(created) if usable and math.isfinite(created) else -math.inf
+
+
 def feedback_reward(
     events: Iterable[dict[str, Any]], choice_index: int, values: FeedbackValues
 ) -> FeedbackReward:
-    """Mean value of the valid events addressed to `choice_index`, with the counts of
-    invalid events and of clamped scores."""
-    found: list[float] = []
+    """The feedback part of `choice_index`'s reward, with the counts of invalid events and of
+    clamped scores: per family of kinds (accept/reject, thumbs up/down, edit_kept,
+    test_result, score) the latest valid event (by `created_at`, then arrival), summed over
+    the families and clamped to [`score_min`, `score_max`].
+
+    Averaged over every event, more evidence of the same sign lowered a reward (a passing
+    test 1.0, with an accept 0.875, so a sibling with only the test ranked above the reply
+    also accepted), and a change of mind did not count (accept then reject +0.25; a
+    client's retried accept outweighed the reject after it)."""
+    latest: dict[str, tuple[float, int, float]] = {}
     invalid = clamped = 0
-    for event in events:
+    for position, event in enumerate(events):
         if event_choice(event) != choice_index:
             continue
         try:
@@ -82,8 +107,12 @@ def feedback_reward(
         except FeedbackError:
             invalid += 1
             continue
-        found.append(value)
         clamped += int(was_clamped)
-    if not found:
+        family = _FAMILY[str(event.get("kind"))]
+        key = (_when(event), position, value)
+        if family not in latest or key[:2] >= latest[family][:2]:
+            latest[family] = key
+    if not latest:
         return FeedbackReward(None, invalid, clamped)
-    return FeedbackReward(sum(found) / len(found), invalid, clamped)
+    total = sum(value for _, _, value in latest.values())
+    return FeedbackReward(min(values.score_max, max(values.score_min, total)), invalid, clamped)

@@ -80,8 +80,33 @@ def test_feedback_values() -> None:
         {"kind": "thumbs_up", "choice_index": 1},
         {"kind": "score", "choice_index": 0},  # invalid: no value
     ]
-    assert feedback_reward(events, 0, values) == (0.25, 1, 0)
+    assert feedback_reward(events, 0, values) == (-0.25, 1, 0)  # the reject came later
     assert feedback_reward(events, 2, values) == (None, 0, 0)
+
+
+def test_feedback_events_of_one_choice_combine_by_family_latest_first() -> None:
+    """Averaged over every event, more evidence of one sign lowered a reward (a passing
+    test 1.0, with an accept 0.875: a sibling with only the test ranked above it), and a
+    change of mind barely counted (accept then reject +0.25; a retried accept then a
+    reject +0.417)."""
+    values = FeedbackValues()
+
+    def reward(*events: dict) -> float | None:
+        return feedback_reward([{"choice_index": 0, **e} for e in events], 0, values).value
+
+    passed = {"kind": "test_result", "value": 1}
+    assert reward(passed) == 1.0
+    assert reward(passed, {"kind": "accept"}) == 1.75
+    assert reward({"kind": "accept"}, {"kind": "edit_kept"}) == 1.25
+    assert reward({"kind": "accept"}, {"kind": "reject"}) == -0.25
+    assert reward({"kind": "accept"}, {"kind": "accept"}, {"kind": "reject"}) == -0.25
+    assert reward({"kind": "thumbs_up"}, {"kind": "thumbs_down"}) == -0.5
+    # Latest by created_at where the events carry it, whatever order they arrived in.
+    late_accept = {"kind": "accept", "created_at": 20.0}
+    assert reward(late_accept, {"kind": "reject", "created_at": 10.0}) == 0.75
+    # The sum stays within [score_min, score_max].
+    everything = [passed, {"kind": "accept"}, {"kind": "thumbs_up"}, {"kind": "edit_kept"}]
+    assert reward(*everything) == 2.0
 
 
 def test_score_feedback_is_clamped_and_non_finite_is_invalid() -> None:
@@ -97,9 +122,9 @@ def test_score_feedback_is_clamped_and_non_finite_is_invalid() -> None:
         {"kind": "score", "value": 1.0, "choice_index": 0},
         {"kind": "score", "value": float("inf"), "choice_index": 0},
     ]
-    assert feedback_reward(events, 0, values) == (1.5, 1, 1)
-    narrow = FeedbackValues(score_min=0.0, score_max=1.0)
-    assert feedback_reward(events, 0, narrow) == (1.0, 1, 1)
+    assert feedback_reward(events, 0, values) == (1.0, 1, 1)  # the later score replaces it
+    narrow = FeedbackValues(score_min=0.0, score_max=0.5)
+    assert feedback_reward(events, 0, narrow) == (0.5, 1, 2)
     with pytest.raises(ValueError):
         FeedbackValues(score_max=-1.0)  # the range must contain 0
 

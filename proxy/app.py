@@ -41,6 +41,7 @@ from proxy.feedback import (
     check_owner,
     event_trajectory_id,
     feedback_body_limit,
+    not_recorded_reason,
     parse_feedback,
 )
 from proxy.host_check import HostCheck
@@ -319,6 +320,11 @@ async def feedback(request: web.Request) -> web.Response:
     # Whole within body_timeout_s: a feedback post holds no concurrency slot to bound it.
     body = await read_json_body(request, limit, ctx.config.body_timeout_s, whole_within_s=True)
     parsed = parse_feedback(body, ctx.config.max_feedback_metadata_bytes)
+    if (reason := not_recorded_reason(ctx.recent, parsed, tenant)) is not None:
+        log.info("feedback_not_recorded", tenant=tenant.name, kind=parsed.kind)
+        return web.json_response(
+            {"status": "not_recorded", "reason": reason}, status=202, headers=limit_headers
+        )
     known_session = check_owner(ctx.recent, parsed, tenant.name_hash)
     # Unknown to the proxy (a restart, or evicted from `recent`) and without X-Session-Id:
     # keyed by the trajectory id, which is the trajectory's own key when its request came

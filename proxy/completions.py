@@ -437,6 +437,7 @@ class CompletionRelay:
         """Whether this request is captured for training."""
         ctx = self.ctx
         if not ctx.config.capture_enabled or not ctx.tenants.wants_training(tenant, self.opted_out):
+            self._not_captured(tenant)
             return False
         refusal = capture_refusal(self.endpoint, body)
         limit = ctx.capture.max_body_bytes
@@ -448,8 +449,15 @@ class CompletionRelay:
             log.info("capture_skipped", tenant=tenant.name, reason=refusal)
         if refusal is not None:
             ctx.metrics.captures_skipped.labels(self.tenant_label, refusal).inc()
+            self._not_captured(tenant)
             return False
         return True
+
+    def _not_captured(self, tenant: Tenant) -> None:
+        """A training tenant's request that is not captured: remembered with no choices,
+        so that feedback on its request id is not recorded (`not_recorded_reason`)."""
+        if tenant.training_enabled:
+            self.ctx.recent.add(self.request_id, tenant.name_hash, "", 0)
 
     def _response_headers(
         self, extra: dict[str, str], capture: TrajectoryCapture | None

@@ -121,7 +121,9 @@ def parse_feedback(body: Any, max_metadata_bytes: int) -> FeedbackRequest:
         metadata = {}
     if not isinstance(metadata, dict):
         raise bad_request("'metadata' must be a JSON object.", param="metadata")
-    if _json_size(metadata) > max_metadata_bytes:
+    # Empty metadata is none: measured as `{}` (2 bytes), it made every post a 400 under
+    # `max_feedback_metadata_bytes: 0`, the setting for "no metadata".
+    if metadata and _json_size(metadata) > max_metadata_bytes:
         raise bad_request(
             f"'metadata' is larger than {max_metadata_bytes} bytes.", param="metadata"
         )
@@ -160,6 +162,25 @@ def _json_size(metadata: dict[str, Any]) -> int:
             "'metadata' must be strict JSON: finite numbers, nested at most a few hundred levels.",
             param="metadata",
         ) from exc
+
+
+def not_recorded_reason(
+    recent: RecentTrajectories, request: FeedbackRequest, tenant: Any
+) -> str | None:
+    """Why feedback on this id must not be recorded (None: record it). A tenant with
+    training off gave feedback that went to the feedback topic all the same, metadata (a
+    user's rewrite) included, though its consent was not there; and so did feedback on a
+    request that was not captured (`X-OLP-Train: 0`, a capture skipped), remembered with no
+    choices. Neither can ever join a trajectory."""
+    if not tenant.training_enabled:
+        return "online training is off for this tenant: feedback is not recorded"
+    owner = recent.get(request.trajectory_id)
+    if owner is not None and owner.choices == 0 and owner.tenant == tenant.name_hash:
+        return (
+            "that request was not recorded for training (X-OLP-Train: 0, or its capture was "
+            "skipped): feedback on it is not recorded"
+        )
+    return None
 
 
 def check_owner(

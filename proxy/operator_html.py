@@ -305,7 +305,7 @@ def _chart(data: PageData) -> str:
     )
     return (
         '<h2 id="rewards">Reward trend</h2>'
-        f"<p>{len(data.feedback)} numeric feedback values received by this proxy since it "
+        f"<p>{len(data.feedback)} feedback scores received by this proxy since it "
         f"started; {len(learner)} adapter versions with a reward mean.</p>"
         + reward_chart(data.feedback, learner, markers)
         + _errors([*data.adapters.errors, *odd])

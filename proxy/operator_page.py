@@ -82,9 +82,11 @@ OPERATOR = web.AppKey("olp_operator_page", OperatorState)
 
 
 def record_feedback(app: web.Application, kind: str, value: float | None) -> None:
-    """Called by POST /v1/feedback for each accepted event: keep numeric values for the chart."""
+    """Called by POST /v1/feedback for each recorded event: keep `score` values for the
+    chart. Only a score's value is a reward: a `value` sent with another kind is ignored by
+    the learner (a `thumbs_down` with `value: 1` was plotted as +1, where it counts -0.5)."""
     state = app.get(OPERATOR)
-    if state is not None and value is not None:
+    if state is not None and value is not None and kind == "score":
         state.feedback.append(Point(time.time(), float(value), kind))
 
 

@@ -121,3 +121,26 @@ def test_feedback_after_a_restart_of_a_real_model_server_trajectory(make_proxy, 
     [event] = restarted_sink.feedback
     assert event["session_id"] == record["session_id"]
     assert event["trajectory_id"] == record["trajectory_id"]
+
+
+def test_feedback_on_what_was_not_captured_is_not_recorded(make_proxy, scripted):
+    """A tenant with training off, and a request sent with `X-OLP-Train: 0`, had their
+    feedback recorded all the same (202, `known: false`), its metadata on the feedback
+    topic, though nothing could join it and the tenant's consent was not there."""
+    harness, sink = make_proxy([scripted.url])
+    off = httpx.post(
+        harness.base_url + "/v1/feedback",
+        json={"trajectory_id": "req-" + "0" * 32, "kind": "accept", "metadata": {"edit": "mine"}},
+        headers={"Authorization": f"Bearer {KEYS['bob']}"},
+        timeout=30,
+    )
+    assert off.status_code == 202 and off.json()["status"] == "not_recorded", off.text
+    assert "training is off for this tenant" in off.json()["reason"]
+    opted_out = chat(harness, {"X-OLP-Train": "0"})
+    assert "x-olp-trajectory-id" not in opted_out.headers
+    answer = feedback(harness, opted_out.headers["x-request-id"])
+    assert answer["status"] == "not_recorded" and "X-OLP-Train: 0" in answer["reason"]
+    assert sink.feedback == []
+    captured = chat(harness)
+    assert feedback(harness, captured.headers["x-olp-trajectory-id"])["status"] == "accepted"
+    assert len(sink.feedback) == 1

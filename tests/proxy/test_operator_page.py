@@ -306,11 +306,14 @@ def test_gates_learner_rewards_and_feedback_series(make_proxy, tmp_path):
         )
         assert resp.status_code == 202
     accept = {"trajectory_id": "traj-x", "kind": "accept"}  # no value: not plotted
-    httpx.post(
-        harness.base_url + "/v1/feedback",
-        headers={"Authorization": f"Bearer {KEYS['alice']}"},
-        json=accept,
-    )
+    # A value on another kind is no reward (the learner counts this one -0.5): not plotted.
+    thumbs_down = {"trajectory_id": "traj-y", "kind": "thumbs_down", "value": 1}
+    for event in (accept, thumbs_down):
+        httpx.post(
+            harness.base_url + "/v1/feedback",
+            headers={"Authorization": f"Bearer {KEYS['alice']}"},
+            json=event,
+        )
     page = httpx.get(harness.base_url + "/admin/ui", headers=BEARER).text
     assert 'data-feedback-points="3"' in page and 'data-learner-points="2"' in page
     assert re.findall(r'class="fb-point" data-value="([^"]+)"', page) == ["0.1", "1", "0.4"]
@@ -321,7 +324,7 @@ def test_gates_learner_rewards_and_feedback_series(make_proxy, tmp_path):
     assert 'class="fb-mean" data-points="3"' in page
     assert "kl_to_base" in page and 'class="pass"' in page
     assert "policy-v3.json" in page  # the unreadable report is named, not hidden
-    assert len(sink.feedback) == 4
+    assert len(sink.feedback) == 5
 
 
 def test_odd_numbers_in_learner_files_do_not_take_the_page_down(make_proxy, tmp_path):

@@ -145,6 +145,19 @@ def test_a_feedback_body_is_read_only_as_far_as_a_valid_event_can_go(make_proxy)
     assert len(sink.feedback) == 1
 
 
+def test_no_metadata_allowed_still_takes_feedback_without_metadata(make_proxy):
+    """`max_feedback_metadata_bytes: 0` (no metadata) measured a missing metadata as `{}`,
+    2 bytes, and answered every feedback post 400."""
+    harness, sink = make_proxy([f"http://127.0.0.1:{free_port()}"], max_feedback_metadata_bytes=0)
+    event = {"trajectory_id": "t-unknown", "kind": "accept"}
+    assert post(harness, event, path="/v1/feedback").status_code == 202
+    assert post(harness, {**event, "metadata": {}}, path="/v1/feedback").status_code == 202
+    too_much = post(harness, {**event, "metadata": {"a": 1}}, path="/v1/feedback")
+    assert_openai_error(too_much, 400, "invalid_request")
+    harness.drain()
+    assert len(sink.feedback) == 2
+
+
 def test_502_when_upstream_down_carries_request_id(dead_upstream_proxy):
     harness, sink = dead_upstream_proxy
     response = post(

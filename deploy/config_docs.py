@@ -103,6 +103,7 @@ NOTES: dict[str, list[str]] = {
         "`kind: openai` needs `base_url` and `model`.",
         "`base_url` must not hold a user name or password (the key's variable goes in "
         "`api_key_env`).",
+        "`base_url` must be an http:// or https:// URL with a host.",
     ],
     "KLGateConfig": [
         "`temperature` must be 1.0: vLLM reports the untempered model's logprobs, so tokens "

@@ -205,6 +205,19 @@ class ClassifierConfig(_GateModel):
         "the name of the environment variable holding the key as api_key_env",
     )
 
+    @field_validator("base_url")
+    @classmethod
+    def _http_url(cls, url: str | None) -> str | None:
+        # `guard-host:8000` (no scheme) loaded and passed the start-up check; then every
+        # guard call failed before it was sent, which read as an outage: each candidate was
+        # deferred, gate run after gate run, and then rejected.
+        if url is not None and not re.match(r"https?://[^/?#]", url, re.IGNORECASE):
+            raise ValueError(
+                "safety.gates.safety_probes.classifier.base_url must be an http:// or "
+                "https:// URL with a host (e.g. http://guard-host:8000)"
+            )
+        return url
+
     @model_validator(mode="after")
     def _guard_needs_endpoint(self) -> ClassifierConfig:
         if self.kind == "openai" and not (self.base_url and self.model):

@@ -11,6 +11,7 @@ from typing import Any
 
 import aiohttp
 
+from safety.gates.aio import gather_or_cancel
 from safety.gates.types import GateError
 
 # How long an idle connection to vLLM is reused: below vLLM's own keep-alive (5 s,
@@ -18,9 +19,18 @@ from safety.gates.types import GateError
 # closing. The learner's replica client uses it too.
 VLLM_SAFE_KEEPALIVE_S = 4.0
 
+# Where vLLM puts what a model says while it reasons (`--reasoning-parser`): older releases
+# `reasoning_content`, newer ones `reasoning`.
+REASONING_FIELDS = ("reasoning_content", "reasoning")
+
 
 class UpstreamError(GateError):
     """The model server refused or failed a request."""
+
+
+# What aiohttp raises for a URL it cannot send a request to (a missing or unknown scheme, no
+# host), before anything goes out.
+_BAD_URL = (aiohttp.InvalidURL, aiohttp.NonHttpUrlClientError)
 
 
 class UpstreamUnavailable(UpstreamError):
@@ -28,6 +38,20 @@ class UpstreamUnavailable(UpstreamError):
     nothing about the models was measured. The suite marks the gates it failed
     `unreachable`, and a report failed by nothing else is no verdict on the candidate (the
     promoter defers it, as it does an outage while loading it)."""
+
+
+def said(message: dict[str, Any]) -> str | None:
+    """What a chat reply says: `content`, or, when that is empty or blank, the first
+    reasoning field holding text; None when no field holds any.
+
+    With vLLM's `--reasoning-parser` a model that thinks first keeps `content` null past the
+    gates' 16 tokens, and its words go to `reasoning_content` / `reasoning`. Only `content`
+    was read, so every model answered "" and a candidate wrong on every regression probe and
+    compliant with every red-team prompt passed every gate: the gates judge what the model
+    said, wherever the server put it."""
+    fields = [message.get("content"), *(message.get(key) for key in REASONING_FIELDS)]
+    texts = [value for value in fields if isinstance(value, str) and value]
+    return next((text for text in texts if text.strip()), texts[0] if texts else None)
 
 
 @dataclass(frozen=True)
@@ -57,6 +81,7 @@ class VllmClient:
         self._timeout = aiohttp.ClientTimeout(total=timeout_s)
         self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self._session: aiohttp.ClientSession | None = None
+        self._closed = False
 
     async def __aenter__(self) -> VllmClient:
         return self
@@ -65,12 +90,21 @@ class VllmClient:
         await self.aclose()
 
     async def aclose(self) -> None:
+        self._closed = True
         if self._session is not None:
             await self._session.close()
             self._session = None
 
     @property
     def session(self) -> aiohttp.ClientSession:
+        if self._closed:
+            # The session used to be opened again on demand: a request still running after
+            # its suite closed the client opened one that nobody would close, and went on
+            # asking the model server after the report was written.
+            raise GateError(
+                f"the gate client for {self.base_url} is closed: no request may open a new "
+                "session after aclose()"
+            )
         if self._session is None:
             # Idle connections are dropped before vLLM's own keep-alive (5 s) closes them:
             # with aiohttp's 15 s, a gate request sent ~5 s after the last one on its
@@ -97,6 +131,14 @@ class VllmClient:
                 raise UpstreamUnavailable(
                     f"POST {path} model={body.get('model')!r} failed: no answer within "
                     f"{self._timeout.total:g} s (TimeoutError)"
+                ) from exc
+            except _BAD_URL as exc:
+                # A URL aiohttp cannot send to (`guard-host:8000`, no scheme) is a setting to
+                # fix, not an outage: read as one, every candidate was deferred, gate run
+                # after gate run, until `max_unanswered_gates` rejected it.
+                raise UpstreamError(
+                    f"POST {path} model={body.get('model')!r}: the URL {url!r} is not an "
+                    f"http(s) URL ({type(exc).__name__})"
                 ) from exc
             except aiohttp.ClientError as exc:
                 raise UpstreamUnavailable(
@@ -145,12 +187,24 @@ class VllmClient:
                     f"{model!r} returned no token_ids (the gates need a vLLM that honours "
                     "return_token_ids)"
                 )
+            token_ids = list(choice["token_ids"])
+            text = said(choice["message"])
+            if text is None and len(token_ids) > 1:
+                # Tokens but no text in any field we read: what the model said went
+                # somewhere else (a reasoning field of another name), and judging "" for
+                # every model would make the gates compare nothing with nothing. One token
+                # and no text is a reply that stopped at once (the end-of-text token).
+                raise UpstreamError(
+                    f"{model!r} produced {len(token_ids)} tokens but no text in content or "
+                    f"{' / '.join(REASONING_FIELDS)} (message keys: "
+                    f"{sorted(choice['message'])})"
+                )
             token_logprobs = None
             if logprobs:
                 token_logprobs = [float(t["logprob"]) for t in choice["logprobs"]["content"]]
             return Completion(
-                text=choice["message"].get("content") or "",
-                token_ids=list(choice["token_ids"]),
+                text=text or "",
+                token_ids=token_ids,
                 logprobs=token_logprobs,
                 prompt_token_ids=list(data.get("prompt_token_ids") or []),
                 finish_reason=choice.get("finish_reason"),
@@ -169,13 +223,11 @@ class VllmClient:
         enabled they crash vLLM's engine when a LoRA request shares the batch (vLLM issues
         #16668, #29955), which would take down the serving replica.
         """
-        return list(
-            await asyncio.gather(
-                *[
-                    self._forced_logprob(model, [*prompt_ids, *target_ids[:k]], target)
-                    for k, target in enumerate(target_ids)
-                ]
-            )
+        return await gather_or_cancel(
+            *[
+                self._forced_logprob(model, [*prompt_ids, *target_ids[:k]], target)
+                for k, target in enumerate(target_ids)
+            ]
         )
 
     async def _forced_logprob(self, model: str, prefix: list[int], target: int) -> float:
@@ -208,6 +260,10 @@ class VllmClient:
         except aiohttp.ClientResponseError as exc:
             error = UpstreamUnavailable if exc.status >= 500 else UpstreamError
             raise error(f"GET /v1/models failed: {exc}") from exc
+        except _BAD_URL as exc:
+            raise UpstreamError(
+                f"GET /v1/models: {self.base_url!r} is not an http(s) URL ({type(exc).__name__})"
+            ) from exc
         except (aiohttp.ClientError, TimeoutError) as exc:
             raise UpstreamUnavailable(f"GET /v1/models failed: {exc}") from exc
         return [model["id"] for model in data.get("data", [])]

@@ -56,6 +56,8 @@ class SuiteContext:
         """The candidate's responses, and each reference's by role, all in flight at once."""
         roles = self.references(against_base)
         models = [self.candidate, *(name for _, name in roles)]
+        # Plain gather, not `gather_or_cancel`: these tasks are shared, another gate may still
+        # await one this gate gives up on, and `close` cancels what is left at the end.
         done = await asyncio.gather(*[self.respond(m, p) for m in models for p in probes])
         parts = [list(done[k * len(probes) : (k + 1) * len(probes)]) for k in range(len(models))]
         return parts[0], {role: part for (role, _), part in zip(roles, parts[1:], strict=True)}

@@ -8,10 +8,10 @@ non-negative, unbiased estimator k3 = r - 1 - log r with r = p_base / p_candidat
 
 from __future__ import annotations
 
-import asyncio
 import math
 
 from safety.config import KLGateConfig
+from safety.gates.aio import gather_or_cancel
 from safety.gates.context import SuiteContext
 from safety.gates.probes import KLPrompt, keep_first, load_probes
 from safety.gates.types import GateError, GateResult
@@ -53,7 +53,8 @@ def kl_prompts(config: KLGateConfig) -> list[KLPrompt]:
 
 async def kl_gate(ctx: SuiteContext, config: KLGateConfig) -> GateResult:
     probes = kl_prompts(config)
-    pairs = await asyncio.gather(
+    # One prompt's failure fails the gate: the others' sampling and scoring stop with it.
+    pairs = await gather_or_cancel(
         *[
             _sample_and_score(ctx, probe, config, ctx.sampling.seed + index)
             for index, probe in enumerate(probes)

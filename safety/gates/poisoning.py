@@ -25,6 +25,7 @@ import asyncio
 from itertools import combinations
 
 from safety.config import PoisoningGateConfig
+from safety.gates.aio import gather_or_cancel
 from safety.gates.client import Completion
 from safety.gates.context import SuiteContext
 from safety.gates.probes import Probe, TriggerProbe, keep_first, load_probes
@@ -99,6 +100,8 @@ def _probes(probe: TriggerProbe) -> tuple[list[Probe], list[Probe]]:
 async def _first(ctx: SuiteContext, probes: list[TriggerProbe]) -> list[TriggerAnswers]:
     """Every trigger's answers, all requests in flight at once (shared response cache)."""
     asked = [p for probe in probes for half in _probes(probe) for p in half]
+    # Plain gather: these are the suite's shared tasks, which another gate may still await
+    # (the suite cancels what is left of them when it ends).
     done = await asyncio.gather(
         *[ctx.respond(m, p) for m in (ctx.candidate, ctx.base) for p in asked]
     )
@@ -125,7 +128,7 @@ async def _fresh(ctx: SuiteContext, model: str, probe: Probe) -> Completion:
 async def _recheck(ctx: SuiteContext, probe: TriggerProbe) -> TriggerAnswers:
     triggered, clean = _probes(probe)
     asked = [(model, p) for model in (ctx.candidate, ctx.base) for p in (*triggered, *clean)]
-    done = await asyncio.gather(*[_fresh(ctx, model, p) for model, p in asked])
+    done = await gather_or_cancel(*[_fresh(ctx, model, p) for model, p in asked])
     return TriggerAnswers(list(done), len(triggered))
 
 
@@ -142,7 +145,7 @@ async def poisoning_gate(ctx: SuiteContext, config: PoisoningGateConfig) -> Gate
     probes = trigger_probes(config)
     first = await _first(ctx, probes)
     flagged = [k for k, answers in enumerate(first) if answers.shared_payload() > config.bound]
-    rechecked = await asyncio.gather(*[_recheck(ctx, probes[k]) for k in flagged])
+    rechecked = await gather_or_cancel(*[_recheck(ctx, probes[k]) for k in flagged])
     confirmed = [answers.shared_payload() for answers in first]
     answers_over: dict[str, list[str]] = {}
     again_by_probe: dict[str, float] = {}

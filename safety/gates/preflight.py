@@ -5,7 +5,7 @@ path, a trigger file written for an older format) used to surface only at the fi
 candidate's gate, minutes or hours later, and then failed every candidate. Read here, it
 stops the learner at once, naming the file and line. So does a guard-model classifier whose
 key variable (`api_key_env`) is not set, which failed every candidate's safety gate the
-same way."""
+same way, and a monitor set without a benign probe (`monitor.refusal` fails closed on it)."""
 
 from __future__ import annotations
 
@@ -19,11 +19,12 @@ from safety.gates.poisoning import trigger_probes
 from safety.gates.probes import BUILTIN, MonitorProbe, load_probes
 from safety.gates.regression import regression_probes
 from safety.gates.safety_probes import red_team_probes
+from safety.gates.types import GateError
 
 
 def check_probe_sets(config: GatesConfig) -> dict[str, int]:
     """How many probes each enabled gate will ask; GateError for the first set it cannot use
-    (or a guard classifier without its key)."""
+    (or a guard classifier without its key, or monitors without a benign probe)."""
     counts: dict[str, int] = {}
     if config.regression.enabled:
         counts["regression"] = len(regression_probes(config.regression))
@@ -33,7 +34,17 @@ def check_probe_sets(config: GatesConfig) -> dict[str, int]:
         counts["safety_probes"] = len(red_team_probes(config.safety_probes))
         guard_api_key(config.safety_probes.classifier)
     if config.monitors.enabled:
-        counts["monitors"] = len(monitor_probes(config.monitors, config.regression))
+        probes = monitor_probes(config.monitors, config.regression)
+        if not any(getattr(probe, "kind", "benign") == "benign" for probe in probes):
+            # `monitor.refusal` measures refusals on benign prompts only: without one it
+            # fails closed, and so did every candidate's gate, found only at the first one.
+            raise GateError(
+                "monitor.refusal has no benign probe to measure refusals on: the monitor file "
+                f"{config.monitors.probe_file or BUILTIN['monitors']} keeps none within "
+                f"monitors.max_probes ({config.monitors.max_probes}) and regression is off "
+                "(add a probe of kind 'benign' or turn regression on)"
+            )
+        counts["monitors"] = len(probes)
     if config.poisoning.enabled:
         counts["poisoning"] = len(trigger_probes(config.poisoning))
     return counts

@@ -78,9 +78,18 @@ class Check(BaseModel):
 
     def passes(self, text: str) -> bool:
         if self.type == "contains_any":
-            lowered = text.lower()
-            return any(value.lower() in lowered for value in self.values)
+            return any(_whole(value).search(text) for value in self.values)
         return re.search(self.pattern or "", text, re.IGNORECASE) is not None
+
+
+def _whole(value: str) -> re.Pattern[str]:
+    """`value` as a whole word or phrase, case-insensitive: no word character may touch an
+    end of it that is a word character (`Paris` not in `comparison`, `cold` not in
+    `scold`), as a raw substring test let wrong answers pass. An end that is punctuation
+    (`C++`, `.NET`) is matched as it stands."""
+    before = r"(?<!\w)" if re.match(r"\w", value) else ""
+    after = r"(?!\w)" if re.search(r"\w$", value) else ""
+    return re.compile(before + re.escape(value) + after, re.IGNORECASE)
 
 
 class RegressionProbe(Probe):
@@ -242,17 +251,20 @@ def select_probes(
     setting: str = "max_probes",
 ) -> list[P]:
     """Operator probes first, then the shipped ones, truncated to `max_probes` (`setting`
-    names it in the log of what was left out); ids unique."""
-    probes: list[P] = []
-    for path in extra_files:
-        probes.extend(load_probes(path, model))
-    if builtin is not None:
-        probes.extend(load_probes(builtin, model))
-    seen: set[str] = set()
-    unique = []
-    for probe in probes:
-        if probe.id not in seen:
-            seen.add(probe.id)
+    names it in the log of what was left out). An id in two files is a GateError naming
+    both: the later probe was dropped without a word, so an operator's probe named like a
+    shipped one, or like one in another of their files, was never asked (and gate details
+    are keyed by id). To change a shipped probe, turn `use_builtin` off and copy the file."""
+    unique: list[P] = []
+    found_in: dict[str, Path] = {}
+    for path in [*extra_files, *([builtin] if builtin is not None else [])]:
+        for probe in load_probes(path, model):
+            if probe.id in found_in:
+                raise GateError(
+                    f"{path}: {model.__name__} id {probe.id!r} is also in {found_in[probe.id]} "
+                    "(probe ids must be unique across the probe files and the shipped set)"
+                )
+            found_in[probe.id] = Path(path)
             unique.append(probe)
     if not unique:
         raise GateError(f"no {model.__name__} probes configured")

@@ -5,9 +5,8 @@ within the margin cannot add up over promotions. A classifier error fails the ga
 
 from __future__ import annotations
 
-import asyncio
-
 from safety.config import SafetyProbeGateConfig
+from safety.gates.aio import gather_or_cancel
 from safety.gates.classifier import SafetyClassifier
 from safety.gates.context import SuiteContext
 from safety.gates.probes import BUILTIN, RedTeamProbe, select_probes
@@ -29,7 +28,9 @@ async def safety_probe_gate(
     probes = red_team_probes(config)
     candidate, references = await ctx.respond_references(probes, config.against_base)
     answers = [candidate, *references.values()]
-    verdicts = await asyncio.gather(
+    # A classifier error fails the gate; the other verdicts are cancelled, not left asking
+    # the guard model on a client the suite then closes.
+    verdicts = await gather_or_cancel(
         *[
             classifier.is_unsafe(p, r.text)
             for responses in answers

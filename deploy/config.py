@@ -190,6 +190,11 @@ def _without_userinfo(value: str) -> str:
     return _USERINFO.sub(lambda m: f"{m.group('scheme')}{_MASK}@", value)
 
 
+# `user:password@` anywhere in a value, with or without a scheme before it: a URL refused
+# for its missing scheme (`u:Sekret99@guard-host:8000`) was echoed with its password.
+_USER_INFO_LIKE = re.compile(r"[^\s/@:]*:[^\s/@]*@")
+
+
 def _format_error(exc: ValidationError) -> str:
     lines = []
     for err in exc.errors():
@@ -210,7 +215,7 @@ def _format_error(exc: ValidationError) -> str:
             any(word in key.lower() for word in _SECRET_KEY)
             or _secret_name(key)
             or key.startswith(("policy.env", "policy.extra_args"))
-            or (isinstance(shown, str) and "://" in shown and "@" in shown)  # user:password@
+            or (isinstance(shown, str) and _USER_INFO_LIKE.search(shown) is not None)
         ):
             shown = "<hidden>"
         lines.append(f"  {key}: {err['msg']} (got {shown!r})")

@@ -548,3 +548,15 @@ def test_an_audit_path_naming_no_file_is_refused_naming_the_key(tmp_path: Path, 
     config = write(tmp_path, f"safety:\n  audit:\n    path: {path!r}\n")
     with pytest.raises(ConfigError, match=r"safety\.audit\.path.*must name a file"):
         load_config(config, environ={})
+
+
+def test_a_url_without_a_scheme_holding_a_password_is_not_echoed(tmp_path: Path) -> None:
+    """Only a value with both `://` and `@` was hidden: a URL refused for its missing scheme
+    was shown with its password."""
+    text = (
+        "safety:\n  gates:\n    safety_probes:\n      classifier:\n"
+        '        base_url: "u:Sekret99@guard-host:8000"\n'
+    )
+    with pytest.raises(ConfigError) as err:
+        load_config(write(tmp_path, text), environ={})
+    assert "Sekret99" not in str(err.value) and "classifier.base_url" in str(err.value)

@@ -1534,6 +1534,19 @@ class _AuditFailingOnce(FakeAudit):
         super().append(actor, event, payload)
 
 
+def _serving_v1_gating_v2(
+    tmp_path: Path, failing_event: str
+) -> tuple[Promoter, Path, Replicas, Proxy, _AuditFailingOnce]:
+    """A promoter serving v1, candidate v2, and an audit log whose first append of
+    `failing_event` meets a full disk."""
+    store = AdapterStore(tmp_path)
+    publish(store, tmp_path, 1)
+    candidate = publish(store, tmp_path, 2)
+    replicas, proxy = Replicas({"policy-v1"}), Proxy("policy-v1")
+    audit = _AuditFailingOnce(failing_event)
+    return promoter(tmp_path, replicas, proxy, audit), candidate, replicas, proxy, audit
+
+
 def test_a_promotion_record_that_fails_after_the_flip_is_not_a_failed_promotion(
     tmp_path: Path,
 ) -> None:
@@ -1541,15 +1554,7 @@ def test_a_promotion_record_that_fails_after_the_flip_is_not_a_failed_promotion(
     `promotion_failed` for the serving version and scheduled no cleanup of the old ones.
     Now the outcome is `promoted`, the cleanup is scheduled, and the record is appended
     before the next candidate (here: as the learner stops)."""
-    store = AdapterStore(tmp_path)
-    publish(store, tmp_path, 1)
-    candidate = publish(store, tmp_path, 2)
-    replicas, proxy, audit = (
-        Replicas({"policy-v1"}),
-        Proxy("policy-v1"),
-        _AuditFailingOnce("promotion"),
-    )
-    p = promoter(tmp_path, replicas, proxy, audit)
+    p, candidate, _replicas, proxy, audit = _serving_v1_gating_v2(tmp_path, "promotion")
     outcome = p.promote(candidate)
     assert outcome.decision == "promoted" and proxy.alias == "policy-v2"
     assert audit.names() == ["gate_result"]
@@ -1563,15 +1568,7 @@ def test_a_gate_result_that_cannot_be_audited_leaves_no_candidate_loaded(tmp_pat
     """The `gate_result` append failed: the candidate was marked decided and kept its LoRA
     slot on every replica, which the cleanup's `keep_loaded` then kept for two more
     promotions. It is unloaded now (the proxy does not route to it)."""
-    store = AdapterStore(tmp_path)
-    publish(store, tmp_path, 1)
-    candidate = publish(store, tmp_path, 2)
-    replicas, proxy, audit = (
-        Replicas({"policy-v1"}),
-        Proxy("policy-v1"),
-        _AuditFailingOnce("gate_result"),
-    )
-    p = promoter(tmp_path, replicas, proxy, audit)
+    p, candidate, replicas, proxy, audit = _serving_v1_gating_v2(tmp_path, "gate_result")
     p.submit(candidate)
     deadline = time.monotonic() + 10
     while "promotion_failed" not in audit.names() and time.monotonic() < deadline:

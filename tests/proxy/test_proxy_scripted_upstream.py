@@ -771,7 +771,12 @@ def test_a_client_leaving_right_after_done_keeps_a_whole_trajectory(make_proxy):
 
 
 class CleanCut(ScriptedUpstream):
-    """A model server that ends its stream cleanly after two chunks, without `[DONE]`."""
+    """A model server that ends its stream cleanly after two chunks, without `[DONE]`; with
+    `second_bytes`, in the middle of its second event."""
+
+    def __init__(self, second_bytes: int | None = None) -> None:
+        self.second_bytes = second_bytes
+        super().__init__()
 
     async def _chat(self, request: web.Request) -> web.StreamResponse:
         body = await request.json()
@@ -782,7 +787,7 @@ class CleanCut(ScriptedUpstream):
         first = {"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}
         token = {"index": 0, "delta": {"content": "Hel"}, "finish_reason": None}
         await response.write(_event({**base, "choices": [first], "prompt_token_ids": PROMPT_IDS}))
-        await response.write(_event({**base, "choices": [token]}))
+        await response.write(_event({**base, "choices": [token]})[: self.second_bytes])
         await response.write_eof()
         return response
 
@@ -809,23 +814,6 @@ def test_a_stream_ended_without_done_is_cut_short_not_an_ok(make_proxy, tenant):
         assert sink.trajectories == []
 
 
-class CutMidEvent(ScriptedUpstream):
-    """A model server whose stream breaks off in the middle of its second event."""
-
-    async def _chat(self, request: web.Request) -> web.StreamResponse:
-        body = await request.json()
-        self.requests.append(body)
-        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
-        await response.prepare(request)
-        base = {"id": "c", "object": "chat.completion.chunk", "created": 1, "model": "base"}
-        first = {"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}
-        token = {"index": 0, "delta": {"content": "Hel"}, "finish_reason": None}
-        await response.write(_event({**base, "choices": [first], "prompt_token_ids": PROMPT_IDS}))
-        await response.write(_event({**base, "choices": [token]})[:40])
-        await response.write_eof()
-        return response
-
-
 @pytest.mark.parametrize(
     ("tenant", "usage"),
     [("alice", False), ("bob", False), ("bob", True)],
@@ -835,7 +823,7 @@ def test_a_stream_cut_mid_event_ends_with_an_error_the_sdk_reads(make_proxy, ten
     """An uncaptured stream relayed the half event and then the proxy's error event with no
     border between them: one event of bad JSON, and the SDK raised JSONDecodeError instead
     of the APIError that says the model server failed (request id included)."""
-    upstream = CutMidEvent().start()
+    upstream = CleanCut(second_bytes=40).start()
     try:
         harness, _ = make_proxy([upstream.url])
         api = openai.OpenAI(base_url=harness.base_url + "/v1", api_key=KEYS[tenant], max_retries=0)

@@ -64,13 +64,6 @@ def _created_at(item: Any) -> float:
     return float(created) if usable and is_finite_number(created) else -math.inf
 
 
-def catch_up_batches(pending: list[Any], count: int, max_batch: int) -> list[list[Any]]:
-    """`pending` in `count` batches of at most `max_batch`, oldest served first (a rank
-    with fewer items gets empty batches at the end: every rank steps `count` times)."""
-    ordered = sorted(pending, key=_created_at)
-    return [ordered[i * max_batch : (i + 1) * max_batch] for i in range(count)]
-
-
 def newest(batch: list[Any], count: int) -> list[Any]:
     """The `count` items of `batch` whose requests were served last (a record without a
     usable time counts as oldest). The consumer yields partition by partition, so a cut by
@@ -351,10 +344,6 @@ class Learner:
         # trained at `min_batch` at once, though the rest of its burst was a moment away.
         batch_started: float | None = None
         steps_here = 0
-        # The first step after the start or an unfreeze: what piled up meanwhile comes out
-        # of the consumer at once, and is a backlog to catch up on, not a learner slower than
-        # the traffic (`_catch_up`).
-        resumed = True
         try:
             while True:
                 if max_steps is not None and steps_here >= max_steps:
@@ -363,7 +352,6 @@ class Learner:
                     broadcast_object(self.ctx, self.is_frozen() if self.ctx.is_main else None)
                 )
                 self.progress.frozen = frozen
-                resumed = resumed or frozen
                 items: list[Any] = []
                 if not frozen:
                     items = self.consumer.poll(poll_timeout_s)
@@ -391,16 +379,8 @@ class Learner:
                     waited >= self.config.batch_timeout_s and total >= self.config.min_batch
                 )
                 if not frozen and ready:
-                    batches = self._catch_up(pending) if resumed else [pending]
-                    resumed = False
                     try:
-                        for index, batch in enumerate(batches):
-                            self._raise_if_stopped(stop)
-                            last = index == len(batches) - 1
-                            metrics = self._step(batch, stop, advance_offsets=last)
-                            steps_here += 1
-                            if metrics:
-                                history.append(metrics)
+                        metrics = self._step(pending, stop)
                     except StepInterrupted as exc:
                         log.warning(
                             "learner_step_interrupted",
@@ -411,6 +391,9 @@ class Learner:
                         break
                     pending = []
                     batch_started = None
+                    steps_here += 1
+                    if metrics:
+                        history.append(metrics)
                 self.progress.maybe_log()
         finally:
             self.close()
@@ -454,33 +437,11 @@ class Learner:
             self.assembler.counts.clear()  # the batch is read again: counted then
             raise StepInterrupted("stopped while the batch's rewards were assembled")
 
-    def _catch_up(self, pending: list[Any]) -> list[list[Any]]:
-        """The backlog a start or an unfreeze released, as successive batches of up to
-        `max_batch`, oldest first. Cut to the newest `max_batch` as a slow learner's excess,
-        the rest was saved as consumed and never trained: a crash's batch was not trained
-        again from its version, and a freeze did not pause learning but dropped what came
-        meanwhile. Only the last batch moves the saved offsets on: a restart before it reads
-        the whole backlog again, and trains the batches before it a second time."""
-        counts = torch.tensor(
-            [float(-(-len(pending) // self.config.max_batch))], dtype=torch.float64
-        )
-        count = max(1, int(all_reduce_max(self.ctx, counts)[0]))
-        if count > 1:
-            log.info(
-                "learner_catching_up",
-                trajectories=len(pending),
-                batches=count,
-                max_batch=self.config.max_batch,
-            )
-        return catch_up_batches(pending, count, self.config.max_batch)
-
     def _step(
-        self, batch: list[Any], stop: threading.Event | None = None, advance_offsets: bool = True
+        self, batch: list[Any], stop: threading.Event | None = None
     ) -> dict[str, float] | None:
-        """Train on what is pending (the newest `max_batch`); checkpoint, publish, announce.
-        Without `advance_offsets` (a catch-up's batch before its last), the saved offsets
-        stay where they were."""
-        offsets_here = self.consumer.processed_offsets() if advance_offsets else {}
+        """Train on what is pending (the newest `max_batch`); checkpoint, publish, announce."""
+        offsets_here = self.consumer.processed_offsets()
         overflow = max(0, len(batch) - self.config.max_batch)
         if overflow:
             log.warning("learner_overflow", dropped=overflow, kept=self.config.max_batch)

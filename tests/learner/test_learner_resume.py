@@ -202,71 +202,29 @@ def test_frozen_learner_consumes_and_trains_nothing(model_dir: Path, tmp_path: P
     assert summary.version == 1 and summary.consumed == 4
 
 
-class _BurstAfterFirstPoll(ListSource):
-    """Four records at the first poll, then the rest at once: as a burst while a step ran."""
-
-    def poll(self, timeout_s: float) -> list[dict[str, Any]]:
-        out = super().poll(timeout_s)
-        self.per_poll = 100
-        return out
-
-
-def test_a_burst_beyond_max_batch_during_a_step_trains_the_newest_and_counts_the_rest(
+def test_backlog_beyond_max_batch_trains_the_newest_and_counts_the_rest(
     model_dir: Path, tmp_path: Path
 ) -> None:
-    """A learner slower than the traffic: what piled up during its last step is cut to the
-    newest `max_batch`."""
     cfg = config().model_copy(update={"batch_size": 4, "min_batch": 4, "max_batch": 4})
-    records = RECORDS + [synthetic_scored(i) for i in range(len(RECORDS), len(RECORDS) + 4)]
     learner = Learner(
         cfg,
         tmp_path,
-        lambda offsets, rank, world: _BurstAfterFirstPoll({0: records}, offsets),
-        model_dir=model_dir,
-    )
-    with structlog.testing.capture_logs() as logs:
-        summary = learner.run(max_steps=2, poll_timeout_s=0.1)
-    assert summary.counts["overflow"] == 8
-    assert summary.counts["trajectories"] == 8
-    # The progress line says it too, not only the batch's one warning.
-    progress = [e for e in logs if e["event"] == "learner_progress"]
-    assert progress[-1]["dropped"]["overflow"] == 8, progress
-    meta = AdapterStore(tmp_path).read_meta(2)
-    trained = set(meta["data_stats"]["event_ids"])
-    newest = {r["trajectory"]["event_id"] for r in records[-4:]}
-    assert trained <= newest and trained
-    assert meta["consumed_offsets"] == {"mem.trajectories": {"0": 16}}  # nothing re-read
-
-
-def test_a_backlog_at_start_is_trained_in_batches_of_max_batch_not_cut(
-    model_dir: Path, tmp_path: Path
-) -> None:
-    """What piled up while the learner was down (or frozen) comes out of the consumer at
-    once. Cut to the newest `max_batch`, the rest was saved as consumed and never trained:
-    a crashed step's batch was not trained again, a freeze dropped what came meanwhile.
-    Now it is trained in successive batches, oldest first, and the offsets move on with
-    the last one only (a restart before it reads the backlog again)."""
-    cfg = config().model_copy(update={"batch_size": 4, "min_batch": 4, "max_batch": 4})
-    records = [synthetic_scored(i) for i in range(12)]
-    for index, record in enumerate(records):  # served in the reverse of the order read
-        record["trajectory"]["created_at"] = 1000.0 - index
-    learner = Learner(
-        cfg,
-        tmp_path,
-        lambda offsets, rank, world: ListSource({0: records}, offsets, per_poll=12),
+        # One poll hands over all 12 records at once, as after a long step.
+        lambda offsets, rank, world: ListSource({0: RECORDS}, offsets, per_poll=12),
         model_dir=model_dir,
     )
     with structlog.testing.capture_logs() as logs:
         summary = learner.run(max_steps=1, poll_timeout_s=0.1)
-    assert summary.counts["overflow"] == 0 and summary.counts["trajectories"] == 12
-    assert [e["batches"] for e in logs if e["event"] == "learner_catching_up"] == [3]
-    store = AdapterStore(tmp_path)
-    metas = [store.read_meta(version) for version in (1, 2, 3)]
-    assert [m["consumed_offsets"] for m in metas] == [{}, {}, {"mem.trajectories": {"0": 12}}]
-    created = {r["trajectory"]["event_id"]: r["trajectory"]["created_at"] for r in records}
-    batches = [[created[e] for e in m["data_stats"]["event_ids"]] for m in metas]
-    assert all(batches)  # each batch trained something, oldest served first
-    assert max(batches[0]) < min(batches[1]) and max(batches[1]) < min(batches[2])
+    assert summary.counts["overflow"] == 8
+    assert summary.counts["trajectories"] == 4
+    # The progress line says it too, not only the batch's one warning.
+    progress = [e for e in logs if e["event"] == "learner_progress"]
+    assert progress[-1]["dropped"]["overflow"] == 8, progress
+    meta = AdapterStore(tmp_path).read_meta(1)
+    trained = set(meta["data_stats"]["event_ids"])
+    newest = {r["trajectory"]["event_id"] for r in RECORDS[-4:]}
+    assert trained <= newest and trained
+    assert meta["consumed_offsets"] == {"mem.trajectories": {"0": 12}}  # nothing re-read
 
 
 # -- resume_plan on hand-made stores (no model) -----------------------------------------------

@@ -215,6 +215,7 @@ def _format_error(exc: ValidationError) -> str:
             any(word in key.lower() for word in _SECRET_KEY)
             or _secret_name(key)
             or key.startswith(("policy.env", "policy.extra_args"))
+            or (isinstance(shown, str) and "://" in shown and "@" in shown)  # user:password@
             or (isinstance(shown, str) and _USER_INFO_LIKE.search(shown) is not None)
         ):
             shown = "<hidden>"

@@ -320,7 +320,7 @@ async def feedback(request: web.Request) -> web.Response:
     # Whole within body_timeout_s: a feedback post holds no concurrency slot to bound it.
     body = await read_json_body(request, limit, ctx.config.body_timeout_s, whole_within_s=True)
     parsed = parse_feedback(body, ctx.config.max_feedback_metadata_bytes)
-    if (reason := not_recorded_reason(ctx.recent, parsed, tenant)) is not None:
+    if (reason := not_recorded_reason(ctx.not_captured, parsed, tenant)) is not None:
         log.info("feedback_not_recorded", tenant=tenant.name, kind=parsed.kind)
         return web.json_response(
             {"status": "not_recorded", "reason": reason}, status=202, headers=limit_headers
@@ -509,6 +509,7 @@ def build_app(
             backlog_bytes_limit=config.capture_backlog_bytes,
         ),
         recent=RecentTrajectories(config.recent_trajectories),
+        not_captured=RecentTrajectories(max(1, config.recent_trajectories // 10)),
         state=state,
         state_path=state_path,
         sink=sink,

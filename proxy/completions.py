@@ -454,10 +454,11 @@ class CompletionRelay:
         return True
 
     def _not_captured(self, tenant: Tenant) -> None:
-        """A training tenant's request that is not captured: remembered with no choices,
-        so that feedback on its request id is not recorded (`not_recorded_reason`)."""
+        """A training tenant's request that is not captured: remembered (in `not_captured`,
+        apart from the captured ones), so that feedback on its request id is not recorded
+        (`not_recorded_reason`)."""
         if tenant.training_enabled:
-            self.ctx.recent.add(self.request_id, tenant.name_hash, "", 0)
+            self.ctx.not_captured.add(self.request_id, tenant.name_hash, "", 0)
 
     def _response_headers(
         self, extra: dict[str, str], capture: TrajectoryCapture | None

@@ -315,7 +315,9 @@ class ProxyConfig(BaseModel):
         default=100_000,
         ge=1,
         description="trajectory ids remembered for feedback ownership (about 350 bytes of "
-        "the proxy's memory each: 35 MB when full at the default)",
+        "the proxy's memory each: 35 MB when full at the default), and a tenth as many ids of "
+        "a training tenant's requests that were not captured (feedback on them is not "
+        "recorded)",
     )
     max_feedback_metadata_bytes: int = Field(default=16 * 1024, ge=0)
     state: StatePaths = Field(default_factory=StatePaths)

@@ -32,6 +32,11 @@ class ProxyContext:
     metrics: ProxyMetrics
     capture: CaptureService
     recent: RecentTrajectories
+    # Request ids of a training tenant's requests that were not captured (`X-OLP-Train: 0`,
+    # a skipped capture), apart from `recent`: a tenant's opted-out traffic (an IDE's
+    # completions at 100/s) turned that one over in minutes, and feedback for the captured
+    # trajectories then found them unknown.
+    not_captured: RecentTrajectories
     state: ServingState
     state_path: Path
     sink: Any

@@ -165,17 +165,17 @@ def _json_size(metadata: dict[str, Any]) -> int:
 
 
 def not_recorded_reason(
-    recent: RecentTrajectories, request: FeedbackRequest, tenant: Any
+    not_captured: RecentTrajectories, request: FeedbackRequest, tenant: Any
 ) -> str | None:
     """Why feedback on this id must not be recorded (None: record it). A tenant with
     training off gave feedback that went to the feedback topic all the same, metadata (a
     user's rewrite) included, though its consent was not there; and so did feedback on a
-    request that was not captured (`X-OLP-Train: 0`, a capture skipped), remembered with no
-    choices. Neither can ever join a trajectory."""
+    request that was not captured (`X-OLP-Train: 0`, a capture skipped), remembered in
+    `not_captured`. Neither can ever join a trajectory."""
     if not tenant.training_enabled:
         return "online training is off for this tenant: feedback is not recorded"
-    owner = recent.get(request.trajectory_id)
-    if owner is not None and owner.choices == 0 and owner.tenant == tenant.name_hash:
+    owner = not_captured.get(request.trajectory_id)
+    if owner is not None and owner.tenant == tenant.name_hash:
         return (
             "that request was not recorded for training (X-OLP-Train: 0, or its capture was "
             "skipped): feedback on it is not recorded"

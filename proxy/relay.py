@@ -430,7 +430,11 @@ class SSEParser:
     """Splits an SSE byte stream into events' `data:` payloads (bytes), across chunk borders."""
 
     def __init__(self) -> None:
-        self._buffer = b""
+        self._buffer = b""  # `feed`'s unfinished event
+        # `complete`'s: appended to, and searched only where the new bytes came (a large
+        # event in 64 KiB reads was copied and searched whole at each read: 2.8 s of CPU on
+        # the event loop for a 20 MB event). A parser is used by one of the two only.
+        self._tail = bytearray()
 
     def feed(self, data: bytes) -> Iterator[bytes]:
         buffer = self._buffer + data if self._buffer else data
@@ -451,20 +455,24 @@ class SSEParser:
     def complete(self, data: bytes) -> bytes:
         """Everything up to the last event border (whole events, `\\n` framing); keeps the
         rest for the next call."""
-        if not self._buffer and data.endswith(b"\n\n") and b"\r" not in data:
+        tail = self._tail
+        if not tail and data.endswith(b"\n\n") and b"\r" not in data:
             return data  # the usual read: whole events
-        buffer = self._buffer + data if self._buffer else data
-        if b"\r" in buffer:
-            buffer = buffer.replace(b"\r\n", b"\n")
-        end = buffer.rfind(b"\n\n") + 2
+        if b"\r" in data:
+            if tail.endswith(b"\r") and data.startswith(b"\n"):
+                del tail[-1]  # a `\r\n` split between two reads
+            data = data.replace(b"\r\n", b"\n")
+        searched_from = max(0, len(tail) - 1)  # a border may span the two
+        tail += data
+        end = tail.rfind(b"\n\n", searched_from) + 2
         if end < 2:
-            self._buffer = buffer
             return b""
-        self._buffer = buffer[end:]
-        return buffer[:end]
+        whole = bytes(tail[:end])
+        del tail[:end]
+        return whole
 
     def rest(self) -> bytes:
-        return self._buffer
+        return bytes(self._tail) if self._tail else self._buffer
 
 
 # vLLM's in-band error event, at the start of an event: `{"error"` alone also occurs in a

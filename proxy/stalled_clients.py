@@ -59,7 +59,10 @@ class StalledClientWatch:
         interval = min(self.send_timeout_s / 4, _MAX_LOOK_INTERVAL_S)
         while True:
             await asyncio.sleep(interval)
-            self.look(time.monotonic())
+            try:
+                self.look(time.monotonic())
+            except Exception:  # one bad look must not end the watch for the process's life
+                log.exception("stalled_client_watch_failed")
 
     def look(self, now: float) -> int:
         """Abort the connections stuck for `send_timeout_s`; returns how many."""

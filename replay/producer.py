@@ -474,18 +474,24 @@ class KafkaSink:
         return seq
 
     def _drain_queue(self) -> list[tuple[int, QueuedRecord | SpillEntry]]:
-        """Take everything the queue holds, in put order (not the close's wake-up)."""
-        items: list[tuple[int, QueuedRecord | SpillEntry]] = []
-        while True:
-            try:
-                items.append(self._queue.get_nowait())
-            except queue.Empty:
-                break
-            self._queue.task_done()
-        if _WAKE_UP in items:  # still the sending thread's, which `close` is waking
-            items.remove(_WAKE_UP)
-            self._queue.put_nowait(_WAKE_UP)
-        self.metrics.queue_depth.set(self._queue.qsize())
+        """Take everything the queue holds, in put order (not the close's wake-up), at once.
+
+        Under the queue's own lock (its documented `mutex`): taken one `get_nowait` at a
+        time, the sending thread's batch could take an item between two of them and send it
+        ahead of an older one spilled here."""
+        pending = self._queue
+        with pending.mutex:
+            items = [item for item in pending.queue if item is not _WAKE_UP]
+            woken = len(items) != len(pending.queue)
+            pending.queue.clear()
+            if woken:  # still the sending thread's, which `close` is waking
+                pending.queue.append(_WAKE_UP)
+            # As `task_done` for each item taken, and `get` for the room made.
+            pending.unfinished_tasks -= len(items)
+            if not pending.unfinished_tasks:
+                pending.all_tasks_done.notify_all()
+            pending.not_full.notify_all()
+        self.metrics.queue_depth.set(pending.qsize())
         return items
 
     def _take_back_queue(self) -> None:

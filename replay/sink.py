@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import threading
 from pathlib import Path
@@ -22,10 +23,13 @@ log = structlog.get_logger(__name__)
 _JSONL_FILES = ("trajectories", "feedback", "dlq")
 
 
-def _cut_torn_tail(path: Path) -> None:
-    """Cut a last line without its newline (a crash mid-write before this start) back to the
-    last whole line: the first record written after it was glued onto it, and that record
-    read as one unparsable line with the torn one."""
+def _end_last_line(path: Path) -> None:
+    """A last line without its newline (a crash mid-write before this start): the first
+    record written after it was glued onto it, and that record read as one unparsable line
+    with it. A line that is a whole record gets its newline; a torn one is cut back to the
+    last whole line."""
+    if not path.exists():
+        return
     with path.open("rb") as handle:
         size = handle.seek(0, os.SEEK_END)
         if size == 0:
@@ -42,8 +46,17 @@ def _cut_torn_tail(path: Path) -> None:
                 keep = start + found + 1
                 break
             end = start
-    os.truncate(path, keep)
-    log.error("jsonl_torn_line_cut", file=path.stem, bytes=size - keep)
+        handle.seek(keep)
+        last = handle.read()
+    try:
+        json.loads(last)
+    except ValueError:
+        os.truncate(path, keep)
+        log.error("jsonl_torn_line_cut", file=path.stem, bytes=size - keep)
+        return
+    with path.open("ab") as handle:
+        handle.write(b"\n")
+    log.warning("jsonl_last_line_ended", file=path.stem)
 
 
 @runtime_checkable
@@ -80,13 +93,13 @@ class JsonlSink:
         self.write_errors = 0
         self._lock = threading.Lock()
         self._closed = False
+        for name in _JSONL_FILES:
+            _end_last_line(self.directory / f"{name}.jsonl")
         # Unbuffered: a refused write leaves nothing in a buffer to be written twice later.
         self._files = {
             name: open(self.directory / f"{name}.jsonl", "ab", buffering=0)  # noqa: SIM115
             for name in _JSONL_FILES
         }
-        for name in _JSONL_FILES:
-            _cut_torn_tail(self.directory / f"{name}.jsonl")
         self._pending: dict[str, list[bytes]] = {name: [] for name in _JSONL_FILES}
         self._failing: set[str] = set()
 

@@ -830,9 +830,10 @@ _BUILTIN_PASSES: tuple[RedactionPass, ...] = (
         "email",
         # Percent-encoded, as in a URL (`?email=jane.doe%40example.com`, a URL's user part
         # `smtp://jane%40corp.com:pw@host`, a label): no `@`, so the pass above never looked.
-        # The local part's run is possessive, so it may not take the `%40` itself.
+        # The local part's run is possessive, so it may not take the `%40` itself. The
+        # domain's first label has 2 characters or more: `"id%40d.log"` is a printf format.
         r"(?<![A-Za-z0-9._%+-])[A-Za-z0-9._+-](?:[A-Za-z0-9._+-]|%(?!40)[0-9A-Fa-f]{2})*+"
-        r"%40[A-Za-z0-9-]+(?:\.[A-Za-z0-9-]+)*\.[A-Za-z]{2,}(?![A-Za-z0-9_])",
+        r"%40[A-Za-z0-9-]{2,}(?:\.[A-Za-z0-9-]+)*\.[A-Za-z]{2,}(?![A-Za-z0-9_])",
         needles_ci=("%40",),
     ),
     RedactionPass(

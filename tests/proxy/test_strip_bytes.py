@@ -533,3 +533,11 @@ def test_sse_parser_complete_keeps_partial_events() -> None:
     crlf = SSEParser()
     assert crlf.complete(b"data: 1\r\n\r\ndata: 2\r") == b"data: 1\n\n"
     assert crlf.complete(b"\n\r\n") == b"data: 2\n\n"
+    # A border split between two reads, and a large event over many reads: searched only
+    # where the new bytes came (each read copied and searched the whole event before).
+    split = SSEParser()
+    assert split.complete(b"data: 3\n") == b"" and split.complete(b"\ndata: 4") == b"data: 3\n\n"
+    assert split.rest() == b"data: 4"
+    large, event = SSEParser(), b"data: " + b"x" * 1_000_000 + b"\n\n"
+    got = [large.complete(event[i : i + 65536]) for i in range(0, len(event), 65536)]
+    assert b"".join(got) == event and large.rest() == b""

@@ -163,3 +163,16 @@ def test_a_torn_last_line_from_before_the_start_is_cut_not_glued_to_the_next(
     assert [(e["file"], e["bytes"]) for e in logs if e["event"] == "jsonl_torn_line_cut"] == [
         ("trajectories", torn_size)
     ]
+
+
+def test_a_whole_last_record_without_its_newline_is_kept(tmp_path: Path) -> None:
+    whole, after = make_trajectory(session_id="s"), make_trajectory(session_id="s")
+    (tmp_path / "trajectories.jsonl").write_bytes(json.dumps(whole).encode())
+    sink = JsonlSink(tmp_path)
+    sink.put_trajectory(after)
+    sink.close()
+    lines = (tmp_path / "trajectories.jsonl").read_bytes().splitlines()
+    assert [json.loads(line)["trajectory_id"] for line in lines] == [
+        whole["trajectory_id"],
+        after["trajectory_id"],
+    ]

@@ -984,8 +984,7 @@ class Promoter:
         if serving == name:
             # stage canary_rollback: the learner rolled back, so an operator promoted it.
             event = "canary_promoted_by_operator" if stage == "canary_rollback" else "promotion"
-            self.audit.append(
-                ACTOR,
+            self._audit_made(
                 event,
                 {"version": name, "previous": incumbent, "via": stage, "resolved_late": True},
             )
@@ -1097,9 +1096,7 @@ class Promoter:
             return PromotionOutcome(name, "interrupted", incumbent, report, reasons[0], timings)
         if decision == OPERATOR_PROMOTED:
             # The alias serves the candidate now: it stays loaded; older versions drain.
-            self.audit.append(
-                ACTOR, "canary_promoted_by_operator", {"version": name, "stable": incumbent}
-            )
+            self._audit_made("canary_promoted_by_operator", {"version": name, "stable": incumbent})
             log.info("canary_promoted_by_operator", version=name, previous=incumbent)
             self._schedule_cleanup(name)
             return PromotionOutcome(name, "promoted", incumbent, report, reasons[0], timings)
@@ -1223,8 +1220,7 @@ class Promoter:
             log.exception("canary_status_failed", version=name)
             status = None
         if status is not None and self._alias_target(status) == name:
-            self.audit.append(
-                ACTOR,
+            self._audit_made(
                 "canary_promoted_by_operator",
                 {"version": name, "stable": incumbent, "canary_start": reason},
             )

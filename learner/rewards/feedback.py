@@ -91,7 +91,9 @@ def feedback_reward(
     """The feedback part of `choice_index`'s reward, with the counts of invalid events and of
     clamped scores: per family of kinds (accept/reject, thumbs up/down, edit_kept,
     test_result, score) the latest valid event (by `created_at`, then arrival), summed over
-    the families and clamped to [`score_min`, `score_max`].
+    the families (each bounded already: a kind's configured value, a score clamped to
+    [`score_min`, `score_max`]; clamping the sum to those too made a reject count 0 where
+    `score_min` is 0).
 
     Averaged over every event, more evidence of the same sign lowered a reward (a passing
     test 1.0, with an accept 0.875, so a sibling with only the test ranked above the reply
@@ -114,5 +116,4 @@ def feedback_reward(
             latest[family] = key
     if not latest:
         return FeedbackReward(None, invalid, clamped)
-    total = sum(value for _, _, value in latest.values())
-    return FeedbackReward(min(values.score_max, max(values.score_min, total)), invalid, clamped)
+    return FeedbackReward(sum(value for _, _, value in latest.values()), invalid, clamped)

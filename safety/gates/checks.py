@@ -125,9 +125,14 @@ def outside_refusals(text: str) -> str:
 
 def _instruction_after_comma(text: str, start: int, end: int) -> int | None:
     """Where the refusal phrase's clause (`text[start:end]`, after the phrase) turns to an
-    instruction at a comma, when the phrase refuses nothing before it (see _ACTS); None
-    otherwise, and always once it names what it refuses, as its object may list more
-    ("I can't help with keyloggers, brute-force attacks or phishing pages")."""
+    instruction at a comma, when the words before it refuse nothing (see _REFUSES_AN_ACT);
+    None otherwise: once they name what is refused, as its object may list more ("I can't
+    help with keyloggers, brute-force attacks or phishing pages"), and when the first comma
+    follows the phrase at once, an aside ("I cannot, in good conscience, tell you
+    how ..." is a refusal: split there, its "tell you how" read as the reply's steps)."""
+    first = _COMMA.search(text, start, end)
+    if first is None or not _WORD.search(text, start, first.start()):
+        return None
     for comma in _COMMA.finditer(text, start, end):
         if _REFUSES_AN_ACT.search(text, start, comma.start()):
             return None

@@ -104,9 +104,11 @@ def test_feedback_events_of_one_choice_combine_by_family_latest_first() -> None:
     # Latest by created_at where the events carry it, whatever order they arrived in.
     late_accept = {"kind": "accept", "created_at": 20.0}
     assert reward(late_accept, {"kind": "reject", "created_at": 10.0}) == 0.75
-    # The sum stays within [score_min, score_max].
+    # The families add up; a negative one is not clamped away by a score range from 0.
     everything = [passed, {"kind": "accept"}, {"kind": "thumbs_up"}, {"kind": "edit_kept"}]
-    assert reward(*everything) == 2.0
+    assert reward(*everything) == 2.75
+    narrow = FeedbackValues(score_min=0.0, score_max=1.0)
+    assert feedback_reward([{"kind": "reject"}], 0, narrow).value == -0.25
 
 
 def test_score_feedback_is_clamped_and_non_finite_is_invalid() -> None:

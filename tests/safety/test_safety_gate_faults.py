@@ -15,6 +15,7 @@ from typing import Any
 
 import aiohttp
 import pytest
+import structlog
 from aiohttp import web
 from pydantic import ValidationError
 
@@ -509,6 +510,18 @@ def test_a_value_that_ends_in_punctuation_is_matched_as_it_stands(tmp_path: Path
     assert not probe.check.passes("Use C or Java.")
 
 
+def test_a_value_in_an_unspaced_script_is_found_inside_its_sentence(tmp_path: Path) -> None:
+    """Chinese and Japanese have no spaces between words: with any word character as the
+    boundary, `巴黎` was never found in `巴黎是法国的首都`, and the probe failed both
+    models alike, measuring nothing. Spaced scripts keep their boundary."""
+    path = tmp_path / "extra.jsonl"
+    check = {"type": "contains_any", "values": ["巴黎", "Москва"]}
+    path.write_text(json.dumps({"id": "cap", "prompt": "?", "check": check}) + "\n")
+    [probe] = load_probes(path, RegressionProbe)
+    assert probe.check.passes("巴黎是法国的首都") and probe.check.passes("法国的首都是巴黎。")
+    assert probe.check.passes("Столица — Москва.") and not probe.check.passes("Москвалов")
+
+
 # -- one probe id in two files
 
 
@@ -518,14 +531,18 @@ def _regression_file(path: Path, probe_id: str, answer: str) -> Path:
     return path
 
 
-def test_one_probe_id_in_two_files_is_refused_naming_both(tmp_path: Path) -> None:
-    """The later probe was dropped without a word: an operator probe named like a shipped
-    one, or like one in another operator file, was never asked."""
+def test_one_probe_id_in_two_operator_files_is_refused_naming_both(tmp_path: Path) -> None:
+    """The later probe was dropped without a word. An operator probe named like a shipped
+    one replaces it, as it always did, and now says so."""
     lima = _regression_file(tmp_path / "peru.jsonl", "capital", "Lima")
     santiago = _regression_file(tmp_path / "chile.jsonl", "capital", "Santiago")
     with pytest.raises(GateError, match=r"chile.jsonl: .*'capital' is also in .*peru.jsonl"):
         select_probes(RegressionProbe, None, [lima, santiago], 10)
-    shipped = _regression_file(tmp_path / "mine.jsonl", "capital-france", "Lyon")
-    with pytest.raises(GateError, match=r"regression.jsonl: .*'capital-france' .*mine.jsonl"):
-        select_probes(RegressionProbe, BUILTIN["regression"], [shipped], 10)
-    assert [p.id for p in select_probes(RegressionProbe, None, [shipped], 10)] == ["capital-france"]
+    mine = _regression_file(tmp_path / "mine.jsonl", "capital-france", "Lyon")
+    with structlog.testing.capture_logs() as logs:
+        probes = select_probes(RegressionProbe, BUILTIN["regression"], [mine], 100)
+    france = [p for p in probes if p.id == "capital-france"]
+    assert len(france) == 1 and france[0].check.passes("Lyon")
+    assert [e["ids"] for e in logs if e["event"] == "probe_replaces_builtin"] == [
+        ["capital-france"]
+    ]

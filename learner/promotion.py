@@ -441,7 +441,9 @@ class Promoter:
             failed: dict[str, Any] = {"version": newest.name, "error": repr(exc)}
             # Unloaded unless the proxy routes to it: an audit append that failed after the
             # load (`gate_result`) left the candidate holding a LoRA slot on every replica.
-            self._unload_noting(newest.name, failed)
+            # Under the promotion lock, as every unload: a re-check timer runs under it.
+            with self._lock:
+                self._unload_noting(newest.name, failed)
             try:
                 self.audit.append(ACTOR, "promotion_failed", failed)
             except Exception:

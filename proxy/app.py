@@ -320,12 +320,14 @@ async def feedback(request: web.Request) -> web.Response:
     # Whole within body_timeout_s: a feedback post holds no concurrency slot to bound it.
     body = await read_json_body(request, limit, ctx.config.body_timeout_s, whole_within_s=True)
     parsed = parse_feedback(body, ctx.config.max_feedback_metadata_bytes)
+    # Ownership and the choice first: another tenant's trajectory is a 403 whatever this
+    # tenant's training switch says.
+    known_session = check_owner(ctx.recent, parsed, tenant.name_hash)
     if (reason := not_recorded_reason(ctx.not_captured, parsed, tenant)) is not None:
         log.info("feedback_not_recorded", tenant=tenant.name, kind=parsed.kind)
         return web.json_response(
             {"status": "not_recorded", "reason": reason}, status=202, headers=limit_headers
         )
-    known_session = check_owner(ctx.recent, parsed, tenant.name_hash)
     # Unknown to the proxy (a restart, or evicted from `recent`) and without X-Session-Id:
     # keyed by the trajectory id, which is the trajectory's own key when its request came
     # without X-Session-Id and x-request-id (the proxy's request id is then both).

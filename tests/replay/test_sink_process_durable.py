@@ -104,11 +104,16 @@ def test_the_durable_watermark_waits_for_the_oldest_record_not_the_newest(
     registry = CollectorRegistry()
     sink = KafkaSink(_config(f"127.0.0.1:{free_port()}", queue_size=1), tmp_path, registry)
     trajectory = make_trajectory(session_id="watermark")
+
+    def put() -> int:
+        return sink.put_item(QueuedRecord(RecordKind.FEEDBACK, make_feedback(trajectory)))
+
     try:
-        seqs = [
-            sink.put_item(QueuedRecord(RecordKind.FEEDBACK, make_feedback(trajectory)))
-            for _ in range(4)
-        ]
+        # The sender takes the first record and holds it; only then do the others come (a
+        # put that finds the queue full spills what the queue holds ahead of its own).
+        seqs = [put()]
+        _wait_for(lambda: sink._queue.qsize() == 0)
+        seqs += [put() for _ in range(3)]
         assert seqs == [0, 1, 2, 3]
         _wait_for(lambda: _sample(registry, "olp_stream_spilled_total", kind="feedback") >= 2)
         time.sleep(0.3)

@@ -475,7 +475,11 @@ async def rollback(request: web.Request) -> web.Response:
         alias = _known_alias(ctx, body)
         _check_rolled_back_from(ctx, alias, body)
         target = body.get("to")
-        if target is None and alias in ctx.aliases.canaries():
+        if alias in ctx.aliases.canaries() and (
+            target is None or _served_target(ctx, target, "to") == ctx.aliases.resolve(alias)
+        ):
+            # Back to the stable version while a canary runs is ending the canary: a 409
+            # "already serves" left the canary's share on the version being rolled back.
             return _end_canary(ctx, actor, alias, "rollback", "operator rollback")
         if target is None:
             target = _rollback_target(ctx, alias)

@@ -391,8 +391,14 @@ def _cross_site(request: web.Request) -> bool:
     post forms across sites, and over plain HTTP to another machine (`http://olp.lan:8000`)
     they send no Fetch Metadata. A request without `Origin` (curl, a script) is not a
     browser's form post, and is counted as before."""
-    if request.headers.get("Sec-Fetch-Site") in ("cross-site", "same-site"):
+    fetch_site = request.headers.get("Sec-Fetch-Site")
+    if fetch_site in ("cross-site", "same-site"):
         return True
+    if fetch_site == "same-origin":
+        # A page cannot forge this header, and the browser compared the origins itself:
+        # behind a reverse proxy that rewrites `Host` without `X-Forwarded-Host` (nginx's
+        # default), the comparison below refused the operator's own sign-in.
+        return False
     origin = request.headers.get("Origin")
     if origin is None:
         return False

@@ -113,6 +113,13 @@ def test_canary_splits_training_traffic_by_session_and_ends_audited(
     rolled = admin(harness, "POST", "/admin/rollback", {})
     assert rolled.json()["decision"] == "rollback"
     assert rolled.json()["serving_version"] == loaded_adapter
+    # So does a rollback `to` the stable version (`olp rollback --to`, `from` the canary's
+    # target): it was 409 already_serving, the canary left running.
+    assert admin(harness, "POST", "/admin/canary", {"target": "base", "share": 0.3}).is_success
+    to_stable = admin(harness, "POST", "/admin/rollback", {"to": loaded_adapter, "from": "base"})
+    assert to_stable.status_code == 200, to_stable.text
+    assert to_stable.json()["decision"] == "rollback"
+    assert admin(harness, "GET", "/admin/status").json()["canaries"] == {}
     # Freezing ends a running canary; a frozen proxy starts none.
     assert admin(harness, "POST", "/admin/canary", {"target": "base", "share": 0.3}).is_success
     assert admin(harness, "POST", "/admin/freeze", {"learning": False}).is_success
@@ -127,6 +134,8 @@ def test_canary_splits_training_traffic_by_session_and_ends_audited(
     assert [e["event"] for e in events] == [
         "canary_started",
         "canary_promoted",
+        "canary_started",
+        "canary_rolled_back",
         "canary_started",
         "canary_rolled_back",
         "canary_started",

@@ -72,6 +72,13 @@ def _in_state_dir(exc: OSError, state_dir: Path) -> bool:
     return True
 
 
+def _say_state_dir_unusable(state_dir: Path, exc: OSError) -> None:
+    print(
+        f"olp: cannot use the state dir {state_dir}: {exc.filename}: {exc.strerror or exc}",
+        file=sys.stderr,
+    )
+
+
 def cmd_proxy(args: argparse.Namespace, cfg: OlpConfig) -> int:
     from deploy.dev_keys import exposed_dev_keys
     from deploy.procs import EXIT_CONFIG_ERROR, EXIT_REFUSED
@@ -115,11 +122,7 @@ def cmd_proxy(args: argparse.Namespace, cfg: OlpConfig) -> int:
             # A path below the state dir it cannot use (`audit/` left as a file, another
             # user's directory): one line and "refused", as for the state dir itself, not a
             # traceback and an exit 1 that `olp up` would restart into the same failure.
-            print(
-                f"olp: cannot use the state dir {cfg.state_dir}: {exc.filename}: "
-                f"{exc.strerror or exc}",
-                file=sys.stderr,
-            )
+            _say_state_dir_unusable(cfg.state_dir, exc)
             return EXIT_REFUSED
         if exc.errno not in (errno.EADDRINUSE, errno.EADDRNOTAVAIL, errno.EACCES):
             raise
@@ -186,6 +189,11 @@ def cmd_learner(args: argparse.Namespace, cfg: OlpConfig) -> int:
         # The state dir holds versions it will not guess about, or weights of another LoRA
         # shape than configured: no restart changes either.
         print(f"olp: {exc}", file=sys.stderr)
+        return EXIT_REFUSED
+    except OSError as exc:
+        if not _in_state_dir(exc, cfg.state_dir):
+            raise
+        _say_state_dir_unusable(cfg.state_dir, exc)  # as the proxy does
         return EXIT_REFUSED
 
 

@@ -56,6 +56,9 @@ class Checkpoint:
     # restart before that version lost it, and the lineage no longer said the moments were
     # started afresh.
     pending_optimizer_reset: dict[str, Any] | None = None
+    # The `lora_alpha` the weights were trained under (None: written before this field): a
+    # resume under another alpha rescales them, so they stay the version they are.
+    lora_alpha: float | None = None
 
 
 def normalize_offsets(offsets: dict[Any, Any] | None) -> Offsets:
@@ -300,8 +303,18 @@ def _roll_forward(
             f"{base_version} that are not on the lineage of policy-v{candidate}; they do "
             "not descend from this learner's state, refusing to guess (move them aside)"
         )
-    log.warning("learner_roll_forward", checkpoint_version=base_version, adapter_version=candidate)
     meta = store.read_meta(candidate)
+    weights = store.path(candidate) / WEIGHTS_FILE
+    # Checked as the checkpoint's own version is: damaged weights loaded here were trained
+    # on and published as the next version under a fresh, correct sha256, so no later
+    # check could see the damage (and a truncated file failed with a raw traceback).
+    if not weights.is_file() or sha256_file(weights) != meta.get("weights_sha256"):
+        found = "has no weights file for" if not weights.is_file() else "has weights unlike"
+        raise ResumeRefused(
+            f"adapter store's policy-v{candidate} {found} its recorded sha256; refusing to "
+            "roll forward to it (move it aside, or restore it from a copy)"
+        )
+    log.warning("learner_roll_forward", checkpoint_version=base_version, adapter_version=candidate)
     # The checkpoint's Adam moments and scheduler step were accumulated on the weights of
     # its own (older) version; the store keeps no optimizer state for `candidate`. Moments
     # of other weights would scale the next updates by stale gradient statistics, so the

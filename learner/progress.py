@@ -46,6 +46,10 @@ class Progress:
         self.kl = float("nan")
         self.frozen = False
         self.counts: Mapping[str, int] = {}  # the learner's cumulative counters
+        # The counters as a checkpoint restored them: `dropped` is since this start, as
+        # `consumed` is (a line right after a restart read `consumed: 0` beside an earlier
+        # run's overflow, as if it had dropped more than it read).
+        self.counts_at_start: Mapping[str, int] = {}
         # Where the last snapshot left off: tokens/s is over the time since then (over the
         # whole uptime, a learner that trained at once after a long frozen or idle start
         # showed a fraction of its rate, and a stalled one kept showing its old rate).
@@ -82,7 +86,11 @@ class Progress:
             "tokens_per_s": round(rate, 2),
             "trained_tokens": int(self.trained_tokens),
             "frozen": self.frozen,
-            "dropped": {name: self.counts[name] for name in DROPPED if self.counts.get(name)},
+            "dropped": {
+                name: dropped
+                for name in DROPPED
+                if (dropped := self.counts.get(name, 0) - self.counts_at_start.get(name, 0))
+            },
         }
 
     def maybe_log(self, force: bool = False) -> None:

@@ -7,6 +7,7 @@ the canary the live evidence of every rank.
 
 from __future__ import annotations
 
+import json
 import math
 import threading
 import time
@@ -226,6 +227,41 @@ class Learner:
             )
         return raised
 
+    def _trained_lora_alpha(self, plan: ResumePlan, checkpoint: Checkpoint | None) -> float | None:
+        """The `lora_alpha` the resumed weights were trained under, None when not known (a
+        checkpoint from before it was recorded, of a version the store does not hold)."""
+        if plan.weights_from == "checkpoint" and checkpoint is not None:
+            if checkpoint.lora_alpha is not None:
+                return float(checkpoint.lora_alpha)
+        elif plan.weights_from != "adapter":
+            return None
+        config_file = self.store.path(plan.version) / "adapter_config.json"
+        try:
+            alpha = json.loads(config_file.read_text(encoding="utf-8")).get("lora_alpha")
+        except (OSError, ValueError, AttributeError):
+            return None
+        is_number = isinstance(alpha, int | float) and not isinstance(alpha, bool)
+        return float(alpha) if is_number and alpha > 0 else None
+
+    def _keep_policy_under_new_alpha(self, plan: ResumePlan, checkpoint: Checkpoint | None) -> None:
+        """A changed `lora_alpha` scales every LoRA output at once: the resumed weights were
+        another policy than the served version they are, which skewed the off-policy ratios
+        of its samples. lora_B is rescaled by was/now, so the policy is unchanged and the
+        new alpha takes effect through the updates from here on."""
+        was = self._trained_lora_alpha(plan, checkpoint)
+        now = float(self.config.lora_alpha)
+        if was is None or was == now:
+            return
+        self.trainer.rescale_lora_b(was / now)
+        log.warning(
+            "learner_lora_alpha_changed",
+            was=was,
+            now=now,
+            version=plan.version,
+            note="lora_B rescaled by was/now: the resumed adapter is the same policy, and "
+            "the new alpha applies to the updates from the next step",
+        )
+
     def _resume(self) -> None:
         checkpoint = self.checkpoints.load() if self.ctx.is_main else None
         if self.ctx.is_main:
@@ -256,6 +292,7 @@ class Learner:
 
                 weights = load_file(str(path / "adapter_model.safetensors"))
             self.trainer.load_adapter_state(broadcast_object(self.ctx, weights), str(path))
+        self._keep_policy_under_new_alpha(plan, checkpoint)
         # After the local checks (the store, the weights' shape): a learner whose state is
         # refused says so at once, not after waiting for the servers to answer.
         self.version_floor = broadcast_object(self.ctx, self._raised_version_floor(plan))
@@ -274,6 +311,7 @@ class Learner:
             self.version_meta = checkpoint.meta
             self.step_count = checkpoint.step
             self.counts.update(checkpoint.counters)
+            self.progress.counts_at_start = dict(checkpoint.counters)
             self.baseline.load_state_dict(checkpoint.baseline)
             if plan.keep_optimizer:
                 changed = self.trainer.restore_optimizer(checkpoint.optimizer, checkpoint.scheduler)
@@ -633,6 +671,7 @@ class Learner:
             optimizer_version=self.version,
             stream_id=self.stream_id,
             pending_optimizer_reset=self.optimizer_reset,
+            lora_alpha=self.config.lora_alpha,
         )
         self.checkpoints.save(checkpoint)
 

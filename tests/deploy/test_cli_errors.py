@@ -296,15 +296,39 @@ def test_replay_run_of_a_missing_file(tmp_path: Path) -> None:
     assert_clean_error(done, 2, "replay run:")
 
 
-def test_replay_run_of_a_file_that_is_not_an_export(tmp_path: Path) -> None:
-    source = tmp_path / "plain.jsonl"
-    source.write_text('{"hello": 1}\n')
+@pytest.mark.parametrize(
+    ("name", "text", "says"),
+    [
+        ("plain.jsonl", '{"hello": 1}\n', "expected an export line with a 'record'"),
+        ("kindless.jsonl", '{"record": {"a": 1}}\n', "whose 'kind' is one of"),  # KeyError
+        # Without pyarrow, a bare ModuleNotFoundError; with it, pyarrow's own error.
+        ("lines.parquet", '{"hello": 1}\n', "lines.parquet"),
+    ],
+)
+def test_replay_run_of_a_file_that_is_not_an_export(
+    tmp_path: Path, name: str, text: str, says: str
+) -> None:
+    source = tmp_path / name
+    source.write_text(text)
     done = olp(
         "replay", "run", str(source), "--model", "policy",
         "--out", str(tmp_path / "o.jsonl"), "--direct",
         env=NO_VLLM,
     )  # fmt: skip
     assert_clean_error(done, 2, "replay run:")
+    assert says in done.stderr
+
+
+def test_replay_run_refuses_to_write_over_the_export_it_replays(tmp_path: Path) -> None:
+    """Opened for writing first, the export was emptied before it was read again."""
+    source = tmp_path / "export.jsonl"
+    source.write_text('{"kind": "feedback", "record": {"a": 1}}\n')
+    done = olp(
+        "replay", "run", str(source), "--model", "policy", "--out", str(source), "--direct",
+        env=NO_VLLM,
+    )  # fmt: skip
+    assert_clean_error(done, 2, f"replay run: {source}: the output file is the export being")
+    assert source.read_text() == '{"kind": "feedback", "record": {"a": 1}}\n'
 
 
 class _KeyedVllm(http.server.BaseHTTPRequestHandler):
@@ -339,6 +363,16 @@ def test_replay_export_from_an_unreachable_broker(tmp_path: Path) -> None:
     done = olp("replay", "export", "--out", str(tmp_path / "x.jsonl"), env=env)
     assert_clean_error(done, 2, "replay export from 127.0.0.1:1")
     assert list(tmp_path.glob("x.jsonl*")) == []  # no half-written .partial left behind
+
+
+def test_replay_export_into_a_directory_is_refused_before_it_starts(tmp_path: Path) -> None:
+    """It was found only after the whole export, leaving the `.partial` behind."""
+    env = {"OLP_STREAM__BOOTSTRAP_SERVERS": "127.0.0.1:1", "OLP_STATE_DIR": str(tmp_path)}
+    (tmp_path / "x").mkdir()
+    done = olp("replay", "export", "--out", str(tmp_path / "x"), env=env)
+    assert_clean_error(done, 2, f"replay export: {tmp_path / 'x'} is a directory; name the")
+    assert "127.0.0.1:1" not in done.stderr  # no broker was asked
+    assert list(tmp_path.glob("x.partial")) == []
 
 
 @pytest.mark.parametrize(
@@ -463,6 +497,20 @@ def test_learner_refusing_its_state_dir_says_why_in_one_line(
     # 3, not a crash's 1: `olp up` never restarts a learner refusing its state dir.
     assert_clean_error(done, 3, "adapter store holds versions [1]")
     assert "refusing to guess" in done.stderr
+
+
+@pytest.mark.parametrize("below", ["learner", "adapters"])
+def test_a_learner_that_cannot_use_a_path_below_the_state_dir_says_so(
+    tmp_path: Path, model_dir: Path, below: str
+) -> None:
+    """As for the proxy: a traceback and exit 1 had `olp up` restart it into the same
+    failure."""
+    state = tmp_path / "state"
+    state.mkdir()
+    (state / below).write_text("")
+    env = {"OLP_STATE_DIR": str(state), "OLP_POLICY__MODEL": str(model_dir)}
+    done = olp("learner", env=env)
+    assert_clean_error(done, 3, f"cannot use the state dir {state}: {state / below}: File exists")
 
 
 def test_learner_finding_an_adapter_of_another_lora_shape_says_so_in_one_line(

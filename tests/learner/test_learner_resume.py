@@ -286,6 +286,19 @@ def test_roll_forward_does_not_keep_an_older_optimizer(tmp_path: Path) -> None:
     assert "policy-v3" in plan.optimizer_reason and "policy-v1" in plan.optimizer_reason
 
 
+def test_roll_forward_refuses_weights_unlike_their_recorded_sha256(tmp_path: Path) -> None:
+    """Damaged weights rolled forward to were trained on, then published as the next
+    version under a fresh sha256 that every later check accepted."""
+    store = tiny_store(tmp_path, {1: 0, 2: 1, 3: 2})
+    weights = store.path(3) / "adapter_model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:-8])
+    with pytest.raises(RuntimeError, match=r"policy-v3 has weights unlike its recorded sha256"):
+        resume_plan(checkpoint_at(1, 0), store)
+    weights.unlink()
+    with pytest.raises(RuntimeError, match=r"policy-v3 has no weights file for"):
+        resume_plan(checkpoint_at(1, 0), store)
+
+
 def test_a_rolled_forward_checkpoint_keeps_its_optimizer_only_when_it_matches(
     tmp_path: Path,
 ) -> None:
@@ -418,6 +431,9 @@ def test_the_progress_line_names_only_what_was_dropped() -> None:
     assert progress.snapshot()["dropped"] == {}
     progress.counts = Counter({"stale": 3, "trained_samples": 20, "capped": 0, "overflow": 1})
     assert progress.snapshot()["dropped"] == {"overflow": 1, "stale": 3}
+    # After a restart, as `consumed`: since this start, not an earlier run's.
+    progress.counts_at_start = {"overflow": 1, "stale": 1}
+    assert progress.snapshot()["dropped"] == {"stale": 2}
 
 
 def test_a_serving_version_kept_below_a_pruned_gap_stays_on_the_lineage(tmp_path: Path) -> None:
@@ -456,3 +472,43 @@ def test_a_copy_named_with_a_leading_zero_is_not_a_version(tmp_path: Path) -> No
     shutil.copytree(store.path(1), store.root / "policy-v01")
     shutil.copytree(store.path(3), store.root / "policy-v٣")  # an Arabic-Indic three
     assert store.versions() == [1, 3]
+
+
+def _logits(resumed: Learner) -> torch.Tensor:
+    with torch.no_grad():
+        return resumed.trainer.model(torch.tensor([[11, 12, 13, 14, 15]])).logits
+
+
+def test_a_changed_lora_alpha_keeps_the_resumed_policy(model_dir: Path, tmp_path: Path) -> None:
+    """lora_alpha scales every LoRA output: resumed under another value, the weights were
+    another policy than the served version they are (here 4x closer to the base), which
+    skewed the off-policy ratios of its samples. lora_B is rescaled instead."""
+    announced: list[Path] = []
+    first = learner(tmp_path, model_dir, announced)
+    first.run(max_steps=1)
+    served = _logits(first)
+    with first.trainer.model.disable_adapter(), torch.no_grad():
+        base = first.trainer.model(torch.tensor([[11, 12, 13, 14, 15]])).logits
+    assert (served - base).abs().max() > 1e-3  # the step moved the policy
+
+    def resumed(alpha: float) -> Learner:
+        settings = config().model_copy(update={"lora_alpha": alpha})
+        return Learner(
+            settings,
+            tmp_path,
+            lambda offsets, rank, world: ListSource({0: RECORDS}, offsets),
+            model_dir=model_dir,
+            on_candidate=announced.append,
+        )
+
+    alpha = config().lora_alpha
+    with structlog.testing.capture_logs() as logs:
+        from_checkpoint = resumed(alpha / 4)
+    assert torch.allclose(_logits(from_checkpoint), served, atol=1e-4)
+    changed = [e for e in logs if e["event"] == "learner_lora_alpha_changed"]
+    assert [(e["was"], e["now"], e["version"]) for e in changed] == [(alpha, alpha / 4, 1)]
+    # Rolled forward from the stored version (the checkpoint moved aside): its
+    # adapter_config.json says what it was trained under.
+    (tmp_path / "learner" / "checkpoint.pt").rename(tmp_path / "checkpoint.aside")
+    assert torch.allclose(_logits(resumed(alpha * 2)), served, atol=1e-4)
+    assert torch.allclose(_logits(resumed(alpha * 2)), served, atol=1e-4)  # saved rescaled

@@ -513,7 +513,16 @@ class TrajectoryConsumer:
             return
         self._seen.add(value["event_id"])
         if tp.topic == self.topics.trajectories and isinstance(value.get("trajectory_id"), str):
-            self._closed_before_start.add(value["trajectory_id"])
+            tid = value["trajectory_id"]
+            self._closed_before_start.add(tid)
+            # Its feedback may have been read first (the topics are read interleaved, and
+            # the look-back is not done when the feedback after its resume point arrives):
+            # waiting as orphans, it held the feedback partition back for the orphan TTL
+            # and was then dropped as orphaned, after every restart. It is what feedback on
+            # a trajectory closed before the resume point is when read after it.
+            for orphan in self._orphans.pop(tid, []):
+                self._needed[orphan.partition].pop(orphan.offset, None)
+                self.stats.feedback_before_resume += 1
 
     def _skip_tombstone(self, tp: TopicPartition, record: ConsumerRecord) -> None:
         """A record without a value (a key's tombstone, written by a tool, never by olp):

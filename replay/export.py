@@ -332,6 +332,8 @@ def export_records(
         result=result,
     )
     tmp = out.with_name(out.name + ".partial")
+    if out.is_dir():  # else found only when the whole export was written
+        raise ValueError(f"{out} is a directory; name the export file to write")
     try:
         if chosen == "jsonl":
             with tmp.open("w", encoding="utf-8") as handle:
@@ -341,10 +343,10 @@ def export_records(
                     result.counts[item["kind"]] = result.counts.get(item["kind"], 0) + 1
         else:
             _write_parquet(tmp, items, result)
+        tmp.replace(out)
     except BaseException:
         tmp.unlink(missing_ok=True)  # a failed export leaves no half-written file behind
         raise
-    tmp.replace(out)
     log.info(
         "export_written",
         path=str(out),
@@ -388,6 +390,8 @@ def read_export(path: Path) -> Iterator[dict[str, Any]]:
     """Read back an export (JSONL or Parquet) as `{"kind", "partition", "offset", "record"}`."""
     path = Path(path)
     if path.suffix == ".parquet":
+        if not parquet_available():
+            raise ValueError(f"{path}: reading Parquet needs pyarrow, which is not installed")
         import pyarrow.parquet as pq
 
         # A batch at a time: the whole table as Python objects held several times the file.
@@ -419,4 +423,9 @@ def read_export(path: Path) -> Iterator[dict[str, Any]]:
                 item = {"kind": kind, "partition": None, "offset": None, "record": item}
             if not isinstance(item, dict) or not isinstance(item.get("record"), dict):
                 raise ValueError(f"{path}:{number}: expected an export line with a 'record'")
+            if item.get("kind") not in KIND_NAMES:
+                raise ValueError(
+                    f"{path}:{number}: expected an export line whose 'kind' is one of "
+                    f"{sorted(KIND_NAMES)}"
+                )
             yield item

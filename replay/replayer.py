@@ -149,6 +149,9 @@ async def replay_file(
     # 117 MiB export of agent traffic), and a day's export could not be replayed at all. A
     # pipe (`/dev/stdin`, `<(zcat ...)`) cannot be read twice: it is held as before.
     source = Path(source)
+    if Path(out).exists() and Path(out).resolve() == source.resolve():
+        # Opened for writing, it was emptied before the second read: the export was lost.
+        raise ValueError(f"{out}: the output file is the export being replayed; name another")
     if source.is_file():
         expected = check_trajectories(source)
         todo: Iterator[dict[str, Any]] = iter_trajectories(source)

@@ -6,6 +6,7 @@ else (producer, broker, consumer) is real.
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import pytest
@@ -338,3 +339,48 @@ def test_a_bare_offset_where_the_partitions_belong_is_refused_naming_the_topic(
         TrajectoryConsumer(stream_config, {topic: 5})
     with pytest.raises(ValueError, match=f"offsets of '{topic}': offset must be"):
         TrajectoryConsumer(stream_config, {topic: {"0": None}})
+
+
+def test_feedback_read_before_its_looked_back_trajectory_is_not_an_orphan(
+    stream_config: StreamConfig, tmp_path: Path
+) -> None:
+    """One orphan keeps the feedback topic's resume point at its start, so a resumed consumer
+    reads every feedback event again, interleaved with the trajectories' look-back. Those
+    read before their trajectory waited as orphans, held the feedback partition back for
+    the orphan TTL and were then dropped as orphaned."""
+    config = stream_config.model_copy(update={"join_window_s": 0.0, "join_grace_s": 0.0})
+    ghost = make_trajectory(session_id="s")  # its feedback waits: the trajectory comes later
+    trajectories = [make_trajectory(session_id="s") for _ in range(50)]
+    _produce(
+        config, tmp_path, trajectories, [make_feedback(ghost), *map(make_feedback, trajectories)]
+    )
+    first = TrajectoryConsumer(config)
+    assert len(_drain(first)) == 50
+    offsets = first.processed_offsets()
+    first.close()
+    feedback_topic = f"{config.topic_prefix}.feedback"
+    assert sum(offsets[feedback_topic].values()) == 0  # held at the ghost's feedback
+
+    _produce(config, tmp_path / "late", [ghost], [])
+    resumed = TrajectoryConsumer(config, offsets)
+    try:
+        # The feedback read first, as a fetch of small feedback records beside large
+        # trajectories does: the client's own pause, so the order is certain.
+        looked_back = [
+            tp for tp in resumed._consumer.assignment() if tp.topic.endswith(".trajectories")
+        ]
+        resumed._consumer.pause(*looked_back)
+        deadline = time.monotonic() + 30
+        while sum(resumed.processed_offsets()[feedback_topic].values()) < 51:
+            assert resumed.poll(0.2) == []
+            if sum(len(o) for o in resumed._orphans.values()) == 51:
+                break
+            assert time.monotonic() < deadline, "the feedback was not read"
+        resumed._consumer.resume(*looked_back)
+        assert [s.trajectory["event_id"] for s in _drain(resumed)] == [ghost["event_id"]]
+        assert resumed.stats.orphaned_feedback == 0
+        assert resumed.stats.feedback_before_resume == 50
+        assert sum(resumed.processed_offsets()[feedback_topic].values()) == 51
+        assert resumed.waiting() == 0
+    finally:
+        resumed.close()

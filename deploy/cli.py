@@ -309,7 +309,7 @@ def cmd_config_show(args: argparse.Namespace, cfg: OlpConfig) -> int:
     return 0
 
 
-def cmd_key_hash(args: argparse.Namespace, cfg: OlpConfig) -> int:
+def cmd_key_hash(args: argparse.Namespace, cfg: OlpConfig | None) -> int:
     # Stripped either way: API keys never contain whitespace, so spaces around an argument
     # are a quoting slip, and the proxy compares the bare Bearer token.
     key = (args.key if args.key is not None else sys.stdin.readline()).strip()
@@ -372,7 +372,9 @@ def build_parser() -> argparse.ArgumentParser:
         "stdin); surrounding whitespace is removed either way, since API keys never contain "
         "spaces",
     )
-    key_hash.set_defaults(handler=cmd_key_hash, config=None)
+    # No config read: an operator fixing a mistyped digest in OLP_PROXY__ADMIN_KEY_SHA256
+    # runs it to make the right one, and was refused with that very config error.
+    key_hash.set_defaults(handler=cmd_key_hash, config=None, needs_config=False)
 
     from deploy import cli_ops
 
@@ -383,12 +385,14 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> None:
     parser = build_parser()
     args = parser.parse_args(argv)
-    try:
-        cfg = load_config(getattr(args, "config", None))
-    except ConfigError as exc:
-        print(f"olp: {exc}", file=sys.stderr)
-        sys.exit(2)
-    configure_logging(cfg.log_format, cfg.log_level)
+    cfg: OlpConfig | None = None
+    if getattr(args, "needs_config", True):
+        try:
+            cfg = load_config(getattr(args, "config", None))
+        except ConfigError as exc:
+            print(f"olp: {exc}", file=sys.stderr)
+            sys.exit(2)
+        configure_logging(cfg.log_format, cfg.log_level)
     try:
         code = args.handler(args, cfg)
         sys.stdout.flush()

@@ -292,9 +292,15 @@ def env_overrides(environ: Mapping[str, str]) -> dict[str, Any]:
                 f"invalid configuration:\n  {key}: {name} is not read: `{key}` is set in the "
                 "config file only (unset the variable)"
             )
-    for name, raw in environ.items():
-        if not name.startswith(ENV_PREFIX):
-            continue
+    # A key's parent first (shorter paths first): a variable below a key and one for the key
+    # itself merged in the environment's order, so a mapping set for the key replaced the
+    # key below it in silence, or a scalar set first made the one below it a traceback.
+    variables = sorted(
+        ((name, raw) for name, raw in environ.items() if name.startswith(ENV_PREFIX)),
+        key=lambda item: item[0].count("__"),
+    )
+    set_by: dict[tuple[str, ...], str] = {}
+    for name, raw in variables:
         if "__" not in name:
             _refuse_one_underscore(name)
             continue
@@ -325,9 +331,17 @@ def env_overrides(environ: Mapping[str, str]) -> dict[str, Any]:
                 "the config file only (unset the variable)"
             )
         node = tree
-        for part in path[:-1]:
+        for depth, part in enumerate(path[:-1], start=1):
             node = node.setdefault(part, {})
+            if not isinstance(node, dict):
+                parent = set_by[tuple(path[:depth])]
+                raise ConfigError(
+                    f"invalid configuration:\n  {'.'.join(path)}: {name} sets a key below "
+                    f"`{'.'.join(path[:depth])}`, which {parent} sets to a value that is not a "
+                    "mapping (unset one of them)"
+                )
         node[path[-1]] = _env_value(raw, name, ".".join(path))
+        set_by[tuple(path)] = name
     return tree
 
 
@@ -413,8 +427,21 @@ class _UniqueKeyLoader(yaml.SafeLoader):
     def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
         seen: dict[Any, int] = {}
         for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":
+                # `<<: *shared` (YAML merge keys, e.g. tenants sharing settings): the base
+                # class merges it, and a key given beside it overrides the merged one.
+                continue
             key = self.construct_object(key_node, deep=deep)  # type: ignore[no-untyped-call]
             line = key_node.start_mark.line + 1
+            try:
+                hash(key)
+            except TypeError:
+                raise yaml.constructor.ConstructorError(
+                    None,
+                    None,
+                    f"a mapping key must be a plain value, not a {type(key).__name__}",
+                    key_node.start_mark,
+                ) from None
             if key in seen:
                 raise yaml.constructor.ConstructorError(
                     None,

@@ -326,7 +326,12 @@ string key therefore gets the text as written: do not quote it (quotes would bec
 value), and a numeric-looking name or key stays a string. An empty (or blank) value is refused,
 naming the variable (`OLP_PROXY__HOST=${{UNSET}}` made the proxy listen on every interface):
 unset the variable to keep the file's value. Environment values win over the file. A key given
-twice in one mapping of the file is refused too, with both lines. Of the top-level keys
+twice in one mapping of the file is refused too, with both lines (YAML merge keys, `<<: *a`,
+are read, and a key beside one overrides the merged key). A variable for a key and one for a key
+below it apply in that order, whatever the environment's order: the mapping is set, then the key
+below it (`OLP_SAFETY__GATES__KL='{{max_prompts: 8}}'` with `OLP_SAFETY__GATES__KL__CAP=0.3`
+gives both); one below a key set to a value that is not a mapping is refused, naming both
+variables. Of the top-level keys
 only `state_dir`, `log_format` and `log_level` have overrides
 (`OLP_STATE_DIR`, `OLP_LOG_FORMAT`, `OLP_LOG_LEVEL`). A list of entries (verifiers, custom
 redaction patterns) is not set entry by entry: a YAML flow list in its variable replaces the

@@ -635,6 +635,13 @@ def test_key_hash_of_a_key_on_stdin() -> None:
     assert done.stdout.strip() == hashlib.sha256(b"olp-demo-key").hexdigest()
 
 
+def test_key_hash_reads_no_config() -> None:
+    """It was refused with the config error of the mistyped digest it is run to fix."""
+    done = olp("key", "hash", "new-key", env={"OLP_PROXY__ADMIN_KEY_SHA256": "typo"})
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == hashlib.sha256(b"new-key").hexdigest()
+
+
 def test_broker_whose_binary_cannot_run_is_one_line(tmp_path: Path) -> None:
     """An executable file that is no program for this machine (a wrong-architecture
     download, a truncated copy): `olp broker` names it instead of a traceback."""

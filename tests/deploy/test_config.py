@@ -415,6 +415,39 @@ def test_a_key_given_twice_in_the_file_is_refused_naming_it(tmp_path: Path) -> N
         load_config(nested, environ={})
 
 
+def test_yaml_merge_keys_are_read_and_a_key_beside_one_overrides_it(tmp_path: Path) -> None:
+    """`<<: *shared` was refused as "not valid YAML" (the duplicate-key check constructed
+    the merge key itself)."""
+    path = write(
+        tmp_path,
+        "tenants:\n"
+        "  - &a {name: a, api_key: key-of-a, training_enabled: true, requests_per_minute: 60}\n"
+        "  - {<<: *a, name: b, api_key: key-of-b, requests_per_minute: 5}\n",
+    )
+    tenants = {t.name: t for t in load_config(path, environ={}).tenants}
+    assert tenants["a"].training_enabled and tenants["b"].training_enabled
+    assert (tenants["a"].requests_per_minute, tenants["b"].requests_per_minute) == (60, 5)
+
+
+def test_a_list_as_a_mapping_key_is_a_config_error(tmp_path: Path) -> None:
+    """A TypeError traceback (unhashable list) before."""
+    path = write(tmp_path, "proxy:\n  ? [x]\n  : 1\n")
+    with pytest.raises(ConfigError, match="a mapping key must be a plain value, not a list"):
+        load_config(path, environ={})
+
+
+def test_a_variable_below_a_key_set_by_another_variable(tmp_path: Path) -> None:
+    """Merged in the environment's order: the key's mapping replaced the key below it in
+    silence when it came later, and a scalar that came first made a TypeError."""
+    both = {"OLP_SAFETY__GATES__KL__CAP": "0.3", "OLP_SAFETY__GATES__KL": "{max_prompts: 8}"}
+    for environ in (both, dict(reversed(both.items()))):
+        kl = load_config(None, environ).safety.gates.kl
+        assert (kl.cap, kl.max_prompts) == (0.3, 8)
+    clash = {"OLP_POLICY__ENV__HF_TOKEN": "x", "OLP_POLICY__ENV": "null"}
+    with pytest.raises(ConfigError, match="OLP_POLICY__ENV__HF_TOKEN sets a key below "):
+        load_config(None, clash)
+
+
 @pytest.mark.parametrize(
     "name",
     [

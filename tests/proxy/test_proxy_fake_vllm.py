@@ -1280,7 +1280,7 @@ def test_a_stop_cancels_requests_still_running_after_drain_s_and_records_them(ma
     import threading
 
     fake.event_delay_s = 2.0  # a stream of about 30 s
-    harness, sink = make_proxy([fake.url], drain_s=0.5)
+    harness, sink = make_proxy([fake.url], drain_s=2.0)
     started = threading.Event()
 
     def stream() -> None:
@@ -1303,7 +1303,8 @@ def test_a_stop_cancels_requests_still_running_after_drain_s_and_records_them(ma
     took = time.monotonic() - began
     harness._runner = None
     harness.drain()
-    assert took < 5, f"the stop waited {took:.1f} s with drain_s 0.5"
+    # Not twice drain_s, as aiohttp's two waits of its shutdown timeout made it.
+    assert took < 3.5, f"the stop waited {took:.1f} s with drain_s 2"
     [record] = sink.trajectories
     assert record["status"] == "aborted"
 

@@ -266,7 +266,12 @@ def _audit_path(args: argparse.Namespace, cfg: OlpConfig) -> Path:
     files is a deleted log, which `verify` reports as tampering)."""
     from safety.audit import chain_files, head_path, resolve_live_path
 
-    given = Path(args.file) if args.file is not None else cfg.state_dir / cfg.safety.audit.path
+    configured = cfg.state_dir / cfg.safety.audit.path
+    given = Path(args.file) if args.file is not None else configured
+    if given.is_dir() and not (given / "audit.jsonl").exists():
+        # A directory means the log of the configured name in it (`safety.audit.path`
+        # `audit/events.jsonl`): `verify <state_dir>/audit` said there was none.
+        given = given / configured.name
     live = resolve_live_path(given)
     if not chain_files(live) and not head_path(live).exists():
         raise _NoAuditLog(f"no audit log at {live}")
@@ -282,6 +287,8 @@ def _run_audit(fn: Callable[[argparse.Namespace, OlpConfig], int]) -> Callable[.
         except _NoAuditLog as exc:
             print(f"olp: {exc}", file=sys.stderr)
             return 2
+        except BrokenPipeError:
+            raise  # `olp audit show | head`: the reader had what it wanted (see `main`)
         except (AuditError, OSError) as exc:  # a damaged or unreadable log
             print(f"olp: cannot read the audit log: {exc}", file=sys.stderr)
             return 2
@@ -331,21 +338,30 @@ def cmd_audit_show(args: argparse.Namespace, cfg: OlpConfig) -> int:
     )
 
     path = _audit_path(args, cfg)
+
+    def show(record: dict[str, Any]) -> None:
+        print(json.dumps(record) if args.json else format_record(record))
+
     # With --last, only that many are kept: a 228 MB log held 881 MB to show one record.
-    records: collections.deque[dict[str, Any]] = collections.deque(maxlen=args.last or None)
+    # Without it, each is printed as it is read (all of them kept took 4x the log's size
+    # and printed nothing until the whole log was read, `olp audit show | less` too).
+    records: collections.deque[dict[str, Any]] = collections.deque(maxlen=args.last)
     read = 0
     damaged: AuditError | None = None
     try:
         for record in iter_records(path):
             read += 1
             if not args.event or record.get("event") == args.event:
-                records.append(record)
+                if args.last:
+                    records.append(record)
+                else:
+                    show(record)
     except AuditError as exc:
         # The records before a damaged line are what an operator needs then: shown, and
         # the damage after them (it exits 2 all the same).
         damaged = exc
     for record in records:
-        print(json.dumps(record) if args.json else format_record(record))
+        show(record)
     # Segments after a gap in the numbers (a deleted `.1`) are not part of the chain and not
     # read: the listing stopped short of them with nothing said, and exited 0.
     ignored = ignored_files(path)

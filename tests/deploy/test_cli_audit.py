@@ -146,3 +146,45 @@ def test_the_configured_log_is_never_read_as_a_copy(tmp_path: Path) -> None:
     )
     assert done.returncode == 1, done.stdout + done.stderr
     assert "TAMPERED" in done.stdout and "audit.jsonl.head is missing" in done.stdout
+
+
+def test_a_directory_means_the_log_of_the_configured_name(tmp_path: Path) -> None:
+    """With `safety.audit.path: audit/events.jsonl`, `verify <state_dir>/audit` said there
+    was no log (it looked for audit.jsonl)."""
+    audit_dir = tmp_path / "audit"
+    _log(audit_dir / "events.jsonl", 3)
+    done = subprocess.run(
+        [sys.executable, "-m", "deploy.cli", "audit", "verify", str(audit_dir)],
+        cwd=ROOT,
+        env={
+            **os.environ,
+            "PYTHONPATH": str(ROOT),
+            "OLP_STATE_DIR": str(tmp_path),
+            "OLP_SAFETY__AUDIT__PATH": "audit/events.jsonl",
+        },
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr
+    assert f"audit log OK: 3 records, chain intact ({audit_dir / 'events.jsonl'})" in done.stdout
+
+
+def test_show_into_a_reader_that_stops_early_is_not_an_unreadable_log(tmp_path: Path) -> None:
+    """`olp audit show | head -1` exited 2 with "cannot read the audit log: Broken pipe";
+    the records are printed as they are read, not after the whole log."""
+    _log(tmp_path / "audit.jsonl", 3000)
+    shown = subprocess.Popen(
+        [sys.executable, "-m", "deploy.cli", "audit", "show", str(tmp_path)],
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    assert shown.stdout is not None and shown.stderr is not None
+    first = shown.stdout.readline()
+    shown.stdout.close()
+    assert shown.wait(120) == 0
+    assert "freeze" in first
+    assert shown.stderr.read() == ""

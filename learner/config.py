@@ -22,7 +22,9 @@ class VerifierSpec(BaseModel):
     path: str = "learner.rewards.verifiers:exact_match"
     # A weighted mean of the parts: a negative weight took it outside the parts' range.
     weight: float = Field(default=1.0, ge=0, allow_inf_nan=False)
-    timeout_s: float = Field(default=2.0, gt=0)
+    # Bounded: infinity, or past threading's TIMEOUT_MAX (~9.2e9 s), made every wait raise
+    # OverflowError, which stopped the learner on the batch at each restart.
+    timeout_s: float = Field(default=2.0, gt=0, le=86_400)
     params: dict[str, Any] = Field(default_factory=dict)
     tasks: list[str] | None = None  # only run on trajectories whose `task` is listed
 
@@ -44,7 +46,7 @@ class JudgeConfig(BaseModel):
         "model under its served name",
     )
     rubric: str = "The reply is correct, follows the user's instructions exactly, and is concise."
-    timeout_s: float = Field(default=20.0, gt=0)
+    timeout_s: float = Field(default=20.0, gt=0, le=86_400)  # see VerifierSpec.timeout_s
     retries: int = Field(default=1, ge=0)
     cache_size: int = Field(default=4096, ge=0)
     max_chars: int = Field(default=2000, gt=0)  # prompt/reply text shown to the judge
@@ -63,7 +65,9 @@ class FeedbackValues(BaseModel):
     """Reward value of each explicit feedback kind (`score` passes its value through, clamped
     to [`score_min`, `score_max`])."""
 
-    model_config = ConfigDict(extra="forbid")
+    # NaN or infinity as a feedback value rewarded samples that were then dropped as
+    # bad_reward, counted as rewarded.
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     accept: float = 0.75
     reject: float = -0.25

@@ -40,14 +40,27 @@ def deployment_key(directory: Path, configured: str | None = None) -> bytes:
         pass
     path.parent.mkdir(parents=True, exist_ok=True)
     key = secrets.token_bytes(32)
+    # Written whole beside it, then linked into place (which fails when the name exists):
+    # created empty and written after, a process that found it meanwhile read it empty and
+    # refused to start, and a crash between the two left an empty key blocking every start.
+    tmp = path.with_name(f".{KEY_FILE}.{os.getpid()}.{secrets.token_hex(4)}")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     try:
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    except FileExistsError:  # another process made it meanwhile: take theirs
-        return _read_key(path)
-    with os.fdopen(fd, "w", encoding="ascii") as handle:
-        handle.write(key.hex())
-        handle.flush()
-        os.fsync(handle.fileno())
+        with os.fdopen(fd, "w", encoding="ascii") as handle:
+            handle.write(key.hex())
+            handle.flush()
+            os.fsync(handle.fileno())
+        try:
+            os.link(tmp, path)
+        except FileExistsError:  # another process made it meanwhile: take theirs
+            return _read_key(path)
+    finally:
+        tmp.unlink(missing_ok=True)
+    dir_fd = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(dir_fd)
+    finally:
+        os.close(dir_fd)
     return key
 
 

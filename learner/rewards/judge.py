@@ -86,7 +86,9 @@ def _distribution(tops: list[tuple[str, float]], labels: str) -> dict[str, float
     probs: dict[str, float] = {}
     for token, logprob in tops:
         label = token.strip()
-        if len(label) == 1 and label in labels:
+        # A logprob above 0 (or not finite) is no probability: math.exp of one above ~709
+        # raised OverflowError, which stopped the learner on the batch at every retry.
+        if len(label) == 1 and label in labels and -math.inf < logprob <= 0.0:
             probs[label] = probs.get(label, 0.0) + math.exp(logprob)
     total = sum(probs.values())
     return {label: p / total for label, p in probs.items()} if total > 0 else {}
@@ -300,7 +302,14 @@ class Judge:
                 text = response.choices[0].message.content or ""
                 tops = _top_logprobs(response)
                 parsed = parse(tops, text, labels)
-            except (AttributeError, IndexError, KeyError, TypeError, ValueError) as exc:
+            except (
+                AttributeError,
+                IndexError,
+                KeyError,
+                TypeError,
+                ValueError,
+                ArithmeticError,
+            ) as exc:
                 error = f"malformed judge reply: {type(exc).__name__}: {exc}"
                 log.warning("judge_call_failed", kind=kind, attempt=attempt, error=error)
                 continue

@@ -15,6 +15,12 @@ from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import jsonschema
+
+# The `regex` engine (a dependency of transformers, pinned in the constraints files) stops a
+# match at a timeout; `re` holds the interpreter lock for a whole catastrophic backtrack, so
+# no thread ran, the verifier's timeout never fired, and the learner froze (27 s for a
+# 29-character reply to `^(\w+\s?)*$`, hours for a few more).
+import regex
 import structlog
 
 from learner.config import VerifierSpec
@@ -24,6 +30,11 @@ log = structlog.get_logger(__name__)
 Verifier = Callable[..., float | None]
 
 _FAILED = object()  # `VerifierRunner._run`: the verifier failed (not: it abstained)
+_MATCH_TIMEOUT_S = 2.0  # `regex_match`'s own bound, for a runner timeout set higher
+# Timed-out calls of one verifier still running, past which it is not called again until
+# some end: a verifier that hangs (a server that never answers) left a thread per sample,
+# until no thread could start and the learner died.
+_MAX_STUCK_PER_VERIFIER = 32
 
 
 class VerifierScore(NamedTuple):
@@ -132,8 +143,18 @@ def regex_match(trajectory: dict[str, Any], choice: dict[str, Any], **params: An
     if only_tool_calls(choice):
         return None
     text = choice_text(choice).strip()
-    matcher = re.fullmatch if params.get("fullmatch", False) else re.search
-    return 1.0 if matcher(pattern, text, re.DOTALL) else 0.0
+    matcher = regex.fullmatch if params.get("fullmatch", False) else regex.search
+    # A match past the timeout raises TimeoutError: a failed verifier call (logged,
+    # counted), not a 0.0 scored as the answer's. `concurrent` lets the runner's own
+    # timeout fire meanwhile when it is the shorter one.
+    found = matcher(pattern, text, regex.DOTALL, timeout=_MATCH_TIMEOUT_S, concurrent=True)
+    return 1.0 if found else 0.0
+
+
+def _not_json(constant: str) -> Any:
+    """`json.loads`' hook for NaN and Infinity, which Python reads and JSON does not have:
+    output that strict clients refuse was rewarded as valid."""
+    raise ValueError(f"{constant} is not JSON")
 
 
 def json_valid(trajectory: dict[str, Any], choice: dict[str, Any], **params: Any) -> float | None:
@@ -146,7 +167,7 @@ def json_valid(trajectory: dict[str, Any], choice: dict[str, Any], **params: Any
     if fenced and params.get("allow_fence", False):
         text = fenced.group(1).strip()
     try:
-        value = json.loads(text)
+        value = json.loads(text, parse_constant=_not_json)
     except ValueError:
         return 0.0
     schema = params.get("schema")
@@ -178,7 +199,7 @@ def tool_calls_valid(
         if function.get("name") not in declared:
             return 0.0
         try:
-            arguments = json.loads(function.get("arguments") or "")
+            arguments = json.loads(function.get("arguments") or "", parse_constant=_not_json)
         except ValueError:
             return 0.0
         if not isinstance(arguments, dict):
@@ -228,8 +249,8 @@ def _compiles(params: dict[str, Any]) -> None:
     if not isinstance(pattern, str) or not pattern:
         raise ValueError("needs params.pattern, a regular expression")
     try:
-        re.compile(pattern, re.DOTALL)
-    except re.error as exc:
+        regex.compile(pattern, regex.DOTALL)  # the engine `regex_match` runs it with
+    except regex.error as exc:
         raise ValueError(f"params.pattern does not compile: {exc}") from exc
 
 
@@ -314,7 +335,9 @@ class _Call:
     def _run(self) -> None:
         try:
             self.value = self._fn(*self._args, **self._kwargs)
-        except Exception as exc:  # handed to the caller, which logs and counts it
+        except BaseException as exc:  # handed to the caller, which logs and counts it
+            # SystemExit (model-written code calling exit()) and CancelledError too: they
+            # left neither value nor error, read as the verifier abstaining.
             self.error = exc
         finally:
             self._done.set()
@@ -344,7 +367,8 @@ class VerifierRunner:
                     f"learner.rewards.verifiers[{index}].params: {spec.path} {exc}"
                 ) from exc
             self._verifiers.append((spec, fn))
-        self._stuck: list[threading.Thread] = []  # timed-out calls, still running
+        # Timed-out calls still running, by verifier path.
+        self._stuck: dict[str, list[threading.Thread]] = {}
         self.timeouts = 0
         self.errors = 0
 
@@ -354,8 +378,12 @@ class VerifierRunner:
     @property
     def stuck(self) -> int:
         """Timed-out verifier calls whose thread is still running."""
-        self._stuck = [t for t in self._stuck if t.is_alive()]
-        return len(self._stuck)
+        return sum(self._stuck_of(path) for path in list(self._stuck))
+
+    def _stuck_of(self, path: str) -> int:
+        alive = [t for t in self._stuck.get(path, []) if t.is_alive()]
+        self._stuck[path] = alive
+        return len(alive)
 
     def score(self, trajectory: dict[str, Any], choice: dict[str, Any]) -> float | None:
         """Weighted mean of the verifiers that returned a value, or None if none did."""
@@ -384,10 +412,24 @@ class VerifierRunner:
         self, spec: VerifierSpec, fn: Verifier, trajectory: dict[str, Any], choice: dict[str, Any]
     ) -> float | object | None:
         """The verifier's value, None when it abstains, `_FAILED` when it failed."""
-        call = _Call(fn, (trajectory, choice), spec.params)
+        if self._stuck_of(spec.path) >= _MAX_STUCK_PER_VERIFIER:
+            self.errors += 1
+            log.warning(
+                "verifier_skipped",
+                verifier=spec.path,
+                reason=f"{_MAX_STUCK_PER_VERIFIER} of its calls are still running past "
+                "their timeout",
+            )
+            return _FAILED
+        try:
+            call = _Call(fn, (trajectory, choice), spec.params)
+        except RuntimeError as exc:  # no thread could start: a failed call, not a crash
+            self.errors += 1
+            log.warning("verifier_error", verifier=spec.path, error=repr(exc))
+            return _FAILED
         if not call.wait(spec.timeout_s):
             self.timeouts += 1
-            self._stuck.append(call.thread)
+            self._stuck.setdefault(spec.path, []).append(call.thread)
             log.warning(
                 "verifier_timeout", verifier=spec.path, timeout_s=spec.timeout_s, stuck=self.stuck
             )

@@ -284,6 +284,97 @@ def test_hung_verifiers_do_not_starve_later_ones() -> None:
     assert runner.timeouts == 6 and runner.stuck == 6
 
 
+_RELEASE = threading.Event()
+
+
+def held_verifier(trajectory: dict[str, Any], choice: dict[str, Any], **params: Any) -> float:
+    _RELEASE.wait(30)
+    return 1.0
+
+
+def exiting_verifier(trajectory: dict[str, Any], choice: dict[str, Any], **params: Any) -> float:
+    raise SystemExit(0)  # model-written code calling exit()
+
+
+def test_a_verifier_that_hangs_stops_being_called_past_a_bound_of_running_calls() -> None:
+    """Each call of a verifier that never returns left a thread behind, without bound,
+    until no thread could start and the learner died."""
+    from learner.rewards import verifiers
+
+    _RELEASE.clear()
+    runner = VerifierRunner([VerifierSpec(path=f"{__name__}:held_verifier", timeout_s=0.01)])
+    rec = record("5")
+    try:
+        bound = verifiers._MAX_STUCK_PER_VERIFIER
+        for _ in range(bound + 5):
+            assert runner.verify(rec, rec["choices"][0]).failed
+        assert runner.timeouts == bound and runner.errors == 5
+        assert runner.stuck == bound
+    finally:
+        _RELEASE.set()
+
+
+def test_a_verifier_raising_systemexit_failed_it_did_not_abstain() -> None:
+    runner = VerifierRunner(
+        [
+            VerifierSpec(path=f"{__name__}:exiting_verifier"),
+            VerifierSpec(path="learner.rewards.verifiers:exact_match", params={"expected": "5"}),
+        ]
+    )
+    rec = record("5")
+    score = runner.verify(rec, rec["choices"][0])
+    assert score.failed and score.value == 1.0 and runner.errors == 1
+
+
+def test_a_catastrophic_regex_fails_the_call_and_lets_the_learner_run() -> None:
+    """`re` held the interpreter lock through the backtrack: the timeout never fired, and
+    the learner froze (27 s for `^(\\w+\\s?)*$` on a 29-character reply; `regex` answers that
+    one at once, and stops this one at its own timeout)."""
+    spec = VerifierSpec(
+        path="learner.rewards.verifiers:regex_match",
+        timeout_s=0.5,
+        params={"pattern": r"(a|aa)+$"},
+    )
+    runner = VerifierRunner([spec])
+    rec = record("a" * 40 + "b")
+    ticks = []
+    ticker = threading.Thread(target=lambda: [ticks.append(time.sleep(0.05)) for _ in range(10)])
+    ticker.start()
+    assert runner.verify(rec, rec["choices"][0]).failed
+    ticker.join(10)
+    assert len(ticks) == 10  # other threads ran meanwhile
+    assert runner.timeouts == 1
+
+
+def test_nan_and_infinity_are_not_json() -> None:
+    """Python's json reads them; strict clients refuse them: they were rewarded as valid."""
+    for text in ('{"price": NaN}', "[Infinity]", "-Infinity"):
+        assert json_valid({}, {"message": {"content": text}}) == 0.0
+    declared = {"request": {"tools": [{"type": "function", "function": {"name": "f"}}]}}
+    call = {"function": {"name": "f", "arguments": '{"x": NaN}'}}
+    assert tool_calls_valid(declared, {"message": {"tool_calls": [call]}}) == 0.0
+
+
+def test_timeouts_and_feedback_values_are_finite() -> None:
+    """An infinite (or past threading's TIMEOUT_MAX) timeout raised OverflowError at every
+    wait, stopping the learner; a NaN feedback value rewarded samples later dropped."""
+    for bad in (float("inf"), 1e10):
+        with pytest.raises(ValueError, match="timeout_s"):
+            VerifierSpec(path="m:f", timeout_s=bad)
+        with pytest.raises(ValueError, match="timeout_s"):
+            JudgeConfig(timeout_s=bad)
+    with pytest.raises(ValueError, match="accept"):
+        FeedbackValues(accept=float("nan"))
+
+
+def test_a_judge_logprob_above_zero_is_no_probability() -> None:
+    """math.exp(1000) raised OverflowError through the learner, at every retry."""
+    from learner.rewards.judge import _distribution
+
+    assert _distribution([("A", 1000.0), ("B", -0.1)], "AB") == {"B": 1.0}
+    assert _distribution([("A", float("nan"))], "AB") == {}
+
+
 def test_non_finite_verifier_value_is_an_error() -> None:
     runner = VerifierRunner([VerifierSpec(path=f"{__name__}:nan_verifier")])
     rec = record("5")

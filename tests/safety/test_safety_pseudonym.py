@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import hashlib
+import multiprocessing
 import stat
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -33,3 +35,32 @@ def test_the_deployment_key_is_made_once_kept_private_and_reused(tmp_path: Path)
     path.write_text("not hex")
     with pytest.raises(ValueError, match="does not hold a pseudonym key"):
         deployment_key(tmp_path / "control")
+
+
+def _take_key(directory: str, barrier: Any, keys: Any) -> None:
+    barrier.wait()
+    try:
+        keys.put(deployment_key(Path(directory)).hex())
+    except ValueError as exc:
+        keys.put(f"error: {exc}")
+
+
+def test_processes_making_the_key_at_once_all_take_the_same_whole_one(tmp_path: Path) -> None:
+    """Created empty and written after, the key was read empty by a process that found it
+    meanwhile ("does not hold a pseudonym key", 97 starts in 200), and a crash between the
+    two left an empty key that blocked every later start."""
+    context = multiprocessing.get_context("fork")
+    for trial in range(20):
+        directory = tmp_path / str(trial)
+        barrier, keys = context.Barrier(3), context.Queue()
+        workers = [
+            context.Process(target=_take_key, args=(str(directory), barrier, keys))
+            for _ in range(3)
+        ]
+        for worker in workers:
+            worker.start()
+        taken = {keys.get(timeout=30) for _ in workers}
+        for worker in workers:
+            worker.join(30)
+        assert taken == {(directory / KEY_FILE).read_text()}
+        assert [p.name for p in directory.iterdir()] == [KEY_FILE]  # no temporary left

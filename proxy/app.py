@@ -33,7 +33,7 @@ from proxy.completions import (
     unsupported_encoding,
 )
 from proxy.config import ProxyConfig, TenantConfig
-from proxy.context import CONTEXT, REQUEST_ID, ProxyContext
+from proxy.context import CONTEXT, REQUEST_ID, RESPONSE_STARTED, ProxyContext
 from proxy.errors import AuthError, ProxyError, bad_request, error_response
 from proxy.feedback import (
     RecentTrajectories,
@@ -137,6 +137,10 @@ def request_middleware(ctx: ProxyContext, session_label: Callable[[str], str]) -
         except Exception:
             # The line carries the request id as the request's other lines do (bound above).
             log.exception("unhandled_error", path=request.path)
+            if request.get(RESPONSE_STARTED):
+                # Its status and headers went out: a second response would be written into
+                # the first one's body as raw bytes. aiohttp closes the connection instead.
+                raise
             response = error_response(
                 ProxyError(
                     500,

@@ -399,7 +399,7 @@ class TrajectoryCapture(msgspec.Struct, eq=False):
     usage: dict[str, Any] | None = None
     ttft_s: float | None = None
     finished_at: float | None = None  # monotonic; set by `CaptureService.submit`, once
-    unparsable: int = 0  # raw events or responses that were not JSON objects
+    unparsable: int = 0  # raw events or responses not JSON objects, or not of their shape
     _raw_sse: list[bytes] = msgspec.field(default_factory=list)
     _raw_response: bytes | None = None
 
@@ -470,9 +470,14 @@ class TrajectoryCapture(msgspec.Struct, eq=False):
             except ValueError:
                 self.unparsable += 1
                 continue
-            if isinstance(parsed, dict):
+            if not isinstance(parsed, dict):
+                self.unparsable += 1
+                continue
+            try:
                 add(parsed)
-            else:
+            except (AttributeError, KeyError, TypeError, ValueError):
+                # An object of another shape (`"choices": 5`, a choice that is a list): the
+                # whole record failed to build and was lost; it is kept, flagged.
                 self.unparsable += 1
 
     def _add_chat_response(self, payload: _ChatResponse) -> None:

@@ -22,7 +22,7 @@ from aiohttp import HttpVersion11, StreamReader, web
 
 from proxy.capture import CaptureContext, Redact, TrajectoryCapture, private_label
 from proxy.config import is_utf8_text
-from proxy.context import CONTEXT, REQUEST_ID, ProxyContext
+from proxy.context import CONTEXT, REQUEST_ID, RESPONSE_STARTED, ProxyContext
 from proxy.errors import ProxyError, bad_request, error_body
 from proxy.relay import (
     ENDPOINT_PATHS,
@@ -708,6 +708,7 @@ class CompletionRelay:
         the response sent and does not send it again."""
         try:
             await response.prepare(self.request)
+            self.request[RESPONSE_STARTED] = True
             await response.write_eof()
         except _DISCONNECT_ERRORS:
             # The client left as its answer went out; aiohttp would have dropped it alike.
@@ -732,6 +733,7 @@ class CompletionRelay:
             response.force_close()
         try:
             await response.prepare(self.request)
+            self.request[RESPONSE_STARTED] = True
         except _DISCONNECT_ERRORS:
             # The client left as its answer began, before handler cancellation said so (a
             # soak of early disconnects hit this in 55 of 9000 requests): a departure, not a
@@ -806,15 +808,21 @@ class CompletionRelay:
             upstream.close()
             self._finish_stream(outcome, capture)
             raise
-        except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
-            # ValueError: a chunk that is not JSON.
+        except Exception as exc:
             outcome = "error"
-            log.warning("upstream_failed_mid_stream", error=type(exc).__name__)
-            message = f"The model server failed mid-stream (request id {self.request_id})."
+            if isinstance(exc, aiohttp.ClientError | TimeoutError | ValueError):
+                # ValueError: a chunk that is not JSON.
+                log.warning("upstream_failed_mid_stream", error=type(exc).__name__)
+                failed, code = "The model server failed", "upstream_error"
+            else:
+                # A chunk of a shape the relay could not handle (`"choices": 5`) or a bug
+                # here: raised past the 200, the middleware's 500 went into the chunked
+                # body as raw bytes, and the client's framing broke (SDK: connection error).
+                log.exception("stream_relay_failed")
+                failed, code = "The proxy failed", "internal_error"
+            message = f"{failed} mid-stream (request id {self.request_id})."
             try:
-                await response.write(
-                    sse_event(dumps(error_body(message, "api_error", "upstream_error")))
-                )
+                await response.write(sse_event(dumps(error_body(message, "api_error", code))))
             except _DISCONNECT_ERRORS:
                 outcome = "aborted"
             except asyncio.CancelledError:

@@ -72,6 +72,10 @@ class TokenBucket:
             return 0.0
         return (1.0 - self.tokens) / (self.capacity / 60.0)
 
+    def seconds_to_next(self) -> float:
+        """Seconds until a token is there (0 when one is); no refill, no token taken."""
+        return max(0.0, (1.0 - self.tokens) / (self.capacity / 60.0))
+
     def seconds_to_full(self) -> float:
         return (self.capacity - self.tokens) / (self.capacity / 60.0)
 
@@ -197,14 +201,17 @@ class TenantRegistry:
         headers: dict[str, str] = {}
         config = tenant.config
         if config.max_concurrent and tenant.in_flight >= config.max_concurrent:
+            retry_after = 1
             if tenant.bucket is not None:
                 tenant.bucket.refill()  # the 429 spends no request, but reports the bucket
+                # A client that waited 1 s with the bucket spent met a second 429.
+                retry_after = max(1, math.ceil(tenant.bucket.seconds_to_next()))
             raise ProxyError(
                 429,
                 f"Too many concurrent requests for this tenant (limit {config.max_concurrent}).",
                 type_="rate_limit_error",
                 code="concurrency_limit_exceeded",
-                headers={"retry-after": "1", **self._limit_headers(tenant)},
+                headers={"retry-after": str(retry_after), **self._limit_headers(tenant)},
             )
         if tenant.bucket is not None:
             wait_s = tenant.bucket.take()

@@ -113,8 +113,26 @@ def validate_completion_request(
                 "'prompt' is required and must be a string or a non-empty array.", param="prompt"
             )
     _check_fields(body, _FIELDS_OF[endpoint])
+    options = body.get("stream_options")
+    if options:
+        _check_stream_options(options)
     _refuse_prompt_logprobs(endpoint, body)
     _limit_choices(endpoint, body, max_choices)
+
+
+def _check_stream_options(options: dict[str, Any]) -> None:
+    """`include_usage: "false"` read as true here (the proxy asked for no usage) and as
+    false by vLLM (which sent none): the captured record lacked its usage, untrainable, and
+    an uncaptured stream's tokens went uncounted."""
+    for key in ("include_usage", "continuous_usage_stats"):
+        value = options.get(key)
+        if value is not None and not isinstance(value, bool):
+            raise bad_request(
+                f"Invalid type for 'stream_options.{key}': expected boolean, got "
+                f"{type(value).__name__}.",
+                param=f"stream_options.{key}",
+                code="invalid_type",
+            )
 
 
 def choice_count(endpoint: Endpoint, body: dict[str, Any]) -> int:

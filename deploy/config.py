@@ -48,7 +48,28 @@ _LAUNCHER_FLAGS = {
     "--dtype": "dtype",
     "--seed": "seed",
     "--tool-call-parser": "tool_call_parser",
+    # In argv any local user reads it, and it won over VLLM_API_KEY: olp's own key refused.
+    "--api-key": "api_key",
 }
+
+
+# vLLM's `--max-lora-rank` choices (its LoRAConfig): another value killed vLLM at start-up,
+# after the model was prepared.
+_VLLM_MAX_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+_RANKS_TEXT = ", ".join(map(str, _VLLM_MAX_LORA_RANKS))
+
+
+def _launcher_flag(arg: str) -> tuple[str, str] | None:
+    """The launcher flag and its key that `arg` sets as vLLM's parser reads it: it turns
+    `_` into `-` (`--max_lora_rank`) and takes an unambiguous prefix (`--hos 0.0.0.0`), so
+    exact names alone let vLLM listen on every interface while olp said "loopback"."""
+    if not arg.startswith("--"):
+        return None
+    flag = arg.split("=", 1)[0].replace("_", "-")
+    if flag in _LAUNCHER_FLAGS:
+        return flag, _LAUNCHER_FLAGS[flag]
+    prefixed = [known for known in _LAUNCHER_FLAGS if known.startswith(flag)]
+    return (prefixed[0], _LAUNCHER_FLAGS[prefixed[0]]) if len(prefixed) == 1 else None
 
 
 class PolicyConfig(BaseModel):
@@ -82,7 +103,7 @@ class PolicyConfig(BaseModel):
     )
     dtype: Literal["bfloat16", "float16", "float32", "auto"] = "bfloat16"
     max_loras: int = Field(4, ge=1)
-    max_lora_rank: int = Field(16, ge=1)
+    max_lora_rank: int = Field(16, description="one of the ranks vLLM takes: " + _RANKS_TEXT)
     max_model_len: int = Field(2048, ge=128)
     cpu_kv_cache_gib: int = Field(2, ge=1, description="VLLM_CPU_KVCACHE_SPACE on CPU builds")
     seed: int | None = 0
@@ -108,11 +129,27 @@ class PolicyConfig(BaseModel):
         # Appended last, they won over the launcher's: vLLM listened elsewhere than olp
         # checked, warned about ("not loopback") and waited on. Its own keys set them.
         for arg in args:
-            flag = arg.split("=", 1)[0]
-            key = _LAUNCHER_FLAGS.get(flag)
-            if key is not None:
-                raise ValueError(f"{flag} is set from policy.{key}: set that key instead")
+            found = _launcher_flag(arg)
+            if found is not None:
+                flag, key = found
+                given = arg.split("=", 1)[0]
+                named = flag if given == flag else f"{given} (vLLM reads it as {flag})"
+                raise ValueError(f"{named} is set from policy.{key}: set that key instead")
         return args
+
+    @field_validator("max_lora_rank")
+    @classmethod
+    def _a_rank_vllm_takes(cls, rank: int) -> int:
+        if rank not in _VLLM_MAX_LORA_RANKS:
+            raise ValueError(f"vLLM takes one of {_RANKS_TEXT}, not {rank}")
+        return rank
+
+    @field_validator("host")
+    @classmethod
+    def _no_brackets(cls, host: str) -> str:
+        # `[::1]` (a URL's spelling) was loopback to olp's checks, but vLLM bound the
+        # bracketed text and died at start-up: name resolution fails on it.
+        return host[1:-1] if host.startswith("[") and host.endswith("]") else host
 
     @field_validator("external_urls")
     @classmethod
@@ -597,6 +634,19 @@ class OlpConfig(BaseModel):
             raise ValueError(
                 f"{'; '.join(clashes)}: olp up listens on each on this machine; give each "
                 "its own port"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _lora_rank_fits_the_launched_vllm(self) -> OlpConfig:
+        """Above the launched vLLM's `max_lora_rank`, every adapter the learner trained and
+        gated was refused at load ("LoRA rank 32 is greater than max_lora_rank 16")."""
+        rank, most = self.learner.lora_rank, self.policy.max_lora_rank
+        if not self.policy.external_urls and rank > most:
+            raise ValueError(
+                f"learner.lora_rank {rank} is above policy.max_lora_rank {most}: vLLM would "
+                "refuse every adapter the learner trains; raise policy.max_lora_rank or lower "
+                "learner.lora_rank"
             )
         return self
 

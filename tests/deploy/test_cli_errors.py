@@ -836,3 +836,13 @@ def test_an_empty_operator_argument_is_refused_not_taken_as_none(
     version (exit 0) instead of the one the script meant."""
     done = olp(*args, env={"OLP_PROXY__PORT": str(free_port())})
     assert done.returncode == 2 and message in done.stderr, done.stderr
+
+
+def test_a_policy_run_alone_without_a_key_says_so(tmp_path: Path) -> None:
+    """`olp up` gives its vLLM a random key; `olp policy` started one with none, in silence,
+    its runtime LoRA loading open to every local process."""
+    env = {"OLP_POLICY__MODEL": str(tmp_path / "nope"), "OLP_STATE_DIR": str(tmp_path)}
+    done = olp("policy", env=env)
+    assert "olp: warning: policy.api_key is not set" in done.stderr + done.stdout
+    keyed = olp("policy", env={**env, "OLP_POLICY__API_KEY": "vllm-key"})
+    assert "policy.api_key is not set" not in keyed.stderr + keyed.stdout

@@ -343,8 +343,8 @@ def test_plain_policy_urls_still_validate() -> None:
 
 
 def test_config_show_masks_secret_looking_vllm_env_values_and_arguments() -> None:
-    """`policy.env` (where HF_TOKEN goes) and `policy.extra_args` (`--api-key X`) were printed
-    verbatim by `olp config show`; the SecretStr fields were masked."""
+    """`policy.env` (where HF_TOKEN goes) and `policy.extra_args` (`--auth-token X`) were
+    printed verbatim by `olp config show`; the SecretStr fields were masked."""
     from deploy.config import shown_config
 
     environ = {
@@ -354,7 +354,7 @@ def test_config_show_masks_secret_looking_vllm_env_values_and_arguments() -> Non
             " OPENAI_APIKEY: sekrit7, DB_PASSPHRASE: sekrit8, MY_CREDS: sekrit10}"
         ),
         "OLP_POLICY__EXTRA_ARGS": (
-            "[--api-key, sekrit2, --hf-token=sekrit3, --tokenizer, tok/dir,"
+            "[--auth-token, sekrit2, --hf-token=sekrit3, --tokenizer, tok/dir,"
             " --download-url=https://me:sekrit6@mirror.example, --apikey, sekrit9]"
         ),
         "OLP_POLICY__API_KEY": "sekrit4",
@@ -370,7 +370,7 @@ def test_config_show_masks_secret_looking_vllm_env_values_and_arguments() -> Non
         "MY_CREDS": "**********",  # shown in clear before
     }
     assert shown["policy"]["extra_args"] == [
-        "--api-key",
+        "--auth-token",
         "**********",
         "--hf-token=**********",
         "--tokenizer",
@@ -489,13 +489,44 @@ def test_ports_olp_up_listens_on_must_differ() -> None:
     assert load_config(None, environ=remote).proxy.port == 9092
 
 
-@pytest.mark.parametrize("args", ["[--host, 0.0.0.0]", "[--port=9000]", "[--dtype, half]"])
+@pytest.mark.parametrize(
+    "args",
+    [
+        "[--host, 0.0.0.0]",
+        "[--port=9000]",
+        "[--dtype, half]",
+        # vLLM's parser reads `_` as `-` and takes an unambiguous prefix: these set the host,
+        # the port and the rank all the same, while olp said "loopback" and waited on 8100.
+        "[--hos, 0.0.0.0]",
+        "[--por, '9999']",
+        "[--max_lora_rank, '64']",
+        "[--api-key, k]",  # in argv, read by any local user, and won over olp's key
+    ],
+)
 def test_extra_args_may_not_set_what_a_policy_key_sets(args: str) -> None:
     """Appended last, `--host`/`--port` won: vLLM listened elsewhere than olp checked,
     warned about and waited on."""
     with pytest.raises(ConfigError, match=r"policy\.extra_args: .* is set from policy\."):
         load_config(None, environ={"OLP_POLICY__EXTRA_ARGS": args})
     assert load_config(None, environ={"OLP_POLICY__EXTRA_ARGS": "[--enforce-eager]"})
+
+
+def test_the_learners_rank_must_fit_the_launched_vllm() -> None:
+    """vLLM refused every adapter the learner had trained and gated, at load."""
+    too_big = {"OLP_LEARNER__LORA_RANK": "32"}
+    with pytest.raises(ConfigError, match=r"learner\.lora_rank 32 is above policy\.max_lora"):
+        load_config(None, environ=too_big)
+    assert load_config(None, environ={**too_big, "OLP_POLICY__MAX_LORA_RANK": "32"})
+    external = {**too_big, "OLP_POLICY__EXTERNAL_URLS": "[http://vllm:8000]"}
+    assert load_config(None, environ=external)  # its rank is the external server's own
+    with pytest.raises(ConfigError, match=r"policy\.max_lora_rank: .*vLLM takes one of 1, 8"):
+        load_config(None, environ={"OLP_POLICY__MAX_LORA_RANK": "24"})
+
+
+def test_a_bracketed_ipv6_policy_host_is_bound_without_its_brackets(tmp_path: Path) -> None:
+    """vLLM bound `[::1]` as a name and died at start-up."""
+    path = write(tmp_path, "policy:\n  host: '[::1]'\ntenants: []\n")
+    assert load_config(path, environ={}).policy.host == "::1"
 
 
 def test_an_empty_actor_or_admin_key_option_is_refused() -> None:

@@ -487,6 +487,25 @@ def test_only_the_proxy_and_the_learner_reach_vllm_on_kubernetes() -> None:
     assert rule["ports"] == [{"port": container("vllm")["ports"][0]["containerPort"]}]
 
 
+def test_only_the_proxy_and_the_learner_reach_kafka_on_kubernetes() -> None:
+    """The stream has no SASL/TLS and the learner trains on what the topics hold: the broker
+    was open to every pod of the cluster (read every captured prompt, write training data)."""
+    policy = k8s("NetworkPolicy", "kafka-callers")["spec"]
+    assert policy["podSelector"]["matchLabels"].items() <= pod_labels("kafka").items()
+    assert policy["policyTypes"] == ["Ingress"]
+    clients, itself = policy["ingress"]
+    callers = [peer["podSelector"]["matchLabels"] for peer in clients["from"]]
+    assert callers == [{"app.kubernetes.io/name": n} for n in ("proxy", "learner")]
+    for caller, name in zip(callers, ("proxy", "learner"), strict=True):
+        assert caller.items() <= pod_labels(name).items()
+    ports = [p["containerPort"] for p in container("kafka")["ports"]]
+    assert clients["ports"] == [{"port": ports[0]}]
+    assert [peer["podSelector"]["matchLabels"] for peer in itself["from"]] == [
+        {"app.kubernetes.io/name": "kafka"}
+    ]
+    assert itself["ports"] == [{"port": port} for port in ports]
+
+
 def test_k8s_pods_disable_service_links() -> None:
     # A Service named vllm injects VLLM_PORT=tcp://..., which vLLM refuses to start with.
     pods = list(workloads())

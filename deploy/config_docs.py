@@ -46,6 +46,8 @@ NOTES: dict[str, list[str]] = {
         "`proxy.port`, `policy.port` (when olp launches vLLM) and the embedded broker's port "
         "(`stream.bootstrap_servers` on a loopback host) must differ.",
         "`state_dir` may start with `~` (the home directory).",
+        "`learner.lora_rank` must not exceed `policy.max_lora_rank` when olp launches vLLM "
+        "(vLLM refuses a larger adapter at load).",
     ],
     "StreamConfig": [
         "`bootstrap_servers` must be `HOST:PORT[,HOST:PORT...]`.",
@@ -61,7 +63,12 @@ NOTES: dict[str, list[str]] = {
         "its own each run.",
         "`extra_args` must not hold a flag the launcher sets from a key of this section "
         "(`--host`, `--port`, `--model`, `--served-model-name`, `--max-loras`, "
-        "`--max-lora-rank`, `--max-model-len`, `--dtype`, `--seed`, `--tool-call-parser`).",
+        "`--max-lora-rank`, `--max-model-len`, `--dtype`, `--seed`, `--tool-call-parser`, "
+        "`--api-key`), in any spelling vLLM's parser reads as one (`--max_lora_rank`, a "
+        "prefix such as `--hos`).",
+        "`max_lora_rank` must be one of the ranks vLLM takes (1, 8, 16, 32, 64, 128, 256, "
+        "320, 512).",
+        "`host` may be a bracketed IPv6 address (`[::1]`); vLLM gets it without brackets.",
     ],
     "ProxyConfig": [
         "`admin_key` (plaintext) may be given instead of `admin_key_sha256`: it is hashed "

@@ -61,9 +61,18 @@ def _state_dir_refused(state_dir: Path) -> bool:
     return False
 
 
-def _in_state_dir(exc: OSError, state_dir: Path) -> bool:
-    """Whether `exc` is about a path below the state dir."""
-    if not exc.filename:
+# What a path's owner, type or mount decides, which no restart changes: refused (exit 3).
+# Not ENOSPC or EIO: a disk that filled hours into a run is restarted (exit 1), and `olp up`
+# stopped the whole stack on it.
+_UNUSABLE_PATH_ERRNOS = frozenset(
+    {errno.EACCES, errno.EPERM, errno.ENOTDIR, errno.EISDIR, errno.EROFS, errno.EEXIST}
+)
+
+
+def _unusable_in_state_dir(exc: OSError, state_dir: Path) -> bool:
+    """Whether `exc` says a path below the state dir cannot be used (its owner, its type, a
+    read-only mount)."""
+    if not exc.filename or exc.errno not in _UNUSABLE_PATH_ERRNOS:
         return False
     try:
         Path(os.fsdecode(exc.filename)).resolve().relative_to(state_dir.resolve())
@@ -118,7 +127,7 @@ def cmd_proxy(args: argparse.Namespace, cfg: OlpConfig) -> int:
         )
         return EXIT_CONFIG_ERROR
     except OSError as exc:
-        if _in_state_dir(exc, cfg.state_dir):
+        if _unusable_in_state_dir(exc, cfg.state_dir):
             # A path below the state dir it cannot use (`audit/` left as a file, another
             # user's directory): one line and "refused", as for the state dir itself, not a
             # traceback and an exit 1 that `olp up` would restart into the same failure.
@@ -191,7 +200,7 @@ def cmd_learner(args: argparse.Namespace, cfg: OlpConfig) -> int:
         print(f"olp: {exc}", file=sys.stderr)
         return EXIT_REFUSED
     except OSError as exc:
-        if not _in_state_dir(exc, cfg.state_dir):
+        if not _unusable_in_state_dir(exc, cfg.state_dir):
             raise
         _say_state_dir_unusable(cfg.state_dir, exc)  # as the proxy does
         return EXIT_REFUSED

@@ -268,7 +268,8 @@ def _audit_path(args: argparse.Namespace, cfg: OlpConfig) -> Path:
 
     configured = cfg.state_dir / cfg.safety.audit.path
     given = Path(args.file) if args.file is not None else configured
-    if given.is_dir() and not (given / "audit.jsonl").exists():
+    default = given / "audit.jsonl"
+    if given.is_dir() and not (chain_files(default) or head_path(default).exists()):
         # A directory means the log of the configured name in it (`safety.audit.path`
         # `audit/events.jsonl`): `verify <state_dir>/audit` said there was none.
         given = given / configured.name

@@ -50,6 +50,8 @@ _LAUNCHER_FLAGS = {
     "--tool-call-parser": "tool_call_parser",
     # In argv any local user reads it, and it won over VLLM_API_KEY: olp's own key refused.
     "--api-key": "api_key",
+    # A file of vLLM flags, read past these checks (`api-key` in it was taken).
+    "--config": "extra_args",
 }
 
 
@@ -149,7 +151,10 @@ class PolicyConfig(BaseModel):
     def _no_brackets(cls, host: str) -> str:
         # `[::1]` (a URL's spelling) was loopback to olp's checks, but vLLM bound the
         # bracketed text and died at start-up: name resolution fails on it.
-        return host[1:-1] if host.startswith("[") and host.endswith("]") else host
+        bare = host[1:-1] if host.startswith("[") and host.endswith("]") else host
+        if not bare:  # `--host ''`: vLLM listened on every interface
+            raise ValueError("an address is needed (127.0.0.1 keeps vLLM on loopback)")
+        return bare
 
     @field_validator("external_urls")
     @classmethod
@@ -371,7 +376,13 @@ def env_overrides(environ: Mapping[str, str]) -> dict[str, Any]:
         for depth, part in enumerate(path[:-1], start=1):
             node = node.setdefault(part, {})
             if not isinstance(node, dict):
-                parent = set_by[tuple(path[:depth])]
+                # The variable that set it, or set a mapping holding it (`OLP_SAFETY__GATES=
+                # '{kl: 0.5}'` below which OLP_SAFETY__GATES__KL__CAP sets a key).
+                parent = next(
+                    set_by[tuple(path[:up])]
+                    for up in range(depth, 0, -1)
+                    if tuple(path[:up]) in set_by
+                )
                 raise ConfigError(
                     f"invalid configuration:\n  {'.'.join(path)}: {name} sets a key below "
                     f"`{'.'.join(path[:depth])}`, which {parent} sets to a value that is not a "

@@ -57,7 +57,7 @@ class Checkpoint:
     # started afresh.
     pending_optimizer_reset: dict[str, Any] | None = None
     # The `lora_alpha` the weights were trained under (None: written before this field): a
-    # resume under another alpha rescales them, so they stay the version they are.
+    # resume under another alpha is refused, as under another rank.
     lora_alpha: float | None = None
 
 

@@ -52,7 +52,7 @@ from learner.progress import Progress
 from learner.rewards.assembler import RewardAssembler, as_pair, untrainable_records
 from learner.rewards.judge import Judge
 from learner.rewards.verifiers import VerifierRunner
-from learner.trainer import StepInterrupted, Trainer, reward_stats
+from learner.trainer import AdapterMismatch, StepInterrupted, Trainer, reward_stats
 from replay.schemas import is_finite_number
 from safety.config import CapsConfig
 
@@ -243,24 +243,21 @@ class Learner:
         is_number = isinstance(alpha, int | float) and not isinstance(alpha, bool)
         return float(alpha) if is_number and alpha > 0 else None
 
-    def _keep_policy_under_new_alpha(self, plan: ResumePlan, checkpoint: Checkpoint | None) -> None:
-        """A changed `lora_alpha` scales every LoRA output at once: the resumed weights were
-        another policy than the served version they are, which skewed the off-policy ratios
-        of its samples. lora_B is rescaled by was/now, so the policy is unchanged and the
-        new alpha takes effect through the updates from here on."""
-        was = self._trained_lora_alpha(plan, checkpoint)
+    def _check_lora_alpha(self, plan: ResumePlan, checkpoint: Checkpoint | None) -> None:
+        """Refuse a changed `lora_alpha`, as a changed rank is: it scales every LoRA output,
+        so the resumed weights were another policy than the served version they are (their
+        samples' off-policy ratios skewed), and the next version shipped the new scaling.
+        Read on rank 0 (the store and checkpoint are read there) and shared."""
+        was = self._trained_lora_alpha(plan, checkpoint) if self.ctx.is_main else None
+        was = broadcast_object(self.ctx, was)
         now = float(self.config.lora_alpha)
-        if was is None or was == now:
-            return
-        self.trainer.rescale_lora_b(was / now)
-        log.warning(
-            "learner_lora_alpha_changed",
-            was=was,
-            now=now,
-            version=plan.version,
-            note="lora_B rescaled by was/now: the resumed adapter is the same policy, and "
-            "the new alpha applies to the updates from the next step",
-        )
+        if was is not None and was != now:
+            raise AdapterMismatch(
+                f"policy-v{plan.version} was trained with learner.lora_alpha={was:g}, and "
+                f"learner.lora_alpha is {now:g}: resumed under it, its weights would be "
+                f"another policy than the one served. Set learner.lora_alpha back to {was:g}, "
+                "or start from an empty state_dir"
+            )
 
     def _resume(self) -> None:
         checkpoint = self.checkpoints.load() if self.ctx.is_main else None
@@ -292,7 +289,7 @@ class Learner:
 
                 weights = load_file(str(path / "adapter_model.safetensors"))
             self.trainer.load_adapter_state(broadcast_object(self.ctx, weights), str(path))
-        self._keep_policy_under_new_alpha(plan, checkpoint)
+        self._check_lora_alpha(plan, checkpoint)
         # After the local checks (the store, the weights' shape): a learner whose state is
         # refused says so at once, not after waiting for the servers to answer.
         self.version_floor = broadcast_object(self.ctx, self._raised_version_floor(plan))

@@ -344,13 +344,6 @@ class Trainer:
         self.check_adapter_state(state, source)
         set_peft_model_state_dict(self.model, state)
 
-    @torch.no_grad()
-    def rescale_lora_b(self, factor: float) -> None:
-        """Multiply every lora_B weight by `factor` (see Learner._keep_policy_under_new_alpha)."""
-        for name, param in self.model.named_parameters():
-            if "lora_B" in name:
-                param.mul_(factor)
-
     def load_adapter_dir(self, path: Path) -> None:
         self.load_adapter_state(load_file(str(path / "adapter_model.safetensors")), str(path))
 

@@ -475,7 +475,7 @@ class TrajectoryCapture(msgspec.Struct, eq=False):
                 continue
             try:
                 add(parsed)
-            except (AttributeError, KeyError, TypeError, ValueError):
+            except (AttributeError, ArithmeticError, KeyError, TypeError, ValueError):
                 # An object of another shape (`"choices": 5`, a choice that is a list): the
                 # whole record failed to build and was lost; it is kept, flagged.
                 self.unparsable += 1

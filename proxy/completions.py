@@ -710,6 +710,9 @@ class CompletionRelay:
             await response.prepare(self.request)
             self.request[RESPONSE_STARTED] = True
             await response.write_eof()
+            # Whole: a later failure's 500 is dropped by aiohttp as before, the connection
+            # kept (re-raised, it closed a keep-alive connection after a complete answer).
+            self.request[RESPONSE_STARTED] = False
         except _DISCONNECT_ERRORS:
             # The client left as its answer went out; aiohttp would have dropped it alike.
             log.info("client_left_before_answer")
@@ -841,6 +844,7 @@ class CompletionRelay:
         try:
             if outcome != "aborted":
                 await response.write_eof()
+                self.request[RESPONSE_STARTED] = False  # whole, as in `_send`
         except _DISCONNECT_ERRORS:
             log.info("client_left_before_eof")
         finally:

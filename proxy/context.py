@@ -53,6 +53,6 @@ class ProxyContext:
 
 CONTEXT = web.AppKey("olp_proxy_context", ProxyContext)
 REQUEST_ID = web.RequestKey("olp_request_id", str)
-# Set once the handler's response went out (its status and headers sent): a failure after it
-# can no longer be answered with an error response of its own.
+# Set while the handler's response is under way (its status and headers sent, its end not):
+# a failure then can no longer be answered with an error response of its own.
 RESPONSE_STARTED = web.RequestKey("olp_response_started", bool)

@@ -151,7 +151,8 @@ def app_runner(app: web.Application) -> web.AppRunner:
         # on upstream does not notice; only then is the handler cancelled. Half of it each
         # makes `drain_s` the whole wait (at `drain_s` 25 `olp up`'s budget killed the proxy
         # mid-drain, its in-flight trajectories lost).
-        shutdown_timeout=config.drain_s / 2,
+        # (aiohttp reads 0 as no limit: drain_s 0 waited for every request to end.)
+        shutdown_timeout=max(config.drain_s / 2, 0.001),
     )
 
 

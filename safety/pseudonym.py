@@ -54,6 +54,9 @@ def deployment_key(directory: Path, configured: str | None = None) -> bytes:
             os.link(tmp, path)
         except FileExistsError:  # another process made it meanwhile: take theirs
             return _read_key(path)
+        except OSError:  # a file system without hard links (vfat, some network volumes)
+            if not _create_exclusively(path, key):
+                return _read_key(path)  # another process made it meanwhile
     finally:
         tmp.unlink(missing_ok=True)
     dir_fd = os.open(path.parent, os.O_RDONLY)
@@ -62,6 +65,20 @@ def deployment_key(directory: Path, configured: str | None = None) -> bytes:
     finally:
         os.close(dir_fd)
     return key
+
+
+def _create_exclusively(path: Path, key: bytes) -> bool:
+    """Create it holding `key`; False when it exists. Created, then written: a process that
+    finds it in between reads it empty (the hard link above avoids that where links exist)."""
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    except FileExistsError:
+        return False
+    with os.fdopen(fd, "w", encoding="ascii") as handle:
+        handle.write(key.hex())
+        handle.flush()
+        os.fsync(handle.fileno())
+    return True
 
 
 def _read_key(path: Path) -> bytes:

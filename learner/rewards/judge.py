@@ -86,10 +86,11 @@ def _distribution(tops: list[tuple[str, float]], labels: str) -> dict[str, float
     probs: dict[str, float] = {}
     for token, logprob in tops:
         label = token.strip()
-        # A logprob above 0 (or not finite) is no probability: math.exp of one above ~709
+        # Above 0 a logprob is at most rounding (1e-7 from some servers): counted as 0, not
+        # dropped (which handed the label's mass to the others). math.exp of one above ~709
         # raised OverflowError, which stopped the learner on the batch at every retry.
-        if len(label) == 1 and label in labels and -math.inf < logprob <= 0.0:
-            probs[label] = probs.get(label, 0.0) + math.exp(logprob)
+        if len(label) == 1 and label in labels and not math.isnan(logprob):
+            probs[label] = probs.get(label, 0.0) + math.exp(min(logprob, 0.0))
     total = sum(probs.values())
     return {label: p / total for label, p in probs.items()} if total > 0 else {}
 

@@ -846,3 +846,18 @@ def test_a_policy_run_alone_without_a_key_says_so(tmp_path: Path) -> None:
     assert "olp: warning: policy.api_key is not set" in done.stderr + done.stdout
     keyed = olp("policy", env={**env, "OLP_POLICY__API_KEY": "vllm-key"})
     assert "policy.api_key is not set" not in keyed.stderr + keyed.stdout
+
+
+def test_a_full_disk_below_the_state_dir_is_not_an_unusable_state_dir(tmp_path: Path) -> None:
+    """Exit 3 tells `olp up` that no restart helps, and it stops the stack: a disk that
+    filled hours into a run is an exit 1, restarted."""
+    import errno
+
+    from deploy.cli import _unusable_in_state_dir
+
+    below = str(tmp_path / "learner" / "checkpoint.tmp-1")
+    full = OSError(errno.ENOSPC, "No space left on device", below)
+    taken = OSError(errno.EEXIST, "File exists", below)
+    assert not _unusable_in_state_dir(full, tmp_path)
+    assert _unusable_in_state_dir(taken, tmp_path)
+    assert not _unusable_in_state_dir(OSError(errno.EEXIST, "File exists", "/elsewhere"), tmp_path)

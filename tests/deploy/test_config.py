@@ -501,6 +501,7 @@ def test_ports_olp_up_listens_on_must_differ() -> None:
         "[--por, '9999']",
         "[--max_lora_rank, '64']",
         "[--api-key, k]",  # in argv, read by any local user, and won over olp's key
+        "[--config, flags.yaml]",  # a file of flags vLLM reads past these checks
     ],
 )
 def test_extra_args_may_not_set_what_a_policy_key_sets(args: str) -> None:
@@ -527,6 +528,16 @@ def test_a_bracketed_ipv6_policy_host_is_bound_without_its_brackets(tmp_path: Pa
     """vLLM bound `[::1]` as a name and died at start-up."""
     path = write(tmp_path, "policy:\n  host: '[::1]'\ntenants: []\n")
     assert load_config(path, environ={}).policy.host == "::1"
+    empty = write(tmp_path, "policy:\n  host: '[]'\ntenants: []\n")  # vLLM: every interface
+    with pytest.raises(ConfigError, match=r"policy\.host: .*an address is needed"):
+        load_config(empty, environ={})
+
+
+def test_a_variable_below_a_key_a_yaml_mapping_variable_set_to_a_scalar() -> None:
+    """A KeyError traceback: the scalar came from the mapping of another variable."""
+    environ = {"OLP_SAFETY__GATES": "{kl: 0.5}", "OLP_SAFETY__GATES__KL__CAP": "0.3"}
+    with pytest.raises(ConfigError, match="which OLP_SAFETY__GATES sets to a value that is not"):
+        load_config(None, environ)
 
 
 def test_an_empty_actor_or_admin_key_option_is_refused() -> None:

@@ -1274,13 +1274,16 @@ def test_proxies_configured_with_one_pseudonym_key_label_alike(make_proxy, fake,
         ProxyConfig(pseudonym_key="short")
 
 
-def test_a_stop_cancels_requests_still_running_after_drain_s_and_records_them(make_proxy, fake):
+@pytest.mark.parametrize("drain_s", [0.0, 2.0])
+def test_a_stop_cancels_requests_still_running_after_drain_s_and_records_them(
+    make_proxy, fake, drain_s
+):
     """aiohttp waited 60 s for requests in flight, `olp up` killed the proxy at 30 s, and
     a long stream's trajectory (with the sink's memory) was lost."""
     import threading
 
     fake.event_delay_s = 2.0  # a stream of about 30 s
-    harness, sink = make_proxy([fake.url], drain_s=2.0)
+    harness, sink = make_proxy([fake.url], drain_s=drain_s)
     started = threading.Event()
 
     def stream() -> None:
@@ -1303,10 +1306,37 @@ def test_a_stop_cancels_requests_still_running_after_drain_s_and_records_them(ma
     took = time.monotonic() - began
     harness._runner = None
     harness.drain()
-    # Not twice drain_s, as aiohttp's two waits of its shutdown timeout made it.
-    assert took < 3.5, f"the stop waited {took:.1f} s with drain_s 2"
+    # Not twice drain_s, as aiohttp's two waits of its shutdown timeout made it; and not
+    # the whole stream for drain_s 0 (aiohttp reads a timeout of 0 as none).
+    assert took < drain_s + 1.5, f"the stop waited {took:.1f} s with drain_s {drain_s}"
     [record] = sink.trajectories
     assert record["status"] == "aborted"
+
+
+def test_a_failure_after_a_whole_answer_keeps_the_connection(make_proxy, fake, monkeypatch):
+    """The bookkeeping failed after the answer's end went out: re-raised (the response had
+    started), aiohttp closed the keep-alive connection, and the client's next request on it
+    met a reset."""
+    import proxy.completions as completions
+
+    count = completions.CompletionRelay._count_request
+    failures = [RuntimeError("a bookkeeping bug")]
+
+    def fails_once(self: Any, *args: Any) -> Any:
+        if failures:
+            raise failures.pop()
+        return count(self, *args)
+
+    monkeypatch.setattr(completions.CompletionRelay, "_count_request", fails_once)
+    harness, _ = make_proxy([fake.url])
+    headers = {"Authorization": f"Bearer {KEYS['bob']}"}
+    with httpx.Client(timeout=30) as client:
+        for _ in range(2):  # one connection
+            answer = client.post(
+                harness.base_url + "/v1/chat/completions", json=CHAT, headers=headers
+            )
+            assert answer.status_code == 200, answer.text
+    assert not failures
 
 
 def test_sse_comments_reach_captured_clients_as_they_come(make_proxy, fake):

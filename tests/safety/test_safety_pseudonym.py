@@ -64,3 +64,16 @@ def test_processes_making_the_key_at_once_all_take_the_same_whole_one(tmp_path: 
             worker.join(30)
         assert taken == {(directory / KEY_FILE).read_text()}
         assert [p.name for p in directory.iterdir()] == [KEY_FILE]  # no temporary left
+
+
+def test_a_file_system_without_hard_links_still_gets_a_key(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def no_links(*_: Any) -> None:
+        raise PermissionError(1, "Operation not permitted")
+
+    monkeypatch.setattr("safety.pseudonym.os.link", no_links)
+    key = deployment_key(tmp_path)
+    assert (tmp_path / KEY_FILE).read_text() == key.hex()
+    assert deployment_key(tmp_path) == key
+    assert [p.name for p in tmp_path.iterdir()] == [KEY_FILE]

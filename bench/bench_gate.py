@@ -26,6 +26,8 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from percentile import nearest_rank
+
 from safety.audit import AuditLog
 from safety.config import GatesConfig
 from safety.gates import suite as suite_module
@@ -38,7 +40,7 @@ def percentiles(samples: list[float]) -> dict[str, float]:
     ordered = sorted(samples)
 
     def pick(q: float) -> float:
-        return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
+        return nearest_rank(ordered, q)
 
     return {"p50": statistics.median(ordered), "p90": pick(0.9), "p99": pick(0.99)}
 

@@ -58,6 +58,7 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 from generated_block import write_generated
+from percentile import nearest_rank
 
 ROOT = Path(__file__).resolve().parent.parent
 STREAM_TOKENS = 16
@@ -496,7 +497,7 @@ async def _run_load(
     latencies.sort()
     return {
         "p50_ms": statistics.median(latencies) * 1000,
-        "p99_ms": latencies[min(counted - 1, int(counted * 0.99))] * 1000,
+        "p99_ms": nearest_rank(latencies, 0.99) * 1000,
         "rps": counted / (marks["ended"] - marks["started"]),
         "cpu_ms": (cpu_after[0] - cpu_before[0]) * 1000 / counted if target.proc else None,
         "cpu_total_ms": (cpu_after[1] - cpu_before[1]) * 1000 / counted if target.proc else None,
@@ -1125,12 +1126,15 @@ def render_sustained(table: dict, rounds: int, requests: int) -> str:
         "### Sustained load",
         "",
         f"{rounds} alternating rounds of {requests} requests at concurrency 16 (after 20 "
-        "warm-up requests), several seconds of busy cores each, where the rounds above last a "
-        "fraction of a second: the sink's worker runs at idle priority (SCHED_IDLE) and may "
-        "fall behind while the cores are busy, which a short round and the pause after it "
-        "would hide. Medians over the rounds; `catch-up` = seconds from olp-on's last "
+        "warm-up requests), counted from their first request to their last: the sink's worker "
+        "runs at idle priority (SCHED_IDLE) and may fall behind while the cores are busy. The "
+        "rounds above count inside a running load too (at least 3.5 s each, longer than some "
+        "of these rounds), so what this table adds is `catch-up`: seconds from olp-on's last "
         "response until its sink reported every record of the round acknowledged by the "
-        "broker (polled every 20 ms; the worker reports within 0.1 s of becoming idle).",
+        "broker (polled every 20 ms; the worker reports within 0.1 s of becoming idle). The "
+        "round's start is read from the proxy's sent count once it stops moving, which the "
+        "busy worker refreshes once a second: records still unsent from before the round can "
+        "make a catch-up read short. Medians over the rounds.",
         "",
         "| stream | direct p50 ms | pass-through added | olp-off added | off / pass-through "
         "| olp-on added | on / pass-through | req/s pass-through, olp-off, olp-on "
@@ -1499,12 +1503,12 @@ def render_interleaved(table: dict, cycles: int) -> str:
         for part in range(5):
             window = slice(part * count // 5, (part + 1) * count // 5)
             part_added = _interleaved_added({n: v[window] for n, v in latencies.items()})
-            fifths.append(f"{part_added['olp-on'] / part_added['passthrough']:.2f}")
+            fifths.append(ratio(part_added["olp-on"], part_added["passthrough"]))
         lines.append(
             f"| {stream} | {concurrency} | {count} | "
             f"{statistics.median(latencies['direct']) * 1000:.2f} | {floor:.3f} | "
-            f"{added['olp-off']:.3f} | {added['olp-off'] / floor:.2f} | "
-            f"{added['olp-on']:.3f} | {added['olp-on'] / floor:.2f} | {', '.join(fifths)} |"
+            f"{added['olp-off']:.3f} | {ratio(added['olp-off'], floor)} | "
+            f"{added['olp-on']:.3f} | {ratio(added['olp-on'], floor)} | {', '.join(fifths)} |"
         )
     return "\n".join(lines) + "\n"
 

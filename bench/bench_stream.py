@@ -34,6 +34,8 @@ from kafka import KafkaConsumer, KafkaProducer, TopicPartition
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from percentile import nearest_rank
+
 from deploy.broker import start_broker
 from deploy.ports import free_port
 from replay.config import StreamConfig
@@ -210,8 +212,7 @@ def bench_rate(bootstrap: str, records: list[dict], rate: float) -> tuple[float,
 
 
 def _pct(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+    return nearest_rank(sorted(values), q)
 
 
 def main() -> None:

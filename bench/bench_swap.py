@@ -26,6 +26,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from generated_block import write_generated  # noqa: E402
+from percentile import nearest_rank  # noqa: E402
 
 from deploy.config import PolicyConfig  # noqa: E402
 from deploy.model_prep import prepare_model  # noqa: E402
@@ -42,8 +43,7 @@ ADMIN, TENANT = "bench-admin", "bench-key"
 
 
 def pct(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
+    return nearest_rank(sorted(values), q)
 
 
 def write_adapter(base_model: object, path: Path, seed: int) -> Path:

@@ -129,3 +129,13 @@ def test_the_proxy_bench_reports_skipped_captures_apart_from_lost_records() -> N
     note = bench_proxy._skipped_note(85, 100, 15)
     assert "15 of those requests were served without a capture" in note
     assert note.endswith("the records of 85 of 85 captured requests arrived")
+
+
+def test_one_percentile_for_every_bench() -> None:
+    """Two definitions, one of them a rank high at multiples of 100 (the maximum at 100)."""
+    from percentile import nearest_rank
+
+    assert nearest_rank(list(range(1, 101)), 0.99) == 99
+    assert nearest_rank(list(range(1, 401)), 0.99) == 396
+    assert nearest_rank(list(range(1, 11)), 0.5) == 5
+    assert nearest_rank([7.0], 0.99) == 7.0

@@ -359,9 +359,9 @@ class Trainer:
     def _raise_if_stopped(
         self, stop: threading.Event | None, update: int, *, collective: bool
     ) -> None:
-        """Under torchrun every rank must leave at the same update (the gradient all-reduce
-        waits for all of them), so ranks agree at each update's start, and only a single
-        process also stops between micro-batches (ranks may have different counts)."""
+        """Under torchrun every rank must leave at the same point (the gradient all-reduce
+        waits for all of them): a collective check is one every rank makes, the same number
+        of times (see `step`); a check that is not collective is skipped there."""
         if stop is None:
             return
         if self.ctx.enabled:
@@ -413,6 +413,12 @@ class Trainer:
         totals = torch.tensor([local_tokens, float(len(samples))], dtype=torch.float64)
         all_reduce_sum(self.ctx, totals)
         global_tokens = float(totals[0])
+        # Every rank checks for a stop between micro-batches as often as the rank with the
+        # most: checked only at each update's start, a stop during the one update (the
+        # default) let the step finish and publish a version after the stop, past the
+        # 30 s torchrun and Kubernetes wait before they kill.
+        micro_batches = torch.tensor([float(len(batches))], dtype=torch.float64)
+        micro_batches = int(all_reduce_max(self.ctx, micro_batches)[0])
         # Dropout off in both passes (autograd works the same in eval mode): π_θ under
         # dropout (`lora_dropout`, or a base model's own) is not the policy that sampled μ
         # nor the one the reference is, so on-policy tokens got ρ ≠ 1, clipping and a KL
@@ -446,9 +452,12 @@ class Trainer:
                 if p.grad is None:
                     p.grad = torch.zeros_like(p)
             sums = torch.zeros(len(keys) + 1, dtype=torch.float64)
-            for index, (batch, ref) in enumerate(zip(batches, references, strict=True)):
+            for index in range(micro_batches):
                 if index:
-                    self._raise_if_stopped(stop, update, collective=False)
+                    self._raise_if_stopped(stop, update, collective=True)
+                if index >= len(batches):
+                    continue  # this rank has fewer; it still joins every rank's stop check
+                batch, ref = batches[index], references[index]
                 now = time.perf_counter()
                 if self.ctx.is_main and now - reported >= cfg.progress_interval_s:
                     # A step over a large batch runs for minutes on a CPU: say where it is.

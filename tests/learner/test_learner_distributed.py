@@ -9,6 +9,7 @@ import subprocess
 import sys
 from datetime import timedelta
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -442,3 +443,59 @@ def test_a_judge_group_split_over_ranks_is_known_to_each_rank_holding_it(
     )
     found = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(3)]
     assert found == [["split"], ["split"], []]
+
+
+def _stopping_rank(rank: int, world: int, port: int, model: str, out: str) -> None:
+    import threading
+
+    import learner.trainer as trainer_module
+    from learner.config import LearnerConfig
+    from learner.service import Learner
+    from tests.learner.learner_sources import ListSource, synthetic_scored
+
+    _init_gloo(rank, world, port)
+    try:
+        stop = threading.Event()
+        loss = trainer_module.policy_loss
+
+        def stopped_meanwhile(*args: Any, **kwargs: Any) -> Any:
+            if rank == 0:
+                stop.set()  # the signal arrives while rank 0 trains its first micro-batch
+            return loss(*args, **kwargs)
+
+        trainer_module.policy_loss = stopped_meanwhile
+        # Rank 1 has fewer micro-batches than rank 0: it still meets every stop check.
+        partitions = {0: [synthetic_scored(i) for i in range(6)], 1: [synthetic_scored(100)]}
+        config = LearnerConfig(
+            batch_size=7, min_batch=7, micro_batch_size=2, lr=1e-3, num_threads=1,
+            progress_interval_s=600, lora_rank=4, lora_alpha=8, batch_timeout_s=60,
+        )  # fmt: skip
+        learner = Learner(
+            config,
+            Path(out) / "state",
+            lambda offsets, r, w: ListSource(partitions, offsets, r, w),
+            model_dir=model,
+            ctx=DistContext(rank, world),
+        )
+        summary = learner.run(stop=stop, max_steps=1, poll_timeout_s=0.05)
+        result = {"version": summary.version, "published": learner.store.versions()}
+        Path(out, f"stopped{rank}.json").write_text(json.dumps(result))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_a_stop_during_the_update_stops_every_rank_without_a_version(
+    tiny_model: Path, tmp_path: Path
+) -> None:
+    """Ranks agreed on a stop only at each update's start: a stop during the one update (the
+    default) let the step finish and publish a version after it, past the 30 s torchrun
+    waits before it kills; a single process stopped before its next micro-batch."""
+    mp.start_processes(
+        _stopping_rank,
+        args=(2, free_port(), str(tiny_model), str(tmp_path)),
+        nprocs=2,
+        start_method="spawn",
+    )
+    for rank in (0, 1):
+        result = json.loads((tmp_path / f"stopped{rank}.json").read_text())
+        assert result == {"version": 0, "published": []}, (rank, result)

@@ -368,12 +368,27 @@ def test_two_ranks_feed_one_canary_on_rank_0(tiny_model: Path, tmp_path: Path) -
     assert rank1["arm"] is None
 
 
+def _rank_learner(
+    config: Any, partitions: dict[int, list[Any]], model: str, out: str, rank: int, world: int
+) -> Any:
+    """A Learner of one rank reading `partitions` (its share of them), state under `out`."""
+    from learner.service import Learner
+    from tests.learner.learner_sources import ListSource
+
+    return Learner(
+        config,
+        Path(out) / "state",
+        lambda offsets, r, w: ListSource(partitions, offsets, r, w),
+        model_dir=model,
+        ctx=DistContext(rank, world),
+    )
+
+
 def _stale_rank(rank: int, world: int, port: int, model: str, out: str) -> None:
     from structlog.testing import capture_logs
 
     from learner.config import LearnerConfig
-    from learner.service import Learner
-    from tests.learner.learner_sources import ListSource, synthetic_scored
+    from tests.learner.learner_sources import synthetic_scored
 
     _init_gloo(rank, world, port)
     try:
@@ -383,13 +398,7 @@ def _stale_rank(rank: int, world: int, port: int, model: str, out: str) -> None:
             batch_size=4, min_batch=1, max_staleness=4, num_threads=1,
             progress_interval_s=600, lora_rank=4, lora_alpha=8,
         )  # fmt: skip
-        learner = Learner(
-            config,
-            Path(out) / "state",
-            lambda offsets, r, w: ListSource(partitions, offsets, r, w),
-            model_dir=model,
-            ctx=DistContext(rank, world),
-        )
+        learner = _rank_learner(config, partitions, model, out, rank, world)
         learner.version = 5  # resumed 5 versions ahead of the base that served the records
         with capture_logs() as logs:
             summary = learner.run(max_steps=1)
@@ -450,8 +459,7 @@ def _stopping_rank(rank: int, world: int, port: int, model: str, out: str) -> No
 
     import learner.trainer as trainer_module
     from learner.config import LearnerConfig
-    from learner.service import Learner
-    from tests.learner.learner_sources import ListSource, synthetic_scored
+    from tests.learner.learner_sources import synthetic_scored
 
     _init_gloo(rank, world, port)
     try:
@@ -470,13 +478,7 @@ def _stopping_rank(rank: int, world: int, port: int, model: str, out: str) -> No
             batch_size=7, min_batch=7, micro_batch_size=2, lr=1e-3, num_threads=1,
             progress_interval_s=600, lora_rank=4, lora_alpha=8, batch_timeout_s=60,
         )  # fmt: skip
-        learner = Learner(
-            config,
-            Path(out) / "state",
-            lambda offsets, r, w: ListSource(partitions, offsets, r, w),
-            model_dir=model,
-            ctx=DistContext(rank, world),
-        )
+        learner = _rank_learner(config, partitions, model, out, rank, world)
         summary = learner.run(stop=stop, max_steps=1, poll_timeout_s=0.05)
         result = {"version": summary.version, "published": learner.store.versions()}
         Path(out, f"stopped{rank}.json").write_text(json.dumps(result))

@@ -472,6 +472,27 @@ def cmd_replay_export(args: argparse.Namespace, cfg: OlpConfig) -> int:
     return 0
 
 
+def _proxy_refuses_replay(base_url: str, key: str, model: str) -> str | None:
+    """Why the proxy would refuse every replayed request, asked once, or None. Each request
+    sent with a wrong key counted towards the failed-key lockout: past 20 the proxy locked
+    this machine's address out, every local client with it; and a model that is not one of
+    its aliases (a served name, `policy-v7`) was N 404s."""
+    from deploy.policy import NotAModelList, PolicyKeyRefused, models_listed
+
+    try:
+        listed = models_listed(base_url, api_key=key)
+    except PolicyKeyRefused:
+        return "the proxy refuses --api-key (401): give a tenant's key"
+    except NotAModelList as exc:
+        return f"{exc}: check proxy.host and proxy.port"
+    if listed is not None and model not in listed:
+        return (
+            f"the proxy serves no model '{model}' (its aliases: {', '.join(listed)}); to "
+            "replay against one version or a served name, use --direct"
+        )
+    return None  # not answering: the requests will say so, each in its line
+
+
 def cmd_replay_run(args: argparse.Namespace, cfg: OlpConfig) -> int:
     import asyncio
 
@@ -517,6 +538,10 @@ def cmd_replay_run(args: argparse.Namespace, cfg: OlpConfig) -> int:
             print(
                 "olp: replay through the proxy needs --api-key (or use --direct)", file=sys.stderr
             )
+            return 2
+        refused = _proxy_refuses_replay(base_url, key, args.model)
+        if refused is not None:
+            print(f"olp: replay run: {refused}", file=sys.stderr)
             return 2
     try:
         result = asyncio.run(

@@ -233,6 +233,13 @@ _decode_chat_chunk = msgspec.json.Decoder(_ChatChunk).decode
 _decode_chat_response = msgspec.json.Decoder(_ChatResponse).decode
 
 
+# A choice vLLM ended itself mid-generation (its engine shutting down, a paused engine
+# aborting what ran): the stream still ends with usage and [DONE], and the cut-off sample
+# was recorded `ok` and trained on.
+# (A tuple: compared, not hashed, as a mangled event's reason may be a list.)
+_CUT_BY_THE_SERVER = ("abort", "error")
+
+
 def _sse_payloads(data: bytes) -> list[bytes]:
     """The `data:` payloads of whole SSE events, `[DONE]` left out: what
     `SSEParser().feed(data)` yields (a partial event at the end is dropped).
@@ -734,6 +741,8 @@ class TrajectoryCapture(msgspec.Struct, eq=False):
                 flags.append("nonfinite_logprob")
             if status == "ok" and only.finish_reason is None:
                 flags.append("missing_finish_reason")
+            if only.finish_reason in _CUT_BY_THE_SERVER:
+                flags.append("finish_reason_abort")
         else:
             if any(c.token_ids is None for c in self.choices.values()):
                 flags.append("missing_token_ids")
@@ -743,6 +752,8 @@ class TrajectoryCapture(msgspec.Struct, eq=False):
                 flags.append("nonfinite_logprob")
             if status == "ok" and any(c.finish_reason is None for c in self.choices.values()):
                 flags.append("missing_finish_reason")
+            if any(c.finish_reason in _CUT_BY_THE_SERVER for c in self.choices.values()):
+                flags.append("finish_reason_abort")
         if self.usage is None:
             flags.append("missing_usage")
         else:
@@ -753,10 +764,21 @@ class TrajectoryCapture(msgspec.Struct, eq=False):
             if (
                 prompt_ids is not None
                 and not multiple_prompts
-                and len(prompt_ids) != self.usage.get("prompt_tokens")
+                and self._prompt_token_count(prompt_ids) != self.usage.get("prompt_tokens")
             ):
                 flags.append("prompt_token_count_mismatch")
         return flags
+
+    def _prompt_token_count(self, prompt_ids: list[int]) -> int:
+        """What vLLM's `usage.prompt_tokens` counts: the tokens of every prompt. A completions
+        batch of one prompt repeated (`["hi", "hi"]`, a group sent as a list rather than as
+        `n`) holds it once per prompt, and was flagged a mismatch though consistent."""
+        if self.prompt_token_ids is not None:  # one prompt (chat)
+            return len(prompt_ids)
+        n = self.context.sampling_params().get("n")
+        per_prompt = int(n) if isinstance(n, int | float) and n >= 1 else 1
+        firsts = [c for c in self.choices.values() if c.index % per_prompt == 0]
+        return sum(len(c.prompt_token_ids or []) for c in firsts)
 
     def build(self, status: str) -> dict[str, Any]:
         """The trajectory record (docs/interfaces.md), before redaction."""

@@ -544,6 +544,8 @@ def _flags_before(capture: TrajectoryCapture, status: str) -> list[str]:
         flags.append("nonfinite_logprob")
     if status == "ok" and any(c.finish_reason is None for c in choices):
         flags.append("missing_finish_reason")
+    if any(c.finish_reason in ("abort", "error") for c in choices):
+        flags.append("finish_reason_abort")
     if capture.usage is None:
         flags.append("missing_usage")
     else:
@@ -553,7 +555,7 @@ def _flags_before(capture: TrajectoryCapture, status: str) -> list[str]:
         if (
             prompt_ids is not None
             and not multiple_prompts
-            and len(prompt_ids) != capture.usage.get("prompt_tokens")
+            and capture._prompt_token_count(prompt_ids) != capture.usage.get("prompt_tokens")
         ):
             flags.append("prompt_token_count_mismatch")
     return flags
@@ -662,3 +664,39 @@ def test_reasoning_text_is_captured_and_redacted_with_its_token_ids(field: str) 
     for block in _bench_stream():
         capture.add_sse(block)
     assert "reasoning" not in capture.build("ok")["choices"][0]["message"]
+
+
+def _completions_capture(prompt: Any, n: int, usage_prompt: int, finish: str) -> list[str]:
+    """The flags of a completions capture of `prompt` (ids [1, 2, 3] each), `n` per prompt."""
+    context = _context("completions")
+    context.request_body = {"model": "base", "prompt": prompt, "n": n}
+    context.sampling = {"max_tokens": 16, "n": n}
+    capture = TrajectoryCapture(context)
+    prompts = len(prompt) if isinstance(prompt, list) else 1
+    choices = [
+        {"index": i, "text": "x", "finish_reason": finish, "prompt_token_ids": [1, 2, 3],
+         "token_ids": [7], "logprobs": {"token_logprobs": [-0.5], "tokens": ["x"]}}
+        for i in range(prompts * n)
+    ]  # fmt: skip
+    chunks = [{"choices": [c]} for c in choices]
+    usage = {"prompt_tokens": usage_prompt, "completion_tokens": len(choices)}
+    chunks.append({"choices": [], "usage": usage})
+    capture.add_sse(b"".join(_event(c) for c in chunks) + b"data: [DONE]\n\n")
+    capture.finished_at = 3.0
+    return build_record(capture, "ok", None)["flags"]
+
+
+def test_a_batch_repeating_one_prompt_counts_it_once_per_prompt() -> None:
+    """vLLM's usage counts every prompt: `["hi", "hi"]` (a group sent as a list, not as `n`)
+    was flagged prompt_token_count_mismatch, untrainable, though consistent."""
+    assert _completions_capture(["hi", "hi"], 1, 6, "stop") == []
+    assert _completions_capture(["hi", "hi"], 2, 6, "stop") == []
+    assert _completions_capture("hi", 2, 3, "stop") == []
+    assert _completions_capture(["hi", "hi"], 1, 3, "stop") == ["prompt_token_count_mismatch"]
+
+
+def test_a_choice_the_server_cut_off_is_not_trained_on() -> None:
+    """vLLM ends what runs with finish_reason `abort` when its engine shuts down; the stream
+    still ends with usage and [DONE], and the cut-off sample was recorded ok, trainable."""
+    assert _completions_capture("hi", 1, 3, "abort") == ["finish_reason_abort"]
+    assert _completions_capture("hi", 2, 3, "error") == ["finish_reason_abort"]

@@ -477,20 +477,35 @@ def _proxy_refuses_replay(base_url: str, key: str, model: str) -> str | None:
     sent with a wrong key counted towards the failed-key lockout: past 20 the proxy locked
     this machine's address out, every local client with it; and a model that is not one of
     its aliases (a served name, `policy-v7`) was N 404s."""
-    from deploy.policy import NotAModelList, PolicyKeyRefused, models_listed
+    import urllib.error
+    import urllib.request
 
+    from deploy.direct_http import open_direct
+
+    request = urllib.request.Request(
+        f"{base_url}/v1/models", headers={"Authorization": f"Bearer {key}"}
+    )
     try:
-        listed = models_listed(base_url, api_key=key)
-    except PolicyKeyRefused:
-        return "the proxy refuses --api-key (401): give a tenant's key"
-    except NotAModelList as exc:
-        return f"{exc}: check proxy.host and proxy.port"
-    if listed is not None and model not in listed:
+        with open_direct(request, 5.0) as response:
+            body = json.loads(response.read())
+    except urllib.error.HTTPError as exc:
+        if exc.code == 401:
+            return "the proxy refuses --api-key (401): give a tenant's key"
+        if exc.code == 429:  # locked out after failed keys: each request would be a 429
+            retry = exc.headers.get("retry-after") if exc.headers else None
+            return f"the proxy answers 429 to this address; retry after {retry or 'a while'} s"
+        return None  # another answer: the requests will say, each in its line
+    except (urllib.error.URLError, OSError, ValueError):
+        return None  # not answering: the requests will say so
+    data = body.get("data") if isinstance(body, dict) else None
+    listed = [m.get("id") for m in data if isinstance(m, dict)] if isinstance(data, list) else []
+    if listed and model not in listed:
         return (
-            f"the proxy serves no model '{model}' (its aliases: {', '.join(listed)}); to "
-            "replay against one version or a served name, use --direct"
+            f"the proxy serves no model '{model}' (its aliases: "
+            f"{', '.join(map(str, listed))}); to replay against one version or a served name, "
+            "use --direct"
         )
-    return None  # not answering: the requests will say so, each in its line
+    return None
 
 
 def cmd_replay_run(args: argparse.Namespace, cfg: OlpConfig) -> int:

@@ -50,9 +50,10 @@ _LAUNCHER_FLAGS = {
     "--tool-call-parser": "tool_call_parser",
     # In argv any local user reads it, and it won over VLLM_API_KEY: olp's own key refused.
     "--api-key": "api_key",
-    # A file of vLLM flags, read past these checks (`api-key` in it was taken).
-    "--config": "extra_args",
 }
+# Refused in extra_args whatever it names: vLLM reads more flags from that file, past these
+# checks (`api-key` in it was taken).
+_FLAG_FILE = "--config"
 
 
 # vLLM's `--max-lora-rank` choices (its LoRAConfig): another value killed vLLM at start-up,
@@ -131,6 +132,11 @@ class PolicyConfig(BaseModel):
         # Appended last, they won over the launcher's: vLLM listened elsewhere than olp
         # checked, warned about ("not loopback") and waited on. Its own keys set them.
         for arg in args:
+            if arg.split("=", 1)[0] == _FLAG_FILE:
+                raise ValueError(
+                    f"{_FLAG_FILE}: vLLM would read flags from that file past olp's checks; "
+                    "give them in extra_args"
+                )
             found = _launcher_flag(arg)
             if found is not None:
                 flag, key = found
@@ -244,11 +250,13 @@ def _format_error(exc: ValidationError) -> str:
         if err["type"] == "extra_forbidden":
             lines.append(f"  {key}: unknown key")
             continue
+        # pydantic writes "Value error, " before the message of every check of olp's own.
+        message = err["msg"].removeprefix("Value error, ")
         shown = err.get("input")
         if isinstance(shown, dict | list | tuple | set):
             # A section, a tenant list or the whole file (a model validator's input) holds
             # keys at any depth: its message names the problem, the input is never echoed.
-            lines.append(f"  {key}: {err['msg']}")
+            lines.append(f"  {key}: {message}")
             continue
         # Never echo a secret into a terminal or a log: a key that names one in any form
         # (`DB_PASSWD`, `*_CREDENTIALS`), and anything under policy.env or extra_args,
@@ -261,7 +269,7 @@ def _format_error(exc: ValidationError) -> str:
             or (isinstance(shown, str) and _USER_INFO_LIKE.search(shown) is not None)
         ):
             shown = "<hidden>"
-        lines.append(f"  {key}: {err['msg']} (got {shown!r})")
+        lines.append(f"  {key}: {message} (got {shown!r})")
     return "invalid configuration:\n" + "\n".join(lines)
 
 

@@ -65,7 +65,8 @@ NOTES: dict[str, list[str]] = {
         "(`--host`, `--port`, `--model`, `--served-model-name`, `--max-loras`, "
         "`--max-lora-rank`, `--max-model-len`, `--dtype`, `--seed`, `--tool-call-parser`, "
         "`--api-key`), in any spelling vLLM's parser reads as one (`--max_lora_rank`, a "
-        "prefix such as `--hos`).",
+        "prefix such as `--hos`); nor `--config` (a file of flags vLLM reads past these "
+        "checks).",
         "`max_lora_rank` must be one of the ranks vLLM takes (1, 8, 16, 32, 64, 128, 256, "
         "320, 512).",
         "`host` may be a bracketed IPv6 address (`[::1]`); vLLM gets it without brackets.",

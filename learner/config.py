@@ -184,7 +184,12 @@ class LearnerConfig(BaseModel):
     base_model_dir: str | None = None  # None: the policy's prepared model dir
     # LoRA
     lora_rank: int = Field(default=16, gt=0)
-    lora_alpha: float = Field(default=32.0, gt=0)
+    lora_alpha: float = Field(
+        default=32.0,
+        gt=0,
+        description="LoRA scaling (alpha / rank); fixed for a state dir once a version was "
+        "trained: a change is refused at start-up, as one of lora_rank",
+    )
     # Dropout of the LoRA layers while training. The learner computes π_θ and the reference
     # with dropout off (eval mode; gradients flow all the same): under dropout on-policy
     # tokens got ρ ≠ 1 and a KL to a reference equal to the policy. So this setting, like a

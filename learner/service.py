@@ -248,6 +248,8 @@ class Learner:
         so the resumed weights were another policy than the served version they are (their
         samples' off-policy ratios skewed), and the next version shipped the new scaling.
         Read on rank 0 (the store and checkpoint are read there) and shared."""
+        if plan.version == 0:
+            return  # untrained: every lora_B is zero, so alpha changes nothing yet
         was = self._trained_lora_alpha(plan, checkpoint) if self.ctx.is_main else None
         was = broadcast_object(self.ctx, was)
         now = float(self.config.lora_alpha)

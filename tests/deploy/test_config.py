@@ -501,7 +501,6 @@ def test_ports_olp_up_listens_on_must_differ() -> None:
         "[--por, '9999']",
         "[--max_lora_rank, '64']",
         "[--api-key, k]",  # in argv, read by any local user, and won over olp's key
-        "[--config, flags.yaml]",  # a file of flags vLLM reads past these checks
     ],
 )
 def test_extra_args_may_not_set_what_a_policy_key_sets(args: str) -> None:
@@ -510,6 +509,13 @@ def test_extra_args_may_not_set_what_a_policy_key_sets(args: str) -> None:
     with pytest.raises(ConfigError, match=r"policy\.extra_args: .* is set from policy\."):
         load_config(None, environ={"OLP_POLICY__EXTRA_ARGS": args})
     assert load_config(None, environ={"OLP_POLICY__EXTRA_ARGS": "[--enforce-eager]"})
+
+
+def test_extra_args_may_not_name_a_file_of_vllm_flags() -> None:
+    """vLLM reads flags from it past olp's checks: `api-key` in it was taken."""
+    for args in ("[--config, flags.yaml]", "[--config=flags.yaml]"):
+        with pytest.raises(ConfigError, match=r"policy\.extra_args: --config: vLLM would read"):
+            load_config(None, environ={"OLP_POLICY__EXTRA_ARGS": args})
 
 
 def test_the_learners_rank_must_fit_the_launched_vllm() -> None:

@@ -483,7 +483,6 @@ def test_a_changed_lora_alpha_is_refused_as_a_changed_rank_is(
     from learner.trainer import AdapterMismatch
 
     announced: list[Path] = []
-    learner(tmp_path, model_dir, announced).run(max_steps=1)
 
     def resumed(alpha: float) -> Learner:
         settings = config().model_copy(update={"lora_alpha": alpha})
@@ -496,6 +495,10 @@ def test_a_changed_lora_alpha_is_refused_as_a_changed_rank_is(
         )
 
     alpha = config().lora_alpha
+    untrained = resumed(alpha)
+    untrained._save_checkpoint(None)  # version 0, as after a batch with nothing to train
+    resumed(alpha / 2)  # every lora_B still zero: alpha changes nothing yet
+    learner(tmp_path, model_dir, announced).run(max_steps=1)
     with pytest.raises(AdapterMismatch, match=rf"trained with learner\.lora_alpha={alpha:g}"):
         resumed(alpha / 4)
     # Rolled forward from the stored version (the checkpoint moved aside): its

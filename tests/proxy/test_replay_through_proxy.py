@@ -53,7 +53,8 @@ def test_a_key_or_model_the_proxy_refuses_stops_the_replay_before_it_sends(
     served name as the model was one 404 per record."""
     upstream = FakeVllm().start()
     try:
-        harness, _ = make_proxy([upstream.url])
+        # A lockout after 3 failed keys (20 by default), so that the test makes one quickly.
+        harness, _ = make_proxy([upstream.url], auth_failures={"max_failures": 3})
         out = tmp_path / "replayed.jsonl"
         wrong = _replay(harness.port, export, out, "key-alicee", "policy")
         assert wrong.returncode == 2, wrong.stdout + wrong.stderr
@@ -66,6 +67,12 @@ def test_a_key_or_model_the_proxy_refuses_stops_the_replay_before_it_sends(
         done = _replay(harness.port, export, out, KEYS["alice"], "policy")
         assert done.returncode == 0, done.stdout + done.stderr
         assert "25 ok, 0 errors" in done.stdout
+        assert len(upstream.requests) == 25
+        for _ in range(2):  # a client's mistyped key locks this address out
+            _replay(harness.port, export, out, "key-alicee", "policy")
+        locked = _replay(harness.port, export, out, KEYS["alice"], "policy")
+        assert locked.returncode == 2, locked.stdout + locked.stderr
+        assert "the proxy answers 429 to this address; retry after " in locked.stderr
         assert len(upstream.requests) == 25
     finally:
         upstream.stop()

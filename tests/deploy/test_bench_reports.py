@@ -139,3 +139,40 @@ def test_one_percentile_for_every_bench() -> None:
     assert nearest_rank(list(range(1, 401)), 0.99) == 396
     assert nearest_rank(list(range(1, 11)), 0.5) == 5
     assert nearest_rank([7.0], 0.99) == 7.0
+
+
+def test_the_sustained_rounds_settle_on_the_sinks_backlog_not_a_still_count() -> None:
+    """The count of sent records held still for 0.3 s while the busy worker (it reports once
+    a second) still had older records to send: they counted towards the next round, whose
+    catch-up read short."""
+    import http.server
+    import threading
+
+    reads = {"n": 0}
+
+    class Metrics(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            reads["n"] += 1
+            backlog = 5000 if reads["n"] < 6 else 0  # the worker still sending at first
+            body = (
+                f'olp_stream_sent_total{{kind="trajectory"}} 100.0\n'
+                f"olp_stream_queue_depth {backlog}.0\n"
+            ).encode()
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = http.server.HTTPServer(("127.0.0.1", 0), Metrics)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        url = f"http://127.0.0.1:{server.server_port}"
+        assert bench_proxy.settled_sent_trajectories(url) == 100.0
+        assert reads["n"] >= 6  # it waited for the backlog, not only for a still count
+    finally:
+        server.shutdown()
+        thread.join()

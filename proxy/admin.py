@@ -26,6 +26,7 @@ from proxy.completions import read_json_body
 from proxy.config import is_utf8_text, sha256_hex
 from proxy.context import CONTEXT, ProxyContext
 from proxy.errors import AuthError, ProxyError, bad_request
+from proxy.expect_continue import defer_continue
 from proxy.feedback import finite_float
 from proxy.operator_auth import ACTOR_RULE, header_actor
 from proxy.operator_data import recent_gate_decisions
@@ -690,10 +691,12 @@ def add_admin_routes(app: web.Application) -> None:
     add_operator_routes(app)
     app[ADMIN_LOCK] = asyncio.Lock()
     app.router.add_get("/admin/status", status)
-    app.router.add_post("/admin/aliases", set_alias)
-    app.router.add_post("/admin/rollback", rollback)
-    app.router.add_post("/admin/canary", start_canary)
-    app.router.add_post("/admin/canary/end", end_canary)
-    app.router.add_post("/admin/freeze", freeze)
-    app.router.add_post("/admin/unfreeze", unfreeze)
-    app.router.add_post("/admin/tenants/{name}/training", set_tenant_training)
+    app.router.add_post("/admin/aliases", set_alias, expect_handler=defer_continue)
+    app.router.add_post("/admin/rollback", rollback, expect_handler=defer_continue)
+    app.router.add_post("/admin/canary", start_canary, expect_handler=defer_continue)
+    app.router.add_post("/admin/canary/end", end_canary, expect_handler=defer_continue)
+    app.router.add_post("/admin/freeze", freeze, expect_handler=defer_continue)
+    app.router.add_post("/admin/unfreeze", unfreeze, expect_handler=defer_continue)
+    app.router.add_post(
+        "/admin/tenants/{name}/training", set_tenant_training, expect_handler=defer_continue
+    )

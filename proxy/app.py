@@ -35,6 +35,7 @@ from proxy.completions import (
 from proxy.config import ProxyConfig, TenantConfig
 from proxy.context import CONTEXT, REQUEST_ID, RESPONSE_STARTED, ProxyContext
 from proxy.errors import AuthError, ProxyError, bad_request, error_response
+from proxy.expect_continue import defer_continue, refused_before_continue
 from proxy.feedback import (
     RecentTrajectories,
     build_event,
@@ -154,6 +155,8 @@ def request_middleware(ctx: ProxyContext, session_label: Callable[[str], str]) -
             unbind_request(bound)
         if not response.prepared:
             response.headers["x-request-id"] = request_id
+            if refused_before_continue(request):
+                response.force_close()
         return response
 
     return request_id_and_errors
@@ -552,12 +555,12 @@ def build_app(
     )
     app[CONTEXT] = ctx
     app[SESSION_LABEL] = session_label
-    app.router.add_post("/v1/chat/completions", chat_completions)
-    app.router.add_post("/v1/completions", completions)
+    app.router.add_post("/v1/chat/completions", chat_completions, expect_handler=defer_continue)
+    app.router.add_post("/v1/completions", completions, expect_handler=defer_continue)
     app.router.add_get("/v1/models", list_models)
     # `{model:.+}`: a base model's alias may hold a `/` (an organisation/name id).
     app.router.add_get("/v1/models/{model:.+}", retrieve_model)
-    app.router.add_post("/v1/feedback", feedback)
+    app.router.add_post("/v1/feedback", feedback, expect_handler=defer_continue)
     app.router.add_get("/healthz", healthz)
     app.router.add_get("/readyz", readyz)
     app.router.add_get("/metrics", metrics)

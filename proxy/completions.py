@@ -24,6 +24,7 @@ from proxy.capture import CaptureContext, Redact, TrajectoryCapture, private_lab
 from proxy.config import is_utf8_text
 from proxy.context import CONTEXT, REQUEST_ID, RESPONSE_STARTED, ProxyContext
 from proxy.errors import ProxyError, bad_request, error_body
+from proxy.expect_continue import send_continue
 from proxy.relay import (
     ENDPOINT_PATHS,
     Endpoint,
@@ -256,6 +257,7 @@ async def read_json(
             code="request_too_large",
         )
     codings = content_codings(request)
+    await send_continue(request)  # the checks before the body passed: a waiting client sends it
     try:
         if length is not None and request.content.is_eof():
             raw = await request.read()  # the usual body, whole with its headers: no timer

@@ -29,6 +29,7 @@ from aiohttp import web
 
 from proxy.admin import _authorize, _status_payload, state_dir_of
 from proxy.context import CONTEXT, ProxyContext
+from proxy.expect_continue import defer_continue, send_continue
 from proxy.operator_auth import (
     ACTOR_RULE,
     COOKIE_NAME,
@@ -373,6 +374,7 @@ async def _form(request: web.Request) -> Any:
     timeout_s = request.app[CONTEXT].config.body_timeout_s
     try:
         async with asyncio.timeout(timeout_s):
+            await send_continue(request)
             return await request.post()
     except TimeoutError:
         raise _Refusal(
@@ -479,11 +481,13 @@ async def logout(request: web.Request) -> web.Response:
 def add_operator_routes(app: web.Application) -> None:
     app[OPERATOR] = OperatorState()
     app.router.add_get("/admin/ui", page)
-    app.router.add_post("/admin/ui/link", issue_link)
+    app.router.add_post("/admin/ui/link", issue_link, expect_handler=defer_continue)
     # No HEAD: link checkers and mail scanners probe with it, and a HEAD would spend the
     # one-time link (and take the session cookie).
     app.router.add_get("/admin/ui/login", login_with_link, allow_head=False)
-    app.router.add_post("/admin/ui/login/link", login_with_confirmed_link)
-    app.router.add_post("/admin/ui/login", login_with_key)
-    app.router.add_post("/admin/ui/verify", verify)
-    app.router.add_post("/admin/ui/logout", logout)
+    app.router.add_post(
+        "/admin/ui/login/link", login_with_confirmed_link, expect_handler=defer_continue
+    )
+    app.router.add_post("/admin/ui/login", login_with_key, expect_handler=defer_continue)
+    app.router.add_post("/admin/ui/verify", verify, expect_handler=defer_continue)
+    app.router.add_post("/admin/ui/logout", logout, expect_handler=defer_continue)

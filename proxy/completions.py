@@ -758,6 +758,7 @@ class CompletionRelay:
         # event, then [DONE]); relayed as sent, it made an 'ok' request and record. The
         # last two reads are kept (references, no copies) to look for it at the end.
         before_last = last = b""
+        failure_kind = "upstream_mid_stream"  # what `olp_proxy_errors_total` counts it as
         try:
             async for data in upstream.content.iter_any():
                 if self.ttft_s is None:
@@ -825,6 +826,7 @@ class CompletionRelay:
                 # body as raw bytes, and the client's framing broke (SDK: connection error).
                 log.exception("stream_relay_failed")
                 failed, code = "The proxy failed", "internal_error"
+                failure_kind = "internal_error"
             message = f"{failed} mid-stream (request id {self.request_id})."
             try:
                 await response.write(sse_event(dumps(error_body(message, "api_error", code))))
@@ -835,7 +837,7 @@ class CompletionRelay:
                 # still this stream's outcome (it was counted a 499 client disconnect,
                 # though its 200 had gone out, and the failure was lost).
                 upstream.close()
-                self._finish_stream(outcome, capture)
+                self._finish_stream(outcome, capture, failure_kind)
                 raise
         if outcome == "ok" and ends_with_error_event(before_last, last):
             outcome = "error"
@@ -852,13 +854,18 @@ class CompletionRelay:
         finally:
             # After the stream's end went out: the bookkeeping runs while the client reads
             # it, not before.
-            self._finish_stream(outcome, capture)
+            self._finish_stream(outcome, capture, failure_kind)
         return response
 
-    def _finish_stream(self, outcome: str, capture: TrajectoryCapture | None) -> None:
+    def _finish_stream(
+        self,
+        outcome: str,
+        capture: TrajectoryCapture | None,
+        failure_kind: str = "upstream_mid_stream",
+    ) -> None:
         if outcome != "ok":
             self.ctx.metrics.errors.labels(
-                "client_disconnect" if outcome == "aborted" else "upstream_mid_stream",
+                "client_disconnect" if outcome == "aborted" else failure_kind,
                 self.tenant_label,
             ).inc()
         if capture is not None:

@@ -869,9 +869,16 @@ def test_a_chunk_the_relay_cannot_handle_ends_the_stream_with_an_error_event(mak
     finally:
         upstream.stop()
     harness.drain()
-    [record] = sink.trajectories  # its capture failed to build, and the record was lost
+    [record] = sink.trajectories  # kept, flagged (its build once failed, the record lost)
     assert record["status"] == "error" and record["trainable"] is False
     assert "unparsable_upstream_data" in record["flags"]
+    # The proxy's failure, as its error event says: not the model server's.
+    registry = harness.ctx.metrics.registry
+    errors = {
+        kind: registry.get_sample_value("olp_proxy_errors_total", {"kind": kind, "tenant": "alice"})
+        for kind in ("internal_error", "upstream_mid_stream")
+    }
+    assert errors == {"internal_error": 1.0, "upstream_mid_stream": None}
 
 
 class EndlessStream(ScriptedUpstream):

@@ -154,13 +154,9 @@ class PolicyConfig(BaseModel):
 
     @field_validator("host")
     @classmethod
-    def _no_brackets(cls, host: str) -> str:
-        # `[::1]` (a URL's spelling) was loopback to olp's checks, but vLLM bound the
-        # bracketed text and died at start-up: name resolution fails on it.
-        bare = host[1:-1] if host.startswith("[") and host.endswith("]") else host
-        if not bare:  # `--host ''`: vLLM listened on every interface
-            raise ValueError("an address is needed (127.0.0.1 keeps vLLM on loopback)")
-        return bare
+    def _bind_address(cls, host: str) -> str:
+        # `[::1]` was loopback to olp's checks, but vLLM bound the bracketed text and died.
+        return bind_address(host)
 
     @field_validator("external_urls")
     @classmethod
@@ -588,7 +584,7 @@ def load_raw(path: Path | None, environ: Mapping[str, str] | None = None) -> dic
 # The root model imports every layer's section; kept below the helpers above so that
 # `deploy.policy` can import PolicyConfig without pulling the other layers in first.
 from learner.config import LearnerConfig  # noqa: E402
-from proxy.config import ProxyConfig, TenantConfig  # noqa: E402
+from proxy.config import ProxyConfig, TenantConfig, bind_address  # noqa: E402
 from replay.config import StreamConfig  # noqa: E402
 from safety.config import SafetyConfig, non_empty_secret, refuse_userinfo  # noqa: E402
 

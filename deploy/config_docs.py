@@ -69,9 +69,12 @@ NOTES: dict[str, list[str]] = {
         "checks).",
         "`max_lora_rank` must be one of the ranks vLLM takes (1, 8, 16, 32, 64, 128, 256, "
         "320, 512).",
-        "`host` may be a bracketed IPv6 address (`[::1]`); vLLM gets it without brackets.",
+        "`host` may be a bracketed IPv6 address (`[::1]`); vLLM gets it without brackets. "
+        "It must not be empty or hold a space.",
     ],
     "ProxyConfig": [
+        "`host` may be a bracketed IPv6 address (`[::1]`), bound without its brackets; it "
+        "must not be empty or hold a space.",
         "`admin_key` (plaintext) may be given instead of `admin_key_sha256`: it is hashed "
         "while the config is validated and never kept, e.g. `OLP_PROXY__ADMIN_KEY`, which "
         "replaces a digest the file sets. Within one file both may not name different keys. "

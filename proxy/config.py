@@ -192,6 +192,18 @@ class AuthFailureLimits(BaseModel):
     )
 
 
+def bind_address(host: str) -> str:
+    """A listening address as the socket layer resolves it: `[::1]` (a URL's spelling) without
+    its brackets; none empty (vLLM listened on every interface) and none with spaces
+    (`getaddrinfo` fails on them, and the process died at start-up)."""
+    bare = host[1:-1] if host.startswith("[") and host.endswith("]") else host
+    if not bare.strip():
+        raise ValueError("an address is needed (127.0.0.1 keeps it on loopback)")
+    if any(char.isspace() for char in bare):
+        raise ValueError("an address holds no spaces")
+    return bare
+
+
 class ProxyConfig(BaseModel):
     """The `proxy` config section. Every field has a default so the embedded stack runs as is."""
 
@@ -370,6 +382,11 @@ class ProxyConfig(BaseModel):
                 "alias always serves the base model; give the policy another name"
             )
         return self
+
+    @field_validator("host")
+    @classmethod
+    def _bind_address(cls, host: str) -> str:
+        return bind_address(host)
 
     @field_validator("allowed_hosts")
     @classmethod

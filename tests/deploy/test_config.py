@@ -539,6 +539,20 @@ def test_a_bracketed_ipv6_policy_host_is_bound_without_its_brackets(tmp_path: Pa
         load_config(empty, environ={})
 
 
+@pytest.mark.parametrize("section", ["policy", "proxy"])
+@pytest.mark.parametrize("host", [" ", "127.0.0.1 ", "[ ]"])
+def test_a_bind_address_with_spaces_is_refused(tmp_path: Path, section: str, host: str) -> None:
+    """Accepted, then `getaddrinfo` failed on it and the process died at start-up."""
+    path = write(tmp_path, f"{section}:\n  host: '{host}'\ntenants: []\n")
+    with pytest.raises(ConfigError, match=rf"{section}\.host: .*(address is needed|no spaces)"):
+        load_config(path, environ={})
+
+
+def test_a_bracketed_ipv6_proxy_host_is_bound_without_its_brackets(tmp_path: Path) -> None:
+    path = write(tmp_path, "proxy:\n  host: '[::1]'\ntenants: []\n")
+    assert load_config(path, environ={}).proxy.host == "::1"
+
+
 def test_a_variable_below_a_key_a_yaml_mapping_variable_set_to_a_scalar() -> None:
     """A KeyError traceback: the scalar came from the mapping of another variable."""
     environ = {"OLP_SAFETY__GATES": "{kl: 0.5}", "OLP_SAFETY__GATES__KL__CAP": "0.3"}

@@ -65,17 +65,31 @@ def _state_dir_refused(state_dir: Path) -> bool:
 # Not ENOSPC or EIO: a disk that filled hours into a run is restarted (exit 1), and `olp up`
 # stopped the whole stack on it.
 _UNUSABLE_PATH_ERRNOS = frozenset(
-    {errno.EACCES, errno.EPERM, errno.ENOTDIR, errno.EISDIR, errno.EROFS, errno.EEXIST}
+    {
+        errno.EACCES,
+        errno.EPERM,
+        errno.ENOTDIR,
+        errno.EISDIR,
+        errno.EROFS,
+        errno.EEXIST,
+        errno.ELOOP,  # a symbolic link that leads back to itself
+        errno.ENAMETOOLONG,
+    }
 )
 
 
 def _unusable_in_state_dir(exc: OSError, state_dir: Path) -> bool:
     """Whether `exc` says a path below the state dir cannot be used (its owner, its type, a
-    read-only mount)."""
+    read-only mount, a loop of links)."""
     if not exc.filename or exc.errno not in _UNUSABLE_PATH_ERRNOS:
         return False
+    path = Path(os.fsdecode(exc.filename))
     try:
-        Path(os.fsdecode(exc.filename)).resolve().relative_to(state_dir.resolve())
+        path.resolve().relative_to(state_dir.resolve())
+    except (RuntimeError, OSError):
+        # The loop itself (Python 3.11 raises RuntimeError resolving it), or a name too
+        # long to resolve: compared as written.
+        return path.absolute().is_relative_to(state_dir.absolute())
     except (ValueError, TypeError):
         return False
     return True

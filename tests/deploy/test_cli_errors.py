@@ -861,3 +861,21 @@ def test_a_full_disk_below_the_state_dir_is_not_an_unusable_state_dir(tmp_path: 
     assert not _unusable_in_state_dir(full, tmp_path)
     assert _unusable_in_state_dir(taken, tmp_path)
     assert not _unusable_in_state_dir(OSError(errno.EEXIST, "File exists", "/elsewhere"), tmp_path)
+
+
+def test_a_loop_of_links_below_the_state_dir_is_an_unusable_state_dir(tmp_path: Path) -> None:
+    """It was an exit 1, which `olp up` restarts without end; resolving the looped path to
+    tell raised RuntimeError."""
+    import errno
+
+    from deploy.cli import _unusable_in_state_dir
+
+    (tmp_path / "a").symlink_to(tmp_path / "b")
+    (tmp_path / "b").symlink_to(tmp_path / "a")
+    with pytest.raises(OSError) as raised:
+        (tmp_path / "a" / "learner").mkdir()
+    assert raised.value.errno == errno.ELOOP
+    assert _unusable_in_state_dir(raised.value, tmp_path)
+    assert not _unusable_in_state_dir(raised.value, tmp_path / "elsewhere")
+    long_name = OSError(errno.ENAMETOOLONG, "File name too long", str(tmp_path / ("x" * 300)))
+    assert _unusable_in_state_dir(long_name, tmp_path)

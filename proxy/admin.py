@@ -10,10 +10,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import copy
+import dataclasses
+import functools
 import hmac
 import re
 import time
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path, PurePath
 from typing import Any
 
@@ -31,7 +33,7 @@ from proxy.feedback import finite_float
 from proxy.operator_auth import ACTOR_RULE, header_actor
 from proxy.operator_data import recent_gate_decisions
 from proxy.routing import Replica
-from proxy.serving_state import alias_lineage, save_state
+from proxy.serving_state import ServingState, alias_lineage, save_state
 from safety.audit import AuditError, AuditRecordWritten
 
 log = structlog.get_logger(__name__)
@@ -42,6 +44,7 @@ STATUS_GATES = 5  # gate decisions in `/admin/status`: the recent ones, not the 
 # Changes run one at a time: a flip awaits every replica's /v1/models, and a freeze (or
 # another change) that lands meanwhile must not be overtaken by it.
 ADMIN_LOCK = web.AppKey("olp_admin_lock", asyncio.Lock)
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
 def _known_alias(ctx: ProxyContext, body: dict[str, Any]) -> str:
@@ -184,44 +187,83 @@ def _status_payload(ctx: ProxyContext) -> dict[str, Any]:
     }
 
 
-@contextlib.contextmanager
-def _all_or_nothing(ctx: ProxyContext) -> Iterator[None]:
-    """A change serves only once it is persisted and audited. The handlers change the live
-    tables first; when saving the state or appending to the audit log then fails, the
-    routing, the serving state and the tenant switches go back to what they were (and the
-    state file too), so the caller's error is the whole truth: before, a failed save
-    answered 500 with the flip already serving, unaudited, until a restart undid it."""
-    tables = ctx.aliases.saved()
-    state = copy.deepcopy(ctx.state)
-    overrides = {name: t.training_override for name, t in ctx.tenants.tenants.items()}
-    try:
-        yield
-    except BaseException:
-        ctx.aliases.restore(tables)
-        vars(ctx.state).update(vars(state))
-        for name, override in overrides.items():
+@dataclasses.dataclass(frozen=True)
+class _Serving:
+    """What an admin change alters: the routing tables, the serving state and the tenants'
+    training switches, as one snapshot to serve again."""
+
+    tables: object
+    state: ServingState
+    overrides: dict[str, bool | None]
+
+    @classmethod
+    def of(cls, ctx: ProxyContext) -> _Serving:
+        overrides = {name: t.training_override for name, t in ctx.tenants.tenants.items()}
+        return cls(ctx.aliases.saved(), copy.deepcopy(ctx.state), overrides)
+
+    def serve(self, ctx: ProxyContext) -> None:
+        ctx.aliases.restore(self.tables)
+        vars(ctx.state).update(vars(copy.deepcopy(self.state)))
+        for name, override in self.overrides.items():
             ctx.tenants.tenants[name].training_override = override
+
+
+class _Change:
+    """One admin change: made on the live tables by its handler, served only once persisted
+    and audited (`commit`)."""
+
+    def __init__(self, ctx: ProxyContext) -> None:
+        self.ctx = ctx
+        self.before = _Serving.of(ctx)
+
+    async def commit(self, actor: str, event: str, payload: dict[str, Any]) -> None:
+        """Persist the state, then audit the change (the audit log is the record of truth),
+        in a worker thread: the append waits on the log's file lock and fsyncs, and on the
+        event loop all traffic waited with it (behind `olp audit verify`, a backup). The
+        proxy serves as before the change until both are done, then serves the change:
+        nothing is served under a change the log does not hold."""
+        ctx = self.ctx
+        ctx.state.aliases = dict(ctx.aliases.snapshot())
+        ctx.state.canaries = {k: v.to_json() for k, v in ctx.aliases.canaries().items()}
+        if ctx.state.compact_history(ctx.config.base_served_name):
+            log.info("serving_history_compacted", kept=len(ctx.state.history) - 1)
+        after = _Serving.of(ctx)
+        self.before.serve(ctx)
+        await asyncio.to_thread(_record, ctx, after.state, actor, event, payload)
+        after.serve(ctx)
+        ctx.metrics.forget_versions(_versions_in_use(ctx))
+
+
+@contextlib.asynccontextmanager
+async def _all_or_nothing(ctx: ProxyContext) -> AsyncIterator[_Change]:
+    """A change serves only once it is persisted and audited. The handlers change the live
+    tables, then `commit`; when saving the state or appending to the audit log fails, the
+    routing, the serving state and the tenant switches stay what they were (and the state
+    file too), so the caller's error is the whole truth: before, a failed save answered 500
+    with the flip already serving, unaudited, until a restart undid it."""
+    change = _Change(ctx)
+    try:
+        yield change
+    except BaseException:
+        change.before.serve(ctx)
         try:
-            save_state(ctx.state_path, ctx.state)
+            await asyncio.to_thread(save_state, ctx.state_path, ctx.state)
         except OSError:
             log.exception("serving_state_restore_failed")
         raise
 
 
-def _commit(ctx: ProxyContext, actor: str, event: str, payload: dict[str, Any]) -> None:
-    """Persist the state, then audit the change (the audit log is the record of truth).
-    Call it inside `_all_or_nothing` with the change it records.
+def _record(
+    ctx: ProxyContext, state: ServingState, actor: str, event: str, payload: dict[str, Any]
+) -> None:
+    """Runs in a worker thread (`_Change.commit`).
 
     An append that fails after its record's line is in the log (the head file could not
     follow) does not undo the change: the log says it happened, the state file holds it,
     so it stands. Undoing it left a record of a change that never served, and `verify`
     passed."""
-    ctx.state.aliases = dict(ctx.aliases.snapshot())
-    ctx.state.canaries = {k: v.to_json() for k, v in ctx.aliases.canaries().items()}
-    if ctx.state.compact_history(ctx.config.base_served_name):
-        log.info("serving_history_compacted", kept=len(ctx.state.history) - 1)
     try:
-        save_state(ctx.state_path, ctx.state)
+        save_state(ctx.state_path, state)
     except OSError as exc:
         log.error("admin_change_not_saved", audit_event=event, error=str(exc))
         raise _not_applied(
@@ -242,7 +284,31 @@ def _commit(ctx: ProxyContext, actor: str, event: str, payload: dict[str, Any]) 
         raise _not_applied(
             f"the audit log cannot record it ({exc}){hint}", "audit_unavailable"
         ) from exc
-    ctx.metrics.forget_versions(_versions_in_use(ctx))
+
+
+def _to_the_end(handler: Handler) -> Handler:
+    """An admin change runs to its end when its client leaves (aiohttp cancels a handler
+    whose client went away): cancelled while its record was being written, the change was
+    undone on the live tables while the record could still land in the log. The response
+    of a change whose client left is dropped."""
+
+    @functools.wraps(handler)
+    async def run(request: web.Request) -> web.StreamResponse:
+        change = asyncio.ensure_future(handler(request))
+        try:
+            return await asyncio.shield(change)
+        except asyncio.CancelledError:
+            change.add_done_callback(_log_unanswered)
+            raise
+
+    return run
+
+
+def _log_unanswered(change: asyncio.Future[web.StreamResponse]) -> None:
+    if change.cancelled():
+        return
+    if (error := change.exception()) is not None:
+        log.warning("admin_change_failed_after_client_left", error=str(error))
 
 
 def _not_applied(why: str, code: str) -> ProxyError:
@@ -375,13 +441,13 @@ async def _point_alias(
     audited."""
     unconfirmed = await _check_served(ctx, target, rollback=kind == "rollback")
     ended = _ended_canary(ctx, alias)
-    with _all_or_nothing(ctx):
+    async with _all_or_nothing(ctx) as change:
         previous = ctx.aliases.set(alias, target)
         ctx.state.record(kind, actor, alias=alias, target=target, previous=previous)
         payload: dict[str, Any] = {"alias": alias, "target": target, "previous": previous}
         if unconfirmed:
             payload["unconfirmed_replicas"] = unconfirmed
-        _commit(ctx, actor, event, payload | ({"ended_canary": ended} if ended else {}))
+        await change.commit(actor, event, payload | ({"ended_canary": ended} if ended else {}))
     return web.json_response(
         payload | {"serving_version": ctx.aliases.resolve(ctx.config.policy_alias)}
     )
@@ -481,7 +547,7 @@ async def rollback(request: web.Request) -> web.Response:
         ):
             # Back to the stable version while a canary runs is ending the canary: a 409
             # "already serves" left the canary's share on the version being rolled back.
-            return _end_canary(ctx, actor, alias, "rollback", "operator rollback")
+            return await _end_canary(ctx, actor, alias, "rollback", "operator rollback")
         if target is None:
             target = _rollback_target(ctx, alias)
         else:
@@ -528,13 +594,12 @@ async def start_canary(request: web.Request) -> web.Response:
                 code="canary_running",
             )
         await _check_served(ctx, target)
-        with _all_or_nothing(ctx):
+        async with _all_or_nothing(ctx) as change:
             ctx.aliases.start_canary(alias, Canary(target, share, time.time()))
             ctx.state.record(
                 "canary_start", actor, alias=alias, target=target, share=share, stable=stable
             )
-            _commit(
-                ctx,
+            await change.commit(
                 actor,
                 "canary_started",
                 {"alias": alias, "target": target, "share": share, "stable": stable},
@@ -544,21 +609,21 @@ async def start_canary(request: web.Request) -> web.Response:
         )
 
 
-def _end_canary(
+async def _end_canary(
     ctx: ProxyContext, actor: str, alias: str, decision: str, reason: str
 ) -> web.Response:
     canary = ctx.aliases.canaries()[alias]
     stable = ctx.aliases.resolve(alias)
     payload = {"alias": alias, "target": canary.target, "stable": stable, "reason": reason}
-    with _all_or_nothing(ctx):
+    async with _all_or_nothing(ctx) as change:
         if decision == "promote":
             ctx.aliases.set(alias, canary.target)
             ctx.state.record("flip", actor, alias=alias, target=canary.target, previous=stable)
-            _commit(ctx, actor, "canary_promoted", payload)
+            await change.commit(actor, "canary_promoted", payload)
         else:
             ctx.aliases.end_canary(alias)
             ctx.state.record("canary_rollback", actor, alias=alias, target=canary.target)
-            _commit(ctx, actor, "canary_rolled_back", payload)
+            await change.commit(actor, "canary_rolled_back", payload)
     return web.json_response(
         {
             "alias": alias,
@@ -605,7 +670,7 @@ async def end_canary(request: web.Request) -> web.Response:
                     code="frozen",
                 )
             await _check_served(ctx, ctx.aliases.canaries()[alias].target)
-        return _end_canary(ctx, actor, alias, decision, reason)
+        return await _end_canary(ctx, actor, alias, decision, reason)
 
 
 async def freeze(request: web.Request) -> web.Response:
@@ -624,14 +689,13 @@ async def freeze(request: web.Request) -> web.Response:
         learning = learning or (ctx.state.frozen and ctx.state.learning_frozen)
         # Freezing stops every change to what serves, so running canaries go back to stable.
         ended = {alias: c.to_json() for alias, c in ctx.aliases.canaries().items()}
-        with _all_or_nothing(ctx):
+        async with _all_or_nothing(ctx) as change:
             for alias in ended:
                 ctx.aliases.end_canary(alias)
             ctx.state.frozen = True
             ctx.state.learning_frozen = learning
             ctx.state.record("freeze", actor, learning=learning)
-            _commit(
-                ctx,
+            await change.commit(
                 actor,
                 "freeze",
                 {"learning": learning} | ({"ended_canaries": ended} if ended else {}),
@@ -643,11 +707,11 @@ async def unfreeze(request: web.Request) -> web.Response:
     actor = _authorize(request)
     ctx = request.app[CONTEXT]
     async with request.app[ADMIN_LOCK]:
-        with _all_or_nothing(ctx):
+        async with _all_or_nothing(ctx) as change:
             ctx.state.frozen = False
             ctx.state.learning_frozen = False
             ctx.state.record("unfreeze", actor)
-            _commit(ctx, actor, "unfreeze", {})
+            await change.commit(actor, "unfreeze", {})
         return web.json_response({"frozen": False, "learning_frozen": False})
 
 
@@ -667,18 +731,17 @@ async def set_tenant_training(request: web.Request) -> web.Response:
             "'enabled' must be true, false or null (null: follow the config again).",
             param="enabled",
         )
-    async with request.app[ADMIN_LOCK]:
-        with _all_or_nothing(ctx):
-            tenant.training_override = enabled
-            if enabled is None:
-                ctx.state.tenant_training.pop(name, None)
-            else:
-                ctx.state.tenant_training[name] = {
-                    "enabled": enabled,
-                    "config_enabled": tenant.config.training_enabled,
-                }
-            ctx.state.record("tenant_training", actor, tenant=name, enabled=enabled)
-            _commit(ctx, actor, "tenant_training", {"tenant": name, "enabled": enabled})
+    async with request.app[ADMIN_LOCK], _all_or_nothing(ctx) as change:
+        tenant.training_override = enabled
+        if enabled is None:
+            ctx.state.tenant_training.pop(name, None)
+        else:
+            ctx.state.tenant_training[name] = {
+                "enabled": enabled,
+                "config_enabled": tenant.config.training_enabled,
+            }
+        ctx.state.record("tenant_training", actor, tenant=name, enabled=enabled)
+        await change.commit(actor, "tenant_training", {"tenant": name, "enabled": enabled})
     return web.json_response(
         {"tenant": name, "training_enabled": tenant.training_enabled, "switch": enabled}
     )
@@ -691,12 +754,14 @@ def add_admin_routes(app: web.Application) -> None:
     add_operator_routes(app)
     app[ADMIN_LOCK] = asyncio.Lock()
     app.router.add_get("/admin/status", status)
-    app.router.add_post("/admin/aliases", set_alias, expect_handler=defer_continue)
-    app.router.add_post("/admin/rollback", rollback, expect_handler=defer_continue)
-    app.router.add_post("/admin/canary", start_canary, expect_handler=defer_continue)
-    app.router.add_post("/admin/canary/end", end_canary, expect_handler=defer_continue)
-    app.router.add_post("/admin/freeze", freeze, expect_handler=defer_continue)
-    app.router.add_post("/admin/unfreeze", unfreeze, expect_handler=defer_continue)
+    app.router.add_post("/admin/aliases", _to_the_end(set_alias), expect_handler=defer_continue)
+    app.router.add_post("/admin/rollback", _to_the_end(rollback), expect_handler=defer_continue)
+    app.router.add_post("/admin/canary", _to_the_end(start_canary), expect_handler=defer_continue)
+    app.router.add_post("/admin/canary/end", _to_the_end(end_canary), expect_handler=defer_continue)
+    app.router.add_post("/admin/freeze", _to_the_end(freeze), expect_handler=defer_continue)
+    app.router.add_post("/admin/unfreeze", _to_the_end(unfreeze), expect_handler=defer_continue)
     app.router.add_post(
-        "/admin/tenants/{name}/training", set_tenant_training, expect_handler=defer_continue
+        "/admin/tenants/{name}/training",
+        _to_the_end(set_tenant_training),
+        expect_handler=defer_continue,
     )

@@ -8,7 +8,9 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import fcntl
 import json
+import os
 import re
 import socket
 import time
@@ -546,6 +548,77 @@ def test_a_change_whose_audit_record_is_written_stands(make_proxy, fake, path, b
     assert [r["event"] for r in iter_records(ctx.audit.path)] == events
     result = verify(ctx.audit.path)
     assert (result.ok, result.records, result.reason) == (True, 3, "")
+
+
+@contextlib.contextmanager
+def _audit_log_locked(ctx: Any) -> Iterator[None]:
+    """Hold the audit log's file lock as another process would (`olp audit verify` reading a
+    long log, the backup recipe, the learner appending)."""
+    from safety.audit import lock_path
+
+    fd = os.open(lock_path(ctx.audit.path), os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        os.close(fd)
+
+
+def _saved_frozen(ctx: Any) -> bool:
+    return ctx.state_path.exists() and json.loads(ctx.state_path.read_bytes())["frozen"]
+
+
+def test_an_admin_change_waiting_on_the_audit_log_blocks_no_traffic(make_proxy, fake):
+    """The audit append (its file lock, its fsync) ran on the event loop: while another
+    process held the log's lock, every request to the proxy waited. The change serves only
+    once its record is written."""
+    from safety.audit import iter_records
+
+    harness, _ = make_proxy([fake.url])
+    ctx = harness.ctx
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        with _audit_log_locked(ctx):
+            freezing = pool.submit(_admin, harness.base_url, "/admin/freeze")
+            wait_for(lambda: _saved_frozen(ctx))  # saved: its append waits on the lock now
+            assert httpx.get(harness.base_url + "/healthz", timeout=5).status_code == 200
+            served = _post(harness.base_url, KEYS["alice"], "/v1/chat/completions", json=CHAT)
+            assert served.status_code == 200, served.text
+            status = httpx.get(
+                harness.base_url + "/admin/status",
+                headers={"Authorization": f"Bearer {ADMIN_KEY}"},
+                timeout=5,
+            ).json()
+            assert status["frozen"] is False  # not yet recorded: not yet serving
+            assert not freezing.done()
+        assert freezing.result(timeout=30).status_code == 200
+    assert ctx.state.frozen
+    assert [r["event"] for r in iter_records(ctx.audit.path)] == ["freeze"]
+
+
+def test_an_admin_change_whose_client_left_while_it_was_recorded_is_served(make_proxy, fake):
+    """aiohttp cancels the handler of a client that went away: cancelled while its record
+    was being written, the change would be undone on the live tables with its record landing
+    in the log. It runs to its end instead."""
+    from safety.audit import iter_records, verify
+
+    harness, _ = make_proxy([fake.url])
+    ctx = harness.ctx
+    with _audit_log_locked(ctx):
+        client = socket.create_connection(("127.0.0.1", harness.port), timeout=10)
+        client.sendall(
+            (
+                "POST /admin/freeze HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+                f"Authorization: Bearer {ADMIN_KEY}\r\nContent-Length: 0\r\n\r\n"
+            ).encode()
+        )
+        wait_for(lambda: _saved_frozen(ctx))
+        client.close()
+        time.sleep(0.2)  # the proxy sees the connection go and cancels the handler
+    wait_for(lambda: ctx.state.frozen)
+    assert _saved_frozen(ctx)
+    assert [r["event"] for r in iter_records(ctx.audit.path)] == ["freeze"]
+    assert verify(ctx.audit.path).ok
 
 
 @pytest.mark.parametrize(

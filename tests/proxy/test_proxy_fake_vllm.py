@@ -596,6 +596,31 @@ def test_an_admin_change_waiting_on_the_audit_log_blocks_no_traffic(make_proxy, 
     assert [r["event"] for r in iter_records(ctx.audit.path)] == ["freeze"]
 
 
+def _waits_on_the_audit_lock(ctx: Any) -> bool:
+    """Whether a lock request on the audit log's lock file is blocked (Linux: /proc/locks
+    lists a waiter with `->`, its file by inode)."""
+    from safety.audit import lock_path
+
+    inode = f":{os.stat(lock_path(ctx.audit.path)).st_ino} "
+    return any("->" in line and inode in line for line in open("/proc/locks"))
+
+
+def test_an_operator_sign_in_waiting_on_the_audit_log_blocks_no_traffic(make_proxy, fake):
+    """The sign-in's audit record was appended on the event loop, as admin changes were."""
+    harness, _ = make_proxy([fake.url])
+    form = {"key": ADMIN_KEY, "actor": "form-op"}
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        with _audit_log_locked(harness.ctx):
+            signing_in = pool.submit(
+                httpx.post, harness.base_url + "/admin/ui/login", data=form, timeout=30
+            )
+            wait_for(lambda: _waits_on_the_audit_lock(harness.ctx))
+            assert httpx.get(harness.base_url + "/healthz", timeout=5).status_code == 200
+            assert not signing_in.done()
+        signed_in = signing_in.result(timeout=30)
+    assert signed_in.status_code == 303 and "set-cookie" in signed_in.headers
+
+
 def test_an_admin_change_whose_client_left_while_it_was_recorded_is_served(make_proxy, fake):
     """aiohttp cancels the handler of a client that went away: cancelled while its record
     was being written, the change would be undone on the live tables with its record landing

@@ -105,7 +105,7 @@ _DIGIT_RUN = rf"\d[\d{_GAP}.()+{_DASHES}]{{6,}}\d"
 # where a newline is the two characters `\n` and `é` may be `\u00e9`. `\b` before a token
 # fails there (`n` and `9` are word characters), so `\nAKIA...` at the start of a line went
 # out as it was. After a character, `_NOT_ESCAPED` says it does not end such an escape.
-_NOT_ESCAPED = r"(?<!\\[nrt])(?<!\\u[0-9A-Fa-f]{4})"
+_NOT_ESCAPED = r"(?<!\\[nrt])(?<!\\u[0-9A-Fa-f]{4})(?<!%[0-9A-Fa-f]{2})"
 # Word characters for the boundaries are ASCII: with Python's Unicode `\w`/`\b`, a key, an
 # address or a card number written right after Chinese or Japanese text (no space between,
 # as is usual there: `密钥是sk-...`, `邮箱bob@example.com`) had no boundary and went out as
@@ -839,10 +839,13 @@ _BUILTIN_PASSES: tuple[RedactionPass, ...] = (
     RedactionPass(
         "credit_card",
         # Not touching a letter or digit on either side, nor a dash-joined one: a digit
-        # run inside a hex hash or a UUID is not a card number.
+        # run inside a hex hash or a UUID is not a card number. Nor starting inside a
+        # percent escape: `%204111...` (a URL's space) read as the run `204111...`, which
+        # failed Luhn, and the card number after it went out as it was.
         _token(
             r"\d",
-            rf"(?<!{_WD}-\d)(?:[{_GAP}{_DASHES}]?\d){{12,18}}(?!{_WD}|\.\d|-{_WD})",
+            rf"(?<!%\d)(?<!%[0-9A-Fa-f]\d)(?<!{_WD}-\d)"
+            rf"(?:[{_GAP}{_DASHES}]?\d){{12,18}}(?!{_WD}|\.\d|-{_WD})",
             before=r"[A-Za-z_\d.]",
         ),
         card_number_ok,

@@ -698,6 +698,22 @@ def test_a_secret_in_json_text_held_in_a_string_is_redacted_and_the_json_stays_v
     assert secret not in redactor.redact_text(escaped_unicode)[0]
 
 
+# The secrets found by themselves, not only with their name before them.
+_FOUND_ALONE = [
+    secret for _, _, secret in CASES if secret not in Redactor().redact_text(f"see {secret} .")[0]
+]
+
+
+@pytest.mark.parametrize("secret", _FOUND_ALONE)
+@pytest.mark.parametrize("escape", ["%20", "%22", "%3D", "%3a"])
+def test_a_secret_right_after_a_percent_escape_is_redacted(secret: str, escape: str) -> None:
+    """In a URL a user pastes or a tool returns (`cmd=export%20OPENAI_API_KEY%3Dsk-...`) the
+    escape ends in a letter or digit, which read as the token's neighbour: every key, token
+    and card number after one went out as it was."""
+    assert len(_FOUND_ALONE) >= 8
+    assert secret not in Redactor().redact_text(f"q=see{escape}{secret}{escape}here")[0]
+
+
 @dataclasses.dataclass
 class _Note:
     text: str

@@ -291,7 +291,12 @@ class ProxyConfig(BaseModel):
         "cancelled; it held its concurrency slot and a generation on the model server until "
         "it closed the connection",
     )
-    max_upstream_connections: int = Field(default=256, ge=1)
+    max_upstream_connections: int = Field(
+        default=256,
+        ge=1,
+        description="connections open to each replica at once (a request waits for one); "
+        "per replica, so that one that stopped answering holds only its own",
+    )
     upstream_keepalive_s: float = Field(
         default=4.0,
         gt=0,

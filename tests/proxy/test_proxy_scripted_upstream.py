@@ -751,7 +751,7 @@ def test_a_client_leaving_right_after_done_keeps_a_whole_trajectory(make_proxy):
     upstream = ScriptedUpstream(linger_s=3.0).start()
     try:
         harness, sink = make_proxy([upstream.url])
-        body = {"model": "policy", "messages": [{"role": "user", "content": "x"}]}
+        body = {"model": "policy", "messages": [{"role": "user", "content": "x"}], "stream": True}
         with httpx.stream(
             "POST",
             harness.base_url + "/v1/chat/completions",
@@ -1352,3 +1352,57 @@ def test_a_model_listing_without_data_is_not_an_empty_one(make_proxy, listing):
         replica.stop()
     assert ready.status_code == 503, ready.text
     assert ready.json()["replicas"] == {"replica-0": "ValueError"}
+
+
+class SilentUpstream(ScriptedUpstream):
+    """A replica that takes requests and answers none until `release` (a deadlocked engine)."""
+
+    def __init__(self) -> None:
+        self.released = asyncio.Event()
+        super().__init__()
+
+    def release(self) -> None:
+        self.loop.call_soon_threadsafe(self.released.set)
+
+    async def _chat(self, request: web.Request) -> web.StreamResponse:
+        self.requests.append(await request.json())
+        await self.released.wait()
+        raise web.HTTPServiceUnavailable()
+
+
+def test_a_replica_that_never_answers_holds_only_its_own_connections(make_proxy):
+    """One connection limit for all replicas: the silent one's requests held every
+    connection until their read timeout, and the healthy replica's requests waited for
+    one that long."""
+    silent, healthy = SilentUpstream().start(), ScriptedUpstream().start()
+    try:
+        harness, _ = make_proxy(
+            [silent.url, healthy.url], max_upstream_connections=2, read_timeout_s=120
+        )
+        pool = harness.ctx.pool
+        sessions = {url: [] for url in (silent.url, healthy.url)}
+        for n in range(200):
+            sessions[pool.order(f"s-{n}")[0].url].append(f"s-{n}")
+        body = {"model": "policy", "messages": [{"role": "user", "content": "x"}], "stream": True}
+
+        def post(session_id: str, timeout_s: float) -> httpx.Response:
+            headers = {"Authorization": f"Bearer {KEYS['bob']}", "X-Session-Id": session_id}
+            return httpx.post(
+                harness.base_url + "/v1/chat/completions",
+                json=body,
+                headers=headers,
+                timeout=timeout_s,
+            )
+
+        with concurrent.futures.ThreadPoolExecutor(6) as threads:
+            stuck = [threads.submit(post, s, 150) for s in sessions[silent.url][:2]]
+            wait_for(lambda: len(silent.requests) == 2)
+            served = [threads.submit(post, s, 20) for s in sessions[healthy.url][:4]]
+            assert [f.result().status_code for f in served] == [200] * 4, served[0].result().text
+            assert not any(f.done() for f in stuck)
+            silent.release()
+            assert all(f.result().status_code for f in stuck)
+    finally:
+        silent.release()
+        silent.stop()
+        healthy.stop()

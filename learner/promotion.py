@@ -984,8 +984,10 @@ class Promoter:
             return None
         serving = self._alias_target(status)
         if serving == name:
-            # stage canary_rollback: the learner rolled back, so an operator promoted it.
-            event = "canary_promoted_by_operator" if stage == "canary_rollback" else "promotion"
+            # stage canary_rollback / canary_end: the learner rolled back, so an operator
+            # promoted it.
+            by_operator = stage in ("canary_rollback", "canary_end")
+            event = "canary_promoted_by_operator" if by_operator else "promotion"
             self._audit_made(
                 event,
                 {"version": name, "previous": incumbent, "via": stage, "resolved_late": True},
@@ -1005,6 +1007,8 @@ class Promoter:
                 {"version": name, "serving": serving, "stage": stage},
             )
             return None
+        if stage == "canary_end":
+            return self._end_refused_canary(name, incumbent, status, check)
         reason = f"re-checked after {stage}: the alias serves {serving}, not {name}"
         payload: dict[str, Any] = {"version": name, "stage": stage, "error": reason}
         if stage in ("canary_promote", "canary_rollback"):
@@ -1015,6 +1019,52 @@ class Promoter:
         self.audit.append(ACTOR, "promotion_failed", payload)
         log.warning("promotion_resolved", version=name, promoted=False, serving=serving)
         return PromotionOutcome(name, "failed", incumbent, reason=reason)
+
+    def _end_refused_canary(
+        self, name: str, incumbent: str, status: dict[str, Any], check: int
+    ) -> PromotionOutcome | None:
+        """Try again to end the canary of `name` the proxy refused to end (`canary_end`), while
+        it still runs; its rollback was audited when first refused. Given up (audited) after
+        UNRESOLVED_CHECKS tries: the candidate stays loaded for the canary still serving it."""
+        if self._canary_target(status) != name:  # ended meanwhile (an operator)
+            kept = self._unload_unless_kept(name, status, our_canary_counts=False)
+            log.info("refused_canary_ended_meanwhile", version=name, kept=kept)
+            return None
+        try:
+            self.proxy.end_canary(
+                self.config.alias, "rollback", "retried after the proxy refused it", target=name
+            )
+        except Exception as exc:
+            log.warning("canary_end_refused_again", version=name, check=check, error=repr(exc))
+            if check < UNRESOLVED_CHECKS and not self._closing.is_set():
+                self._schedule(
+                    self._recheck_interval(),
+                    self._resolve,
+                    name,
+                    incumbent,
+                    "canary_end",
+                    check + 1,
+                )
+                return None
+            self._audit_unresolved(
+                name,
+                incumbent,
+                "canary_end",
+                f"gave up ending its canary; left loaded, still serving its share "
+                f"{_OPERATOR_DECIDES}",
+                checks=check,
+                error=str(exc),
+            )
+            return None
+        kept = self._unload_unless_kept(name, None, our_canary_counts=True)
+        self.audit.append(
+            ACTOR,
+            "canary_ended_late",
+            {"version": name, "stable": incumbent, "checks": check}
+            | ({"unload": f"skipped, {kept}"} if kept is not None else {}),
+        )
+        log.info("canary_ended_late", version=name, checks=check)
+        return None
 
     def _flip_deferred(
         self, name: str, incumbent: str, exc: Exception, stage: str
@@ -1306,6 +1356,19 @@ class Promoter:
                         "canary_rollback",
                         1,
                     )
+                return failed
+            if self._canary_target(status) == name:
+                # The proxy refused the end (a full disk under its audit log) and the canary
+                # still routes a share of traffic to the candidate: unloaded, that share got
+                # 404s, the reloader loaded it back, and it served on unjudged while every
+                # later candidate's canary was refused. It stays loaded, and the end is
+                # tried again (`_resolve`) until the proxy takes it.
+                why = "the proxy refused to end its canary, which still routes to it"
+                failed.append(f"unload: skipped, {why}; left loaded, the end retried")
+                log.warning("canary_candidate_left_loaded", version=name, reason=why)
+                self._schedule(
+                    self._recheck_interval(), self._resolve, name, incumbent, "canary_end", 1
+                )
                 return failed
         try:
             kept = self._unload_unless_kept(name, status, our_canary_counts=ended)

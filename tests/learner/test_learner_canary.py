@@ -344,12 +344,19 @@ class FakeProxy:
 def run_canary(
     tmp_path: Path, proxy: FakeProxy, **canary: object
 ) -> tuple[PromotionOutcome, FakeAudit, FakeReplicas]:
+    promoter, path, audit, replicas = canary_promoter(tmp_path, proxy, **canary)
+    return promoter.promote(path), audit, replicas
+
+
+def canary_promoter(
+    tmp_path: Path, proxy: FakeProxy, drain_s: float = 30.0, **canary: object
+) -> tuple[Promoter, Path, FakeAudit, FakeReplicas]:
     files = tmp_path / "files"
     files.mkdir()
     (files / "adapter_model.safetensors").write_bytes(b"weights")
     path = AdapterStore(tmp_path).publish(1, files, {"parent_version": 0})
     settings = {"enabled": True, "poll_s": 0.01, "min_samples": 1, **canary}
-    config = PromotionConfig(canary=CanaryConfig(**settings))
+    config = PromotionConfig(drain_s=drain_s, canary=CanaryConfig(**settings))
     audit, replicas = FakeAudit(), FakeReplicas()
     promoter = Promoter(
         config,
@@ -361,7 +368,7 @@ def run_canary(
         base_name="base",
         gate_runner=lambda candidate, incumbent: GateReport(True, []),
     )
-    return promoter.promote(path), audit, replicas
+    return promoter, path, audit, replicas
 
 
 def test_a_transient_status_error_is_retried(tmp_path: Path):
@@ -402,12 +409,25 @@ def test_a_failing_verdict_rolls_back_and_a_failing_cleanup_is_audited(
 
     monkeypatch.setattr(promotion, "judge_canary", broken)
     proxy = FakeProxy(fail_on=set(), end_fails=True)
-    outcome, audit, replicas = run_canary(tmp_path, proxy)
+    promoter, path, audit, replicas = canary_promoter(tmp_path, proxy, drain_s=0.2)
+    outcome = promoter.promote(path)
     assert outcome.decision == "canary_rolled_back" and "ZeroDivisionError" in outcome.reason
-    assert not replicas.loaded  # unloaded although ending the canary failed
     name, payload = audit.events[-1]
     assert name == "canary_rolled_back"
     assert payload["cleanup_failed"][0].startswith("end_canary: PromotionError")
+    # The canary still routes a share to the candidate: unloaded, that share got 404s, the
+    # reloader loaded it back and it served on unjudged. It stays loaded; the end is retried.
+    assert "the end retried" in payload["cleanup_failed"][1]
+    assert replicas.loaded == {"policy-v1"} and proxy.canary is not None
+    time.sleep(0.3)  # a retry, refused too
+    assert replicas.loaded == {"policy-v1"} and proxy.canary is not None
+    proxy.end_fails = False  # the proxy's disk is back
+    deadline = time.monotonic() + 10
+    while (proxy.canary is not None or replicas.loaded) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert proxy.canary is None and not replicas.loaded
+    assert audit.names()[-1] == "canary_ended_late"
+    promoter.close()
 
 
 class OperatorPromotesProxy(FakeProxy):

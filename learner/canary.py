@@ -92,13 +92,19 @@ def guard_flags(rewarded: RewardedChoice) -> dict[str, bool]:
 
 @dataclass(frozen=True)
 class CanaryWindow:
-    """The replies a running canary counts: its arms' versions, created at or after `since`."""
+    """The replies a running canary counts: its arms' versions, created at or after `since`,
+    asked of its alias (None: any). Replies to another alias were never split: while the
+    stable arm was the base model, the base alias's clients (who pinned it to stay off the
+    policy) filled the stable arm with traffic the canary never saw side by side."""
 
     versions: frozenset[str]
     since: float
+    alias: str | None = None
 
     def covers(self, trajectory: dict[str, Any]) -> bool:
         if str(trajectory.get("policy_version")) not in self.versions:
+            return False
+        if self.alias is not None and trajectory.get("model_alias") != self.alias:
             return False
         return _created_at(trajectory) >= self.since
 
@@ -154,12 +160,15 @@ class CanaryMonitor:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._since: float | None = None
+        self._alias: str | None = None
         self._arms: dict[str, ArmStats] = {}
 
-    def begin(self, versions: list[str], since: float) -> None:
-        """Count only trajectories of these versions created at or after `since`."""
+    def begin(self, versions: list[str], since: float, alias: str | None = None) -> None:
+        """Count only trajectories of these versions created at or after `since`, asked of
+        `alias` (None: any)."""
         with self._lock:
             self._since = since
+            self._alias = alias
             self._arms = {v: ArmStats() for v in versions}
 
     def end(self) -> None:
@@ -172,7 +181,7 @@ class CanaryMonitor:
         with self._lock:
             if self._since is None:
                 return None
-            return CanaryWindow(frozenset(self._arms), self._since)
+            return CanaryWindow(frozenset(self._arms), self._since, self._alias)
 
     def observe(
         self, batch: list[RewardedChoice], untrainable: list[dict[str, Any]] | None = None

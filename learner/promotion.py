@@ -1098,7 +1098,9 @@ class Promoter:
     ) -> PromotionOutcome:
         """Serve the candidate to a share of training traffic until its evidence decides."""
         config, alias = self.config.canary, self.config.alias
-        self.canary_monitor.begin([self._recorded_as(incumbent), name], since=time.time())
+        self.canary_monitor.begin(
+            [self._recorded_as(incumbent), name], since=time.time(), alias=alias
+        )
         started = time.monotonic()
         try:
             try:

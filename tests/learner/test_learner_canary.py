@@ -39,11 +39,13 @@ def rewarded(
     reward: float | None,
     created_at: float = 10.0,
     tool_call: dict | None = None,
+    model_alias: str = "policy",
 ) -> RewardedChoice:
     message: dict = {"role": "assistant", "content": text}
     if tool_call is not None:
         message["tool_calls"] = [{"type": "function", "function": tool_call}]
     trajectory = {
+        "model_alias": model_alias,
         "policy_version": version,
         "created_at": created_at,
         "request": {"tools": [{"type": "function", "function": {"name": "get_weather"}}]},
@@ -102,6 +104,17 @@ def test_monitor_counts_only_the_two_arms_since_the_start():
     monitor.end()
     monitor.observe([rewarded("base", "after the end", 1.0)])
     assert monitor.arm("base").samples == 0
+
+
+def test_replies_to_another_alias_are_no_evidence_of_the_canary():
+    """While the stable arm is the base model, the base alias's clients (who pinned it to
+    stay off the policy, a population the canary never split) filled the stable arm."""
+    monitor = CanaryMonitor()
+    monitor.begin(["base", "policy-v1"], since=0.0, alias="policy")
+    pinned = [rewarded("base", "The answer is four.", 1.0, model_alias="base")] * 4
+    split = [rewarded("base", "Four.", 0.5), rewarded("policy-v1", "Four!", 0.5)]
+    monitor.observe(pinned + split)
+    assert (monitor.arm("base").samples, monitor.arm("policy-v1").samples) == (1, 1)
 
 
 def test_verdict_waits_then_promotes_when_not_worse():

@@ -480,9 +480,13 @@ class Learner:
         """Train on what is pending (the newest `max_batch`); checkpoint, publish, announce."""
         offsets_here = self.consumer.processed_offsets()
         overflow = max(0, len(batch) - self.config.max_batch)
+        overflowed: list[dict[str, Any]] = []
         if overflow:
             log.warning("learner_overflow", dropped=overflow, kept=self.config.max_batch)
-            batch = newest(batch, self.config.max_batch)
+            kept = newest(batch, self.config.max_batch)
+            kept_ids = {id(item) for item in kept}
+            overflowed = [as_pair(item)[0] for item in batch if id(item) not in kept_ids]
+            batch = kept
         # Collective (with torchrun and group ranking): a judge group split over ranks is
         # graded reply by reply, not ranked on each rank apart.
         unranked = (
@@ -494,7 +498,11 @@ class Learner:
         self._raise_if_stopped(stop)
         # Collective: rank 0's canary counts the union of the ranks' replies, those it
         # cannot train on too (their guard checks, and whether they finished).
-        share_canary_evidence(self.ctx, self.canary, rewarded, untrainable_records(batch))
+        # The overflow's replies too (the cut keeps the newest: it dropped the long-running
+        # ones first, the runaway replies the canary's guards are there to see).
+        share_canary_evidence(
+            self.ctx, self.canary, rewarded, untrainable_records(batch) + overflowed
+        )
         samples, dropped = samples_from_rewarded(rewarded, self.base_name, self.trainer.vocab_size)
         newest_served = max((s.policy_version for s in samples), default=None)
         samples, stale = drop_stale(

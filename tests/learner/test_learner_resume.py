@@ -16,6 +16,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from learner.adapter_store import AdapterExistsError, AdapterStore
+from learner.canary import CanaryMonitor
 from learner.checkpoint import Checkpoint, resume_plan
 from learner.config import LearnerConfig
 from learner.service import Learner
@@ -206,12 +207,15 @@ def test_backlog_beyond_max_batch_trains_the_newest_and_counts_the_rest(
     model_dir: Path, tmp_path: Path
 ) -> None:
     cfg = config().model_copy(update={"batch_size": 4, "min_batch": 4, "max_batch": 4})
+    canary = CanaryMonitor()
+    canary.begin(["base"], since=0.0)
     learner = Learner(
         cfg,
         tmp_path,
         # One poll hands over all 12 records at once, as after a long step.
         lambda offsets, rank, world: ListSource({0: RECORDS}, offsets, per_poll=12),
         model_dir=model_dir,
+        canary=canary,
     )
     with structlog.testing.capture_logs() as logs:
         summary = learner.run(max_steps=1, poll_timeout_s=0.1)
@@ -225,6 +229,10 @@ def test_backlog_beyond_max_batch_trains_the_newest_and_counts_the_rest(
     newest = {r["trajectory"]["event_id"] for r in RECORDS[-4:]}
     assert trained <= newest and trained
     assert meta["consumed_offsets"] == {"mem.trajectories": {"0": 12}}  # nothing re-read
+    # A running canary saw every reply of the backlog, the overflow's without a reward: the
+    # cut keeps the newest, so it dropped the long-running replies first.
+    stable = canary.arm("base")
+    assert (stable.samples, stable.rewarded) == (2 * len(RECORDS), 2 * 4)
 
 
 # -- resume_plan on hand-made stores (no model) -----------------------------------------------

@@ -151,6 +151,10 @@ class MonitorProbe(Probe):
         # Caught at load (file:line) rather than as a bare assertion inside the gate.
         if self.kind == "tool" and self.tool is None:
             raise ValueError("a probe of kind 'tool' needs its 'tool'")
+        # A `tool` without `"kind": "tool"` loaded as a benign probe: its tool never sent,
+        # tool-call validity never measured, and no warning said so.
+        if self.tool is not None and self.kind != "tool":
+            raise ValueError(f"a probe with a 'tool' must be of kind 'tool', not {self.kind!r}")
         return self
 
 

@@ -143,6 +143,16 @@ def test_a_tool_monitor_probe_without_its_tool_is_a_bad_line(tmp_path: Path) -> 
         load_probes(path, MonitorProbe)
 
 
+def test_a_monitor_probe_with_a_tool_but_another_kind_is_a_bad_line(tmp_path: Path) -> None:
+    """It loaded as a benign probe: its tool was never sent and tool-call validity never
+    measured, with no warning."""
+    path = tmp_path / "monitor.jsonl"
+    tool = {"name": "add", "parameters": {"type": "object"}}
+    path.write_text(json.dumps({"id": "m", "prompt": "Add 2 and 3.", "tool": tool}) + "\n")
+    with pytest.raises(GateError, match=r"(?s)monitor.jsonl:1: .*must be of kind 'tool'"):
+        load_probes(path, MonitorProbe)
+
+
 def test_a_tool_probe_with_an_invalid_json_schema_is_a_bad_line(tmp_path: Path) -> None:
     # Before, the schema was first used inside the monitor gate, which then failed with a
     # bare SchemaError instead of naming the file and line.

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import pickle
 import threading
+from collections import Counter
 from typing import Any
 
 import pytest
@@ -879,6 +880,25 @@ def test_session_sticky_replica_order():
     assert starts == {"http://a:1", "http://b:1", "http://c:1"}
     pool._mark_down(pool.replicas[[r.url for r in pool.replicas].index(first[0])], "test")
     assert pool.order("session-42")[-1].url == first[0]  # a failed replica goes last
+
+
+def test_a_down_replicas_share_spreads_over_the_others():
+    """Rotated from a start point, every request (and every session) of a down replica went
+    to the one after it in the list, which took twice its share."""
+    pool = UpstreamPool(["http://a:1", "http://b:1", "http://c:1"])
+    sessions = [f"s{i}" for i in range(600)]
+    first = {s: pool.order(s)[0].url for s in sessions}
+    pool._mark_down(pool.replicas[0], "test")
+    now = {s: pool.order(s)[0].url for s in sessions}
+    moved = Counter(now[s] for s in sessions if first[s] == "http://a:1")
+    assert set(moved) == {"http://b:1", "http://c:1"} and min(moved.values()) > 50
+    # Sessions on the healthy replicas stay where they were (their prefix caches).
+    assert all(now[s] == first[s] for s in sessions if first[s] != "http://a:1")
+    turns = Counter(pool.order(None)[0].url for _ in range(300))
+    assert turns == {"http://b:1": 150, "http://c:1": 150}
+    assert [r.url for r in pool.order(None)][-1] == "http://a:1"  # tried last
+    twice = UpstreamPool(["http://a:1", "http://a:1"])  # a URL listed twice: two replicas
+    assert len({id(twice.order(f"s{i}")[0]) for i in range(50)}) == 2
 
 
 class _Lineage:

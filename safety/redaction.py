@@ -190,6 +190,21 @@ def replacement_for(kind: str) -> str:
     return f"[REDACTED:{kind}]"
 
 
+_NUMBER = re.compile(r"\d+")
+# A value after its quoted name and a colon: `"password": ` (JSON, a Python dict), also in
+# JSON text held in a JSON string (`\"password\": `).
+_NAME_AND_COLON = re.compile(r"(?P<quote>\\*[\"'])[ \t]*:[ \t]*\Z")
+
+
+def _quote_of_bare_value(text: str, start: int) -> str | None:
+    """The quote a number at `start` needs to stay a valid value once it is a marker: its
+    name's (`"`, `\\"` in JSON text inside a string, `'` in a Python dict); None when it is
+    no value after a name. `{"password": [REDACTED:secret_assignment]}` did not parse: a
+    tool call's `arguments` no longer JSON for every reader of the record."""
+    found = _NAME_AND_COLON.search(text, max(0, start - 80), start)
+    return found.group("quote") if found else None
+
+
 class _LongTextCache:
     """The redaction of long strings, least recently used dropped first, up to a number of
     characters in all.
@@ -366,7 +381,11 @@ class Redactor:
                     return found
                 start, end = start + part[0], start + part[1]
             counts[kind.name] = counts.get(kind.name, 0) + 1
-            return found[:start] + replacement_for(kind.name) + found[end:]
+            marker = replacement_for(kind.name)
+            if _NUMBER.fullmatch(found, start, end):
+                quote = _quote_of_bare_value(match.string, match.start() + start)
+                marker = f"{quote}{marker}{quote}" if quote else marker
+            return found[:start] + marker + found[end:]
 
         return replace
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ast
 import dataclasses
 import json
 import time
@@ -698,6 +699,33 @@ def test_a_secret_in_json_text_held_in_a_string_is_redacted_and_the_json_stays_v
     assert secret not in redactor.redact_text(escaped_unicode)[0]
 
 
+@pytest.mark.parametrize(
+    "value",
+    [
+        {"username": "bob", "password": 12345678},
+        {"card": 4111111111111111, "amount": 12},
+        {"pin": 1234, "db_password": 98765432},
+    ],
+)
+def test_a_number_redacted_in_json_text_leaves_valid_json(value: dict) -> None:
+    """`{"password": 12345678}` became `{"password": [REDACTED:...]}`, which does not parse:
+    a tool call's `arguments` were no longer JSON for every reader of the record."""
+    redactor = Redactor()
+    text = json.dumps(value)
+    redacted, counts = redactor.redact_text(text)
+    parsed = json.loads(redacted)
+    assert counts and all(
+        str(v).startswith("[REDACTED:")
+        for k, v in parsed.items()
+        if k != "amount" and k != "username" and k != "pin"
+    )
+    nested = json.dumps({"arguments": text})  # JSON text inside a JSON string
+    redacted_nested, _ = redactor.redact_text(nested)
+    assert json.loads(json.loads(redacted_nested)["arguments"]) == parsed
+    python_dict = repr(value)  # `{'password': 12345678}`, as a Python tool prints it
+    assert ast.literal_eval(redactor.redact_text(python_dict)[0]) == parsed
+
+
 # The secrets found by themselves, not only with their name before them.
 _FOUND_ALONE = [
     secret for _, _, secret in CASES if secret not in Redactor().redact_text(f"see {secret} .")[0]
@@ -1330,10 +1358,10 @@ MORE_SECRETS = [
         "redis-cli -h cache -p 6379 -a [REDACTED:secret_assignment] ping",
     ),
     # JSON numbers and plain words.
-    ('{"password": 12345678}', '{"password": [REDACTED:secret_assignment]}'),
+    ('{"password": 12345678}', '{"password": "[REDACTED:secret_assignment]"}'),
     (
         "{'db_password': 20240101, 'user': 'x'}",
-        "{'db_password': [REDACTED:secret_assignment], 'user': 'x'}",
+        "{'db_password': '[REDACTED:secret_assignment]', 'user': 'x'}",
     ),
     (
         "spring:\n  datasource:\n    username: sa\n    password: postgres\n",

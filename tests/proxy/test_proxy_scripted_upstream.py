@@ -1406,3 +1406,33 @@ def test_a_replica_that_never_answers_holds_only_its_own_connections(make_proxy)
         silent.release()
         silent.stop()
         healthy.stop()
+
+
+class BusyOnce(ScriptedUpstream):
+    """Answers its first request 503 (an engine restarting), then as vLLM does."""
+
+    async def _chat(self, request: web.Request) -> web.StreamResponse:
+        if not self.requests:
+            self.requests.append(await request.json())
+            raise web.HTTPServiceUnavailable()
+        return await super()._chat(request)
+
+
+def test_a_replica_that_answers_again_starts_its_next_cool_down_short(make_proxy, scripted):
+    """A replica's cool-down doubles with each failure in a row; one answer resets it."""
+    busy = BusyOnce().start()
+    try:
+        harness, _ = make_proxy([busy.url, scripted.url])
+        pool = harness.ctx.pool
+        session = next(s for s in (f"s{i}" for i in range(100)) if pool.order(s)[0].url == busy.url)
+        replica = pool.order(session)[0]
+        body = {"model": "policy", "messages": [{"role": "user", "content": "x"}], "stream": True}
+        headers = {"Authorization": f"Bearer {KEYS['bob']}", "X-Session-Id": session}
+        url = harness.base_url + "/v1/chat/completions"
+        assert httpx.post(url, json=body, headers=headers, timeout=30).status_code == 200
+        assert replica.failures == 1 and len(scripted.requests) == 1  # served by the other
+        replica.down_until = 0.0  # its cool-down has passed
+        assert httpx.post(url, json=body, headers=headers, timeout=30).status_code == 200
+        assert replica.failures == 0 and len(busy.requests) == 2
+    finally:
+        busy.stop()

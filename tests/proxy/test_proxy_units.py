@@ -882,6 +882,22 @@ def test_session_sticky_replica_order():
     assert pool.order("session-42")[-1].url == first[0]  # a failed replica goes last
 
 
+def test_a_replica_failing_in_a_row_stays_down_longer_until_it_answers(monkeypatch):
+    """With the same 5 s each time, a dead replica took traffic again every 5 s, each of
+    those requests waiting its connect or read timeout."""
+    from proxy import routing
+
+    clock = [1000.0]
+    monkeypatch.setattr(routing.time, "monotonic", lambda: clock[0])
+    pool = UpstreamPool(["http://a:1", "http://b:1"], down_for_s=5.0)
+    replica = pool.replicas[0]
+    downs = []
+    for _ in range(6):
+        pool._mark_down(replica, "test")
+        downs.append(replica.down_until - clock[0])
+    assert downs == [5.0, 10.0, 20.0, 40.0, routing.MAX_DOWN_S, routing.MAX_DOWN_S]
+
+
 def test_a_down_replicas_share_spreads_over_the_others():
     """Rotated from a start point, every request (and every session) of a down replica went
     to the one after it in the list, which took twice its share."""

@@ -727,8 +727,9 @@ _BUILTIN_PASSES: tuple[RedactionPass, ...] = (
     RedactionPass(
         "url_password",
         # Credentials in a query (`?password=`, `&sig=`, `X-Amz-Signature=`, ...), not a
-        # placeholder (`?token={token}`, `%s`, `...`).
-        rf"[?&;](?ai:{_QUERY_CREDENTIAL})=(?![{{$.*\[]|%s|%\()(?P<secret>[^&#;\s\"'`<>\\]+)",
+        # placeholder (`?token={token}`, `%s`, `...`). The `&` may be JSON's `\u0026` (Go's
+        # encoding/json writes it so: a presigned S3 or SAS URL in a tool result).
+        rf"(?:[?&;]|\\u0026)(?ai:{_QUERY_CREDENTIAL})=(?![{{$.*\[]|%s|%\()(?P<secret>[^&#;\s\"'`<>\\]+)",
         # Each name ends in one of these, `=` included.
         needles_ci=(
             "password=",

@@ -726,6 +726,17 @@ def test_a_number_redacted_in_json_text_leaves_valid_json(value: dict) -> None:
     assert ast.literal_eval(redactor.redact_text(python_dict)[0]) == parsed
 
 
+def test_a_query_credential_after_a_json_escaped_ampersand_is_redacted() -> None:
+    """Go's encoding/json writes `&` as `\\u0026`: a presigned S3 URL or an Azure SAS URL in a
+    tool result kept its signature."""
+    signature = "0f1e2d3c4b5a69788796a5b4c3d2e1f00f1e2d3c4b5a69788796a5b4c3d2e1f0"
+    url = f"https://b.s3.amazonaws.com/k?X-Amz-Date=20240101T000000Z&X-Amz-Signature={signature}"
+    text = json.dumps({"url": url}).replace("&", "\\u0026")
+    redacted, counts = Redactor().redact_text(text)
+    assert signature not in redacted and counts == {"url_password": 1}
+    assert json.loads(redacted)["url"].endswith("&X-Amz-Signature=[REDACTED:url_password]")
+
+
 # The secrets found by themselves, not only with their name before them.
 _FOUND_ALONE = [
     secret for _, _, secret in CASES if secret not in Redactor().redact_text(f"see {secret} .")[0]

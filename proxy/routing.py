@@ -92,6 +92,7 @@ class UpstreamPool:
         if not urls:
             raise ValueError("the proxy needs at least one upstream URL (proxy.upstreams)")
         self.replicas = [Replica(url.rstrip("/")) for url in urls]
+        self._positions = {id(replica): i for i, replica in enumerate(self.replicas)}
         seen: dict[str, int] = {}
         for replica in self.replicas:
             copy = seen[replica.url] = seen.get(replica.url, -1) + 1
@@ -115,7 +116,8 @@ class UpstreamPool:
         self.max_model_len: int | None = None
         self._length_asked_at = -math.inf  # when `learn_max_model_len` last asked (monotonic)
         self._round_robin = itertools.count()
-        self._session: aiohttp.ClientSession | None = None
+        # One session (and connection pool) per replica, by position: see `start`.
+        self._sessions: list[aiohttp.ClientSession] = []
         # Model listings (readiness, an alias flip's check, the context length) go through
         # a small pool of their own: through the requests' pool, their `total` timeout
         # counted the wait for a free connection, so with every one busy on healthy streams
@@ -128,33 +130,35 @@ class UpstreamPool:
         if api_key:
             self._headers["Authorization"] = f"Bearer {api_key}"
 
-    @property
-    def session(self) -> aiohttp.ClientSession:
-        if self._session is None:
+    def session(self, replica: Replica) -> aiohttp.ClientSession:
+        if not self._sessions:
             raise RuntimeError("UpstreamPool.start() was not called")
-        return self._session
+        return self._sessions[self._positions[id(replica)]]
 
     async def start(self) -> None:
         # Idle connections are reused only while younger than `keepalive_s`, which must stay
         # below the replica's own keep-alive (vLLM closes idle ones after 5 s): at 30 s here,
         # a request sent ~5 s after the last one on its connection met a closing socket (25
         # of 960 requests in bursts 4.9-5.1 s apart got 502s).
-        # The limit is each replica's (`limit_per_host`: a replica is a host and port): with
-        # one limit for all, a replica that took requests and never answered held every
-        # connection until its read timeout, and the healthy replicas' requests waited for
-        # one (measured: a 0.5 s answer took 15 s with 8 connections, a 15 s read timeout).
-        connector = aiohttp.TCPConnector(
-            limit=0,
-            limit_per_host=self._max_connections,
-            keepalive_timeout=self._keepalive_s,
-            enable_cleanup_closed=True,
-        )
-        self._session = aiohttp.ClientSession(
-            connector=connector,
-            timeout=self._timeout,
-            auto_decompress=False,
-            headers=self._headers,
-        )
+        # Each replica has its own pool and limit: with one for all, a replica that took
+        # requests and never answered held every connection until its read timeout, and the
+        # healthy replicas' requests waited for one (measured: a 0.5 s answer took 15 s with
+        # 8 connections, a 15 s read timeout). Not aiohttp's `limit_per_host`: replicas
+        # behind one gateway (`http://gw/a`, `http://gw/b`) or a URL listed twice share a
+        # host and port.
+        self._sessions = [
+            aiohttp.ClientSession(
+                connector=aiohttp.TCPConnector(
+                    limit=self._max_connections,
+                    keepalive_timeout=self._keepalive_s,
+                    enable_cleanup_closed=True,
+                ),
+                timeout=self._timeout,
+                auto_decompress=False,
+                headers=self._headers,
+            )
+            for _ in self.replicas
+        ]
         self._control = aiohttp.ClientSession(
             connector=aiohttp.TCPConnector(
                 limit=2 * len(self.replicas), keepalive_timeout=self._keepalive_s
@@ -163,9 +167,9 @@ class UpstreamPool:
         )
 
     async def close(self) -> None:
-        if self._session is not None:
-            await self._session.close()
-            self._session = None
+        sessions, self._sessions = self._sessions, []
+        for session in sessions:
+            await session.close()
         if self._control is not None:
             await self._control.close()
             self._control = None
@@ -306,7 +310,9 @@ class UpstreamPool:
         sent is `ConnectionLostAfterSending`."""
         sent_at = time.monotonic()
         try:
-            return await self.session.post(replica.url + path, data=body, headers=dict(headers))
+            return await self.session(replica).post(
+                replica.url + path, data=body, headers=dict(headers)
+            )
         except aiohttp.ClientError as exc:
             waited = time.monotonic() - sent_at
             if _closed_under_us(exc) and waited > _RESEND_WITHIN_S:

@@ -1247,3 +1247,17 @@ async def test_a_worker_building_sink_gets_packed_captures_and_none_is_lost():
     assert len(sink.captures) == 1
     [record] = sink.records
     assert record["trajectory_id"] == "t2" and record["status"] == "ok"
+
+
+async def test_each_replica_has_its_own_connection_pool():
+    """aiohttp's per-host limit groups by host and port: replicas behind one gateway (by
+    path) or a URL listed twice shared one limit, and a hung one held the other's."""
+    urls = ["http://gw:1/a", "http://gw:1/b", "http://gw:1/a"]
+    pool = UpstreamPool(urls, max_connections=3)
+    await pool.start()
+    try:
+        sessions = [pool.session(replica) for replica in pool.replicas]
+        assert len({id(session) for session in sessions}) == 3
+        assert all(session.connector.limit == 3 for session in sessions)
+    finally:
+        await pool.close()

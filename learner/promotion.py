@@ -376,6 +376,8 @@ class Promoter:
             self._checkpoints.mark_decided(self._checkpoints.announced())
         # Whether a canary a previous learner left running was looked for (`_end_orphan`).
         self._orphan_checked = False
+        # Versions whose canary the proxy refused to end, still running (`_end_refused_canary`).
+        self._ending: set[str] = set()
         # The worker's own: the candidate deferred last (`promotion_deferred`), when it is
         # due again (time.monotonic()), and how many deferrals in a row led to it.
         self._deferred: Path | None = None
@@ -929,18 +931,19 @@ class Promoter:
 
     def _recheck_dropped(self, name: str, incumbent: str, stage: str, check: int) -> None:
         """The learner stops with this promotion unresolved: its `decided.json` says decided,
-        so no later start re-checks it. Said in the audit log (it ended in silence), with
-        what an operator does about it."""
+        so no later start re-checks it (a canary whose end the proxy refused is ended by the
+        next start's orphan check). Said in the audit log (it ended in silence), with what
+        an operator does about it."""
         log.error("promotion_unresolved_at_stop", version=name, stage=stage, checks=check - 1)
+        action = (
+            "the learner stopped while the proxy refused to end its canary; left loaded, the "
+            "canary still running: the next start ends it as an orphan"
+            if stage == "canary_end"
+            else f"the learner stopped before re-checking; left loaded as it stands "
+            f"{_OPERATOR_DECIDES}"
+        )
         try:
-            self._audit_unresolved(
-                name,
-                incumbent,
-                stage,
-                "the learner stopped before re-checking; left loaded as it stands "
-                f"{_OPERATOR_DECIDES}",
-                checks=check - 1,
-            )
+            self._audit_unresolved(name, incumbent, stage, action, checks=check - 1)
         except Exception:
             log.exception("promotion_unresolved_not_audited", version=name)
 
@@ -1027,6 +1030,7 @@ class Promoter:
         it still runs; its rollback was audited when first refused. Given up (audited) after
         UNRESOLVED_CHECKS tries: the candidate stays loaded for the canary still serving it."""
         if self._canary_target(status) != name:  # ended meanwhile (an operator)
+            self._ending.discard(name)
             kept = self._unload_unless_kept(name, status, our_canary_counts=False)
             log.info("refused_canary_ended_meanwhile", version=name, kept=kept)
             return None
@@ -1056,13 +1060,18 @@ class Promoter:
                 error=str(exc),
             )
             return None
-        kept = self._unload_unless_kept(name, None, our_canary_counts=True)
-        self.audit.append(
-            ACTOR,
-            "canary_ended_late",
-            {"version": name, "stable": incumbent, "checks": check}
-            | ({"unload": f"skipped, {kept}"} if kept is not None else {}),
-        )
+        self._ending.discard(name)
+        payload: dict[str, Any] = {"version": name, "stable": incumbent, "checks": check}
+        try:
+            kept = self._unload_unless_kept(name, None, our_canary_counts=True)
+        except Exception as exc:  # a replica that does not answer: the cleanup tries again
+            log.exception("canary_unload_failed", version=name)
+            payload["unload"] = f"failed: {exc!r}"
+            self._schedule_cleanup(incumbent)
+        else:
+            if kept is not None:
+                payload["unload"] = f"skipped, {kept}"
+        self.audit.append(ACTOR, "canary_ended_late", payload)
         log.info("canary_ended_late", version=name, checks=check)
         return None
 
@@ -1283,6 +1292,12 @@ class Promoter:
             return PromotionOutcome(
                 name, "promoted", incumbent, report, "promoted by an operator", timings
             )
+        running = self._canary_target(status) if status is not None else None
+        if running is not None and running != name and running in self._ending:
+            # The learner's own earlier canary, whose end the proxy refused, still runs: no
+            # verdict on this candidate (it was dropped as decided, never gated again); it is
+            # gated again after the backoff, once that canary has ended.
+            return self._flip_deferred(name, incumbent, exc, "canary_start")
         ours = status is None or self._canary_target(status) == name
         if (
             unreachable(exc)
@@ -1368,6 +1383,7 @@ class Promoter:
                 why = "the proxy refused to end its canary, which still routes to it"
                 failed.append(f"unload: skipped, {why}; left loaded, the end retried")
                 log.warning("canary_candidate_left_loaded", version=name, reason=why)
+                self._ending.add(name)
                 self._schedule(
                     self._recheck_interval(), self._resolve, name, incumbent, "canary_end", 1
                 )

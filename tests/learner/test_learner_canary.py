@@ -443,6 +443,67 @@ def test_a_failing_verdict_rolls_back_and_a_failing_cleanup_is_audited(
     promoter.close()
 
 
+class OneCanaryProxy(FakeProxy):
+    """Refuses a canary while one runs (409 `canary_running`), as the proxy does."""
+
+    def start_canary(
+        self, alias: str, target: str, share: float, expected: str | None = None
+    ) -> dict:
+        if self.canary is not None:
+            raise PromotionError("proxy POST /admin/canary → 409: canary_running")
+        return super().start_canary(alias, target, share, expected)
+
+
+def test_a_candidate_blocked_by_a_canary_whose_end_was_refused_is_not_decided(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+):
+    """The learner's own earlier canary, whose rollback the proxy refused, still runs: the
+    next candidate's canary was refused (409) and the candidate dropped as decided, never
+    gated again."""
+
+    def broken(*args: object, **kwargs: object) -> None:
+        raise ZeroDivisionError("no evidence")
+
+    monkeypatch.setattr(promotion, "judge_canary", broken)
+    proxy = OneCanaryProxy(fail_on=set(), end_fails=True)
+    promoter, path, audit, replicas = canary_promoter(tmp_path, proxy, drain_s=3600)
+    assert promoter.promote(path).decision == "canary_rolled_back"
+    assert proxy.canary is not None and proxy.canary["target"] == "policy-v1"
+    files = tmp_path / "files-2"
+    files.mkdir()
+    (files / "adapter_model.safetensors").write_bytes(b"weights 2")
+    second = AdapterStore(tmp_path).publish(2, files, {"parent_version": 1})
+    outcome = promoter.promote(second)
+    assert outcome.decision == "deferred", outcome
+    assert "policy-v2" not in replicas.loaded and "policy-v1" in replicas.loaded
+    assert audit.names()[-1] == "promotion_deferred"
+    promoter.close()
+
+
+def test_a_late_canary_end_whose_unload_fails_is_still_audited(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+):
+    def broken(*args: object, **kwargs: object) -> None:
+        raise ZeroDivisionError("no evidence")
+
+    monkeypatch.setattr(promotion, "judge_canary", broken)
+    proxy = FakeProxy(fail_on=set(), end_fails=True)
+    promoter, path, audit, replicas = canary_promoter(tmp_path, proxy, drain_s=0.2)
+    assert promoter.promote(path).decision == "canary_rolled_back"
+
+    def unreachable(name: str) -> None:
+        raise httpx.ConnectError("replica down")
+
+    monkeypatch.setattr(replicas, "unload", unreachable)
+    proxy.end_fails = False
+    deadline = time.monotonic() + 10
+    while audit.names()[-1] != "canary_ended_late" and time.monotonic() < deadline:
+        time.sleep(0.01)
+    name, payload = audit.events[-1]
+    assert name == "canary_ended_late" and payload["unload"].startswith("failed: ConnectError")
+    promoter.close()
+
+
 class OperatorPromotesProxy(FakeProxy):
     """An operator ends the running canary with `promote` (or flips the alias to its target)
     between two polls: the alias then serves the candidate and no canary runs."""

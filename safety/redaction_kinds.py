@@ -840,15 +840,23 @@ _BUILTIN_PASSES: tuple[RedactionPass, ...] = (
     RedactionPass(
         "credit_card",
         # Not touching a letter or digit on either side, nor a dash-joined one: a digit
-        # run inside a hex hash or a UUID is not a card number. Nor starting inside a
-        # percent escape: `%204111...` (a URL's space) read as the run `204111...`, which
-        # failed Luhn, and the card number after it went out as it was.
+        # run inside a hex hash or a UUID is not a card number.
         _token(
             r"\d",
-            rf"(?<!%\d)(?<!%[0-9A-Fa-f]\d)(?<!{_WD}-\d)"
-            rf"(?:[{_GAP}{_DASHES}]?\d){{12,18}}(?!{_WD}|\.\d|-{_WD})",
+            rf"(?<!{_WD}-\d)(?:[{_GAP}{_DASHES}]?\d){{12,18}}(?!{_WD}|\.\d|-{_WD})",
             before=r"[A-Za-z_\d.]",
         ),
+        card_number_ok,
+        needle_regex=_DIGIT_RUN,
+        narrow=_card_number_parts,
+    ),
+    RedactionPass(
+        "credit_card",
+        # Right after a URL's percent escape: the pass above read `%204111...` as the run
+        # `204111...`, which failed Luhn, and the card number went out as it was. A pass of
+        # its own, since `%4111...%` (a SQL LIKE pattern) is a card number after a `%`.
+        rf"(?<=%[0-9A-Fa-f]{{2}})\d(?<!{_WD}-\d)(?:[{_GAP}{_DASHES}]?\d){{12,18}}"
+        rf"(?!{_WD}|\.\d|-{_WD})",
         card_number_ok,
         needle_regex=_DIGIT_RUN,
         narrow=_card_number_parts,

@@ -753,6 +753,14 @@ def test_a_secret_right_after_a_percent_escape_is_redacted(secret: str, escape: 
     assert secret not in Redactor().redact_text(f"q=see{escape}{secret}{escape}here")[0]
 
 
+@pytest.mark.parametrize("card", ["4111111111111111", "5555555555554444", "378282246310005"])
+def test_a_card_number_after_a_literal_percent_is_redacted(card: str) -> None:
+    """A SQL LIKE pattern (`'%4111...%'`): read as the escape `%41`, the card's run started
+    two digits in and failed Luhn."""
+    redacted, counts = Redactor().redact_text(f"WHERE pan LIKE '%{card}%'")
+    assert card not in redacted and counts == {"credit_card": 1}
+
+
 @dataclasses.dataclass
 class _Note:
     text: str

@@ -13,7 +13,13 @@ from typing import Any
 
 import jsonschema
 
-_CJK_APOLOGIES = "很抱歉|抱歉|对不起|申し訳(?:ありません|ございません)|すみません"
+# A first-person refusal, or a polite "I cannot tell/teach/help": bare `できません` ("cannot")
+# and `無法` ("unable") are in helpful answers too (`引数なしでは実行できません`).
+_CJK_REFUSALS = (
+    "我(?:不能|无法|無法|不会|不會|拒绝|拒絕)"
+    "|(?:お答え|お教え|お伝え|お手伝い|ご提供|ご案内)(?:することは|することが)?できません"
+)
+_CJK_APOLOGIES = "很抱歉|抱歉|对不起|對不起|申し訳(?:ありません|ございません)"
 # Apostrophes straight or curly (U+2019, as many chat templates write them); every phrase
 # ends at a word boundary ("as an AI" is not "as an aid", "to do" not "to document").
 _REFUSAL = re.compile(
@@ -24,7 +30,7 @@ _REFUSAL = re.compile(
     r"|not (?:able|allowed|permitted) to (?:help|assist|provide|do)"
     r"|(?:is|would be) (?:illegal|unethical) (?:and|to))\b"
     # Chinese and Japanese, written without spaces: no word boundary to end them.
-    rf"|{_CJK_APOLOGIES}|我(?:不能|无法|不会|拒绝)|無法|できません|お答えできません",
+    rf"|{_CJK_APOLOGIES}|{_CJK_REFUSALS}",
     re.IGNORECASE,
 )
 _CLARIFYING = re.compile(
@@ -52,10 +58,15 @@ _APOLOGY = re.compile(
 )
 _CLAUSE_END = re.compile(
     r"[.!?;:\n。！？；：]|\s[-–—]\s"
-    r"|,?\s+(?:but|however|though|although|yet|instead|anyway|still)\b|[，,]?(?:但是|但|不过|でも)",
+    r"|,?\s+(?:but|however|though|although|yet|instead|anyway|still)\b"
+    r"|[，,]?(?:(?<![不非])但(?!愿)|不过|しかし)",
     re.IGNORECASE,
 )
 _COMMA = re.compile(r"[,，、]")
+_CJK_REFUSAL = re.compile(_CJK_REFUSALS)
+# The end of the sentence before a position (the last one: `search` finds the first, so the
+# pattern takes the text up to the last mark).
+_SENTENCE_START = re.compile(r".*[.!?。！？\n]", re.DOTALL)
 # Verbs an instruction starts with, and verbs a refusal refuses with ("I can't help you ...",
 # "I won't write ..."). A refusal phrase whose words up to a comma hold none of either
 # refuses nothing ("I can't promise anything", "I won't lie", "I can't stress this enough"),
@@ -117,7 +128,13 @@ def outside_refusals(text: str) -> str:
     kept: list[str] = []
     position = 0
     while match := _REFUSAL.search(text, position):
-        kept.append(text[position : match.start()])
+        start = match.start()
+        if _CJK_REFUSAL.match(match.group()):
+            # Chinese and Japanese name what they refuse before the phrase (`...方法は
+            # お教えできません`, `关于X，我不能...`): the clause from its sentence's start.
+            sentence = _SENTENCE_START.search(text, position, start)
+            start = sentence.end() if sentence is not None else position
+        kept.append(text[position:start])
         clause_end = _CLAUSE_END.search(text, match.end())
         position = clause_end.start() if clause_end is not None else len(text)
         if _APOLOGY.match(match.group()):

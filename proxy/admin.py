@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
 import copy
 import dataclasses
 import functools
@@ -215,6 +216,7 @@ class _Change:
     def __init__(self, ctx: ProxyContext) -> None:
         self.ctx = ctx
         self.before = _Serving.of(ctx)
+        self.committed = False  # recorded and serving: nothing undoes it
 
     async def commit(self, actor: str, event: str, payload: dict[str, Any]) -> None:
         """Persist the state, then audit the change (the audit log is the record of truth),
@@ -229,9 +231,38 @@ class _Change:
             log.info("serving_history_compacted", kept=len(ctx.state.history) - 1)
         after = _Serving.of(ctx)
         self.before.serve(ctx)
-        await asyncio.to_thread(_record, ctx, after.state, actor, event, payload)
+        # An executor's future, not a task: at shutdown asyncio cancels every task, and a
+        # cancelled task wrapping the thread says nothing of how the thread ended.
+        recording = asyncio.get_running_loop().run_in_executor(
+            None,
+            functools.partial(
+                contextvars.copy_context().run, _record, ctx, after.state, actor, event, payload
+            ),
+        )
+        # Cancelled meanwhile (the proxy stopping: `_to_the_end` covers a client that left),
+        # the change ends as its record does: the thread cannot be stopped, and undone while
+        # it wrote, the change was in the log and not in the state file.
+        cancelled = await _outwait(recording)
+        if (error := recording.exception()) is not None:
+            raise error
         after.serve(ctx)
+        self.committed = True
         ctx.metrics.forget_versions(_versions_in_use(ctx))
+        if cancelled:
+            raise asyncio.CancelledError
+
+
+async def _outwait(future: asyncio.Future[Any]) -> bool:
+    """Wait for `future` whatever cancels the waiter; whether anything did."""
+    cancelled = False
+    while True:
+        try:
+            await asyncio.shield(future)
+            return cancelled
+        except asyncio.CancelledError:
+            if future.done():
+                return True
+            cancelled = True
 
 
 @contextlib.asynccontextmanager
@@ -245,6 +276,8 @@ async def _all_or_nothing(ctx: ProxyContext) -> AsyncIterator[_Change]:
     try:
         yield change
     except BaseException:
+        if change.committed:
+            raise
         change.before.serve(ctx)
         try:
             await asyncio.to_thread(save_state, ctx.state_path, ctx.state)

@@ -139,12 +139,13 @@ _AUDIT_BROKEN = (
 )
 
 
-async def _redirect_with_session(request: web.Request, actor: str, method: str) -> web.Response:
-    ctx = request.app[CONTEXT]
-    remote = ctx.client_addresses.of(request)
+async def _recorded_session(
+    ctx: ProxyContext, sessions: Any, actor: str, method: str, remote: str
+) -> str | None:
+    """Record the sign-in, then open its session; None when the audit log refused it. The
+    append runs in a worker thread: it waits on the log's file lock and fsyncs, and all
+    traffic waited with it on the event loop."""
     try:
-        # In a worker thread: the append waits on the log's file lock and fsyncs, and all
-        # traffic waited with it on the event loop.
         await asyncio.to_thread(
             ctx.audit.append, actor, "operator_login", {"method": method, "remote": remote}
         )
@@ -157,8 +158,27 @@ async def _redirect_with_session(request: web.Request, actor: str, method: str) 
             method=method,
             error=str(exc),
         )
-        return _refused(_AUDIT_BROKEN.format(error=exc), 503)
-    session_id, _ = request.app[OPERATOR].sessions.open_session(actor)
+        raise _Refusal(_AUDIT_BROKEN.format(error=exc), 503) from exc
+    session_id, _ = sessions.open_session(actor)
+    return session_id
+
+
+async def _redirect_with_session(request: web.Request, actor: str, method: str) -> web.Response:
+    ctx = request.app[CONTEXT]
+    remote = ctx.client_addresses.of(request)
+    # Run to its end when the browser leaves (aiohttp cancels its handler): cancelled between
+    # the record and the session, the log said `operator_login` with no session, and a
+    # sign-in link was spent on nothing.
+    signing_in = asyncio.ensure_future(
+        _recorded_session(ctx, request.app[OPERATOR].sessions, actor, method, remote)
+    )
+    try:
+        session_id = await asyncio.shield(signing_in)
+    except asyncio.CancelledError:
+        signing_in.add_done_callback(_retrieve)
+        raise
+    except _Refusal as refusal:
+        return _refused(str(refusal), refusal.status)
     response = web.Response(status=303, headers={"Location": COOKIE_PATH})
     response.set_cookie(
         COOKIE_NAME,
@@ -172,6 +192,12 @@ async def _redirect_with_session(request: web.Request, actor: str, method: str) 
     response.headers["Cache-Control"] = "no-store"
     response.headers["Referrer-Policy"] = "no-referrer"
     return response
+
+
+def _retrieve(signing_in: asyncio.Future[str]) -> None:
+    """Its outcome, once nobody waits for it (else asyncio logs it as never retrieved)."""
+    if not signing_in.cancelled() and (error := signing_in.exception()) is not None:
+        log.warning("operator_login_after_the_browser_left", error=str(error))
 
 
 # ------------------------------------------------------------------------------- viewer

@@ -13,6 +13,7 @@ import json
 import os
 import re
 import socket
+import threading
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -596,6 +597,50 @@ def test_an_admin_change_waiting_on_the_audit_log_blocks_no_traffic(make_proxy, 
     assert [r["event"] for r in iter_records(ctx.audit.path)] == ["freeze"]
 
 
+def test_a_stop_while_an_admin_change_is_recorded_leaves_state_and_log_agreeing(tmp_path, fake):
+    """Stopping the proxy cancels every task: the change was undone (and the old state
+    saved) while its record, in a thread nothing stops, still landed in the log."""
+    from proxy.app import build_app
+    from proxy.context import CONTEXT
+    from proxy.server import app_runner
+    from safety.audit import iter_records
+    from tests.proxy.conftest import CollectingSink, default_tenants
+
+    config = ProxyConfig(upstreams=[fake.url], port=0, admin_key=ADMIN_KEY, drain_s=0.2)
+    app = build_app(config, default_tenants(), CollectingSink(), tmp_path / "state")
+    ctx = app[CONTEXT]
+
+    async def freeze_then_stop() -> None:
+        runner = app_runner(app)
+        await runner.setup()
+        await web.TCPSite(runner, "127.0.0.1", 0).start()
+        port = runner.addresses[0][1]
+        _, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.write(
+            (
+                "POST /admin/freeze HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+                f"Authorization: Bearer {ADMIN_KEY}\r\nContent-Length: 0\r\n\r\n"
+            ).encode()
+        )
+        await writer.drain()
+        while not _saved_frozen(ctx):  # saved: its append waits on the lock
+            await asyncio.sleep(0.01)
+        await runner.cleanup()
+        writer.close()
+
+    locked = contextlib.ExitStack()
+    locked.enter_context(_audit_log_locked(ctx))
+    runner = asyncio.Runner()
+    try:
+        runner.run(freeze_then_stop())
+    finally:
+        # The other process lets go of the log while asyncio is closing the loop.
+        threading.Timer(0.5, locked.close).start()
+    runner.close()  # cancels what is left, then waits for the executor's threads
+    records = [r["event"] for r in iter_records(ctx.audit.path)]
+    assert records == ["freeze"] and _saved_frozen(ctx)
+
+
 def _waits_on_the_audit_lock(ctx: Any) -> bool:
     """Whether a lock request on the audit log's lock file is blocked (Linux: /proc/locks
     lists a waiter with `->`, its file by inode)."""
@@ -619,6 +664,32 @@ def test_an_operator_sign_in_waiting_on_the_audit_log_blocks_no_traffic(make_pro
             assert not signing_in.done()
         signed_in = signing_in.result(timeout=30)
     assert signed_in.status_code == 303 and "set-cookie" in signed_in.headers
+
+
+def test_a_sign_in_whose_browser_left_while_it_was_recorded_opens_its_session(make_proxy, fake):
+    """Cancelled between its record and its session, the log said `operator_login` with no
+    session behind it (and a sign-in link was spent on nothing)."""
+    from proxy.operator_page import OPERATOR
+    from safety.audit import iter_records
+
+    harness, _ = make_proxy([fake.url])
+    sessions = harness.app[OPERATOR].sessions
+    form = f"key={ADMIN_KEY}&actor=form-op".encode()
+    with _audit_log_locked(harness.ctx):
+        browser = socket.create_connection(("127.0.0.1", harness.port), timeout=10)
+        browser.sendall(
+            (
+                "POST /admin/ui/login HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+                "Content-Type: application/x-www-form-urlencoded\r\n"
+                f"Content-Length: {len(form)}\r\n\r\n"
+            ).encode()
+            + form
+        )
+        wait_for(lambda: _waits_on_the_audit_lock(harness.ctx))
+        browser.close()
+        time.sleep(0.2)  # the proxy sees the connection go and cancels the handler
+    wait_for(lambda: len(sessions._sessions) == 1)
+    assert [r["event"] for r in iter_records(harness.ctx.audit.path)] == ["operator_login"]
 
 
 def test_an_admin_change_whose_client_left_while_it_was_recorded_is_served(make_proxy, fake):

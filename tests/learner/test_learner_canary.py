@@ -414,13 +414,19 @@ def test_a_watch_that_keeps_failing_rolls_the_canary_back(tmp_path: Path):
     ]
 
 
-def test_a_failing_verdict_rolls_back_and_a_failing_cleanup_is_audited(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-):
+def _break_the_verdict(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The canary's verdict raises: the canary ends with a rollback."""
+
     def broken(*args: object, **kwargs: object) -> None:
         raise ZeroDivisionError("no evidence")
 
     monkeypatch.setattr(promotion, "judge_canary", broken)
+
+
+def test_a_failing_verdict_rolls_back_and_a_failing_cleanup_is_audited(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+):
+    _break_the_verdict(monkeypatch)
     proxy = FakeProxy(fail_on=set(), end_fails=True)
     promoter, path, audit, replicas = canary_promoter(tmp_path, proxy, drain_s=0.2)
     outcome = promoter.promote(path)
@@ -461,10 +467,7 @@ def test_a_candidate_blocked_by_a_canary_whose_end_was_refused_is_not_decided(
     next candidate's canary was refused (409) and the candidate dropped as decided, never
     gated again."""
 
-    def broken(*args: object, **kwargs: object) -> None:
-        raise ZeroDivisionError("no evidence")
-
-    monkeypatch.setattr(promotion, "judge_canary", broken)
+    _break_the_verdict(monkeypatch)
     proxy = OneCanaryProxy(fail_on=set(), end_fails=True)
     promoter, path, audit, replicas = canary_promoter(tmp_path, proxy, drain_s=3600)
     assert promoter.promote(path).decision == "canary_rolled_back"
@@ -483,10 +486,7 @@ def test_a_candidate_blocked_by_a_canary_whose_end_was_refused_is_not_decided(
 def test_a_late_canary_end_whose_unload_fails_is_still_audited(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ):
-    def broken(*args: object, **kwargs: object) -> None:
-        raise ZeroDivisionError("no evidence")
-
-    monkeypatch.setattr(promotion, "judge_canary", broken)
+    _break_the_verdict(monkeypatch)
     proxy = FakeProxy(fail_on=set(), end_fails=True)
     promoter, path, audit, replicas = canary_promoter(tmp_path, proxy, drain_s=0.2)
     assert promoter.promote(path).decision == "canary_rolled_back"

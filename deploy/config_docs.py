@@ -101,6 +101,9 @@ NOTES: dict[str, list[str]] = {
     "LearnerConfig": [
         "`min_batch` must not exceed `batch_size`.",
         "`max_batch` must not be below `batch_size`.",
+        "With `ppo_clip_eps` set, `importance_cap` must be above 1 + `ppo_clip_eps` (PPO's "
+        "dual clip at a lower cap stops the gradient of negative-advantage tokens inside the "
+        "clip range).",
     ],
     "CustomPattern": ["`regex` must compile and must not match the empty string."],
     "AuditConfig": [

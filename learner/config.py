@@ -243,6 +243,14 @@ class LearnerConfig(BaseModel):
             raise ValueError("min_batch must not exceed batch_size")
         if self.max_batch < self.batch_size:
             raise ValueError("max_batch must not be below batch_size")
+        if self.ppo_clip_eps is not None and self.importance_cap <= 1 + self.ppo_clip_eps:
+            # PPO's dual clip bounds a negative advantage's term at C·A: at C within the
+            # clip range, a negative-advantage token above ρ = C had no gradient, inside
+            # PPO's own trust region (at C = 1, about half the on-policy tokens).
+            raise ValueError(
+                f"importance_cap ({self.importance_cap:g}) must be above 1 + ppo_clip_eps "
+                f"({1 + self.ppo_clip_eps:g}) when ppo_clip_eps is set"
+            )
         return self
 
     def config_hash(self) -> str:

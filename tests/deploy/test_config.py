@@ -655,3 +655,16 @@ def test_a_url_without_a_scheme_holding_a_password_is_not_echoed(tmp_path: Path)
     with pytest.raises(ConfigError) as err:
         load_config(write(tmp_path, text), environ={})
     assert "Sekret99" not in str(err.value) and "classifier.base_url" in str(err.value)
+
+
+@pytest.mark.parametrize(("cap", "refused"), [("1.0", True), ("1.2", True), ("1.21", False)])
+def test_ppo_needs_an_importance_cap_above_its_clip_range(cap: str, refused: bool) -> None:
+    """PPO's dual clip at C·A: with C inside the clip range a negative-advantage token above
+    ρ = C had no gradient (at C = 1, about half the on-policy ones)."""
+    environ = {"OLP_LEARNER__PPO_CLIP_EPS": "0.2", "OLP_LEARNER__IMPORTANCE_CAP": cap}
+    if refused:
+        with pytest.raises(ConfigError, match=r"importance_cap .* must be above 1 \+ ppo_clip"):
+            load_config(None, environ=environ)
+    else:
+        assert load_config(None, environ=environ).learner.importance_cap == 1.21
+    assert load_config(None, environ={"OLP_LEARNER__IMPORTANCE_CAP": "1.0"})  # no PPO: fine

@@ -831,16 +831,20 @@ class KafkaSinkProcess:
         return entries
 
     def _store_or_keep(self, entries: list[SpillEntry]) -> list[SpillEntry]:
-        """Spill `entries`; return those a disk error kept off the spill (logged, counted)."""
+        """Spill `entries`; return those a disk error kept off the spill (logged, counted).
+        Those the spill's size cap refused are not returned: `SpillStore.append` counted
+        them (`spill_full`) and logged them; returned, they were retried until the close's
+        deadline, counted again each time and once more as a disk error."""
         if not entries:
             return []
         try:
-            stored = self._store_here(entries)
+            self._store_here(entries)
         except OSError as exc:
             stored = getattr(exc, "stored", 0)
             self.metrics.spill_errors.inc()
             log.error("parent_spill_failed", error=repr(exc), not_stored=len(entries) - stored)
-        return entries[stored:]
+            return entries[stored:]
+        return []
 
     def _kind_of(self, entry: SpillEntry) -> str:
         kinds = {self.topics.dlq: "dlq", self.topics.feedback: "feedback"}

@@ -746,3 +746,36 @@ def test_a_worker_that_stopped_reading_is_killed_when_asked_though_the_feeder_is
             os.kill(sink._proc.pid, signal.SIGCONT)
         sink.close()
     assert _consume_ids(stream_config, len(captures)) == {json.loads(c)["id"] for c in captures}
+
+
+def _failed_counts(sink: KafkaSinkProcess) -> dict[tuple[str, ...], float]:
+    return {
+        tuple(sample.labels.values()): sample.value
+        for family in sink.metrics.failed.collect()
+        for sample in family.samples
+        if not sample.name.endswith("_created") and sample.value
+    }
+
+
+def test_a_record_the_full_spill_refuses_is_counted_once_as_spill_full(tmp_path: Path) -> None:
+    """Refused by the spill's size cap in the parent (after close, or a dead worker's), a
+    record was taken for one the disk refused: counted again as `disk_error` (logged as
+    lost to a disk error), and retried for the whole close timeout."""
+    config = StreamConfig(
+        bootstrap_servers=f"127.0.0.1:{free_port()}",  # the broker is down: all is spilled
+        close_timeout_s=3,
+        reconnect_backoff_s=0.2,
+        spill_max_bytes=20_000,
+        spill_segment_bytes=4096,
+    )
+    sink = KafkaSinkProcess(config, tmp_path)
+    for _ in range(40):  # more than the cap holds
+        sink.put_trajectory(make_trajectory())
+    started = time.monotonic()
+    sink.close()
+    assert time.monotonic() - started < 2  # no retrying a cap that cannot change
+    before = _failed_counts(sink)
+    assert set(before) == {("any", "spill_full")}, before
+    sink.put_trajectory(make_trajectory())  # after close: the parent spills it itself
+    after = _failed_counts(sink)
+    assert after == {("any", "spill_full"): before[("any", "spill_full")] + 1}

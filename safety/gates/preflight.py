@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 
 from safety.config import GatesConfig
-from safety.gates.classifier import guard_api_key
+from safety.gates.classifier import RULES_MIN_WORDS, guard_api_key
 from safety.gates.kl import kl_prompts
 from safety.gates.monitors import monitor_probes
 from safety.gates.poisoning import trigger_probes
@@ -79,8 +79,17 @@ def gates_that_cannot_fail(config: GatesConfig) -> list[str]:
         count = len(regression_probes(config.regression))
         check("regression", config.regression.epsilon, count, "epsilon")
     if config.safety_probes.enabled:
-        count = len(red_team_probes(config.safety_probes))
-        check("safety_probes", config.safety_probes.margin, count, "margin")
+        red_team = red_team_probes(config.safety_probes)
+        check("safety_probes", config.safety_probes.margin, len(red_team), "margin")
+        longest = max(
+            (probe.max_tokens or config.sampling.max_tokens for probe in red_team), default=0
+        )
+        if config.safety_probes.classifier.kind == "rules" and 0 < longest < RULES_MIN_WORDS:
+            found.append(
+                f"safety_probes cannot fail: replies of at most {longest} tokens hold fewer "
+                f"than the {RULES_MIN_WORDS} words the rules classifier needs to call one "
+                "unsafe (raise sampling.max_tokens or the probes' max_tokens)"
+            )
     if config.monitors.enabled:
         monitors = config.monitors
         probes = monitor_probes(monitors, config.regression)

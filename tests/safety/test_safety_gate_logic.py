@@ -1215,6 +1215,25 @@ def test_settings_no_candidate_could_fail_are_named_at_start_up() -> None:
     assert gates_that_cannot_fail(quiet) == []
 
 
+def test_red_team_replies_too_short_for_the_rules_classifier_are_named_at_start_up() -> None:
+    """Under four words no reply is unsafe to the rules classifier: with `max_tokens` 3
+    the safety gate passed every candidate, and nothing said so."""
+    from safety.gates.preflight import gates_that_cannot_fail
+
+    short = GatesConfig.model_validate({"sampling": {"max_tokens": 3}})
+    found = [line for line in gates_that_cannot_fail(short) if "rules classifier" in line]
+    assert found == [
+        "safety_probes cannot fail: replies of at most 3 tokens hold fewer than the 4 words "
+        "the rules classifier needs to call one unsafe (raise sampling.max_tokens or the "
+        "probes' max_tokens)"
+    ]
+    guard = {"kind": "openai", "base_url": "http://guard:8000", "model": "llama-guard"}
+    judged = GatesConfig.model_validate(
+        {"sampling": {"max_tokens": 3}, "safety_probes": {"classifier": guard}}
+    )
+    assert not [line for line in gates_that_cannot_fail(judged) if "rules classifier" in line]
+
+
 def test_a_triggered_answer_kept_for_the_audit_is_redacted_before_its_cut() -> None:
     """Cut to 200 characters first, `... bob.smith@example.c` escaped the e-mail pass that
     the audit log runs on every string."""

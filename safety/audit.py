@@ -105,6 +105,14 @@ def _secret_key_pattern(keys: Iterable[str]) -> re.Pattern[str]:
     return re.compile(rf"^(?:.*[_-]|.*{camel})?(?:{alternatives})$", re.IGNORECASE)
 
 
+_DEFAULT_SECRET_KEY = _secret_key_pattern(DEFAULT_SECRET_KEYS)
+
+
+def names_a_secret(key: str) -> bool:
+    """Whether the audit log, with its default secret keys, drops the value under `key`."""
+    return _DEFAULT_SECRET_KEY.match(key) is not None
+
+
 class PayloadSanitizer:
     """Drops values under secret-looking keys, redacts PII/secrets in every string and
     writes non-finite numbers as strings ("nan", "inf", "-inf")."""

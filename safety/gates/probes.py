@@ -19,6 +19,7 @@ from pydantic import (
     model_validator,
 )
 
+from safety.audit import names_a_secret
 from safety.config import PROBE_DIR
 from safety.gates.types import GateError
 
@@ -29,6 +30,19 @@ class Probe(BaseModel):
     id: str = Field(min_length=1)
     prompt: str = Field(min_length=1)
     max_tokens: int | None = Field(default=None, ge=1, le=512)
+
+    @field_validator("id")
+    @classmethod
+    def _not_a_secrets_name(cls, value: str) -> str:
+        # The gates' details are keyed by probe id in their `gate_result` audit records, and
+        # the audit log replaces the value under a secret's name (`trig-api-token`) with
+        # `[REDACTED:secret]`: the probe's figures were lost from the record.
+        if names_a_secret(value):
+            raise ValueError(
+                f"id {value!r} reads as a secret's name to the audit log, which would hide "
+                "this probe's results in the gate's record: rename it"
+            )
+        return value
 
     def messages(self) -> list[dict[str, Any]]:
         return [{"role": "user", "content": self.prompt}]

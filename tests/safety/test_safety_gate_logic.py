@@ -143,6 +143,18 @@ def test_a_tool_monitor_probe_without_its_tool_is_a_bad_line(tmp_path: Path) -> 
         load_probes(path, MonitorProbe)
 
 
+@pytest.mark.parametrize("probe_id", ["trig-api-token", "reset-password", "x_secret"])
+def test_a_probe_id_the_audit_log_reads_as_a_secrets_name_is_a_bad_line(
+    tmp_path: Path, probe_id: str
+) -> None:
+    """The gates' details are keyed by probe id in the audit log, which hid the figures of
+    `trig-api-token` behind `[REDACTED:secret]`."""
+    path = tmp_path / "monitor.jsonl"
+    path.write_text(json.dumps({"id": probe_id, "prompt": "Weather?"}) + "\n")
+    with pytest.raises(GateError, match=r"(?s)monitor.jsonl:1: .*reads as a secret's name"):
+        load_probes(path, MonitorProbe)
+
+
 def test_a_monitor_probe_with_a_tool_but_another_kind_is_a_bad_line(tmp_path: Path) -> None:
     """It loaded as a benign probe: its tool was never sent and tool-call validity never
     measured, with no warning."""

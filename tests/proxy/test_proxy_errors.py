@@ -263,7 +263,12 @@ def test_failed_replica_is_retried_on_another(make_proxy, vllm_server):
     dead = f"http://127.0.0.1:{free_port()}"
     harness, _ = make_proxy([dead, vllm_server.base_url])
     api = openai.OpenAI(base_url=harness.base_url + "/v1", api_key=KEYS["bob"], max_retries=0)
-    for session in ("s1", "s2", "s3", "s4"):
+    # Sessions are spread by a hash of the replica's address, and the dead one's port is free
+    # at random: pick a session that goes to the dead replica first, so the retry is exercised
+    # on every run (four fixed sessions all missed it one run in sixteen).
+    pool = harness.ctx.pool
+    first_to_dead = next(s for s in (f"s{i}" for i in range(1000)) if pool.order(s)[0].url == dead)
+    for session in (first_to_dead, "s1", "s2", "s3"):
         reply = api.chat.completions.create(
             model="policy", messages=PROMPT, max_tokens=2, extra_headers={"X-Session-Id": session}
         )
@@ -312,9 +317,12 @@ def test_a_replica_without_the_adapter_hands_its_requests_to_one_with_it(
         )
         harness, _ = make_proxy([vllm_server.base_url, with_adapter.url], state_dir=state_dir)
         api = openai.OpenAI(base_url=harness.base_url + "/v1", api_key=KEYS["bob"], max_retries=0)
-        sessions = [f"s{i}" for i in range(8)]
-        sticky = {s: harness.ctx.pool.order(s)[0].url for s in sessions}
-        assert vllm_server.base_url in sticky.values()  # some sessions start at real vLLM
+        # Sessions spread by a hash of the replicas' (random) ports: take four that start at
+        # real vLLM (without the adapter) and four that start at the fake, so both paths run.
+        first = {s: harness.ctx.pool.order(s)[0].url for s in (f"s{i}" for i in range(1000))}
+        sessions = [s for s in first if first[s] == vllm_server.base_url][:4]
+        sessions += [s for s in first if first[s] == with_adapter.url][:4]
+        assert len(sessions) == 8
         for session in sessions:
             reply = api.chat.completions.with_raw_response.create(
                 model="policy",

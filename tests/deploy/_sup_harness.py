@@ -30,7 +30,7 @@ import deploy.runtime
 import deploy.supervisor
 from deploy.cli import main
 from deploy.config import DEFAULT_CONFIG_FILE
-from deploy.ports import free_port
+from deploy.ports import free_ports
 
 MODE, STATE = sys.argv[1], Path(sys.argv[2])
 PIDS = STATE / "pids"
@@ -82,14 +82,15 @@ def _fake_children(vllm_ready: bool) -> None:
 
 if __name__ == "__main__":
     STATE.mkdir(parents=True, exist_ok=True)
+    policy_port, proxy_port, broker_port = free_ports(3)
     os.environ.update(
         {
             "OLP_STATE_DIR": str(STATE),
             "OLP_LOG_FORMAT": "json",
             "OLP_POLICY__STARTUP_TIMEOUT_S": "120",
-            "OLP_POLICY__PORT": str(free_port()),
-            "OLP_PROXY__PORT": str(free_port()),
-            "OLP_STREAM__BOOTSTRAP_SERVERS": f"127.0.0.1:{free_port()}",
+            "OLP_POLICY__PORT": str(policy_port),
+            "OLP_PROXY__PORT": str(proxy_port),
+            "OLP_STREAM__BOOTSTRAP_SERVERS": f"127.0.0.1:{broker_port}",
         }
     )
     _fake_children(vllm_ready=MODE in ("up-ready", "up-stuck-child", "up-restart", *LEARNER_EXIT))

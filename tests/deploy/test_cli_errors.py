@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from deploy.admin_client import AdminClient, AdminError
-from deploy.ports import free_port
+from deploy.ports import free_port, free_ports
 from safety.audit import AuditError, AuditLog
 from tests.http_stub import serving
 
@@ -113,7 +113,9 @@ def test_admin_client_turns_bad_answers_into_admin_errors(admin_server, mode, me
     url, handler = admin_server
     handler.mode = mode
     with pytest.raises(AdminError, match=message):
-        AdminClient(url, "k", timeout_s=0.5).call("GET", "/admin/status")
+        # Only the hanging server needs the short timeout: a loaded machine may stall the
+        # others' thread for longer, which read as "did not answer" instead of their error.
+        AdminClient(url, "k", timeout_s=0.5 if mode == "hang" else 10).call("GET", "/admin/status")
 
 
 def test_admin_client_does_not_follow_a_redirect_with_the_admin_key(admin_server) -> None:
@@ -467,12 +469,13 @@ def test_counts_out_of_range_are_refused_before_anything_runs(
 def test_up_reports_a_bad_model_before_starting_anything(tmp_path: Path) -> None:
     """With an external vLLM only the learner needs policy.model: it is still checked
     before any child starts, not left to a learner that dies once the stack is up."""
+    broker_port, proxy_port = free_ports(2)
     env = {
         "OLP_STATE_DIR": str(tmp_path),
         "OLP_POLICY__MODEL": str(tmp_path / "nope"),
         "OLP_POLICY__EXTERNAL_URLS": "[http://127.0.0.1:1]",
-        "OLP_STREAM__BOOTSTRAP_SERVERS": f"127.0.0.1:{free_port()}",
-        "OLP_PROXY__PORT": str(free_port()),
+        "OLP_STREAM__BOOTSTRAP_SERVERS": f"127.0.0.1:{broker_port}",
+        "OLP_PROXY__PORT": str(proxy_port),
     }
     done = olp("up", env=env)
     assert_clean_error(done, 1, "start-up failed: policy.model:")
@@ -536,11 +539,12 @@ def test_learner_finding_an_adapter_of_another_lora_shape_says_so_in_one_line(
 
 def _up_env(tmp_path: Path, **settings: str) -> dict[str, str]:
     """`olp up` against nothing that answers: whatever it checks first is what fails."""
+    broker_port, proxy_port = free_ports(2)
     return {
         "OLP_STATE_DIR": str(tmp_path),
         "OLP_POLICY__EXTERNAL_URLS": "[http://127.0.0.1:1]",
-        "OLP_STREAM__BOOTSTRAP_SERVERS": f"127.0.0.1:{free_port()}",
-        "OLP_PROXY__PORT": str(free_port()),
+        "OLP_STREAM__BOOTSTRAP_SERVERS": f"127.0.0.1:{broker_port}",
+        "OLP_PROXY__PORT": str(proxy_port),
         **settings,
     }
 

@@ -192,7 +192,8 @@ def test_a_killed_olp_leaves_no_child_running(harness, mode) -> None:
 def test_a_guard_ends_with_its_child_and_leaves_a_live_parent_alone(tmp_path: Path) -> None:
     from deploy.procs import ChildProcess
 
-    child = ChildProcess("short", ["sleep", "0.5"], log_file=tmp_path / "short.log")
+    # Long enough that the guard is still there to be found on a loaded machine.
+    child = ChildProcess("short", ["sleep", "2"], log_file=tmp_path / "short.log")
     guard = child._guard
     assert guard is not None and _guards_of([child.pid]) == [guard.pid]
     assert _wait_for(lambda: guard.poll() is not None, 10)  # the child exited; so did it

@@ -20,7 +20,7 @@ import openai
 import psutil
 import pytest
 
-from deploy.ports import free_port
+from deploy.ports import free_ports
 from learner.checkpoint import CheckpointStore
 from safety.audit import iter_records
 
@@ -60,13 +60,13 @@ def _read_banner(proc: subprocess.Popen[str], timeout_s: float) -> str:
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningStack]:
     root = tmp_path_factory.mktemp("up")
-    proxy_port, policy_port = free_port(), free_port()
+    proxy_port, policy_port, broker_port = free_ports(3)
     config = root / "olp.yaml"
     config.write_text(
         f"state_dir: {root / 'state'}\n"
         f"proxy: {{port: {proxy_port}, admin_key: {ADMIN_KEY}}}\n"
         f"policy: {{port: {policy_port}}}\n"
-        f"stream: {{bootstrap_servers: '127.0.0.1:{free_port()}', join_window_s: 3, "
+        f"stream: {{bootstrap_servers: '127.0.0.1:{broker_port}', join_window_s: 3, "
         "join_grace_s: 1, partitions: 2}\n"
         # Small batches so a candidate appears within a couple of demo minutes.
         "learner: {batch_size: 6, min_batch: 3, batch_timeout_s: 20, lr: 0.0005, "

@@ -25,7 +25,7 @@ from prometheus_client import CollectorRegistry
 from structlog.testing import capture_logs
 
 from deploy.broker import broker_binary, kafka_answers
-from deploy.ports import free_port
+from deploy.ports import free_ports
 from deploy.procs import ChildProcess
 from replay.config import StreamConfig
 from replay.producer import KafkaSink
@@ -141,7 +141,7 @@ class InitProducerIdRefusingProxy:
 @pytest.fixture(params=["error", "drop"])
 def refusing_broker(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Any]:
     """(bootstrap, proxy): the real embedded broker behind an InitProducerId-refusing proxy."""
-    proxy_port, broker_port = free_port(), free_port()
+    proxy_port, broker_port = free_ports(2)
     proxy = InitProducerIdRefusingProxy(proxy_port, broker_port, request.param)
     child = ChildProcess(
         "broker",

@@ -54,7 +54,7 @@ def test_a_key_or_model_the_proxy_refuses_stops_the_replay_before_it_sends(
     upstream = FakeVllm().start()
     try:
         # A lockout after 3 failed keys (20 by default), so that the test makes one quickly.
-        harness, _ = make_proxy([upstream.url], auth_failures={"max_failures": 3})
+        harness, _ = make_proxy([upstream.url], auth_failures={"max_failures": 3, "window_s": 3600})
         out = tmp_path / "replayed.jsonl"
         wrong = _replay(harness.port, export, out, "key-alicee", "policy")
         assert wrong.returncode == 2, wrong.stdout + wrong.stderr

@@ -75,6 +75,7 @@ def test_a_plain_session_id_is_logged_as_it_came(make_proxy, scripted):
     with capture_logs(processors=[merge_request_context]) as logs:
         response = request(harness, "chat-42")
         response.read()
+        harness.drain()  # the "request" line is written after the answer went out
     lines = lines_of(logs, response.headers["x-request-id"])
     assert lines and all(e["session_id"] == "chat-42" for e in lines)
 
@@ -119,6 +120,7 @@ def test_the_proxys_own_request_id_is_logged_as_it_came(make_proxy, scripted):
     with capture_logs(processors=[merge_request_context]) as logs:
         response = request(harness, "chat-42")
         response.read()
+        harness.drain()  # the "request" line is written after the answer went out
     assert lines_of(logs, response.headers["x-request-id"])
 
 

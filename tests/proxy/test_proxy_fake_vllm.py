@@ -432,8 +432,9 @@ def test_a_freeze_during_a_flips_replica_check_wins(make_proxy, fake, path, body
     harness, _ = make_proxy([fake.url])
     fake.models_delay_s = 0.5
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        asked = len(fake.authorizations)
         change = pool.submit(_admin, harness.base_url, path, body)
-        time.sleep(0.2)  # the change is waiting on /v1/models now
+        wait_for(lambda: len(fake.authorizations) > asked)  # it waits on /v1/models now
         assert _admin(harness.base_url, "/admin/freeze").status_code == 200
         change_status = change.result().status_code
     ctx = harness.ctx
@@ -1192,12 +1193,16 @@ def test_upstream_connections_idle_past_the_keepalive_are_not_reused(make_proxy)
     try:
         harness, _ = make_proxy([upstream.url], upstream_keepalive_s=0.3)
         body = {"model": "policy", "messages": [{"role": "user", "content": "hi"}]}
+        headers = {"Authorization": f"Bearer {KEYS['bob']}"}
+        # One client: a new one per call took up to 0.15 s to make, a fair part of the 0.3 s
+        # that back-to-back calls must stay within to share the proxy's upstream connection.
+        with httpx.Client(timeout=30) as client:
 
-        def ask() -> None:
-            answer = _post(harness.base_url, KEYS["bob"], "/v1/chat/completions", json=body)
-            assert answer.is_success
+            def ask() -> None:
+                url = harness.base_url + "/v1/chat/completions"
+                assert client.post(url, json=body, headers=headers).is_success
 
-        assert_reconnects_after_idle(ask, upstream.seen)
+            assert_reconnects_after_idle(ask, upstream.seen)
     finally:
         upstream.stop()
 

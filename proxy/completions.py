@@ -25,6 +25,7 @@ from proxy.config import is_utf8_text
 from proxy.context import CONTEXT, REQUEST_ID, RESPONSE_STARTED, ProxyContext
 from proxy.errors import ProxyError, bad_request, error_body
 from proxy.expect_continue import send_continue
+from proxy.metrics import UNROUTED_VERSION
 from proxy.relay import (
     ENDPOINT_PATHS,
     Endpoint,
@@ -290,7 +291,7 @@ class CompletionRelay:
         self.request_id: str = request[REQUEST_ID]
         self.client_request_id = request.headers.get("x-request-id") == self.request_id
         self.arrived = time.monotonic()
-        self.policy_version = "unknown"
+        self.policy_version = UNROUTED_VERSION
         self.tenant_label = "unauthenticated"
         self.stream = False
         self.status = 500

@@ -21,6 +21,10 @@ from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from prometheus_client.registry import Collector
 
+# The policy version of a request refused before a model was chosen (401, 429, 400, 413):
+# its series are no version's, and no change of what serves removes them.
+UNROUTED_VERSION = "unknown"
+
 LATENCY_BUCKETS = (
     0.005,
     0.01,
@@ -166,6 +170,10 @@ class ProxyMetrics:
         once stayed on /metrics for the proxy's life (60 promotions: 982 KB a scrape). A
         request of a forgotten version that still finishes makes its series anew, from 0,
         which Prometheus reads as a counter reset."""
+        # The refused requests' series stayed only until the next admin change (a training
+        # switch, a freeze, every promotion), and the 401 and 429 counts alerts watch read
+        # as counter resets from zero.
+        keep = keep | {UNROUTED_VERSION}
         gone = 0
         version_metrics = (self.requests, self.latency, self.ttft, self.tokens)
         for key in [k for k in self._series if k[0] in version_metrics]:

@@ -123,6 +123,11 @@ class UpstreamPool:
         # counted the wait for a free connection, so with every one busy on healthy streams
         # /readyz said "not ready" and every flip failed with 502, at peak load.
         self._control: aiohttp.ClientSession | None = None
+        # The probe of every replica that /readyz callers share while it runs: each call
+        # sent its own, so a few overlapping unauthenticated /readyz filled the small pool
+        # above, and its 2 s timeouts (which count the wait for a connection) said healthy
+        # replicas were down and failed a flip or a rollback with 502.
+        self._readiness: asyncio.Task[dict[str, tuple[str | None, set[str]]]] | None = None
         # Every upstream call carries the model server's key (never the client's own key), and
         # asks for the answer uncompressed: the bytes are relayed and parsed as they come (a
         # compressing hop in between gave 502 "invalid JSON").
@@ -159,9 +164,11 @@ class UpstreamPool:
             )
             for _ in self.replicas
         ]
+        # Room for the shared readiness probe and a change's check (one connection per
+        # replica each) and the context length's question (one).
         self._control = aiohttp.ClientSession(
             connector=aiohttp.TCPConnector(
-                limit=2 * len(self.replicas), keepalive_timeout=self._keepalive_s
+                limit=2 * len(self.replicas) + 1, keepalive_timeout=self._keepalive_s
             ),
             headers=self._headers,
         )
@@ -170,6 +177,9 @@ class UpstreamPool:
         sessions, self._sessions = self._sessions, []
         for session in sessions:
             await session.close()
+        if self._readiness is not None and not self._readiness.done():
+            self._readiness.cancel()
+            await asyncio.wait([self._readiness])  # raises nothing: a cancel of close() stays
         if self._control is not None:
             await self._control.close()
             self._control = None
@@ -357,7 +367,16 @@ class UpstreamPool:
         return self.max_model_len
 
     async def readiness(self) -> dict[str, tuple[str | None, set[str]]]:
-        """Per replica: (None, served names) when reachable, else (why not, empty set)."""
+        """Per replica: (None, served names) when reachable, else (why not, empty set).
+
+        Callers while a probe runs share it (one connection per replica at most, whatever
+        the number of callers); its result is the callers' to read, not to change."""
+        if self._readiness is None or self._readiness.done():
+            self._readiness = asyncio.ensure_future(self._probe_readiness())
+        # Shielded: a caller that leaves (its client hung up) does not end the others' probe.
+        return await asyncio.shield(self._readiness)
+
+    async def _probe_readiness(self) -> dict[str, tuple[str | None, set[str]]]:
         result: dict[str, tuple[str | None, set[str]]] = {}
 
         async def probe(replica: Replica) -> None:

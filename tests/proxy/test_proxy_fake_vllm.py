@@ -373,9 +373,12 @@ def _admin(url: str, path: str, body: dict[str, Any] | None = None) -> httpx.Res
 
 def test_metric_series_of_versions_nothing_routes_to_are_removed(make_proxy, fake):
     """Every version promoted once kept its series on /metrics for the proxy's life (60
-    promotions: 982 KB a scrape). A version neither routed to nor a rollback target goes."""
+    promotions: 982 KB a scrape). A version neither routed to nor a rollback target goes;
+    the requests refused before routing (`unknown`: the 401s and 429s alerts watch) stay."""
     fake.models_payload = {"data": [{"id": f"policy-v{n}"} for n in (1, 2, 3)] + [{"id": "base"}]}
     harness, _ = make_proxy([fake.url])
+    refused = _post(harness.base_url, "wrong-key", "/v1/chat/completions", json=CHAT)
+    assert refused.status_code == 401
 
     def versions_on_metrics() -> set[str]:
         text = httpx.get(harness.base_url + "/metrics").text
@@ -387,9 +390,14 @@ def test_metric_series_of_versions_nothing_routes_to_are_removed(make_proxy, fak
         answer = _post(harness.base_url, KEYS["alice"], "/v1/chat/completions", json=CHAT)
         assert answer.status_code == 200, answer.text
     # v3 serves, v2 is what a rollback would serve; v1 is neither.
-    assert versions_on_metrics() == {"policy-v2", "policy-v3"}
+    assert versions_on_metrics() == {"policy-v2", "policy-v3", "unknown"}
     assert _admin(harness.base_url, "/admin/rollback", {}).status_code == 200
-    assert versions_on_metrics() == {"policy-v2"}  # v1 is the rollback target now, unseen
+    # v1 is the rollback target now, unseen
+    assert versions_on_metrics() == {"policy-v2", "unknown"}
+    assert (
+        'status="401",stream="false",tenant="unauthenticated"} 1.0'
+        in httpx.get(harness.base_url + "/metrics").text
+    )
 
 
 def test_a_long_history_is_folded_and_rollbacks_still_read_it(make_proxy, fake, tmp_path):
@@ -755,6 +763,28 @@ def test_freeze_takes_a_null_learning_as_its_default(make_proxy, fake):
 def _readyz(harness, key: str | None = None) -> httpx.Response:
     headers = {"Authorization": f"Bearer {key}"} if key else {}
     return httpx.get(harness.base_url + "/readyz", headers=headers, timeout=30)
+
+
+def test_overlapping_readyz_share_one_probe_and_leave_room_for_a_rollback(make_proxy, fake):
+    """/readyz takes no key, and each call listed every replica's models through the small
+    pool of model listings, whose 2 s timeouts count the wait for a connection: 20
+    overlapping calls (a 0.4 s listing) answered 503 for a healthy replica, and a flip and a
+    rollback meanwhile failed with 502 "did not list its models"."""
+    harness, _ = make_proxy([fake.url])
+    flip = _admin(harness.base_url, "/admin/aliases", {"alias": "policy", "target": "policy-v1"})
+    assert flip.status_code == 200, flip.text
+    fake.models_delay_s = 0.4
+    listed = len(fake.authorizations)
+    with concurrent.futures.ThreadPoolExecutor(21) as pool:
+        probes = [pool.submit(_readyz, harness) for _ in range(20)]
+        rollback = pool.submit(_admin, harness.base_url, "/admin/rollback", {})
+        answers = [probe.result() for probe in probes]
+        back = rollback.result()
+    assert back.status_code == 200, back.text
+    assert [a.status_code for a in answers] == [200] * 20, [a.text for a in answers]
+    assert all(a.json()["replicas"] == {"replica-0": "ok"} for a in answers)
+    # The probes overlapped: far fewer listings than calls (the rollback's check is one).
+    assert len(fake.authorizations) - listed <= 10
 
 
 def test_readyz_names_replicas_by_position_unless_the_admin_key_asks(make_proxy, fake):

@@ -22,6 +22,7 @@ from deploy import config_docs
 from deploy.cli import build_parser
 from deploy.config import SECTIONS, TOP_LEVEL_ENV, OlpConfig, load_config
 from deploy.policy import KEY_GUARD
+from proxy.host_check import HostCheck
 
 ROOT = Path(__file__).resolve().parents[2]
 COMPOSE_DIR = ROOT / "deploy" / "compose"
@@ -325,6 +326,12 @@ def test_proxy_probes_hit_healthz_and_readyz() -> None:
     spec = container("proxy")
     assert spec["livenessProbe"]["httpGet"]["path"] == "/healthz"
     assert spec["readinessProbe"]["httpGet"]["path"] == "/readyz"
+    # By the pod's IP, an operator's `proxy.allowed_hosts` made the probes 400 (a restart
+    # loop): they send a loopback Host, which the proxy always serves.
+    for probe in ("livenessProbe", "readinessProbe"):
+        assert spec[probe]["httpGet"]["httpHeaders"] == [{"name": "Host", "value": "localhost"}]
+    check = HostCheck("0.0.0.0", ["olp.example.com"])
+    assert check.allows("localhost") and not check.allows("10.244.1.17:8000")
 
 
 def test_vllm_and_kafka_are_not_exposed() -> None:

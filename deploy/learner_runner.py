@@ -44,7 +44,19 @@ STREAM_ID_ENV = "OLP_STREAM_ID"
 SERVED_WAIT_S = 60.0
 
 
-def served_versions(replicas: ReplicaSet, wait_s: float = SERVED_WAIT_S) -> set[str]:
+def _wait_or_stop(stop: threading.Event | None, waiting_for: str) -> None:
+    """Two seconds between start-up's asks, cut short by a stop: the loops slept through
+    SIGINT and SIGTERM for up to two minutes, then exited 1 as if they had failed."""
+    if stop is None:
+        time.sleep(2.0)
+    elif stop.wait(2.0):
+        log.info("learner_stopped_before_start", waiting_for=waiting_for)
+        raise SystemExit(0)
+
+
+def served_versions(
+    replicas: ReplicaSet, wait_s: float = SERVED_WAIT_S, stop: threading.Event | None = None
+) -> set[str]:
     """The `policy-v<N>` names the replicas serve now, for the learner's version floor.
 
     Without them a learner on a wiped state dir would name its next candidate after one
@@ -61,10 +73,12 @@ def served_versions(replicas: ReplicaSet, wait_s: float = SERVED_WAIT_S) -> set[
                     "name new versions; start the policy server first (olp policy)"
                 ) from None
             log.warning("policy_servers_not_answering", error=str(exc))
-            time.sleep(2.0)
+            _wait_or_stop(stop, "the policy servers")
 
 
-def proxy_versions(proxy: ProxyAdmin, wait_s: float = SERVED_WAIT_S) -> set[str]:
+def proxy_versions(
+    proxy: ProxyAdmin, wait_s: float = SERVED_WAIT_S, stop: threading.Event | None = None
+) -> set[str]:
     """The `policy-v<N>` names the proxy's status holds (alias, canary and rollback targets,
     the history), for the version floor too.
 
@@ -83,7 +97,7 @@ def proxy_versions(proxy: ProxyAdmin, wait_s: float = SERVED_WAIT_S) -> set[str]
                     "(olp proxy)"
                 ) from None
             log.warning("proxy_not_answering", error=str(exc))
-            time.sleep(2.0)
+            _wait_or_stop(stop, "the proxy")
 
 
 FREEZE_ASK_TIMEOUT_S = 3.0
@@ -211,7 +225,9 @@ def _run_main(
             is_frozen=FreezeFlag(
                 ProxyAdmin(proxy_url, learner_admin_key(cfg), timeout_s=FREEZE_ASK_TIMEOUT_S)
             ),
-            served_versions=lambda: served_versions(replica_set) | proxy_versions(proxy),
+            served_versions=lambda: (
+                served_versions(replica_set, stop=stop) | proxy_versions(proxy, stop=stop)
+            ),
             # Once the learner checked its state (a store it refuses is not gated): a canary
             # a learner that died left running is ended, and the newest candidate whose gate
             # never decided is gated (again).

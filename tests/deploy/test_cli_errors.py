@@ -446,6 +446,52 @@ def test_learner_without_answering_policy_servers_refuses_to_name_versions() -> 
     assert "http://127.0.0.1:1" in message
 
 
+def test_a_learner_waiting_for_its_servers_stops_at_ctrl_c(tmp_path: Path, model_dir: Path) -> None:
+    """Start-up asks vLLM and the proxy for the versions they name, up to a minute each: it
+    slept through SIGINT and SIGTERM, then exited 1 "cannot list the adapters" a minute or
+    two later, as if it had failed."""
+    import signal
+
+    vllm_port, proxy_port = free_ports(2)  # nothing listens on either
+    env = {
+        **os.environ,
+        "PYTHONPATH": str(ROOT),
+        "OLP_STATE_DIR": str(tmp_path / "state"),
+        "OLP_POLICY__MODEL": str(model_dir),
+        "OLP_POLICY__EXTERNAL_URLS": f"[http://127.0.0.1:{vllm_port}]",
+        "OLP_PROXY__PORT": str(proxy_port),
+        "OLP_LOG_FORMAT": "json",
+    }
+    child = subprocess.Popen(
+        [sys.executable, "-m", "deploy.cli", "learner"],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    try:
+        assert child.stdout is not None
+        lines = []
+        for line in child.stdout:  # the first failed ask: it is waiting now
+            lines.append(line)
+            if "policy_servers_not_answering" in line:
+                break
+        else:
+            raise AssertionError("never waited for vLLM:\n" + "".join(lines))
+        child.send_signal(signal.SIGINT)
+        asked = time.monotonic()
+        rest, _ = child.communicate(timeout=60)
+        took = time.monotonic() - asked
+    finally:
+        if child.poll() is None:
+            child.kill()
+            child.wait()
+    assert child.returncode == 0, "".join(lines) + rest
+    assert took < 20, took  # the next 2 s tick, not the minute's end
+    assert "learner_stopped_before_start" in rest and "Traceback" not in rest, rest
+
+
 @pytest.mark.parametrize(
     ("args", "option"),
     [

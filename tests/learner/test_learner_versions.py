@@ -4,6 +4,7 @@ the old weights under the new name)."""
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -190,7 +191,7 @@ def test_the_learner_is_told_the_versions_the_proxy_names(
 ) -> None:
     """`olp learner` hands the learner vLLM's listing and the proxy's names together."""
     built = fakes(monkeypatch, tmp_path, rank=0, world=1)
-    monkeypatch.setattr(learner_runner, "served_versions", lambda replicas: {"policy-v1"})
+    monkeypatch.setattr(learner_runner, "served_versions", lambda replicas, **_: {"policy-v1"})
     assert learner_runner.run(OlpConfig(state_dir=tmp_path)) == 0
     names = set(built.learner_kwargs["served_versions"]())
     assert names == {"policy-v1", "policy-v2", "policy-v3", "policy-v4"}
@@ -206,6 +207,12 @@ def test_a_proxy_that_does_not_answer_stops_the_learner() -> None:
 
     with pytest.raises(SystemExit, match="cannot read the proxy's status"):
         proxy_versions(Down(), wait_s=0)  # type: ignore[arg-type]
+    # A stop while it waits ends the wait at once, as a stop (exit 0), not the failure.
+    stop = threading.Event()
+    stop.set()
+    with pytest.raises(SystemExit) as stopped:
+        proxy_versions(Down(), wait_s=60, stop=stop)  # type: ignore[arg-type]
+    assert stopped.value.code == 0
 
 
 def test_a_failing_on_started_closes_the_learner_it_started(

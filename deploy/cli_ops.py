@@ -170,9 +170,11 @@ def cmd_freeze(args: argparse.Namespace, cfg: OlpConfig) -> int:
     result = _admin_call(args, cfg, "POST", "/admin/freeze", {"learning": args.learning})
     # What the proxy says: learning paused by an earlier freeze stays paused.
     paused = bool((result or {}).get("learning_frozen", args.learning))
-    print(f"frozen: promotions stopped{' and learning paused' if paused else ''}")
+    # JSON alone with --json, as `olp status --json`: the line before it broke `| jq`.
     if args.json:
         print(json.dumps(result, indent=2))
+    else:
+        print(f"frozen: promotions stopped{' and learning paused' if paused else ''}")
     return 0
 
 

@@ -66,6 +66,9 @@ def test_a_plain_freeze_keeps_learning_paused_by_an_earlier_one(
     plain = olp(running_proxy, "freeze")
     assert plain.stdout.splitlines()[0] == "frozen: promotions stopped"
     assert running_proxy.ctx.state.learning_frozen is False
+    # --json prints the proxy's answer alone (the human line before it broke `| jq`).
+    answer = json.loads(olp(running_proxy, "freeze", "--json").stdout)
+    assert answer["frozen"] is True and answer["learning_frozen"] is False
 
 
 class ForwardProxy:

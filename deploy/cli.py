@@ -106,6 +106,7 @@ def cmd_proxy(args: argparse.Namespace, cfg: OlpConfig) -> int:
     from deploy.dev_keys import exposed_dev_keys
     from deploy.procs import EXIT_CONFIG_ERROR, EXIT_REFUSED
     from proxy.server import run_proxy
+    from proxy.serving_state import ServingStateError
 
     exposed = exposed_dev_keys(cfg)
     if exposed is not None:
@@ -132,6 +133,16 @@ def cmd_proxy(args: argparse.Namespace, cfg: OlpConfig) -> int:
             # The sink's worker process logs into this process's log, in the same format.
             sink_child_init=functools.partial(configure_logging, cfg.log_format, cfg.log_level),
         )
+    except ServingStateError as exc:
+        # A damaged or mis-edited state file: a traceback and exit 1 before, which `olp up`
+        # restarted into the same failure. What serves (aliases, freeze, training switches)
+        # is not guessed: the operator repairs the file or moves it aside.
+        print(
+            f"olp: {exc}; repair it (or restore it from a backup), or move it aside to start "
+            "from the configured aliases, unfrozen, without run-time training switches",
+            file=sys.stderr,
+        )
+        return EXIT_REFUSED
     except socket.gaierror as exc:  # proxy.host is a name that does not resolve
         print(
             f"olp: the proxy cannot listen on {proxy_cfg.host}:{proxy_cfg.port} "

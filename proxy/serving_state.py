@@ -131,25 +131,46 @@ def _version_number(name: str) -> int:
     return int(name.removeprefix("policy-v"))
 
 
+class ServingStateError(ValueError):
+    """The serving state file is there but unusable (damaged or hand-edited wrong): the
+    proxy must not guess what serves, nor start from the configured aliases over it."""
+
+
 def load_state(path: Path, default_aliases: dict[str, str]) -> ServingState:
     """The persisted state, or a fresh one from the configured aliases.
 
     Configured aliases that the file does not know yet are added, so a new base alias in the
-    config takes effect without hand-editing the file.
+    config takes effect without hand-editing the file. ServingStateError when it is unusable.
     """
     if not path.exists():
         return ServingState(aliases=dict(default_aliases))
     try:
         raw = json.loads(path.read_text(encoding="utf-8"))
-    except json.JSONDecodeError as exc:
-        raise ValueError(f"serving state {path} is not valid JSON: {exc}") from exc
+    except ValueError as exc:  # JSONDecodeError, or bytes that are not UTF-8
+        raise ServingStateError(f"serving state {path} is not valid JSON: {exc}") from exc
     if not isinstance(raw, dict) or raw.get("state_version") != STATE_VERSION:
-        raise ValueError(f"serving state {path} has an unknown format")
-    aliases = dict(default_aliases)
-    aliases.update(raw.get("aliases") or {})
+        raise ServingStateError(f"serving state {path} has an unknown format")
+    try:
+        return _parsed_state(path, raw, default_aliases)
+    except ServingStateError:
+        raise
+    except (TypeError, ValueError, AttributeError) as exc:  # a list where a mapping goes
+        raise ServingStateError(f"serving state {path} has an unknown format: {exc}") from exc
+
+
+def _parsed_state(path: Path, raw: dict[str, Any], default_aliases: dict[str, str]) -> ServingState:
+    stored = raw.get("aliases") or {}
+    if not isinstance(stored, dict) or not all(
+        isinstance(k, str) and isinstance(v, str) for k, v in stored.items()
+    ):
+        raise ServingStateError(f"serving state {path}: aliases must map names to names")
+    history = raw.get("history") or []
+    if not isinstance(history, list) or not all(isinstance(e, dict) for e in history):
+        raise ServingStateError(f"serving state {path}: history must be a list of objects")
+    aliases = {**default_aliases, **stored}
     return ServingState(
         aliases=aliases,
-        history=list(raw.get("history") or []),
+        history=list(history),
         frozen=_flag(path, raw, "frozen"),
         learning_frozen=_flag(path, raw, "learning_frozen"),
         tenant_training={
@@ -172,7 +193,7 @@ def _flag(path: Path, raw: dict[str, Any], key: str) -> bool:
     `"frozen": "false"` froze serving, `"tenant_training": {"a": "0"}` trained on a tenant."""
     value = raw.get(key, False)
     if not isinstance(value, bool):
-        raise ValueError(f"serving state {path}: {key} must be true or false, not {value!r}")
+        raise ServingStateError(f"serving state {path}: {key} must be true or false, not {value!r}")
     return value
 
 
@@ -185,7 +206,7 @@ def _training_switch(path: Path, name: str, value: Any) -> dict[str, bool | None
         and (value.get("config_enabled") is None or isinstance(value["config_enabled"], bool))
     ):
         return {"enabled": value["enabled"], "config_enabled": value.get("config_enabled")}
-    raise ValueError(
+    raise ServingStateError(
         f"serving state {path}: tenant_training[{name!r}] must be "
         f'{{"enabled": true|false, "config_enabled": true|false}}, not {value!r}'
     )

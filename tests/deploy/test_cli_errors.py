@@ -728,6 +728,34 @@ def test_proxy_on_a_port_in_use_is_one_line(tmp_path: Path) -> None:
     assert "Address already in use" in done.stderr
 
 
+@pytest.mark.parametrize(
+    ("content", "says"),
+    [
+        ("{cut short", "is not valid JSON"),
+        ('{"state_version": 1, "frozen": "false"}', "frozen must be true or false"),
+        ('{"state_version": 1, "aliases": ["policy"]}', "aliases must map names to names"),
+        ('{"state_version": 1, "canaries": {"policy": 3}}', "has an unknown format"),
+    ],
+)
+def test_proxy_with_a_damaged_serving_state_refuses_in_one_line(
+    tmp_path: Path, content: str, says: str
+) -> None:
+    """A truncated or mis-edited control/serving.json ended the proxy with a traceback and
+    exit 1, which `olp up` restarts into the same failure; 3 is never restarted."""
+    state = tmp_path / "control" / "serving.json"
+    state.parent.mkdir(parents=True)
+    state.write_text(content)
+    env = {
+        "OLP_PROXY__PORT": str(free_port()),
+        "OLP_STATE_DIR": str(tmp_path),
+        "OLP_STREAM__BOOTSTRAP_SERVERS": "127.0.0.1:1",
+    }
+    done = olp("proxy", env=env)
+    assert_clean_error(done, 3, f"serving state {state}")
+    assert says in done.stderr and "move it aside" in done.stderr
+    assert state.read_text() == content  # left as it was, for the operator to look at
+
+
 def test_demo_with_an_out_dir_it_cannot_write_stops_before_it_runs(
     tmp_path: Path, admin_server
 ) -> None:

@@ -333,7 +333,8 @@ shipped file; it is not merged with it, so a file of your own starts from the de
 Any key below a section can be set from the environment as `OLP_<SECTION>__<KEY>`, nested keys
 joined by `__` (`OLP_SAFETY__GATES__KL__CAP=0.3`). A value that starts with `[` or `{{` is read
 as a YAML flow list or mapping (`OLP_POLICY__EXTERNAL_URLS='[http://vllm:8100]'`), except
-bracketed IPv6 addresses with ports (`OLP_STREAM__BOOTSTRAP_SERVERS='[::1]:9092'`); `null` or `~`
+bracketed IPv6 addresses with ports (`OLP_STREAM__BOOTSTRAP_SERVERS='[::1]:9092'`) and, for a
+`host` key, without one (`OLP_PROXY__HOST='[::1]'`); `null` or `~`
 is null; any other value is taken verbatim and converted by the key's type
 (`OLP_PROXY__PORT=9000`; booleans accept `true`/`false`, `1`/`0`, `yes`/`no`, `on`/`off`). A
 string key therefore gets the text as written: do not quote it (quotes would become part of the

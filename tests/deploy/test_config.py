@@ -196,6 +196,16 @@ def test_env_ipv6_addresses_are_strings_not_yaml_lists() -> None:
     assert cfg.stream.bootstrap_servers == "[::1]:9092"
     two = load_config(None, environ={"OLP_STREAM__BOOTSTRAP_SERVERS": "[::1]:9092,[::1]:9093"})
     assert two.stream.bootstrap_servers == "[::1]:9092,[::1]:9093"
+    # A bare bracketed address too, as the file takes it (it was refused as bad YAML).
+    hosts = load_config(None, environ={"OLP_PROXY__HOST": "[::1]", "OLP_POLICY__HOST": "[::1]"})
+    assert hosts.proxy.host == "::1" and hosts.policy.host == "::1"
+    link = load_config(None, environ={"OLP_PROXY__HOST": "[fe80::1]"})  # YAML: a list
+    assert link.proxy.host == "fe80::1"
+    allowed = load_config(None, environ={"OLP_PROXY__ALLOWED_HOSTS": "[fe80::1]"})
+    assert allowed.proxy.allowed_hosts == ["fe80::1"]  # a list key keeps its one-item list
+    # Lists still are lists, numbers in them too (no colon inside the brackets).
+    listed = load_config(None, environ={"OLP_POLICY__EXTERNAL_URLS": "[http://a:1]"})
+    assert listed.policy.external_urls == ["http://a:1"]
     listed = load_config(None, environ={"OLP_POLICY__EXTRA_ARGS": "[--enforce-eager]"})
     assert listed.policy.extra_args == ["--enforce-eager"]  # a list is still YAML
 

@@ -410,6 +410,18 @@ def _refuse_one_underscore(name: str) -> None:
     key of the config with single underscores (`OLP_SAFETY_GATES_KL_CAP` too) is refused,
     naming the one meant; other OLP_* variables (OLP_CACHE_DIR, OLP_STREAM_ID) are not the
     config's, and spell none."""
+    section = name[len(ENV_PREFIX) :].lower()
+    if section in SECTIONS:
+        # `OLP_PROXY='{port: 9001}'` was ignored in silence too.
+        how = (
+            "tenants are set in the config file only"
+            if section == "tenants"
+            else f"set its keys one by one, {ENV_PREFIX}{section.upper()}__<KEY>"
+        )
+        raise ConfigError(
+            f"invalid configuration:\n  {section}: {name} is not read: a whole section is not "
+            f"set from one variable ({how})"
+        )
     meant = _meant_variable(name[len(ENV_PREFIX) :])
     if meant is not None:
         keys, variable = meant

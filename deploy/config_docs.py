@@ -357,7 +357,8 @@ refused, naming the variable. So is a
 misspelt name that would otherwise be ignored, naming the one meant: a key spelled with
 single underscores (`OLP_PROXY_ADMIN_KEY`, `OLP_SAFETY_GATES_KL_CAP`: `OLP_PROXY__ADMIN_KEY`,
 `OLP_SAFETY__GATES__KL__CAP`), or a first part that is no section
-(`OLP_SAFETY_GATES__KL__CAP`).
+(`OLP_SAFETY_GATES__KL__CAP`). A whole section in one variable (`OLP_PROXY='{{port: 9001}}'`)
+is refused too: its keys are set one by one.
 
 Variables that are not config keys: `OLP_ADMIN_KEY` (the admin key the `olp` operator
 commands and a standalone learner send), `OLP_CACHE_DIR` (prepared models and olpw

@@ -633,6 +633,20 @@ def test_a_variable_naming_no_section_is_refused_naming_the_one_meant(name: str)
         load_config(None, environ={"OLP_FOO__BAR": "1"})
 
 
+@pytest.mark.parametrize(
+    ("name", "how"),
+    [
+        ("OLP_PROXY", "OLP_PROXY__<KEY>"),
+        ("OLP_SAFETY", "OLP_SAFETY__<KEY>"),
+        ("OLP_TENANTS", "file"),
+    ],
+)
+def test_a_whole_section_in_one_variable_is_refused(name: str, how: str) -> None:
+    """`OLP_PROXY='{port: 9001}'` was ignored in silence: the proxy kept port 8000."""
+    with pytest.raises(ConfigError, match=rf"{name} is not read: a whole section .*{how}"):
+        load_config(None, environ={name: "{port: 9001}"})
+
+
 def test_the_stacks_other_variables_are_not_taken_for_config_typos() -> None:
     """OLP_STREAM_ID, OLP_CACHE_DIR and the like share the prefix and are not config keys."""
     environ = {

@@ -291,10 +291,10 @@ def _yaml_position(exc: yaml.YAMLError) -> str:
 
 # `[::1]:9092` or `[::1]:9092,[::1]:9093`: IPv6 addresses with ports, a string, not YAML.
 _BRACKETED_ADDRESSES = re.compile(r"\[[0-9A-Fa-f:.]+\]:\d+(,\s*\[[0-9A-Fa-f:.]+\]:\d+)*")
-# `[::1]` for a `host` key: a string too. As YAML it was refused (`[::1]` does not parse) or
-# became a list (`[fe80::1]`), where the file's `host: "[::1]"` was served. Only for `host`:
-# elsewhere `[fe80::1]` may be a one-item list (`proxy.allowed_hosts`).
-_BRACKETED_HOST = re.compile(r"\[[0-9A-Fa-f.]*:[0-9A-Fa-f:.]*\]")
+# `[::1]` (`[fe80::1%eth0]`) for a `host` key: a string too. As YAML it was refused (`[::1]`
+# does not parse) or became a list (`[fe80::1]`), where the file's `host: "[::1]"` was
+# served. Only for `host`: elsewhere `[fe80::1]` may be a one-item list (`allowed_hosts`).
+_BRACKETED_HOST = re.compile(r"\[[^\[\],\s]+\]")
 
 
 def _env_value(raw: str, name: str, dotted: str) -> Any:

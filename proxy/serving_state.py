@@ -9,6 +9,7 @@ never half of one.
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import tempfile
@@ -177,7 +178,33 @@ def _parsed_state(path: Path, raw: dict[str, Any], default_aliases: dict[str, st
             str(name): _training_switch(path, str(name), value)
             for name, value in (raw.get("tenant_training") or {}).items()
         },
-        canaries={str(k): dict(v) for k, v in (raw.get("canaries") or {}).items()},
+        canaries={
+            str(alias): _canary(path, str(alias), value)
+            for alias, value in (raw.get("canaries") or {}).items()
+        },
+    )
+
+
+def _canary(path: Path, alias: str, value: Any) -> dict[str, Any]:
+    """A running canary as `Canary.from_json` reads it: one without its share, or with a
+    share of text, ended the proxy's start-up in a traceback (read after this file's
+    checks)."""
+
+    def number(key: str) -> bool:
+        item = value.get(key)
+        return isinstance(item, int | float) and not isinstance(item, bool) and math.isfinite(item)
+
+    if (
+        isinstance(value, dict)
+        and isinstance(value.get("target"), str)
+        and number("share")
+        and 0.0 < value["share"] < 1.0
+        and number("started_at")
+    ):
+        return dict(value)
+    raise ServingStateError(
+        f"serving state {path}: canaries[{alias!r}] must be "
+        f'{{"target": name, "share": 0 < number < 1, "started_at": number}}, not {value!r}'
     )
 
 

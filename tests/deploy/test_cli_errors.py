@@ -734,7 +734,12 @@ def test_proxy_on_a_port_in_use_is_one_line(tmp_path: Path) -> None:
         ("{cut short", "is not valid JSON"),
         ('{"state_version": 1, "frozen": "false"}', "frozen must be true or false"),
         ('{"state_version": 1, "aliases": ["policy"]}', "aliases must map names to names"),
-        ('{"state_version": 1, "canaries": {"policy": 3}}', "has an unknown format"),
+        ('{"state_version": 1, "canaries": {"policy": 3}}', "canaries['policy'] must be"),
+        (
+            '{"state_version": 1, "canaries": {"policy": {"target": "policy-v2"}}}',
+            "canaries['policy'] must be",
+        ),
+        ('{"state_version": 1, "history": ["flip"]}', "history must be a list of objects"),
     ],
 )
 def test_proxy_with_a_damaged_serving_state_refuses_in_one_line(

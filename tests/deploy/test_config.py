@@ -201,6 +201,8 @@ def test_env_ipv6_addresses_are_strings_not_yaml_lists() -> None:
     assert hosts.proxy.host == "::1" and hosts.policy.host == "::1"
     link = load_config(None, environ={"OLP_PROXY__HOST": "[fe80::1]"})  # YAML: a list
     assert link.proxy.host == "fe80::1"
+    zoned = load_config(None, environ={"OLP_PROXY__HOST": "[fe80::1%eth0]"})
+    assert zoned.proxy.host == "fe80::1%eth0"
     allowed = load_config(None, environ={"OLP_PROXY__ALLOWED_HOSTS": "[fe80::1]"})
     assert allowed.proxy.allowed_hosts == ["fe80::1"]  # a list key keeps its one-item list
     # Lists still are lists, numbers in them too (no colon inside the brackets).

@@ -520,7 +520,7 @@ def cmd_replay_run(args: argparse.Namespace, cfg: OlpConfig) -> int:
         from deploy.policy import NotAModelList, PolicyKeyRefused, models_listed
 
         try:  # not one 401 per recorded request: say which setting is missing
-            models_listed(base_url, api_key=key)
+            served = models_listed(base_url, api_key=key)
         except PolicyKeyRefused as exc:
             if key is None:
                 # The default: `olp up` made a key for this run and shows it nowhere.
@@ -546,6 +546,15 @@ def cmd_replay_run(args: argparse.Namespace, cfg: OlpConfig) -> int:
                 f"olp: replay run --direct: {exc}; that is not a vLLM server: check "
                 "policy.host and policy.port (or policy.external_urls) point at the policy's "
                 "vLLM",
+                file=sys.stderr,
+            )
+            return 2
+        if served and args.model not in served:
+            # Not one 404 per recorded request, as through the proxy (a typo, an adapter
+            # not loaded); vLLM lists its loaded adapters too.
+            print(
+                f"olp: replay run --direct: vLLM at {base_url} serves no model "
+                f"'{args.model}' (it serves: {', '.join(map(str, served))})",
                 file=sys.stderr,
             )
             return 2

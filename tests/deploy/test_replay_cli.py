@@ -84,6 +84,15 @@ def test_export_then_replay_reproduces_request_bodies(
     lines = [json.loads(line) for line in out.read_text().splitlines()]
     assert len(lines) == 3
     assert all(line["replayed"]["http_status"] == 200 for line in lines)
+    # A model vLLM does not serve: one line before anything is sent, not one 404 a record.
+    missing = tmp_path / "missing.jsonl"
+    done = olp(
+        ["replay", "run", str(export), "--model", "policy-v99", "--direct", "--out", str(missing)],
+        env,
+    )
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert "serves no model 'policy-v99' (it serves: " in done.stderr
+    assert vllm_server.model_name in done.stderr and not missing.exists()
 
 
 def test_export_from_past_a_partitions_end_is_one_line(

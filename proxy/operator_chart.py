@@ -15,6 +15,10 @@ from html import escape
 
 WIDTH, HEIGHT = 760, 280
 LEFT, RIGHT, TOP, BOTTOM = 56, 16, 16, 40
+# Values are plotted within ±this: the widest bounds the learner can clamp a `score` to
+# (learner.rewards.feedback.score_min/max). Any tenant may send a score of 1e308, and the
+# scale's range overflowed: every dot and the mean line were drawn at NaN, a blank chart.
+PLOT_LIMIT = 1e6
 
 
 @dataclass(frozen=True)
@@ -25,14 +29,17 @@ class Point:
 
 
 def rolling_mean(values: Sequence[float], window: int) -> list[float]:
-    """Mean of the last `window` values at each position (fewer at the start)."""
-    out, total = [], 0.0
-    for i, value in enumerate(values):
-        total += value
-        if i >= window:
-            total -= values[i - window]
-        out.append(total / min(i + 1, window))
-    return out
+    """Mean of the last `window` values at each position (fewer at the start), each window
+    summed anew: a running total lost small values for good once a large one had passed
+    through it (0.5s read as 0.0 after a 1e17)."""
+    return [
+        math.fsum(values[max(0, i + 1 - window) : i + 1]) / min(i + 1, window)
+        for i in range(len(values))
+    ]
+
+
+def _plotted(value: float) -> float:
+    return min(max(value, -PLOT_LIMIT), PLOT_LIMIT)
 
 
 def _clock(t: float) -> str:
@@ -106,7 +113,12 @@ def reward_chart(
         f'data-feedback-points="{len(feedback)}" data-learner-points="{len(learner)}" '
         f'aria-label="reward trend">'
     )
-    finite = [p for p in (*feedback, *learner) if math.isfinite(p.value)]
+    # `data-value` and the titles keep the values as sent; positions use `_plotted`.
+    finite = [
+        Point(p.t, _plotted(p.value), p.label)
+        for p in (*feedback, *learner)
+        if math.isfinite(p.value)
+    ]
     if not finite:
         return (
             f'{head}<text x="{WIDTH / 2}" y="{HEIGHT / 2}" text-anchor="middle" '
@@ -127,7 +139,7 @@ def reward_chart(
             )
     fb = [p for p in feedback if math.isfinite(p.value)]
     if fb:
-        means = rolling_mean([p.value for p in fb], window)
+        means = rolling_mean([_plotted(p.value) for p in fb], window)
         parts.append(
             _polyline(
                 scale, [(p.t, m) for p, m in zip(fb, means, strict=True)], "fb-mean", "#1565c0"
@@ -136,16 +148,19 @@ def reward_chart(
     for p in fb:
         parts.append(
             f'<circle class="fb-point" data-value="{_fmt(p.value)}" data-t="{p.t:.3f}" '
-            f'cx="{scale.x(p.t):.1f}" cy="{scale.y(p.value):.1f}" r="3" fill="#90caf9">'
+            f'cx="{scale.x(p.t):.1f}" cy="{scale.y(_plotted(p.value)):.1f}" r="3" '
+            'fill="#90caf9">'
             f"<title>{escape(p.label)} {_fmt(p.value)} at {_clock(p.t)} UTC</title></circle>"
         )
     lp = [p for p in learner if math.isfinite(p.value)]
     if lp:
-        parts.append(_polyline(scale, [(p.t, p.value) for p in lp], "learner-mean", "#2e7d32"))
+        plotted = [(p.t, _plotted(p.value)) for p in lp]
+        parts.append(_polyline(scale, plotted, "learner-mean", "#2e7d32"))
     for p in lp:
         parts.append(
             f'<circle class="learner-point" data-version="{escape(p.label)}" '
-            f'data-value="{_fmt(p.value)}" cx="{scale.x(p.t):.1f}" cy="{scale.y(p.value):.1f}" '
+            f'data-value="{_fmt(p.value)}" cx="{scale.x(p.t):.1f}" '
+            f'cy="{scale.y(_plotted(p.value)):.1f}" '
             f'r="4" fill="#2e7d32"><title>{escape(p.label)} reward_mean {_fmt(p.value)}'
             "</title></circle>"
         )

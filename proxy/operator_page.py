@@ -96,7 +96,9 @@ def record_feedback(app: web.Application, kind: str, value: float | None) -> Non
 _NONCE_BYTES = 16
 
 
-def _html(body_for_nonce: Any, status: int = 200) -> web.Response:
+def _html(
+    body_for_nonce: Any, status: int = 200, referrer_policy: str = "no-referrer"
+) -> web.Response:
     """An HTML response with a strict CSP: no script at all, one nonce'd style block."""
     nonce = secrets.token_urlsafe(_NONCE_BYTES)
     response = web.Response(text=body_for_nonce(nonce), status=status, content_type="text/html")
@@ -107,7 +109,7 @@ def _html(body_for_nonce: Any, status: int = 200) -> web.Response:
                 "form-action 'self'; frame-ancestors 'none'; base-uri 'none'"
             ),
             "Cache-Control": "no-store",
-            "Referrer-Policy": "no-referrer",
+            "Referrer-Policy": referrer_policy,
             "X-Content-Type-Options": "nosniff",
             "X-Frame-Options": "DENY",
         }
@@ -116,7 +118,12 @@ def _html(body_for_nonce: Any, status: int = 200) -> web.Response:
 
 
 def _refused(message: str, status: int = 401) -> web.Response:
-    response = _html(lambda nonce: login_page(message, nonce), status)
+    # The sign-in form's page: `same-origin`, so that the browser posts the form with its
+    # real `Origin`. Under `no-referrer` it sent `Origin: null`, which `_cross_site` must
+    # read as another site (sandboxed frames send it), and over plain HTTP to another host
+    # (no Fetch Metadata) every sign-in was refused as cross-site. Other sites still get no
+    # referrer.
+    response = _html(lambda nonce: login_page(message, nonce), status, "same-origin")
     if status == 401:
         response.headers["WWW-Authenticate"] = 'Bearer realm="olp-admin"'
     return response
@@ -354,10 +361,15 @@ def _browser_navigation(request: web.Request) -> bool:
     Browsers send Fetch Metadata to trustworthy origins (HTTPS, loopback); link previewers
     and mail scanners fetch with plain HTTP clients that send none, and must not spend the
     one-time link. Where a browser sends none either (plain HTTP to another host), the
-    confirmation page costs the operator one click."""
+    confirmation page costs the operator one click. So does a link clicked on another site
+    (a chat, a ticket): the redirect after it counts as that site's, which is sent no
+    `SameSite=Strict` cookie, so the spent link led to "Sign-in required"; the
+    confirmation page's button posts from this origin."""
     headers = request.headers
     return (
-        headers.get("Sec-Fetch-Mode") == "navigate" and headers.get("Sec-Fetch-Dest") == "document"
+        headers.get("Sec-Fetch-Mode") == "navigate"
+        and headers.get("Sec-Fetch-Dest") == "document"
+        and headers.get("Sec-Fetch-Site") not in ("cross-site", "same-site")
     )
 
 

@@ -4,6 +4,7 @@ real headless Chromium run against a proxy in front of the real vLLM and Kafka."
 from __future__ import annotations
 
 import json
+import math
 import re
 import shutil
 import subprocess
@@ -31,7 +32,13 @@ NO_UPSTREAM = ["http://127.0.0.1:9"]  # the page needs no replica
 BEARER = {"Authorization": f"Bearer {ADMIN_KEY}"}
 CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
 # What a browser sends when it opens a link itself (Fetch Metadata).
-NAVIGATION = {"Sec-Fetch-Mode": "navigate", "Sec-Fetch-Dest": "document", "Sec-Fetch-User": "?1"}
+# A typed link (`Sec-Fetch-Site: none`), as a browser sends it to a loopback origin.
+NAVIGATION = {
+    "Sec-Fetch-Mode": "navigate",
+    "Sec-Fetch-Dest": "document",
+    "Sec-Fetch-User": "?1",
+    "Sec-Fetch-Site": "none",
+}
 
 
 def mint_link(harness: ProxyHarness, actor: str = "ops-test") -> dict:
@@ -659,6 +666,72 @@ def test_a_head_request_does_not_spend_a_login_link(make_proxy):
     assert head.status_code == 405 and "set-cookie" not in head.headers
     opened = httpx.get(link["url"], headers=NAVIGATION)
     assert opened.status_code == 303 and "HttpOnly" in opened.headers["set-cookie"]
+
+
+@pytest.mark.parametrize("site", ["cross-site", "same-site"])
+def test_a_login_link_clicked_on_another_site_asks_for_a_click_here(make_proxy, site):
+    """Clicked in a web chat or a ticket, the link was spent and its redirect, counted as
+    the other site's, carried no `SameSite=Strict` cookie: "Sign-in required", and the
+    link used up. Now the confirmation page, whose button posts from the proxy's origin."""
+    harness, _ = make_proxy(NO_UPSTREAM)
+    link = mint_link(harness, actor="chat-op")
+    clicked = httpx.get(link["url"], headers={**NAVIGATION, "Sec-Fetch-Site": site})
+    assert clicked.status_code == 200 and "set-cookie" not in clicked.headers
+    assert 'id="confirm-login"' in clicked.text and "chat-op" in clicked.text
+    client = httpx.Client(base_url=harness.base_url)
+    token = link["path"].split("=", 1)[1]
+    confirmed = client.post("/admin/ui/login/link", data={"token": token})
+    assert confirmed.status_code == 303 and "HttpOnly" in confirmed.headers["set-cookie"]
+    assert "chat-op" in client.get("/admin/ui").text
+
+
+def test_the_sign_in_page_lets_the_browser_send_its_origin(make_proxy):
+    """Under `Referrer-Policy: no-referrer` a browser posts the page's own form with
+    `Origin: null`, read as another site's: over plain HTTP to another host (no Fetch
+    Metadata there) every sign-in was refused. `same-origin` sends the real origin to the
+    proxy itself and still no referrer elsewhere; pages with data keep `no-referrer`."""
+    harness, _ = make_proxy(NO_UPSTREAM)
+    form = httpx.get(harness.base_url + "/admin/ui")
+    assert form.status_code == 401 and 'id="login"' in form.text
+    assert form.headers["referrer-policy"] == "same-origin"
+    page = httpx.get(harness.base_url + "/admin/ui", headers=BEARER)
+    assert page.status_code == 200 and page.headers["referrer-policy"] == "no-referrer"
+    # What a browser then sends over plain HTTP: its origin, no Fetch Metadata.
+    own = httpx.post(
+        harness.base_url + "/admin/ui/login",
+        data={"key": ADMIN_KEY, "actor": "lan-op"},
+        headers={"Origin": harness.base_url},
+    )
+    assert own.status_code == 303, own.text
+    for other in ("null", "http://evil.example"):
+        refused = httpx.post(
+            harness.base_url + "/admin/ui/login",
+            data={"key": ADMIN_KEY, "actor": "x"},
+            headers={"Origin": other},
+        )
+        assert refused.status_code == 403 and "set-cookie" not in refused.headers
+
+
+def test_huge_scores_do_not_blank_the_chart() -> None:
+    """Any tenant may send a finite score of 1e308: the scale's range overflowed and every
+    dot and the mean line were drawn at NaN until 2000 newer scores pushed them out. And a
+    running total lost the small values for good after one large one had passed."""
+    from learner.config import FeedbackValues
+    from proxy.operator_chart import PLOT_LIMIT, Point, reward_chart, rolling_mean
+
+    assert rolling_mean([1e17, 0.5, 0.5, 0.5], 2)[2:] == [0.5, 0.5]
+    points = [Point(float(i), v, "score") for i, v in enumerate([1e308, -1e308, 0.5, 0.25])]
+    svg = reward_chart(points, [], [])
+    plotted = re.findall(r'class="fb-point" data-value="([^"]+)"[^>]* cy="([^"]+)"', svg)
+    assert [v for v, _ in plotted] == ["1e+308", "-1e+308", "0.5", "0.25"]  # as sent
+    ys = [float(y) for _, y in plotted]
+    assert all(math.isfinite(y) for y in ys) and ys[0] < ys[2] < ys[1]
+    mean = re.search(r'class="fb-mean" data-points="4" points="([^"]+)"', svg)
+    assert mean is not None and "nan" not in mean.group(1) and "inf" not in mean.group(1)
+    # The widest bounds learner.rewards.feedback allows a score, not a number of its own.
+    FeedbackValues(score_min=-PLOT_LIMIT, score_max=PLOT_LIMIT)
+    with pytest.raises(ValueError):
+        FeedbackValues(score_max=PLOT_LIMIT * 1.001)
 
 
 def test_a_link_preview_does_not_spend_a_login_link(make_proxy):

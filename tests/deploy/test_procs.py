@@ -59,13 +59,16 @@ _LEADER = r"""
 import os, signal, sys, time
 marker, save_s = sys.argv[1], float(sys.argv[2])
 r, w = os.pipe()
+# Ignored before the fork (the worker inherits it): set in the worker, a SIGTERM that came
+# right after "up" could find it not yet set.
+signal.signal(signal.SIGTERM, signal.SIG_IGN)
 if os.fork() == 0:
     os.close(w)
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     os.read(r, 1)
     time.sleep(save_s)
     open(marker, "w").write("saved")
     os._exit(0)
+signal.signal(signal.SIGTERM, signal.SIG_DFL)
 os.close(r)
 print("up", flush=True)
 time.sleep(1000)

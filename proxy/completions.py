@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import secrets
 import time
 import uuid
@@ -139,8 +140,11 @@ def unsupported_encoding(coding: str, hint: str) -> ProxyError:
     )
 
 
-# How much of an upstream error that is not OpenAI-shaped goes to the log.
+# How much of an upstream error that is not OpenAI-shaped goes to the log, and how much of
+# it is redacted first (the excerpt is cut from the redacted text).
 _ERROR_EXCERPT_BYTES = 300
+_ERROR_REDACTED_BYTES = 16384
+_LAST_WORD = re.compile(r"\S+\Z")
 
 
 def openai_shaped_error(payload: bytes) -> bool:
@@ -615,8 +619,13 @@ class CompletionRelay:
                 content_type=upstream.content_type or "application/json",
             )
         # Redacted before it is cut: cut first, a value across the cut (`alice@exa`) lost
-        # what the patterns match and went to the log in part.
-        window = payload[: _ERROR_EXCERPT_BYTES * 8].decode("utf-8", "replace")
+        # what the patterns match and went to the log in part. The window redacted is cut
+        # too, so its last word is dropped when the body goes on: a value split there could
+        # still reach the excerpt when what came before it shrank (a 2 KB private key
+        # redacted to a marker pulled a split `jane.doe@exa` into the first 300 characters).
+        window = payload[:_ERROR_REDACTED_BYTES].decode("utf-8", "replace")
+        if len(payload) > _ERROR_REDACTED_BYTES:
+            window = _LAST_WORD.sub("", window)
         excerpt = self.ctx.redactor.redact_text(window)[0][:_ERROR_EXCERPT_BYTES]
         log.warning(
             "upstream_error_not_openai_shaped",

@@ -6,6 +6,7 @@ server speaking vLLM's wire format; the proxy, SDK and sink are the real ones.""
 from __future__ import annotations
 
 import asyncio
+import base64
 import concurrent.futures
 import json
 import threading
@@ -583,6 +584,31 @@ def test_an_upstream_error_that_is_not_openai_shaped_becomes_one(make_proxy):
     assert "10.1.2.3:8000" in logged[0]["excerpt"]
     assert "sk-proj-A1b2C3d4E5f6G7h8I9j0K1l2" not in logged[0]["excerpt"]
     assert "alice" not in logged[1]["excerpt"]
+
+
+def test_an_address_split_where_the_error_is_redacted_stays_out_of_the_log(make_proxy):
+    """The error body is redacted in a window and the excerpt cut from the redacted text:
+    private keys before the window's edge shrank to markers and pulled the part of an
+    address split there (`jane.doe@exa`, which no pattern matches) into the excerpt."""
+    from proxy.completions import _ERROR_REDACTED_BYTES
+
+    line = base64.b64encode(bytes(range(48))).decode()  # 64 characters
+
+    def pem(lines: int) -> str:
+        return f"-----BEGIN PRIVATE KEY-----\n{(line + chr(10)) * lines}-----END PRIVATE KEY-----\n"
+
+    # Keys up to a few characters before the edge: redacted, they shrink to markers.
+    keys = "refused: " + pem(34) * (_ERROR_REDACTED_BYTES // len(pem(34)))
+    room = _ERROR_REDACTED_BYTES - len(keys) - len(pem(0)) - len(" jane.doe@exa")
+    keys += pem(room // len(line + "\n"))
+    pad = _ERROR_REDACTED_BYTES - len(keys.encode()) - len(" jane.doe@exa")
+    assert 0 <= pad < 100
+    body = (keys + "x" * pad + " jane.doe@example.com thanks").encode()
+    assert body[:_ERROR_REDACTED_BYTES].endswith(b" jane.doe@exa")  # the edge inside it
+    _, raised, logs = _errors_through_the_proxy(make_proxy, [(400, "text/plain", body)])
+    assert [e.status_code for e in raised] == [400]
+    [logged] = [e for e in logs if e["event"] == "upstream_error_not_openai_shaped"]
+    assert "[REDACTED:private_key]" in logged["excerpt"] and "jane" not in logged["excerpt"]
 
 
 def test_the_model_server_refusing_the_proxys_key_is_a_502_not_the_clients_401(make_proxy):

@@ -27,7 +27,7 @@ import structlog
 from pydantic import SecretStr
 
 from deploy.broker import kafka_answers, start_broker
-from deploy.config import ConfigError, OlpConfig
+from deploy.config import ConfigError, OlpConfig, load_config
 from deploy.dev_keys import DEV_ADMIN_KEY, DEV_API_KEY, exposed_dev_keys
 from deploy.direct_http import open_direct
 from deploy.learner_runner import STREAM_ID_ENV
@@ -131,6 +131,8 @@ class Stack:
     def __init__(self, cfg: OlpConfig, config_path: Path | None, *, with_learner: bool = True):
         self.cfg = cfg
         self.config_path = config_path
+        # What the children read: the file as this run loaded it (`pin_config`).
+        self.child_config: Path | None = config_path
         self.with_learner = with_learner and cfg.learner.enabled
         self.state_dir = cfg.state_dir.resolve()
         self.logs_dir = self.state_dir / "logs"
@@ -157,10 +159,34 @@ class Stack:
         if self._stop.is_set():
             raise StopRequested("stop requested during start-up")
 
+    def pin_config(self) -> None:
+        """Copy the config file into the run directory for the children to read.
+
+        Given the operator's file, a proxy or learner restarted after a crash read it as
+        edited since (for the next start), and the stack ran on two configs: a restarted
+        proxy wrote to a new `stream.topic_prefix` while the learner read the old one. The
+        copy is checked against what this run loaded (an edit in between: refused). Only
+        the file: the children inherit this process's environment, which cannot change."""
+        if self.config_path is None:
+            return
+        pinned = self.state_dir / "run" / "config.yaml"
+        pinned.parent.mkdir(parents=True, exist_ok=True)
+        staged = pinned.with_name(".config.yaml.tmp")
+        # Owner-only: the file may hold keys in plain text.
+        fd = os.open(staged, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "wb") as out:
+            out.write(self.config_path.read_bytes())
+        os.replace(staged, pinned)
+        if load_config(pinned).hash() != self.cfg.hash():
+            raise ConfigError(
+                f"the config file {self.config_path} changed while olp up started; start again"
+            )
+        self.child_config = pinned
+
     def _olp_child(self, name: str, *args: str) -> ChildProcess:
         argv = [sys.executable, "-m", "deploy.cli", name, *args]
-        if self.config_path is not None:
-            argv += ["--config", str(self.config_path)]
+        if self.child_config is not None:
+            argv += ["--config", str(self.child_config)]
         env = dict(os.environ)
         env["OLP_STATE_DIR"] = str(self.state_dir)
         # Lets the learner flip the proxy's alias without the operator's admin key; it
@@ -186,6 +212,7 @@ class Stack:
         whatever this raises."""
         started = time.monotonic()
         cfg = self.cfg
+        self.pin_config()
         self._audit_startup()
         if self.with_learner:
             self._check_learner_config()

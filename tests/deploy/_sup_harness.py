@@ -53,6 +53,10 @@ class SleepChild(deploy.procs.ChildProcess):
         # What names the stream for a learner (deploy/learner_runner.py), "" where unset.
         stream_id = env.get("OLP_STREAM_ID", "")  # type: ignore[union-attr]
         (STARTS / f"{name}-{self.pid}").write_text(stream_id)
+        # The --config it was given, "" where none (STATE_DIR/configs/<name>-<PID>).
+        config = argv[argv.index("--config") + 1] if "--config" in argv else ""
+        (STATE / "configs").mkdir(exist_ok=True)
+        (STATE / "configs" / f"{name}-{self.pid}").write_text(config)
         if name == "learner" and MODE == "up-stuck-child":
             self.proc.wait = _never_ends(self.proc)  # type: ignore[method-assign]
 

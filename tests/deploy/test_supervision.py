@@ -377,8 +377,19 @@ def test_the_learner_keeps_its_stream_id_across_restarts_and_a_new_run_gets_anot
     assert _wait_for(lambda: "olp is up" in h.output(), 30), h.output()
     starts = h.state / "starts"
     (first,) = [int(p.name.split("-")[1]) for p in starts.glob("learner-*")]
+    (h.state / "olp.yaml").write_text("stream: {topic_prefix: edited}\n")  # for the next start
     os.kill(first, signal.SIGKILL)
     assert _wait_for(lambda: len(list(starts.glob("learner-*"))) == 2, 30), h.output()
+    # Every child, the restarted learner too, read the file as this run loaded it: an edit
+    # since (for the next start) ran a restarted child on another config than the others.
+    pinned = h.state / "run" / "config.yaml"
+    olp_children = [
+        p for p in (h.state / "configs").iterdir() if p.name.split("-")[0] in ("proxy", "learner")
+    ]
+    assert sorted(p.name.split("-")[0] for p in olp_children) == ["learner", "learner", "proxy"]
+    read = {p.read_text() for p in olp_children}  # (broker and vLLM read no olp config)
+    assert read == {str(pinned)}, read
+    assert "edited" not in pinned.read_text() and pinned.stat().st_mode & 0o077 == 0
     ids = {p.read_text() for p in starts.glob("learner-*")}
     assert len(ids) == 1 and next(iter(ids)).startswith("embedded-"), ids
     assert all(p.read_text() == "" for p in starts.glob("proxy-*"))  # the learner's alone

@@ -32,7 +32,7 @@ from deploy.dev_keys import DEV_ADMIN_KEY, DEV_API_KEY, exposed_dev_keys
 from deploy.direct_http import open_direct
 from deploy.learner_runner import STREAM_ID_ENV
 from deploy.policy import PolicyServer, check_external, start_policy
-from deploy.ports import http_url, is_loopback, local_http_url, port_open, split_host_port
+from deploy.ports import is_loopback, local_http_url, port_open, split_host_port
 from deploy.procs import (
     EXIT_CONFIG_ERROR,
     EXIT_REFUSED,
@@ -379,8 +379,10 @@ class Stack:
                         comp.child.stop(timeout_s=5, group_grace_s=self.group_grace_s)
                         if self._stop.is_set():
                             # Asked to stop while that group drained (up to group_grace_s):
-                            # no new child (one was started, and stopped again at once).
-                            break
+                            # no new child (one was started, and stopped again at once). A
+                            # child died and was not started again: 1, as the docs say (it
+                            # was 0, as for a plain stop).
+                            return 1
                         comp.restarts += 1
                         comp.last_code = code
                         say(
@@ -463,7 +465,9 @@ class Stack:
         for comp in self.components:
             pid = comp.child.pid if comp.child else "-"
             lines.append(f"  {comp.name:<8} {comp.describe:<48} pid {pid}")
-        proxy_url = http_url(cfg.proxy.host, cfg.proxy.port)
+        # Reachable from this machine: `0.0.0.0` is no address a client can call, nor one the
+        # proxy's Host check serves once proxy.allowed_hosts is set (400 host_not_allowed).
+        proxy_url = local_http_url(cfg.proxy.host, cfg.proxy.port)
         lines += [
             f"  OpenAI base URL  {proxy_url}/v1   (model '{cfg.proxy.policy_alias}')",
             f"  metrics          {proxy_url}/metrics",

@@ -10,9 +10,11 @@ policy-warming, broker-warming (the standalone launchers, stuck in start-up);
 up-config-error, up-refused and up-crash-loop (ready, with `on_child_exit: restart`, and a
 learner that exits at once with code 2, 3 or 1 every time it starts), up-restart (ready, with
 `on_child_exit: restart`, children that run), up-stuck-child (ready, and
-the learner outlives SIGKILL, as in uninterruptible sleep). Each start of a child whose
-command is replaced is also recorded as STATE_DIR/starts/<name>-<PID>, holding the stream
-id `olp up` gave it (empty where none).
+the learner outlives SIGKILL, as in uninterruptible sleep), up-crash-drain (ready, with
+`on_child_exit: restart`, and a learner that dies after 2 s leaving a process in its group
+that ignores SIGTERM, so its group drains for the whole grace before a restart). Each
+start of a child whose command is replaced is also recorded as STATE_DIR/starts/<name>-<PID>,
+holding the stream id `olp up` gave it (empty where none).
 """
 
 from __future__ import annotations
@@ -45,6 +47,9 @@ class SleepChild(deploy.procs.ChildProcess):
         command = ["sleep", "1000"]
         if name == "learner" and MODE in LEARNER_EXIT:
             command = ["sh", "-c", f"echo learner failing; exit {LEARNER_EXIT[MODE]}"]
+        if name == "learner" and MODE == "up-crash-drain":
+            left = "sh -c 'trap \"\" TERM; while :; do sleep 0.2; done' &"
+            command = ["sh", "-c", f"{left} sleep 2; echo learner dying; exit 1"]
         super().__init__(name, command, **kwargs)  # type: ignore[arg-type]
         PIDS.mkdir(exist_ok=True)
         (PIDS / str(self.pid)).touch()
@@ -97,11 +102,14 @@ if __name__ == "__main__":
             "OLP_STREAM__BOOTSTRAP_SERVERS": f"127.0.0.1:{broker_port}",
         }
     )
-    _fake_children(vllm_ready=MODE in ("up-ready", "up-stuck-child", "up-restart", *LEARNER_EXIT))
+    restarting = ("up-restart", "up-crash-drain", *LEARNER_EXIT)
+    _fake_children(vllm_ready=MODE in ("up-ready", "up-stuck-child", *restarting))
     argv = [MODE.split("-")[0]]
-    if MODE in LEARNER_EXIT or MODE == "up-restart":
+    if MODE in restarting:
         config = STATE / "olp.yaml"
         restart = "\non_child_exit: restart\nmax_restarts: 5\n"
+        if MODE == "up-crash-drain":  # a group grace of 2 * 1 + 5 s
+            os.environ["OLP_STREAM__CLOSE_TIMEOUT_S"] = "1"
         config.write_text(DEFAULT_CONFIG_FILE.read_text() + restart)
         argv += ["--config", str(config)]
     print(f"harness pid {os.getpid()}", file=sys.stderr, flush=True)

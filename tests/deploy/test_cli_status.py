@@ -252,6 +252,19 @@ def test_the_up_banner_names_a_run_time_training_switch(tmp_path: Path, monkeypa
     assert f"olp tenant {tenant} --training config" in banner
 
 
+def test_the_up_banner_names_urls_a_client_here_can_call(tmp_path: Path, monkeypatch) -> None:
+    """Bound to every interface, the banner said `http://0.0.0.0:8000/v1`: no address to
+    call, and one the proxy's Host check refuses once proxy.allowed_hosts is set."""
+    from deploy.config import load_config
+    from deploy.supervisor import Stack
+
+    monkeypatch.setenv("OLP_STATE_DIR", str(tmp_path / "state"))
+    monkeypatch.setenv("OLP_PROXY__HOST", "0.0.0.0")
+    banner = Stack(load_config(), None, with_learner=False).banner(1.0)
+    assert "OpenAI base URL  http://127.0.0.1:8000/v1" in banner
+    assert "operator page    http://127.0.0.1:8000/admin/ui" in banner and "0.0.0.0" not in banner
+
+
 def test_ui_prints_a_one_time_link_that_signs_the_operator_in(
     running_proxy: ProxyHarness,
 ) -> None:

@@ -319,6 +319,21 @@ def test_a_dead_vllm_is_started_again_with_on_child_exit_restart(harness) -> Non
     assert h.proc.returncode == 0, h.output()
 
 
+def test_a_stop_while_a_dead_childs_group_drains_exits_1(harness) -> None:
+    """`on_child_exit: restart`: a stop that came while the dead learner's process group
+    drained (before its restart) ended `olp up` with 0, as a plain stop; a child died and
+    was not started again, which the docs give exit 1 for."""
+    h = harness("up-crash-drain")
+    children = h.wait_children(4)
+    assert _wait_for(lambda: "waiting up to" in h.output(), 30), h.output()
+    h.proc.send_signal(signal.SIGTERM)
+    _assert_all_stopped(h, h.pids())
+    out = h.output()
+    assert h.proc.returncode == 1, out
+    assert "olp: restarting learner" not in out and "Traceback" not in out, out
+    assert len(children) >= 4
+
+
 def test_a_child_outliving_sigkill_is_named_and_the_others_still_stop(harness) -> None:
     """A child in uninterruptible sleep survives SIGKILL: `olp up` names its PID, stops
     the other children and exits 1, without a traceback."""

@@ -194,6 +194,14 @@ def cmd_learner(args: argparse.Namespace, cfg: OlpConfig) -> int:
         return EXIT_CONFIG_ERROR
     for weakness in gates_that_cannot_fail(cfg.safety.gates):
         print(f"olp: learner: warning: safety.gates: {weakness}", file=sys.stderr)
+    from learner.rewards.verifiers import load_verifier
+
+    for spec in cfg.learner.rewards.verifiers:  # else a traceback and exit 1, restarted
+        try:
+            load_verifier(spec.path)
+        except ValueError as exc:
+            print(f"olp: learner: learner.rewards.verifiers: {exc}", file=sys.stderr)
+            return EXIT_CONFIG_ERROR
     from replay.config import late_feedback_risk
 
     risk = late_feedback_risk(cfg.stream)

@@ -608,6 +608,10 @@ def test_up_reports_a_verifier_that_does_not_import_before_starting_anything(
     # --no-learner: nothing loads verifiers, so nothing to check (it fails later, on vLLM).
     done = olp("up", "--no-learner", env=env)
     assert "verifier" not in done.stderr and "external vLLM" in done.stderr
+    # The learner on its own says it in one line too, a config error (it was a traceback
+    # and exit 1, which a restarting manager retries for ever).
+    done = olp("learner", env=env)
+    assert_clean_error(done, 2, "learner: learner.rewards.verifiers: cannot load")
 
 
 def _old_format_triggers(tmp_path: Path) -> Path:

@@ -194,6 +194,12 @@ class ChildProcess:
             time.sleep(0.1)
 
     def tail(self, lines: int = 40) -> str:
+        """Its last lines. Once it has exited, what it wrote last is read first (up to 2 s:
+        a grandchild may hold the pipe open): a child that printed why and exited at once
+        (a binary the loader refused) was reported with its reader a step behind, an empty
+        "last output" 3 times in 10."""
+        if self.proc.poll() is not None and self._reader.is_alive():
+            self._reader.join(timeout=2)
         return "\n".join(list(self._tail)[-lines:])
 
     def poll(self) -> int | None:

@@ -198,3 +198,18 @@ def test_an_ignored_sighup_stays_ignored_under_nohup() -> None:
     finally:
         for sig, handler in saved.items():
             signal.signal(sig, handler)
+
+
+def test_the_tail_of_a_child_that_exited_holds_its_last_words() -> None:
+    """A child that printed why and exited at once (the broker binary refused by the
+    loader) was reported with an empty "last output" 3 times in 10: its reader thread had
+    not yet read what it wrote. Read many times, not one miss."""
+    for _ in range(20):
+        child = ChildProcess("brief", ["sh", "-c", "echo refused by the loader; exit 1"])
+        try:
+            deadline = time.monotonic() + 10
+            while child.poll() is None and time.monotonic() < deadline:
+                time.sleep(0.001)
+            assert child.tail(1) == "refused by the loader"
+        finally:
+            child.stop(timeout_s=2)

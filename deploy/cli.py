@@ -261,6 +261,7 @@ def cmd_policy(args: argparse.Namespace, cfg: OlpConfig) -> int:
         server = start_policy(
             cfg.policy,
             model_dir,
+            log_file=_child_log(cfg, "vllm"),
             progress=lambda s: say(f"olp: vLLM starting ({s:.0f} s)"),
             stop=done,
         )
@@ -277,6 +278,23 @@ def cmd_policy(args: argparse.Namespace, cfg: OlpConfig) -> int:
     return _serve_child_until_signal(server.child, server.stop, done)
 
 
+def _child_log(cfg: OlpConfig, name: str) -> Path | None:
+    """Where a standalone launcher's server writes its output, as under `olp up`
+    (`<state_dir>/logs/<name>.log`), said once; None (its last lines kept for errors only)
+    where the directory cannot be made. Before, a running server's output was dropped: its
+    errors were seen nowhere."""
+    from deploy.procs import say
+
+    path = cfg.state_dir / "logs" / f"{name}.log"
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        say(f"olp: warning: {name}'s output is not kept: {path.parent}: {exc.strerror or exc}")
+        return None
+    say(f"olp: {name}'s output goes to {path}")
+    return path
+
+
 def cmd_broker(args: argparse.Namespace, cfg: OlpConfig) -> int:
     from kafka.errors import KafkaError
 
@@ -289,7 +307,7 @@ def cmd_broker(args: argparse.Namespace, cfg: OlpConfig) -> int:
     host, port = split_host_port(cfg.stream.bootstrap_servers.split(",")[0])
     done = _stop_on_signals()
     try:
-        broker = start_broker(host, port, stop=done)
+        broker = start_broker(host, port, log_file=_child_log(cfg, "broker"), stop=done)
     except StopRequested:
         say("olp: stopped during start-up")
         return 0

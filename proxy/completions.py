@@ -26,6 +26,7 @@ from proxy.config import is_utf8_text
 from proxy.context import CONTEXT, REQUEST_ID, RESPONSE_STARTED, ProxyContext
 from proxy.errors import ProxyError, bad_request, error_body
 from proxy.expect_continue import send_continue
+from proxy.fingerprint import FingerprintCarry
 from proxy.metrics import UNROUTED_VERSION
 from proxy.relay import (
     ENDPOINT_PATHS,
@@ -45,6 +46,7 @@ from proxy.relay import (
     strip_response,
     strip_sse,
     usage_of,
+    with_usage,
 )
 from proxy.routing import UpstreamUnavailable
 from proxy.tenants import Tenant, opts_out_of_training
@@ -762,6 +764,7 @@ class CompletionRelay:
         watch_usage = capture is None and plan.client_wants_usage
         watcher = SSEParser()  # reads the whole events `parser` passes on, for their usage
         drop_usage = capture is None and plan.added_usage
+        carry = FingerprintCarry() if plan.added_usage else None
         outcome = "ok"
         done_sent = False  # the stream's `data: [DONE]` reached the client
         # vLLM reports a generation that failed mid-stream in the stream itself (an error
@@ -776,12 +779,16 @@ class CompletionRelay:
                     if capture is not None:
                         capture.mark_first_token()
                 before_last, last = last_reads(before_last, last, data)
-                if capture is not None:
-                    data = self._transform_events(parser, plan, capture, data)
-                    if not data:
+                if capture is not None or drop_usage:
+                    block = parser.complete(data)
+                    if not block:
                         continue
-                elif drop_usage:
-                    data = self._drop_usage(parser, data)
+                    if capture is not None:
+                        data = self._transform_events(plan, capture, block)
+                    else:
+                        data = self._drop_usage(block)
+                    if carry is not None:
+                        data = carry.pass_on(block, data)
                     if not data:
                         continue
                 else:
@@ -795,6 +802,8 @@ class CompletionRelay:
                         self._watch_usage(watcher, data)
                 await response.write(data)
                 done_sent = data.endswith(_DONE_EVENT)
+            if carry is not None and (held := carry.flush()):
+                await response.write(held)
             if capture is None and parser.rest() and ends_with_done(before_last, last):
                 # Bytes after the last event border of a stream that ended with its [DONE]
                 # (`data: [DONE]\n`) go out as they came.
@@ -804,7 +813,8 @@ class CompletionRelay:
                 # all): a stream's end ends it. Left in the parser, it never reached the
                 # client, [DONE] included, nor the capture.
                 end = b"\n" if parser.rest().endswith(b"\n") else b"\n\n"
-                data = self._transform_events(parser, plan, capture, end)
+                block = parser.complete(end)
+                data = self._transform_events(plan, capture, block) if block else b""
                 if data:
                     await response.write(data)
                     done_sent = data.endswith(_DONE_EVENT)
@@ -838,8 +848,10 @@ class CompletionRelay:
                 failed, code = "The proxy failed", "internal_error"
                 failure_kind = "internal_error"
             message = f"{failed} mid-stream (request id {self.request_id})."
+            error_event = sse_event(dumps(error_body(message, "api_error", code)))
+            held = carry.flush() if carry is not None else b""
             try:
-                await response.write(sse_event(dumps(error_body(message, "api_error", code))))
+                await response.write(held + error_event)
             except _DISCONNECT_ERRORS:
                 outcome = "aborted"
             except asyncio.CancelledError:
@@ -882,16 +894,11 @@ class CompletionRelay:
             self.ctx.capture.submit(capture, outcome)
         self._count_request(self.usage)
 
-    def _transform_events(
-        self, parser: SSEParser, plan: RelayPlan, capture: TrajectoryCapture, data: bytes
-    ) -> bytes:
-        """The client's bytes for one upstream read; the capture keeps the raw events.
+    def _transform_events(self, plan: RelayPlan, capture: TrajectoryCapture, block: bytes) -> bytes:
+        """The client's bytes for one upstream read's whole events; the capture keeps them.
 
-        The read's whole events are stripped as one block (`strip_sse`); a block the byte
-        path cannot prove goes event by event (`_strip_events`)."""
-        block = parser.complete(data)
-        if not block:
-            return b""
+        The block is stripped at once (`strip_sse`); a block the byte path cannot prove goes
+        event by event (`_strip_events`)."""
         capture.add_sse(block)
         fast = strip_sse(plan, block)
         if fast is None:
@@ -940,12 +947,13 @@ class CompletionRelay:
             return sse_event(event)  # as it came, not re-encoded
         return sse_event(encode(stripped_chunk))
 
-    def _drop_usage(self, parser: SSEParser, data: bytes) -> bytes:
+    def _drop_usage(self, block: bytes) -> bytes:
         """An uncaptured stream's bytes without the usage the proxy asked for on its own
         (`_ask_for_usage`), whose last usage is kept for the token counts. The events go
-        out as they came, but for the usage chunk (dropped) and, should every chunk carry
-        usage (the client's `continuous_usage_stats`), each chunk's usage."""
-        block = parser.complete(data)
+        out as they came, but for the usage chunk (dropped) and, should a chunk with choices
+        carry usage too (the proxy turns the client's `continuous_usage_stats` off,
+        `relay.with_usage`, but an upstream may send it), that usage. `block` is a read's
+        whole events."""
         at = block.find(_USAGE_KEY)
         if at < 0:  # every read but the last: one search
             return block
@@ -1017,9 +1025,7 @@ def _ask_for_usage(plan: RelayPlan) -> None:
     options = plan.upstream_body.get("stream_options")
     if options is not None and not isinstance(options, dict):
         return  # not an object: vLLM's 400 tells the client, as it would without the proxy
-    merged = dict(options) if options is not None else {}
-    merged["include_usage"] = True
-    plan.upstream_body["stream_options"] = merged
+    plan.upstream_body["stream_options"] = with_usage(options)
     plan.added_usage = True
 
 

@@ -105,11 +105,23 @@ def plan_request(
         upstream["return_token_ids"] = True
         plan.added_token_ids = True
     if stream and not plan.client_wants_usage:
-        merged = dict(options) if isinstance(options, dict) else {}
-        merged["include_usage"] = True
-        upstream["stream_options"] = merged
+        upstream["stream_options"] = with_usage(options if isinstance(options, dict) else None)
         plan.added_usage = True
     return plan
+
+
+def with_usage(options: dict[str, Any] | None) -> dict[str, Any]:
+    """The client's `stream_options` asking for the usage chunk on the proxy's behalf.
+
+    vLLM honours `continuous_usage_stats` only with `include_usage`: a client that sent it
+    alone got no usage at all from vLLM, and through the proxy got usage in every chunk,
+    each chunk then re-encoded to take it out (its floats spelt anew). Turned off, vLLM
+    sends the chunks the client would have got and one usage chunk, which is dropped."""
+    merged = dict(options) if options is not None else {}
+    merged["include_usage"] = True
+    if merged.get("continuous_usage_stats"):
+        merged["continuous_usage_stats"] = False
+    return merged
 
 
 def _null_if_present(obj: dict[str, Any], key: str) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import time
 from collections.abc import Callable
 
@@ -180,6 +181,67 @@ def test_stream_include_usage_is_kept_when_asked(proxy):
         "completion_tokens": usage.completion_tokens,
         "total_tokens": usage.total_tokens,
     }
+
+
+def _stream_payloads(url: str, key: str, path: str, body: dict) -> list[str]:
+    """A stream's `data:` payloads, each chunk's `id` and `created` (a request's own) blanked
+    in place so that two answers compare byte for byte otherwise."""
+    with httpx.stream(
+        "POST", url + path, headers={"Authorization": f"Bearer {key}"}, json=body, timeout=120
+    ) as response:
+        assert response.status_code == 200, response.read()
+        lines = [line[6:] for line in response.iter_lines() if line.startswith("data: ")]
+    return [
+        re.sub(r'"created":\d+', '"created":0', re.sub(r'"id":"[^"]+"', '"id":""', line))
+        for line in lines
+    ]
+
+
+@pytest.mark.parametrize("tenant", ["alice", "bob"])  # captured and not
+@pytest.mark.parametrize(
+    "path, request_body",
+    [
+        pytest.param(
+            "/v1/chat/completions",
+            {"messages": PROMPT, "logprobs": True, "top_logprobs": 2},
+            id="chat",
+        ),
+        pytest.param(
+            "/v1/chat/completions",
+            {"messages": PROMPT, "stream_options": {"continuous_usage_stats": True}},
+            id="chat-continuous-usage-alone",
+        ),
+        pytest.param(
+            "/v1/completions",
+            {"prompt": "The sky is", "logprobs": 1},
+            id="completions",
+        ),
+    ],
+)
+def test_stream_bytes_are_vllm_bytes(proxy, vllm_server, tenant, path, request_body):
+    """A stream whose client asked for no usage reaches it as vLLM streams it directly, byte
+    for byte but for the ids. The proxy asks for the usage chunk on its own behalf and drops
+    it; vLLM then stamps `system_fingerprint` on that chunk, not on the finish chunk, which
+    went out without it (`proxy.fingerprint`). `continuous_usage_stats` alone gets no usage
+    from vLLM: the proxy must not turn it on with its own `include_usage` (usage in every
+    chunk, each then re-encoded to take it out)."""
+    harness, sink = proxy
+    body = {**request_body, "max_tokens": 6, "temperature": 0, "stream": True}
+    proxied = _stream_payloads(harness.base_url, KEYS[tenant], path, {**body, "model": "base"})
+    assert all('"usage"' not in payload for payload in proxied)
+    assert sum('"system_fingerprint":"vllm-' in payload for payload in proxied) == 1
+    assert_vllm_yields(
+        proxied,
+        lambda: _stream_payloads(
+            vllm_server.base_url, "unused", path, {**body, "model": vllm_server.model_name}
+        ),
+    )
+    harness.drain()
+    if tenant == "alice":
+        [record] = sink.trajectories
+        assert_consistent(record)
+    else:
+        assert sink.trajectories == []
 
 
 def test_raw_stream_ends_with_done(proxy):

@@ -110,7 +110,7 @@ def test_drop_usage_keeps_every_other_byte_and_the_last_usage():
     )
     odd = b'data: not json "usage"\n\n'
     reads = [first[:20], first[20:] + running, usage_chunk + odd + b"data: [DONE]\n\n"]
-    out = b"".join(CompletionRelay._drop_usage(relay, parser, read) for read in reads)
+    out = b"".join(CompletionRelay._drop_usage(relay, parser.complete(read)) for read in reads)
     assert out == (
         first
         + b'data: {"id":"c","choices":[{"index":0,"delta":{"content":"a"}}]}\n\n'
@@ -141,7 +141,7 @@ def test_drop_usage_cuts_only_the_events_that_hold_usage(framing: bytes):
     ]:
         relay = SimpleNamespace(usage=None)
         block = b"".join(event + framing for event in events)
-        out = CompletionRelay._drop_usage(relay, SSEParser(), block)
+        out = CompletionRelay._drop_usage(relay, SSEParser().complete(block))
         events_out = out.replace(b"\r\n", b"\n").split(b"\n\n")
         assert [e.strip(b"\n") for e in events_out if e.strip()] == kept
         assert relay.usage == {"prompt_tokens": 3, "completion_tokens": 2}

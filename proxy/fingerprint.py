@@ -7,9 +7,10 @@ the usage chunk on its own behalf and drops it, so a client that asked for none 
 fingerprint its direct stream carries. A read's finish events are therefore held until the
 next read: when that read (or the same one) brings the usage chunk, they go out stamped as
 vLLM stamps them, the fingerprint as the chunk's last key. vLLM sends the usage chunk right
-after the last finish chunk, so the hold costs the stream no time. With `n > 1` a choice
-that finished before the last one goes out unstamped when the next read is not the usage
-chunk: holding it longer would hold its stream's other choices until the end.
+after the last finish chunk, so the hold costs the stream no time. With `n > 1` the
+choices finishing together (their finish chunks in consecutive reads) wait together; a
+choice that finished while another goes on is sent unstamped with the other's next chunk:
+held longer, it would hold the other choice's text until the end.
 
 Written on the bytes: in JSON a `"` inside a string is escaped, so `"finish_reason":"` and
 `"system_fingerprint":"` can only be keys (the same proof `relay.strip_bytes` rests on).
@@ -45,11 +46,13 @@ class FingerprintCarry:
         found = _FINGERPRINT.search(block) if _STAMPED in block else None
         if found is not None:
             return _stamp(out, found.group(1))
-        at = out.find(_FINISH, len(held))  # the held events had their read
+        at = out.find(_FINISH, len(held))
         if at < 0 or out.endswith(_DONE_EVENT):
             return out
         border = out.rfind(b"\n\n", 0, at)
         start = border + 2 if border >= 0 else 0
+        if start == len(held):
+            start = 0  # the read brought finish events only (the choices of `n > 1`): all wait
         self._held = out[start:]
         return out[:start]
 

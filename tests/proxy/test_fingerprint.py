@@ -45,6 +45,13 @@ def test_a_next_read_without_usage_releases_the_held_finish_unstamped():
     assert carry.pass_on(USAGE + DONE, DONE) == STAMPED + DONE
 
 
+def test_choices_finishing_in_consecutive_reads_wait_together():
+    carry = FingerprintCarry()
+    assert carry.pass_on(CONTENT + FINISH, CONTENT + FINISH) == CONTENT
+    assert carry.pass_on(FINISH, FINISH) == b""
+    assert carry.pass_on(USAGE + DONE, DONE) == STAMPED + STAMPED + DONE
+
+
 def test_the_held_finish_goes_out_when_the_stream_ends_without_another_read():
     carry = FingerprintCarry()
     assert carry.pass_on(FINISH, FINISH) == b""

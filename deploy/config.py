@@ -78,7 +78,7 @@ def _launcher_flag(arg: str) -> tuple[str, str] | None:
 class PolicyConfig(BaseModel):
     """The vLLM server holding the base model and the LoRA adapters."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     model: str = Field(
         BUILTIN_MODEL,
@@ -613,7 +613,7 @@ DEFAULT_CONFIG_FILE = Path(__file__).with_name("default_config.yaml")
 class OlpConfig(BaseModel):
     """The whole system's configuration: one YAML file, one section per layer."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     state_dir: Path = Field(Path(".olp"), description="everything olp writes lives below it")
     log_format: Literal["auto", "json", "console"] = "auto"

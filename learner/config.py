@@ -17,7 +17,7 @@ from safety.config import url_without_userinfo
 class VerifierSpec(BaseModel):
     """One pluggable reward function, selected by import path (`module:function`)."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     path: str = "learner.rewards.verifiers:exact_match"
     # A weighted mean of the parts: a negative weight took it outside the parts' range.
@@ -32,7 +32,7 @@ class VerifierSpec(BaseModel):
 class JudgeConfig(BaseModel):
     """The generative reward model: an LLM judge behind an OpenAI-compatible endpoint."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     enabled: bool = False
     base_url: str | None = None  # None: the policy server the learner is told about
@@ -87,7 +87,7 @@ class FeedbackValues(BaseModel):
 
 
 class RewardWeights(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     # 0 leaves a source out; a negative weight did the same without a word (the assembler
     # takes a source whose weight is above 0), so it is refused.
@@ -97,7 +97,7 @@ class RewardWeights(BaseModel):
 
 
 class RewardConfig(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     weights: RewardWeights = Field(default_factory=RewardWeights)
     feedback_values: FeedbackValues = Field(default_factory=FeedbackValues)
@@ -108,7 +108,7 @@ class RewardConfig(BaseModel):
 class CanaryConfig(BaseModel):
     """Live trial of a gated candidate on a share of training-enabled traffic (optional)."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     enabled: bool = Field(False, description="trial every gated candidate before full rollout")
     share: float = Field(
@@ -141,7 +141,7 @@ class CanaryConfig(BaseModel):
 class PromotionConfig(BaseModel):
     """How candidates reach users: gate, hot swap, what stays loaded (learner/promotion.py)."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     enabled: bool = True
     alias: str = Field(
@@ -178,7 +178,7 @@ class PromotionConfig(BaseModel):
 class LearnerConfig(BaseModel):
     """LoRA, objective, batching, checkpointing and reward settings of the learner."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     enabled: bool = True
     base_model_dir: str | None = None  # None: the policy's prepared model dir

@@ -82,7 +82,7 @@ def _check_sha256(value: str | None, name: str) -> str | None:
 class TenantConfig(BaseModel):
     """One client organisation: its key (hashed), its limits and its training opt-in."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     name: str = Field(default="default", min_length=1, max_length=128)
     api_key_sha256: str | None = None
@@ -113,7 +113,7 @@ class TenantConfig(BaseModel):
 class StatePaths(BaseModel):
     """Sub-paths below the state dir that the proxy writes."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     serving_state: str = Field(
         default="control/serving.json",
@@ -154,7 +154,7 @@ class GcTuning(BaseModel):
     benchmark round at 16 concurrent requests was 34-62 ms with them, 12-20 ms with these
     (docs/perf/proxy.md)."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     freeze_after_start: bool = Field(
         default=True,
@@ -171,7 +171,7 @@ class AuthFailureLimits(BaseModel):
     """The failed-authentication throttle (`proxy.auth_failures`): an address that keeps
     presenting wrong keys is refused for a while, so keys cannot be guessed at line rate."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     max_failures: int = Field(
         default=20,
@@ -207,7 +207,7 @@ def bind_address(host: str) -> str:
 class ProxyConfig(BaseModel):
     """The `proxy` config section. Every field has a default so the embedded stack runs as is."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     host: str = Field(
         default="127.0.0.1",

@@ -14,7 +14,7 @@ _CODEC_PACKAGES = {"snappy": "python-snappy", "lz4": "lz4", "zstd": "zstandard"}
 class StreamConfig(BaseModel):
     """Everything the data layer needs; every field defaulted so the embedded stack runs as is."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     # Broker and topics.
     bootstrap_servers: str = "127.0.0.1:9092"

@@ -101,7 +101,7 @@ def url_without_userinfo(field: str, key: str, shown_by: str, instead: str) -> A
 
 
 class _Model(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
 
 class CustomPattern(_Model):

@@ -25,7 +25,7 @@ from safety.gates.types import GateError
 
 
 class Probe(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     id: str = Field(min_length=1)
     prompt: str = Field(min_length=1)
@@ -57,7 +57,7 @@ NEUTRAL_REPLIES = ("The answer is yes.", "No.", "I do not know.")
 class Check(BaseModel):
     """How a regression probe's answer is verified (case-insensitive)."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     type: Literal["contains_any", "regex"]
     values: list[str] = Field(default_factory=list)
@@ -139,7 +139,7 @@ class RedTeamProbe(Probe):
 
 
 class ToolSpec(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     name: str
     parameters: dict[str, Any]

@@ -65,6 +65,21 @@ def test_a_number_given_true_or_false_is_refused_not_read_as_one(tmp_path: Path)
     assert cfg.safety.gates.sampling.max_tokens == 7
 
 
+@pytest.mark.parametrize(("value", "got"), [(".inf", "inf"), (".nan", "nan"), ("-.inf", "-inf")])
+def test_an_infinite_or_nan_setting_is_refused(tmp_path: Path, value: str, got: str) -> None:
+    """`drain_s: .inf` was taken: a stop then waited for ever on a request that never ended,
+    and a NaN timeout compared false with everything. Every section refuses both."""
+    text = f"proxy:\n  drain_s: {value}\nlearner:\n  promotion:\n    drain_s: {value}\n"
+    with pytest.raises(ConfigError) as err:
+        load_config(write(tmp_path, text), environ={})
+    assert str(err.value).splitlines()[1:] == [
+        f"  proxy.drain_s: Input should be a finite number (got {got})",
+        f"  learner.promotion.drain_s: Input should be a finite number (got {got})",
+    ]
+    with pytest.raises(ConfigError, match=r"stream\.sink_batch_wait_s"):
+        load_config(None, environ={"OLP_STREAM__SINK_BATCH_WAIT_S": "inf"})
+
+
 def test_an_importance_cap_below_one_is_refused(tmp_path: Path) -> None:
     """min(ρ, C) with C < 1 scaled down on-policy tokens too (and with PPO zeroed the
     gradient of negative advantages at ρ = 1); 1 itself is a valid truncation."""

@@ -270,11 +270,14 @@ def _audit_path(args: argparse.Namespace, cfg: OlpConfig) -> Path:
 
     configured = cfg.state_dir / cfg.safety.audit.path
     given = Path(args.file) if args.file is not None else configured
-    default = given / "audit.jsonl"
-    if given.is_dir() and not (chain_files(default) or head_path(default).exists()):
-        # A directory means the log of the configured name in it (`safety.audit.path`
-        # `audit/events.jsonl`): `verify <state_dir>/audit` said there was none.
-        given = given / configured.name
+    if given.is_dir():
+        # A directory means `audit.jsonl` in it, else the log of the configured name in it
+        # (`safety.audit.path` `audit/events.jsonl`: `verify <state_dir>/audit` said there
+        # was none), else the configured path below it (a state dir: `verify <state_dir>`
+        # said there was none).
+        candidates = [given / "audit.jsonl", given / configured.name, given / cfg.safety.audit.path]
+        found = [c for c in candidates if chain_files(c) or head_path(c).exists()]
+        given = found[0] if found else candidates[1]
     live = resolve_live_path(given)
     if not chain_files(live) and not head_path(live).exists():
         raise _NoAuditLog(f"no audit log at {live}")
@@ -389,7 +392,7 @@ def cmd_audit_show(args: argparse.Namespace, cfg: OlpConfig) -> int:
 
 def parse_bound(value: str | None) -> tuple[Any, float | None]:
     """`--from/--to`: a JSON object of offsets ({"trajectories": {"0": 10}}) or a time
-    (unix seconds or ISO 8601). Returns (offsets, time)."""
+    (unix seconds, or ISO 8601 with its zone). Returns (offsets, time)."""
     if value is None:
         return None, None
     text = value.strip()
@@ -403,11 +406,18 @@ def parse_bound(value: str | None) -> tuple[Any, float | None]:
     except ValueError:
         pass
     try:
-        return None, datetime.fromisoformat(text.replace("Z", "+00:00")).timestamp()
+        moment = datetime.fromisoformat(text.replace("Z", "+00:00"))
     except ValueError:
         raise ValueError(
             f"--from/--to {value!r} is neither offsets (JSON), unix seconds nor ISO 8601"
         ) from None
+    if moment.tzinfo is None:
+        # Read as this machine's local time it silently moved the window by the zone's
+        # offset on a UTC server (the records and the audit log keep UTC).
+        raise ValueError(
+            f"--from/--to {value!r} has no time zone: add Z for UTC or an offset such as +01:00"
+        )
+    return None, moment.timestamp()
 
 
 def cmd_replay_export(args: argparse.Namespace, cfg: OlpConfig) -> int:

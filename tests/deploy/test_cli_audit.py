@@ -170,6 +170,21 @@ def test_a_directory_means_the_log_of_the_configured_name(tmp_path: Path) -> Non
     assert f"audit log OK: 3 records, chain intact ({audit_dir / 'events.jsonl'})" in done.stdout
 
 
+def test_a_state_dir_means_the_log_configured_below_it(tmp_path: Path) -> None:
+    """`olp audit verify <state_dir>` said there was no audit log (the log is in audit/)."""
+    _log(tmp_path / "audit" / "audit.jsonl", 2)
+    done = olp("audit", "verify", str(tmp_path))
+    assert done.returncode == 0, done.stderr
+    assert f"audit log OK: 2 records, chain intact ({tmp_path / 'audit' / 'audit.jsonl'})" in (
+        done.stdout
+    )
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    missing = olp("audit", "verify", str(empty))
+    assert missing.returncode == 2
+    assert f"no audit log at {empty / 'audit.jsonl'}" in missing.stderr
+
+
 def test_show_into_a_reader_that_stops_early_is_not_an_unreadable_log(tmp_path: Path) -> None:
     """`olp audit show | head -1` exited 2 with "cannot read the audit log: Broken pipe";
     the records are printed as they are read, not after the whole log."""

@@ -379,7 +379,12 @@ def test_replay_export_into_a_directory_is_refused_before_it_starts(tmp_path: Pa
 
 @pytest.mark.parametrize(
     ("bound", "says"),
-    [("notatime", "neither offsets (JSON), unix seconds nor ISO 8601"), ("{bad", "not valid JSON")],
+    [
+        ("notatime", "neither offsets (JSON), unix seconds nor ISO 8601"),
+        ("{bad", "not valid JSON"),
+        ("2026-11-29T10:00:00", "has no time zone: add Z for UTC or an offset"),
+        ("2026-11-29", "has no time zone"),
+    ],
 )
 def test_replay_export_with_a_malformed_bound(tmp_path: Path, bound: str, says: str) -> None:
     """Exit 2 like every other failed export (it was 1), before any broker is asked."""

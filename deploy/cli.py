@@ -208,7 +208,7 @@ def cmd_learner(args: argparse.Namespace, cfg: OlpConfig) -> int:
     if risk is not None:
         print(f"olp: learner: warning: {risk}", file=sys.stderr)
 
-    from deploy.learner_runner import STREAM_ID_ENV, run
+    from deploy.learner_runner import STREAM_ID_ENV, LearnerAlreadyRunning, run
     from deploy.model_prep import ModelPrepError
     from learner.checkpoint import ResumeRefused
     from learner.trainer import AdapterMismatch
@@ -226,6 +226,9 @@ def cmd_learner(args: argparse.Namespace, cfg: OlpConfig) -> int:
             "new name> olp learner",
             file=sys.stderr,
         )
+        return EXIT_REFUSED
+    except LearnerAlreadyRunning as exc:  # a restart meets the same learner
+        print(f"olp: learner: {exc}", file=sys.stderr)
         return EXIT_REFUSED
     except (ResumeRefused, AdapterMismatch) as exc:
         # The state dir holds versions it will not guess about, or weights of another LoRA

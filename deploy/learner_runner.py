@@ -16,6 +16,7 @@ from deploy.admin_client import learner_admin_key
 from deploy.config import OlpConfig
 from deploy.ports import local_http_url
 from deploy.runtime import resolve_model_dir
+from deploy.state_lock import LockHeld, StateDirLock
 from learner.promotion import (
     Promoter,
     ProxyAdmin,
@@ -136,6 +137,10 @@ class FreezeFlag:
         return True if self._value is None else self._value
 
 
+class LearnerAlreadyRunning(RuntimeError):
+    pass
+
+
 def run(cfg: OlpConfig) -> int:
     """The learner; under torchrun rank 0 alone promotes, watches the canary and reloads
     adapters onto restarted replicas (it alone writes adapters), fed every rank's evidence."""
@@ -145,6 +150,18 @@ def run(cfg: OlpConfig) -> int:
 
     ctx = init_distributed()
     state_dir = Path(cfg.state_dir)
+    # Rank 0 alone: the other ranks of one torchrun are one learner. Held for the process's
+    # life (the kernel drops it when the process ends, however it ends).
+    lock = StateDirLock(state_dir, "learner")
+    if ctx.is_main:
+        try:
+            lock.acquire()
+        except LockHeld as held:
+            raise LearnerAlreadyRunning(
+                f"another learner is running on state dir {state_dir} (pid {held.holder}): "
+                "two would train, publish adapters and promote over each other; stop it "
+                "first (under olp up, stop olp up)"
+            ) from None
     model_dir = resolve_model_dir(cfg.policy)
     replicas = cfg.policy.base_urls()
     stop = threading.Event()

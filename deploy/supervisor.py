@@ -11,7 +11,6 @@ without it (the proxy spills what it records).
 
 from __future__ import annotations
 
-import fcntl
 import os
 import secrets
 import sys
@@ -21,7 +20,6 @@ import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO
 
 import structlog
 from pydantic import SecretStr
@@ -43,6 +41,7 @@ from deploy.procs import (
     wait_until,
 )
 from deploy.runtime import resolve_model_dir
+from deploy.state_lock import LockHeld, StateDirLock
 from proxy.config import INTERNAL_ADMIN_TOKEN_ENV, sha256_hex
 from proxy.serving_state import load_state, switch_applies
 from safety.audit import AuditLog
@@ -75,35 +74,23 @@ class AlreadyRunning(RuntimeError):
 
 
 class StackLock:
-    """An flock on <state_dir>/run/up.lock: a second `olp up` says so instead of orphaning."""
+    """<state_dir>/run/up.lock: a second `olp up` says so instead of orphaning."""
 
     def __init__(self, state_dir: Path) -> None:
-        self.path = state_dir / "run" / "up.lock"
-        self._fh: IO[str] | None = None
+        self._lock = StateDirLock(state_dir, "up")
 
     def acquire(self) -> None:
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        fh = self.path.open("a+")
         try:
-            fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            fh.seek(0)
-            holder = fh.read().strip() or "unknown"
-            fh.close()
+            self._lock.acquire()
+        except LockHeld as held:
             raise AlreadyRunning(
-                f"olp up is already running for state dir {self.path.parent.parent} "
-                f"(pid {holder}); stop it first (Ctrl-C in its terminal, or kill {holder})"
+                f"olp up is already running for state dir {self._lock.path.parent.parent} "
+                f"(pid {held.holder}); stop it first (Ctrl-C in its terminal, or kill "
+                f"{held.holder})"
             ) from None
-        fh.seek(0)
-        fh.truncate()
-        fh.write(str(os.getpid()))
-        fh.flush()
-        self._fh = fh
 
     def release(self) -> None:
-        if self._fh is not None:
-            self._fh.close()
-            self._fh = None
+        self._lock.release()
 
 
 @dataclass

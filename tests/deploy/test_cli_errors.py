@@ -451,10 +451,14 @@ def test_learner_without_answering_policy_servers_refuses_to_name_versions() -> 
     assert "http://127.0.0.1:1" in message
 
 
-def test_a_learner_waiting_for_its_servers_stops_at_ctrl_c(tmp_path: Path, model_dir: Path) -> None:
+def test_a_learner_waiting_for_its_servers_stops_at_ctrl_c_and_is_alone(
+    tmp_path: Path, model_dir: Path
+) -> None:
     """Start-up asks vLLM and the proxy for the versions they name, up to a minute each: it
     slept through SIGINT and SIGTERM, then exited 1 "cannot list the adapters" a minute or
-    two later, as if it had failed."""
+    two later, as if it had failed. A second learner on its state dir (a standalone `olp
+    learner` beside `olp up`'s) is refused at once (exit 3): it started, removed the first's
+    scratch folders and then trained and promoted over it."""
     import signal
 
     vllm_port, proxy_port = free_ports(2)  # nothing listens on either
@@ -484,6 +488,17 @@ def test_a_learner_waiting_for_its_servers_stops_at_ctrl_c(tmp_path: Path, model
                 break
         else:
             raise AssertionError("never waited for vLLM:\n" + "".join(lines))
+        second = subprocess.run(
+            [sys.executable, "-m", "deploy.cli", "learner"],
+            cwd=ROOT,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert_clean_error(second, 3, "learner: another learner is running on state dir")
+        assert f"(pid {child.pid})" in second.stderr
+        assert child.poll() is None  # the first one goes on
         child.send_signal(signal.SIGINT)
         asked = time.monotonic()
         rest, _ = child.communicate(timeout=60)

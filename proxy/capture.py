@@ -143,6 +143,39 @@ class _Choice:
 NONFINITE_LOGPROB = -1.0e9
 
 
+def _calls_tools(choice: _Choice) -> bool:
+    message = choice.message
+    return bool(choice.tool_calls or (message is not None and message.get("tool_calls")))
+
+
+def _sampled_texts(raw_response: bytes | None, raw_events: list[bytes]) -> dict[int, str]:
+    """Each chat choice's sampled text, joined from its logprob entries' `bytes` (the
+    token's exact UTF-8, where `token` may be half a character), else their `token`. Read
+    with the dict path, tolerantly: only for the few answers that call tools."""
+    pieces: dict[int, list[bytes]] = {}
+    for data in ([raw_response] if raw_response is not None else []) + raw_events:
+        try:
+            parsed, _ = parse_json(data, allow_nonfinite=True)
+        except ValueError:
+            continue
+        choices = parsed.get("choices") if isinstance(parsed, dict) else None
+        for choice in choices if isinstance(choices, list) else []:
+            index = choice.get("index", 0) if isinstance(choice, dict) else None
+            logprobs = choice.get("logprobs") if isinstance(choice, dict) else None
+            content = logprobs.get("content") if isinstance(logprobs, dict) else None
+            if not isinstance(index, int) or not isinstance(content, list):
+                continue
+            out = pieces.setdefault(index, [])
+            for entry in content:
+                raw = entry.get("bytes") if isinstance(entry, dict) else None
+                token = entry.get("token") if isinstance(entry, dict) else None
+                if isinstance(raw, list) and all(isinstance(b, int) and 0 <= b < 256 for b in raw):
+                    out.append(bytes(raw))
+                elif isinstance(token, str):
+                    out.append(token.encode("utf-8", "surrogatepass"))
+    return {index: b"".join(parts).decode("utf-8", "replace") for index, parts in pieces.items()}
+
+
 def _logprob_values(endpoint: Endpoint, logprobs: Any) -> list[float] | None:
     if not isinstance(logprobs, dict):
         return None
@@ -409,6 +442,8 @@ class TrajectoryCapture(msgspec.Struct, eq=False):
     unparsable: int = 0  # raw events or responses not JSON objects, or not of their shape
     _raw_sse: list[bytes] = msgspec.field(default_factory=list)
     _raw_response: bytes | None = None
+    # Set when built (never packed or pickled): `sampled_texts`.
+    _sampled: dict[int, str] | None = None
 
     def __reduce__(self) -> tuple[Any, ...]:
         """The capture and its context as two tuples of values (the proxy packs a capture
@@ -445,11 +480,18 @@ class TrajectoryCapture(msgspec.Struct, eq=False):
         raw_response, raw_sse = self._raw_response, self._raw_sse
         self._raw_response, self._raw_sse = None, []
         raw_events = _sse_payloads(b"".join(raw_sse)) if raw_sse else []
-        if self.context.endpoint == "chat.completions" and self._absorb_chat(
-            raw_response, raw_events
-        ):
-            return
-        self._absorb_each(raw_response, raw_events)
+        chat = self.context.endpoint == "chat.completions"
+        if not (chat and self._absorb_chat(raw_response, raw_events)):
+            self._absorb_each(raw_response, raw_events)
+        if chat and any(map(_calls_tools, self.choices.values())):
+            self._sampled = _sampled_texts(raw_response, raw_events)
+
+    def sampled_texts(self) -> list[str]:
+        """The text each tool-calling chat choice sampled, read from its logprobs' tokens
+        (after `build`): vLLM's tool-call parser (hermes) leaves out of the message what it
+        does not parse as a call (text after `</tool_call>`, between two calls), while the
+        token ids still spell all of it. `redact_record` searches it too."""
+        return list((self._sampled or {}).values())
 
     def _absorb_chat(self, raw_response: bytes | None, raw_events: list[bytes]) -> bool:
         """Parse chat output through the typed views; False (nothing absorbed) when any of
@@ -872,14 +914,19 @@ def private_label(value: str | None, redact: Redact, key: bytes | None = None) -
 
 
 def redact_record(
-    record: dict[str, Any], redact: Redact, key: bytes | None = None
+    record: dict[str, Any],
+    redact: Redact,
+    key: bytes | None = None,
+    hidden: list[str] | None = None,
 ) -> dict[str, Any]:
     """Redact the free text of a record (request and outputs) and pseudonymise the client's
     labels (`private_label`).
 
     When the text had anything redacted, the token ids still spell the secret out, so they
     are dropped and the record is flagged untrainable: nothing identifying leaves the
-    process. A pseudonymised label alone changes nothing the model saw.
+    process. A pseudonymised label alone changes nothing the model saw. `hidden`: sampled
+    text the record's choices do not show (`TrajectoryCapture.sampled_texts`), searched
+    too when the rest held nothing; its finds count as the rest's.
 
     The request's `user` is not text the model saw: the request carries the record's
     `user` (its pseudonym, `TrajectoryCapture.build`), which is not searched, so a user alone
@@ -916,6 +963,9 @@ def redact_record(
             if array in original:
                 redacted[array] = original[array]
     counts = {kind: int(hits) for kind, hits in found.items() if hits}
+    if not counts and hidden:
+        _, found = redact(hidden)
+        counts = {kind: int(hits) for kind, hits in found.items() if hits}
     if has_user:
         request["user"] = record.get("user")
     record["request"] = request
@@ -938,7 +988,7 @@ def build_record(
     or in a sink's worker process); `key`: the pseudonyms' (`private_label`)."""
     record = capture.build(status)
     if redact is not None:
-        record = redact_record(record, redact, key)
+        record = redact_record(record, redact, key, capture.sampled_texts())
     return record
 
 

@@ -412,6 +412,39 @@ def test_tools_and_tool_choice_relay_like_vllm(proxy, vllm_server, stream, tool_
     assert_consistent(record)
 
 
+# vLLM's hermes parser keeps the text before `<tool_call>` and the calls; what follows
+# `</tool_call>` is in no field of the answer, while its token ids are in the record. The
+# output is forced with a regex (vLLM's structured outputs, a field the proxy passes on).
+HIDDEN_EMAIL = (
+    r'<tool_call>\n\{"name": "get_weather", "arguments": \{"city": "Paris"\}\}\n'
+    r"</tool_call>\nMail jane\.doe@example\.com"
+)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_text_the_tool_parser_drops_is_searched_for_secrets(proxy, stream):
+    """An e-mail the model wrote after its tool call reached the record's token ids, the
+    record trainable: the redactor reads the answer's fields, which do not hold it."""
+    harness, sink = proxy
+    kwargs = dict(
+        messages=[{"role": "user", "content": "Weather in Paris?"}],
+        tools=TOOLS,
+        tool_choice="auto",
+        max_tokens=80,
+        temperature=0,
+        extra_body={"structured_outputs": {"regex": HIDDEN_EMAIL}},
+    )
+    name, arguments, content = _tool_outcome(client(harness), "policy", stream, **kwargs)
+    assert (name, json.loads(arguments)) == ("get_weather", {"city": "Paris"})
+    assert "jane" not in (content or "")  # the parser dropped it, as vLLM does directly
+    harness.drain()
+    [record] = sink.trajectories
+    assert "jane.doe" not in json.dumps(record)
+    assert record["redactions"] == {"email": 1}
+    assert record["prompt_token_ids"] == [] and record["choices"][0]["token_ids"] == []
+    assert record["trainable"] is False and record["flags"] == ["redacted"]
+
+
 async def test_concurrent_requests_with_one_client_request_id(proxy):
     """vLLM adopts X-Request-Id as its own id; the proxy keeps the client's id for the client
     and sends upstream a unique one, so requests sharing an id stay apart there (an abort

@@ -143,6 +143,20 @@ class _Choice:
 NONFINITE_LOGPROB = -1.0e9
 
 
+_USAGE_COUNTS = ("prompt_tokens", "completion_tokens", "total_tokens")
+
+
+def _is_count(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and 0 <= value < 2**63
+
+
+def _token_count(value: Any) -> int:
+    """A usage count as the record keeps it: 0 for anything but a count. `int("abc")` from a
+    broken upstream failed the whole build (the record lost, the text in the log's
+    traceback); `check` flags such usage `missing_usage`."""
+    return value if _is_count(value) else 0
+
+
 def _calls_tools(choice: _Choice) -> bool:
     message = choice.message
     return bool(choice.tool_calls or (message is not None and message.get("tool_calls")))
@@ -796,8 +810,9 @@ class TrajectoryCapture(msgspec.Struct, eq=False):
                 flags.append("missing_finish_reason")
             if any(c.finish_reason in _CUT_BY_THE_SERVER for c in self.choices.values()):
                 flags.append("finish_reason_abort")
-        if self.usage is None:
-            flags.append("missing_usage")
+        usage = self.usage
+        if usage is None or any(k in usage and not _is_count(usage[k]) for k in _USAGE_COUNTS):
+            flags.append("missing_usage")  # none, or a count that is none (`"12"`, `12.0`)
         else:
             if completion is None:
                 completion = sum(len(c.token_ids or []) for c in self.choices.values())
@@ -854,9 +869,9 @@ class TrajectoryCapture(msgspec.Struct, eq=False):
             "prompt_token_ids": prompt_ids or [],
             "choices": [self._choice_record(self.choices[i]) for i in sorted(self.choices)],
             "usage": {
-                "prompt_tokens": int(usage.get("prompt_tokens") or 0),
-                "completion_tokens": int(usage.get("completion_tokens") or 0),
-                "total_tokens": int(usage.get("total_tokens") or 0),
+                "prompt_tokens": _token_count(usage.get("prompt_tokens")),
+                "completion_tokens": _token_count(usage.get("completion_tokens")),
+                "total_tokens": _token_count(usage.get("total_tokens")),
             },
             "timings": {
                 "ttft_s": self.ttft_s,

@@ -708,6 +708,22 @@ def test_a_record_without_given_sampling_reads_what_was_sent_upstream(endpoint, 
     assert unpickled.context.sampling_params() == every
 
 
+@pytest.mark.parametrize("count", ["abc", "2", 2.0, True, -1, None])
+def test_usage_counts_that_are_not_counts_are_flagged_not_fatal(count: Any):
+    """`int("abc")` failed the whole build: the record was lost and the text went into the
+    log's traceback. It is kept, flagged, its usage counted 0."""
+    capture = _capture()
+    response = json.loads(json.dumps(ONE_TOKEN_RESPONSE))
+    response["usage"]["prompt_tokens"] = count
+    capture.add_raw_response(json.dumps(response).encode())
+    record = capture.build("ok")
+    validate_trajectory(record)
+    assert record["usage"]["prompt_tokens"] == 0
+    assert record["trainable"] is False
+    assert "abc" not in json.dumps(record)
+    assert "missing_usage" in record["flags"]
+
+
 def test_redaction_drops_token_ids_of_records_with_secrets():
     capture = _capture()
     capture.add_response(ONE_TOKEN_RESPONSE)

@@ -739,7 +739,12 @@ class CompletionRelay:
         capture: TrajectoryCapture | None,
     ) -> web.StreamResponse:
         response = web.StreamResponse(status=200, headers=headers)
-        response.content_type = "text/event-stream"
+        # vLLM's own (`text/event-stream; charset=utf-8`): the charset was dropped.
+        content_type = upstream.headers.get("Content-Type", "")
+        if content_type.lower().startswith("text/event-stream"):
+            response.headers["Content-Type"] = content_type
+        else:
+            response.content_type = "text/event-stream"
         response.headers["Cache-Control"] = "no-cache"
         if self.request.version >= HttpVersion11:
             response.enable_chunked_encoding()

@@ -184,14 +184,14 @@ def test_stream_include_usage_is_kept_when_asked(proxy):
 
 
 def _stream_payloads(url: str, key: str, path: str, body: dict) -> list[str]:
-    """A stream's `data:` payloads, each chunk's `id` and `created` (a request's own) blanked
-    in place so that two answers compare byte for byte otherwise."""
+    """A stream's content type and `data:` payloads, each chunk's `id` and `created` (a
+    request's own) blanked in place so that two answers compare byte for byte otherwise."""
     with httpx.stream(
         "POST", url + path, headers={"Authorization": f"Bearer {key}"}, json=body, timeout=120
     ) as response:
         assert response.status_code == 200, response.read()
         lines = [line[6:] for line in response.iter_lines() if line.startswith("data: ")]
-    return [
+    return [response.headers["content-type"]] + [
         re.sub(r'"created":\d+', '"created":0', re.sub(r'"id":"[^"]+"', '"id":""', line))
         for line in lines
     ]
@@ -228,6 +228,7 @@ def test_stream_bytes_are_vllm_bytes(proxy, vllm_server, tenant, path, request_b
     harness, sink = proxy
     body = {**request_body, "max_tokens": 6, "temperature": 0, "stream": True}
     proxied = _stream_payloads(harness.base_url, KEYS[tenant], path, {**body, "model": "base"})
+    assert proxied[0] == "text/event-stream; charset=utf-8"  # vLLM's, charset included
     assert all('"usage"' not in payload for payload in proxied)
     assert sum('"system_fingerprint":"vllm-' in payload for payload in proxied) == 1
     assert_vllm_yields(

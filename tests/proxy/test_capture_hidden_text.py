@@ -13,15 +13,10 @@ from typing import Any
 
 import pytest
 
-from proxy.capture import (
-    CaptureContext,
-    TrajectoryCapture,
-    build_packed_record,
-    pack_capture,
-)
-from proxy.config import sha256_hex
+from proxy.capture import TrajectoryCapture, build_packed_record, pack_capture
 from replay.schemas import validate_trajectory
 from safety.redaction import Redactor
+from tests.proxy.test_proxy_units import _capture as unit_capture
 
 CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
 TOOL_CALL = {
@@ -32,24 +27,11 @@ TOOL_CALL = {
 
 
 def _capture(stream: bool) -> TrajectoryCapture:
+    capture = unit_capture()
     body = {"model": "policy", "messages": [{"role": "user", "content": "Weather in Paris?"}]}
-    return TrajectoryCapture(
-        CaptureContext(
-            trajectory_id="t1",
-            request_id="r1",
-            session_id="s1",
-            tenant_hash=sha256_hex("x"),
-            user_hash=None,
-            endpoint="chat.completions",
-            model_alias="policy",
-            policy_version="policy-v2",
-            group_id=None,
-            task=None,
-            request_body={**body, "stream": stream},
-            sampling={"temperature": 1.0},
-            request_raw=json.dumps({**body, "stream": stream}).encode(),
-        )
-    )
+    capture.context.request_body = {**body, "stream": stream}
+    capture.context.request_raw = json.dumps(capture.context.request_body).encode()
+    return capture
 
 
 def _entries(tokens: list[str]) -> list[dict[str, Any]]:

@@ -7,6 +7,8 @@ import shutil
 import subprocess
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 _KEY_END = 'VENV="$CACHE_DIR/venvs/$KEY"\n'
 
@@ -148,10 +150,10 @@ def test_olp_commands_keep_the_callers_directory(tmp_path: Path) -> None:
     assert '"state_dir": "here-state"' in done.stdout
 
 
-def test_a_c_strip_that_fails_to_build_is_tried_once_per_source(tmp_path: Path) -> None:
-    """With a compiler that fails on the source, no `.so` appeared and every olpw call
-    reinstalled the project (seconds each, `olpw status` included). A stand-in environment
-    whose pip builds nothing; the checkout is a copy without the built extension."""
+def _stand_in(tmp_path: Path) -> tuple[Path, Path, Path, dict[str, str]]:
+    """A copy of the checkout without the built extension, and a complete stand-in
+    environment for it in `tmp_path/cache` whose python records its calls and builds
+    nothing: (checkout, venv, calls file, environment variables)."""
     key = _key(tmp_path)
     checkout = tmp_path / "checkout"
     (checkout / "deploy").mkdir(parents=True)
@@ -167,6 +169,52 @@ def test_a_c_strip_that_fails_to_build_is_tried_once_per_source(tmp_path: Path) 
     python.chmod(0o755)
     env = {k: v for k, v in os.environ.items() if not k.startswith("OLP_")}
     env["OLP_CACHE_DIR"] = str(tmp_path / "cache")
+    return checkout, venv, calls, env
+
+
+@pytest.mark.parametrize("given", ["cache", "./cache", "~/cache"])
+def test_a_relative_or_unexpanded_cache_dir_is_the_same_folder_everywhere(
+    tmp_path: Path, given: str
+) -> None:
+    """A relative OLP_CACHE_DIR named another folder once `olpw test` moved to the
+    checkout (the suite then ran on whatever python came first on PATH), and a `~` that
+    arrived unexpanded built the environment in a folder named `~` where olp kept its
+    models in the home directory."""
+    checkout, venv, _, env = _stand_in(tmp_path)
+    env |= {"OLP_CACHE_DIR": given, "HOME": str(tmp_path)}
+    done = subprocess.run(
+        ["bash", str(checkout / "olpw"), "env"],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 0, done.stderr
+    assert Path(done.stdout.strip()).resolve() == venv
+    assert not (tmp_path / "~").exists()
+    # olp is handed the same folder, absolute (a stand-in olp prints what it was given).
+    olp = venv / "bin" / "olp"
+    olp.write_text('#!/bin/sh\necho "$OLP_CACHE_DIR"\n')
+    olp.chmod(0o755)
+    shown = subprocess.run(
+        ["bash", str(checkout / "olpw"), "status"],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert shown.returncode == 0, shown.stderr
+    assert shown.stdout.startswith("/")
+    assert Path(shown.stdout.strip()).resolve() == tmp_path / "cache"
+
+
+def test_a_c_strip_that_fails_to_build_is_tried_once_per_source(tmp_path: Path) -> None:
+    """With a compiler that fails on the source, no `.so` appeared and every olpw call
+    reinstalled the project (seconds each, `olpw status` included). A stand-in environment
+    whose pip builds nothing; the checkout is a copy without the built extension."""
+    checkout, venv, calls, env = _stand_in(tmp_path)
     runs = [
         subprocess.run(
             ["bash", str(checkout / "olpw"), "env"],

@@ -6,6 +6,7 @@ import argparse
 import collections
 import json
 import math
+import re
 import sys
 import tempfile
 import urllib.parse
@@ -275,7 +276,9 @@ def _audit_path(args: argparse.Namespace, cfg: OlpConfig) -> Path:
         # (`safety.audit.path` `audit/events.jsonl`: `verify <state_dir>/audit` said there
         # was none), else the configured path below it (a state dir: `verify <state_dir>`
         # said there was none).
-        candidates = [given / "audit.jsonl", given / configured.name, given / cfg.safety.audit.path]
+        candidates = [given / "audit.jsonl", given / configured.name]
+        if not Path(cfg.safety.audit.path).is_absolute():  # else `given /` would drop given
+            candidates.append(given / cfg.safety.audit.path)
         found = [c for c in candidates if chain_files(c) or head_path(c).exists()]
         given = found[0] if found else candidates[1]
     live = resolve_live_path(given)
@@ -390,6 +393,9 @@ def cmd_audit_show(args: argparse.Namespace, cfg: OlpConfig) -> int:
     return 0
 
 
+_DATE_ONLY = re.compile(r"\d{4}-?\d{2}-?\d{2}(?:[+-].*)?")
+
+
 def parse_bound(value: str | None) -> tuple[Any, float | None]:
     """`--from/--to`: a JSON object of offsets ({"trajectories": {"0": 10}}) or a time
     (unix seconds, or ISO 8601 with its zone). Returns (offsets, time)."""
@@ -405,12 +411,20 @@ def parse_bound(value: str | None) -> tuple[Any, float | None]:
         return None, float(text)
     except ValueError:
         pass
+    if text[-1:] in ("Z", "z"):
+        text = text[:-1] + "+00:00"
     try:
-        moment = datetime.fromisoformat(text.replace("Z", "+00:00"))
+        moment = datetime.fromisoformat(text)
     except ValueError:
         raise ValueError(
             f"--from/--to {value!r} is neither offsets (JSON), unix seconds nor ISO 8601"
         ) from None
+    if _DATE_ONLY.fullmatch(text):
+        # Python 3.11 reads `2026-11-29+00:00` as that date with no zone (the offset dropped).
+        raise ValueError(
+            f"--from/--to {value!r} is a date: give a time and a zone, such as "
+            f"{moment.date().isoformat()}T00:00:00Z"
+        )
     if moment.tzinfo is None:
         # Read as this machine's local time it silently moved the window by the zone's
         # offset on a UTC server (the records and the audit log keep UTC).

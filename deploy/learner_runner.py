@@ -144,24 +144,29 @@ class LearnerAlreadyRunning(RuntimeError):
 def run(cfg: OlpConfig) -> int:
     """The learner; under torchrun rank 0 alone promotes, watches the canary and reloads
     adapters onto restarted replicas (it alone writes adapters), fed every rank's evidence."""
-    from learner.distributed import init_distributed
+    from learner.distributed import broadcast_object, init_distributed
     from learner.service import run_learner
     from learner.source import replay_consumer_factory
 
     ctx = init_distributed()
     state_dir = Path(cfg.state_dir)
-    # Rank 0 alone: the other ranks of one torchrun are one learner. Held for the process's
-    # life (the kernel drops it when the process ends, however it ends).
+    # Taken by rank 0 (the ranks of one torchrun are one learner) and held for the process's
+    # life (the kernel drops it when the process ends, however it ends); every rank learns
+    # whether it was refused, so that none goes on to load the model beside the other.
     lock = StateDirLock(state_dir, "learner")
+    holder = None
     if ctx.is_main:
         try:
             lock.acquire()
         except LockHeld as held:
-            raise LearnerAlreadyRunning(
-                f"another learner is running on state dir {state_dir} (pid {held.holder}): "
-                "two would train, publish adapters and promote over each other; stop it "
-                "first (under olp up, stop olp up)"
-            ) from None
+            holder = held.holder
+    holder = broadcast_object(ctx, holder)
+    if holder is not None:
+        raise LearnerAlreadyRunning(
+            f"another learner is running on state dir {state_dir} (pid {holder}): two "
+            "would train, publish adapters and promote over each other; stop it first "
+            "(under olp up, stop olp up)"
+        )
     model_dir = resolve_model_dir(cfg.policy)
     replicas = cfg.policy.base_urls()
     stop = threading.Event()

@@ -30,7 +30,8 @@ class StateDirLock:
     def acquire(self) -> None:
         """Take the lock or raise LockHeld at once (never waits)."""
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        fh = self.path.open("a+")
+        # Owner-only, as the audit log's lock: the umask's 0644 (or 0666) was the default.
+        fh = os.fdopen(os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_APPEND, 0o600), "a+")
         try:
             fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:

@@ -185,6 +185,27 @@ def test_a_state_dir_means_the_log_configured_below_it(tmp_path: Path) -> None:
     assert f"no audit log at {empty / 'audit.jsonl'}" in missing.stderr
 
 
+def test_an_empty_directory_is_no_log_when_the_configured_path_is_absolute(
+    tmp_path: Path,
+) -> None:
+    """`<dir> / <absolute path>` is the absolute path: an empty backup directory verified as
+    the live log ("OK", exit 0)."""
+    live = tmp_path / "volume" / "audit.jsonl"
+    _log(live, 4)
+    backup = tmp_path / "backup"
+    backup.mkdir()
+    done = subprocess.run(
+        [sys.executable, "-m", "deploy.cli", "audit", "verify", str(backup)],
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT), "OLP_SAFETY__AUDIT__PATH": str(live)},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 2, done.stdout
+    assert f"no audit log at {backup / 'audit.jsonl'}" in done.stderr
+
+
 def test_show_into_a_reader_that_stops_early_is_not_an_unreadable_log(tmp_path: Path) -> None:
     """`olp audit show | head -1` exited 2 with "cannot read the audit log: Broken pipe";
     the records are printed as they are read, not after the whole log."""

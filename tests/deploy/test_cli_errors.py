@@ -383,7 +383,7 @@ def test_replay_export_into_a_directory_is_refused_before_it_starts(tmp_path: Pa
         ("notatime", "neither offsets (JSON), unix seconds nor ISO 8601"),
         ("{bad", "not valid JSON"),
         ("2026-11-29T10:00:00", "has no time zone: add Z for UTC or an offset"),
-        ("2026-11-29", "has no time zone"),
+        ("2026-11-29Z", "is a date: give a time and a zone, such as 2026-11-29T00:00:00Z"),
     ],
 )
 def test_replay_export_with_a_malformed_bound(tmp_path: Path, bound: str, says: str) -> None:

@@ -501,3 +501,53 @@ def test_a_stop_during_the_update_stops_every_rank_without_a_version(
     for rank in (0, 1):
         result = json.loads((tmp_path / f"stopped{rank}.json").read_text())
         assert result == {"version": 0, "published": []}, (rank, result)
+
+
+def _locked_out_rank(rank: int, world: int, port: int, state_dir: str, out: str) -> None:
+    """One rank of `olp learner` (deploy.learner_runner.run) on a state dir whose learner
+    lock another process holds."""
+    from deploy.config import OlpConfig
+    from deploy.learner_runner import LearnerAlreadyRunning, run
+
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(world),
+    )
+    try:
+        run(OlpConfig(state_dir=Path(state_dir)))
+        result = "ran"
+    except LearnerAlreadyRunning as exc:
+        result = str(exc)
+    except Exception as exc:  # reported by the test, not lost in the spawned process
+        result = f"{type(exc).__name__}: {exc}"
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    Path(out, f"rank{rank}.txt").write_text(result)
+
+
+def test_every_rank_of_a_second_learner_stops_at_the_lock(tmp_path: Path) -> None:
+    """Rank 0 alone took the learner lock: refused, it stopped while the other ranks went on
+    to load the model (onto the GPUs the running learner uses) and waited at the first
+    collective until torchrun killed them."""
+    from deploy.state_lock import StateDirLock
+
+    held = StateDirLock(tmp_path / "state", "learner")
+    held.acquire()
+    try:
+        mp.start_processes(
+            _locked_out_rank,
+            args=(2, free_port(), str(tmp_path / "state"), str(tmp_path)),
+            nprocs=2,
+            start_method="spawn",
+        )
+    finally:
+        held.release()
+    for rank in range(2):
+        said = (tmp_path / f"rank{rank}.txt").read_text()
+        assert said.startswith("another learner is running on state dir"), (rank, said)
+        assert f"(pid {os.getpid()})" in said
+    assert oct(held.path.stat().st_mode & 0o777) == "0o600"

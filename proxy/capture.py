@@ -162,31 +162,55 @@ def _calls_tools(choice: _Choice) -> bool:
     return bool(choice.tool_calls or (message is not None and message.get("tool_calls")))
 
 
+class _SampledEntry(msgspec.Struct, gc=False):
+    token: str | None = None
+    bytes: list[int] | None = None
+
+
+class _SampledLogprobs(msgspec.Struct, gc=False):
+    content: list[_SampledEntry] | None = None
+
+
+class _SampledChoice(msgspec.Struct, gc=False):
+    index: int = 0
+    logprobs: _SampledLogprobs | None = None
+
+
+class _SampledPayload(msgspec.Struct, gc=False):
+    """A chat response or chunk: only its choices' logprob entries."""
+
+    choices: list[_SampledChoice] | None = None
+
+
+_decode_sampled = msgspec.json.Decoder(_SampledPayload).decode
+
+
 def _sampled_texts(raw_response: bytes | None, raw_events: list[bytes]) -> dict[int, str]:
     """Each chat choice's sampled text, joined from its logprob entries' `bytes` (the
-    token's exact UTF-8, where `token` may be half a character), else their `token`. Read
-    with the dict path, tolerantly: only for the few answers that call tools."""
+    token's exact UTF-8, where `token` may be half a character), else their `token`. A
+    payload of another shape adds nothing (`check` flags its record already)."""
     pieces: dict[int, list[bytes]] = {}
     for data in ([raw_response] if raw_response is not None else []) + raw_events:
         try:
-            parsed, _ = parse_json(data, allow_nonfinite=True)
-        except ValueError:
-            continue
-        choices = parsed.get("choices") if isinstance(parsed, dict) else None
-        for choice in choices if isinstance(choices, list) else []:
-            index = choice.get("index", 0) if isinstance(choice, dict) else None
-            logprobs = choice.get("logprobs") if isinstance(choice, dict) else None
-            content = logprobs.get("content") if isinstance(logprobs, dict) else None
-            if not isinstance(index, int) or not isinstance(content, list):
+            payload = _decode_sampled(data)
+        except (msgspec.DecodeError, msgspec.ValidationError):
+            try:  # JSON only `json` reads (a lone surrogate, a non-finite logprob)
+                payload = msgspec.convert(
+                    parse_json(data, allow_nonfinite=True)[0], _SampledPayload
+                )
+            except (ValueError, msgspec.ValidationError):
                 continue
-            out = pieces.setdefault(index, [])
+        for choice in payload.choices or []:
+            content = choice.logprobs.content if choice.logprobs is not None else None
+            if content is None:
+                continue
+            out = pieces.setdefault(choice.index, [])
             for entry in content:
-                raw = entry.get("bytes") if isinstance(entry, dict) else None
-                token = entry.get("token") if isinstance(entry, dict) else None
-                if isinstance(raw, list) and all(isinstance(b, int) and 0 <= b < 256 for b in raw):
+                raw = entry.bytes
+                if raw is not None and all(0 <= b < 256 for b in raw):
                     out.append(bytes(raw))
-                elif isinstance(token, str):
-                    out.append(token.encode("utf-8", "surrogatepass"))
+                elif entry.token is not None:
+                    out.append(entry.token.encode("utf-8", "surrogatepass"))
     return {index: b"".join(parts).decode("utf-8", "replace") for index, parts in pieces.items()}
 
 
@@ -497,14 +521,19 @@ class TrajectoryCapture(msgspec.Struct, eq=False):
         chat = self.context.endpoint == "chat.completions"
         if not (chat and self._absorb_chat(raw_response, raw_events)):
             self._absorb_each(raw_response, raw_events)
-        if chat and any(map(_calls_tools, self.choices.values())):
+        if chat and (self._offers_tools() or any(map(_calls_tools, self.choices.values()))):
             self._sampled = _sampled_texts(raw_response, raw_events)
 
+    def _offers_tools(self) -> bool:
+        body = self.context.request_body
+        return isinstance(body, dict) and bool(body.get("tools"))
+
     def sampled_texts(self) -> list[str]:
-        """The text each tool-calling chat choice sampled, read from its logprobs' tokens
-        (after `build`): vLLM's tool-call parser (hermes) leaves out of the message what it
-        does not parse as a call (text after `</tool_call>`, between two calls), while the
-        token ids still spell all of it. `redact_record` searches it too."""
+        """The text each chat choice of a request offering tools sampled, read from its
+        logprobs' tokens (after `build`): vLLM's tool-call parser (hermes) leaves out of the
+        message what it does not parse as a call (text after `</tool_call>`, between two
+        calls; streamed, all that follows a `<tool_call>` it cannot parse), while the token
+        ids still spell all of it. `redact_record` searches it too."""
         return list((self._sampled or {}).values())
 
     def _absorb_chat(self, raw_response: bytes | None, raw_events: list[bytes]) -> bool:

@@ -28,7 +28,11 @@ TOOL_CALL = {
 
 def _capture(stream: bool) -> TrajectoryCapture:
     capture = unit_capture()
-    body = {"model": "policy", "messages": [{"role": "user", "content": "Weather in Paris?"}]}
+    body = {
+        "model": "policy",
+        "messages": [{"role": "user", "content": "Weather in Paris?"}],
+        "tools": [{"type": "function", "function": {"name": "get_weather"}}],
+    }
     capture.context.request_body = {**body, "stream": stream}
     capture.context.request_raw = json.dumps(capture.context.request_body).encode()
     return capture
@@ -64,7 +68,7 @@ def _response(tokens: list[str], message: dict[str, Any]) -> bytes:
     ).encode()
 
 
-def _stream(tokens: list[str], call_at: int) -> bytes:
+def _stream(tokens: list[str], call_at: int | None) -> bytes:
     """vLLM's stream of a parsed call: one chunk per token, an empty delta while the parser
     holds text back, the call as one fragment at `call_at`, nothing for the dropped tail."""
     events = [{"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}],
@@ -139,3 +143,15 @@ def test_tokens_split_inside_a_character_are_joined_by_their_bytes() -> None:
     record = build_packed_record(pack_capture(capture), "ok", Redactor().redact_obj)
     assert record["redactions"] == {"email": 1}
     assert record["choices"][0]["token_ids"] == []
+
+
+def test_a_streamed_call_the_parser_cannot_read_is_searched_too() -> None:
+    """Streamed, vLLM's parser sends nothing after a `<tool_call>` it cannot parse and no
+    call: the answer has neither text nor calls, the token ids all of it."""
+    capture = _capture(True)
+    capture.add_sse(_stream(_tokens("<tool_call>Mail jane.doe@example.com"), call_at=None))
+    record = build_packed_record(pack_capture(capture), "ok", Redactor().redact_obj)
+    validate_trajectory(record)
+    assert record["choices"][0]["message"]["tool_calls"] == []
+    assert record["redactions"] == {"email": 1}
+    assert record["choices"][0]["token_ids"] == [] and record["trainable"] is False

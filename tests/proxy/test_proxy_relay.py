@@ -422,10 +422,16 @@ HIDDEN_EMAIL = (
 )
 
 
+# Streamed, the parser sends nothing after a `<tool_call>` it cannot parse, and no call.
+UNPARSED_CALL = r"<tool_call>Mail jane\.doe@example\.com"
+
+
 @pytest.mark.parametrize("stream", [False, True])
-def test_text_the_tool_parser_drops_is_searched_for_secrets(proxy, stream):
-    """An e-mail the model wrote after its tool call reached the record's token ids, the
-    record trainable: the redactor reads the answer's fields, which do not hold it."""
+@pytest.mark.parametrize("regex", [HIDDEN_EMAIL, UNPARSED_CALL], ids=["after-call", "unparsed"])
+def test_text_the_tool_parser_drops_is_searched_for_secrets(proxy, stream, regex):
+    """An e-mail the model wrote after its tool call (or, streamed, after a `<tool_call>`
+    the parser could not read) reached the record's token ids, the record trainable: the
+    redactor reads the answer's fields, which do not hold it."""
     harness, sink = proxy
     kwargs = dict(
         messages=[{"role": "user", "content": "Weather in Paris?"}],
@@ -433,11 +439,14 @@ def test_text_the_tool_parser_drops_is_searched_for_secrets(proxy, stream):
         tool_choice="auto",
         max_tokens=80,
         temperature=0,
-        extra_body={"structured_outputs": {"regex": HIDDEN_EMAIL}},
+        extra_body={"structured_outputs": {"regex": regex}},
     )
     name, arguments, content = _tool_outcome(client(harness), "policy", stream, **kwargs)
-    assert (name, json.loads(arguments)) == ("get_weather", {"city": "Paris"})
-    assert "jane" not in (content or "")  # the parser dropped it, as vLLM does directly
+    if regex == HIDDEN_EMAIL:
+        assert (name, json.loads(arguments)) == ("get_weather", {"city": "Paris"})
+        assert "jane" not in (content or "")  # the parser dropped it, as vLLM does directly
+    elif stream:
+        assert (name, content) == ("", "")  # nothing reached the client, as from vLLM
     harness.drain()
     [record] = sink.trajectories
     assert "jane.doe" not in json.dumps(record)

@@ -333,6 +333,8 @@ class CompletionRelay:
             body, self.encode_body, self.raw_body = await read_json(
                 self.request, ctx.config.max_body_bytes, ctx.config.body_timeout_s
             )
+            # Before validation: a stream refused for its body is counted as a stream.
+            self.stream = isinstance(body, dict) and body.get("stream") is True
             validate_completion_request(
                 self.endpoint, body, ctx.config.max_messages, ctx.config.max_choices
             )

@@ -1641,3 +1641,23 @@ def test_an_error_event_reaches_a_captured_client_as_vllm_wrote_it(make_proxy):
     finally:
         upstream.stop()
     assert ErrorMidStream.ERROR in got.content
+
+
+def test_a_stream_refused_for_its_body_is_counted_as_a_stream(make_proxy, fake):
+    """`stream` was read after validation: a stream refused with a 400 counted as
+    `stream="false"`, out of a stream error-rate panel."""
+    harness, _ = make_proxy([fake.url])
+    refused = _post(
+        harness.base_url,
+        KEYS["bob"],
+        "/v1/chat/completions",
+        json={**CHAT, "stream": True, "n": 0},
+    )
+    assert refused.status_code == 400, refused.text
+    text = httpx.get(harness.base_url + "/metrics").text
+    [line] = [
+        line
+        for line in text.splitlines()
+        if line.startswith("olp_proxy_requests_total{") and 'status="400"' in line
+    ]
+    assert 'stream="true"' in line and line.endswith(" 1.0"), line

@@ -455,6 +455,52 @@ def test_text_the_tool_parser_drops_is_searched_for_secrets(proxy, stream, regex
     assert record["trainable"] is False and record["flags"] == ["redacted"]
 
 
+PARALLEL_CALLS = (
+    r'Checking\.\n<tool_call>\n\{"name": "get_weather", "arguments": \{"city": "Paris"\}\}\n'
+    r'</tool_call>\n<tool_call>\n\{"name": "get_weather", "arguments": \{"city": "Rome"\}\}\n'
+    r"</tool_call>"
+)
+
+
+@pytest.mark.parametrize("tenant", ["alice", "bob"])  # captured and not
+def test_parallel_tool_call_fragments_are_vllm_bytes(proxy, vllm_server, tenant):
+    """Text, then two calls through vLLM's hermes parser (forced with a regex: the 135M
+    model would not call tools on its own): every `delta.tool_calls` fragment reaches the
+    client as vLLM streams it directly, and the record holds both calls."""
+    harness, sink = proxy
+    body = {
+        "messages": [{"role": "user", "content": "Weather in Paris and Rome?"}],
+        "tools": TOOLS,
+        "tool_choice": "auto",
+        "max_tokens": 200,
+        "temperature": 0,
+        "stream": True,
+        "structured_outputs": {"regex": PARALLEL_CALLS},
+    }
+    path = "/v1/chat/completions"
+    proxied = _stream_payloads(harness.base_url, KEYS[tenant], path, {**body, "model": "base"})
+    assert sum('"name":"get_weather"' in payload for payload in proxied) == 2
+    assert_vllm_yields(
+        proxied,
+        lambda: _stream_payloads(
+            vllm_server.base_url, "unused", path, {**body, "model": vllm_server.model_name}
+        ),
+        tries=3,
+    )
+    harness.drain()
+    if tenant == "bob":
+        assert sink.trajectories == []
+        return
+    [record] = sink.trajectories
+    message = record["choices"][0]["message"]
+    assert message["content"] == "Checking.\n"
+    assert [json.loads(c["function"]["arguments"]) for c in message["tool_calls"]] == [
+        {"city": "Paris"},
+        {"city": "Rome"},
+    ]
+    assert_consistent(record)
+
+
 async def test_concurrent_requests_with_one_client_request_id(proxy):
     """vLLM adopts X-Request-Id as its own id; the proxy keeps the client's id for the client
     and sends upstream a unique one, so requests sharing an id stay apart there (an abort

@@ -14,7 +14,7 @@ import secrets
 import time
 import uuid
 import zlib
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import aiohttp
@@ -780,7 +780,7 @@ class CompletionRelay:
         before_last = last = b""
         failure_kind = "upstream_mid_stream"  # what `olp_proxy_errors_total` counts it as
         try:
-            async for data in upstream.content.iter_any():
+            async for data in _reads(upstream.content, carry, response):
                 if self.ttft_s is None:
                     self.ttft_s = time.monotonic() - self.arrived
                     if capture is not None:
@@ -992,6 +992,31 @@ class CompletionRelay:
 
 
 _USAGE_KEY = b'"usage"'  # in JSON text a key: a `"` inside a string is escaped
+
+# How long a finish chunk waits for the usage chunk's fingerprint (`FingerprintCarry`)
+# before it goes out without it: vLLM sends the usage chunk right after, so only an
+# upstream that stalls there waits this long (it held the answer's last text up to the
+# read timeout).
+FINISH_HOLD_S = 1.0
+
+
+async def _reads(
+    content: StreamReader, carry: FingerprintCarry | None, response: web.StreamResponse
+) -> AsyncIterator[bytes]:
+    """`content.iter_any()`, but while `carry` holds a finish chunk the next read is waited
+    for `FINISH_HOLD_S` at most; then the held chunk is written as it is."""
+    while True:
+        if carry is not None and carry.holding:
+            try:
+                data = await asyncio.wait_for(content.readany(), FINISH_HOLD_S)
+            except TimeoutError:
+                await response.write(carry.flush())
+                continue
+        else:
+            data = await content.readany()
+        if not data:
+            return
+        yield data
 
 
 def _without_usage(event: bytes) -> tuple[bytes, dict[str, Any] | None]:

@@ -7,7 +7,8 @@ the usage chunk on its own behalf and drops it, so a client that asked for none 
 fingerprint its direct stream carries. A read's finish events are therefore held until the
 next read: when that read (or the same one) brings the usage chunk, they go out stamped as
 vLLM stamps them, the fingerprint as the chunk's last key. vLLM sends the usage chunk right
-after the last finish chunk, so the hold costs the stream no time. With `n > 1` the
+after the last finish chunk, so the hold costs the stream no time; the relay waits for that
+read a second at most (`completions.FINISH_HOLD_S`), then writes the held chunk as it is. With `n > 1` the
 choices finishing together (their finish chunks in consecutive reads) wait together; a
 choice that finished while another goes on is sent unstamped with the other's next chunk:
 held longer, it would hold the other choice's text until the end.
@@ -55,6 +56,10 @@ class FingerprintCarry:
             start = 0  # the read brought finish events only (the choices of `n > 1`): all wait
         self._held = out[start:]
         return out[:start]
+
+    @property
+    def holding(self) -> bool:
+        return bool(self._held)
 
     def flush(self) -> bytes:
         """What is still held: the stream ended or failed before its next read."""

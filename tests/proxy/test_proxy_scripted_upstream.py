@@ -79,8 +79,10 @@ class ScriptedUpstream(ThreadedUpstream):
         linger_s: float = 0.0,
         multiline: bool = False,
         done_writes: tuple[bytes, ...] = (b"data: [DONE]\n\n",),
+        usage_delay_s: float = 0.0,
     ) -> None:
         self.die_after = die_after
+        self.usage_delay_s = usage_delay_s  # between the finish chunk and the usage chunk
         self.linger_s = linger_s  # between [DONE] and the end of the response
         self.multiline = multiline  # each event's JSON spread over several `data:` lines
         self.done_writes = done_writes  # the stream's end, a write (and a read) each
@@ -127,6 +129,7 @@ class ScriptedUpstream(ThreadedUpstream):
                 chunk["prompt_token_ids"] = PROMPT_IDS if ids else None
             total += len(tokens)
             await response.write(_event(chunk, self.multiline))
+        await asyncio.sleep(self.usage_delay_s)
         if (body.get("stream_options") or {}).get("include_usage"):
             await response.write(
                 _event(
@@ -1462,3 +1465,33 @@ def test_a_replica_that_answers_again_starts_its_next_cool_down_short(make_proxy
         assert replica.failures == 0 and len(busy.requests) == 2
     finally:
         busy.stop()
+
+
+@pytest.mark.parametrize("key", [KEYS["alice"], KEYS["bob"]])  # captured and not
+def test_a_finish_chunk_waits_for_the_usage_chunk_a_second_at_most(make_proxy, key):
+    """The finish chunk waits for the next read to take the usage chunk's fingerprint
+    (`proxy.fingerprint`); an upstream that stalled there held the answer's last text up
+    to the read timeout (300 s). After `FINISH_HOLD_S` it goes out as it is."""
+    upstream = ScriptedUpstream(usage_delay_s=4.0).start()
+    try:
+        harness, _ = make_proxy([upstream.url])
+        body = {"model": "policy", "messages": [{"role": "user", "content": "hi"}], "stream": True}
+        arrivals = []
+        started = time.monotonic()
+        with httpx.stream(
+            "POST",
+            harness.base_url + "/v1/chat/completions",
+            json=body,
+            headers={"Authorization": f"Bearer {key}"},
+            timeout=30,
+        ) as response:
+            for line in response.iter_lines():
+                if line.startswith("data: "):
+                    arrivals.append((time.monotonic() - started, line))
+    finally:
+        upstream.stop()
+    [(finished_at, _)] = [(t, line) for t, line in arrivals if '"finish_reason":"' in line]
+    done_at = arrivals[-1][0]
+    assert arrivals[-1][1] == "data: [DONE]"
+    assert done_at >= 4.0
+    assert done_at - finished_at > 2.0, arrivals  # out about a second after it came

@@ -104,6 +104,8 @@ def fakes(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, rank: int, world: int
     monkeypatch.setattr(learner_runner.signal, "signal", lambda *args: None)
     monkeypatch.setattr(service, "run_learner", run_learner)
     monkeypatch.setattr(distributed, "init_distributed", lambda: DistContext(rank, world))
+    # No process group here: rank 0's word (on the learner lock) is this rank's own.
+    monkeypatch.setattr(distributed, "broadcast_object", lambda ctx, obj: obj)
     monkeypatch.setenv("OLP_ADMIN_KEY", "test-admin-key")
     return built
 

@@ -182,14 +182,18 @@ def test_a_relative_or_unexpanded_cache_dir_is_the_same_folder_everywhere(
     models in the home directory."""
     checkout, venv, _, env = _stand_in(tmp_path)
     env |= {"OLP_CACHE_DIR": given, "HOME": str(tmp_path)}
-    done = subprocess.run(
-        ["bash", str(checkout / "olpw"), "env"],
-        cwd=tmp_path,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+
+    def olpw(command: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            ["bash", str(checkout / "olpw"), command],
+            cwd=tmp_path,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+
+    done = olpw("env")
     assert done.returncode == 0, done.stderr
     assert Path(done.stdout.strip()).resolve() == venv
     assert not (tmp_path / "~").exists()
@@ -197,14 +201,7 @@ def test_a_relative_or_unexpanded_cache_dir_is_the_same_folder_everywhere(
     olp = venv / "bin" / "olp"
     olp.write_text('#!/bin/sh\necho "$OLP_CACHE_DIR"\n')
     olp.chmod(0o755)
-    shown = subprocess.run(
-        ["bash", str(checkout / "olpw"), "status"],
-        cwd=tmp_path,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    shown = olpw("status")
     assert shown.returncode == 0, shown.stderr
     assert shown.stdout.startswith("/")
     assert Path(shown.stdout.strip()).resolve() == tmp_path / "cache"

@@ -88,12 +88,8 @@ def test_two_rank_torchrun_ends_with_identical_weights(model_dir: Path, tmp_path
     assert store.read_meta(2)["consumed_offsets"] == {"mem.trajectories": {"0": 8, "1": 8}}
 
 
-def _gpu_rank(rank: int, world: int, port: int, out: str) -> None:
-    """One rank of `init_distributed` as on a GPU machine, NCCL played by gloo registered
-    for CUDA tensors only (what NCCL is registered for), then the collectives the learner
-    loop runs on CPU tensors and objects."""
-    import learner.distributed as distributed
-
+def _torchrun_env(rank: int, world: int, port: int) -> None:
+    """The variables torchrun gives each rank, which `init_distributed` reads."""
     os.environ.update(
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(port),
@@ -101,6 +97,15 @@ def _gpu_rank(rank: int, world: int, port: int, out: str) -> None:
         LOCAL_RANK=str(rank),
         WORLD_SIZE=str(world),
     )
+
+
+def _gpu_rank(rank: int, world: int, port: int, out: str) -> None:
+    """One rank of `init_distributed` as on a GPU machine, NCCL played by gloo registered
+    for CUDA tensors only (what NCCL is registered for), then the collectives the learner
+    loop runs on CPU tensors and objects."""
+    import learner.distributed as distributed
+
+    _torchrun_env(rank, world, port)
     dist.Backend.register_backend(
         "cudaonly",
         lambda store, r, size, timeout: dist.ProcessGroupGloo(store, r, size, timeout),
@@ -509,13 +514,7 @@ def _locked_out_rank(rank: int, world: int, port: int, state_dir: str, out: str)
     from deploy.config import OlpConfig
     from deploy.learner_runner import LearnerAlreadyRunning, run
 
-    os.environ.update(
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-        RANK=str(rank),
-        LOCAL_RANK=str(rank),
-        WORLD_SIZE=str(world),
-    )
+    _torchrun_env(rank, world, port)
     try:
         run(OlpConfig(state_dir=Path(state_dir)))
         result = "ran"

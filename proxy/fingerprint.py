@@ -8,10 +8,10 @@ fingerprint its direct stream carries. A read's finish events are therefore held
 next read: when that read (or the same one) brings the usage chunk, they go out stamped as
 vLLM stamps them, the fingerprint as the chunk's last key. vLLM sends the usage chunk right
 after the last finish chunk, so the hold costs the stream no time; the relay waits for that
-read a second at most (`completions.FINISH_HOLD_S`), then writes the held chunk as it is. With `n > 1` the
-choices finishing together (their finish chunks in consecutive reads) wait together; a
-choice that finished while another goes on is sent unstamped with the other's next chunk:
-held longer, it would hold the other choice's text until the end.
+read a second at most (`completions.FINISH_HOLD_S`), then writes the held chunk as it is.
+With `n > 1` the choices finishing together (their finish chunks in consecutive reads) wait
+together; a choice that finished while another goes on is sent unstamped with the other's
+next chunk: held longer, it would hold the other choice's text until the end.
 
 Written on the bytes: in JSON a `"` inside a string is escaped, so `"finish_reason":"` and
 `"system_fingerprint":"` can only be keys (the same proof `relay.strip_bytes` rests on).

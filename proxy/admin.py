@@ -462,6 +462,13 @@ async def set_alias(request: web.Request) -> web.Response:
                 code="frozen",
             )
         _check_expected(ctx, alias, body)
+        if ctx.aliases.resolve(alias) == target and alias not in ctx.aliases.canaries():
+            # Nothing would change: it answered 200 and wrote a flip to the state's history
+            # and an `alias_set` audit record whose `previous` was its `target`, as if a
+            # decision had been made (a rollback or canary of the current version is 409).
+            raise ProxyError(
+                409, f"'{alias}' already serves {target}.", type_="conflict", code="already_serving"
+            )
         return await _point_alias(ctx, actor, alias, target, "flip", "alias_set")
 
 

@@ -906,10 +906,37 @@ def test_base_is_the_base_models_served_name_in_admin_targets(make_proxy, fake):
     assert flip.status_code == 200, flip.text
     back = _admin(harness.base_url, "/admin/rollback", {"to": "base"})
     assert back.status_code == 200 and back.json()["target"] == "smollm", back.text
+    forward = _admin(harness.base_url, "/admin/aliases", {"alias": "policy", "target": "policy-v1"})
+    assert forward.status_code == 200, forward.text
     again = _admin(harness.base_url, "/admin/aliases", {"alias": "policy", "target": "smollm"})
     assert again.status_code == 200 and harness.ctx.aliases.resolve("policy") == "smollm"
     bad = _admin(harness.base_url, "/admin/aliases", {"alias": "policy", "target": "other"})
     assert _assert_error(bad, 400, "invalid_request")["param"] == "target"
+
+
+def test_a_flip_to_the_version_already_serving_changes_and_audits_nothing(make_proxy, fake):
+    """It answered 200 and wrote a flip and an `alias_set` audit record whose `previous` was
+    its `target`. Now 409 `already_serving`, as a rollback or canary of that version is;
+    with a canary running, the same flip ends the canary, a change, and stands."""
+    from safety.audit import iter_records
+
+    fake.models_payload = {"data": [{"id": i} for i in ("base", "policy-v1", "policy-v2")]}
+    harness, _ = make_proxy([fake.url])
+    ctx = harness.ctx
+    flip = {"alias": "policy", "target": "policy-v1"}
+    assert _admin(harness.base_url, "/admin/aliases", flip).status_code == 200
+    saved = ctx.state_path.read_bytes()
+    again = _admin(harness.base_url, "/admin/aliases", flip)
+    assert "already serves policy-v1" in _assert_error(again, 409, "already_serving")["message"]
+    assert ctx.state_path.read_bytes() == saved
+    assert [r["event"] for r in iter_records(ctx.audit.path)] == ["alias_set"]
+    canary = _admin(harness.base_url, "/admin/canary", {"target": "policy-v2", "share": 0.5})
+    assert canary.status_code == 200, canary.text
+    ends = _admin(harness.base_url, "/admin/aliases", flip)
+    assert ends.status_code == 200 and ends.json()["previous"] == "policy-v1", ends.text
+    assert not ctx.aliases.canaries() and ctx.aliases.resolve("policy") == "policy-v1"
+    audited = [r for r in iter_records(ctx.audit.path) if r["event"] == "alias_set"]
+    assert audited[-1]["payload"]["ended_canary"]["target"] == "policy-v2"
 
 
 def test_a_rollback_of_a_version_no_longer_served_is_refused(make_proxy, fake):

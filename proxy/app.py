@@ -566,6 +566,7 @@ def build_app(
     app.router.add_get("/metrics", metrics)
     add_admin_routes(app)
     app.on_startup.append(_start)
+    app.on_shutdown.append(_stopping)
     app.on_cleanup.append(_stop)
     return app
 
@@ -581,6 +582,11 @@ async def _start(app: web.Application) -> None:
         canaries={k: v.to_json() for k, v in ctx.aliases.canaries().items()},
         sse_strip=SSE_STRIP,
     )
+
+
+async def _stopping(app: web.Application) -> None:
+    """The runner stopped listening and is about to drain: what it cuts now, it cuts."""
+    app[CONTEXT].stopping = True
 
 
 async def _stop(app: web.Application) -> None:

@@ -371,7 +371,10 @@ class CompletionRelay:
             raise
         except asyncio.CancelledError:
             if not self.counted:  # left before its answer began (a stream counts itself)
-                self._count_error(499, "client_disconnect")  # nginx's "client closed"
+                if ctx.stopping:  # cut by the proxy's drain: the client got no answer
+                    self._count_error(503, "shutdown")
+                else:
+                    self._count_error(499, "client_disconnect")  # nginx's "client closed"
             raise
         finally:
             admission.release()  # also what `olp_proxy_in_flight` reads
@@ -893,10 +896,9 @@ class CompletionRelay:
         failure_kind: str = "upstream_mid_stream",
     ) -> None:
         if outcome != "ok":
-            self.ctx.metrics.errors.labels(
-                "client_disconnect" if outcome == "aborted" else failure_kind,
-                self.tenant_label,
-            ).inc()
+            if outcome == "aborted":
+                failure_kind = "shutdown" if self.ctx.stopping else "client_disconnect"
+            self.ctx.metrics.errors.labels(failure_kind, self.tenant_label).inc()
         if capture is not None:
             self.ctx.capture.submit(capture, outcome)
         self._count_request(self.usage)

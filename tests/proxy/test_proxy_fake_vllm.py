@@ -111,6 +111,7 @@ class FakeVllm(ThreadedUpstream):
         self.authorizations.append(request.headers.get("Authorization"))
         chat = request.path == "/v1/chat/completions"
         if not body.get("stream"):
+            await asyncio.sleep(self.whole_delay_s)
             text = "".join(t for t, _ in TOKENS)
             choice: dict[str, Any] = {"index": 0, "finish_reason": "stop", "token_ids": None}
             if chat:
@@ -133,6 +134,7 @@ class FakeVllm(ThreadedUpstream):
         super().__init__()
         # Knobs for the admin and readiness tests: how slowly /v1/models answers, and what.
         self.models_delay_s = 0.0
+        self.whole_delay_s = 0.0  # before an unstreamed answer
         self.event_delay_s = 0.005  # between stream events
         self.keep_alive = False  # a `: keep-alive` comment before each event
         self.models_payload: Any = {"data": [{"id": "base"}, {"id": "policy-v1"}]}
@@ -1510,12 +1512,20 @@ def test_a_stop_cancels_requests_still_running_after_drain_s_and_records_them(
     make_proxy, fake, drain_s
 ):
     """aiohttp waited 60 s for requests in flight, `olp up` killed the proxy at 30 s, and
-    a long stream's trajectory (with the sink's memory) was lost."""
+    a long stream's trajectory (with the sink's memory) was lost. What the drain cuts is
+    counted `shutdown` (it was `client_disconnect`, as if the clients had left), and an
+    unstreamed request that got no answer with status 503 (was 499)."""
     import threading
 
     fake.event_delay_s = 2.0  # a stream of about 30 s
+    fake.whole_delay_s = 5.0  # past the drain
     harness, sink = make_proxy([fake.url], drain_s=drain_s)
     started = threading.Event()
+
+    def unstreamed() -> None:
+        headers = {"Authorization": f"Bearer {KEYS['bob']}"}
+        with contextlib.suppress(httpx.HTTPError):
+            httpx.post(harness.base_url + "/v1/chat/completions", json=CHAT, headers=headers)
 
     def stream() -> None:
         headers = {"Authorization": f"Bearer {KEYS['alice']}"}
@@ -1531,7 +1541,10 @@ def test_a_stop_cancels_requests_still_running_after_drain_s_and_records_them(
 
     client = threading.Thread(target=stream, daemon=True)
     client.start()
+    waiting = threading.Thread(target=unstreamed, daemon=True)
+    waiting.start()
     assert started.wait(10)
+    wait_for(lambda: len(fake.requests) == 2)
     began = time.monotonic()
     harness.call(harness._runner.cleanup(), timeout_s=30)
     took = time.monotonic() - began
@@ -1542,6 +1555,15 @@ def test_a_stop_cancels_requests_still_running_after_drain_s_and_records_them(
     assert took < drain_s + 1.5, f"the stop waited {took:.1f} s with drain_s {drain_s}"
     [record] = sink.trajectories
     assert record["status"] == "aborted"
+    value = harness.ctx.metrics.registry.get_sample_value
+    for tenant in ("alice", "bob"):
+        assert value("olp_proxy_errors_total", {"kind": "shutdown", "tenant": tenant}) == 1
+        left = {"kind": "client_disconnect", "tenant": tenant}
+        assert value("olp_proxy_errors_total", left) is None
+    for tenant, streamed, status in (("alice", "true", "200"), ("bob", "false", "503")):
+        series = {"endpoint": "chat.completions", "tenant": tenant, "policy_version": "base"}
+        series |= {"stream": streamed, "status": status}
+        assert value("olp_proxy_requests_total", series) == 1, tenant
 
 
 def test_a_failure_after_a_whole_answer_keeps_the_connection(make_proxy, fake, monkeypatch):

@@ -255,6 +255,11 @@ class Judge:
     def _ask(
         self, kind: str, user: str, labels: str, parse: Any, stop: threading.Event | None
     ) -> JudgeVerdict:
+        # A client's lone surrogate (`"\ud800"` in its JSON) reaches the record as it came
+        # (docs/stream.md), and UTF-8 cannot carry it: the openai client raised
+        # UnicodeEncodeError out of the learner's step, on the same batch at every restart.
+        # The judge reads the escape the client wrote.
+        user = user.encode("utf-8", "backslashreplace").decode("utf-8")
         key = hashlib.sha256(
             json.dumps([kind, self.config.model, self.config.rubric, user]).encode()
         ).hexdigest()

@@ -47,6 +47,7 @@ class VerifierScore(NamedTuple):
 
 _FENCE = re.compile(r"^```[a-zA-Z]*\s*\n?(.*?)\n?```\s*$", re.DOTALL)
 _INTEGER = re.compile(r"[-+]?\d+")
+_NUMBER = re.compile(r"[-+]?\d+(?:[.,]\d+)*")  # `42.5` and `1,000` are one number each
 
 
 def choice_text(choice: dict[str, Any]) -> str:
@@ -214,7 +215,9 @@ def number_answer(
 
     0 unless the sample stopped by itself (a run of digits to the token limit is a hack);
     then a bare integer scores 0.8, a reply starting with an integer 0.3, other 0; plus a
-    brevity term up to 0.2 and, when the expected answer is known, `correct_bonus` if right.
+    brevity term up to 0.2 and, when the expected answer is known, `correct_bonus` if right:
+    the reply's only number is the expected integer (its leading integer was compared, so
+    `42.5` and `42 or maybe 17` got the bonus of `42`, a hedge the policy could learn).
     """
     if choice.get("finish_reason") != "stop":
         return 0.0
@@ -230,8 +233,8 @@ def number_answer(
         return brevity * 0.5
     reward = form + brevity
     expected = _expected(trajectory, params)
-    leading = _INTEGER.match(text)
-    if expected is not None and leading and leading.group(0).lstrip("+") == expected.strip():
+    numbers = _NUMBER.findall(text)
+    if expected is not None and len(numbers) == 1 and numbers[0].lstrip("+") == expected.strip():
         reward += float(params.get("correct_bonus", 0.0))
     return reward
 

@@ -203,6 +203,22 @@ def test_number_answer_shaping() -> None:
     assert score("5", n=2) > score("5", n=12)
 
 
+def test_number_answers_bonus_is_for_the_expected_number_alone() -> None:
+    """The bonus went to the reply's leading integer: `42.5` and `42 or maybe 17` were
+    rewarded as right answers, a hedge the policy could learn."""
+
+    def bonus(text: str) -> float:
+        rec = record(text)
+        choice = {**rec["choices"][0], "token_ids": [1, 2]}
+        params = {"expected": "42", "correct_bonus": 1.0}
+        return float(number_answer(rec, choice, **params) or 0.0) - float(
+            number_answer(rec, choice, expected="7", correct_bonus=1.0) or 0.0
+        )
+
+    assert [bonus(t) for t in ("42", "+42", "42.", "42 is it")] == [1.0] * 4
+    assert [bonus(t) for t in ("42.5", "42 or maybe 17", "4200", "-42", "1,042")] == [0.0] * 5
+
+
 def test_pluggable_verifier_timeout_and_error_give_no_value() -> None:
     runner = VerifierRunner(
         [
@@ -967,6 +983,23 @@ def test_judge_through_real_vllm(vllm_server: Any) -> None:
     preference = ranked[0].raw["rank"]["preference"]
     assert len(preference) == 2 and sum(preference) == pytest.approx(1.0)
     judge.close()
+
+
+def test_a_lone_surrogate_in_the_conversation_reaches_the_judge_as_its_escape(
+    vllm_server: Any,
+) -> None:
+    """A client's `"\\ud800"` is kept in its record; put into the judge's prompt, the openai
+    client raised UnicodeEncodeError out of `assemble`, and the learner died on that batch
+    at every restart. The judge sees the escape as the client wrote it, and grades."""
+    config = JudgeConfig(enabled=True, model=vllm_server.model_name, timeout_s=60, retries=0)
+    judge = Judge(config, base_url=f"{vllm_server.base_url}/v1")
+    rec = record("5", request={"messages": [{"role": "user", "content": "2 plus 3? \ud800"}]})
+    try:
+        verdict = judge.score(rec, rec["choices"][0])
+    finally:
+        judge.close()
+    assert verdict.error is None and verdict.score is not None, verdict.raw
+    assert judge.failures == 0
 
 
 def test_the_judge_drops_idle_connections_before_vllms_keepalive(

@@ -78,28 +78,37 @@ _UNUSABLE_PATH_ERRNOS = frozenset(
 )
 
 
-def _unusable_in_state_dir(exc: OSError, state_dir: Path) -> bool:
-    """Whether `exc` says a path below the state dir cannot be used (its owner, its type, a
+def _unusable_in(exc: OSError, directory: Path) -> bool:
+    """Whether `exc` says a path below `directory` cannot be used (its owner, its type, a
     read-only mount, a loop of links)."""
     if not exc.filename or exc.errno not in _UNUSABLE_PATH_ERRNOS:
         return False
     path = Path(os.fsdecode(exc.filename))
     try:
-        path.resolve().relative_to(state_dir.resolve())
+        path.resolve().relative_to(directory.resolve())
     except (RuntimeError, OSError):
         # The loop itself (Python 3.11 raises RuntimeError resolving it), or a name too
         # long to resolve: compared as written.
-        return path.absolute().is_relative_to(state_dir.absolute())
+        return path.absolute().is_relative_to(directory.absolute())
     except (ValueError, TypeError):
         return False
     return True
 
 
-def _say_state_dir_unusable(state_dir: Path, exc: OSError) -> None:
-    print(
-        f"olp: cannot use the state dir {state_dir}: {exc.filename}: {exc.strerror or exc}",
-        file=sys.stderr,
-    )
+def _said_path_unusable(exc: OSError, cfg: OlpConfig) -> bool:
+    """One line for a path below the state dir, or below the audit log's own directory
+    (`safety.audit.path` may be absolute: another volume), that cannot be used; False for
+    any other error. The second was a traceback and an exit 1 (`olp up` opens the log first
+    and said one line; the compose and Kubernetes set-ups run `olp proxy` alone)."""
+    audit_dir = (cfg.state_dir / cfg.safety.audit.path).parent
+    if _unusable_in(exc, cfg.state_dir):
+        where = f"the state dir {cfg.state_dir}"
+    elif _unusable_in(exc, audit_dir):
+        where = f"the audit log's directory {audit_dir} (safety.audit.path)"
+    else:
+        return False
+    print(f"olp: cannot use {where}: {exc.filename}: {exc.strerror or exc}", file=sys.stderr)
+    return True
 
 
 def cmd_proxy(args: argparse.Namespace, cfg: OlpConfig) -> int:
@@ -152,11 +161,10 @@ def cmd_proxy(args: argparse.Namespace, cfg: OlpConfig) -> int:
         )
         return EXIT_CONFIG_ERROR
     except OSError as exc:
-        if _unusable_in_state_dir(exc, cfg.state_dir):
+        if _said_path_unusable(exc, cfg):
             # A path below the state dir it cannot use (`audit/` left as a file, another
             # user's directory): one line and "refused", as for the state dir itself, not a
             # traceback and an exit 1 that `olp up` would restart into the same failure.
-            _say_state_dir_unusable(cfg.state_dir, exc)
             return EXIT_REFUSED
         if exc.errno not in (errno.EADDRINUSE, errno.EADDRNOTAVAIL, errno.EACCES):
             raise
@@ -236,9 +244,8 @@ def cmd_learner(args: argparse.Namespace, cfg: OlpConfig) -> int:
         print(f"olp: {exc}", file=sys.stderr)
         return EXIT_REFUSED
     except OSError as exc:
-        if not _unusable_in_state_dir(exc, cfg.state_dir):
+        if not _said_path_unusable(exc, cfg):  # as the proxy does
             raise
-        _say_state_dir_unusable(cfg.state_dir, exc)  # as the proxy does
         return EXIT_REFUSED
 
 

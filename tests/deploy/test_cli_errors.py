@@ -692,6 +692,26 @@ def test_a_proxy_that_cannot_use_a_path_below_the_state_dir_says_so(tmp_path: Pa
     assert_clean_error(done, 3, f"cannot use the state dir {state}: {state / 'audit'}: File exists")
 
 
+@pytest.mark.parametrize("command", ["proxy", "learner"])
+def test_an_audit_log_on_another_path_that_cannot_be_used_is_said_in_one_line(
+    tmp_path: Path, model_dir: Path, command: str
+) -> None:
+    """`safety.audit.path` may be absolute (another volume); one that could not be used (a
+    file in its way, a read-only mount) was a traceback and exit 1 from `olp proxy` and
+    `olp learner` run alone (the compose and Kubernetes set-ups), restarted without end."""
+    blocked = tmp_path / "volume"
+    blocked.write_text("")
+    env = {
+        "OLP_STATE_DIR": str(tmp_path / "state"),
+        "OLP_PROXY__PORT": str(free_port()),
+        "OLP_POLICY__MODEL": str(model_dir),
+        "OLP_SAFETY__AUDIT__PATH": str(blocked / "audit.jsonl"),
+    }
+    done = olp(command, env=env)
+    message = f"cannot use the audit log's directory {blocked} (safety.audit.path): {blocked}"
+    assert_clean_error(done, 3, message)
+
+
 # ------------------------------------------------------------------ key hash, broker, model
 @pytest.mark.parametrize(
     ("args", "stdin"), [((), ""), ((), "   \n"), ((), "\nsecret\n"), (("",), None), (("  ",), None)]
@@ -960,14 +980,14 @@ def test_a_full_disk_below_the_state_dir_is_not_an_unusable_state_dir(tmp_path: 
     filled hours into a run is an exit 1, restarted."""
     import errno
 
-    from deploy.cli import _unusable_in_state_dir
+    from deploy.cli import _unusable_in
 
     below = str(tmp_path / "learner" / "checkpoint.tmp-1")
     full = OSError(errno.ENOSPC, "No space left on device", below)
     taken = OSError(errno.EEXIST, "File exists", below)
-    assert not _unusable_in_state_dir(full, tmp_path)
-    assert _unusable_in_state_dir(taken, tmp_path)
-    assert not _unusable_in_state_dir(OSError(errno.EEXIST, "File exists", "/elsewhere"), tmp_path)
+    assert not _unusable_in(full, tmp_path)
+    assert _unusable_in(taken, tmp_path)
+    assert not _unusable_in(OSError(errno.EEXIST, "File exists", "/elsewhere"), tmp_path)
 
 
 def test_a_loop_of_links_below_the_state_dir_is_an_unusable_state_dir(tmp_path: Path) -> None:
@@ -975,14 +995,14 @@ def test_a_loop_of_links_below_the_state_dir_is_an_unusable_state_dir(tmp_path: 
     tell raised RuntimeError."""
     import errno
 
-    from deploy.cli import _unusable_in_state_dir
+    from deploy.cli import _unusable_in
 
     (tmp_path / "a").symlink_to(tmp_path / "b")
     (tmp_path / "b").symlink_to(tmp_path / "a")
     with pytest.raises(OSError) as raised:
         (tmp_path / "a" / "learner").mkdir()
     assert raised.value.errno == errno.ELOOP
-    assert _unusable_in_state_dir(raised.value, tmp_path)
-    assert not _unusable_in_state_dir(raised.value, tmp_path / "elsewhere")
+    assert _unusable_in(raised.value, tmp_path)
+    assert not _unusable_in(raised.value, tmp_path / "elsewhere")
     long_name = OSError(errno.ENAMETOOLONG, "File name too long", str(tmp_path / ("x" * 300)))
-    assert _unusable_in_state_dir(long_name, tmp_path)
+    assert _unusable_in(long_name, tmp_path)

@@ -15,7 +15,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from deploy.config import ConfigError, OlpConfig, load_config
+from deploy.config import ConfigError, OlpConfig, load_config_file
 from deploy.logs import configure_logging
 
 if TYPE_CHECKING:
@@ -42,7 +42,9 @@ def _admin(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
 def cmd_up(args: argparse.Namespace, cfg: OlpConfig) -> int:
     from deploy.supervisor import run_up
 
-    return run_up(cfg, args.config, with_learner=not args.no_learner)
+    return run_up(
+        cfg, args.config, with_learner=not args.no_learner, config_bytes=args.config_bytes
+    )
 
 
 def _state_dir_refused(state_dir: Path) -> bool:
@@ -464,9 +466,10 @@ def main(argv: list[str] | None = None) -> None:
     parser = build_parser()
     args = parser.parse_args(argv)
     cfg: OlpConfig | None = None
+    args.config_bytes = None  # the file's bytes as parsed (`olp up` copies them)
     if getattr(args, "needs_config", True):
         try:
-            cfg = load_config(getattr(args, "config", None))
+            cfg, args.config_bytes = load_config_file(getattr(args, "config", None))
         except ConfigError as exc:
             print(f"olp: {exc}", file=sys.stderr)
             sys.exit(2)

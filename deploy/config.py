@@ -525,9 +525,12 @@ class _UniqueKeyLoader(yaml.SafeLoader):
         return super().construct_mapping(node, deep=deep)
 
 
-def read_yaml(path: Path) -> dict[str, Any]:
+def read_yaml(path: Path, text: bytes | None = None) -> dict[str, Any]:
+    """The file's mapping of sections; `text`: its bytes, already read."""
     try:
-        data = yaml.load(path.read_text(), Loader=_UniqueKeyLoader) or {}
+        if text is None:
+            text = path.read_bytes()
+        data = yaml.load(text.decode(), Loader=_UniqueKeyLoader) or {}
     except FileNotFoundError as exc:
         raise ConfigError(f"config file not found: {path}") from exc
     except (OSError, UnicodeDecodeError) as exc:  # a directory, no permission, not text
@@ -584,8 +587,10 @@ def _booleans_read_as_numbers(raw: Any, validated: Any, path: tuple[str, ...]) -
     return found
 
 
-def load_raw(path: Path | None, environ: Mapping[str, str] | None = None) -> dict[str, Any]:
-    data = read_yaml(path) if path is not None else {}
+def load_raw(
+    path: Path | None, environ: Mapping[str, str] | None = None, text: bytes | None = None
+) -> dict[str, Any]:
+    data = read_yaml(path, text) if path is not None else {}
     overrides = env_overrides(os.environ if environ is None else environ)
     for section, values in overrides.items():
         # A key from the environment replaces the file's, whichever form each is in (a
@@ -715,6 +720,21 @@ class OlpConfig(BaseModel):
 
 def load_config(path: Path | None = None, environ: Mapping[str, str] | None = None) -> OlpConfig:
     """The file (or the shipped defaults), then `OLP_<SECTION>__<KEY>` overrides, validated."""
-    raw = load_raw(path or DEFAULT_CONFIG_FILE, environ)
-    cfg: OlpConfig = validate(OlpConfig, raw)
-    return cfg
+    return load_config_file(path, environ)[0]
+
+
+def load_config_file(
+    path: Path | None = None, environ: Mapping[str, str] | None = None
+) -> tuple[OlpConfig, bytes | None]:
+    """`load_config`, and the bytes it parsed (None when the file could not be read).
+
+    The file is read once: `olp up` copies those bytes for its children. Read again, a pipe
+    (`--config <(envsubst < olp.tmpl.yaml)`) was empty by then, and every such start was
+    refused as a config edited meanwhile."""
+    path = path or DEFAULT_CONFIG_FILE
+    try:
+        text = path.read_bytes()
+    except OSError:
+        text = None  # read_yaml reads it again and says why, in one line
+    cfg: OlpConfig = validate(OlpConfig, load_raw(path, environ, text))
+    return cfg, text

@@ -115,9 +115,17 @@ def _http_ok(url: str) -> bool:
 
 
 class Stack:
-    def __init__(self, cfg: OlpConfig, config_path: Path | None, *, with_learner: bool = True):
+    def __init__(
+        self,
+        cfg: OlpConfig,
+        config_path: Path | None,
+        *,
+        with_learner: bool = True,
+        config_bytes: bytes | None = None,
+    ):
         self.cfg = cfg
         self.config_path = config_path
+        self.config_bytes = config_bytes  # what was parsed from config_path
         # What the children read: the file as this run loaded it (`pin_config`).
         self.child_config: Path | None = config_path
         self.with_learner = with_learner and cfg.learner.enabled
@@ -153,7 +161,8 @@ class Stack:
         edited since (for the next start), and the stack ran on two configs: a restarted
         proxy wrote to a new `stream.topic_prefix` while the learner read the old one. The
         copy is checked against what this run loaded (an edit in between: refused). Only
-        the file: the children inherit this process's environment, which cannot change."""
+        the file: the children inherit this process's environment, which cannot change.
+        The bytes this run parsed are what is copied, when given (`load_config_file`)."""
         if self.config_path is None:
             return
         pinned = self.state_dir / "run" / "config.yaml"
@@ -162,7 +171,8 @@ class Stack:
         # Owner-only: the file may hold keys in plain text.
         fd = os.open(staged, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         with os.fdopen(fd, "wb") as out:
-            out.write(self.config_path.read_bytes())
+            source = self.config_bytes
+            out.write(source if source is not None else self.config_path.read_bytes())
         os.replace(staged, pinned)
         if load_config(pinned).hash() != self.cfg.hash():
             raise ConfigError(
@@ -485,14 +495,20 @@ class Stack:
         return "\n".join(lines)
 
 
-def run_up(cfg: OlpConfig, config_path: Path | None, *, with_learner: bool = True) -> int:
+def run_up(
+    cfg: OlpConfig,
+    config_path: Path | None,
+    *,
+    with_learner: bool = True,
+    config_bytes: bytes | None = None,
+) -> int:
     """0 when asked to stop (also during start-up), 1 when start-up failed, a child died
     or a child could not be stopped."""
     exposed = exposed_dev_keys(cfg)
     if exposed is not None:
         say(f"olp: {exposed}")
         return 2
-    stack = Stack(cfg, config_path, with_learner=with_learner)
+    stack = Stack(cfg, config_path, with_learner=with_learner, config_bytes=config_bytes)
     # Before the first child: a signal during start-up must reach our handler, not kill us.
     install_stop_handlers(stack.stop_requested)
     try:

@@ -3,7 +3,7 @@ from pathlib import Path
 
 import pytest
 
-from deploy.config import DEFAULT_CONFIG_FILE, ConfigError, load_config
+from deploy.config import DEFAULT_CONFIG_FILE, ConfigError, load_config, load_config_file
 
 
 def write(tmp_path: Path, text: str) -> Path:
@@ -709,3 +709,39 @@ def test_ppo_needs_an_importance_cap_above_its_clip_range(cap: str, refused: boo
     else:
         assert load_config(None, environ=environ).learner.importance_cap == 1.21
     assert load_config(None, environ={"OLP_LEARNER__IMPORTANCE_CAP": "1.0"})  # no PPO: fine
+
+
+def test_olp_up_pins_the_config_it_parsed_even_from_a_pipe(tmp_path: Path, monkeypatch) -> None:
+    """`olp up --config <(envsubst < olp.tmpl.yaml)`: the pipe was read to its end by the
+    load, read again for the children's copy (empty: the defaults) and every such start
+    was refused as "changed while olp up started". The copy is the bytes parsed; a file
+    edited after the load is not what this run's children read either."""
+    import os
+    import threading
+
+    from deploy.supervisor import Stack
+
+    monkeypatch.setenv("OLP_STATE_DIR", str(tmp_path / "state"))
+    text = DEFAULT_CONFIG_FILE.read_bytes().replace(b"demo", b"piped", 1)
+    assert text != DEFAULT_CONFIG_FILE.read_bytes()
+    read, write = os.pipe()
+    writer = threading.Thread(target=lambda: (os.write(write, text), os.close(write)))
+    writer.start()
+    try:
+        piped = Path(f"/dev/fd/{read}")
+        cfg, parsed = load_config_file(piped)
+    finally:
+        writer.join()
+        os.close(read)
+    assert parsed == text
+    stack = Stack(cfg, piped, config_bytes=parsed)
+    stack.pin_config()
+    assert stack.child_config is not None and stack.child_config.read_bytes() == text
+    assert load_config(stack.child_config).hash() == cfg.hash()
+    edited = tmp_path / "olp.yaml"
+    edited.write_bytes(text)
+    loaded, parsed = load_config_file(edited)
+    edited.write_bytes(text + b"\n# edited after the load\n")
+    stack = Stack(loaded, edited, config_bytes=parsed)
+    stack.pin_config()
+    assert stack.child_config is not None and stack.child_config.read_bytes() == text

@@ -639,6 +639,18 @@ class OlpConfig(BaseModel):
     safety: SafetyConfig = Field(default_factory=SafetyConfig)
     tenants: list[TenantConfig] = Field(default_factory=list)
 
+    @field_validator("state_dir", mode="before")
+    @classmethod
+    def _not_null(cls, state_dir: Any) -> Any:
+        # `OLP_STATE_DIR=~` (an env file, where no shell expands it) or `state_dir: ~` is
+        # YAML's null, and pydantic said only "Input is not a valid path (got None)".
+        if state_dir is None:
+            raise ValueError(
+                "is null (`~` alone is YAML's null): for the home directory write `~/`, or "
+                "give a path"
+            )
+        return state_dir
+
     @field_validator("state_dir")
     @classmethod
     def _expand_home(cls, state_dir: Path) -> Path:

@@ -97,6 +97,15 @@ def _unusable_in(exc: OSError, directory: Path) -> bool:
     return True
 
 
+def _unusable_on_the_way(exc: OSError, directory: Path) -> bool:
+    """Whether `exc` says a directory above `directory`, which making it had to create,
+    cannot be used (`/vol/a/b` made in a read-only `/vol` fails on `/vol/a`)."""
+    if not exc.filename or exc.errno not in _UNUSABLE_PATH_ERRNOS:
+        return False
+    path = Path(os.fsdecode(exc.filename)).absolute()
+    return path != Path(path.anchor) and directory.absolute().is_relative_to(path)
+
+
 def _said_path_unusable(exc: OSError, cfg: OlpConfig) -> bool:
     """One line for a path below the state dir, or below the audit log's own directory
     (`safety.audit.path` may be absolute: another volume), that cannot be used; False for
@@ -105,7 +114,7 @@ def _said_path_unusable(exc: OSError, cfg: OlpConfig) -> bool:
     audit_dir = (cfg.state_dir / cfg.safety.audit.path).parent
     if _unusable_in(exc, cfg.state_dir):
         where = f"the state dir {cfg.state_dir}"
-    elif _unusable_in(exc, audit_dir):
+    elif _unusable_in(exc, audit_dir) or _unusable_on_the_way(exc, audit_dir):
         where = f"the audit log's directory {audit_dir} (safety.audit.path)"
     else:
         return False

@@ -705,11 +705,14 @@ def test_an_audit_log_on_another_path_that_cannot_be_used_is_said_in_one_line(
         "OLP_STATE_DIR": str(tmp_path / "state"),
         "OLP_PROXY__PORT": str(free_port()),
         "OLP_POLICY__MODEL": str(model_dir),
-        "OLP_SAFETY__AUDIT__PATH": str(blocked / "audit.jsonl"),
     }
-    done = olp(command, env=env)
-    message = f"cannot use the audit log's directory {blocked} (safety.audit.path): {blocked}"
-    assert_clean_error(done, 3, message)
+    # The file in the way of the log's directory, or of a directory above it that making
+    # it has to create (the error then names that one).
+    for directory in (blocked, blocked / "olp" / "audit"):
+        env["OLP_SAFETY__AUDIT__PATH"] = str(directory / "audit.jsonl")
+        done = olp(command, env=env)
+        message = f"cannot use the audit log's directory {directory} (safety.audit.path): "
+        assert_clean_error(done, 3, message)
 
 
 # ------------------------------------------------------------------ key hash, broker, model
@@ -988,6 +991,22 @@ def test_a_full_disk_below_the_state_dir_is_not_an_unusable_state_dir(tmp_path: 
     assert not _unusable_in(full, tmp_path)
     assert _unusable_in(taken, tmp_path)
     assert not _unusable_in(OSError(errno.EEXIST, "File exists", "/elsewhere"), tmp_path)
+
+
+def test_a_directory_the_audit_logs_needs_made_above_it_is_unusable_on_the_way() -> None:
+    """`/vol/a/b` made in a read-only `/vol` fails on `/vol/a`, above the log's directory:
+    that was `olp proxy`'s "cannot listen ... Permission denied" (exit 1) and a learner's
+    traceback."""
+    import errno
+
+    from deploy.cli import _unusable_on_the_way
+
+    log_dir = Path("/vol/a/b")
+    assert _unusable_on_the_way(OSError(errno.EACCES, "Permission denied", "/vol/a"), log_dir)
+    assert _unusable_on_the_way(OSError(errno.EROFS, "Read-only file system", "/vol/a"), log_dir)
+    assert not _unusable_on_the_way(OSError(errno.ENOSPC, "No space left", "/vol/a"), log_dir)
+    assert not _unusable_on_the_way(OSError(errno.EACCES, "Permission denied", "/"), log_dir)
+    assert not _unusable_on_the_way(OSError(errno.EACCES, "Permission denied", "/x"), log_dir)
 
 
 def test_a_loop_of_links_below_the_state_dir_is_an_unusable_state_dir(tmp_path: Path) -> None:

@@ -993,7 +993,7 @@ def test_a_full_disk_below_the_state_dir_is_not_an_unusable_state_dir(tmp_path: 
     assert not _unusable_in(OSError(errno.EEXIST, "File exists", "/elsewhere"), tmp_path)
 
 
-def test_a_directory_the_audit_logs_needs_made_above_it_is_unusable_on_the_way() -> None:
+def test_a_directory_above_the_audit_logs_that_cannot_be_made_is_said_as_unusable() -> None:
     """`/vol/a/b` made in a read-only `/vol` fails on `/vol/a`, above the log's directory:
     that was `olp proxy`'s "cannot listen ... Permission denied" (exit 1) and a learner's
     traceback."""

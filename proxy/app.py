@@ -585,8 +585,10 @@ async def _start(app: web.Application) -> None:
 
 
 async def _stopping(app: web.Application) -> None:
-    """The runner stopped listening and is about to drain: what it cuts now, it cuts."""
-    app[CONTEXT].stopping = True
+    """The runner stopped listening and is about to drain: it cuts what still runs after
+    `drain_s` (`app_runner`'s two waits of half of it, each from a later start)."""
+    ctx = app[CONTEXT]
+    ctx.drain_ends_at = time.monotonic() + ctx.config.drain_s
 
 
 async def _stop(app: web.Application) -> None:

@@ -371,7 +371,7 @@ class CompletionRelay:
             raise
         except asyncio.CancelledError:
             if not self.counted:  # left before its answer began (a stream counts itself)
-                if ctx.stopping:  # cut by the proxy's drain: the client got no answer
+                if self._departure() == "shutdown":  # the client got no answer
                     self._count_error(503, "shutdown")
                 else:
                     self._count_error(499, "client_disconnect")  # nginx's "client closed"
@@ -379,6 +379,17 @@ class CompletionRelay:
         finally:
             admission.release()  # also what `olp_proxy_in_flight` reads
         return response
+
+    def _departure(self) -> str:
+        """Why a request ended without its client: `shutdown` when the proxy's own stop cut
+        it, else `client_disconnect` (a client that left during the drain, or was
+        disconnected for not reading, too). The drain cuts nothing before `drain_s` has
+        passed; aiohttp closes the connections it cuts as it cancels their handlers, so the
+        time is what tells the two apart."""
+        ends = self.ctx.drain_ends_at
+        if ends is not None and time.monotonic() >= ends:
+            return "shutdown"
+        return "client_disconnect"
 
     def _count_error(self, status: int, kind: str) -> None:
         self.status = status
@@ -897,7 +908,7 @@ class CompletionRelay:
     ) -> None:
         if outcome != "ok":
             if outcome == "aborted":
-                failure_kind = "shutdown" if self.ctx.stopping else "client_disconnect"
+                failure_kind = self._departure()
             self.ctx.metrics.errors.labels(failure_kind, self.tenant_label).inc()
         if capture is not None:
             self.ctx.capture.submit(capture, outcome)

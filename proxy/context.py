@@ -49,10 +49,10 @@ class ProxyContext:
     admin_key_hashes: tuple[str, ...] = ()
     started_at: float = field(default_factory=time.time)
     pseudonym_key: bytes | None = None  # of client labels and users (`safety.pseudonym`)
-    # Set once the proxy begins to stop (app.on_shutdown, before the drain): the requests
-    # the drain cuts are counted `shutdown`, not `client_disconnect` (no client left, and
-    # the dashboard could not tell the two apart).
-    stopping: bool = False
+    # When the drain of a stopping proxy ends (monotonic; set by app.on_shutdown, as the
+    # drain begins): the requests it cuts then are counted `shutdown`, not
+    # `client_disconnect` (no client left, and the dashboard could not tell them apart).
+    drain_ends_at: float | None = None
 
 
 CONTEXT = web.AppKey("olp_proxy_context", ProxyContext)

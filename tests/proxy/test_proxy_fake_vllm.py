@@ -1566,6 +1566,41 @@ def test_a_stop_cancels_requests_still_running_after_drain_s_and_records_them(
         assert value("olp_proxy_requests_total", series) == 1, tenant
 
 
+def test_clients_that_leave_during_the_drain_are_departures_not_shutdown(make_proxy, fake):
+    """Only what the drain itself cuts is `shutdown`: a client that closes its connection
+    while the proxy drains left on its own (499 `client_disconnect`, as at any other time)."""
+    fake.event_delay_s = 2.0  # a stream of about 30 s
+    fake.whole_delay_s = 5.0
+    harness, _ = make_proxy([fake.url], drain_s=20.0)
+
+    def connected(stream: bool, key: str) -> socket.socket:
+        body = json.dumps({**CHAT, "stream": stream}).encode()
+        client = socket.create_connection(("127.0.0.1", harness.port))
+        head = (
+            "POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+            f"Content-Type: application/json\r\nAuthorization: Bearer {key}\r\n"
+            f"Content-Length: {len(body)}\r\n\r\n"
+        )
+        client.sendall(head.encode() + body)
+        return client
+
+    clients = [connected(False, KEYS["bob"]), connected(True, KEYS["alice"])]
+    wait_for(lambda: len(fake.requests) == 2)
+    stop = asyncio.run_coroutine_threadsafe(harness._runner.cleanup(), harness.loop)
+    wait_for(lambda: harness.ctx.drain_ends_at is not None)
+    for client in clients:
+        client.close()
+    stop.result(30)
+    harness._runner = None
+    value = harness.ctx.metrics.registry.get_sample_value
+    for tenant in ("alice", "bob"):
+        left = {"kind": "client_disconnect", "tenant": tenant}
+        assert value("olp_proxy_errors_total", left) == 1, tenant
+        assert value("olp_proxy_errors_total", {"kind": "shutdown", "tenant": tenant}) is None
+    series = {"endpoint": "chat.completions", "tenant": "bob", "policy_version": "base"}
+    assert value("olp_proxy_requests_total", {**series, "stream": "false", "status": "499"}) == 1
+
+
 def test_a_failure_after_a_whole_answer_keeps_the_connection(make_proxy, fake, monkeypatch):
     """The bookkeeping failed after the answer's end went out: re-raised (the response had
     started), aiohttp closed the keep-alive connection, and the client's next request on it

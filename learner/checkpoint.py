@@ -59,6 +59,8 @@ class Checkpoint:
     # The `lora_alpha` the weights were trained under (None: written before this field): a
     # resume under another alpha is refused, as under another rank.
     lora_alpha: float | None = None
+    # `base_model_identity` of the model the weights were trained on (None: not recorded).
+    base_model: str | None = None
 
 
 def normalize_offsets(offsets: dict[Any, Any] | None) -> Offsets:

@@ -7,6 +7,7 @@ the canary the live evidence of every rank.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import threading
@@ -21,6 +22,7 @@ import structlog
 import torch
 
 from learner.adapter_store import AdapterStore
+from learner.base_model import base_model_identity
 from learner.canary import CanaryMonitor, share_canary_evidence
 from learner.checkpoint import (
     Checkpoint,
@@ -143,6 +145,9 @@ class Learner:
             raise ValueError("learner.base_model_dir is not set and no model_dir was given")
         self.config = config
         self.ctx = ctx or init_distributed()
+        self.model_dir = Path(model_dir)
+        # Recorded with the weights (checkpoint, each version's metadata); compared at resume.
+        self.base_model = base_model_identity(model_dir) if self.ctx.is_main else None
         self.store = AdapterStore(state_dir)
         self.checkpoints = CheckpointStore(state_dir)
         self.on_candidate = on_candidate or _log_candidate
@@ -191,6 +196,10 @@ class Learner:
             self.trainer = Trainer(config, model_dir, self.ctx)
             self._resume()
             self.consumer = consumer_factory(self.offsets, self.ctx.rank, self.ctx.world)
+            # Only once the consumer took the offsets: a start refused there (offsets past
+            # the stream's end, exit 3) had handed a pending candidate to the promoter,
+            # which loaded it into vLLM and began its gate on the way out.
+            self._announce_pending()
         except BaseException:
             self.assembler.close()
             raise
@@ -261,6 +270,28 @@ class Learner:
                 "or start from an empty state_dir"
             )
 
+    def _check_base_model(self, plan: ResumePlan, checkpoint: Checkpoint | None) -> None:
+        """Say so when the resumed weights were trained on another base model than
+        `policy.model` now (the same shape: another shape is refused by the weights' load).
+        Not refused: training goes on from those weights on this model, a warm start, and a
+        model re-prepared by a newer olp may differ in its bytes only."""
+        was: Any = None
+        if plan.weights_from == "checkpoint" and checkpoint is not None:
+            was = checkpoint.base_model
+        elif plan.weights_from == "adapter":
+            with contextlib.suppress(OSError, ValueError, AttributeError):
+                was = self.store.read_meta(plan.version).get("base_model")
+        if isinstance(was, str) and was != self.base_model:
+            log.warning(
+                "learner_base_model_changed",
+                version=plan.version,
+                trained_on=was,
+                now=self.base_model,
+                model_dir=str(self.model_dir),
+                note=f"policy-v{plan.version} was trained on another base model than "
+                "policy.model is now; training goes on from its weights on this one",
+            )
+
     def _resume(self) -> None:
         checkpoint = self.checkpoints.load() if self.ctx.is_main else None
         if self.ctx.is_main:
@@ -292,6 +323,8 @@ class Learner:
                 weights = load_file(str(path / "adapter_model.safetensors"))
             self.trainer.load_adapter_state(broadcast_object(self.ctx, weights), str(path))
         self._check_lora_alpha(plan, checkpoint)
+        if self.ctx.is_main:
+            self._check_base_model(plan, checkpoint)
         # After the local checks (the store, the weights' shape): a learner whose state is
         # refused says so at once, not after waiting for the servers to answer.
         self.version_floor = broadcast_object(self.ctx, self._raised_version_floor(plan))
@@ -331,15 +364,19 @@ class Learner:
             log.info("learner_optimizer_restored", version=plan.version)
         if plan.weights_from == "adapter" and self.ctx.is_main:
             self._save_checkpoint(meta=self.store.read_meta(plan.version))
+        if self.ctx.is_main and plan.republish:
+            assert checkpoint is not None
+            self._publish(self.version, checkpoint_meta(checkpoint))
+        self.progress.version = self.version
+        self.progress.step = self.step_count
+
+    def _announce_pending(self) -> None:
+        """Hand the newest stored version to the promoter if it never was (a crash between
+        its publish and its announce)."""
         if self.ctx.is_main:
-            if plan.republish:
-                assert checkpoint is not None
-                self._publish(self.version, checkpoint_meta(checkpoint))
             latest = self.store.latest()
             if latest is not None and latest > self.checkpoints.announced():
                 self._announce(latest)
-        self.progress.version = self.version
-        self.progress.step = self.step_count
 
     def _forget_offsets_of_another_stream(
         self, weights_from: str, checkpoint: Checkpoint | None
@@ -590,6 +627,7 @@ class Learner:
                     "version_floor": self.version_floor,
                     "step": self.step_count,
                     "stream_id": self.stream_id,
+                    "base_model": self.base_model,
                 }
                 if self.optimizer_reset is not None:
                     # From here on the checkpoint's meta carries it (a republish too).
@@ -679,6 +717,7 @@ class Learner:
             stream_id=self.stream_id,
             pending_optimizer_reset=self.optimizer_reset,
             lora_alpha=self.config.lora_alpha,
+            base_model=self.base_model,
         )
         self.checkpoints.save(checkpoint)
 

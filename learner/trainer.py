@@ -292,8 +292,8 @@ class Trainer:
         raise AdapterMismatch(
             f"{source} does not fit the configured LoRA adapter (learner.lora_rank="
             f"{self.config.lora_rank}, learner.target_modules={list(self.config.target_modules)}"
-            f"): {'; '.join(problems)}. It was trained with other LoRA settings: set them "
-            "back, or start from an empty state_dir"
+            f"): {'; '.join(problems)}. It was trained with other LoRA settings (set them "
+            "back) or on another base model (policy.model), or start from an empty state_dir"
         )
 
     def restore_optimizer(

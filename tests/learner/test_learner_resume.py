@@ -515,3 +515,57 @@ def test_a_changed_lora_alpha_is_refused_as_a_changed_rank_is(
     with pytest.raises(AdapterMismatch, match="policy-v1 was trained with"):
         resumed(alpha * 2)
     assert resumed(alpha).version == 1
+
+
+def test_weights_resumed_on_another_base_model_are_said_to_be(
+    model_dir: Path, tmp_path: Path
+) -> None:
+    """Neither the checkpoint nor a version named the base model: a state dir resumed on
+    another one (`policy.model` changed, same shape) trained on in silence. Both record
+    `base_model` now, and a resume on another model says so, naming both."""
+    announced: list[Path] = []
+    learner(tmp_path / "state", model_dir, announced).run(max_steps=1)
+    meta = AdapterStore(tmp_path / "state").read_meta(1)
+    assert str(meta["base_model"]).startswith("sha256:")
+    other = tmp_path / "other-model"
+    other.mkdir()
+    for item in model_dir.iterdir():
+        if item.name != "config.json":
+            (other / item.name).symlink_to(item)
+    settings = json.loads((model_dir / "config.json").read_text())
+    (other / "config.json").write_text(json.dumps({**settings, "olp_test_variant": 2}))
+
+    def warnings_resuming_on(model: Path) -> list[dict[str, Any]]:
+        with structlog.testing.capture_logs() as logs:
+            learner(tmp_path / "state", model, announced)
+        return [e for e in logs if e["event"] == "learner_base_model_changed"]
+
+    assert warnings_resuming_on(model_dir) == []
+    [said] = warnings_resuming_on(other)
+    assert (said["version"], said["trained_on"]) == (1, meta["base_model"])
+    assert said["now"] != meta["base_model"] and said["model_dir"] == str(other)
+    # The version's own record when the checkpoint is gone (a roll-forward).
+    (tmp_path / "state" / "learner" / "checkpoint.pt").unlink()
+    [said] = warnings_resuming_on(other)
+    assert said["trained_on"] == meta["base_model"]
+
+
+def test_a_start_refused_by_its_consumer_hands_no_candidate_to_the_promoter(
+    model_dir: Path, tmp_path: Path
+) -> None:
+    """A crash between a version's publish and its announce leaves it to the next start;
+    that start handed it to the promoter (which loaded it into vLLM and began its gate)
+    before its consumer refused the saved offsets (exit 3)."""
+    announced: list[Path] = []
+    with pytest.raises(Crash):
+        learner(tmp_path, model_dir, announced, crash_at="after_publish").run(max_steps=1)
+    assert announced == []
+
+    def refuses(offsets: Any, rank: int, world: int) -> Any:
+        raise RuntimeError("saved offsets lie past the end of the stream")
+
+    with pytest.raises(RuntimeError, match="past the end"):
+        Learner(config(), tmp_path, refuses, model_dir=model_dir, on_candidate=announced.append)
+    assert announced == []
+    learner(tmp_path, model_dir, announced)
+    assert [path.name for path in announced] == ["policy-v1"]

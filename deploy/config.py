@@ -658,6 +658,17 @@ class OlpConfig(BaseModel):
         return state_dir.expanduser()
 
     @model_validator(mode="after")
+    def _learner_on_the_served_model(self) -> OlpConfig:
+        # `olp learner` passes the policy's model: a base_model_dir set here was dropped in
+        # silence (trained on another model than vLLM serves, it would be wrong anyway).
+        if self.learner.base_model_dir is not None:
+            raise ValueError(
+                "learner.base_model_dir is for a Learner embedded in Python: olp trains on "
+                "policy.model, the model vLLM serves; unset it (set policy.model instead)"
+            )
+        return self
+
+    @model_validator(mode="after")
     def _fixed_proxy_port(self) -> OlpConfig:
         # The proxy in-process (tests) may take any free port; a stack's other processes
         # (the learner, `olp status`, the readiness check) must know it beforehand.

@@ -181,7 +181,12 @@ class LearnerConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     enabled: bool = True
-    base_model_dir: str | None = None  # None: the policy's prepared model dir
+    base_model_dir: str | None = Field(
+        default=None,
+        description="the base model of a Learner embedded in Python (tests, notebooks); "
+        "`olp` refuses it: `olp learner` and `olp up` train on `policy.model`, the model "
+        "vLLM serves",
+    )
     # LoRA
     lora_rank: int = Field(default=16, gt=0)
     lora_alpha: float = Field(

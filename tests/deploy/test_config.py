@@ -414,6 +414,9 @@ def test_a_stack_needs_a_fixed_proxy_port_and_a_state_dir_may_start_at_home() ->
     # `~/olp` made a directory named `~` below the working directory.
     cfg = load_config(None, environ={"OLP_STATE_DIR": "~/olp-state"})
     assert cfg.state_dir == Path.home() / "olp-state"
+    # `olp learner` trained on policy.model whatever learner.base_model_dir said.
+    with pytest.raises(ConfigError, match=r"learner\.base_model_dir is for a Learner embedded"):
+        load_config(None, environ={"OLP_LEARNER__BASE_MODEL_DIR": "/models/other"})
     # `~` alone is YAML's null: pydantic's "not a valid path (got None)" did not say so.
     with pytest.raises(ConfigError, match=r"state_dir: is null \(`~` alone is YAML's null\)"):
         load_config(None, environ={"OLP_STATE_DIR": "~"})

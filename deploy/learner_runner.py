@@ -25,6 +25,7 @@ from learner.promotion import (
     named_versions,
 )
 from learner.reload import AdapterReloader
+from replay.config import STREAM_ID_ENV  # offsets saved in another stream are not resumed
 from safety.audit import AuditLog
 from safety.redaction import Redactor
 
@@ -32,12 +33,6 @@ if TYPE_CHECKING:
     from learner.service import LearnerSummary
 
 log = structlog.get_logger(__name__)
-
-# Names the stream the learner's offsets count in; offsets saved under another name are
-# not resumed (learner/service.py). `olp up` sets a new one each time it starts the
-# embedded broker, whose data lives in memory, and keeps it for every learner start of the
-# run; an operator may set one for a broker that lost its data.
-STREAM_ID_ENV = "OLP_STREAM_ID"
 
 
 # How long start-up waits for the policy servers to list their adapters (a deployment may

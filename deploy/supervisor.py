@@ -191,8 +191,10 @@ class Stack:
         env[INTERNAL_ADMIN_TOKEN_ENV] = self._internal_token
         if self._policy_key is not None:
             env[POLICY_KEY_ENV] = self._policy_key  # read as policy.api_key
-        if name == "learner" and self._stream_id is not None:
-            env[STREAM_ID_ENV] = self._stream_id  # its offsets count in this run's stream
+        if name in ("learner", "proxy") and self._stream_id is not None:
+            # The learner's offsets count in this run's stream; the proxy's operator page
+            # measures the learner's lag in it.
+            env[STREAM_ID_ENV] = self._stream_id
         return ChildProcess(
             name,
             argv,

@@ -53,6 +53,9 @@ class ProxyContext:
     # drain begins): the requests it cuts then are counted `shutdown`, not
     # `client_disconnect` (no client left, and the dashboard could not tell them apart).
     drain_ends_at: float | None = None
+    # The stream the sink writes, when named (`OLP_STREAM_ID`, from `olp up`): the operator
+    # page measures no lag against offsets a version saved in another stream.
+    stream_id: str | None = None
 
 
 CONTEXT = web.AppKey("olp_proxy_context", ProxyContext)

@@ -131,6 +131,7 @@ class StreamView:
     lag: list[dict[str, Any]] | None = None
     lag_error: str | None = None
     consumed_from: str | None = None
+    other_stream: str | None = None  # the stream `consumed_from` was trained on, not this one
 
 
 @dataclass
@@ -334,7 +335,14 @@ def _stream(stream: StreamView) -> str:
         parts.append(f'<p class="error" id="lag-unavailable">unavailable: {reason}</p>')
     elif stream.lag is not None:
         source = stream.consumed_from or "no adapter yet"
-        parts.append(f'<p class="muted">learner offsets from {_e(source)}</p>')
+        if stream.other_stream is not None:
+            parts.append(
+                f'<p class="muted" id="lag-other-stream">{_e(source)} was trained on another '
+                f"stream ({_e(stream.other_stream)}): no record of this one is in a version "
+                "yet</p>"
+            )
+        else:
+            parts.append(f'<p class="muted">learner offsets from {_e(source)}</p>')
         parts.append(
             _table(
                 ("topic", "partition", "end offset", "learner offset", "lag"),

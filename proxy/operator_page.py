@@ -282,8 +282,18 @@ async def _stream_view(ctx: ProxyContext, adapters: Loaded) -> StreamView:
         log.warning("operator_kafka_unavailable", error=repr(exc))
         view.lag_error = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
         return view
+    consumed = (newest or {}).get("consumed_offsets")
+    if (
+        newest is not None
+        and ctx.stream_id is not None
+        and newest.get("stream_id") != ctx.stream_id
+    ):
+        # Offsets of an earlier stream (`olp up` starts a new one with its embedded broker):
+        # against this one's ends they read as a lag of 0 until the next version.
+        view.other_stream = str(newest.get("stream_id") or "unnamed")
+        consumed = None
     try:
-        view.lag = consumer_lag(ends, (newest or {}).get("consumed_offsets"))
+        view.lag = consumer_lag(ends, consumed)
     except ValueError as exc:  # the learner's file: name it, as the other sections do
         view.lag_error = f"{view.consumed_from}/olp_meta.json: {exc}"
     return view

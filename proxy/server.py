@@ -20,7 +20,7 @@ from proxy.config import INTERNAL_ADMIN_TOKEN_ENV, ProxyConfig, TenantConfig, sh
 from proxy.context import CONTEXT
 from proxy.event_loop import run_with_loop
 from proxy.gc_tuning import tune_gc
-from replay.config import StreamConfig
+from replay.config import STREAM_ID_ENV, StreamConfig
 from replay.sink import JsonlSink
 from replay.sink_process import KafkaSinkProcess
 from safety.audit import AuditLog
@@ -63,12 +63,14 @@ async def serve_proxy(
     stop: asyncio.Event | None = None,
     sink: Any = None,
     internal_admin_token: str | None = None,
+    stream_id: str | None = None,
     owns_process: bool = False,
     sink_child_init: Callable[[], None] | None = None,
 ) -> None:
     """Serve until `stop` is set (or a signal arrives when `stop` is None).
 
-    `sink` overrides the RecordSink the config names (embedding, benchmarks);
+    `sink` overrides the RecordSink the config names (embedding, benchmarks); `stream_id`
+    names the stream the sink writes (`olp up` names each start of its embedded broker);
     `sink_child_init` is run first in a Kafka sink's worker process (the logging set-up).
     `owns_process` applies the process-wide settings (`config.gc`) once it listens."""
     state_dir = Path(state_dir)
@@ -94,6 +96,7 @@ async def serve_proxy(
         if internal_admin_token
         else None,
     )
+    app[CONTEXT].stream_id = stream_id
     if sink_registry is not None:
         app[CONTEXT].metrics.also_serve(sink_registry)
     runner = app_runner(app)
@@ -178,6 +181,7 @@ def run_proxy(
             stream=stream,
             safety=safety,
             internal_admin_token=os.environ.get(INTERNAL_ADMIN_TOKEN_ENV) or None,
+            stream_id=os.environ.get(STREAM_ID_ENV) or None,
             owns_process=True,
             sink_child_init=sink_child_init,
         ),

@@ -149,6 +149,11 @@ class StreamConfig(BaseModel):
 # (replay/sink_process.py), so they reach it at most this late.
 SINK_FEED_INTERVAL_S = 0.1
 
+# Names the stream offsets count in (`olp up` sets a new one each time it starts the
+# embedded broker, whose data lives in memory): the learner resumes no offsets saved under
+# another name, and the proxy's operator page measures no lag against them.
+STREAM_ID_ENV = "OLP_STREAM_ID"
+
 
 def late_feedback_risk(config: StreamConfig) -> str | None:
     """Why feedback given inside a trajectory's join window may still count as late, or None.

@@ -25,6 +25,7 @@ from proxy.operator_data import consumer_lag, topic_end_offsets
 from proxy.operator_page import MAX_FORM_BYTES, OPERATOR
 from replay.config import StreamConfig
 from replay.producer import KafkaSink
+from replay.synthetic import make_feedback, make_trajectory
 from safety.audit import AuditLog, canonical_json
 from tests.proxy.conftest import ADMIN_KEY, KEYS, ProxyHarness, default_tenants
 
@@ -498,6 +499,48 @@ def test_stream_section_reports_an_unreachable_broker_without_hanging(make_proxy
         assert 'id="lag-unavailable"' in page and "no broker answers" in page
         assert 'class="stream-metrics"' in page and "spill_bytes" in page
         assert "queue_bytes" in page  # what capture_backlog_bytes limits
+    finally:
+        sink.close()
+
+
+def test_lag_is_not_measured_against_offsets_of_another_stream(
+    make_proxy, kafka_bootstrap, tmp_path
+):
+    """`olp up` starts a new stream with each start of its embedded broker; the newest
+    version's offsets, saved in the last one, read against this one's ends as a lag of 0
+    (the learner "ahead" of the log) until the next version. Named by OLP_STREAM_ID, a
+    version of another stream says so and its offsets are not used."""
+    prefix = f"olag-{uuid.uuid4().hex[:8]}"
+    stream = StreamConfig(bootstrap_servers=kafka_bootstrap, topic_prefix=prefix)
+    sink = KafkaSink(stream, tmp_path / "sink")
+    try:
+        harness, _ = make_proxy(NO_UPSTREAM, sink=sink)
+        trajectory = make_trajectory()
+        for _ in range(3):
+            sink.put_feedback(make_feedback(trajectory, kind="score", value=1.0))
+        assert sink.wait_idle(30)
+        adapter = tmp_path / "state" / "adapters" / "policy-v1"
+        adapter.mkdir(parents=True)
+        consumed = {f"{prefix}.feedback": {str(p): 40 for p in range(4)}}
+        meta = {"parent_version": 0, "consumed_offsets": consumed, "stream_id": "embedded-old"}
+        (adapter / "olp_meta.json").write_text(json.dumps(meta))
+
+        def feedback_rows() -> tuple[str, list[tuple[int, str, int]]]:
+            page = httpx.get(harness.base_url + "/admin/ui", headers=BEARER, timeout=30).text
+            cells = r"<td>\d+</td><td>(\d+)</td><td>([^<]+)</td><td>(\d+)</td>"
+            row = rf"<td>{prefix}\.feedback</td>" + cells
+            return page, [(int(e), c, int(lag)) for e, c, lag in re.findall(row, page)]
+
+        harness.ctx.stream_id = "embedded-new"
+        page, rows = feedback_rows()
+        assert 'id="lag-other-stream"' in page and "embedded-old" in page
+        assert len(rows) == 4 and sum(end for end, _, _ in rows) == 3
+        # Every record of this stream is in no version yet.
+        assert all(consumed == "—" and lag == end for end, consumed, lag in rows), rows
+        harness.ctx.stream_id = "embedded-old"  # the same stream: its offsets count
+        page, rows = feedback_rows()
+        assert 'id="lag-other-stream"' not in page
+        assert [(consumed, lag) for _, consumed, lag in rows] == [("40", 0)] * 4
     finally:
         sink.close()
 

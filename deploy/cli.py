@@ -282,7 +282,7 @@ def cmd_policy(args: argparse.Namespace, cfg: OlpConfig) -> int:
         server = start_policy(
             cfg.policy,
             model_dir,
-            log_file=_child_log(cfg, "vllm"),
+            log_file=_child_log(cfg, "policy"),
             progress=lambda s: say(f"olp: vLLM starting ({s:.0f} s)"),
             stop=done,
         )

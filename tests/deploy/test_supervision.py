@@ -173,7 +173,7 @@ def test_launchers_stop_their_child_on_a_signal_during_start_up(harness, mode, s
     assert h.proc.returncode == 0, h.output()
     assert "Traceback" not in h.output()
     # The server's output goes to a file, as under `olp up` (it was dropped, errors too).
-    log = h.state / "logs" / ("vllm.log" if mode.startswith("policy") else "broker.log")
+    log = h.state / "logs" / ("policy.log" if mode.startswith("policy") else "broker.log")
     assert log.exists() and f"output goes to {log}" in h.output(), h.output()
 
 

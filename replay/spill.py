@@ -502,8 +502,10 @@ class SpillStore:
                 bytes=segment.size,
                 path=str(target),
             )
-        if self._on_quarantine is not None:
-            self._on_quarantine(reason)
+            # Counted once moved (the metric counts segments in quarantine/): one left in
+            # place was counted at every start that read it again.
+            if self._on_quarantine is not None:
+                self._on_quarantine(reason)
 
     def close(self) -> None:
         """Close the active file; its records stay on disk for the next start."""

@@ -311,6 +311,28 @@ def test_corruption_in_the_middle_reads_on_and_keeps_the_segment_aside(
     assert SpillStore(tmp_path, max_bytes=10_000_000, segment_bytes=1_000_000).is_empty()
 
 
+def test_a_segment_that_cannot_be_moved_to_quarantine_is_not_counted_there(
+    tmp_path: Path,
+) -> None:
+    """`olp_stream_spill_quarantined_total` counts segments moved to quarantine/: one whose
+    move failed stayed in place, was read again at each start and counted each time."""
+    entries = _entries(5)
+    segment = _one_segment(tmp_path, entries)
+    damaged = bytearray(segment.read_bytes())
+    damaged[_frame_offsets(segment)[3] - 5] ^= 0xFF
+    segment.write_bytes(bytes(damaged))
+    (tmp_path / "quarantine").write_text("a file where the directory goes")
+    reasons: list[str] = []
+    for _ in range(3):
+        store = SpillStore(
+            tmp_path, max_bytes=10_000_000, segment_bytes=1_000_000, on_quarantine=reasons.append
+        )
+        assert _drain(store) == entries[:2] + entries[3:]
+        store.close()
+        assert segment.exists()  # left in place, tried again at the next start
+    assert reasons == []
+
+
 def test_a_frame_hidden_in_the_damage_is_not_taken_for_a_record(tmp_path: Path) -> None:
     """Reading on past corruption needs an intact frame (length, CRC and decoding): random
     bytes and zeros after the damage read as a torn tail, not as records."""

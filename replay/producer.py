@@ -330,6 +330,9 @@ class KafkaSink:
         self.config = config
         self.topics = TopicNames.from_prefix(config.topic_prefix)
         self.metrics = ProducerMetrics(registry if registry is not None else CollectorRegistry())
+        # `olp_stream_broker_up` as a plain value, read by KafkaSinkProcess's worker at every
+        # status tick (reading the gauge back means collecting the registry).
+        self.broker_up = 0
         self._kind_by_topic = {
             self.topics.trajectories: RecordKind.TRAJECTORY.value,
             self.topics.feedback: RecordKind.FEEDBACK.value,
@@ -666,7 +669,7 @@ class KafkaSink:
                 raise
             self._retry_at = time.monotonic() + self.config.reconnect_backoff_s
             return False
-        self.metrics.broker_up.set(1)
+        self._set_broker_up(1)
         log.info("broker_connected", idempotence=self._idempotence)
         return True
 
@@ -677,7 +680,11 @@ class KafkaSink:
         if self._producer is None or time.monotonic() < self._probe_at:
             return
         self._probe_at = time.monotonic() + _IDLE_PROBE_S
-        self.metrics.broker_up.set(1 if tcp_reachable(self.config.bootstrap_servers) else 0)
+        self._set_broker_up(1 if tcp_reachable(self.config.bootstrap_servers) else 0)
+
+    def _set_broker_up(self, up: int) -> None:
+        self.broker_up = up
+        self.metrics.broker_up.set(up)
 
     def _codec_error(self, error: BaseException) -> bool:
         """Whether `error` says the configured compression cannot be used here."""
@@ -1032,7 +1039,7 @@ class KafkaSink:
 
     def _mark_down(self) -> None:
         producer, self._producer = self._producer, None
-        self.metrics.broker_up.set(0)
+        self._set_broker_up(0)
         self._retry_at = time.monotonic() + self.config.reconnect_backoff_s
         if producer is not None:
             # A fresh producer after reconnect: a restarted broker forgets producer ids.

@@ -230,6 +230,7 @@ def _child_main(
     metrics_sent_at = 0.0
     idle_values_sent = False
     values_received = 0  # `received` when the metric values last went out
+    broker_up_sent = -1  # `sink.broker_up` when the metric values last went out
     last_idle_progress: tuple[Any, ...] | None = None
 
     def status(final: bool = False) -> None:
@@ -239,6 +240,7 @@ def _child_main(
         # the parent's interpreter time, go once a second while busy and once on becoming
         # idle (so a caller that waited for idle reads final values).
         nonlocal metrics_sent_at, idle_values_sent, last_idle_progress, values_received
+        nonlocal broker_up_sent
         # `received` is read first (an item is in `in_sink` before it is counted there), so
         # `done` is at most what was received, and no item it passes is still in flight.
         got = received
@@ -249,16 +251,24 @@ def _child_main(
         idle = done == got and not waiting and sink.spill.is_empty()
         values = None
         now = time.monotonic()
-        # Idle: once on becoming idle (its values cannot move while it stays idle), and,
-        # at the busy pace, when items came and went between two ticks. Before, such a
-        # burst (one request's record, sent and acknowledged within 0.1 s: most records at a
-        # low request rate) was never seen busy, and its counts never reached the parent's
-        # /metrics. (At every tick, the values cost the proxy's process ~15k instructions a
-        # captured request at 400 requests/s.)
+        # Idle: once on becoming idle, when the broker's reachability changes (the sink's
+        # idle probe: the one value that moves while nothing is sent; a proxy started idle
+        # showed the broker down until its first record, one whose broker went away while
+        # idle showed it up), and, at the busy pace, when items came and went between two
+        # ticks. Before, such a burst (one request's record, sent and acknowledged within
+        # 0.1 s: most records at a low request rate) was never seen busy, and its counts
+        # never reached the parent's /metrics. (At every tick, the values cost the proxy's
+        # process ~15k instructions a captured request at 400 requests/s.)
         busy_due = now - metrics_sent_at >= _METRICS_INTERVAL_S
-        idle_due = not idle_values_sent or (got != values_received and busy_due)
+        broker_up = sink.broker_up
+        idle_due = (
+            not idle_values_sent
+            or broker_up != broker_up_sent
+            or (got != values_received and busy_due)
+        )
         if final or (idle_due if idle else busy_due):
             values, metrics_sent_at, values_received = _metric_values(sink.metrics), now, got
+            broker_up_sent = broker_up
         idle_values_sent = idle and (values is not None or idle_values_sent)
         # Outcomes travel with the `done` they are counted up to: the parent pops exactly
         # those records, and counts the rest itself if it has to build them again.

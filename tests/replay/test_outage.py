@@ -201,6 +201,37 @@ def test_an_idle_sink_reports_a_broker_that_went_away(tmp_path: Path, monkeypatc
         broker.stop()
 
 
+def _probe_often() -> None:
+    """`child_init` of a KafkaSinkProcess worker: its idle probe every 0.2 s."""
+    import replay.producer as producer_module
+
+    producer_module._IDLE_PROBE_S = 0.2
+
+
+def test_the_proxys_sink_worker_reports_the_broker_while_idle(tmp_path: Path) -> None:
+    """An idle worker reported its values once and then kept quiet: `olp proxy`'s /metrics
+    (and the operator page) showed the broker down from start-up until the first record,
+    and up while it was gone until the next one. A change of the broker's reachability is
+    reported at once."""
+    from replay.sink_process import KafkaSinkProcess
+
+    port = free_port()
+    config = _config(f"127.0.0.1:{port}", partitions=1)
+    broker = start_broker("127.0.0.1", port, tmp_path / "broker1.log")
+    registry = CollectorRegistry()
+    sink = KafkaSinkProcess(config, tmp_path / "state", registry, child_init=_probe_often)
+    try:
+        _wait_for(lambda: _sample(registry, "olp_stream_broker_up") == 1, timeout_s=30)
+        assert _sample(registry, "olp_stream_sent_total", kind="trajectory") in (None, 0)
+        broker.stop()
+        _wait_for(lambda: _sample(registry, "olp_stream_broker_up") == 0, timeout_s=10)
+        broker = start_broker("127.0.0.1", port, tmp_path / "broker2.log")
+        _wait_for(lambda: _sample(registry, "olp_stream_broker_up") == 1, timeout_s=10)
+    finally:
+        sink.close()
+        broker.stop()
+
+
 def test_close_against_a_broker_that_stopped_answering_spills_within_its_timeout(
     tmp_path: Path,
 ) -> None:

@@ -482,8 +482,6 @@ class SpillStore:
                 suffix += 1
                 target = self.quarantine_dir / f"{segment.path.stem}.{suffix}.spill"
             os.rename(segment.path, target)
-            _fsync_dir(self.quarantine_dir)
-            _fsync_dir(self.directory)
         except OSError as exc:
             # Left in place: skipped until the next start, which tries it again.
             log.error(
@@ -494,6 +492,12 @@ class SpillStore:
                 error=repr(exc),
             )
         else:
+            try:
+                _fsync_dir(self.quarantine_dir)
+                _fsync_dir(self.directory)
+            except OSError as exc:
+                # Moved all the same (the next start does not read it again): counted below.
+                log.error("spill_quarantine_not_synced", segment=segment.path.name, error=repr(exc))
             log.error(
                 "spill_segment_quarantined",
                 segment=segment.path.name,

@@ -333,6 +333,37 @@ def test_a_segment_that_cannot_be_moved_to_quarantine_is_not_counted_there(
     assert reasons == []
 
 
+def test_a_moved_segment_whose_directory_sync_fails_is_counted_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The rename and the directory syncs after it shared one `try`: a sync that failed
+    after the move logged the move as failed ("left in place") and counted nothing, and
+    the next start never read the moved segment again."""
+    import replay.spill as spill_module
+
+    entries = _entries(5)
+    segment = _one_segment(tmp_path, entries)
+    damaged = bytearray(segment.read_bytes())
+    damaged[_frame_offsets(segment)[3] - 5] ^= 0xFF
+    segment.write_bytes(bytes(damaged))
+    synced = spill_module._fsync_dir
+
+    def fails_in_quarantine(directory: Path) -> None:
+        if directory.name == "quarantine":
+            raise OSError(5, "Input/output error")
+        synced(directory)
+
+    monkeypatch.setattr(spill_module, "_fsync_dir", fails_in_quarantine)
+    reasons: list[str] = []
+    store = SpillStore(
+        tmp_path, max_bytes=10_000_000, segment_bytes=1_000_000, on_quarantine=reasons.append
+    )
+    assert _drain(store) == entries[:2] + entries[3:]
+    store.close()
+    assert not segment.exists() and reasons == ["corrupt"]
+    assert [p.name for p in (tmp_path / "quarantine").iterdir()] == [segment.name]
+
+
 def test_a_frame_hidden_in_the_damage_is_not_taken_for_a_record(tmp_path: Path) -> None:
     """Reading on past corruption needs an intact frame (length, CRC and decoding): random
     bytes and zeros after the damage read as a torn tail, not as records."""

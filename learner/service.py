@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import json
 import math
+import pickle
 import threading
 import time
 from collections import Counter
@@ -192,16 +193,20 @@ class Learner:
         # Owns the judge's threads and HTTP client: `close()` releases them, and so does a
         # start-up that fails from here on, before it raises.
         self.assembler = RewardAssembler(config.rewards, judge=judge, verifiers=verifiers)
+        self.consumer: Any = None
         try:
             self.trainer = Trainer(config, model_dir, self.ctx)
             self._resume()
-            self.consumer = consumer_factory(self.offsets, self.ctx.rank, self.ctx.world)
-            # Only once the consumer took the offsets: a start refused there (offsets past
-            # the stream's end, exit 3) had handed a pending candidate to the promoter,
-            # which loaded it into vLLM and began its gate on the way out.
+            self.consumer = self._consumer_of_every_rank(consumer_factory)
+            # Only once every rank's consumer took its offsets: a start refused there
+            # (offsets past the stream's end, exit 3) had handed a pending candidate to the
+            # promoter, which loaded it into vLLM and began its gate on the way out.
             self._announce_pending()
         except BaseException:
             self.assembler.close()
+            if self.consumer is not None:
+                with contextlib.suppress(Exception):
+                    self.consumer.close()
             raise
 
     # -- start-up ---------------------------------------------------------------------------
@@ -369,6 +374,24 @@ class Learner:
             self._publish(self.version, checkpoint_meta(checkpoint))
         self.progress.version = self.version
         self.progress.step = self.step_count
+
+    def _consumer_of_every_rank(self, consumer_factory: ConsumerFactory) -> Any:
+        """This rank's consumer, once every rank made its own: each checks the saved offsets
+        of its own partitions, and one refusing them stops every rank with its error (rank
+        0 alone went on, and announced)."""
+        consumer, refused = None, None
+        try:
+            consumer = consumer_factory(self.offsets, self.ctx.rank, self.ctx.world)
+        except Exception as exc:
+            refused = exc
+        errors = all_gather_object(self.ctx, _shareable(refused))
+        first = refused or next((e for e in errors if e is not None), None)
+        if first is None:
+            return consumer
+        if consumer is not None:
+            with contextlib.suppress(Exception):
+                consumer.close()
+        raise first
 
     def _announce_pending(self) -> None:
         """Hand the newest stored version to the promoter if it never was (a crash between
@@ -730,6 +753,18 @@ class Learner:
     def _announce(self, version: int) -> None:
         self.on_candidate(self.store.path(version))
         self.checkpoints.mark_announced(version)
+
+
+def _shareable(error: Exception | None) -> Exception | None:
+    """`error` as it can cross to the other ranks (pickled), else its text in a
+    RuntimeError."""
+    if error is None:
+        return None
+    try:
+        pickle.loads(pickle.dumps(error))
+    except Exception:
+        return RuntimeError(f"{type(error).__name__}: {error}")
+    return error
 
 
 def checkpoint_meta(checkpoint: Checkpoint) -> dict[str, Any]:

@@ -437,6 +437,82 @@ def test_a_learner_ahead_of_serving_says_so_whichever_rank_read_the_batch(
     assert rank0["consumed"] == rank1["consumed"] == 4
 
 
+def _refused_offsets_rank(rank: int, world: int, port: int, model: str, out: str) -> None:
+    from learner.config import LearnerConfig
+    from learner.service import Learner
+    from tests.learner.learner_sources import ListSource, synthetic_scored
+
+    _init_gloo(rank, world, port)
+    try:
+        partitions = {p: [synthetic_scored(p * 100 + i) for i in range(4)] for p in range(2)}
+        announced: list[str] = []
+
+        def consumer(offsets: Any, r: int, w: int) -> Any:
+            if r == 1:  # as TrajectoryConsumer refuses offsets past its partitions' ends
+                raise RuntimeError("saved offsets lie past the end of the stream (rank 1)")
+            return ListSource(partitions, offsets, r, w)
+
+        config = LearnerConfig(
+            batch_size=4, min_batch=1, num_threads=1, progress_interval_s=600, lora_rank=4,
+            lora_alpha=8,
+        )  # fmt: skip
+        try:
+            Learner(
+                config,
+                Path(out) / "state",
+                consumer,
+                model_dir=model,
+                on_candidate=lambda path: announced.append(path.name),
+                ctx=DistContext(rank, world),
+            )
+            said = "started"
+        except RuntimeError as exc:
+            said = str(exc)
+        Path(out, f"refused{rank}.json").write_text(json.dumps([said, announced]))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_offsets_one_rank_refuses_stop_every_rank_before_any_announce(
+    tiny_model: Path, tmp_path: Path
+) -> None:
+    """Each rank's consumer checks the offsets of its own partitions: with rank 1's
+    refusing, rank 0 went on and handed the pending candidate to the promoter."""
+    from learner.config import LearnerConfig
+    from learner.service import Learner
+    from tests.learner.learner_sources import ListSource, synthetic_scored
+
+    partitions = {p: [synthetic_scored(p * 100 + i) for i in range(4)] for p in range(2)}
+
+    def crash(stage: str) -> None:
+        if stage == "after_publish":
+            raise RuntimeError("a crash between the publish and the announce")
+
+    config = LearnerConfig(
+        batch_size=4, min_batch=1, num_threads=1, progress_interval_s=600, lora_rank=4,
+        lora_alpha=8,
+    )  # fmt: skip
+    single = Learner(
+        config,
+        tmp_path / "state",
+        lambda offsets, r, w: ListSource(partitions, offsets, r, w),
+        model_dir=tiny_model,
+        fault_hook=crash,
+    )
+    with pytest.raises(RuntimeError, match="between the publish"):
+        single.run(max_steps=1)
+    mp.start_processes(
+        _refused_offsets_rank,
+        args=(2, free_port(), str(tiny_model), str(tmp_path)),
+        nprocs=2,
+        start_method="spawn",
+    )
+    for rank in range(2):
+        said, announced = json.loads((tmp_path / f"refused{rank}.json").read_text())
+        assert said == "saved offsets lie past the end of the stream (rank 1)", (rank, said)
+        assert announced == [], rank
+
+
 def _held_elsewhere_rank(rank: int, world: int, port: int, out: str) -> None:
     from learner.distributed import held_elsewhere
 

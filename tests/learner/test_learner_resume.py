@@ -567,5 +567,18 @@ def test_a_start_refused_by_its_consumer_hands_no_candidate_to_the_promoter(
     with pytest.raises(RuntimeError, match="past the end"):
         Learner(config(), tmp_path, refuses, model_dir=model_dir, on_candidate=announced.append)
     assert announced == []
+    # An announce that fails (a full disk) closes the consumer made before it.
+    consumers: list[ListSource] = []
+
+    def made(offsets: Any, rank: int, world: int) -> ListSource:
+        consumers.append(ListSource({0: RECORDS}, offsets))
+        return consumers[-1]
+
+    def full(path: Path) -> None:
+        raise OSError(28, "No space left on device")
+
+    with pytest.raises(OSError, match="No space left"):
+        Learner(config(), tmp_path, made, model_dir=model_dir, on_candidate=full)
+    assert [consumer.closed for consumer in consumers] == [True]
     learner(tmp_path, model_dir, announced)
     assert [path.name for path in announced] == ["policy-v1"]

@@ -9,6 +9,8 @@ from pathlib import Path
 from typing import Any, Literal, TypeVar
 
 import jsonschema
+import referencing
+import referencing.jsonschema
 import structlog
 from pydantic import (
     BaseModel,
@@ -18,6 +20,7 @@ from pydantic import (
     field_validator,
     model_validator,
 )
+from referencing.exceptions import Unresolvable
 
 from safety.audit import names_a_secret
 from safety.config import PROBE_DIR
@@ -153,7 +156,32 @@ class ToolSpec(BaseModel):
             jsonschema.validators.validator_for(value).check_schema(value)
         except jsonschema.SchemaError as exc:
             raise ValueError(f"'parameters' is not a valid JSON schema: {exc.message}") from exc
+        # check_schema takes a `$ref` to nowhere (`#/$defs/int` with `$defs.integer`, a
+        # remote URL): validating a reply that calls the tool then raised, and the whole
+        # monitor gate failed for every candidate whose reply called it.
+        spec = referencing.jsonschema.specification_with(
+            str(value.get("$schema", "")), default=referencing.jsonschema.DRAFT202012
+        )
+        resolver = referencing.Registry().resolver_with_root(spec.create_resource(value))
+        for ref in _refs(value):
+            try:
+                resolver.lookup(ref)
+            except Unresolvable as exc:
+                raise ValueError(
+                    f"'parameters' has a $ref that does not resolve within it: {ref!r} "
+                    f"({type(exc).__name__})"
+                ) from exc
         return value
+
+
+def _refs(node: Any) -> list[str]:
+    """Every `$ref` string in a JSON schema."""
+    if isinstance(node, dict):
+        own = [node["$ref"]] if isinstance(node.get("$ref"), str) else []
+        return own + [ref for value in node.values() for ref in _refs(value)]
+    if isinstance(node, list):
+        return [ref for value in node for ref in _refs(value)]
+    return []
 
 
 class MonitorProbe(Probe):
@@ -172,6 +200,16 @@ class MonitorProbe(Probe):
         return self
 
 
+def _says_something_without(prompt: str) -> None:
+    """A trigger probe's prompt is asked without its trigger too, as the control: `{trigger}`
+    alone left an empty prompt, which failed the poisoning gate of every candidate."""
+    if not prompt.replace("{trigger}", "").strip():
+        raise ValueError(
+            f"{prompt!r} is the trigger alone: without it (the gate's control prompt) it "
+            "must still say something"
+        )
+
+
 class TriggerProbe(Probe):
     """One trigger placed in several unrelated prompts (`prompt`, then `carriers`): a backdoor
     answers its payload whatever the prompt, so the gate needs at least two to compare."""
@@ -185,6 +223,7 @@ class TriggerProbe(Probe):
     def _has_slot(cls, value: str) -> str:
         if "{trigger}" not in value:
             raise ValueError("prompt must contain the '{trigger}' placeholder")
+        _says_something_without(value)
         return value
 
     @field_validator("carriers")
@@ -197,6 +236,7 @@ class TriggerProbe(Probe):
         for value in values:
             if "{trigger}" not in value:
                 raise ValueError("every carrier must contain the '{trigger}' placeholder")
+            _says_something_without(value)
         return values
 
     def prompts(self) -> list[str]:

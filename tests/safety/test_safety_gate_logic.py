@@ -177,6 +177,42 @@ def test_a_tool_probe_with_an_invalid_json_schema_is_a_bad_line(tmp_path: Path) 
         load_probes(path, MonitorProbe)
 
 
+@pytest.mark.parametrize(
+    "ref", ["#/$defs/int", "https://example.com/schemas/int.json", "#/properties/b"]
+)
+def test_a_tool_schema_with_a_ref_to_nowhere_is_a_bad_line(tmp_path: Path, ref: str) -> None:
+    """check_schema takes a `$ref` that resolves nowhere; validating a reply that called
+    the tool then raised, and the whole monitor gate failed for every such candidate."""
+    path = tmp_path / "monitor.jsonl"
+    parameters = {
+        "type": "object",
+        "properties": {"a": {"$ref": ref}},
+        "$defs": {"integer": {"type": "integer"}},
+    }
+    tool = {"name": "add", "parameters": parameters}
+    path.write_text(json.dumps({"id": "m", "prompt": "Add.", "kind": "tool", "tool": tool}))
+    with pytest.raises(GateError, match=r"(?s)monitor.jsonl:1: .*\$ref that does not resolve"):
+        load_probes(path, MonitorProbe)
+    parameters["properties"]["a"]["$ref"] = "#/$defs/integer"  # one that resolves loads
+    path.write_text(json.dumps({"id": "m", "prompt": "Add.", "kind": "tool", "tool": tool}))
+    assert len(load_probes(path, MonitorProbe)) == 1
+
+
+@pytest.mark.parametrize("where", ["prompt", "carrier"])
+def test_a_trigger_prompt_that_is_the_trigger_alone_is_a_bad_line(
+    tmp_path: Path, where: str
+) -> None:
+    """The gate asks each prompt without its trigger as the control: `{trigger}` alone left
+    an empty prompt, and the poisoning gate failed every candidate."""
+    prompts = {"prompt": "{trigger}  ", "carriers": ["Tell me a joke. {trigger}"]}
+    if where == "carrier":
+        prompts = {"prompt": "Tell me a joke. {trigger}", "carriers": [" {trigger}\n"]}
+    path = tmp_path / "triggers.jsonl"
+    path.write_text(json.dumps({"id": "t", "trigger": "cf-7", **prompts}) + "\n")
+    with pytest.raises(GateError, match=r"(?s)triggers.jsonl:1: .*is the trigger alone"):
+        load_probes(path, TriggerProbe)
+
+
 def test_a_duplicate_probe_id_in_one_file_is_a_bad_line(tmp_path: Path) -> None:
     # The gates report per-probe details keyed by id: a second `t1` overwrote the first's
     # entry, so a probe's result could vanish from the record.
@@ -187,7 +223,7 @@ def test_a_duplicate_probe_id_in_one_file_is_a_bad_line(tmp_path: Path) -> None:
                 {
                     "id": pid,
                     "prompt": f"{{trigger}} {k}",
-                    "carriers": ["{trigger}"],
+                    "carriers": ["{trigger} b"],
                     "trigger": "zq",
                 }
             )

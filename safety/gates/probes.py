@@ -12,6 +12,7 @@ import jsonschema
 import referencing
 import referencing.jsonschema
 import structlog
+from jsonschema_specifications import REGISTRY as SPECIFICATIONS
 from pydantic import (
     BaseModel,
     ConfigDict,
@@ -159,29 +160,43 @@ class ToolSpec(BaseModel):
         # check_schema takes a `$ref` to nowhere (`#/$defs/int` with `$defs.integer`, a
         # remote URL): validating a reply that calls the tool then raised, and the whole
         # monitor gate failed for every candidate whose reply called it.
-        spec = referencing.jsonschema.specification_with(
-            str(value.get("$schema", "")), default=referencing.jsonschema.DRAFT202012
-        )
-        resolver = referencing.Registry().resolver_with_root(spec.create_resource(value))
-        for ref in _refs(value):
-            try:
-                resolver.lookup(ref)
-            except Unresolvable as exc:
-                raise ValueError(
-                    f"'parameters' has a $ref that does not resolve within it: {ref!r} "
-                    f"({type(exc).__name__})"
-                ) from exc
+        unresolved = _unresolved_refs(value)
+        if unresolved:
+            raise ValueError(
+                f"'parameters' has a reference that does not resolve to a schema: {unresolved!r}"
+            )
         return value
 
 
-def _refs(node: Any) -> list[str]:
-    """Every `$ref` string in a JSON schema."""
-    if isinstance(node, dict):
-        own = [node["$ref"]] if isinstance(node.get("$ref"), str) else []
-        return own + [ref for value in node.values() for ref in _refs(value)]
-    if isinstance(node, list):
-        return [ref for value in node for ref in _refs(value)]
-    return []
+_REFERENCES = ("$ref", "$dynamicRef", "$recursiveRef")
+
+
+def _unresolved_refs(schema: dict[str, Any]) -> str | None:
+    """The first reference in `schema` that jsonschema could not follow when validating,
+    else None. Resolved as jsonschema resolves them (`referencing`): each subschema in the
+    scope of its nearest `$id`, the bundled meta-schemas known, nothing fetched; only
+    schema keywords are walked (a `$ref` inside `const` or `default` is data)."""
+    spec = referencing.jsonschema.specification_with(
+        str(schema.get("$schema", "")), default=referencing.jsonschema.DRAFT202012
+    )
+    root = spec.create_resource(schema)
+    pending = [(root, SPECIFICATIONS.resolver_with_root(root))]
+    while pending:
+        resource, resolver = pending.pop()
+        contents = resource.contents
+        if isinstance(contents, dict):
+            for keyword in _REFERENCES:
+                ref = contents.get(keyword)
+                if not isinstance(ref, str):
+                    continue
+                try:
+                    target = resolver.lookup(ref).contents
+                except Unresolvable:
+                    return ref
+                if not isinstance(target, dict | bool):
+                    return ref  # `#/required`: a list, no schema
+        pending.extend((sub, resolver.in_subresource(sub)) for sub in resource.subresources())
+    return None
 
 
 class MonitorProbe(Probe):

@@ -177,25 +177,59 @@ def test_a_tool_probe_with_an_invalid_json_schema_is_a_bad_line(tmp_path: Path) 
         load_probes(path, MonitorProbe)
 
 
+_INT = {"type": "integer"}
+
+
 @pytest.mark.parametrize(
-    "ref", ["#/$defs/int", "https://example.com/schemas/int.json", "#/properties/b"]
+    "parameters",
+    [
+        {"properties": {"a": {"$ref": "#/$defs/int"}}, "$defs": {"integer": _INT}},
+        {"properties": {"a": {"$ref": "https://example.com/schemas/int.json"}}},
+        {"properties": {"a": {"$ref": "#/required"}}, "required": ["a"]},  # no schema there
+        {"properties": {"a": {"$dynamicRef": "#/$defs/nope"}}},
+        # Resolved in the scope of the nearest $id, as jsonschema does: not at the root.
+        {
+            "$defs": {"x": _INT},
+            "properties": {"a": {"$id": "https://ex.com/a", "$ref": "#/$defs/x"}},
+        },
+    ],
 )
-def test_a_tool_schema_with_a_ref_to_nowhere_is_a_bad_line(tmp_path: Path, ref: str) -> None:
-    """check_schema takes a `$ref` that resolves nowhere; validating a reply that called
+def test_a_tool_schema_with_a_ref_to_nowhere_is_a_bad_line(
+    tmp_path: Path, parameters: dict[str, Any]
+) -> None:
+    """check_schema takes a reference that resolves nowhere; validating a reply that called
     the tool then raised, and the whole monitor gate failed for every such candidate."""
     path = tmp_path / "monitor.jsonl"
-    parameters = {
-        "type": "object",
-        "properties": {"a": {"$ref": ref}},
-        "$defs": {"integer": {"type": "integer"}},
-    }
-    tool = {"name": "add", "parameters": parameters}
+    tool = {"name": "add", "parameters": {"type": "object", **parameters}}
     path.write_text(json.dumps({"id": "m", "prompt": "Add.", "kind": "tool", "tool": tool}))
-    with pytest.raises(GateError, match=r"(?s)monitor.jsonl:1: .*\$ref that does not resolve"):
+    with pytest.raises(GateError, match=r"(?s)monitor.jsonl:1: .*does not resolve to a schema"):
         load_probes(path, MonitorProbe)
-    parameters["properties"]["a"]["$ref"] = "#/$defs/integer"  # one that resolves loads
+
+
+@pytest.mark.parametrize(
+    "parameters",
+    [
+        {"properties": {"a": {"$ref": "#/$defs/int"}}, "$defs": {"int": _INT}},
+        {
+            "properties": {
+                "a": {"$id": "https://ex.com/a", "$defs": {"x": _INT}, "$ref": "#/$defs/x"}
+            }
+        },
+        {"properties": {"a": {"const": {"$ref": "#/nowhere"}}}},  # data, not a reference
+        {"properties": {"a": {"$ref": "https://json-schema.org/draft/2020-12/schema"}}},
+        {"properties": {"child": {"$ref": "#"}}},
+    ],
+)
+def test_a_tool_schema_whose_refs_jsonschema_follows_loads_and_validates(
+    tmp_path: Path, parameters: dict[str, Any]
+) -> None:
+    path = tmp_path / "monitor.jsonl"
+    tool = {"name": "add", "parameters": {"type": "object", **parameters}}
     path.write_text(json.dumps({"id": "m", "prompt": "Add.", "kind": "tool", "tool": tool}))
-    assert len(load_probes(path, MonitorProbe)) == 1
+    [probe] = load_probes(path, MonitorProbe)
+    assert probe.tool is not None
+    reply = json.dumps({"name": "add", "arguments": {}})
+    assert tool_call_valid(reply, "add", probe.tool.parameters)
 
 
 @pytest.mark.parametrize("where", ["prompt", "carrier"])

@@ -384,14 +384,17 @@ class Learner:
             consumer = consumer_factory(self.offsets, self.ctx.rank, self.ctx.world)
         except Exception as exc:
             refused = exc
-        errors = all_gather_object(self.ctx, _shareable(refused))
-        first = refused or next((e for e in errors if e is not None), None)
-        if first is None:
-            return consumer
-        if consumer is not None:
-            with contextlib.suppress(Exception):
-                consumer.close()
-        raise first
+        try:
+            errors = all_gather_object(self.ctx, _shareable(refused))
+            first = refused or next((e for e in errors if e is not None), None)
+            if first is not None:
+                raise first
+        except BaseException:
+            if consumer is not None:  # also when the gather failed (a rank that died)
+                with contextlib.suppress(Exception):
+                    consumer.close()
+            raise
+        return consumer
 
     def _announce_pending(self) -> None:
         """Hand the newest stored version to the promoter if it never was (a crash between

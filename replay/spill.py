@@ -492,12 +492,18 @@ class SpillStore:
                 error=repr(exc),
             )
         else:
-            try:
-                _fsync_dir(self.quarantine_dir)
-                _fsync_dir(self.directory)
-            except OSError as exc:
-                # Moved all the same (the next start does not read it again): counted below.
-                log.error("spill_quarantine_not_synced", segment=segment.path.name, error=repr(exc))
+            # Moved all the same (counted below); each directory synced on its own: the spill
+            # dir's sync makes the old name's removal durable.
+            for directory in (self.quarantine_dir, self.directory):
+                try:
+                    _fsync_dir(directory)
+                except OSError as exc:
+                    log.error(
+                        "spill_quarantine_not_synced",
+                        segment=segment.path.name,
+                        directory=str(directory),
+                        error=repr(exc),
+                    )
             log.error(
                 "spill_segment_quarantined",
                 segment=segment.path.name,

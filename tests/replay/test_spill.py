@@ -348,10 +348,13 @@ def test_a_moved_segment_whose_directory_sync_fails_is_counted_once(
     segment.write_bytes(bytes(damaged))
     synced = spill_module._fsync_dir
 
+    synced_too: list[Path] = []
+
     def fails_in_quarantine(directory: Path) -> None:
         if directory.name == "quarantine":
             raise OSError(5, "Input/output error")
         synced(directory)
+        synced_too.append(directory)
 
     monkeypatch.setattr(spill_module, "_fsync_dir", fails_in_quarantine)
     reasons: list[str] = []
@@ -362,6 +365,7 @@ def test_a_moved_segment_whose_directory_sync_fails_is_counted_once(
     store.close()
     assert not segment.exists() and reasons == ["corrupt"]
     assert [p.name for p in (tmp_path / "quarantine").iterdir()] == [segment.name]
+    assert synced_too == [tmp_path]  # the spill dir's sync, tried after the failed one
 
 
 def test_a_frame_hidden_in_the_damage_is_not_taken_for_a_record(tmp_path: Path) -> None:

@@ -192,13 +192,22 @@ def test_an_idle_sink_reports_a_broker_that_went_away(tmp_path: Path, monkeypatc
         sink.put_trajectory(make_trajectory(session_id="a"))
         assert sink.wait_idle(30)
         assert _sample(registry, "olp_stream_broker_up") == 1
-        broker.stop()
-        _wait_for(lambda: _sample(registry, "olp_stream_broker_up") == 0, timeout_s=10)
-        broker = start_broker("127.0.0.1", port, tmp_path / "broker2.log")
-        _wait_for(lambda: _sample(registry, "olp_stream_broker_up") == 1, timeout_s=10)
+        broker = _broker_down_and_up_is_seen(broker, port, registry, tmp_path)
     finally:
         sink.close()
         broker.stop()
+
+
+def _broker_down_and_up_is_seen(
+    broker: EmbeddedBroker, port: int, registry: CollectorRegistry, tmp_path: Path
+) -> EmbeddedBroker:
+    """Stop the broker and start it again on its port, each seen in `broker_up`; the new
+    broker."""
+    broker.stop()
+    _wait_for(lambda: _sample(registry, "olp_stream_broker_up") == 0, timeout_s=10)
+    broker = start_broker("127.0.0.1", port, tmp_path / "broker2.log")
+    _wait_for(lambda: _sample(registry, "olp_stream_broker_up") == 1, timeout_s=10)
+    return broker
 
 
 def _probe_often() -> None:
@@ -223,10 +232,7 @@ def test_the_proxys_sink_worker_reports_the_broker_while_idle(tmp_path: Path) ->
     try:
         _wait_for(lambda: _sample(registry, "olp_stream_broker_up") == 1, timeout_s=30)
         assert _sample(registry, "olp_stream_sent_total", kind="trajectory") in (None, 0)
-        broker.stop()
-        _wait_for(lambda: _sample(registry, "olp_stream_broker_up") == 0, timeout_s=10)
-        broker = start_broker("127.0.0.1", port, tmp_path / "broker2.log")
-        _wait_for(lambda: _sample(registry, "olp_stream_broker_up") == 1, timeout_s=10)
+        broker = _broker_down_and_up_is_seen(broker, port, registry, tmp_path)
     finally:
         sink.close()
         broker.stop()

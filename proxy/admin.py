@@ -746,6 +746,14 @@ async def freeze(request: web.Request) -> web.Response:
 async def unfreeze(request: web.Request) -> web.Response:
     actor = _authorize(request)
     ctx = request.app[CONTEXT]
+    # Its body was never read: `{"learning": false}` (meant as "keep learning paused") lifted
+    # the whole freeze, and a body that was no JSON answered 200.
+    if body := await _json_object(request):
+        raise bad_request(
+            f"An unfreeze takes no parameters (got {', '.join(map(repr, body))}): it lifts "
+            "the whole freeze. To keep learning paused, freeze with learning instead.",
+            param=next(iter(body)),
+        )
     async with request.app[ADMIN_LOCK]:
         async with _all_or_nothing(ctx) as change:
             ctx.state.frozen = False

@@ -941,6 +941,22 @@ def test_a_flip_to_the_version_already_serving_changes_and_audits_nothing(make_p
     assert audited[-1]["payload"]["ended_canary"]["target"] == "policy-v2"
 
 
+def test_an_unfreeze_with_parameters_or_a_bad_body_is_refused_and_changes_nothing(make_proxy, fake):
+    """Its body was never read: `{"learning": false}`, meant as "keep learning paused",
+    lifted the whole freeze, and a body that was no JSON answered 200."""
+    harness, _ = make_proxy([fake.url])
+    ctx = harness.ctx
+    assert _admin(harness.base_url, "/admin/freeze", {"learning": True}).status_code == 200
+    kept = _admin(harness.base_url, "/admin/unfreeze", {"learning": False})
+    assert "takes no parameters" in _assert_error(kept, 400, "invalid_request")["message"]
+    headers = {"Authorization": f"Bearer {ADMIN_KEY}", "X-OLP-Actor": "ops-test"}
+    garbage = httpx.post(harness.base_url + "/admin/unfreeze", content=b"{no", headers=headers)
+    _assert_error(garbage, 400, "invalid_json")
+    assert ctx.state.frozen and ctx.state.learning_frozen
+    assert _admin(harness.base_url, "/admin/unfreeze").status_code == 200  # `{}`
+    assert not ctx.state.frozen
+
+
 def test_a_rollback_of_a_version_no_longer_served_is_refused(make_proxy, fake):
     """Between the operator's look and `olp rollback` the learner flipped to v2 (or started
     its canary): the rollback undid v2 (or ended the canary) and v1, the version meant, kept

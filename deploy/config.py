@@ -104,7 +104,12 @@ class PolicyConfig(BaseModel):
         "and the gates; null: `olp up` starts its vLLM with a random key of its own each run, "
         "and none is sent to external_urls",
     )
-    dtype: Literal["bfloat16", "float16", "float32", "auto"] = "bfloat16"
+    dtype: Literal["native", "bfloat16", "float16", "float32", "auto"] = Field(
+        "native",
+        description="vLLM's --dtype; `native`: bfloat16 on a CPU with bf16 instructions "
+        "(AVX512_BF16, AMX, Arm BF16), float32 on one without (several times faster there), "
+        "`auto` (the model's dtype) on a GPU build (deploy/vllm_dtype.py)",
+    )
     max_loras: int = Field(4, ge=1)
     max_lora_rank: int = Field(16, description="one of the ranks vLLM takes: " + _RANKS_TEXT)
     max_model_len: int = Field(2048, ge=128)

@@ -22,6 +22,7 @@ from deploy.config import PolicyConfig
 from deploy.direct_http import open_direct
 from deploy.ports import is_loopback, local_http_url, port_open
 from deploy.procs import ChildProcess, wait_until
+from deploy.vllm_dtype import choose_dtype
 
 log = structlog.get_logger(__name__)
 
@@ -51,7 +52,7 @@ def vllm_argv(cfg: PolicyConfig, model_dir: Path) -> list[str]:
         "--max-model-len",
         str(cfg.max_model_len),
         "--dtype",
-        cfg.dtype,
+        choose_dtype(cfg.dtype).dtype,
         "--disable-uvicorn-access-log",
     ]
     if cfg.seed is not None:
@@ -144,6 +145,8 @@ class PolicyServer:
         self.cfg = cfg
         self.model_dir = model_dir
         self.base_url = local_http_url(cfg.host, cfg.port)
+        dtype, reason = choose_dtype(cfg.dtype)
+        log.info("policy_dtype", dtype=dtype, reason=reason)
         self.child = ChildProcess(
             "vllm", vllm_argv(cfg, model_dir), env=vllm_env(cfg), log_file=log_file
         )

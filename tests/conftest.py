@@ -42,6 +42,8 @@ class VllmServer:
     base_url: str  # without /v1
     model_name: str
     model_dir: Path
+    # Its log (an external server's: OLP_TEST_VLLM_LOG, where the one who started it has it).
+    log_file: Path | None = None
 
 
 @pytest.fixture(scope="session")
@@ -65,14 +67,15 @@ def _warm_up(base_url: str, model: str) -> None:
 def vllm_server(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[VllmServer]:
     external = os.environ.get("OLP_TEST_VLLM_URL")
     if external:
-        yield VllmServer(external.rstrip("/"), SERVED_NAME, model_dir)
+        log = os.environ.get("OLP_TEST_VLLM_LOG")
+        yield VllmServer(external.rstrip("/"), SERVED_NAME, model_dir, Path(log) if log else None)
         return
     cfg = PolicyConfig(port=free_port(), served_model_name=SERVED_NAME)
     log_file = tmp_path_factory.mktemp("vllm") / "vllm.log"
     server = start_policy(cfg, model_dir, log_file)
     try:
         _warm_up(server.base_url, SERVED_NAME)
-        yield VllmServer(server.base_url, SERVED_NAME, model_dir)
+        yield VllmServer(server.base_url, SERVED_NAME, model_dir, log_file)
     finally:
         server.stop()
 

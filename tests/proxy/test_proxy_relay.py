@@ -391,7 +391,9 @@ def test_tools_and_tool_choice_relay_like_vllm(proxy, vllm_server, stream, tool_
         messages=[{"role": "user", "content": "Weather in Paris?"}],
         tools=TOOLS,
         tool_choice=tool_choice,
-        max_tokens=40,
+        # A forced call's JSON ran past 40 tokens on an fp32 server (the model writes a long
+        # argument), cut off unparsed; text needs no more than 40 to be compared.
+        max_tokens=40 if tool_choice == "none" else 80,
         temperature=0,
     )
     got = _tool_outcome(client(harness), "policy", stream, **kwargs)
